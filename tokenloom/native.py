@@ -1,0 +1,49 @@
+"""The compiled helpers (``tokenloom._native``, built from ``csrc/`` at install time).
+
+Native code is an accelerator, never a requirement: every function has a numpy
+reference with the same signature, and :func:`pick` returns the reference (with
+one warning per process) when the extension is missing. Nothing is compiled at
+run time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+try:
+    from tokenloom import _native as _ext
+
+    _IMPORT_ERROR: Exception | None = None
+except ImportError as exc:  # not built: no compiler at install time
+    _ext = None
+    _IMPORT_ERROR = exc
+
+_warned = False
+
+
+def loaded() -> bool:
+    """True when the C++ extension imported."""
+    return _ext is not None
+
+
+def describe() -> str:
+    if _ext is not None:
+        return f"loaded ({_ext.__file__})"
+    return f"not loaded, numpy fallback in use ({_IMPORT_ERROR})"
+
+
+def pick(name: str, reference: Callable) -> Callable:
+    """The native function ``name`` if the extension has it, else ``reference``."""
+    global _warned
+    if _ext is not None and hasattr(_ext, name):
+        return getattr(_ext, name)
+    if not _warned:
+        warnings.warn(
+            f"tokenloom native extension unavailable ({describe()}); using numpy references "
+            "(slower). Reinstall with a C++ compiler present to build it.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        _warned = True
+    return reference
