@@ -1,0 +1,604 @@
+"""The Megatron-LM indexed dataset format: ``PREFIX.bin`` + ``PREFIX.idx``. This module owns it.
+
+Layout (version 1, all scalars little-endian; N sequences, M = documents + 1)::
+
+    PREFIX.bin   tokens of every sequence, concatenated, no header or padding;
+                 size = sum(lengths) * itemsize
+    PREFIX.idx   offset      size   type       content
+                 0           9      bytes      magic  b"MMIDIDX\\x00\\x00"
+                 9           8      u64        version = 1
+                 17          1      u8         dtype code (table DTYPE_CODES)
+                 18          8      u64        N
+                 26          8      u64        M
+                 34          4N     int32[N]   sequence lengths (tokens)
+                 34+4N       8N     int64[N]   sequence pointers (BYTE offsets into .bin)
+                 34+12N      8M     int64[M]   document index: 0, ..., N (non-decreasing)
+                 34+12N+8M   N      int8[N]    sequence modes (multimodal files only; not announced)
+
+A *document* is the range of sequences ``document_index[d] : document_index[d+1]``;
+an empty document repeats a value. The writer picks uint16 for vocabularies below
+65,500 ids and int32 otherwise, exactly as Megatron's ``DType.optimal_dtype``.
+
+Trade-offs chosen, against Megatron's ``IndexedDatasetBuilder``:
+
+* Index arrays are growable numpy arrays (12 bytes per sequence, 8 per document),
+  not Python lists (~70 bytes per entry), so memory stays bounded by the index.
+* Token ids are range-checked before the cast; Megatron wraps 70000 to 4464 in uint16.
+* ``.bin`` and ``.idx`` are written under temporary names, fsynced, and renamed into
+  place by :meth:`IndexedDatasetWriter.finalize` (``.bin`` first, ``.idx`` last, since
+  the ``.idx`` is what marks a dataset as present). A killed writer leaves only
+  ``*.tmp-*`` files behind, never a half-written file under a final name.
+* Merging (:meth:`IndexedDatasetWriter.add_index`) copies ``.bin`` data in-kernel and
+  preserves holes, so sparse test files stay sparse.
+* The reader memory-maps both files and returns zero-copy views; it validates the
+  header and sizes on open and raises :class:`FormatError` naming the file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import sys
+import uuid
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from tokenloom.errors import FormatError, TokenloomError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = 34  # magic 9 + version 8 + dtype code 1 + N 8 + M 8
+
+DTYPE_CODES: dict[int, type[np.number]] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+
+#: Megatron's writer rule: uint16 strictly below this many ids, else int32.
+UINT16_VOCAB_LIMIT = 65500
+
+
+def optimal_dtype(vocab_size: int | None) -> np.dtype:
+    """Token dtype for a vocabulary: uint16 if ``vocab_size < 65500`` else int32 (``None``: int32)."""
+    if vocab_size is not None and vocab_size < UINT16_VOCAB_LIMIT:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+def data_path(prefix: str | os.PathLike) -> str:
+    return f"{os.fspath(prefix)}.bin"
+
+
+def index_path(prefix: str | os.PathLike) -> str:
+    return f"{os.fspath(prefix)}.idx"
+
+
+def normalize_prefix(path: str | os.PathLike) -> str:
+    """Accept ``PREFIX``, ``PREFIX.bin`` or ``PREFIX.idx`` and return ``PREFIX``."""
+    text = os.fspath(path)
+    for ext in (".bin", ".idx"):
+        if text.endswith(ext):
+            return text[: -len(ext)]
+    return text
+
+
+def exists(prefix: str | os.PathLike) -> bool:
+    return os.path.isfile(index_path(prefix)) and os.path.isfile(data_path(prefix))
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _tmp_name(final: str) -> str:
+    return f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def encode_header(dtype: np.dtype, num_sequences: int, num_document_indices: int) -> bytes:
+    return (MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", CODE_OF_DTYPE[np.dtype(dtype)])
+            + struct.pack("<Q", num_sequences) + struct.pack("<Q", num_document_indices))
+
+
+def sequence_pointers(lengths: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte offset of each sequence: an exclusive running sum in int64 (never int32)."""
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+        pointers *= itemsize
+    return pointers
+
+
+def write_index(path: str, dtype: np.dtype, lengths: np.ndarray, document_indices: np.ndarray,
+                modes: np.ndarray | None = None) -> None:
+    """Write a complete ``.idx`` to ``path`` (no temp/rename: callers own atomicity), fsynced."""
+    dtype = np.dtype(dtype)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+    document_indices = np.ascontiguousarray(document_indices, dtype=np.int64)
+    with open(path, "wb") as out:
+        out.write(encode_header(dtype, len(lengths), len(document_indices)))
+        out.write(lengths.astype("<i4", copy=False).tobytes())
+        out.write(sequence_pointers(lengths, dtype.itemsize).astype("<i8", copy=False).tobytes())
+        out.write(document_indices.astype("<i8", copy=False).tobytes())
+        if modes is not None:
+            out.write(np.ascontiguousarray(modes, dtype=np.int8).tobytes())
+        out.flush()
+        os.fsync(out.fileno())
+
+
+class _Growable:
+    """An append-only numpy array that doubles its capacity (amortised O(1) appends)."""
+
+    def __init__(self, dtype, initial: Iterable[int] = ()):
+        init = np.asarray(list(initial), dtype=dtype)
+        self._data = np.empty(max(1024, 2 * len(init)), dtype=dtype)
+        self._data[: len(init)] = init
+        self._size = len(init)
+
+    def extend(self, values: np.ndarray) -> None:
+        n = len(values)
+        if self._size + n > len(self._data):
+            capacity = max(2 * len(self._data), self._size + n)
+            grown = np.empty(capacity, dtype=self._data.dtype)
+            grown[: self._size] = self._data[: self._size]
+            self._data = grown
+        self._data[self._size: self._size + n] = values
+        self._size += n
+
+    def append(self, value: int) -> None:
+        if self._size == len(self._data):
+            grown = np.empty(2 * len(self._data), dtype=self._data.dtype)
+            grown[: self._size] = self._data
+            self._data = grown
+        self._data[self._size] = value
+        self._size += 1
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def last(self) -> int:
+        return int(self._data[self._size - 1])
+
+    def view(self) -> np.ndarray:
+        return self._data[: self._size]
+
+
+def _copy_preserving_holes(src_path: str, dst_fd: int, dst_offset: int) -> int:
+    """Copy ``src_path`` into ``dst_fd`` at ``dst_offset`` in-kernel, skipping holes; return its size."""
+    size = os.path.getsize(src_path)
+    with open(src_path, "rb") as src:
+        fd = src.fileno()
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+                end = os.lseek(fd, start, os.SEEK_HOLE)
+            except OSError:  # ENXIO: no data past pos; other errors: no SEEK_DATA support
+                if pos == 0 and not hasattr(os, "SEEK_DATA"):
+                    start, end = 0, size
+                else:
+                    break
+            while start < end:
+                copied = _copy_range(fd, dst_fd, start, dst_offset + start, end - start)
+                start += copied
+            pos = end
+    return size
+
+
+def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int) -> int:
+    count = min(count, 1 << 30)
+    if hasattr(os, "copy_file_range"):
+        try:
+            copied = os.copy_file_range(src_fd, dst_fd, count, src_off, dst_off)
+            if copied > 0:
+                return copied
+        except OSError:
+            pass
+    chunk = os.pread(src_fd, min(count, 16 << 20), src_off)
+    if not chunk:
+        raise FormatError(f"unexpected end of file while copying (fd {src_fd})")
+    return os.pwrite(dst_fd, chunk, dst_off)
+
+
+class IndexedDatasetWriter:
+    """Streaming writer of ``PREFIX.bin``/``PREFIX.idx``; byte-identical to Megatron's builder.
+
+    Use as a context manager: leaving the block normally finalizes (atomic rename);
+    leaving on an exception removes the temporary files and publishes nothing::
+
+        with IndexedDatasetWriter("out/corpus", vocab_size=50257) as w:
+            w.add_document([464, 3290, 50256])           # one sequence
+            w.add_document([1, 2, 3, 4], lengths=[2, 2])  # two sequences, one document
+            w.add_document([])                            # an empty document
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype=None, vocab_size: int | None = None):
+        self.prefix = normalize_prefix(prefix)
+        if dtype is None:
+            dtype = optimal_dtype(vocab_size)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise TokenloomError(f"unsupported token dtype {self.dtype} (supported: "
+                                 f"{', '.join(str(np.dtype(t)) for t in DTYPE_CODES.values())})")
+        self.vocab_size = vocab_size
+        # Inclusive id bounds: the dtype's range, narrowed by the vocabulary when known.
+        info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
+        self._min_id = int(info.min) if info else None
+        self._max_id = int(info.max) if info else None
+        if vocab_size is not None and self._max_id is not None:
+            self._max_id = min(self._max_id, vocab_size - 1)
+            self._min_id = max(self._min_id, 0)
+        os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
+        self._bin_tmp = _tmp_name(data_path(self.prefix))
+        self._idx_tmp = _tmp_name(index_path(self.prefix))
+        self._bin = open(self._bin_tmp, "wb")
+        self._num_tokens = 0
+        self._lengths = _Growable(np.int32)
+        self._doc_index = _Growable(np.int64, [0])
+        self._finalized = False
+        self._native_le = self.dtype.byteorder in "=|<" and sys.byteorder == "little"
+
+    # -- properties
+    @property
+    def num_sequences(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._doc_index) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    # -- adding data
+    def _checked(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            arr = arr.reshape(-1)
+        if arr.size == 0:
+            return arr.astype(self.dtype)
+        if arr.dtype.kind not in "iub":
+            if arr.dtype.kind == "f" and self.dtype.kind == "f":
+                return arr.astype(self.dtype, copy=False)
+            raise TokenloomError(f"{self.prefix}: token ids must be integers, got dtype {arr.dtype}")
+        # A same-dtype array with no vocabulary bound is in range by construction.
+        if self._max_id is not None and not (arr.dtype == self.dtype and self.vocab_size is None):
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < self._min_id or hi > self._max_id:
+                bad = lo if lo < self._min_id else hi
+                bound = f" and vocab size {self.vocab_size}" if self.vocab_size is not None else ""
+                raise TokenloomError(f"{self.prefix}: token id {bad} out of range [{self._min_id}, "
+                                     f"{self._max_id}] for dtype {self.dtype}{bound}")
+        return arr.astype(self.dtype, copy=False)
+
+    def _write_tokens(self, arr: np.ndarray) -> None:
+        if not self._native_le:
+            arr = arr.astype(self.dtype.newbyteorder("<"))
+        self._bin.write(np.ascontiguousarray(arr).data)  # buffer protocol: no extra copy
+        self._num_tokens += arr.size
+
+    def add_item(self, tokens) -> None:
+        """Append one sequence without closing the document (Megatron's ``add_item``)."""
+        arr = self._checked(tokens)
+        if arr.size > np.iinfo(np.int32).max:
+            raise TokenloomError(f"{self.prefix}: a sequence of {arr.size} tokens exceeds the int32 length field")
+        self._write_tokens(arr)
+        self._lengths.append(arr.size)
+
+    def end_document(self) -> None:
+        """Close the current document at the current sequence count."""
+        self._doc_index.append(len(self._lengths))
+
+    def add_document(self, tokens, lengths: Sequence[int] | np.ndarray | None = None) -> None:
+        """Append one document: ``tokens`` concatenated over its sequences of ``lengths``.
+
+        ``lengths`` defaults to one sequence holding all tokens; an empty ``tokens``
+        with no lengths is an empty document (no sequence).
+        """
+        arr = self._checked(tokens)
+        if lengths is None:  # fast path: one sequence (or none), the common case in preprocessing
+            if arr.size > np.iinfo(np.int32).max:
+                raise TokenloomError(f"{self.prefix}: a sequence of {arr.size} tokens exceeds the int32 "
+                                     "length field")
+            self._write_tokens(arr)
+            if arr.size:
+                self._lengths.append(arr.size)
+            self._doc_index.append(len(self._lengths))
+            return
+        lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        self._add(arr, lens, np.asarray([len(lens)], dtype=np.int64))
+
+    def add_documents(self, tokens, sequence_lengths, sequences_per_document) -> None:
+        """Batched :meth:`add_document`: ``sequences_per_document[d]`` sequences make document ``d``."""
+        self._add(self._checked(tokens), np.asarray(sequence_lengths, dtype=np.int64).reshape(-1),
+                  np.asarray(sequences_per_document, dtype=np.int64).reshape(-1))
+
+    def _add(self, arr: np.ndarray, lens: np.ndarray, per_doc: np.ndarray) -> None:
+        if lens.size and (lens.min() < 0 or lens.max() > np.iinfo(np.int32).max):
+            raise TokenloomError(f"{self.prefix}: sequence lengths must lie in [0, 2^31-1]")
+        if int(lens.sum()) != arr.size:
+            raise TokenloomError(f"{self.prefix}: sequence lengths sum to {int(lens.sum())} "
+                                 f"but the document has {arr.size} tokens")
+        if per_doc.size and (per_doc.min() < 0 or int(per_doc.sum()) != lens.size):
+            raise TokenloomError(f"{self.prefix}: sequences per document sum to {int(per_doc.sum())}, "
+                                 f"expected {lens.size}")
+        self._write_tokens(arr)
+        self._lengths.extend(lens.astype(np.int32))
+        self._doc_index.extend(len(self._lengths) - lens.size + np.cumsum(per_doc))
+
+    def add_index(self, prefix: str | os.PathLike) -> None:
+        """Append every sequence and document of another dataset (same dtype required)."""
+        other = IndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise TokenloomError(f"cannot merge {other.path_prefix} (dtype {other.dtype}) into "
+                                 f"{self.prefix} (dtype {self.dtype}): token dtypes differ")
+        self._bin.flush()
+        start = self._bin.tell()
+        size = _copy_preserving_holes(data_path(other.path_prefix), self._bin.fileno(), start)
+        os.ftruncate(self._bin.fileno(), start + size)
+        self._bin.seek(start + size)
+        self._num_tokens += size // self.dtype.itemsize
+        base = len(self._lengths)
+        self._lengths.extend(other.sequence_lengths)
+        self._doc_index.extend(other.document_indices[1:] + base)
+        other.close()
+
+    # -- publishing
+    def finalize(self) -> None:
+        """fsync both files and rename them into place (``.bin`` first, ``.idx`` last)."""
+        if self._finalized:
+            return
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        write_index(self._idx_tmp, self.dtype, self._lengths.view(), self._doc_index.view())
+        os.replace(self._bin_tmp, data_path(self.prefix))
+        os.replace(self._idx_tmp, index_path(self.prefix))
+        _fsync_dir(self.prefix)
+        self._finalized = True
+
+    def abort(self) -> None:
+        """Drop everything written so far; nothing is published."""
+        if not self._bin.closed:
+            self._bin.close()
+        for tmp in (self._bin_tmp, self._idx_tmp):
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        self._finalized = True
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class IndexedDataset:
+    """Memory-mapped, zero-copy reader of ``PREFIX.bin``/``PREFIX.idx``.
+
+    Files are opened on first use, and a pickled dataset carries only its path, so
+    each DataLoader worker maps the files itself. ``ds[i]`` is sequence ``i``;
+    ``ds[a:b]`` a list of contiguous sequences; ``ds.get(i, offset, length)`` part
+    of one. Returned arrays are read-only views into the mapping.
+    """
+
+    def __init__(self, path_prefix: str | os.PathLike, multimodal: bool = False):
+        self.path_prefix = normalize_prefix(path_prefix)
+        self.multimodal = multimodal
+        self._state = None
+
+    # -- pickling by path
+    def __getstate__(self):
+        return {"path_prefix": self.path_prefix, "multimodal": self.multimodal}
+
+    def __setstate__(self, state):
+        self.path_prefix = state["path_prefix"]
+        self.multimodal = state["multimodal"]
+        self._state = None
+
+    def __repr__(self) -> str:
+        return f"IndexedDataset({self.path_prefix!r})"
+
+    # -- opening and validation
+    def _open(self):
+        if self._state is None:
+            self._state = _open_files(self.path_prefix, self.multimodal)
+        return self._state
+
+    def close(self) -> None:
+        if self._state is not None:
+            self._state.close()
+            self._state = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._open().dtype
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return self._open().lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        return self._open().pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        return self._open().doc_index
+
+    @property
+    def sequence_modes(self) -> np.ndarray | None:
+        return self._open().modes
+
+    @property
+    def num_tokens(self) -> int:
+        return self._open().bin_size // self.dtype.itemsize
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def __len__(self) -> int:
+        return len(self._open().lengths)
+
+    def _read(self, pointer: int, count: int, state: _OpenFiles | None = None) -> np.ndarray:
+        state = state or self._open()
+        if count == 0:
+            return np.empty(0, dtype=state.dtype)
+        return np.frombuffer(state.bin_map, dtype=state.dtype, count=count, offset=pointer)
+
+    def __getitem__(self, idx):
+        state = self._open()
+        n = len(state.lengths)
+        if isinstance(idx, (int, np.integer)):
+            i = int(idx)
+            if i < 0:
+                i += n
+            if not 0 <= i < n:
+                raise IndexError(f"sequence index {idx} out of range for {n} sequences")
+            return self._read(int(state.pointers[i]), int(state.lengths[i]), state)
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(n)
+            if step != 1:
+                raise ValueError("only contiguous slices (step 1) are supported")
+            if start >= stop:
+                return []
+            lengths = state.lengths[start:stop]
+            flat = self._read(int(state.pointers[start]), int(lengths.sum(dtype=np.int64)))
+            return np.split(flat, np.cumsum(lengths[:-1], dtype=np.int64))
+        raise TypeError(f"indices must be integers or slices, not {type(idx).__name__}")
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """``length`` tokens of sequence ``idx`` starting ``offset`` tokens in (default: to its end)."""
+        state = self._open()
+        seq_len = int(state.lengths[idx])
+        if length is None:
+            length = seq_len - offset
+        if offset < 0 or length < 0 or offset + length > seq_len:
+            raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {idx} of length {seq_len}")
+        return self._read(int(state.pointers[idx]) + offset * state.dtype.itemsize, length, state)
+
+    @staticmethod
+    def exists(path_prefix: str | os.PathLike) -> bool:
+        return exists(normalize_prefix(path_prefix))
+
+
+class _OpenFiles:
+    """The mapped arrays of one open dataset."""
+
+    def __init__(self, dtype, lengths, pointers, doc_index, modes, idx_map, bin_map, bin_size):
+        self.dtype = dtype
+        self.lengths = lengths
+        self.pointers = pointers
+        self.doc_index = doc_index
+        self.modes = modes
+        self.idx_map = idx_map
+        self.bin_map = bin_map
+        self.bin_size = bin_size
+
+    def close(self) -> None:
+        # Views into the maps may still be alive; dropping our references lets GC unmap.
+        self.idx_map = self.bin_map = None
+
+
+def read_header(idx_file: str) -> tuple[np.dtype, int, int]:
+    """(dtype, N, M) from an ``.idx`` header, or :class:`FormatError` saying what is wrong."""
+    with open(idx_file, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
+        found = head[: len(MAGIC)]
+        raise FormatError(f"{idx_file}: not a Megatron indexed dataset (magic {found!r}, expected {MAGIC!r})")
+    if len(head) < HEADER_SIZE:
+        raise FormatError(f"{idx_file}: truncated header ({len(head)} of {HEADER_SIZE} bytes)")
+    (version,) = struct.unpack_from("<Q", head, 9)
+    if version != VERSION:
+        raise FormatError(f"{idx_file}: unknown format version {version} (supported: {VERSION})")
+    (code,) = struct.unpack_from("<B", head, 17)
+    if code not in DTYPE_CODES:
+        raise FormatError(f"{idx_file}: unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
+    n, m = struct.unpack_from("<QQ", head, 18)
+    return np.dtype(DTYPE_CODES[code]), int(n), int(m)
+
+
+def _open_files(prefix: str, multimodal: bool) -> _OpenFiles:
+    idx_file, bin_file = index_path(prefix), data_path(prefix)
+    for path in (idx_file, bin_file):
+        if not os.path.exists(path):
+            raise FormatError(f"{path}: no such file (expected a dataset written by `tokenloom preprocess` "
+                              "or Megatron's preprocess_data.py)")
+    dtype, n, m = read_header(idx_file)
+    idx_size = os.path.getsize(idx_file)
+    expected = HEADER_SIZE + 12 * n + 8 * m + (n if multimodal else 0)
+    if idx_size < expected:
+        raise FormatError(f"{idx_file}: truncated ({idx_size} bytes, the header's {n} sequences and {m} "
+                          f"document indices need {expected})")
+    if idx_size > expected and idx_size != expected + n:
+        raise FormatError(f"{idx_file}: {idx_size - expected} unexpected trailing bytes "
+                          f"(size {idx_size}, expected {expected})")
+    if m < 1:
+        raise FormatError(f"{idx_file}: empty document index (must hold at least the leading 0)")
+    with open(idx_file, "rb") as f:
+        idx_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    lengths = np.frombuffer(idx_map, dtype="<i4", count=n, offset=HEADER_SIZE)
+    pointers = np.frombuffer(idx_map, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
+    doc_index = np.frombuffer(idx_map, dtype="<i8", count=m, offset=HEADER_SIZE + 12 * n)
+    modes = (np.frombuffer(idx_map, dtype=np.int8, count=n, offset=HEADER_SIZE + 12 * n + 8 * m)
+             if multimodal else None)
+    if int(doc_index[-1]) != n:
+        raise FormatError(f"{idx_file}: document index ends at {int(doc_index[-1])}, expected the sequence "
+                          f"count {n}")
+    bin_size = os.path.getsize(bin_file)
+    expected_bin = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize if n else 0
+    if bin_size != expected_bin:
+        raise FormatError(f"{bin_file}: size {bin_size} bytes does not match the index ({expected_bin} bytes = "
+                          f"tokens x {dtype.itemsize})")
+    bin_map = None
+    if bin_size:
+        with open(bin_file, "rb") as f:
+            bin_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return _OpenFiles(dtype, lengths, pointers, doc_index, modes, idx_map, bin_map, bin_size)
+
+
+def iter_token_chunks(ds: IndexedDataset, chunk_tokens: int = 1 << 24) -> Iterable[np.ndarray]:
+    """The whole token stream in bounded chunks (views; no copy of the file)."""
+    total = ds.num_tokens
+    for start in range(0, total, chunk_tokens):
+        count = min(chunk_tokens, total - start)
+        yield ds._read(start * ds.dtype.itemsize, count)
+
+
+__all__ = [
+    "MAGIC", "VERSION", "DTYPE_CODES", "IndexedDataset", "IndexedDatasetWriter", "optimal_dtype",
+    "read_header", "write_index", "sequence_pointers", "data_path", "index_path", "normalize_prefix",
+    "exists", "iter_token_chunks",
+]
