@@ -45,21 +45,12 @@ def info():
 
 
 def _emit(report: dict, as_json: bool) -> None:
-    """Print a report as JSON, or as aligned ``key  value`` lines (nested dicts flattened)."""
-    if as_json:
-        import json
+    """Print a report as JSON or as aligned ``key  value`` lines."""
+    import json
 
-        click.echo(json.dumps(report, indent=2))
-        return
-    flat: dict[str, object] = {}
-    for key, value in report.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            flat[key] = value
-    width = max(map(len, flat))
-    for key, value in flat.items():
-        click.echo(f"{key:<{width}}  {value}")
+    from tokenloom.indexed.tools import format_report
+
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
 @main.command()
@@ -95,10 +86,47 @@ def verify(prefix, vocab_size, eod, as_json):
 @click.option("--output-prefix", required=True, help="Prefix of the merged PREFIX.bin/.idx.")
 @click.argument("prefixes", nargs=-1, required=True)
 def merge(output_prefix, prefixes):
-    """Concatenate datasets PREFIXES (in order) into one; token dtypes must agree."""
-    from tokenloom.indexed import merge as run
+    """Concatenate datasets PREFIXES (in order) into one, manifests too; dtypes and tokenizers must agree."""
+    from tokenloom.preprocess.merge import merge as run
 
     _emit(run(output_prefix, list(prefixes)), False)
+
+
+def _pp_help(name: str) -> str:
+    from tokenloom.config import help_for
+    from tokenloom.preprocess.pipeline import PreprocessConfig
+
+    return help_for(PreprocessConfig, name)
+
+
+@main.command()
+@click.option("--input", "inputs", multiple=True, required=True, help=_pp_help("inputs"))
+@click.option("--output-prefix", required=True, help=_pp_help("output_prefix"))
+@click.option("--tokenizer", help=_pp_help("tokenizer"))
+@click.option("--tokenizer-type", help=_pp_help("tokenizer_type"))
+@click.option("--json-keys", multiple=True, default=("text",), show_default=True, help=_pp_help("json_keys"))
+@click.option("--append-eod", is_flag=True, help=_pp_help("append_eod"))
+@click.option("--prepend-bos", is_flag=True, help=_pp_help("prepend_bos"))
+@click.option("--workers", type=int, default=0, show_default=True, help=_pp_help("workers"))
+@click.option("--txt-unit", type=click.Choice(["file", "paragraph", "line"]), default="file", show_default=True,
+              help=_pp_help("txt_unit"))
+@click.option("--megatron-names", is_flag=True, help=_pp_help("megatron_names"))
+@click.option("--num-shards", type=int, help=_pp_help("num_shards"))
+@click.option("--shard-index", type=int, help=_pp_help("shard_index"))
+@click.option("--max-bad-fraction", type=float, help=_pp_help("max_bad_fraction"))
+@click.option("--chunk-bytes", type=int, default=1 << 20, show_default=True, help=_pp_help("chunk_bytes"))
+@click.option("--checkpoint-interval", type=float, default=60.0, show_default=True,
+              help=_pp_help("checkpoint_interval"))
+@click.option("--no-space-check", "check_space", is_flag=True, flag_value=False, default=True,
+              help=_pp_help("check_space"))
+@click.option("--no-progress", "progress", is_flag=True, flag_value=False, default=True, help=_pp_help("progress"))
+def preprocess(**options):
+    """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
+    from tokenloom.preprocess import PreprocessConfig, run
+
+    options["inputs"] = list(options["inputs"])
+    options["json_keys"] = [k for item in options["json_keys"] for k in item.split()]
+    run(PreprocessConfig(**options), echo=click.echo)
 
 
 @main.command()

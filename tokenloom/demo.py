@@ -1,8 +1,9 @@
 """The embedded default job behind ``tokenloom demo``: runs on any machine, downloads nothing.
 
 Its corpus is the Python standard library that every Python install has: each
-module's source is one document. The demo writes that corpus as JSONL, tokenizes it
-to Megatron ``.bin/.idx``, then inspects and verifies the result.
+module's source is one document. The demo writes that corpus as JSONL, trains a
+small byte-level BPE tokenizer on it, preprocesses it to Megatron ``.bin/.idx`` with
+all cores, then inspects and verifies the result.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from tokenloom.indexed import IndexedDatasetWriter, inspect, verify
+from tokenloom.indexed import inspect, verify
+from tokenloom.indexed.tools import format_report
+from tokenloom.preprocess import PreprocessConfig
+from tokenloom.preprocess import run as preprocess
+from tokenloom.tokenizers import TrainTokenizerConfig, load_tokenizer, train_tokenizer
 
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 
@@ -26,6 +29,8 @@ class DemoConfig:
     """Directory for the corpus, token files and reports."""
     max_documents: int = 400
     """Stdlib modules to use (sorted by path, so every run on one Python version sees the same corpus)."""
+    vocab_size: int = 4096
+    """Vocabulary of the BPE tokenizer the demo trains."""
 
 
 def stdlib_documents(max_documents: int) -> list[dict]:
@@ -60,16 +65,16 @@ def run(cfg: DemoConfig, echo=print) -> dict:
     docs = stdlib_documents(cfg.max_documents)
     corpus = write_corpus(out / "corpus" / "stdlib.jsonl", docs)
     echo(f"corpus: {len(docs)} Python stdlib modules -> {corpus}")
-    prefix = out / "tokens" / "stdlib_bytes"
-    eod = 256
-    with IndexedDatasetWriter(prefix, vocab_size=257) as writer:
-        for doc in docs:
-            ids = np.frombuffer(doc["text"].encode("utf-8"), dtype=np.uint8)
-            writer.add_document(np.append(ids.astype(np.uint16), eod) if ids.size else ids)
-    echo(f"tokenized (byte-level, eod={eod}) -> {prefix}.bin/.idx")
+    tok_dir = train_tokenizer(TrainTokenizerConfig(inputs=[str(corpus)], output=str(out / "tokenizer"),
+                                                   kind="bpe", vocab_size=cfg.vocab_size))
+    tok = load_tokenizer(tok_dir)
+    echo(f"trained a byte-level BPE tokenizer ({tok.vocab_size} ids, eod={tok.eod}) -> {tok_dir}")
+    prefix = out / "tokens" / "stdlib"
+    preprocess(PreprocessConfig(inputs=[str(corpus)], output_prefix=str(prefix), tokenizer=str(tok_dir),
+                                append_eod=True, progress=False), echo=echo)
     report = inspect(prefix)
-    echo(json.dumps(report, indent=2))
-    checked = verify(prefix, vocab_size=257, eod=eod)
+    echo(format_report(report))
+    checked = verify(prefix, vocab_size=tok.vocab_size, eod=tok.eod)
     echo(f"verified: {checked['sequences']} sequences, {checked['tokens']} tokens; "
          f"checks: {', '.join(checked['checked'])}")
     return report

@@ -150,7 +150,7 @@ class _Growable:
     """An append-only numpy array that doubles its capacity (amortised O(1) appends)."""
 
     def __init__(self, dtype, initial: Iterable[int] = ()):
-        init = np.asarray(list(initial), dtype=dtype)
+        init = np.asarray(initial, dtype=dtype)
         self._data = np.empty(max(1024, 2 * len(init)), dtype=dtype)
         self._data[: len(init)] = init
         self._size = len(init)
@@ -233,7 +233,10 @@ class IndexedDatasetWriter:
             w.add_document([])                            # an empty document
     """
 
-    def __init__(self, prefix: str | os.PathLike, dtype=None, vocab_size: int | None = None):
+    def __init__(self, prefix: str | os.PathLike, dtype=None, vocab_size: int | None = None,
+                 bin_tmp: str | os.PathLike | None = None, resume: dict | None = None):
+        """``bin_tmp`` places the in-progress ``.bin`` (default: a unique temp name beside the
+        output); ``resume`` continues from a :meth:`checkpoint` whose data is in ``bin_tmp``."""
         self.prefix = normalize_prefix(prefix)
         if dtype is None:
             dtype = optimal_dtype(vocab_size)
@@ -250,12 +253,25 @@ class IndexedDatasetWriter:
             self._max_id = min(self._max_id, vocab_size - 1)
             self._min_id = max(self._min_id, 0)
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
-        self._bin_tmp = _tmp_name(data_path(self.prefix))
+        self._bin_tmp = os.fspath(bin_tmp) if bin_tmp else _tmp_name(data_path(self.prefix))
         self._idx_tmp = _tmp_name(index_path(self.prefix))
-        self._bin = open(self._bin_tmp, "wb")
-        self._num_tokens = 0
         self._lengths = _Growable(np.int32)
         self._doc_index = _Growable(np.int64, [0])
+        if resume is None:
+            self._bin = open(self._bin_tmp, "wb")
+            self._num_tokens = 0
+        else:
+            size = int(resume["bin_bytes"])
+            self._bin = open(self._bin_tmp, "r+b")
+            if os.fstat(self._bin.fileno()).st_size < size:
+                raise TokenloomError(f"{self._bin_tmp}: shorter than its checkpoint ({size} bytes); "
+                                     "cannot resume")
+            self._bin.truncate(size)  # drop whatever was written after the checkpoint
+            self._bin.seek(size)
+            self._num_tokens = size // self.dtype.itemsize
+            self._lengths.extend(resume["lengths"])
+            self._doc_index = _Growable(np.int64, [])
+            self._doc_index.extend(resume["document_indices"])
         self._finalized = False
         self._native_le = self.dtype.byteorder in "=|<" and sys.byteorder == "little"
 
@@ -365,6 +381,13 @@ class IndexedDatasetWriter:
         self._doc_index.extend(other.document_indices[1:] + base)
         other.close()
 
+    def checkpoint(self) -> dict[str, np.ndarray]:
+        """Make everything written so far durable and return the state that resumes from here."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        return {"lengths": self._lengths.view().copy(), "document_indices": self._doc_index.view().copy(),
+                "bin_bytes": np.asarray(self._bin.tell(), dtype=np.int64)}
+
     # -- publishing
     def finalize(self) -> None:
         """fsync both files and rename them into place (``.bin`` first, ``.idx`` last)."""
@@ -378,6 +401,11 @@ class IndexedDatasetWriter:
         os.replace(self._idx_tmp, index_path(self.prefix))
         _fsync_dir(self.prefix)
         self._finalized = True
+
+    def close(self) -> None:
+        """Close the in-progress file without publishing or deleting it (a later ``resume`` may use it)."""
+        if not self._bin.closed:
+            self._bin.close()
 
     def abort(self) -> None:
         """Drop everything written so far; nothing is published."""

@@ -220,3 +220,15 @@ def merge(output_prefix: str | os.PathLike, prefixes: Sequence[str | os.PathLike
         counts = {"sequences": writer.num_sequences, "documents": writer.num_documents,
                   "tokens": writer.num_tokens}
     return {"path_prefix": output_prefix, "dtype": str(dtype), "inputs": len(sources), **counts}
+
+
+def format_report(report: dict) -> str:
+    """Aligned ``key  value`` lines, nested dicts flattened to ``outer.inner``."""
+    flat: dict[str, object] = {}
+    for key, value in report.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    width = max(map(len, flat))
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in flat.items())

@@ -1,0 +1,76 @@
+"""The classic pure-Python GPT-2 byte-level BPE, as Megatron-LM's GPT2BPETokenizer runs it.
+
+Megatron's ``tools/preprocess_data.py --tokenizer-type GPT2BPETokenizer`` encodes with
+``megatron/training/tokenizer/gpt2_tokenization.py``: a Python implementation of
+OpenAI's original encoder (regex pre-split, byte-to-unicode map, greedy lowest-rank
+merges, a per-word cache). ``megatron.training`` is not in the megatron-core wheel, so
+the bench uses this clean re-implementation of the same published algorithm as the
+baseline's tokenizer. The bench checks that it gives the same ids as tokenloom.
+"""
+
+from __future__ import annotations
+
+import json
+
+import regex
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def byte_alphabet() -> dict[int, str]:
+    """Map every byte to a printable unicode character (printable bytes map to themselves)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class PythonGPT2BPE:
+    def __init__(self, vocab_json: str, merges_txt: str):
+        with open(vocab_json, encoding="utf-8") as f:
+            self.encoder = json.load(f)
+        with open(merges_txt, encoding="utf-8") as f:
+            lines = [ln for ln in f.read().split("\n") if ln and not ln.startswith("#version")]
+        self.ranks = {tuple(ln.split()): i for i, ln in enumerate(lines)}
+        self.alphabet = byte_alphabet()
+        self.pattern = regex.compile(GPT2_PATTERN)
+        self.cache: dict[str, list[int]] = {}
+        self.eod = self.encoder["<|endoftext|>"]
+
+    def _word(self, word: str) -> list[int]:
+        cached = self.cache.get(word)
+        if cached is not None:
+            return cached
+        parts = list(word)
+        while len(parts) > 1:
+            best, best_rank = None, None
+            for pair in zip(parts, parts[1:], strict=False):
+                rank = self.ranks.get(pair)
+                if rank is not None and (best_rank is None or rank < best_rank):
+                    best, best_rank = pair, rank
+            if best is None:
+                break
+            merged, i = [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and (parts[i], parts[i + 1]) == best:
+                    merged.append(parts[i] + parts[i + 1])
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        ids = [self.encoder[p] for p in parts]
+        self.cache[word] = ids
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for piece in self.pattern.findall(text):
+            out.extend(self._word("".join(self.alphabet[b] for b in piece.encode("utf-8"))))
+        return out

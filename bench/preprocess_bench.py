@@ -1,0 +1,222 @@
+"""preprocess throughput and memory: tokenloom vs a Megatron-style baseline vs the tokenizer ceiling.
+
+All rows are measured in one run on the same cores:
+
+* tokenloom      ``python cli.py preprocess`` end to end (jsonl in, .bin/.idx/manifest out), all cores.
+* megatron-style what ``tools/preprocess_data.py`` does: ``multiprocessing.Pool(W).imap(encode, lines,
+                 chunksize=32)``, one document per task, ids returned as Python lists, written by
+                 megatron-core's ``IndexedDatasetBuilder``. Tokenizer: Megatron's GPT2BPETokenizer
+                 algorithm (pure Python, see _python_bpe.py); a second row uses the fast HF tokenizer
+                 in the same structure.
+* ceiling        the chosen backend's raw batch encode of the same texts already in memory, all threads.
+
+Peak RSS is the sum over tokenloom's process tree (main + workers), sampled every 20 ms,
+for the corpus and for 4x the corpus. Outputs are checked byte-identical across rows.
+
+Usage: python bench/preprocess_bench.py [--documents N] [--doc-bytes B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(BENCH))
+from _python_bpe import PythonGPT2BPE  # noqa: E402
+from _table import print_table  # noqa: E402
+
+SHARED = Path(os.environ.get("TOKENLOOM_SHARED_DATA", REPO.parent / "shared" / "data"))
+GPT2 = SHARED / "tokenizers" / "gpt2"
+
+
+def novel_documents(doc_bytes: int) -> list[str]:
+    """The shared novels cut into ~doc_bytes documents at line boundaries (README advice)."""
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().stream_reader(open(SHARED / "english-novels" / "english_novels.jsonl.zst",
+                                                          "rb"), read_across_frames=True)
+    docs = []
+    for line in io.TextIOWrapper(raw, encoding="utf-8"):
+        cur, size = [], 0
+        for text_line in json.loads(line)["text"].splitlines(keepends=True):
+            cur.append(text_line)
+            size += len(text_line)
+            if size >= doc_bytes:
+                docs.append("".join(cur))
+                cur, size = [], 0
+        if cur:
+            docs.append("".join(cur))
+    return docs
+
+
+def write_corpus(path: Path, texts: list[str]) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- peak RSS of a process tree
+
+
+def _tree_rss(root: int) -> int:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        stack.extend(children.get(pid, []))
+    return total
+
+
+def run_measured(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak tree RSS of a command."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"command failed: {' '.join(cmd)}\n{proc.stderr.read().decode()}")
+    return elapsed, peak
+
+
+# --------------------------------------------------------------------------- Megatron-style baseline
+
+_ENCODER = None
+
+
+def _init_python_bpe():
+    global _ENCODER
+    _ENCODER = PythonGPT2BPE(str(GPT2 / "gpt2-vocab.json"), str(GPT2 / "gpt2-merges.txt"))
+
+
+def _init_hf():
+    global _ENCODER
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE.from_file(str(GPT2 / "gpt2-vocab.json"), str(GPT2 / "gpt2-merges.txt")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+
+    class _Enc:
+        eod = 50256
+
+        def encode(self, text):
+            return tok.encode(text, add_special_tokens=False).ids
+
+    _ENCODER = _Enc()
+
+
+def _encode_line(line: str):
+    ids = _ENCODER.encode(json.loads(line)["text"])
+    if ids:
+        ids.append(50256)
+    return ids, len(line)
+
+
+def megatron_style(corpus: Path, prefix: Path, workers: int, init) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    start = time.perf_counter()
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    with open(corpus, encoding="utf-8") as fin, multiprocessing.get_context("fork").Pool(workers, init) as pool:
+        for ids, _ in pool.imap(_encode_line, fin, 32):
+            builder.add_document(np.array(ids, dtype=np.int64), [len(ids)] if ids else [])
+    builder.finalize(f"{prefix}.idx")
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--documents", type=int, default=12_000)
+    ap.add_argument("--doc-bytes", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    if not (GPT2 / "gpt2-vocab.json").exists():
+        raise SystemExit(f"needs the shared GPT-2 files under {GPT2} (set TOKENLOOM_SHARED_DATA)")
+    sys.path.insert(0, str(REPO))
+    from tokenloom.tokenizers import load_tokenizer
+
+    docs = novel_documents(args.doc_bytes)
+    if len(docs) < 4 * args.documents:
+        docs = docs * (4 * args.documents // len(docs) + 1)
+    texts = docs[: args.documents]
+    tmp = Path(tempfile.mkdtemp(prefix="tl-pp-bench-"))
+    corpus = write_corpus(tmp / "corpus.jsonl", texts)
+    corpus4 = write_corpus(tmp / "corpus4.jsonl", docs[: 4 * args.documents])
+    mb = corpus.stat().st_size / 1e6
+    w = args.workers
+
+    def tokenloom_cmd(src, prefix):
+        return [sys.executable, str(REPO / "cli.py"), "preprocess", "--input", str(src), "--output-prefix",
+                str(prefix), "--tokenizer", str(GPT2), "--append-eod", "--workers", str(w), "--no-progress"]
+
+    # Ceiling: the backend tokenloom picked for these files, texts in memory, all threads.
+    tok = load_tokenizer(str(GPT2), num_threads=w)
+    tok.encode_batch(texts[:100])
+    start = time.perf_counter()
+    ids, _ = tok.encode_batch(texts)
+    t_ceiling = time.perf_counter() - start
+    tokens = int(ids.size) + len(texts)
+
+    t_ours, rss1 = run_measured(tokenloom_cmd(corpus, tmp / "ours"))
+    _, rss4 = run_measured(tokenloom_cmd(corpus4, tmp / "ours4"))
+    t_hf = megatron_style(corpus, tmp / "mhf", w, _init_hf)
+    t_py = megatron_style(corpus, tmp / "mpy", w, _init_python_bpe)
+    for other in ("mhf", "mpy"):
+        for ext in (".bin", ".idx"):
+            if (tmp / f"ours{ext}").read_bytes() != (tmp / f"{other}{ext}").read_bytes():
+                raise SystemExit(f"outputs differ: ours{ext} vs {other}{ext}")
+
+    def tps(t):
+        return f"{tokens / t / 1e6:.2f} M tok/s"
+
+    rows = [
+        ("tokenloom vs ceiling (target >= 0.9)", tps(t_ours), tps(t_ceiling), f"{t_ceiling / t_ours:.2f}x"),
+        ("tokenloom vs megatron-style, GPT2BPETokenizer (target >= 5)", tps(t_ours), tps(t_py),
+         f"{t_py / t_ours:.2f}x"),
+        ("tokenloom vs megatron-style, HF fast tokenizer", tps(t_ours), tps(t_hf), f"{t_hf / t_ours:.2f}x"),
+        ("peak RSS, corpus (target <= 300 MB)", f"{rss1 / 2**20:.0f} MB", "300 MB", f"{rss1 / (300 * 2**20):.2f}x"),
+        ("peak RSS, 4x corpus vs 1x (flat = 1.0)", f"{rss4 / 2**20:.0f} MB", f"{rss1 / 2**20:.0f} MB",
+         f"{rss4 / rss1:.2f}x"),
+    ]
+    print_table(f"preprocess: {len(texts)} documents, {mb:.1f} MB jsonl, {tokens / 1e6:.2f} M GPT-2 tokens, "
+                f"{w} workers on {os.cpu_count()} cores (outputs byte-identical across rows)", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Auto-detection, forced kinds, Megatron aliases, clear errors, and the file-less backends."""
+
+import json
+
+import numpy as np
+import pytest
+from tok_helpers import TOK, load_shared, needs_shared
+
+from tokenloom.errors import TokenloomError
+from tokenloom.tokenizers import detect_kind, list_kinds, load_tokenizer
+
+
+def test_list_kinds():
+    assert set(list_kinds()) == {"hf", "gpt2-bpe", "wordpiece", "sentencepiece", "tiktoken", "byte", "null"}
+
+
+@needs_shared
+@pytest.mark.parametrize("path, kind, vocab_size, eod", [
+    ("gpt2", "gpt2-bpe", 50257, 50256),
+    ("gpt2/gpt2-vocab.json", "gpt2-bpe", 50257, 50256),
+    ("gpt2/gpt2-merges.txt", "gpt2-bpe", 50257, 50256),
+    ("gpt2/gpt2.tiktoken", "tiktoken", 50257, 50256),
+    ("gpt-neox-20b", "hf", 50277, 0),
+    ("gpt-neox-20b/tokenizer.json", "hf", 50277, 0),
+    ("llama2", "sentencepiece", 32000, 2),
+    ("llama2/tokenizer.model", "sentencepiece", 32000, 2),
+    ("mistral-v3/tokenizer.model", "sentencepiece", 32768, 2),
+    ("llama3", "tiktoken", 128256, 128001),  # tokenizer.model that is really tiktoken ranks
+    ("llama3/tokenizer.model", "tiktoken", 128256, 128001),
+    ("qwen2", "gpt2-bpe", 151646, 151643),
+])
+def test_autodetect_shared(path, kind, vocab_size, eod):
+    assert detect_kind(TOK / path) == kind
+    tok = load_shared(path)
+    assert (tok.kind, tok.vocab_size, tok.eod) == (kind, vocab_size, eod)
+    ids = tok.encode("Hello world, this is a test.")
+    assert ids.dtype == np.int64 and 0 < len(ids) and int(ids.max()) < tok.vocab_size
+
+
+@needs_shared
+def test_sentencepiece_specials():
+    tok = load_tokenizer(TOK / "llama2")
+    assert (tok.bos, tok.eod, tok.pad) == (1, 2, None)
+    assert tok.decode(tok.encode("Hello world")) == "Hello world"
+
+
+@needs_shared
+def test_forced_kind_and_aliases():
+    assert load_tokenizer(TOK / "gpt2", kind="gpt2-bpe").kind == "gpt2-bpe"
+    assert load_tokenizer(TOK / "gpt2" / "gpt2.tiktoken", kind="TikTokenizer").kind == "tiktoken"
+    assert load_tokenizer(TOK / "llama2", kind="Llama2Tokenizer").kind == "sentencepiece"
+    assert load_tokenizer(TOK / "gpt-neox-20b", kind="HuggingFaceTokenizer").kind == "hf"
+    with pytest.raises(TokenloomError, match="not a valid SentencePiece model"):
+        load_tokenizer(TOK / "llama3" / "tokenizer.model", kind="sentencepiece")
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(TokenloomError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope.json")
+
+
+def test_unknown_kind(tmp_path):
+    with pytest.raises(TokenloomError, match="unknown tokenizer kind 'bogus'.*known kinds"):
+        load_tokenizer(tmp_path, kind="bogus")
+
+
+def test_nothing_given():
+    with pytest.raises(TokenloomError, match="no tokenizer given"):
+        load_tokenizer()
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("tokenizer.model", bytes(range(256)) * 4, "not a valid SentencePiece model"),
+    ("junk.bin", b"\x00\x01garbage\xff\xfe" * 10, "not a valid SentencePiece model"),
+    ("notes.txt", b"hello there world\nsome free text, three words or more\n", "unrecognised tokenizer file"),
+    ("empty.json", b"", "empty file"),
+    ("broken.json", b'{"model": {', "does not parse"),
+    ("list.json", b"[1, 2, 3]", "neither a Hugging Face tokenizer.json nor a vocab.json"),
+    ("tokenizer.json", b'{"version": "1.0", "model": {"type": "Nope"}}', "not a valid Hugging Face"),
+])
+def test_garbage_files(tmp_path, name, content, match):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(TokenloomError, match=match) as err:
+        load_tokenizer(path)
+    assert name in str(err.value)
+
+
+def test_empty_directory(tmp_path):
+    with pytest.raises(TokenloomError, match="no tokenizer found"):
+        load_tokenizer(tmp_path)
+
+
+def test_vocab_without_merges(tmp_path):
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1}))
+    with pytest.raises(TokenloomError, match="needs vocab.json and merges.txt"):
+        load_tokenizer(tmp_path / "vocab.json")
+
+
+def test_bad_merges_line(tmp_path):
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nthis line is wrong\n")
+    with pytest.raises(TokenloomError, match=r"merges.txt:2: not a BPE merge line"):
+        load_tokenizer(tmp_path)
+
+
+def test_unsupported_tokenizer_class(tmp_path):
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))
+    (tmp_path / "merges.txt").write_text("a b\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "FancyTokenizer"}))
+    with pytest.raises(TokenloomError, match="tokenizer_class 'FancyTokenizer' is not supported"):
+        load_tokenizer(tmp_path)
+    assert load_tokenizer(tmp_path, pretokenizer="gpt2").kind == "gpt2-bpe"
+
+
+def test_unknown_tiktoken_file_needs_pattern(tmp_path):
+    import base64
+
+    path = tmp_path / "mine.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    with pytest.raises(TokenloomError, match="unknown tiktoken rank file.*pass pattern="):
+        load_tokenizer(path)
+    tok = load_tokenizer(path, pattern="llama3", special_tokens=["<|endoftext|>", "<|pad|>"], pad="<|pad|>")
+    assert (tok.vocab_size, tok.eod, tok.pad) == (258, 256, 257)
+    assert list(tok.encode("hi")) == [104, 105]
+    with pytest.raises(TokenloomError, match="unknown tiktoken options"):
+        load_tokenizer(path, pattern="llama3", colour="blue")
+
+
+def test_bad_option_is_an_error(tmp_path, wordpiece_vocab):
+    with pytest.raises(TokenloomError, match=r"unknown wordpiece tokenizer options \['frobnicate'\]"):
+        load_tokenizer(wordpiece_vocab, frobnicate=1)
+    with pytest.raises(TokenloomError, match="eod id 500 is outside the vocabulary"):
+        load_tokenizer(wordpiece_vocab, eod=500)
+    with pytest.raises(TokenloomError, match="eod token 'nope' is not in the vocabulary"):
+        load_tokenizer(wordpiece_vocab, eod="nope")
+    assert load_tokenizer(wordpiece_vocab, eod="[CLS]").eod == 2
+
+
+def test_wordpiece_lowercase(wordpiece_vocab):
+    tok = load_tokenizer(wordpiece_vocab.parent)
+    assert tok.kind == "wordpiece" and tok.lowercase
+    assert (tok.eod, tok.bos, tok.pad, tok.vocab_size) == (3, 2, 0, 21)
+    words = [tok.decode([i]) for i in tok.encode("The cats sat!")]
+    assert words == ["the", "cat", "##s", "sat", "!"]  # no [CLS]/[SEP] added
+    assert tok.decode(tok.encode("The cats sat!")) == "the cats sat!"
+    assert list(tok.encode("zzz")) == [1]  # [UNK]
+
+
+def test_wordpiece_cased(tmp_path, wordpiece_vocab):
+    cased = tmp_path / "cased"
+    cased.mkdir()
+    (cased / "vocab.txt").write_text(wordpiece_vocab.read_text() + "The\n")
+    tok = load_tokenizer(cased / "vocab.txt")
+    assert not tok.lowercase
+    assert list(tok.encode("The the")) == [21, 5]
+    lower = load_tokenizer(cased, kind="BertWordPieceLowerCase")
+    assert lower.lowercase and list(lower.encode("The the")) == [5, 5]
+    assert lower.fingerprint()["digest"] != tok.fingerprint()["digest"]
+
+
+def test_byte_tokenizer():
+    tok = load_tokenizer(kind="byte")
+    ids, lengths = tok.encode_batch(["hé", "", "x"])
+    assert list(ids) == [104, 195, 169, 120] and list(lengths) == [3, 0, 1]
+    assert (tok.eod, tok.bos, tok.pad, tok.vocab_size) == (256, 257, 258, 259)
+    assert tok.decode([104, 256, 195, 169]) == "hé"
+
+
+def test_null_tokenizer():
+    tok = load_tokenizer(kind="null", vocab_size=100)
+    ids, lengths = tok.encode_batch(["1 2  3\n", "", "99"])
+    assert list(ids) == [1, 2, 3, 99] and list(lengths) == [3, 0, 1]
+    assert (tok.eod, tok.vocab_size) == (100, 101)
+    assert tok.decode([1, 2, 100]) == "1 2"
+    with pytest.raises(TokenloomError, match="out of range"):
+        tok.encode("100")
+    with pytest.raises(TokenloomError, match="whitespace-separated integers"):
+        tok.encode("one two")
+    default = load_tokenizer(kind="NullTokenizer")
+    assert default.vocab_size - 1 == default.eod <= 2**31 - 1
+    with pytest.raises(TokenloomError, match="takes no file"):
+        load_tokenizer("somewhere", kind="null")
+
+
+def test_threads_env(monkeypatch):
+    from tokenloom.tokenizers.base import THREADS_ENV, resolve_threads
+
+    monkeypatch.setenv(THREADS_ENV, "1")
+    assert resolve_threads(None) == 1 and resolve_threads(3) == 3
+    monkeypatch.setenv(THREADS_ENV, "many")
+    with pytest.raises(TokenloomError, match="not an integer"):
+        resolve_threads(None)
+    monkeypatch.delenv(THREADS_ENV)
+    assert resolve_threads(None) is None
+    with pytest.raises(TokenloomError, match="num_threads must be >= 1"):
+        resolve_threads(0)

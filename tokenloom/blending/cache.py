@@ -1,0 +1,186 @@
+"""Content-addressed, concurrency-safe cache of index arrays (``--cache-dir``).
+
+Layout::
+
+    CACHE_DIR/<key>/<name>.npy     one array per file, plain .npy (np.load(allow_pickle=False))
+    CACHE_DIR/<key>/meta.json      written last: its presence means the entry is complete
+    CACHE_DIR/<key>.lock           flock taken by the one process that builds the entry
+
+``key`` is the SHA-256 of a canonical JSON description of everything that changes
+the arrays: the config *and* a digest of every source's ``.idx`` bytes and
+manifest. Re-tokenizing into the same prefix therefore changes the key, where
+Megatron (keyed by path) silently reuses stale indices.
+
+Safety: arrays are written to temp names, fsynced and renamed; ``meta.json`` is
+renamed in last. Local builders serialise on an exclusive ``flock`` and re-check
+after taking it, so N processes started together do one build and N loads. A hit
+only memory-maps the files (``mmap_mode="r"``).
+
+Distributed runs do not trust ``flock`` (unreliable on some shared filesystems):
+:func:`elect_builders` finds out which ranks share a filesystem by having each rank
+drop a nonce file and look for the others' (detected, not configured); the
+lowest rank of each filesystem builds while the rest wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tokenloom.errors import TokenloomError
+
+Arrays = dict[str, np.ndarray]
+_DIGESTS: dict[tuple, str] = {}
+
+
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def content_key(description: dict) -> str:
+    return hashlib.sha256(canonical_json(description).encode()).hexdigest()
+
+
+def source_digest(prefix: str) -> str:
+    """SHA-256 over a dataset's ``.idx`` bytes and its manifest (if any); memoised per (path, size, mtime).
+
+    The ``.idx`` fixes every sequence length and document boundary, which is all an
+    index depends on; the manifest adds the tokenizer and inputs, so a re-tokenized
+    source with equal lengths still gets a new key.
+    """
+    paths = [Path(f"{prefix}.idx"), Path(f"{prefix}.manifest.json")]
+    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.exists())
+    if not stamp:
+        raise TokenloomError(f"{prefix}.idx: no such file")
+    if stamp not in _DIGESTS:
+        h = hashlib.sha256()
+        for p in paths:
+            if p.exists():
+                h.update(p.name.encode())
+                with open(p, "rb") as f:
+                    for block in iter(lambda f=f: f.read(1 << 22), b""):
+                        h.update(block)
+        _DIGESTS[stamp] = h.hexdigest()
+    return _DIGESTS[stamp]
+
+
+class ArrayCache:
+    """Entries of named numpy arrays under ``cache_dir``, keyed by content."""
+
+    def __init__(self, cache_dir: str | os.PathLike):
+        self.dir = Path(cache_dir)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TokenloomError(f"--cache-dir {self.dir}: cannot create ({exc.strerror})") from None
+
+    def entry(self, key: str) -> Path:
+        return self.dir / key
+
+    def load(self, key: str) -> Arrays | None:
+        """The entry's arrays, memory-mapped, or None if absent or incomplete."""
+        entry = self.entry(key)
+        meta_path = entry / "meta.json"
+        if not meta_path.exists():
+            return None
+        meta = json.loads(meta_path.read_text())
+        return {name: np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in meta["arrays"]}
+
+    def description(self, key: str) -> dict | None:
+        meta_path = self.entry(key) / "meta.json"
+        return json.loads(meta_path.read_text()).get("description") if meta_path.exists() else None
+
+    def store(self, key: str, arrays: Arrays, description: dict | None = None) -> None:
+        entry = self.entry(key)
+        entry.mkdir(parents=True, exist_ok=True)
+        for name, arr in arrays.items():
+            _atomic_save(entry / f"{name}.npy", np.ascontiguousarray(arr))
+        meta = {"arrays": sorted(arrays), "description": description}
+        _atomic_write(entry / "meta.json", canonical_json(meta).encode())
+
+    @contextlib.contextmanager
+    def lock(self, key: str):
+        with open(self.dir / f"{key}.lock", "a+") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+    def get_or_build(self, key: str, build: Callable[[], Arrays], description: dict | None = None,
+                     may_build: bool = True) -> tuple[Arrays, bool]:
+        """(arrays, built_here). Exactly one local process builds a missing entry; the rest wait and load."""
+        found = self.load(key)
+        if found is not None:
+            return found, False
+        if not may_build:
+            raise TokenloomError(f"cache entry {self.entry(key)} is missing and this rank may not build it")
+        with self.lock(key):
+            found = self.load(key)
+            if found is not None:
+                return found, False
+            self.store(key, build(), description)
+        return self.load(key), True
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_save(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}.npy")
+    with open(tmp, "wb") as f:
+        np.save(f, arr, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def elect_builders(cache_dir: str | os.PathLike, rank: int, world_size: int, barrier: Callable[[], None],
+                   run_id: str) -> int:
+    """The lowest rank that shares this rank's cache filesystem (this rank builds iff it is the answer).
+
+    Every rank writes ``.nonce-<run_id>-<rank>`` into ``cache_dir``; after a barrier
+    each rank looks for the others' files. Ranks on one shared filesystem all see
+    each other; ranks on node-local disks see only their node. ``run_id`` must be
+    the same on every rank (e.g. broadcast from rank 0).
+    """
+    directory = Path(cache_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    mine = directory / f".nonce-{run_id}-{rank}"
+    mine.write_text(str(rank))
+    barrier()
+    leader = min(r for r in range(world_size) if (directory / f".nonce-{run_id}-{r}").exists())
+    barrier()
+    mine.unlink(missing_ok=True)
+    return leader
+
+
+def get_or_build_distributed(cache: ArrayCache, key: str, build: Callable[[], Arrays], description: dict | None,
+                             rank: int, world_size: int, barrier: Callable[[], None], run_id: str) -> Arrays:
+    """Build once per filesystem: elected leaders build (under the local lock), the others load after."""
+    leader = elect_builders(cache.dir, rank, world_size, barrier, run_id)
+    if rank == leader:
+        arrays, _ = cache.get_or_build(key, build, description)
+    barrier()
+    if rank != leader:
+        arrays = cache.load(key)
+        if arrays is None:
+            raise TokenloomError(f"cache entry {cache.entry(key)} missing after rank {leader} built it")
+    return arrays

@@ -1,0 +1,88 @@
+"""``PREFIX.manifest.json``: what made a ``PREFIX.bin/.idx`` pair. This module owns that file.
+
+Layout (JSON object, keys sorted)::
+
+    format        "tokenloom.manifest/1"
+    tool          {"name": "tokenloom", "version": ...}
+    output        {"prefix": basename, "key": json key, "dtype": "uint16" | "int32"}
+    inputs        [{"path", "format", "size", "sha256"}, ...] in processing order
+    tokenizer     the tokenizer fingerprint (kind, file digests, vocab size, special ids, digest)
+    options       the preprocess options that shape the output
+    counts        {"documents", "empty_documents", "sequences", "tokens", "bad_records", "bytes_in"}
+    shards        present on merged outputs: the manifests' shard descriptions, in order
+
+No timestamps or hostnames: the same run gives the same manifest. ``build``
+refuses to blend sources whose tokenizer digests differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tokenloom import __version__
+from tokenloom.errors import TokenloomError
+
+FORMAT = "tokenloom.manifest/1"
+
+
+def manifest_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.manifest.json")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write via a temp file, fsync, rename: readers see the old file or the whole new one."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build(prefix: str, key: str, dtype: str, inputs: list[dict], tokenizer: dict, options: dict,
+          counts: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "tool": {"name": "tokenloom", "version": __version__},
+        "output": {"prefix": Path(prefix).name, "key": key, "dtype": dtype},
+        "inputs": inputs,
+        "tokenizer": tokenizer,
+        "options": options,
+        "counts": counts,
+    }
+
+
+def write(prefix: str | os.PathLike, manifest: dict) -> None:
+    atomic_write_text(manifest_path(prefix), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def read(prefix: str | os.PathLike) -> dict | None:
+    """The manifest beside ``prefix``, or None when there is none (e.g. Megatron-made files)."""
+    path = manifest_path(prefix)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise TokenloomError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if data.get("format") != FORMAT:
+        raise TokenloomError(f"{path}: unknown manifest format {data.get('format')!r} (expected {FORMAT})")
+    return data
+
+
+def merged(output_prefix: str, manifests: list[dict], counts: dict) -> dict:
+    """The manifest of a merge of outputs that all had manifests (same tokenizer required)."""
+    digests = {m["tokenizer"]["digest"] for m in manifests}
+    if len(digests) > 1:
+        raise TokenloomError("cannot merge outputs made with different tokenizers "
+                             f"(fingerprints {', '.join(sorted(d[:12] for d in digests))})")
+    first = manifests[0]
+    total = {k: sum(m["counts"].get(k, 0) for m in manifests) for k in first["counts"]}
+    total.update(counts)
+    out = build(output_prefix, first["output"]["key"], first["output"]["dtype"],
+                [i for m in manifests for i in m["inputs"]], first["tokenizer"],
+                {k: v for k, v in first["options"].items() if k not in ("shard",)}, total)
+    out["shards"] = [m["options"].get("shard") for m in manifests]
+    return out

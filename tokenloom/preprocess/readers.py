@@ -1,0 +1,426 @@
+"""Input discovery and streaming readers for preprocess.
+
+Every input is read as a stream of *records* cut into :class:`Chunk` objects of
+about ``chunk_bytes`` of text. The main process only reads and cuts; parsing
+(JSON, UTF-8) and tokenizing happen in the workers, so the reader stays cheap:
+
+* ``jsonl`` (plain, ``.gz``, ``.zst``): chunks carry raw line bytes; the worker
+  decodes and parses them, so a bad line is reported by the worker with its
+  file and line number. Blank lines are skipped and are not records.
+* ``parquet`` and HF ``datasets`` directories (``save_to_disk``): read a record
+  batch at a time through pyarrow, only the requested columns; chunks carry the
+  column values.
+* ``txt``: one document per file (``--txt-unit file``), per paragraph (blocks
+  separated by a blank line, whitespace-only blocks dropped) or per line.
+
+Resume needs a position to restart from: ``(input index, records consumed)``
+plus a byte offset for plain files, which are re-opened with a seek; compressed
+and columnar inputs skip the consumed records instead (re-reading, not
+re-tokenizing).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenloom.errors import TokenloomError
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "txt", "txt.gz", "txt.zst", "datasets")
+TXT_UNITS = ("file", "paragraph", "line")
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input: a file, or an HF ``datasets`` directory."""
+
+    path: str
+    format: str
+    size: int
+
+    @property
+    def compressed(self) -> bool:
+        return self.format.endswith((".gz", ".zst"))
+
+
+@dataclass
+class Position:
+    """Where reading stands: ``records`` consumed from input ``input`` (``offset``: plain files)."""
+
+    input: int = 0
+    records: int = 0
+    offset: int | None = 0
+
+    def to_json(self) -> dict:
+        return {"input": self.input, "records": self.records, "offset": self.offset}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Position:
+        return cls(int(data["input"]), int(data["records"]), data["offset"])
+
+
+@dataclass
+class Chunk:
+    """A batch of consecutive records of one input, in input order (``seq`` orders chunks)."""
+
+    seq: int
+    input: int
+    kind: str  # "json": ``lines`` are raw bytes; "values": ``columns`` map key -> values
+    numbers: list[int]  # 1-based line (jsonl/txt) or row (columnar) number of each record
+    lines: list[bytes] = field(default_factory=list)
+    columns: dict[str, list] = field(default_factory=dict)
+    raw_bytes: int = 0  # input bytes consumed by this chunk (compressed bytes for .gz/.zst)
+    end: Position = field(default_factory=Position)
+    errors: list[tuple[int, str]] = field(default_factory=list)  # reader-level problems (truncated file)
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def detect_format(path: Path) -> str:
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() and (path / "state.json").exists():
+            return "datasets"
+        if (path / "dataset_dict.json").exists():
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            raise TokenloomError(f"{path}: a DatasetDict; pass one split directory "
+                                 f"({', '.join(str(path / s) for s in splits)})")
+        raise TokenloomError(f"{path}: a directory that is not an HF datasets save_to_disk directory "
+                             "(use a glob like DIR/*.jsonl for files)")
+    name = path.name.lower()
+    for suffix, comp in ((".zst", ".zst"), (".zstd", ".zst"), (".gz", ".gz")):
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            if stem.endswith(JSONL_SUFFIXES):
+                return "jsonl" + comp
+            if stem.endswith(".txt"):
+                return "txt" + comp
+            raise TokenloomError(f"{path}: unknown compressed format (expected .jsonl{comp} or .txt{comp})")
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".txt", ".text", ".md")):
+        return "txt"
+    raise TokenloomError(f"{path}: unknown input format (supported: {', '.join(FORMATS)})")
+
+
+def discover(patterns: list[str]) -> list[Input]:
+    """Expand files, globs and directories in the order given (each glob sorted); no duplicates."""
+    inputs, seen = [], set()
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise TokenloomError(f"--input {pattern}: no file matches")
+        for match in matches:
+            path = Path(match)
+            if not path.exists():
+                raise TokenloomError(f"--input {match}: no such file or directory")
+            key = os.path.realpath(path)
+            if key in seen:
+                continue
+            seen.add(key)
+            fmt = detect_format(path)
+            size = (sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir()
+                    else path.stat().st_size)
+            inputs.append(Input(str(path), fmt, size))
+    if not inputs:
+        raise TokenloomError("no inputs given (--input)")
+    return inputs
+
+
+def shard_inputs(inputs: list[Input], num_shards: int, shard_index: int) -> list[int]:
+    """Indices of the inputs of one shard: contiguous, balanced by size.
+
+    Input ``i`` goes to the shard that holds the midpoint of its byte range, so
+    concatenating shards 0..n-1 in order gives back the single-run order.
+    """
+    if not 0 <= shard_index < num_shards:
+        raise TokenloomError(f"--shard-index {shard_index} must lie in [0, --num-shards {num_shards})")
+    total = sum(max(i.size, 1) for i in inputs)
+    chosen, start = [], 0
+    for k, inp in enumerate(inputs):
+        size = max(inp.size, 1)
+        mid = start + size / 2
+        if min(int(mid * num_shards / total), num_shards - 1) == shard_index:
+            chosen.append(k)
+        start += size
+    return chosen
+
+
+# --------------------------------------------------------------------------- byte streams
+
+
+class TruncatedInput(Exception):
+    """A compressed stream ended in the middle of a frame/member."""
+
+
+class _ZstdLines(io.RawIOBase):
+    """Decompress a (multi-frame) zstd file and notice truncation, which zstandard's
+    ``stream_reader`` silently treats as end of file."""
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = self._dctx.decompressobj()
+        self._fed = False  # the current frame has received input
+        self._pending = b""
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self._pending and not self._eof:
+            data = self._raw.read(1 << 20)
+            if not data:
+                if self._fed and not self._obj.eof:
+                    raise TruncatedInput("zstd stream ends in the middle of a frame")
+                self._eof = True
+                break
+            out = []
+            while data:
+                self._fed = True
+                out.append(self._obj.decompress(data))
+                if self._obj.eof:
+                    data = self._obj.unused_data
+                    self._obj = self._dctx.decompressobj()
+                    self._fed = False
+                else:
+                    data = b""
+            self._pending = b"".join(out)
+        n = min(len(buf), len(self._pending))
+        buf[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+def _open_text_stream(inp: Input, raw):
+    if inp.format.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if inp.format.endswith(".zst"):
+        return io.BufferedReader(_ZstdLines(raw), buffer_size=1 << 20)
+    return raw
+
+
+# --------------------------------------------------------------------------- chunking
+
+
+class ChunkReader:
+    """Reads inputs from a position and yields chunks of about ``chunk_bytes`` text each."""
+
+    def __init__(self, inputs: list[Input], keys: list[str], chunk_bytes: int = 1 << 20,
+                 max_records: int = 4096, txt_unit: str = "file"):
+        if txt_unit not in TXT_UNITS:
+            raise TokenloomError(f"--txt-unit {txt_unit!r}: expected one of {', '.join(TXT_UNITS)}")
+        self.inputs = inputs
+        self.keys = keys
+        self.chunk_bytes = chunk_bytes
+        self.max_records = max_records
+        self.txt_unit = txt_unit
+        self._seq = 0
+
+    def chunks(self, start: Position | None = None) -> Iterator[Chunk]:
+        start = start or Position()
+        for k in range(start.input, len(self.inputs)):
+            pos = start if k == start.input else Position(k, 0, 0)
+            inp = self.inputs[k]
+            if inp.format.startswith("jsonl"):
+                yield from self._line_chunks(k, pos, "json")
+            elif inp.format.startswith("txt"):
+                if self.txt_unit == "file":
+                    yield from self._file_chunk(k, pos)
+                else:
+                    yield from self._line_chunks(k, pos, self.txt_unit)
+            else:
+                yield from self._columnar_chunks(k, pos)
+
+    def _new_chunk(self, k: int, kind: str) -> Chunk:
+        chunk = Chunk(self._seq, k, kind, [])
+        if kind == "values":
+            chunk.columns = {key: [] for key in self.keys}
+        self._seq += 1
+        return chunk
+
+    # -- jsonl and txt (line / paragraph): raw bytes, cut at record boundaries
+    def _line_chunks(self, k: int, pos: Position, unit: str) -> Iterator[Chunk]:
+        inp = self.inputs[k]
+        kind = "json" if unit == "json" else "values"
+        with open(inp.path, "rb") as raw:
+            number, offset = 0, None if inp.compressed else 0
+            if not inp.compressed and pos.offset:
+                raw.seek(pos.offset)  # plain file: jump straight to the resume point
+                number, offset = pos.records, pos.offset
+            stream = _open_text_stream(inp, raw)
+            chunk, size, last_raw = self._new_chunk(k, kind), 0, raw.tell()
+            records = self._records(stream, unit)
+            while True:
+                try:
+                    item = next(records, None)
+                except (TruncatedInput, EOFError, OSError) as exc:
+                    chunk.errors.append((number + 1, f"truncated or corrupt {inp.format} input ({exc}); "
+                                                     "the rest of the file is skipped"))
+                    item = None
+                if item is None:
+                    break
+                consumed, record = item
+                first, number = number + 1, number + consumed
+                nbytes = sum(map(len, record)) if isinstance(record, list) else len(record)
+                if offset is not None:
+                    offset += nbytes
+                if number <= pos.records:  # compressed input on resume: skip what was done
+                    continue
+                if self._add(chunk, unit, first, record):
+                    size += nbytes
+                if size >= self.chunk_bytes or len(chunk) >= self.max_records:
+                    now = raw.tell()
+                    chunk.raw_bytes, last_raw = now - last_raw, now
+                    chunk.end = Position(k, number, offset)
+                    yield chunk
+                    chunk, size = self._new_chunk(k, kind), 0
+            chunk.raw_bytes = raw.tell() - last_raw
+            chunk.end = Position(k + 1, 0, 0)
+            if len(chunk) or chunk.errors or chunk.raw_bytes:
+                yield chunk
+
+    @staticmethod
+    def _records(stream, unit: str) -> Iterator[tuple[int, object]]:
+        """(physical lines consumed, record) pairs; a record's lines include their newlines."""
+        if unit in ("json", "line"):
+            pending = 0
+            for line in stream:
+                pending += 1
+                if unit == "json" and not line.strip():
+                    # Blank lines are not records, but they still move the offset.
+                    yield pending, _Skip(line)
+                    pending = 0
+                    continue
+                yield pending, line
+                pending = 0
+            return
+        block: list[bytes] = []
+        for line in stream:
+            if line in (b"\n", b"\r\n") and block:
+                block.append(line)
+                yield len(block), block
+                block = []
+            else:
+                block.append(line)
+        if block:
+            yield len(block), block
+
+    def _add(self, chunk: Chunk, unit: str, number: int, record) -> bool:
+        """Add one record to the chunk; False for what is not a record (blank jsonl line, blank block)."""
+        if isinstance(record, _Skip):
+            return False
+        if unit == "json":
+            chunk.numbers.append(number)
+            chunk.lines.append(record)
+            return True
+        if unit == "line":
+            value = record[:-1] if record.endswith(b"\n") else record
+        else:  # paragraph: the block's text, like text.split("\n\n") (blank separator line removed)
+            ends_with_separator = len(record) > 1 and record[-1] in (b"\n", b"\r\n")
+            value = b"".join(record[:-1] if ends_with_separator else record)
+            if ends_with_separator and value.endswith(b"\n"):
+                value = value[:-1]
+            if not value.strip():
+                return False
+        chunk.numbers.append(number)
+        chunk.columns[self.keys[0]].append(value)
+        return True
+
+    # -- txt, one document per file
+    def _file_chunk(self, k: int, pos: Position) -> Iterator[Chunk]:
+        if pos.records:
+            return
+        inp = self.inputs[k]
+        chunk = self._new_chunk(k, "values")
+        with open(inp.path, "rb") as raw:
+            try:
+                data = _open_text_stream(inp, raw).read()
+            except (TruncatedInput, EOFError, OSError) as exc:
+                chunk.errors.append((1, f"truncated or corrupt {inp.format} input ({exc})"))
+                data = None
+            chunk.raw_bytes = raw.tell()
+        if data is not None:
+            chunk.numbers.append(1)
+            chunk.columns[self.keys[0]].append(data)
+        chunk.end = Position(k + 1, 0, 0)
+        yield chunk
+
+    # -- parquet and HF datasets: record batches of the key columns
+    def _columnar_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
+        inp = self.inputs[k]
+        number = 0
+        chunk, size = self._new_chunk(k, "values"), 0
+        for batch, raw_bytes in _arrow_batches(inp, self.keys):
+            n = batch.num_rows
+            if number + n <= pos.records:
+                number += n
+                continue
+            lo = max(0, pos.records - number)
+            cols = {key: batch.column(key).to_pylist()[lo:] for key in self.keys}
+            chunk.raw_bytes += raw_bytes
+            for j in range(n - lo):
+                number_j = number + lo + j + 1
+                chunk.numbers.append(number_j)
+                for key in self.keys:
+                    value = cols[key][j]
+                    chunk.columns[key].append(value)
+                    size += len(value) if isinstance(value, str) else 8
+                if size >= self.chunk_bytes or len(chunk) >= self.max_records:
+                    chunk.end = Position(k, number_j, None)
+                    yield chunk
+                    chunk, size = self._new_chunk(k, "values"), 0
+            number += n
+        chunk.end = Position(k + 1, 0, 0)
+        if len(chunk) or chunk.raw_bytes:
+            yield chunk
+
+
+class _Skip(bytes):
+    """A blank jsonl line: consumed, but not a record."""
+
+
+def _arrow_batches(inp: Input, keys: list[str]):
+    """(pyarrow RecordBatch, approximate raw bytes) for a parquet file or a datasets directory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if inp.format == "parquet":
+        pf = pq.ParquetFile(inp.path)
+        missing = [k for k in keys if k not in pf.schema_arrow.names]
+        if missing:
+            raise TokenloomError(f"{inp.path}: no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names)})")
+        per_row = inp.size / max(1, pf.metadata.num_rows)
+        for batch in pf.iter_batches(batch_size=1024, columns=keys):
+            yield batch, int(batch.num_rows * per_row)
+        return
+    state = json.loads((Path(inp.path) / "state.json").read_text())
+    files = [Path(inp.path) / f["filename"] for f in state.get("_data_files", [])]
+    total_rows = 0
+    for path in files:
+        with pa.memory_map(str(path)) as source:
+            reader = pa.ipc.open_stream(source)
+            missing = [k for k in keys if k not in reader.schema.names]
+            if missing:
+                raise TokenloomError(f"{inp.path}: no column {missing[0]!r} (columns: {', '.join(reader.schema.names)})")
+            size = path.stat().st_size
+            batches = list(reader)
+            rows = sum(b.num_rows for b in batches) or 1
+            for batch in batches:
+                total_rows += batch.num_rows
+                yield batch.select(keys), int(size * batch.num_rows / rows)

@@ -1,0 +1,208 @@
+"""Worker side of preprocess: a chunk of raw records in, token arrays per key out.
+
+Each worker process builds its own tokenizer from the picklable spec once
+(``init``) and then encodes whole chunks with the backend's batch API, one
+thread per process (parallelism comes from processes). The same function runs
+in-process for ``--workers 1``, so outputs cannot depend on the worker count.
+
+Per record and key the value may be a string (one document) or a list of
+strings (pre-split sentences, as Megatron accepts): each sentence that
+tokenizes to something is one sequence; a document whose sentences all
+tokenize to nothing is an *empty document* (no sequence, no EOD), exactly as
+Megatron's ``preprocess_data.py`` writes it. ``--append-eod`` adds EOD to the
+last sequence of each non-empty document; ``--prepend-bos`` adds BOS to its first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenloom.preprocess.readers import Chunk
+
+_TOKENIZER = None
+_INIT_ERROR: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    keys: tuple[str, ...]
+    dtype: str
+    vocab_size: int
+    append_eod: bool = False
+    prepend_bos: bool = False
+    eod: int | None = None
+    bos: int | None = None
+
+
+@dataclass
+class KeyOutput:
+    """Ready for ``IndexedDatasetWriter.add_documents``."""
+
+    tokens: np.ndarray
+    sequence_lengths: np.ndarray
+    sequences_per_document: np.ndarray
+    empty_documents: int = 0
+
+
+@dataclass
+class EncodedChunk:
+    seq: int
+    outputs: dict[str, KeyOutput]
+    bad: list[tuple[int, str, str]] = field(default_factory=list)  # (number, reason, snippet)
+    documents: int = 0
+    text_bytes: int = 0
+
+
+def init(spec) -> None:
+    """Process-pool initializer: build this process's tokenizer (one thread).
+
+    A failure is kept and raised by the first task, so the parent sees the real
+    error instead of a broken pool.
+    """
+    global _TOKENIZER, _INIT_ERROR
+    from tokenloom.tokenizers import load_tokenizer
+
+    try:
+        _TOKENIZER = load_tokenizer(spec.with_options(num_threads=1))
+    except Exception as exc:  # noqa: BLE001 - re-raised in encode_in_worker
+        _INIT_ERROR = exc
+
+
+def set_tokenizer(tokenizer) -> None:
+    """Use an already built tokenizer in this process (the in-process ``--workers 1`` path)."""
+    global _TOKENIZER
+    _TOKENIZER = tokenizer
+
+
+def _snippet(raw) -> str:
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", errors="replace")
+    return str(raw)[:200]
+
+
+def _check_text(value, key: str) -> tuple[list[str] | None, str | None]:
+    """The value's texts (one, or the sentences of a list), or the reason it is bad."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return None, f"invalid UTF-8 at byte {exc.start} of key {key!r}"
+    if isinstance(value, str):
+        texts = [value]
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        texts = value
+    elif value is None:
+        return None, f"key {key!r} is null, not a string"
+    else:
+        return None, f"key {key!r} is a {type(value).__name__}, not a string"
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return None, f"invalid UTF-8 in key {key!r} (unpaired surrogate at character {exc.start})"
+    return texts, None
+
+
+def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | None]:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"invalid UTF-8 at byte {exc.start}"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+    if not isinstance(obj, dict):
+        return None, f"a JSON {type(obj).__name__}, not an object"
+    for key in keys:
+        if key not in obj:
+            return None, f"missing key {key!r}"
+    return obj, None
+
+
+def decode_chunk(chunk: Chunk, keys: tuple[str, ...]):
+    """Validate a chunk's records: ``(good, bad)`` with good = ``[(number, {key: [texts]})]`` and
+    bad = ``[(number, reason, snippet)]``, both in input order (reader errors included in ``bad``)."""
+    good, bad = [], [(n, reason, "") for n, reason in chunk.errors]
+    for j, number in enumerate(chunk.numbers):
+        if chunk.kind == "json":
+            obj, reason = _parse_line(chunk.lines[j], keys)
+            raw = chunk.lines[j]
+        else:
+            obj, reason = {k: chunk.columns[k][j] for k in keys}, None
+            raw = chunk.columns[keys[0]][j]
+        texts_per_key = {}
+        if obj is not None:
+            for key in keys:
+                texts, reason = _check_text(obj[key], key)
+                if reason:
+                    break
+                texts_per_key[key] = texts
+        if reason:
+            bad.append((number, reason, _snippet(raw)))
+        else:
+            good.append((number, texts_per_key))
+    bad.sort(key=lambda b: b[0])
+    return good, bad
+
+
+def encode_chunk(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:
+    """Validate, tokenize and frame one chunk; bad records are returned, never raised."""
+    good, bad = decode_chunk(chunk, opts.keys)
+    result = EncodedChunk(chunk.seq, {}, bad, documents=len(good))
+    for key in opts.keys:
+        pieces = [t for _, texts in good for t in texts[key]]
+        counts = np.fromiter((len(texts[key]) for _, texts in good), dtype=np.int64, count=len(good))
+        result.text_bytes += sum(map(len, pieces))
+        result.outputs[key] = _frame(pieces, counts, opts)
+    return result
+
+
+def _frame(texts: list[str], pieces_per_doc: np.ndarray, opts: EncodeOptions) -> KeyOutput:
+    """Tokenize the pieces and lay them out as sequences/documents with EOD/BOS."""
+    if texts:
+        ids, lengths = _TOKENIZER.encode_batch(texts)
+    else:
+        ids, lengths = np.empty(0, np.int64), np.empty(0, np.int64)
+    doc_of_piece = np.repeat(np.arange(len(pieces_per_doc)), pieces_per_doc)
+    keep = lengths > 0  # a sentence that tokenizes to nothing is dropped (Megatron)
+    lengths, doc_of_piece = lengths[keep], doc_of_piece[keep]
+    seqs_per_doc = np.bincount(doc_of_piece, minlength=len(pieces_per_doc)).astype(np.int64)
+    nonempty = seqs_per_doc > 0
+    empty_documents = int((~nonempty).sum())
+    if len(lengths) and (opts.append_eod or opts.prepend_bos):
+        ends = np.cumsum(lengths)
+        first_piece = np.cumsum(seqs_per_doc)[nonempty] - seqs_per_doc[nonempty]
+        last_piece = first_piece + seqs_per_doc[nonempty] - 1
+        positions, values = [], []
+        if opts.append_eod:  # listed before BOS: at a shared position EOD (end of d) precedes BOS (start of d+1)
+            positions.append(ends[last_piece])
+            values.append(np.full(len(last_piece), opts.eod, dtype=np.int64))
+        if opts.prepend_bos:
+            positions.append(ends[first_piece] - lengths[first_piece])
+            values.append(np.full(len(first_piece), opts.bos, dtype=np.int64))
+        ids = np.insert(ids, np.concatenate(positions), np.concatenate(values))
+        lengths = lengths.copy()
+        if opts.append_eod:
+            lengths[last_piece] += 1
+        if opts.prepend_bos:
+            lengths[first_piece] += 1
+    if ids.size and (int(ids.max()) >= opts.vocab_size or int(ids.min()) < 0):
+        bad = int(ids.max()) if int(ids.max()) >= opts.vocab_size else int(ids.min())
+        raise ValueError(f"tokenizer emitted id {bad} outside its vocab size {opts.vocab_size}")
+    return KeyOutput(ids.astype(opts.dtype), lengths, seqs_per_doc, empty_documents)
+
+
+def ping() -> bool:
+    """A no-op task: submitting it makes the pool start its processes."""
+    return True
+
+
+def encode_in_worker(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:
+    """Entry point submitted to the process pool."""
+    if _INIT_ERROR is not None:
+        raise _INIT_ERROR
+    return encode_chunk(chunk, opts)

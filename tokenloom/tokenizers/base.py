@@ -1,0 +1,148 @@
+"""The one tokenizer interface every backend implements, and the picklable spec.
+
+A :class:`Tokenizer` is built from a :class:`TokenizerSpec` (kind + file path +
+options). The spec is what crosses process boundaries: preprocess workers each
+call ``load_tokenizer(spec)`` instead of pickling a live backend object (Rust and
+C++ handles do not pickle, and rebuilding is cheap: < 0.5 s for every shared
+tokenizer).
+
+Fingerprint policy: ``fingerprint()["digest"]`` is a sha256 over the kind, the
+sha256 of every file read (keyed by file *name*, never by absolute path), the
+vocab size, the eod/bos/pad ids and the options that can change ids. Options that
+only change speed (``num_threads``, ``fast``) and the engine actually used are
+reported next to the digest but are not part of it, because the ids are the same.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenloom.errors import TokenloomError
+
+#: Options that never change the emitted ids (or are file paths, whose content is hashed in
+#: ``files``); excluded from the fingerprint digest.
+RUNTIME_OPTIONS = frozenset({"num_threads", "fast", "merges"})
+
+#: Environment variable giving the default ``num_threads`` for batch encoding.
+THREADS_ENV = "TOKENLOOM_TOKENIZER_THREADS"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """Everything needed to rebuild a tokenizer in another process.
+
+    ``path`` is absolute (or None for file-less kinds such as ``byte``/``null``);
+    ``options`` holds plain JSON-like values only, so the spec pickles and prints.
+    """
+
+    kind: str
+    path: str | None = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def with_options(self, **options: Any) -> TokenizerSpec:
+        """A copy with ``options`` merged in, e.g. ``spec.with_options(num_threads=1)``."""
+        return dataclasses.replace(self, options={**self.options, **options})
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve_threads(num_threads: int | None) -> int | None:
+    """``num_threads`` if given, else $TOKENLOOM_TOKENIZER_THREADS, else None (backend default)."""
+    if num_threads is None:
+        env = os.environ.get(THREADS_ENV)
+        if not env:
+            return None
+        try:
+            num_threads = int(env)
+        except ValueError:
+            raise TokenloomError(f"${THREADS_ENV}={env!r} is not an integer") from None
+    if num_threads < 1:
+        raise TokenloomError(f"num_threads must be >= 1, got {num_threads}")
+    return num_threads
+
+
+def flatten(seqs: list, total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Flat int64 ids and int64 lengths from a list of per-text id lists."""
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    count = int(lengths.sum()) if total is None else total
+    ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=count)
+    return ids, lengths
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> ids. Subclasses set the attributes below in ``__init__``.
+
+    ``vocab_size`` bounds every id the tokenizer can emit (max id + 1, special and
+    added tokens included); callers use it to pick uint16 vs int32 storage.
+    ``encode``/``encode_batch`` never add BOS/EOS: the caller appends ``eod``.
+    """
+
+    kind: str
+    vocab_size: int
+    eod: int | None = None
+    bos: int | None = None
+    pad: int | None = None
+
+    def __init__(self, spec: TokenizerSpec, files: dict[str, str], engine: str):
+        self._spec = spec
+        self._files = files  # {file name: sha256}
+        self.engine = engine
+
+    @abc.abstractmethod
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Flat ids of all texts concatenated, and per-text lengths (both np.int64)."""
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_batch([text])[0]
+
+    @abc.abstractmethod
+    def decode(self, ids) -> str:
+        """Text of ``ids``; special tokens (eod/bos/pad, control tokens) are skipped."""
+
+    @property
+    def spec(self) -> TokenizerSpec:
+        return self._spec
+
+    def __reduce__(self):
+        # pickling a tokenizer sends its spec; the receiver rebuilds the backend
+        from tokenloom.tokenizers.load import load_tokenizer
+
+        return load_tokenizer, (self._spec,)
+
+    def id_options(self) -> dict[str, Any]:
+        """Resolved options that affect ids (subclasses add auto-detected ones)."""
+        return {k: v for k, v in sorted(self._spec.options.items()) if k not in RUNTIME_OPTIONS}
+
+    def fingerprint(self) -> dict:
+        fp = {
+            "kind": self.kind,
+            "files": dict(sorted(self._files.items())),
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+            "bos": self.bos,
+            "pad": self.pad,
+            "options": self.id_options(),
+        }
+        blob = json.dumps(fp, sort_keys=True, separators=(",", ":")).encode()
+        fp["digest"] = hashlib.sha256(blob).hexdigest()
+        fp["engine"] = self.engine  # not in the digest: every engine gives the same ids
+        return fp
+
+    def __repr__(self) -> str:
+        name = Path(self._spec.path).name if self._spec.path else ""
+        return f"<{type(self).__name__} kind={self.kind} {name} vocab_size={self.vocab_size} eod={self.eod}>"

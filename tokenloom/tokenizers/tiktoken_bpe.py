@@ -1,0 +1,193 @@
+"""tiktoken rank files (``base64-token rank`` lines): GPT-2 r50k, Llama-3, cl100k, ...
+
+A rank file holds only the BPE ranks; the split regex and the special tokens live
+elsewhere. Known files are recognised by sha256 and get their published pattern
+and specials (table ``KNOWN_RANK_FILES``); for any other file pass ``pattern``
+(a regex or a name from ``PATTERNS``) and ``special_tokens`` ({name: id}, or a
+list of names numbered from the first id after the ranks), else loading fails
+rather than guessing.
+
+Trade-offs: we parse the rank file ourselves instead of calling
+``tiktoken.load.load_tiktoken_bpe``, which copies even local files into a cache
+keyed by path (a changed file at the same path would be served stale). Text is
+encoded with ``encode_ordinary``: special-token strings in the text are encoded as
+ordinary text (as Megatron's GPT-2 tokenizer does); callers append ``eod`` ids.
+Llama-3 uses Meta's layout (specials at 128000..128255), not Megatron
+TikTokenizer's layout (specials shifted to the front), because that is the layout
+of the released checkpoints and of the shared FIM fixture.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+
+from tokenloom.errors import TokenloomError
+from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec, flatten, resolve_threads, sha256_file
+
+ENDOFTEXT = "<|endoftext|>"
+
+R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+LLAMA3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+CL100K_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+PATTERNS = {"r50k": R50K_PATTERN, "gpt2": R50K_PATTERN, "llama3": LLAMA3_PATTERN, "cl100k": CL100K_PATTERN,
+            "o200k": O200K_PATTERN}
+
+
+def _llama3_specials() -> dict[str, int]:
+    names = [
+        "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+        "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|start_header_id|>",
+        "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
+    ] + [f"<|reserved_special_token_{i}|>" for i in range(5, 256 - 5)]
+    return {name: 128000 + i for i, name in enumerate(names)}
+
+
+# sha256 of the rank file -> (name, pattern, specials, eod, bos). The OpenAI hashes are the
+# ones tiktoken pins (tiktoken_ext/openai_public.py); only r50k and llama3 are in the shared
+# test data, the others are recognised on the strength of the pinned hash.
+KNOWN_RANK_FILES = {
+    "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930":
+        ("r50k_base", R50K_PATTERN, {ENDOFTEXT: 50256}, ENDOFTEXT, None),
+    "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069":
+        ("p50k_base", R50K_PATTERN, {ENDOFTEXT: 50256}, ENDOFTEXT, None),
+    "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7":
+        ("cl100k_base", CL100K_PATTERN, {ENDOFTEXT: 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
+                                         "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}, ENDOFTEXT, None),
+    "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d":
+        ("o200k_base", O200K_PATTERN, {ENDOFTEXT: 199999, "<|endofprompt|>": 200018}, ENDOFTEXT, None),
+    "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55":
+        ("llama3", LLAMA3_PATTERN, _llama3_specials(), "<|end_of_text|>", "<|begin_of_text|>"),
+}
+
+
+def looks_like_rank_file(head: bytes) -> bool:
+    """True if the first lines of a file are ``<base64> <int>`` pairs."""
+    lines = [ln for ln in head.split(b"\n")[:-1] if ln.strip()][:50]  # last line may be cut
+    if not lines:
+        return False
+    for line in lines:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            return False
+        try:
+            base64.b64decode(parts[0], validate=True)
+        except (binascii.Error, ValueError):
+            return False
+    return True
+
+
+def read_rank_file(path: str | Path) -> dict[bytes, int]:
+    ranks = {}
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except (ValueError, binascii.Error):
+                raise TokenloomError(
+                    f"{path}:{lineno}: not a tiktoken rank line (expected '<base64> <rank>'): {line[:60]!r}"
+                ) from None
+    if not ranks:
+        raise TokenloomError(f"{path}: empty tiktoken rank file")
+    return ranks
+
+
+def encode_ordinary_batch(enc: tiktoken.Encoding, texts: list[str], num_threads: int | None) -> list[list[int]]:
+    """tiktoken batch encode; num_threads=1 stays on the calling thread (faster than a 1-thread pool)."""
+    if num_threads == 1 or len(texts) == 1:
+        return [enc.encode_ordinary(t) for t in texts]
+    if num_threads is None:
+        return enc.encode_ordinary_batch(texts)
+    return enc.encode_ordinary_batch(texts, num_threads=num_threads)
+
+
+def decode_skipping(enc: tiktoken.Encoding, ids, special_ids: set[int]) -> str:
+    return enc.decode([int(i) for i in ids if int(i) not in special_ids])
+
+
+class TiktokenTokenizer(Tokenizer):
+    """``kind="tiktoken"``. Options: ``pattern``, ``special_tokens``, ``eod``, ``bos``, ``pad``
+    (token names), ``num_threads``."""
+
+    kind = "tiktoken"
+
+    def __init__(self, spec: TokenizerSpec):
+        path = Path(spec.path)
+        if path.is_dir():
+            found = sorted(path.glob("*.tiktoken")) or [p for p in [path / "tokenizer.model"] if p.is_file()]
+            if len(found) != 1:
+                raise TokenloomError(f"{path}: expected exactly one *.tiktoken (or tokenizer.model) file, "
+                                     f"found {[p.name for p in found]}")
+            path = found[0]
+        digest = sha256_file(path)
+        super().__init__(spec, {path.name: digest}, engine="tiktoken")
+        opts = dict(spec.options)
+        self.num_threads = resolve_threads(opts.pop("num_threads", None))
+        name, pattern, specials, eod, bos = KNOWN_RANK_FILES.get(digest, (None, None, None, None, None))
+        pattern = opts.pop("pattern", pattern)
+        pattern = PATTERNS.get(pattern, pattern)
+        specials = opts.pop("special_tokens", specials)
+        eod, bos, pad = opts.pop("eod", eod), opts.pop("bos", bos), opts.pop("pad", None)
+        if opts:
+            raise TokenloomError(f"unknown tiktoken options {sorted(opts)} for {path}")
+        if pattern is None:
+            raise TokenloomError(
+                f"{path}: unknown tiktoken rank file (sha256 {digest[:16]}...); pass pattern=<regex or one of "
+                f"{sorted(PATTERNS)}> and special_tokens={{name: id}} so the ids are not guessed"
+            )
+        ranks = read_rank_file(path)
+        n_ranks = max(ranks.values()) + 1
+        if specials is None:
+            specials = {ENDOFTEXT: n_ranks}
+            eod = eod or ENDOFTEXT
+        elif isinstance(specials, (list, tuple)):
+            specials = {s: n_ranks + i for i, s in enumerate(specials)}
+        specials = {str(k): int(v) for k, v in specials.items()}
+        if eod is None and ENDOFTEXT in specials:
+            eod = ENDOFTEXT
+        self._resolved = {"pattern": pattern, "special_tokens": dict(sorted(specials.items(), key=lambda kv: kv[1]))}
+        try:
+            self.enc = tiktoken.Encoding(name or f"tokenloom-{digest[:12]}", pat_str=pattern,
+                                         mergeable_ranks=ranks, special_tokens=specials)
+        except Exception as e:  # tiktoken raises ValueError/pyo3 errors for bad regexes or clashing ids
+            raise TokenloomError(f"{path}: cannot build tiktoken encoding: {e}") from None
+        self.vocab_size = max(n_ranks, *[i + 1 for i in specials.values()])
+        self.eod, self.bos, self.pad = (self._special_id(path, specials, t) for t in (eod, bos, pad))
+        self._special_ids = set(specials.values())
+
+    @staticmethod
+    def _special_id(path, specials: dict[str, int], token) -> int | None:
+        if token is None or isinstance(token, int):
+            return token
+        if token not in specials:
+            raise TokenloomError(f"{path}: special token {token!r} is not among the special_tokens")
+        return specials[token]
+
+    def id_options(self) -> dict:
+        return {**super().id_options(), **self._resolved}
+
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        return flatten(encode_ordinary_batch(self.enc, texts, self.num_threads))
+
+    def decode(self, ids) -> str:
+        return decode_skipping(self.enc, ids, self._special_ids)

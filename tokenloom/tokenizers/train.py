@@ -1,0 +1,161 @@
+"""Train a new tokenizer from text files: byte-level BPE (``tokenizers``) or unigram (``sentencepiece``).
+
+Both are deterministic for the same inputs and config: the BPE trainer has no
+randomness (ties are broken by pair order), and the unigram trainer runs with
+fixed input order (no sentence sampling or shuffling) and ``seed`` as its random
+seed. Unigram training uses one thread, so float sums are in a fixed order; it is
+slower (a few seconds per MB) but repeatable.
+
+* ``bpe`` writes ``tokenizer.json``: ByteLevel pre-tokeniser with the GPT-2 regex,
+  the 256-byte initial alphabet (every text is encodable, decode(encode(x)) == x),
+  specials first (``<|endoftext|>`` = 0 by default).
+* ``unigram`` writes ``tokenizer.model``: the first special
+  token becomes the model's eos piece (so ``eod`` is it), the rest are
+  user-defined symbols; identity normalisation, no whitespace collapsing, byte
+  fallback on, so text is not silently changed. Documents are fed line by line
+  (SentencePiece skips "sentences" longer than ``max_sentence_length``).
+
+The reader below is deliberately small (jsonl / .gz / .zst, txt, parquet); the
+preprocess stage has the full-featured readers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from tokenloom.errors import TokenloomError
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainTokenizerConfig:
+    inputs: list[str]
+    """Text files: .jsonl, .jsonl.gz, .jsonl.zst (field ``json_key``), .txt (one document per line), .parquet."""
+    output: str
+    """Directory to write tokenizer.json (bpe) or tokenizer.model (unigram) into; created if missing."""
+    kind: str = "bpe"
+    """"bpe" (byte-level BPE via tokenizers) or "unigram" (SentencePiece unigram)."""
+    vocab_size: int = 32000
+    """Total vocabulary size, special tokens included."""
+    special_tokens: list[str] = dataclasses.field(default_factory=lambda: ["<|endoftext|>"])
+    """Special tokens; the first one is the end-of-document (eod) token."""
+    min_frequency: int = 2
+    """BPE: minimum pair count for a merge. Unigram: ignored (SentencePiece has no such knob)."""
+    json_key: str = "text"
+    """Field holding the text in jsonl / parquet inputs."""
+    seed: int = 0
+    """Random seed (unigram); BPE training is deterministic without one."""
+
+
+def iter_texts(path: str | Path, json_key: str = "text") -> Iterator[str]:
+    """Yield the documents of one input file."""
+    path = Path(path)
+    if not path.is_file():
+        raise TokenloomError(f"input file {path} does not exist")
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        yield from _iter_parquet(path, json_key)
+        return
+    if name.endswith(".gz"):
+        stream = io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    elif name.endswith(".zst"):
+        import zstandard
+
+        stream = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True),
+                                  encoding="utf-8")
+    else:
+        stream = open(path, encoding="utf-8")
+    is_json = ".jsonl" in name or ".json" in name
+    with stream:
+        for lineno, line in enumerate(stream, 1):
+            if not is_json:
+                yield line.rstrip("\n")
+                continue
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[json_key]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise TokenloomError(f"{path}:{lineno}: cannot read field {json_key!r}: {e}") from None
+            if not isinstance(text, str):
+                raise TokenloomError(f"{path}:{lineno}: field {json_key!r} is not a string")
+            yield text
+
+
+def _iter_parquet(path: Path, column: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if column not in pf.schema_arrow.names:
+        raise TokenloomError(f"{path}: no column {column!r} (columns: {pf.schema_arrow.names})")
+    for batch in pf.iter_batches(columns=[column]):
+        yield from (t for t in batch.column(0).to_pylist() if t is not None)
+
+
+def _iter_all(cfg: TrainTokenizerConfig) -> Iterator[str]:
+    for path in cfg.inputs:
+        yield from iter_texts(path, cfg.json_key)
+
+
+def train_tokenizer(cfg: TrainTokenizerConfig) -> Path:
+    """Train per ``cfg`` and return the output directory (loadable with ``load_tokenizer``)."""
+    if not cfg.inputs:
+        raise TokenloomError("train_tokenizer: no input files")
+    if not cfg.special_tokens:
+        raise TokenloomError("train_tokenizer: need at least one special token (the first is the eod)")
+    for p in cfg.inputs:
+        if not Path(p).is_file():
+            raise TokenloomError(f"input file {p} does not exist")
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.kind == "bpe":
+        _train_bpe(cfg, out)
+    elif cfg.kind == "unigram":
+        _train_unigram(cfg, out)
+    else:
+        raise TokenloomError(f"train_tokenizer: kind must be 'bpe' or 'unigram', got {cfg.kind!r}")
+    return out
+
+
+def _train_bpe(cfg: TrainTokenizerConfig, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    min_vocab = 256 + len(cfg.special_tokens)
+    if cfg.vocab_size < min_vocab:
+        raise TokenloomError(f"train_tokenizer: bpe vocab_size must be >= {min_vocab} (256 bytes + specials)")
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, special_tokens=list(cfg.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tk.train_from_iterator(_iter_all(cfg), trainer=trainer)
+    tk.save(str(out / "tokenizer.json"))
+
+
+def _train_unigram(cfg: TrainTokenizerConfig, out: Path) -> None:
+    import sentencepiece as spm
+
+    def lines() -> Iterator[str]:
+        for text in _iter_all(cfg):
+            yield from (ln for ln in text.split("\n") if ln.strip())
+
+    eod, *others = cfg.special_tokens
+    spm.set_random_generator_seed(cfg.seed)  # process-global in sentencepiece; no TrainerSpec field
+    model = io.BytesIO()  # not model_prefix: that would store the output path inside the model
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines(), model_writer=model, model_type="unigram",
+            vocab_size=cfg.vocab_size, eos_piece=eod, user_defined_symbols=others or None,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, byte_fallback=True,
+            character_coverage=1.0, input_sentence_size=0, shuffle_input_sentence=False,
+            num_threads=1, minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise TokenloomError(f"train_tokenizer: sentencepiece failed: {e}") from None
+    (out / "tokenizer.model").write_bytes(model.getvalue())
