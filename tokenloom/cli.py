@@ -129,6 +129,51 @@ def preprocess(**options):
     run(PreprocessConfig(**options), echo=click.echo)
 
 
+@main.group()
+def tokenizer():
+    """Train and inspect tokenizers."""
+
+
+def _tt_help(name: str) -> str:
+    from tokenloom.config import help_for
+    from tokenloom.tokenizers import TrainTokenizerConfig
+
+    return help_for(TrainTokenizerConfig, name)
+
+
+@tokenizer.command("train")
+@click.option("--input", "inputs", multiple=True, required=True, help=_tt_help("inputs"))
+@click.option("--output", required=True, help=_tt_help("output"))
+@click.option("--kind", type=click.Choice(["bpe", "unigram"]), default="bpe", show_default=True, help=_tt_help("kind"))
+@click.option("--vocab-size", type=int, default=32000, show_default=True, help=_tt_help("vocab_size"))
+@click.option("--special-token", "special_tokens", multiple=True, help=_tt_help("special_tokens"))
+@click.option("--min-frequency", type=int, default=2, show_default=True, help=_tt_help("min_frequency"))
+@click.option("--json-key", default="text", show_default=True, help=_tt_help("json_key"))
+@click.option("--seed", type=int, default=0, show_default=True, help=_tt_help("seed"))
+def tokenizer_train(**options):
+    """Train a byte-level BPE (tokenizers) or unigram (sentencepiece) tokenizer; it loads in preprocess."""
+    from tokenloom.tokenizers import TrainTokenizerConfig, train_tokenizer
+
+    options["inputs"] = list(options["inputs"])
+    if options["special_tokens"]:
+        options["special_tokens"] = list(options["special_tokens"])
+    else:
+        del options["special_tokens"]
+    click.echo(f"wrote {train_tokenizer(TrainTokenizerConfig(**options))}")
+
+
+@tokenizer.command("inspect")
+@click.argument("path", required=False)
+@click.option("--tokenizer-type", help="Force the tokenizer kind instead of detecting it.")
+def tokenizer_inspect(path, tokenizer_type):
+    """Kind, vocabulary size, special ids and fingerprint of a tokenizer."""
+    import json
+
+    from tokenloom.tokenizers import load_tokenizer
+
+    click.echo(json.dumps(load_tokenizer(path, kind=tokenizer_type).fingerprint(), indent=2))
+
+
 @main.command()
 @click.option("--output-dir", default="demo-out", show_default=True, help="Where the demo writes its files.")
 @click.option("--max-documents", default=400, show_default=True, help="Python stdlib modules in the corpus.")

@@ -1,0 +1,167 @@
+"""In-process checks of our DDP on a 1-rank gloo group: launch order, overlap with
+backward, no_sync, grads as bucket views, ignore list, user errors."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.ddp import DistributedDataParallel
+from tokenloom.train.dist import init_from_env
+from tokenloom.train.model import GPT, GPTConfig
+
+
+@pytest.fixture
+def group(tmp_path):
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+def mlp(n: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
+
+
+def test_buckets_launch_in_order_during_backward(group, monkeypatch):
+    model = mlp()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.02, rebuild_buckets=False)
+    events = []
+    real = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        events.append(("launch", tensor.data_ptr()))
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", recording_all_reduce)
+    for p in model.parameters():  # registered after DDP's hooks, so they run after them
+        p.register_post_accumulate_grad_hook(lambda p: events.append(("grad", p.data_ptr())))
+    ddp(torch.randn(3, 64)).sum().backward()
+
+    launches = [ptr for kind, ptr in events if kind == "launch"]
+    assert launches == [b.buffer.data_ptr() for b in ddp._buckets]
+    assert len(launches) == len(ddp.bucket_indices) > 2
+    first_launch = events.index(("launch", launches[0]))
+    last_grad = max(i for i, (kind, _) in enumerate(events) if kind == "grad")
+    assert first_launch < last_grad  # communication starts while backward is still running
+    # Reverse definition order: the last-defined param is in the first bucket.
+    assert 11 in ddp.bucket_indices[0] and 0 in ddp.bucket_indices[-1]
+
+
+def test_no_sync_accumulates_without_communication(group, monkeypatch):
+    model = mlp(2)
+    ddp = DistributedDataParallel(model)
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    x = torch.randn(3, 64)
+    with ddp.no_sync():
+        ddp(x).sum().backward()
+    assert calls == []
+    ddp(x).sum().backward()
+    assert len(calls) == len(ddp.bucket_indices)
+    ref = mlp(2)
+    (ref(x).sum() * 2).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_grads_are_views_into_bucket_after_set_to_none(group):
+    model = mlp(3)
+    ddp = DistributedDataParallel(model, rebuild_buckets=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for set_to_none in (True, False):
+        opt.zero_grad(set_to_none=set_to_none)
+        ddp(torch.randn(2, 64)).sum().backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert storages == {b.buffer.untyped_storage().data_ptr() for b in ddp._buckets}
+
+
+def test_ignored_parameters_are_not_reduced(group):
+    model = mlp(2)
+    ddp = DistributedDataParallel(model, params_and_buffers_to_ignore=["0.weight"])
+    assert "0.weight" not in ddp.param_names and len(ddp.param_names) == 3
+    ddp(torch.randn(2, 64)).sum().backward()
+    assert model[0].weight.grad is not None  # plain local grad
+    assert all(model[0].weight.grad.data_ptr() != b.buffer.data_ptr() for b in ddp._buckets)
+
+
+def test_sparse_embedding_is_a_user_error(group):
+    with pytest.raises(TokenloomError, match="sparse"):
+        DistributedDataParallel(nn.Embedding(10, 4, sparse=True))
+
+
+def test_rebuild_follows_ready_order(group):
+    """A model whose forward uses its layers in reverse definition order."""
+
+    class Backwards(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = mlp(4)
+
+        def forward(self, x):
+            for layer in reversed(self.layers):
+                x = layer(x)
+            return x.sum()
+
+    model = Backwards()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
+    before = ddp.bucket_indices
+    for _ in range(2):
+        ddp(torch.randn(2, 64)).backward()
+    after = ddp.bucket_indices
+    assert before[0][0] > before[-1][0]  # initial: reverse definition order
+    assert after[0][:2] == [1, 0]  # rebuilt: layer 0 ran last, so its grads are ready first
+
+
+def test_init_from_env_requires_launcher_vars(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(TokenloomError, match="torchrun"):
+        init_from_env()
+
+
+class MixedPrecision(nn.Module):
+    """fp32 -> fp64 -> bf16 layers: three bucket keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8).double(), nn.Linear(8, 8).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.b(self.a(x).double())
+        return self.c(x.to(torch.bfloat16)).float().sum()
+
+
+def test_mixed_dtypes_get_separate_buckets(group):
+    model, ref = MixedPrecision(), MixedPrecision()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1e-4)
+    x = torch.randn(2, 8)
+    ddp(x).backward()
+    ref(x).backward()
+    for b in ddp._buckets:
+        assert {ddp._params[i].dtype for i in b.indices} == {b.buffer.dtype}
+    assert {b.buffer.dtype for b in ddp._buckets} == {torch.float32, torch.float64, torch.bfloat16}
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_find_unused_sees_through_activation_recompute(group):
+    """Non-reentrant checkpoint keeps params reachable in the graph: nothing is
+    wrongly marked unused (it would then be reported as getting its grad twice)."""
+    cfg = GPTConfig(vocab_size=50, seq_len=8, n_layers=2, n_heads=2, d_model=16, recompute_layers=(0, 1))
+    model, ref = GPT(cfg), GPT(cfg)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    tokens = torch.randint(0, 50, (2, 8))
+    ddp(tokens, tokens).backward()
+    ref(tokens, tokens).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

@@ -1,0 +1,127 @@
+"""GPT model sanity: shapes, init, tying, GQA, recompute, loss, FLOPs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.model import GPT, GPTConfig
+
+
+def cfg(**kw) -> GPTConfig:
+    base = dict(vocab_size=100, seq_len=16, n_layers=2, n_heads=4, d_model=32)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+LLAMA = dict(arch="llama", bias=False, n_kv_heads=2)
+
+
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_logits_shape_and_padded_vocab(arch):
+    model = GPT(cfg(**arch))
+    assert model.cfg.padded_vocab_size == 128  # 100 rounded up to a multiple of 128
+    tokens = torch.randint(0, 100, (3, 16))
+    assert model(tokens).shape == (3, 16, 128)
+    assert model(tokens[:, :5]).shape == (3, 5, 128)
+
+
+def test_init_is_deterministic_and_seeded():
+    a, b, c = GPT(cfg()), GPT(cfg()), GPT(cfg(seed=1))
+    torch.manual_seed(123)  # global RNG must not matter
+    d = GPT(cfg())
+    for pa, pb, pd in zip(a.parameters(), b.parameters(), d.parameters(), strict=True):
+        assert torch.equal(pa, pb) and torch.equal(pa, pd)
+    assert not torch.equal(a.tok_emb.weight, c.tok_emb.weight)
+
+
+def test_residual_projections_use_scaled_init():
+    model = GPT(cfg(n_layers=8, d_model=64, init_std=0.02))
+    resid = torch.cat([b.mlp.proj.weight.flatten() for b in model.blocks])
+    plain = torch.cat([b.mlp.fc.weight.flatten() for b in model.blocks])
+    assert resid.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert plain.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_tied_embeddings_share_storage():
+    tied, untied = GPT(cfg(tie_embeddings=True)), GPT(cfg(tie_embeddings=False))
+    assert tied.lm_head.weight is tied.tok_emb.weight
+    assert tied.lm_head.weight.data_ptr() == tied.tok_emb.weight.data_ptr()
+    assert untied.lm_head.weight.data_ptr() != untied.tok_emb.weight.data_ptr()
+    assert tied.num_params() == untied.num_params() - 128 * 32
+
+
+def test_gqa_shapes():
+    model = GPT(cfg(**LLAMA))
+    qkv = model.blocks[0].attn.qkv.weight
+    assert qkv.shape == ((4 + 2 * 2) * 8, 32)  # 4 query heads + 2 K + 2 V heads of dim 8
+    assert GPT(cfg(arch="llama")).blocks[0].attn.qkv.bias is None  # llama: no biases by default
+    with pytest.raises(TokenloomError, match="n_kv_heads"):
+        cfg(arch="llama", n_kv_heads=3)
+
+
+def test_gqa_with_full_kv_heads_equals_mha():
+    """n_kv_heads == n_heads is plain multi-head attention (same params, same output)."""
+    a, b = GPT(cfg(arch="llama", n_kv_heads=4)), GPT(cfg(arch="llama", n_kv_heads=None))
+    tokens = torch.randint(0, 100, (2, 16))
+    torch.testing.assert_close(a(tokens), b(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_recompute_gives_equal_grads(arch):
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for layers in [(), (0, 1)]:
+        model = GPT(cfg(recompute_layers=layers, **arch))
+        model(tokens, tokens).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1, rtol=0, atol=1e-6)
+
+
+def test_loss_mask_and_causality():
+    model = GPT(cfg())
+    tokens = torch.randint(0, 100, (2, 16))
+    logits = model(tokens)
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 100  # future tokens must not affect earlier logits
+    torch.testing.assert_close(model(changed)[:, :10], logits[:, :10])
+    mask = torch.zeros(2, 16)
+    mask[:, :10] = 1
+    full = torch.nn.functional.cross_entropy(logits[:, :10].reshape(-1, 128), tokens[:, :10].reshape(-1))
+    torch.testing.assert_close(model(tokens, tokens, mask), full)
+
+
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_tiny_overfit_loss_decreases(arch):
+    torch.manual_seed(0)
+    model = GPT(cfg(dropout=0.1, **arch))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(40):
+        loss = model(data[:, :-1], data[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > math.log(100) - 0.5
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_flops_per_token_formula():
+    model = GPT(cfg(tie_embeddings=True))
+    n = model.num_params() - 16 * 32  # minus position table
+    assert model.num_params(exclude_embeddings=True) == n
+    assert model.flops_per_token(16) == 6 * n + 12 * 2 * 4 * 8 * 16
+    assert model.mfu(1000.0, 1e12, seq_len=16) == pytest.approx(model.flops_per_token(16) * 1000.0 / 1e12)
+    untied = GPT(cfg(tie_embeddings=False))
+    assert untied.num_params(exclude_embeddings=True) == untied.num_params() - 16 * 32 - 128 * 32
+
+
+def test_too_long_sequence_is_a_user_error():
+    with pytest.raises(TokenloomError, match="seq_len"):
+        GPT(cfg())(torch.zeros(1, 17, dtype=torch.long))

@@ -1,0 +1,508 @@
+"""Our own bucketed DistributedDataParallel, built like PyTorch's (torch 2.13).
+
+How one synced iteration runs::
+
+    forward()   maybe rebuild buckets (once, after iteration 0); broadcast buffers from
+                rank 0; run the module; with find_unused_parameters walk the autograd
+                graph from the outputs to find parameters it cannot reach.
+    backward    post-accumulate-grad hook on every parameter: make sure ``param.grad``
+                is the parameter's view into its bucket's flat buffer (copy once if it
+                is not), mark the parameter ready; when a bucket has all its grads it is
+                ready, and ready buckets are launched strictly in bucket order: divide
+                the buffer by the world size, start an async all_reduce(SUM).
+    end of bw   a callback queued on the autograd engine (as torch does) waits on every
+                bucket's work, so ``loss.backward()`` returns with averaged grads.
+
+Design choices and trade-offs:
+
+* **Bucket layout** is :func:`compute_bucket_assignment_by_size`, a Python twin of
+  torch's C++ ``_compute_bucket_assignment_by_size`` (tests check equality). The initial
+  layout is computed in definition order with limits ``[first_bucket_cap, bucket_cap]``
+  and the bucket list reversed (grads arrive roughly in reverse definition order).
+  Torch instead uses *one* bucket for iteration 0 when ``find_unused_parameters`` is
+  False, to avoid mismatched collectives if a model runs its own collectives in
+  backward; we bucket from iteration 0 because our launches are ordered by bucket index,
+  which is identical on every rank. With ``rebuild_buckets`` (default, and only when
+  ``find_unused_parameters`` is False, like torch) the layout is recomputed once, at
+  the next forward, from the order in which grads actually became ready during the
+  first synced backward; rank 0's layout is broadcast so ranks cannot disagree.
+* **Averaging** divides each bucket by the world size *before* the SUM all-reduce, as
+  torch does without a comm hook (torch multiplies by ``1/world_size`` while copying
+  into a non-view bucket: bit-identical for power-of-two world sizes, 1 ulp apart
+  otherwise).
+* **Grads are views into the buckets** (torch's ``gradient_as_bucket_view=True``): no
+  second copy of the grads, no copy-back after the all-reduce. The price: use
+  ``optimizer.zero_grad(set_to_none=False)`` to keep the views; with ``set_to_none=True``
+  each backward pays one copy per parameter into its bucket (correct, just slower).
+  Do not ``detach_()`` or replace ``param.grad`` with a tensor you still need.
+* **Completion** uses ``Variable._execution_engine.queue_callback`` (torch's choice)
+  rather than an explicit ``finish_grad_sync()`` call: the training loop cannot forget
+  it, and grads are final when ``backward()`` returns. Cost: exactly one backward per
+  synced forward (no double backward / ``retain_graph`` loops over one forward).
+* **find_unused_parameters=True** walks the graph after every synced forward (time per
+  iteration) and all-reduces a "used" bitmap once per iteration (one tiny extra
+  collective). A parameter used on no rank keeps its ``.grad`` untouched; one used on
+  some ranks gets the average with zeros from the others (as in torch). With False, a
+  parameter that got no grad raises :class:`TokenloomError` naming it at the end of
+  that backward (torch only notices at the next iteration). If only some ranks skip a
+  parameter, the other ranks wait for its bucket and fail at the collective timeout.
+* A dead or silent peer surfaces as :class:`TokenloomError` from ``backward()`` (gloo
+  notices a closed socket within milliseconds, a silent peer after the process-group
+  timeout given to :func:`tokenloom.train.dist.init_from_env`).
+* ``no_sync()``: forward and backward inside it only accumulate into ``param.grad``;
+  the first synced backward after it reduces the accumulated total.
+* Sparse gradients (``nn.Embedding(sparse=True)``) are not supported (clear error at
+  construction); the assignment function still handles ``expect_sparse_gradient``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from tokenloom.errors import TokenloomError
+
+FIRST_BUCKET_BYTES = 1024 * 1024
+"""Cap of the small first bucket when ``bucket_cap_mb`` is left at its default (torch's value)."""
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""Default bucket cap in MiB (torch's value)."""
+_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+
+
+def compute_bucket_assignment_by_size(
+    tensors: Sequence[torch.Tensor],
+    bucket_size_limits: Sequence[int],
+    expect_sparse_gradient: Sequence[bool] = (),
+    tensor_indices: Sequence[int] = (),
+) -> tuple[list[list[int]], list[int]]:
+    """Group tensors into buckets by byte size; same result as torch's
+    ``dist._compute_bucket_assignment_by_size`` for the same arguments.
+
+    Tensors are taken in the given order and accumulated per ``(dtype, device)``; each
+    key walks ``bucket_size_limits`` on its own (the last limit repeats). A bucket closes
+    as soon as its bytes reach the current limit (``>=``: the tensor that crosses the
+    limit stays in). ``tensor_indices`` (rebuild path: tensors in grad-ready order) gives
+    the index reported for each tensor; without it the index is the position and the
+    buckets are sorted by their smallest index. Sparse-gradient tensors get a bucket of
+    their own with limit 0. Returns ``(bucket_indices, per_bucket_limits)``.
+
+    Worked example (fp32 sizes 0.38, 0.76, 11.4, 19.1, 0.004 MiB, limits [1 MiB, 25 MiB])
+    -> buckets [[0, 1], [2, 3], [4]], limits [1048576, 26214400, 26214400].
+
+    Only difference from torch: on the rebuild path with several dtypes, leftover
+    (not full) buckets come out in first-seen order; torch's order there comes from an
+    ``unordered_map`` and is unspecified.
+    """
+    if not bucket_size_limits:
+        raise ValueError("bucket_size_limits must not be empty")
+    if tensor_indices and len(tensor_indices) != len(tensors):
+        raise ValueError("tensor_indices must have one entry per tensor")
+    result: list[tuple[list[int], int]] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], list] = {}  # key -> [indices, bytes, limit]
+    limit_pos: dict[tuple[torch.dtype, torch.device], int] = {}
+    for i, t in enumerate(tensors):
+        if t.is_sparse:
+            raise ValueError("No support for sparse tensors.")
+        idx = tensor_indices[i] if tensor_indices else i
+        if expect_sparse_gradient and expect_sparse_gradient[idx]:
+            result.append(([idx], 0))
+            continue
+        key = (t.dtype, t.device)
+        bucket = open_buckets.setdefault(key, [[], 0, 0])
+        pos = limit_pos.setdefault(key, 0)
+        bucket[0].append(idx)
+        bucket[1] += t.numel() * t.element_size()
+        bucket[2] = bucket_size_limits[pos]
+        if bucket[1] >= bucket[2]:
+            result.append((bucket[0], bucket[2]))
+            open_buckets[key] = [[], 0, 0]
+            limit_pos[key] = min(pos + 1, len(bucket_size_limits) - 1)
+    result.extend((b[0], b[2]) for b in open_buckets.values() if b[0])
+    if not tensor_indices:
+        result.sort(key=lambda r: min(r[0]))
+    return [r[0] for r in result], [r[1] for r in result]
+
+
+@dataclass
+class _Bucket:
+    """One flat gradient buffer and the parameters (by index) whose grads live in it."""
+
+    indices: list[int]
+    buffer: torch.Tensor
+    pending: int = 0
+    work: Any = None
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper: averages gradients across ``process_group`` during backward.
+
+    Args:
+        module: the model; its parameters must already be on this rank's device.
+        process_group: group to average over (default: the global group).
+        bucket_cap_mb: bucket size cap in MiB. ``None`` means 25 MiB with a small first
+            bucket of 1 MiB; an explicit value also caps the first bucket unless
+            ``first_bucket_cap_mb`` is given (torch's rule).
+        first_bucket_cap_mb: cap of the first bucket in MiB (see above).
+        find_unused_parameters: tolerate parameters that get no grad in an iteration
+            (graph walk per forward + one extra tiny all-reduce per iteration).
+        rebuild_buckets: re-bucket once from the observed grad-ready order (ignored
+            with ``find_unused_parameters``).
+        broadcast_buffers: broadcast rank 0's buffers before every synced forward.
+        params_and_buffers_to_ignore: fully qualified names to leave alone (not
+            synced at init, not reduced); merged with the module attribute
+            ``_ddp_params_and_buffers_to_ignore`` when present (torch's convention).
+        init_sync: verify parameter shapes across ranks and broadcast rank 0's
+            parameters and buffers at construction.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        first_bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        rebuild_buckets: bool = True,
+        broadcast_buffers: bool = True,
+        params_and_buffers_to_ignore: Iterable[str] = (),
+        init_sync: bool = True,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise TokenloomError("DistributedDataParallel needs an initialised process group (init_from_env)")
+        self.module = module
+        self.process_group = process_group or dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self._src = dist.get_global_rank(self.process_group, 0)
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
+        if first_bucket_cap_mb is not None:
+            first = int(first_bucket_cap_mb * 1024 * 1024)
+        else:
+            first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+        self.bucket_size_limits = [first, cap]
+
+        ignore = set(params_and_buffers_to_ignore) | set(
+            getattr(module, "_ddp_params_and_buffers_to_ignore", ())
+        )
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
+        self.param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in ignore]
+        self._check_no_sparse(module)
+
+        if init_sync:
+            self._verify_params_across_ranks()
+            _broadcast_coalesced(self._params + self._buffers_to_sync, self._src, self.process_group)
+
+        buckets, _ = compute_bucket_assignment_by_size(self._params, self.bucket_size_limits)
+        self._build_buckets(list(reversed(buckets)))
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
+        ]
+
+        self._sync_enabled = True  # flipped by no_sync()
+        self._expect_hooks = False  # a synced forward ran and its backward is awaited
+        self._backward_started = False
+        self._next_bucket = 0
+        self._marked = [False] * len(self._params)
+        self._locally_used = torch.zeros(len(self._params), dtype=torch.int32)
+        self._unused: list[int] = []
+        self._grad_was_none: set[int] = set()
+        self._rebuild_enabled = rebuild_buckets and not find_unused_parameters
+        self._ready_order: list[int] | None = [] if self._rebuild_enabled else None
+        self._rebuild_pending = False
+
+    # ------------------------------------------------------------------ public API
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._rebuild_pending:
+            self._rebuild()
+        sync = self._sync_enabled and torch.is_grad_enabled()
+        if sync and self.broadcast_buffers and self._buffers_to_sync:
+            with torch.no_grad():
+                _broadcast_coalesced(self._buffers_to_sync, self._src, self.process_group)
+        out = self.module(*args, **kwargs)
+        self._expect_hooks = sync
+        if sync:
+            self._prepare_for_backward(out)
+        return out
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads locally; the forward must run inside the context."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def remove_hooks(self) -> None:
+        """Detach our gradient hooks from the module's parameters (before re-wrapping it)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        """Current buckets in launch order, as indices into :attr:`param_names`."""
+        return [list(b.indices) for b in self._buckets]
+
+    @property
+    def bucket_sizes_bytes(self) -> list[int]:
+        """Byte size of each bucket's flat buffer, in launch order."""
+        return [b.buffer.numel() * b.buffer.element_size() for b in self._buckets]
+
+    # ------------------------------------------------------------------ construction
+
+    def _check_no_sparse(self, module: nn.Module) -> None:
+        tracked = {id(p) for p in self._params}
+        for name, m in module.named_modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in tracked:
+                raise TokenloomError(
+                    f"module {name!r} produces sparse gradients (sparse=True), which our DDP does not "
+                    "support; build it with sparse=False or list its weight in params_and_buffers_to_ignore"
+                )
+
+    def _verify_params_across_ranks(self) -> None:
+        """Every rank gathers every rank's (name, shape, stride, dtype) list and compares
+        it with rank 0's, so all ranks raise the same error (none is left waiting)."""
+        mine = [
+            (n, tuple(p.shape), tuple(p.stride()), str(p.dtype))
+            for n, p in zip(self.param_names, self._params, strict=True)
+        ]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.process_group)
+        ref = gathered[0]
+        for rank, meta in enumerate(gathered[1:], start=1):
+            # Per-parameter differences first (they name a parameter), then the count.
+            for (n0, s0, st0, d0), (n1, s1, st1, d1) in zip(ref, meta, strict=False):
+                if (s0, st0, d0) != (s1, st1, d1):
+                    name = n0 if n0 == n1 else f"{n0}' (named '{n1}' on rank {rank})"
+                    raise TokenloomError(
+                        f"DDP parameter mismatch: parameter '{name}' has shape {s0} stride {st0} {d0} on "
+                        f"rank 0 but shape {s1} stride {st1} {d1} on rank {rank}; all ranks must build the "
+                        "same model"
+                    )
+            if len(meta) != len(ref):
+                extra = [m[0] for m in (meta[len(ref) :] or ref[len(meta) :])]
+                raise TokenloomError(
+                    f"DDP parameter mismatch: rank 0 has {len(ref)} parameters, rank {rank} has {len(meta)} "
+                    f"(first unmatched: {extra[:5]})"
+                )
+
+    def _build_buckets(self, assignment: list[list[int]]) -> None:
+        """Allocate one flat buffer per bucket and point every ``param.grad`` into it."""
+        self._buckets: list[_Bucket] = []
+        self._bucket_of = [0] * len(self._params)
+        self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
+        for b, indices in enumerate(assignment):
+            ref = self._params[indices[0]]
+            numel = sum(self._params[i].numel() for i in indices)
+            bucket = _Bucket(indices, torch.zeros(numel, dtype=ref.dtype, device=ref.device))
+            offset = 0
+            for i in indices:
+                p = self._params[i]
+                view = bucket.buffer[offset : offset + p.numel()].view(p.shape)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                    p.grad = view
+                self._views[i] = view
+                self._bucket_of[i] = b
+                offset += p.numel()
+            self._buckets.append(bucket)
+
+    def _rebuild(self) -> None:
+        """Re-bucket from the first synced backward's ready order (rank 0's wins)."""
+        self._rebuild_pending = False
+        order = list(self._ready_order or [])
+        seen = set(order)
+        order += [i for i in reversed(range(len(self._params))) if i not in seen]
+        tensors = [self._params[i] for i in order]
+        assignment, _ = compute_bucket_assignment_by_size(tensors, self.bucket_size_limits, (), order)
+        box = [assignment]
+        dist.broadcast_object_list(box, src=self._src, group=self.process_group)
+        self._build_buckets(box[0])
+        self._ready_order = None
+
+    # ------------------------------------------------------------------ backward machinery
+
+    def _prepare_for_backward(self, out: Any) -> None:
+        self._backward_started = False
+        self._next_bucket = 0
+        self._marked = [False] * len(self._params)
+        self._grad_was_none = set()
+        for b in self._buckets:
+            b.pending, b.work = len(b.indices), None
+        self._unused = []
+        if self.find_unused_parameters:
+            reached = _reachable_leaves(out)
+            self._unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
+
+    def _make_hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_accumulated(i, param)
+
+        return hook
+
+    def _on_grad_accumulated(self, i: int, p: torch.Tensor) -> None:
+        view = self._views[i]
+        if not _same_tensor(p.grad, view):
+            view.copy_(p.grad)
+            p.grad = view
+        self._locally_used[i] = 1
+        if not self._expect_hooks:
+            return  # no_sync (or backward without a synced forward): accumulate only
+        if not self._backward_started:
+            self._backward_started = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            for j in self._unused:
+                self._mark_unused_ready(j)
+        if self._ready_order is not None:
+            self._ready_order.append(i)
+        self._mark_ready(i)
+
+    def _mark_unused_ready(self, i: int) -> None:
+        p, view = self._params[i], self._views[i]
+        if p.grad is None:
+            view.zero_()
+            self._grad_was_none.add(i)
+        elif not _same_tensor(p.grad, view):
+            view.copy_(p.grad)
+            p.grad = view
+        self._mark_ready(i)
+
+    def _mark_ready(self, i: int) -> None:
+        if self._marked[i]:
+            raise TokenloomError(
+                f"parameter '{self.param_names[i]}' got its gradient twice in one backward (reentrant "
+                "backward, or used by an output that find_unused_parameters did not see); this is not supported"
+            )
+        self._marked[i] = True
+        self._buckets[self._bucket_of[i]].pending -= 1
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            bucket = self._buckets[self._next_bucket]
+            bucket.buffer.div_(self.world_size)
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            self._next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        """Queued on the autograd engine: runs once, after the whole backward pass."""
+        self._expect_hooks = False
+        if self._next_bucket < len(self._buckets):
+            missing = [self.param_names[i] for i in range(len(self._params)) if not self._marked[i]]
+            raise TokenloomError(
+                f"{len(missing)} parameter(s) received no gradient in this backward: {missing[:20]}; pass "
+                "find_unused_parameters=True to DistributedDataParallel, or make every parameter take part "
+                "in the loss"
+            )
+        for k, bucket in enumerate(self._buckets):
+            try:
+                bucket.work.wait()
+            except Exception as e:  # gloo/NCCL raise RuntimeError subclasses
+                raise TokenloomError(
+                    f"rank {self.rank}: gradient all-reduce of bucket {k} failed ({type(e).__name__}: {e}); "
+                    "another rank has probably died or stalled past the collective timeout"
+                ) from e
+        if self.find_unused_parameters:
+            used = self._locally_used.to(self._buckets[0].buffer.device)  # NCCL needs a GPU tensor
+            dist.all_reduce(used, group=self.process_group)
+            used = used.cpu()
+            for i in self._grad_was_none:
+                if used[i] > 0:
+                    self._params[i].grad = self._views[i]
+        self._locally_used.zero_()
+        if self._ready_order is not None:
+            self._rebuild_pending = True
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return (
+        a is not None
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _output_tensors(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _output_tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _output_tensors(o)
+
+
+def _reachable_leaves(out: Any) -> set[int]:
+    """ids of the leaf tensors (parameters) reachable from ``out`` in the autograd graph."""
+    found: set[int] = set()
+    stack = []
+    for t in _output_tensors(out):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            found.add(id(t))
+    seen: set[Any] = set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return found
+
+
+@torch.no_grad()
+def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+    """Broadcast ``tensors`` from global rank ``src`` in flat chunks of up to 250 MiB,
+    one chunk per run of tensors with the same dtype and device."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for same in groups.values():
+        for chunk in _chunks_by_bytes(same, _BROADCAST_CHUNK_BYTES):
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in chunk:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _chunks_by_bytes(tensors: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+    chunk: list[torch.Tensor] = []
+    nbytes = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if chunk and nbytes + size > cap:
+            yield chunk
+            chunk, nbytes = [], 0
+        chunk.append(t)
+        nbytes += size
+    if chunk:
+        yield chunk
+
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "FIRST_BUCKET_BYTES",
+    "DistributedDataParallel",
+    "compute_bucket_assignment_by_size",
+]
