@@ -7,7 +7,7 @@ import os
 import struct
 
 import pytest
-from conftest import run_cli
+from tl_testing import run_cli
 
 from tokenloom.indexed import IndexedDatasetWriter
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import import_megatron
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tl_testing import import_megatron
 
 from tokenloom.indexed import IndexedDataset, IndexedDatasetWriter
 

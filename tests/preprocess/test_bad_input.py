@@ -6,7 +6,7 @@ import json
 from collections import namedtuple
 
 import pytest
-from conftest import REPO, preprocess, write_jsonl
+from pp_helpers import REPO, preprocess, write_jsonl
 
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDataset

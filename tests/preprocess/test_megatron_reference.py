@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import preprocess, same_bytes
+from pp_helpers import preprocess, same_bytes
 
 from tokenloom.indexed import IndexedDataset
 

@@ -195,3 +195,12 @@ def test_threads_env(monkeypatch):
     assert resolve_threads(None) is None
     with pytest.raises(TokenloomError, match="num_threads must be >= 1"):
         resolve_threads(0)
+
+
+def test_load_from_tokenizer_and_spec():
+    tok = load_tokenizer(kind="null", vocab_size=5)
+    assert load_tokenizer(tok) is tok
+    assert load_tokenizer(tok.spec).fingerprint() == tok.fingerprint()
+    assert load_tokenizer(tok, vocab_size=6).eod == 6
+    with pytest.raises(TokenloomError, match="conflicts with the spec's kind"):
+        load_tokenizer(tok.spec, kind="byte")

@@ -141,3 +141,16 @@ def test_explicit_merges_option(tmp_path):
     tok = load_tokenizer(tmp_path / "my-vocab.json", merges=tmp_path / "my.bpe")
     assert tok.engine == "tiktoken"  # byte-identical files, so still proven
     assert str(tmp_path) not in str(tok.fingerprint())
+
+
+@pytest.mark.parametrize("corpus", ["tinyshakespeare", "wikitext-2"])
+@pytest.mark.parametrize("name", ["gpt2-reference", "gpt2-fast"])
+def test_ids_equal_megatron_preprocess_output(encoded, corpus, name):
+    """Megatron's own GPT2BPETokenizer output (preprocess_data.py --append-eod, uint16 .bin)."""
+    bin_path = TOK.parent / "megatron-reference" / f"{corpus}_gpt2_eod.bin"
+    if not bin_path.is_file():
+        pytest.skip(f"{bin_path} not found")
+    ids, lengths = encoded(name, corpus)
+    docs = np.split(ids, np.cumsum(lengths)[:-1])
+    with_eod = np.concatenate([np.append(d, 50256) for d in docs if len(d)])
+    np.testing.assert_array_equal(with_eod, np.fromfile(bin_path, dtype=np.uint16))

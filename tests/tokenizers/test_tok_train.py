@@ -11,7 +11,8 @@ import zstandard
 from tok_helpers import CORPORA
 
 from tokenloom.errors import TokenloomError
-from tokenloom.tokenizers import TrainTokenizerConfig, iter_texts, load_tokenizer, train_tokenizer
+from tokenloom.preprocess.documents import iter_documents
+from tokenloom.tokenizers import TrainTokenizerConfig, load_tokenizer, train_tokenizer
 
 SHAKESPEARE = CORPORA["tinyshakespeare"]
 needs_corpus = pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} not found")
@@ -50,7 +51,7 @@ def test_train_unigram(tmp_path):
     assert _sha(out / "tokenizer.model") == _sha(again / "tokenizer.model")
 
 
-def test_reader_formats(tmp_path):
+def test_reads_every_preprocess_format(tmp_path):
     docs = ["one doc", "two\nlines", "ünï"]
     jsonl = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)).encode()
     (tmp_path / "a.jsonl").write_bytes(jsonl)
@@ -59,20 +60,14 @@ def test_reader_formats(tmp_path):
     pq.write_table(pa.table({"body": docs}), tmp_path / "a.parquet")
     (tmp_path / "a.txt").write_text("l1\nl2\n")
     for name in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst"):
-        assert list(iter_texts(tmp_path / name)) == docs
-    assert list(iter_texts(tmp_path / "a.parquet", "body")) == docs
-    assert list(iter_texts(tmp_path / "a.txt")) == ["l1", "l2"]
-    with pytest.raises(TokenloomError, match=r"a.jsonl:1: cannot read field 'body'"):
-        list(iter_texts(tmp_path / "a.jsonl", "body"))
+        assert list(iter_documents([str(tmp_path / name)])) == docs
+    assert list(iter_documents([str(tmp_path / "a.parquet")], "body")) == docs
+    assert list(iter_documents([str(tmp_path / "a.txt")], txt_unit="line")) == ["l1", "l2"]
+    with pytest.raises(TokenloomError, match=r"a.jsonl:1: missing key 'body'"):
+        list(iter_documents([str(tmp_path / "a.jsonl")], "body"))
     with pytest.raises(TokenloomError, match="no column 'text'"):
-        list(iter_texts(tmp_path / "a.parquet"))
-
-
-def test_train_errors(tmp_path):
-    with pytest.raises(TokenloomError, match="does not exist"):
-        train_tokenizer(TrainTokenizerConfig(inputs=[str(tmp_path / "x.jsonl")], output=str(tmp_path)))
-    (tmp_path / "x.txt").write_text("hello\n")
-    with pytest.raises(TokenloomError, match="kind must be 'bpe' or 'unigram'"):
-        train_tokenizer(TrainTokenizerConfig(inputs=[str(tmp_path / "x.txt")], output=str(tmp_path), kind="wp"))
-    with pytest.raises(TokenloomError, match="vocab_size must be >= 257"):
-        train_tokenizer(TrainTokenizerConfig(inputs=[str(tmp_path / "x.txt")], output=str(tmp_path), vocab_size=100))
+        list(iter_documents([str(tmp_path / "a.parquet")]))
+    cfg = TrainTokenizerConfig(inputs=[str(tmp_path / "a.*")], output=str(tmp_path / "tok"), vocab_size=300,
+                               json_key="body", min_frequency=1)
+    with pytest.raises(TokenloomError, match="missing key 'body'"):
+        train_tokenizer(cfg)  # the glob includes the jsonl files, which have no 'body'

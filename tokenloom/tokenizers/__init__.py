@@ -22,7 +22,7 @@ Policy (details in each backend's module docstring):
 
 from tokenloom.tokenizers.base import THREADS_ENV, Tokenizer, TokenizerSpec
 from tokenloom.tokenizers.load import KIND_ALIASES, detect_kind, list_kinds, load_tokenizer
-from tokenloom.tokenizers.train import TrainTokenizerConfig, iter_texts, train_tokenizer
+from tokenloom.tokenizers.train import TrainTokenizerConfig, train_tokenizer
 
 __all__ = [
     "KIND_ALIASES",
@@ -31,7 +31,6 @@ __all__ = [
     "TokenizerSpec",
     "TrainTokenizerConfig",
     "detect_kind",
-    "iter_texts",
     "list_kinds",
     "load_tokenizer",
     "train_tokenizer",

@@ -7,7 +7,8 @@ own tokenizer does.
 
 ``gpt2-bpe``: ``vocab.json`` + ``merges.txt`` (or Megatron's ``gpt2-vocab.json`` /
 ``gpt2-merges.txt``) as a ByteLevel BPE with the GPT-2 split regex, which gives the
-ids of Megatron's ``GPT2BPETokenizer``. Special-token strings in the text are plain
+ids of Megatron's ``GPT2BPETokenizer`` (tested against the .bin files Megatron's own
+preprocess_data.py wrote for both shared corpora). Special-token strings in the text are plain
 text here (as in Megatron). A ``tokenizer_config.json`` beside the files that names
 ``Qwen2Tokenizer`` switches to Qwen2 pre-tokenisation (NFC, Qwen2 regex, ByteLevel
 without its own regex, added tokens from ``added_tokens_decoder``); any other

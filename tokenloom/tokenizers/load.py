@@ -56,13 +56,17 @@ def list_kinds() -> list[str]:
     return list(BACKENDS)
 
 
-def load_tokenizer(path_or_spec: str | Path | TokenizerSpec | None = None, kind: str | None = None,
+def load_tokenizer(path_or_spec: str | Path | TokenizerSpec | Tokenizer | None = None, kind: str | None = None,
                    **options) -> Tokenizer:
     """Build a tokenizer from a file/directory (kind auto-detected unless given) or a spec.
 
     ``load_tokenizer("tok/gpt2")``, ``load_tokenizer("x.model", kind="sentencepiece")``,
     ``load_tokenizer(kind="byte")``, ``load_tokenizer(tok.spec)`` (in a worker process).
     """
+    if isinstance(path_or_spec, Tokenizer) and kind is None and not options:
+        return path_or_spec
+    if isinstance(path_or_spec, Tokenizer):
+        path_or_spec = path_or_spec.spec
     if isinstance(path_or_spec, TokenizerSpec):
         spec = path_or_spec
         if kind is not None and kind != spec.kind:

@@ -15,16 +15,15 @@ slower (a few seconds per MB) but repeatable.
   fallback on, so text is not silently changed. Documents are fed line by line
   (SentencePiece skips "sentences" longer than ``max_sentence_length``).
 
-The reader below is deliberately small (jsonl / .gz / .zst, txt, parquet); the
-preprocess stage has the full-featured readers.
+Inputs are read through preprocess's readers (``tokenloom.preprocess.documents``),
+so training accepts exactly the formats and globs preprocess does, with the same
+``file:line`` errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import io
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from tokenloom.errors import TokenloomError
 @dataclasses.dataclass(kw_only=True)
 class TrainTokenizerConfig:
     inputs: list[str]
-    """Text files: .jsonl, .jsonl.gz, .jsonl.zst (field ``json_key``), .txt (one document per line), .parquet."""
+    """Inputs exactly as preprocess takes them: files, globs or datasets dirs (jsonl[.gz|.zst], parquet, txt)."""
     output: str
     """Directory to write tokenizer.json (bpe) or tokenizer.model (unigram) into; created if missing."""
     kind: str = "bpe"
@@ -46,59 +45,18 @@ class TrainTokenizerConfig:
     min_frequency: int = 2
     """BPE: minimum pair count for a merge. Unigram: ignored (SentencePiece has no such knob)."""
     json_key: str = "text"
-    """Field holding the text in jsonl / parquet inputs."""
+    """Field holding the text in jsonl / parquet / datasets inputs."""
+    txt_unit: str = "file"
+    """What one document is in a .txt input: file, paragraph or line (as in preprocess)."""
     seed: int = 0
     """Random seed (unigram); BPE training is deterministic without one."""
 
 
-def iter_texts(path: str | Path, json_key: str = "text") -> Iterator[str]:
-    """Yield the documents of one input file."""
-    path = Path(path)
-    if not path.is_file():
-        raise TokenloomError(f"input file {path} does not exist")
-    name = path.name.lower()
-    if name.endswith(".parquet"):
-        yield from _iter_parquet(path, json_key)
-        return
-    if name.endswith(".gz"):
-        stream = io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    elif name.endswith(".zst"):
-        import zstandard
-
-        stream = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True),
-                                  encoding="utf-8")
-    else:
-        stream = open(path, encoding="utf-8")
-    is_json = ".jsonl" in name or ".json" in name
-    with stream:
-        for lineno, line in enumerate(stream, 1):
-            if not is_json:
-                yield line.rstrip("\n")
-                continue
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[json_key]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise TokenloomError(f"{path}:{lineno}: cannot read field {json_key!r}: {e}") from None
-            if not isinstance(text, str):
-                raise TokenloomError(f"{path}:{lineno}: field {json_key!r} is not a string")
-            yield text
-
-
-def _iter_parquet(path: Path, column: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(path)
-    if column not in pf.schema_arrow.names:
-        raise TokenloomError(f"{path}: no column {column!r} (columns: {pf.schema_arrow.names})")
-    for batch in pf.iter_batches(columns=[column]):
-        yield from (t for t in batch.column(0).to_pylist() if t is not None)
-
-
 def _iter_all(cfg: TrainTokenizerConfig) -> Iterator[str]:
-    for path in cfg.inputs:
-        yield from iter_texts(path, cfg.json_key)
+    # Imported here: preprocess readers are only needed for training, not in tokenizer workers.
+    from tokenloom.preprocess.documents import iter_documents
+
+    yield from iter_documents(cfg.inputs, key=cfg.json_key, txt_unit=cfg.txt_unit)
 
 
 def train_tokenizer(cfg: TrainTokenizerConfig) -> Path:
@@ -107,9 +65,6 @@ def train_tokenizer(cfg: TrainTokenizerConfig) -> Path:
         raise TokenloomError("train_tokenizer: no input files")
     if not cfg.special_tokens:
         raise TokenloomError("train_tokenizer: need at least one special token (the first is the eod)")
-    for p in cfg.inputs:
-        if not Path(p).is_file():
-            raise TokenloomError(f"input file {p} does not exist")
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.kind == "bpe":

@@ -1,0 +1,35 @@
+"""Helpers shared by every test folder (``tests/`` is on pytest's ``pythonpath``).
+
+Test folders have no ``__init__.py`` and several have a ``conftest.py``, so
+``from conftest import ...`` would be ambiguous; shared code lives here instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path:
+    """``$TOKENLOOM_SHARED_DATA`` or ``../shared/data`` beside the repository."""
+    return Path(os.environ.get("TOKENLOOM_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def run_cli(*args, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python cli.py ARGS`` in a subprocess, exactly as a user would."""
+    return subprocess.run([sys.executable, str(REPO / "cli.py"), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, timeout=timeout)
+
+
+def import_megatron(module: str):
+    """Import a megatron.core module quietly, or skip the test (the ``[interop]`` extra is missing)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip(module, reason="megatron-core not installed (pip install -e '.[interop]')")
