@@ -40,10 +40,11 @@ class PythonGPT2BPE:
         self.ranks = {tuple(ln.split()): i for i, ln in enumerate(lines)}
         self.alphabet = byte_alphabet()
         self.pattern = regex.compile(GPT2_PATTERN)
-        self.cache: dict[str, list[int]] = {}
+        self.cache: dict[str, str] = {}
         self.eod = self.encoder["<|endoftext|>"]
 
-    def _word(self, word: str) -> list[int]:
+    def bpe(self, word: str) -> str:
+        """The merged symbols of one pre-token, space-joined (cached per pre-token, like Megatron's)."""
         cached = self.cache.get(word)
         if cached is not None:
             return cached
@@ -65,12 +66,16 @@ class PythonGPT2BPE:
                     merged.append(parts[i])
                     i += 1
             parts = merged
-        ids = [self.encoder[p] for p in parts]
-        self.cache[word] = ids
-        return ids
+        joined = " ".join(parts)
+        self.cache[word] = joined
+        return joined
+
+    def tokenize(self, text: str) -> list[str]:
+        symbols: list[str] = []
+        for piece in self.pattern.findall(text):
+            symbols.extend(self.bpe("".join(self.alphabet[b] for b in piece.encode("utf-8"))).split(" "))
+        return symbols
 
     def encode(self, text: str) -> list[int]:
-        out: list[int] = []
-        for piece in self.pattern.findall(text):
-            out.extend(self._word("".join(self.alphabet[b] for b in piece.encode("utf-8"))))
-        return out
+        """Two passes as in Megatron's tokenizer: text -> BPE symbols, then symbols -> ids."""
+        return [self.encoder[symbol] for symbol in self.tokenize(text)]

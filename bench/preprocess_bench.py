@@ -10,8 +10,10 @@ All rows are measured in one run on the same cores:
                  in the same structure.
 * ceiling        the chosen backend's raw batch encode of the same texts already in memory, all threads.
 
-Peak RSS is the sum over tokenloom's process tree (main + workers), sampled every 20 ms,
-for the corpus and for 4x the corpus. Outputs are checked byte-identical across rows.
+Peak memory is the proportional set size (PSS) summed over tokenloom's process tree (main +
+workers), sampled every 20 ms, for the corpus and for 4x the corpus. PSS, not RSS: forked
+workers share the parent's pages copy-on-write, and a sum of RSS would count those pages once
+per process. Outputs are checked byte-identical across rows.
 
 Usage: python bench/preprocess_bench.py [--documents N] [--doc-bytes B]
 """
@@ -72,7 +74,7 @@ def write_corpus(path: Path, texts: list[str]) -> Path:
 # --------------------------------------------------------------------------- peak RSS of a process tree
 
 
-def _tree_rss(root: int) -> int:
+def _tree_pss(root: int) -> int:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -85,10 +87,10 @@ def _tree_rss(root: int) -> int:
     total, stack = 0, [root]
     while stack:
         pid = stack.pop()
-        try:
-            with open(f"/proc/{pid}/status") as f:
+        try:  # PSS: pages shared copy-on-write by forked workers are counted once, not per process
+            with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
+                    if line.startswith("Pss:"):
                         total += int(line.split()[1]) * 1024
         except OSError:
             pass
@@ -97,12 +99,12 @@ def _tree_rss(root: int) -> int:
 
 
 def run_measured(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak tree RSS of a command."""
+    """Wall seconds and peak PSS of a command's process tree."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak = 0
     while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc.pid))
+        peak = max(peak, _tree_pss(proc.pid))
         time.sleep(0.02)
     elapsed = time.perf_counter() - start
     if proc.returncode:
@@ -210,8 +212,8 @@ def main() -> None:
         ("tokenloom vs megatron-style, GPT2BPETokenizer (target >= 5)", tps(t_ours), tps(t_py),
          f"{t_py / t_ours:.2f}x"),
         ("tokenloom vs megatron-style, HF fast tokenizer", tps(t_ours), tps(t_hf), f"{t_hf / t_ours:.2f}x"),
-        ("peak RSS, corpus (target <= 300 MB)", f"{rss1 / 2**20:.0f} MB", "300 MB", f"{rss1 / (300 * 2**20):.2f}x"),
-        ("peak RSS, 4x corpus vs 1x (flat = 1.0)", f"{rss4 / 2**20:.0f} MB", f"{rss1 / 2**20:.0f} MB",
+        ("peak memory (PSS), corpus (target <= 300 MB)", f"{rss1 / 2**20:.0f} MB", "300 MB", f"{rss1 / (300 * 2**20):.2f}x"),
+        ("peak memory (PSS), 4x corpus vs 1x (flat = 1.0)", f"{rss4 / 2**20:.0f} MB", f"{rss1 / 2**20:.0f} MB",
          f"{rss4 / rss1:.2f}x"),
     ]
     print_table(f"preprocess: {len(texts)} documents, {mb:.1f} MB jsonl, {tokens / 1e6:.2f} M GPT-2 tokens, "
