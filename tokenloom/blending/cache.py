@@ -29,13 +29,13 @@ import fcntl
 import hashlib
 import json
 import os
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import atomic_writer
 
 Arrays = dict[str, np.ndarray]
 _DIGESTS: dict[tuple, str] = {}
@@ -102,9 +102,10 @@ class ArrayCache:
         entry = self.entry(key)
         entry.mkdir(parents=True, exist_ok=True)
         for name, arr in arrays.items():
-            _atomic_save(entry / f"{name}.npy", np.ascontiguousarray(arr))
-        meta = {"arrays": sorted(arrays), "description": description}
-        _atomic_write(entry / "meta.json", canonical_json(meta).encode())
+            with atomic_writer(entry / f"{name}.npy") as f:
+                np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+        with atomic_writer(entry / "meta.json", "w") as f:  # last: marks the entry complete
+            f.write(canonical_json({"arrays": sorted(arrays), "description": description}))
 
     @contextlib.contextmanager
     def lock(self, key: str):
@@ -129,24 +130,6 @@ class ArrayCache:
                 return found, False
             self.store(key, build(), description)
         return self.load(key), True
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_save(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}.npy")
-    with open(tmp, "wb") as f:
-        np.save(f, arr, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- distributed

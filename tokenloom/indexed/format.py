@@ -40,12 +40,12 @@ import mmap
 import os
 import struct
 import sys
-import uuid
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from tokenloom.errors import FormatError, TokenloomError
+from tokenloom.fsio import publish, temp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -96,23 +96,6 @@ def exists(prefix: str | os.PathLike) -> bool:
 
 
 # --------------------------------------------------------------------------- writing
-
-
-def _tmp_name(final: str) -> str:
-    return f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def encode_header(dtype: np.dtype, num_sequences: int, num_document_indices: int) -> bytes:
@@ -253,8 +236,8 @@ class IndexedDatasetWriter:
             self._max_id = min(self._max_id, vocab_size - 1)
             self._min_id = max(self._min_id, 0)
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
-        self._bin_tmp = os.fspath(bin_tmp) if bin_tmp else _tmp_name(data_path(self.prefix))
-        self._idx_tmp = _tmp_name(index_path(self.prefix))
+        self._bin_tmp = os.fspath(bin_tmp) if bin_tmp else temp_name(data_path(self.prefix))
+        self._idx_tmp = temp_name(index_path(self.prefix))
         self._lengths = _Growable(np.int32)
         self._doc_index = _Growable(np.int64, [0])
         if resume is None:
@@ -397,9 +380,8 @@ class IndexedDatasetWriter:
         os.fsync(self._bin.fileno())
         self._bin.close()
         write_index(self._idx_tmp, self.dtype, self._lengths.view(), self._doc_index.view())
-        os.replace(self._bin_tmp, data_path(self.prefix))
-        os.replace(self._idx_tmp, index_path(self.prefix))
-        _fsync_dir(self.prefix)
+        publish(self._bin_tmp, data_path(self.prefix))
+        publish(self._idx_tmp, index_path(self.prefix))
         self._finalized = True
 
     def close(self) -> None:

@@ -23,22 +23,13 @@ from pathlib import Path
 
 from tokenloom import __version__
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import atomic_writer
 
 FORMAT = "tokenloom.manifest/1"
 
 
 def manifest_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(prefix)}.manifest.json")
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temp file, fsync, rename: readers see the old file or the whole new one."""
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def build(prefix: str, key: str, dtype: str, inputs: list[dict], tokenizer: dict, options: dict,
@@ -55,7 +46,8 @@ def build(prefix: str, key: str, dtype: str, inputs: list[dict], tokenizer: dict
 
 
 def write(prefix: str | os.PathLike, manifest: dict) -> None:
-    atomic_write_text(manifest_path(prefix), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    with atomic_writer(manifest_path(prefix), "w", encoding="utf-8") as f:
+        f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def read(prefix: str | os.PathLike) -> dict | None:

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import atomic_writer, sha256_tree
 from tokenloom.indexed.format import IndexedDatasetWriter, optimal_dtype
 from tokenloom.preprocess import manifest
 from tokenloom.preprocess.readers import ChunkReader, Input, Position, discover, shard_inputs
@@ -138,16 +139,6 @@ def output_prefixes(cfg: PreprocessConfig, num_shards: int, shard_index: int) ->
     return {k: f"{base}_{k}" for k in cfg.json_keys}
 
 
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    paths = sorted(p for p in Path(path).rglob("*") if p.is_file()) if os.path.isdir(path) else [Path(path)]
-    for p in paths:
-        with open(p, "rb") as f:
-            for block in iter(lambda f=f: f.read(1 << 22), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
 def _estimate_output_bytes(inputs: list[Input], itemsize: int, tokens_per_byte: float) -> int:
     expansion = {"jsonl.gz": 4.0, "jsonl.zst": 5.0, "txt.gz": 3.0, "txt.zst": 4.0, "parquet": 3.0}
     text = sum(i.size * expansion.get(i.format, 1.0) for i in inputs)
@@ -191,12 +182,8 @@ class _Checkpoint:
             os.fsync(rejects.fileno())
             state["rejects_bytes"] = rejects.tell()
         arrays["state"] = np.frombuffer(json.dumps(state).encode(), dtype=np.uint8)
-        tmp = self.dir / f"checkpoint.tmp-{os.getpid()}.npz"
-        with open(tmp, "wb") as f:
+        with atomic_writer(self.path) as f:
             np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
 
     def load(self) -> tuple[dict, list[dict]] | None:
         if not self.path.exists():
@@ -410,7 +397,7 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
     position = r.open_outputs()
     pool = start_pool(r)
     digests: dict[str, str] = {}
-    hasher = threading.Thread(target=lambda: digests.update({i.path: _file_sha256(i.path) for i in r.inputs}),
+    hasher = threading.Thread(target=lambda: digests.update({i.path: sha256_tree(i.path) for i in r.inputs}),
                               daemon=True)
     hasher.start()
     reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)

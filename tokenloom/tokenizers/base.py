@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import sha256_file  # noqa: F401 - re-exported for the backends
 
 #: Options that never change the emitted ids (or are file paths, whose content is hashed in
 #: ``files``); excluded from the fingerprint digest.
@@ -52,14 +53,6 @@ class TokenizerSpec:
     def with_options(self, **options: Any) -> TokenizerSpec:
         """A copy with ``options`` merged in, e.g. ``spec.with_options(num_threads=1)``."""
         return dataclasses.replace(self, options={**self.options, **options})
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def resolve_threads(num_threads: int | None) -> int | None:
