@@ -1,12 +1,306 @@
 // tokenloom native helpers (pybind11 module tokenloom._native).
 // Each function here has a numpy reference with the same signature in
-// tokenloom/blending/; tests compare the two on random inputs.
-#include <pybind11/pybind11.h>
+// tokenloom/blending/reference.py; tests compare the two on random inputs.
+//
+// The functions reproduce the results of Megatron-LM's dataset helpers
+// (megatron/core/datasets/helpers.cpp, see docs/megatron-data-spec.md E.1),
+// quirks included, but differ in how they treat bad input:
+//   * arrays are never converted: a wrong dtype, a non-contiguous or a
+//     read-only output array raises TypeError / ValueError (Megatron silently
+//     fills a converted temporary);
+//   * indices are bounds-checked and raise ValueError (Megatron: undefined
+//     behaviour);
+//   * per-dataset scratch arrays live on the heap, and the GIL is released
+//     while the loops run.
 #include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
 
 namespace py = pybind11;
 
+namespace {
+
+constexpr int64_t kMaxDatasets = std::numeric_limits<int16_t>::max();  // dataset_index is int16
+
+template <typename T>
+const char *dtype_name();
+template <>
+const char *dtype_name<int16_t>() { return "int16"; }
+template <>
+const char *dtype_name<int32_t>() { return "int32"; }
+template <>
+const char *dtype_name<int64_t>() { return "int64"; }
+template <>
+const char *dtype_name<double>() { return "float64"; }
+
+// Check that `obj` is a 1-D C-contiguous numpy array of exactly dtype T (no casts).
+template <typename T>
+py::array_t<T, py::array::c_style> checked_array(py::handle obj, const char *name, bool writable) {
+    if (!py::isinstance<py::array>(obj)) {
+        throw py::type_error(std::string("argument '") + name + "' must be a numpy array of dtype " +
+                             dtype_name<T>() + ", got " + std::string(py::str(py::type::of(obj))));
+    }
+    auto arr = py::reinterpret_borrow<py::array>(obj);
+    if (!arr.dtype().equal(py::dtype::of<T>())) {
+        throw py::type_error(std::string("argument '") + name + "' must have dtype " + dtype_name<T>() +
+                             " (native byte order), got " + std::string(py::str(arr.dtype())));
+    }
+    if (arr.ndim() != 1) {
+        throw py::value_error(std::string("argument '") + name + "' must be 1-D, got " +
+                              std::to_string(arr.ndim()) + " dimensions");
+    }
+    if (!(arr.flags() & py::array::c_style)) {
+        throw py::value_error(std::string("argument '") + name + "' must be C-contiguous");
+    }
+    if (writable && !arr.writeable()) {
+        throw py::value_error(std::string("argument '") + name + "' must be writable");
+    }
+    return py::reinterpret_borrow<py::array_t<T, py::array::c_style>>(obj);
+}
+
+// Number of samples the sample index will hold (Megatron's formula, E.3 quirk included).
+int64_t count_samples(int64_t total_tokens, int32_t seq_length, bool drop_last, bool exact_ceil) {
+    if (drop_last) {
+        return total_tokens / seq_length;  // C division: truncates toward zero
+    }
+    if (exact_ceil) {
+        int64_t q = total_tokens / seq_length;
+        return (total_tokens % seq_length > 0) ? q + 1 : q;
+    }
+    // Megatron divides in single precision: exact only below 2^24 tokens.
+    float ratio = static_cast<float>(total_tokens) / static_cast<float>(seq_length);
+    return static_cast<int64_t>(std::ceil(ratio));
+}
+
+// Fill rows 1..num_samples of `out` ([num_samples + 1, 2], row 0 already set).
+// Returns an error message, empty on success. Runs without the GIL.
+template <typename T>
+std::string fill_sample_idx(const int32_t *sizes, int64_t num_sizes, const int32_t *doc_idx, int64_t num_docs,
+                            int32_t seq_length, int32_t add_extra_token, int64_t num_samples, T *out) {
+    if (num_samples == 0) return {};
+    for (int64_t pos = 0; pos < num_docs; ++pos) {  // validate once, then walk unchecked
+        const int32_t seq = doc_idx[pos];
+        if (seq < 0 || seq >= num_sizes) {
+            return "doc_idx[" + std::to_string(pos) + "] = " + std::to_string(seq) +
+                   " is out of range for sizes of length " + std::to_string(num_sizes);
+        }
+        if (sizes[seq] < 0) return "sizes[" + std::to_string(seq) + "] = " + std::to_string(sizes[seq]) + " is negative";
+    }
+    int64_t position = 0;  // index into doc_idx
+    int64_t offset = 0;    // token offset inside sequence doc_idx[position]
+    for (int64_t sample = 1; sample <= num_samples; ++sample) {
+        int64_t remaining = static_cast<int64_t>(seq_length) + add_extra_token;
+        while (remaining != 0) {
+            const int64_t length = sizes[doc_idx[position]];
+            const int64_t available = length - offset;
+            remaining -= available;
+            if (remaining <= 0) {
+                // The sample ends inside this sequence; the next one starts
+                // add_extra_token tokens before that end.
+                offset += remaining + available - add_extra_token;
+                remaining = 0;
+            } else if (position == num_docs - 1) {
+                // Out of sequences: only the final partial sample gets here.
+                offset = length - add_extra_token;
+                break;
+            } else {
+                ++position;
+                offset = 0;
+            }
+        }
+        out[2 * sample] = static_cast<T>(position);
+        out[2 * sample + 1] = static_cast<T>(offset);
+    }
+    return {};
+}
+
+template <typename T>
+py::array_t<T> build_sample_idx(py::handle sizes_obj, py::handle doc_idx_obj, int32_t seq_length, int32_t num_epochs,
+                                int64_t tokens_per_epoch, bool drop_last, int add_extra_token, bool exact_ceil) {
+    auto sizes = checked_array<int32_t>(sizes_obj, "sizes", false);
+    auto doc_idx = checked_array<int32_t>(doc_idx_obj, "doc_idx", false);
+    if (seq_length < 1) throw py::value_error("seq_length must be >= 1, got " + std::to_string(seq_length));
+    if (num_epochs < 1) throw py::value_error("num_epochs must be >= 1, got " + std::to_string(num_epochs));
+    if (tokens_per_epoch < 0) {
+        throw py::value_error("tokens_per_epoch must be >= 0, got " + std::to_string(tokens_per_epoch));
+    }
+    if (add_extra_token != 0 && add_extra_token != 1) {
+        throw py::value_error("add_extra_token must be 0 or 1, got " + std::to_string(add_extra_token));
+    }
+    const int64_t num_docs = doc_idx.shape(0);
+    if (num_docs - 1 > static_cast<int64_t>(std::numeric_limits<T>::max())) {
+        throw py::value_error("doc_idx has " + std::to_string(num_docs) + " entries, too many for a " +
+                              dtype_name<T>() + " sample index; use build_sample_idx_int64");
+    }
+    if (tokens_per_epoch > std::numeric_limits<int64_t>::max() / num_epochs) {
+        throw py::value_error("num_epochs * tokens_per_epoch overflows int64");
+    }
+    const int64_t total_tokens = static_cast<int64_t>(num_epochs) * tokens_per_epoch - add_extra_token;
+    const int64_t num_samples = count_samples(total_tokens, seq_length, drop_last, exact_ceil);
+    if (num_samples < 0) {
+        throw py::value_error("num_epochs * tokens_per_epoch - add_extra_token is negative (" +
+                              std::to_string(total_tokens) + ")");
+    }
+    if (num_samples > 0 && num_docs == 0) {
+        throw py::value_error("doc_idx is empty but " + std::to_string(num_samples) + " samples are requested");
+    }
+
+    py::array_t<T> result({num_samples + 1, static_cast<int64_t>(2)});
+    T *out = result.mutable_data();
+    out[0] = 0;
+    out[1] = 0;
+    std::string error;
+    {
+        py::gil_scoped_release release;
+        error = fill_sample_idx<T>(sizes.data(), sizes.shape(0), doc_idx.data(), num_docs, seq_length,
+                                  add_extra_token, num_samples, out);
+    }
+    if (!error.empty()) throw py::value_error(error);
+    return result;
+}
+
+void check_num_datasets(int32_t num_datasets, bool allow_zero) {
+    if (num_datasets < (allow_zero ? 0 : 1)) {
+        throw py::value_error("num_datasets must be >= " + std::to_string(allow_zero ? 0 : 1) + ", got " +
+                              std::to_string(num_datasets));
+    }
+    if (num_datasets > kMaxDatasets) {
+        throw py::value_error("at most " + std::to_string(kMaxDatasets) +
+                              " datasets can be blended (the dataset index is int16), got " +
+                              std::to_string(num_datasets));
+    }
+}
+
+void check_length(int64_t have, int64_t need, const char *name) {
+    if (have < need) {
+        throw py::value_error(std::string("argument '") + name + "' has " + std::to_string(have) +
+                              " elements, needs at least " + std::to_string(need));
+    }
+}
+
+void build_blending_indices(py::handle dataset_index_obj, py::handle dataset_sample_index_obj,
+                            py::handle weights_obj, int32_t num_datasets, int64_t size, bool verbose) {
+    auto dataset_index = checked_array<int16_t>(dataset_index_obj, "dataset_index", true);
+    auto dataset_sample_index = checked_array<int64_t>(dataset_sample_index_obj, "dataset_sample_index", true);
+    auto weights_arr = checked_array<double>(weights_obj, "weights", false);
+    check_num_datasets(num_datasets, false);
+    if (size < 0) throw py::value_error("size must be >= 0, got " + std::to_string(size));
+    check_length(weights_arr.shape(0), num_datasets, "weights");
+    check_length(dataset_index.shape(0), size, "dataset_index");
+    check_length(dataset_sample_index.shape(0), size, "dataset_sample_index");
+
+    if (verbose) py::print("> building indices for blended datasets ...");
+    std::vector<double> weights(weights_arr.data(), weights_arr.data() + num_datasets);
+    std::vector<int64_t> counts(num_datasets, 0);
+    int16_t *index_out = dataset_index.mutable_data();
+    int64_t *sample_out = dataset_sample_index.mutable_data();
+    {
+        py::gil_scoped_release release;
+        for (int64_t i = 0; i < size; ++i) {
+            // Megatron's target is w * max(i, 1), not w * (i + 1): keep it.
+            const double t = std::max(static_cast<double>(i), 1.0);
+            int32_t best = 0;
+            double best_error = weights[0] * t - static_cast<double>(counts[0]);
+            for (int32_t d = 1; d < num_datasets; ++d) {
+                const double error = weights[d] * t - static_cast<double>(counts[d]);
+                if (error > best_error) {
+                    best_error = error;
+                    best = d;
+                }
+            }
+            index_out[i] = static_cast<int16_t>(best);
+            sample_out[i] = counts[best]++;
+        }
+    }
+    if (verbose) {
+        py::print(" > sample ratios:");
+        for (int32_t d = 0; d < num_datasets; ++d) {
+            std::ostringstream line;
+            line << "   dataset " << d << ", input: " << weights[d]
+                 << ", achieved: " << static_cast<double>(counts[d]) / static_cast<double>(size);
+            py::print(line.str());
+        }
+    }
+}
+
+void build_exhaustive_blending_indices(py::handle dataset_index_obj, py::handle dataset_sample_index_obj,
+                                       py::handle sizes_obj, int32_t num_datasets) {
+    auto dataset_index = checked_array<int16_t>(dataset_index_obj, "dataset_index", true);
+    auto dataset_sample_index = checked_array<int64_t>(dataset_sample_index_obj, "dataset_sample_index", true);
+    auto sizes_arr = checked_array<int64_t>(sizes_obj, "sizes", false);
+    check_num_datasets(num_datasets, true);
+    check_length(sizes_arr.shape(0), num_datasets, "sizes");
+
+    std::vector<int64_t> sizes(sizes_arr.data(), sizes_arr.data() + num_datasets);
+    int64_t total = 0;
+    for (int32_t d = 0; d < num_datasets; ++d) {
+        // A dataset of size <= 0 would never be exhausted (Megatron loops forever).
+        if (sizes[d] < 1) {
+            throw py::value_error("sizes[" + std::to_string(d) + "] must be >= 1, got " + std::to_string(sizes[d]));
+        }
+        if (sizes[d] > std::numeric_limits<int64_t>::max() - total) throw py::value_error("sum of sizes overflows");
+        total += sizes[d];
+    }
+    check_length(dataset_index.shape(0), total, "dataset_index");
+    check_length(dataset_sample_index.shape(0), total, "dataset_sample_index");
+
+    std::vector<double> weights(num_datasets);
+    for (int32_t d = 0; d < num_datasets; ++d) weights[d] = static_cast<double>(sizes[d]) / static_cast<double>(total);
+    std::vector<int64_t> counts(num_datasets, 0);
+    std::vector<int32_t> live(num_datasets);  // datasets with samples left, increasing order
+    for (int32_t d = 0; d < num_datasets; ++d) live[d] = d;
+    int16_t *index_out = dataset_index.mutable_data();
+    int64_t *sample_out = dataset_sample_index.mutable_data();
+    {
+        py::gil_scoped_release release;
+        for (int64_t i = 0; !live.empty(); ++i) {
+            const double t = std::max(static_cast<double>(i), 1.0);
+            size_t best_pos = 0;
+            double best_error = std::numeric_limits<double>::lowest();
+            for (size_t k = 0; k < live.size(); ++k) {
+                const int32_t d = live[k];
+                const double error = weights[d] * t - static_cast<double>(counts[d]);
+                if (error > best_error) {
+                    best_error = error;
+                    best_pos = k;
+                }
+            }
+            const int32_t best = live[best_pos];
+            index_out[i] = static_cast<int16_t>(best);
+            sample_out[i] = counts[best]++;
+            if (counts[best] == sizes[best]) live.erase(live.begin() + static_cast<std::ptrdiff_t>(best_pos));
+        }
+    }
+}
+
+const char *kSampleIdxDoc = R"doc(Build the GPT sample index: a [n + 1, 2] array of (position in doc_idx, token offset).
+
+Same results as Megatron's build_sample_idx_<T>. With drop_last false, n is computed
+in single precision like Megatron unless exact_ceil is true.)doc";
+
+}  // namespace
+
 PYBIND11_MODULE(_native, m) {
     m.doc() = "tokenloom native index builders";
-    m.attr("ABI_VERSION") = 1;
+    m.attr("ABI_VERSION") = 2;
+    m.def("build_sample_idx_int32", &build_sample_idx<int32_t>, kSampleIdxDoc, py::arg("sizes"), py::arg("doc_idx"),
+          py::arg("seq_length"), py::arg("num_epochs"), py::arg("tokens_per_epoch"), py::arg("drop_last") = true,
+          py::arg("add_extra_token") = 1, py::arg("exact_ceil") = false);
+    m.def("build_sample_idx_int64", &build_sample_idx<int64_t>, kSampleIdxDoc, py::arg("sizes"), py::arg("doc_idx"),
+          py::arg("seq_length"), py::arg("num_epochs"), py::arg("tokens_per_epoch"), py::arg("drop_last") = true,
+          py::arg("add_extra_token") = 1, py::arg("exact_ceil") = false);
+    m.def("build_blending_indices", &build_blending_indices,
+          "Fill dataset_index (int16) and dataset_sample_index (int64) by Megatron's greedy largest-error rule.",
+          py::arg("dataset_index"), py::arg("dataset_sample_index"), py::arg("weights"), py::arg("num_datasets"),
+          py::arg("size"), py::arg("verbose") = false);
+    m.def("build_exhaustive_blending_indices", &build_exhaustive_blending_indices,
+          "Fill dataset_index / dataset_sample_index drawing every sample of every dataset exactly once.",
+          py::arg("dataset_index"), py::arg("dataset_sample_index"), py::arg("sizes"), py::arg("num_datasets"));
 }

@@ -129,6 +129,68 @@ def preprocess(**options):
     run(PreprocessConfig(**options), echo=click.echo)
 
 
+def _bd_help(name: str) -> str:
+    from tokenloom.blending.build import BuildConfig
+    from tokenloom.config import help_for
+
+    return help_for(BuildConfig, name)
+
+
+def _parse_counts(text: str | None) -> tuple:
+    if not text:
+        return (None, None, None)
+    try:
+        return tuple(int(x) if x.strip() else None for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected TRAIN[,VALID,TEST] integers", param_hint="--num-samples") from None
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.argument("sources", nargs=-1)
+@click.option("--data", "data_flag", is_flag=True, help="The arguments are WEIGHT PREFIX pairs (Megatron's --data-path).")
+@click.option("--blend-file", type=click.Path(exists=True, dir_okay=False),
+              help="YAML/JSON blend: {data: [[w, prefix], ...]} or per split {train: [...], valid: [...], test: [...]}.")
+@click.option("--split", default="969,30,1", show_default=True, help=_bd_help("split"))
+@click.option("--seq-length", type=int, default=2048, show_default=True, help=_bd_help("seq_length"))
+@click.option("--num-samples", help=_bd_help("num_samples") + " Format: TRAIN[,VALID,TEST].")
+@click.option("--train-tokens", type=int, help=_bd_help("train_tokens"))
+@click.option("--seed", type=int, default=1234, show_default=True, help=_bd_help("seed"))
+@click.option("--cache-dir", help=_bd_help("cache_dir"))
+@click.option("--mode", type=click.Choice(["megatron", "tokens"]), default="megatron", show_default=True,
+              help=_bd_help("mode"))
+@click.option("--max-repeat", type=float, default=4.0, show_default=True, help=_bd_help("max_repeat"))
+@click.option("--exhaustive", is_flag=True, help=_bd_help("exhaustive"))
+@click.option("--dry-run", is_flag=True, help=_bd_help("dry_run"))
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of requested vs realised shares.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def build(sources, data_flag, blend_file, num_samples, plot, as_json, **options):
+    """Build GPT train/valid/test sample indices for a blend: build [--data] W1 PREFIX1 W2 PREFIX2 ..."""
+    from tokenloom.blending.build import (
+        BuildConfig,
+        format_plan,
+        load_blend_file,
+        parse_data_args,
+        plan_json,
+        plot_plan,
+    )
+    from tokenloom.blending.build import build as run
+
+    if blend_file and sources:
+        raise click.UsageError("give the sources either as arguments or with --blend-file, not both")
+    spec = load_blend_file(blend_file) if blend_file else {"data": parse_data_args(list(sources))}
+    if not blend_file and not sources:
+        raise click.UsageError("no sources: build --data 0.3 PREFIX1 0.7 PREFIX2 (or --blend-file FILE)")
+    if "data_per_split" in spec:
+        options["split"] = None
+    cfg = BuildConfig(**spec, num_samples=_parse_counts(num_samples), **options)
+    result = run(cfg)
+    click.echo(plan_json(result) if as_json else format_plan(result, cfg))
+    if plot:
+        plot_plan(result, plot)
+        if not as_json:
+            click.echo(f"plot: {plot}")
+
+
 @main.group()
 def tokenizer():
     """Train and inspect tokenizers."""

@@ -92,7 +92,9 @@ class ArrayCache:
         if not meta_path.exists():
             return None
         meta = json.loads(meta_path.read_text())
-        return {name: np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in meta["arrays"]}
+        return {
+            name: np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in meta["arrays"]
+        }
 
     def description(self, key: str) -> dict | None:
         meta_path = self.entry(key) / "meta.json"
@@ -116,8 +118,9 @@ class ArrayCache:
             finally:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
-    def get_or_build(self, key: str, build: Callable[[], Arrays], description: dict | None = None,
-                     may_build: bool = True) -> tuple[Arrays, bool]:
+    def get_or_build(
+        self, key: str, build: Callable[[], Arrays], description: dict | None = None, may_build: bool = True
+    ) -> tuple[Arrays, bool]:
         """(arrays, built_here). Exactly one local process builds a missing entry; the rest wait and load."""
         found = self.load(key)
         if found is not None:
@@ -135,8 +138,9 @@ class ArrayCache:
 # --------------------------------------------------------------------------- distributed
 
 
-def elect_builders(cache_dir: str | os.PathLike, rank: int, world_size: int, barrier: Callable[[], None],
-                   run_id: str) -> int:
+def elect_builders(
+    cache_dir: str | os.PathLike, rank: int, world_size: int, barrier: Callable[[], None], run_id: str
+) -> int:
     """The lowest rank that shares this rank's cache filesystem (this rank builds iff it is the answer).
 
     Every rank writes ``.nonce-<run_id>-<rank>`` into ``cache_dir``; after a barrier
@@ -155,15 +159,29 @@ def elect_builders(cache_dir: str | os.PathLike, rank: int, world_size: int, bar
     return leader
 
 
-def get_or_build_distributed(cache: ArrayCache, key: str, build: Callable[[], Arrays], description: dict | None,
-                             rank: int, world_size: int, barrier: Callable[[], None], run_id: str) -> Arrays:
-    """Build once per filesystem: elected leaders build (under the local lock), the others load after."""
-    leader = elect_builders(cache.dir, rank, world_size, barrier, run_id)
-    if rank == leader:
-        arrays, _ = cache.get_or_build(key, build, description)
-    barrier()
-    if rank != leader:
+class SharedBuild:
+    """One build per filesystem in a distributed run (every rank must call in the same order).
+
+    ``run_id`` must be equal on all ranks and unique to this run (e.g. a nonce
+    broadcast from rank 0), so concurrent jobs never read each other's nonce files.
+    """
+
+    def __init__(self, rank: int, world_size: int, barrier: Callable[[], None], run_id: str):
+        self.rank, self.world_size, self.barrier, self.run_id = rank, world_size, barrier, run_id
+        self._calls = 0
+
+    def get_or_build(
+        self, cache: ArrayCache, key: str, build: Callable[[], Arrays], description: dict | None
+    ) -> tuple[Arrays, bool]:
+        self._calls += 1
+        leader = elect_builders(
+            cache.dir, self.rank, self.world_size, self.barrier, f"{self.run_id}-{self._calls}"
+        )
+        built = False
+        if self.rank == leader:
+            _, built = cache.get_or_build(key, build, description)
+        self.barrier()
         arrays = cache.load(key)
         if arrays is None:
             raise TokenloomError(f"cache entry {cache.entry(key)} missing after rank {leader} built it")
-    return arrays
+        return arrays, built

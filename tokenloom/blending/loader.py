@@ -88,14 +88,19 @@ class GPTSamples:
 class ConsumedSamplesSampler:
     """Batches of sample indices for one data-parallel rank, starting after ``consumed_samples``."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int):
+    def __init__(
+        self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    ):
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise TokenloomError(f"bad sampler layout: micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, "
-                                 f"dp_size={dp_size}")
+            raise TokenloomError(
+                f"bad sampler layout: micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, "
+                f"dp_size={dp_size}"
+            )
         if not 0 <= consumed_samples <= total_samples:
-            raise TokenloomError(f"consumed samples {consumed_samples} outside the dataset's {total_samples} "
-                                 "(the index was built for fewer samples than the run asks for)")
+            raise TokenloomError(
+                f"consumed samples {consumed_samples} outside the dataset's {total_samples} "
+                "(the index was built for fewer samples than the run asks for)"
+            )
         self.total, self.consumed = total_samples, consumed_samples
         self.micro, self.rank, self.size = micro_batch_size, dp_rank, dp_size
 
@@ -120,6 +125,8 @@ def fingerprint(description: dict) -> str:
 def check_fingerprint(saved: str | None, current: str, force: bool = False) -> None:
     """Refuse to resume on different data unless forced (the global order would silently change)."""
     if saved is not None and saved != current and not force:
-        raise TokenloomError(f"the checkpoint was trained on different data (fingerprint {saved[:12]}, now "
-                             f"{current[:12]}); resuming would change the sample order. Pass --force-data to "
-                             "resume anyway")
+        raise TokenloomError(
+            f"the checkpoint was trained on different data (fingerprint {saved[:12]}, now "
+            f"{current[:12]}); resuming would change the sample order. Pass --force-data to "
+            "resume anyway"
+        )

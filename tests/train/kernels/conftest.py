@@ -1,0 +1,130 @@
+"""Shared op cases for the implementation-vs-reference tests.
+
+Kernel tests run on CPU. Without CUDA, Triton kernels run in Triton's interpreter:
+``TRITON_INTERPRET=1`` must be set before the kernels are decorated, i.e. before
+``tokenloom.train.kernels._triton_kernels`` is first imported, so it is set here.
+
+A test that takes an ``op_case`` argument runs once per :data:`OP_CASES` entry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tokenloom.train.kernels import (  # noqa: E402  (after TRITON_INTERPRET)
+    bias_dropout_add_reference,
+    bias_gelu_reference,
+    layer_norm_reference,
+    rms_norm_reference,
+    rope_cache,
+    rope_reference,
+    swiglu_reference,
+)
+
+
+@dataclass(frozen=True)
+class OpCase:
+    name: str
+    op: str
+    """Attribute of ``KernelSet`` this case exercises."""
+    reference: Callable
+    build: Callable[[torch.dtype, torch.device], list]
+    """Positional arguments; floating tensors that require grad get gradients compared."""
+
+    def run(self, fn: Callable, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+        """(output, grads of the grad-requiring inputs) for ``fn`` on this case's inputs."""
+        torch.manual_seed(seed)
+        args = self.build(dtype, torch.device(device))
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        out = fn(*args)
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out)
+        return out, torch.autograd.grad(out, leaves, dy)
+
+
+def _t(*shape, dtype, device, scale=1.0, shift=0.0, grad=True):
+    t = (shift + scale * torch.randn(*shape)).to(device=device, dtype=dtype)
+    return t.requires_grad_(grad)
+
+
+def _rope_args(dtype, device):
+    cos, sin = rope_cache(7, 16, device=device)
+    return [_t(2, 3, 7, 16, dtype=dtype, device=device), cos, sin]
+
+
+OP_CASES = [
+    OpCase(
+        "rms_norm",
+        "rms_norm",
+        rms_norm_reference,
+        lambda d, dev: [
+            _t(3, 5, 48, dtype=d, device=dev),
+            _t(48, dtype=d, device=dev, scale=0.1, shift=1.0),
+            1e-5,
+        ],
+    ),
+    OpCase(
+        "layer_norm",
+        "layer_norm",
+        layer_norm_reference,
+        lambda d, dev: [
+            _t(3, 5, 48, dtype=d, device=dev, shift=0.5),
+            _t(48, dtype=d, device=dev, scale=0.1, shift=1.0),
+            _t(48, dtype=d, device=dev, scale=0.1),
+            1e-5,
+        ],
+    ),
+    OpCase(
+        "layer_norm_no_bias",
+        "layer_norm",
+        layer_norm_reference,
+        lambda d, dev: [
+            _t(3, 5, 48, dtype=d, device=dev),
+            _t(48, dtype=d, device=dev, scale=0.1, shift=1.0),
+            None,
+        ],
+    ),
+    OpCase(
+        "swiglu",
+        "swiglu",
+        swiglu_reference,
+        lambda d, dev: [_t(3, 5, 40, dtype=d, device=dev), _t(3, 5, 40, dtype=d, device=dev)],
+    ),
+    OpCase(
+        "bias_gelu_tanh",
+        "bias_gelu",
+        bias_gelu_reference,
+        lambda d, dev: [_t(3, 5, 40, dtype=d, device=dev), _t(40, dtype=d, device=dev), "tanh"],
+    ),
+    OpCase(
+        "bias_gelu_exact",
+        "bias_gelu",
+        bias_gelu_reference,
+        lambda d, dev: [_t(3, 5, 40, dtype=d, device=dev), _t(40, dtype=d, device=dev), "none"],
+    ),
+    OpCase("rope", "rope", rope_reference, _rope_args),
+    OpCase(
+        "bias_dropout_add_eval",
+        "bias_dropout_add",
+        bias_dropout_add_reference,
+        lambda d, dev: [
+            _t(3, 5, 40, dtype=d, device=dev),
+            _t(40, dtype=d, device=dev),
+            _t(3, 5, 40, dtype=d, device=dev),
+            0.1,
+            False,
+        ],
+    ),
+]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "op_case" in metafunc.fixturenames:
+        metafunc.parametrize("op_case", OP_CASES, ids=[c.name for c in OP_CASES])

@@ -1,0 +1,500 @@
+"""``tokenloom build``: the datasets of a blend, with cached indices and a plan that explains them.
+
+Two modes:
+
+* ``megatron`` (default): weights are per-sample probabilities and every array equals
+  megatron-core 0.16.1's for the same prefixes, weights, split, sequence length, seed
+  and sample counts. Sources are repeated (epochs) as often as the counts require.
+* ``tokens``: weights are shares of *tokens*, the size is given in tokens
+  (``train_tokens``), every source may be repeated at most ``max_repeat`` times, and an
+  impossible mix is refused before anything is built, with the numbers and the largest
+  weight that would fit. Samples all hold ``seq_length`` tokens, so a token share is a
+  sample share: the arrays are built by the same algorithm (exact arithmetic for the
+  last partial sample instead of Megatron's float32 rounding).
+
+Unspecified valid/test sample counts are derived from the train count in proportion
+to the split weights (the same number of passes over each split).
+
+Index arrays are cached under ``cache_dir`` keyed by content (see ``cache.py``): the
+config, and a digest of each source's ``.idx`` and manifest. The plan printed per
+split and source shows documents, tokens, requested and realised share, epochs
+(repetition) and cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig, BlendedDataset, sample_budgets
+from tokenloom.blending.cache import ArrayCache, content_key, source_digest
+from tokenloom.blending.gpt import GPTDatasetConfig, GPTIndices
+from tokenloom.blending.split import Split, normalize, parse_split, split_documents, split_matrix
+from tokenloom.errors import TokenloomError
+
+INDEX_FORMAT = 1  # bump when the arrays for a given key would change
+
+
+@dataclass(kw_only=True)
+class BuildConfig:
+    data: list[tuple[float, str]] | None = None
+    """Sources as (weight, prefix) pairs; weights are normalised (Megatron's --data-path W1 P1 W2 P2)."""
+    data_per_split: dict[str, list[tuple[float, str]]] | None = None
+    """A separate blend per split: {"train": [(w, prefix), ...], "valid": [...], "test": [...]}."""
+    split: str | None = "969,30,1"
+    """Train/valid/test weights over each source's documents (ignored with data_per_split)."""
+    seq_length: int = 2048
+    """Tokens per sample (each sample reads seq_length + 1 tokens)."""
+    num_samples: tuple[int | None, ...] = (None, None, None)
+    """Samples per split (train, valid, test); valid/test default to the train count scaled by the split."""
+    train_tokens: int | None = None
+    """Train size in tokens instead of samples (tokens mode); valid/test scale with the split."""
+    seed: int = 1234
+    """Seed of the document and sample shuffles."""
+    cache_dir: str | None = None
+    """Directory for the index arrays (.npy, content-addressed); None builds in memory only."""
+    mode: str = "megatron"
+    """megatron (weights = sample probabilities, Megatron's arrays) or tokens (token shares, max_repeat)."""
+    max_repeat: float = 4.0
+    """tokens mode: the most times any source's split may be repeated."""
+    exhaustive: bool = False
+    """Use every sample of every source once, ignoring weights (Megatron's unweighted blend)."""
+    dry_run: bool = False
+    """Compute and print the plan without writing anything to the cache."""
+
+
+@dataclass
+class SourceRow:
+    split: str
+    prefix: str
+    documents: int
+    tokens: int
+    requested: float
+    realised: float
+    samples: int
+    epochs: int
+    cache_key: str
+
+
+@dataclass
+class BuildResult:
+    datasets: list  # per split: GPTDataset | BlendedDataset | None
+    plan: list[SourceRow] = field(default_factory=list)
+    keys: dict[str, str] = field(default_factory=dict)  # split -> key of its top-level arrays
+    fingerprint: str = ""
+    builds: int = 0  # index entries computed by this process
+    hits: int = 0  # index entries loaded from the cache
+
+    @property
+    def train(self):
+        return self.datasets[Split.train]
+
+    @property
+    def valid(self):
+        return self.datasets[Split.valid]
+
+    @property
+    def test(self):
+        return self.datasets[Split.test]
+
+
+# --------------------------------------------------------------------------- caching builder
+
+
+class CachedBlendBuilder(BlendBuilder):
+    """``BlendBuilder`` whose two array computations go through an :class:`ArrayCache`."""
+
+    def __init__(self, config: BlendConfig, cache: ArrayCache | None, shared=None, **kw):
+        """``shared``: a :class:`SharedBuild` in a distributed run (one build per filesystem)."""
+        super().__init__(config, **kw)
+        self.cache = cache
+        self.shared = shared
+        self.keys: dict = {}  # id(indices) or ("blend", split) -> cache key
+        self.hits = self.builds = 0
+
+    def build(self, sizes):
+        """As ``BlendBuilder.build``, but a split asked for 0 samples is skipped (None), not built."""
+        cfg = self.config
+        if cfg.blend is None or 0 not in sizes:
+            return super().build(sizes)
+        matrix = [None if sizes[s] == 0 else b for s, b in enumerate(split_matrix(cfg.gpt.split))]
+        missing = [Split(s).name for s, b in enumerate(matrix) if b is not None and sizes[s] is None]
+        if cfg.blend.weights is not None and missing:
+            raise TokenloomError(
+                f"weighted blends need a sample count for every split; none given for {missing}"
+            )
+        return self._build_blend(cfg.blend, matrix, list(sizes))
+
+    def _source_key(self, prefix, source) -> dict:
+        if prefix is None:  # mock source: defined by its lengths and generator settings
+            return {
+                "mock": _array_digest(source.sequence_lengths),
+                "seed": getattr(source, "seed", None),
+                "vocab": getattr(source, "vocab_size", None),
+                "content": getattr(source, "content", None),
+            }
+        return {"prefix": Path(prefix).name, "digest": source_digest(prefix)}
+
+    def _cached(self, key: str, description: dict, build):
+        if self.cache is None:
+            self.builds += 1
+            return build()
+        if self.shared is not None:
+            arrays, built = self.shared.get_or_build(self.cache, key, build, description)
+        else:
+            arrays, built = self.cache.get_or_build(key, build, description)
+        self.builds += built
+        self.hits += not built
+        return arrays
+
+    def gpt_indices(self, prefix, source, documents, bookend, num_samples, split) -> GPTIndices:
+        description = {
+            "kind": "gpt-indices",
+            "format": INDEX_FORMAT,
+            "source": self._source_key(prefix, source),
+            "sequences": len(source),
+            "bookend": list(bookend),
+            "num_samples": num_samples,
+            "split": split.name,
+            "gpt": dataclasses.asdict(self.config.gpt),
+        }
+        key = content_key(description)
+
+        def build():
+            idx = super(CachedBlendBuilder, self).gpt_indices(
+                prefix, source, documents, bookend, num_samples, split
+            )
+            return {
+                "document_index": idx.document_index,
+                "sample_index": idx.sample_index,
+                "shuffle_index": idx.shuffle_index,
+                "meta": np.array([idx.num_epochs, idx.separate_final_epoch, idx.tokens_per_epoch], np.int64),
+            }
+
+        arrays = self._cached(key, description, build)
+        meta = [int(v) for v in arrays["meta"]]
+        indices = GPTIndices(
+            arrays["document_index"],
+            arrays["sample_index"],
+            arrays["shuffle_index"],
+            num_epochs=meta[0],
+            separate_final_epoch=bool(meta[1]),
+            tokens_per_epoch=meta[2],
+        )
+        self.keys[id(indices)] = key
+        return indices
+
+    def blend_indices(self, datasets, weights, size, split):
+        description = {
+            "kind": "blend-indices",
+            "format": INDEX_FORMAT,
+            "members": [self.keys.get(id(ds.indices)) for ds in datasets],
+            "weights": list(weights),
+            "size": size,
+            "split": split.name,
+            "surplus": self.config.mid_level_dataset_surplus,
+        }
+        key = content_key(description)
+
+        def build():
+            di, dsi = super(CachedBlendBuilder, self).blend_indices(datasets, weights, size, split)
+            return {"dataset_index": di, "dataset_sample_index": dsi}
+
+        arrays = self._cached(key, description, build)
+        self.keys[("blend", split)] = key
+        return arrays["dataset_index"], arrays["dataset_sample_index"]
+
+
+def _array_digest(arr) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------- config -> blend
+
+
+def parse_data_args(values: list[str]) -> list[tuple[float, str]]:
+    """``["0.3", "a", "0.7", "b"]`` or ``["a", "b"]`` (equal weights) -> [(w, prefix), ...]."""
+    if not values:
+        return []
+    try:
+        float(values[0])
+        weighted = True
+    except ValueError:
+        weighted = False
+    if not weighted:
+        return [(1.0, v) for v in values]
+    if len(values) % 2:
+        raise TokenloomError(
+            f"--data takes WEIGHT PREFIX pairs; got an odd number of values: {' '.join(values)}"
+        )
+    pairs = []
+    for w, p in zip(values[::2], values[1::2], strict=True):
+        try:
+            pairs.append((float(w), p))
+        except ValueError:
+            raise TokenloomError(f"--data: {w!r} is not a weight (expected WEIGHT PREFIX pairs)") from None
+    return pairs
+
+
+def load_blend_file(path: str) -> dict:
+    """A YAML or JSON blend file: {"data": [[w, prefix], ...]} or {"train": [...], "valid": [...], ...}."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        import yaml
+
+        doc = yaml.safe_load(text)
+    except Exception as exc:  # noqa: BLE001 - yaml's errors have many types
+        raise TokenloomError(f"{path}: not valid YAML/JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise TokenloomError(f"{path}: expected a mapping with 'data' or per-split keys")
+
+    def pairs(entries, where):
+        out = []
+        for e in entries or []:
+            if isinstance(e, dict) and "prefix" in e:
+                out.append((float(e.get("weight", 1.0)), str(e["prefix"])))
+            elif isinstance(e, (list, tuple)) and len(e) == 2:
+                out.append((float(e[0]), str(e[1])))
+            else:
+                raise TokenloomError(f"{path}: {where}: each entry is [weight, prefix] or {{weight, prefix}}")
+        return out
+
+    if "data" in doc:
+        return {"data": pairs(doc["data"], "data")}
+    unknown = set(doc) - {"train", "valid", "test"}
+    if unknown:
+        raise TokenloomError(f"{path}: unknown keys {sorted(unknown)} (use 'data' or train/valid/test)")
+    return {"data_per_split": {k: pairs(v, k) for k, v in doc.items()}}
+
+
+def _blend(pairs: list[tuple[float, str]], exhaustive: bool) -> Blend:
+    prefixes = tuple(p for _, p in pairs)
+    return Blend(prefixes, None if exhaustive else tuple(w for w, _ in pairs))
+
+
+def check_tokenizers(prefixes: list[str]) -> str | None:
+    """Refuse sources made with different tokenizers; the common fingerprint digest (None if unknown)."""
+    from tokenloom.preprocess import manifest
+
+    seen: dict[str, list[str]] = {}
+    for prefix in prefixes:
+        m = manifest.read(prefix)
+        if m is not None:
+            seen.setdefault(m["tokenizer"]["digest"], []).append(prefix)
+    if len(seen) > 1:
+        groups = "; ".join(f"{d[:12]}: {', '.join(ps)}" for d, ps in seen.items())
+        raise TokenloomError(
+            f"sources were tokenized with different tokenizers ({groups}); their ids do not "
+            "mean the same tokens, so they cannot be blended"
+        )
+    return next(iter(seen), None)
+
+
+def _sizes(cfg: BuildConfig, builder: BlendBuilder) -> list[int | None]:
+    """Samples per split; unspecified valid/test counts follow the split weights (0 where a source's
+    split is empty, which skips that split)."""
+    sizes = list(cfg.num_samples) + [None] * (3 - len(cfg.num_samples))
+    if cfg.train_tokens is not None:
+        sizes[0] = math.ceil(cfg.train_tokens / cfg.seq_length)
+    if sizes[0] is None or cfg.split is None or cfg.data_per_split is not None:
+        return sizes
+    shares, bookends = parse_split(cfg.split), split_matrix(cfg.split)
+    for s in (1, 2):
+        if sizes[s] is not None:
+            continue
+        empty = bookends[s] is None or any(
+            len(split_documents(bookends[s], len(builder.source(p)))) == 0 for _, p in cfg.data
+        )
+        sizes[s] = 0 if empty or shares[0] == 0 else math.ceil(sizes[0] * shares[s] / shares[0])
+    return [s if s is None else int(s) for s in sizes]
+
+
+def _check_token_mix(
+    builder: BlendBuilder, cfg: BuildConfig, pairs, split: Split, size: int, bookend
+) -> None:
+    """tokens mode: refuse, with the numbers, a mix that repeats a source more than max_repeat times."""
+    weights = normalize([w for w, _ in pairs])
+    targets = sample_budgets(weights, [size])
+    problems = []
+    for (w, prefix), (target,) in zip(pairs, targets, strict=True):
+        source = builder.source(prefix)
+        docs = split_documents(bookend, len(source))
+        available = int(np.asarray(source.sequence_lengths)[docs].sum(dtype=np.int64))
+        needed = target * cfg.seq_length
+        repeat = needed / available if available else math.inf
+        if repeat > cfg.max_repeat:
+            share = weights[pairs.index((w, prefix))]
+            fit = cfg.max_repeat * available / (size * cfg.seq_length)
+            problems.append(
+                f"{prefix}: share {share:.4g} of {size * cfg.seq_length} {split.name} tokens = "
+                f"{needed} tokens, but its {split.name} split holds {available} ({repeat:.2f} passes > "
+                f"max_repeat {cfg.max_repeat}); largest share that fits: {fit:.4g}"
+            )
+    if problems:
+        raise TokenloomError(
+            "impossible mix: " + " | ".join(problems) + " (lower those weights, add data, raise "
+            "--max-repeat, or ask for fewer tokens)"
+        )
+
+
+def build(cfg: BuildConfig, open_source=None, shared=None) -> BuildResult:
+    """Build (or load from cache) the train/valid/test datasets of ``cfg`` and their plan.
+
+    ``shared``: in a distributed run, a :class:`tokenloom.blending.cache.SharedBuild` so
+    that ranks sharing the cache filesystem build each entry once.
+    """
+    if cfg.mode not in ("megatron", "tokens"):
+        raise TokenloomError(f"--mode must be megatron or tokens, got {cfg.mode!r}")
+    if cfg.mode == "megatron" and cfg.train_tokens is not None:
+        raise TokenloomError("--train-tokens belongs to --mode tokens; in megatron mode give --num-samples")
+    if (cfg.data is None) == (cfg.data_per_split is None):
+        raise TokenloomError("give the sources either as --data WEIGHT PREFIX ... or a blend file")
+    gpt = GPTDatasetConfig(
+        seq_length=cfg.seq_length,
+        seed=cfg.seed,
+        split=None if cfg.data_per_split is not None else cfg.split,
+        mode="exact" if cfg.mode == "tokens" else "megatron",
+    )
+    if cfg.data is not None:
+        blend_cfg = BlendConfig(gpt=gpt, blend=_blend(cfg.data, cfg.exhaustive))
+        all_pairs = {s: cfg.data for s in Split}
+        bookends = split_matrix(cfg.split)
+    else:
+        per = tuple(
+            _blend(cfg.data_per_split[s.name], cfg.exhaustive) if cfg.data_per_split.get(s.name) else None
+            for s in Split
+        )
+        blend_cfg = BlendConfig(gpt=gpt, blend_per_split=per)
+        all_pairs = {s: cfg.data_per_split.get(s.name) or [] for s in Split}
+        bookends = [(0.0, 1.0) if all_pairs[s] else None for s in Split]
+    check_tokenizers(sorted({p for pairs in all_pairs.values() for _, p in pairs}))
+    cache = ArrayCache(cfg.cache_dir) if cfg.cache_dir and not cfg.dry_run else None
+    builder = CachedBlendBuilder(
+        blend_cfg, cache, shared, **({"open_source": open_source} if open_source else {})
+    )
+    sizes = _sizes(cfg, builder)
+    if cfg.mode == "tokens":
+        for s in Split:
+            if bookends[s] is not None and all_pairs[s] and sizes[s]:
+                _check_token_mix(builder, cfg, all_pairs[s], s, sizes[s], bookends[s])
+    datasets = builder.build(sizes)
+    result = BuildResult(datasets)
+    for s in Split:
+        ds = datasets[s]
+        if ds is None:
+            continue
+        result.plan.extend(_plan_rows(builder, s, ds))
+        result.keys[s.name] = builder.keys.get(("blend", s)) or builder.keys.get(id(ds.indices), "")
+    result.fingerprint = content_key({"splits": result.keys, "seq_length": cfg.seq_length})
+    result.hits, result.builds = builder.hits, builder.builds
+    return result
+
+
+def _plan_rows(builder, split: Split, ds) -> list[SourceRow]:
+    members = ds.datasets if isinstance(ds, BlendedDataset) else [ds]
+    if isinstance(ds, BlendedDataset):
+        drawn = np.bincount(np.asarray(ds.dataset_index), minlength=len(members))
+        requested = list(ds.weights) if ds.size is not None else [len(m) / len(ds) for m in members]
+    else:
+        drawn, requested = np.array([len(ds)]), [1.0]
+    rows = []
+    total = max(1, int(drawn.sum()))
+    for m, member in enumerate(members):
+        lengths = np.asarray(member.source.sequence_lengths)
+        docs = member.documents
+        prefix = member.source.path_prefix or "mock"
+        rows.append(
+            SourceRow(
+                split.name,
+                str(prefix),
+                len(docs),
+                int(lengths[docs].sum(dtype=np.int64)),
+                float(requested[m]),
+                float(drawn[m]) / total,
+                int(drawn[m]),
+                int(member.indices.num_epochs),
+                builder.keys.get(id(member.indices), "")[:12],
+            )
+        )
+    return rows
+
+
+def format_plan(result: BuildResult, cfg: BuildConfig) -> str:
+    head = (
+        "split",
+        "source",
+        "documents",
+        "tokens",
+        "requested",
+        "realised",
+        "samples",
+        "epochs",
+        "cache key",
+    )
+    rows = [head] + [
+        (
+            r.split,
+            r.prefix,
+            str(r.documents),
+            str(r.tokens),
+            f"{r.requested:.4f}",
+            f"{r.realised:.4f}",
+            str(r.samples),
+            str(r.epochs),
+            r.cache_key,
+        )
+        for r in result.plan
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    totals = ", ".join(
+        f"{s.name} {len(d)}" for s, d in zip(Split, result.datasets, strict=True) if d is not None
+    )
+    lines.append(
+        f"samples of {cfg.seq_length}+1 tokens: {totals}; mode {cfg.mode}; "
+        f"cache {cfg.cache_dir or 'off'} ({result.builds} built, {result.hits} loaded)"
+    )
+    return "\n".join(lines)
+
+
+def plot_plan(result: BuildResult, path: str) -> None:
+    """Bar chart of requested vs realised share per source and split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    splits = sorted({r.split for r in result.plan}, key=lambda s: Split[s])
+    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)
+    for ax, split in zip(axes[0], splits, strict=True):
+        rows = [r for r in result.plan if r.split == split]
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r.requested for r in rows], 0.4, label="requested")
+        ax.bar(x + 0.2, [r.realised for r in rows], 0.4, label="realised")
+        ax.set_xticks(x, [Path(r.prefix).name for r in rows], rotation=30, ha="right")
+        ax.set_title(f"{split} (epochs: {', '.join(str(r.epochs) for r in rows)})")
+        ax.set_ylabel("share of samples")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plan_json(result: BuildResult) -> str:
+    return json.dumps(
+        {
+            "plan": [dataclasses.asdict(r) for r in result.plan],
+            "keys": result.keys,
+            "fingerprint": result.fingerprint,
+            "builds": result.builds,
+            "hits": result.hits,
+        },
+        indent=2,
+    )

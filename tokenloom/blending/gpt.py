@@ -1,0 +1,240 @@
+"""GPT samples over one token source: document, sample and shuffle index (Megatron-exact).
+
+Policy (Megatron's, kept bit for bit so a run can switch between the two): every
+*sequence* is a "document"; a split's documents are repeated for E epochs and
+shuffled with ``numpy.random.RandomState(seed)``; the flattened token stream is
+cut into windows of ``seq_length + 1`` tokens that share their boundary token
+(sample j's last label is sample j+1's first input), so no token is lost except
+the tail of the last epoch (< seq_length tokens); samples are visited through a
+shuffled index. If the final epoch would contribute under 80% of an epoch's
+samples it is shuffled apart, so it is consumed only after all earlier epochs.
+The alternative (packing per document with padding) wastes tokens and breaks
+compatibility with Megatron's caches and resumption.
+
+Worked example (also a unit test): five sequences of lengths 3, 5, 2, 4, 6 (20
+tokens), ``seq_length=4``, ``seed=1234``, the extra token on, 5 samples asked:
+
+* epochs: 5 * 4 + 1 = 21 tokens needed > 20, so E = 2; the final epoch gives
+  5 - (20 - 1) // 4 = 1 sample < int(0.8 * 4), so it is shuffled separately;
+* document index (int32), epoch 1 then epoch 2: ``[4 0 1 2 3 | 3 2 1 0 4]``;
+* sample index (int32), (position in document index, offset) where sample j starts:
+  ``[[0 0] [0 4] [1 2] [2 3] [4 0] [5 0] [6 0] [7 2] [8 1] [9 2]]`` -- 9 samples over
+  2 * 20 - 1 = 39 tokens. Sample 0 is tokens 0-4 of sequence 4; sample 1 starts on
+  that last token (position 0, offset 4) and reads 2 + 3 tokens: the rest of
+  sequence 4 and all of sequence 0 (position 1, offsets 0 to 2 + 1);
+* shuffle index (uint32): ``[2 0 3 1 | 5 8 4 6 7]`` -- the 4 samples that fit in
+  epoch 1 first, then the ones touching epoch 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+from tokenloom.blending import helpers
+from tokenloom.blending.split import Split
+from tokenloom.errors import TokenloomError
+
+FINAL_EPOCH_THRESHOLD = 0.80
+"""A final epoch giving fewer than this fraction of an epoch's samples is shuffled apart."""
+
+
+class TokenSource(Protocol):
+    """What the index needs from a token file (``tokenloom.indexed.IndexedDataset``, a mock)."""
+
+    sequence_lengths: np.ndarray  # int32, one per sequence
+    path_prefix: str | None
+
+    def __len__(self) -> int: ...
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTDatasetConfig:
+    """How GPT samples are cut from token sources (Megatron's ``GPTDatasetConfig``)."""
+
+    seq_length: int
+    """Tokens per sample (Megatron's ``sequence_length``); a sample reads seq_length + 1 tokens."""
+
+    seed: int = 1234
+    """Seed of the document and sample shuffles; every dataset and split starts from it."""
+
+    split: str | None = "969, 30, 1"
+    """Train/valid/test weights over each source's sequences, e.g. "969,30,1"; None with per-split blends."""
+
+    add_extra_token: bool = True
+    """Read seq_length + 1 tokens per sample so inputs and labels are both seq_length long."""
+
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the last, partial, validation sample (train and test always drop it)."""
+
+    pad_id: int = -1
+    """Token that pads the last partial sample when it is kept."""
+
+    mode: Literal["megatron", "exact"] = "megatron"
+    """ "megatron" reproduces Megatron's arrays; "exact" counts a kept partial sample in
+    exact arithmetic (Megatron rounds in float32 and drops it past 2^24 tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.seq_length < 1:
+            raise TokenloomError(f"seq_length must be >= 1, got {self.seq_length}")
+        if self.mode not in ("megatron", "exact"):
+            raise TokenloomError(f"mode must be 'megatron' or 'exact', got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class GPTIndices:
+    """The three arrays that define a GPT dataset, plus how they were derived."""
+
+    document_index: np.ndarray
+    """int32: the split's sequence ids, E times, shuffled."""
+    sample_index: np.ndarray
+    """int32 or int64 [n + 1, 2]: (position in document_index, token offset) where sample j starts."""
+    shuffle_index: np.ndarray
+    """uint32 (int64 past 2^32 - 2 samples): the order in which samples are served."""
+    num_epochs: int
+    separate_final_epoch: bool
+    tokens_per_epoch: int
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+
+def count_epochs(tokens_per_epoch: int, num_samples: int | None, seq_length: int, extra: int) -> int:
+    """Smallest E >= 1 with E * tokens_per_epoch >= num_samples * seq_length + extra."""
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_length + extra
+    if tokens_per_epoch <= 0:
+        if needed <= 0:
+            return 1
+        raise TokenloomError(f"{num_samples} samples requested from a split with no tokens")
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+) -> np.ndarray:
+    """``documents`` tiled ``num_epochs`` times and shuffled (the last epoch apart if asked)."""
+    if separate_final_epoch and num_epochs > 1:
+        first = build_document_index(documents, num_epochs - 1, rng, False)
+        return np.concatenate([first, build_document_index(documents, 1, rng, False)])
+    index = np.tile(documents.astype(np.int32, copy=False), num_epochs)
+    rng.shuffle(index)
+    return index
+
+
+def build_shuffle_index(num_first: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+    """``[0, num_first)`` shuffled, then ``[num_first, total)`` shuffled."""
+    dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_first, dtype=dtype)
+    rng.shuffle(first)
+    if num_first == total:
+        return first
+    last = np.arange(num_first, total, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate([first, last])
+
+
+def build_gpt_indices(
+    sequence_lengths: np.ndarray,
+    documents: np.ndarray,
+    num_samples: int | None,
+    split: Split,
+    config: GPTDatasetConfig,
+) -> GPTIndices:
+    """Document, sample and shuffle index of one split of one source (a pure function).
+
+    ``documents`` are the split's sequence ids (int32, see ``split.split_documents``);
+    ``num_samples`` None means one epoch. Same arrays as Megatron's GPTDataset.
+    """
+    if sequence_lengths.dtype != np.int32:
+        raise TypeError(f"sequence_lengths must be int32, got {sequence_lengths.dtype}")
+    seq_length, extra = config.seq_length, int(config.add_extra_token)
+    tokens_per_epoch = int(np.sum(sequence_lengths[documents], dtype=np.int64))
+    num_epochs = count_epochs(tokens_per_epoch, num_samples, seq_length, extra)
+
+    separate = False
+    num_before_final = 0
+    if num_epochs > 1:
+        num_before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+        num_from_final = num_samples - num_before_final
+        per_epoch = (tokens_per_epoch - extra) // seq_length
+        assert 0 <= num_from_final <= per_epoch + 1, (num_from_final, per_epoch)
+        separate = num_from_final < int(FINAL_EPOCH_THRESHOLD * per_epoch)
+
+    rng = np.random.RandomState(config.seed)
+    document_index = build_document_index(documents, num_epochs, rng, separate)
+    drop_last = config.drop_last_partial_validation_sequence if split == Split.valid else True
+    if num_epochs * tokens_per_epoch - extra < 0:  # an empty split: no samples (Megatron's result for S > 1)
+        sample_index = np.zeros((1, 2), dtype=np.int32)
+    else:
+        sample_index = helpers.build_sample_idx(
+            sequence_lengths,
+            document_index,
+            seq_length,
+            num_epochs,
+            tokens_per_epoch,
+            drop_last,
+            config.add_extra_token,
+            exact_ceil=config.mode == "exact",
+        )
+    num_built = sample_index.shape[0] - 1
+    shuffle_index = build_shuffle_index(num_before_final if separate else num_built, num_built, rng)
+    return GPTIndices(document_index, sample_index, shuffle_index, num_epochs, separate, tokens_per_epoch)
+
+
+class GPTDataset:
+    """Samples of ``seq_length (+1)`` tokens from one split of one source."""
+
+    def __init__(
+        self,
+        source: TokenSource,
+        documents: np.ndarray,
+        num_samples: int | None,
+        split: Split,
+        config: GPTDatasetConfig,
+        indices: GPTIndices | None = None,
+    ) -> None:
+        self.source = source
+        self.documents = documents
+        self.num_samples = num_samples
+        self.split = split
+        self.config = config
+        self.indices = indices or build_gpt_indices(
+            source.sequence_lengths, documents, num_samples, split, config
+        )
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __repr__(self) -> str:
+        return (
+            f"GPTDataset({self.source.path_prefix!r}, split={self.split.name}, samples={len(self)}, "
+            f"epochs={self.indices.num_epochs}, sequences={len(self.documents)})"
+        )
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        """Sample k (in shuffled order): ``seq_length + x`` tokens as int64, padded with pad_id if partial."""
+        return self.read(int(self.indices.shuffle_index[k]))
+
+    def read(self, j: int) -> np.ndarray:
+        """Unshuffled sample j: the tokens between sample_index rows j and j + 1 (+ x)."""
+        extra = int(self.config.add_extra_token)
+        doc_index, sample_index = self.indices.document_index, self.indices.sample_index
+        (p0, o0), (p1, o1) = (int(v) for v in sample_index[j]), (int(v) for v in sample_index[j + 1])
+        get = self.source.get
+        if p0 == p1:
+            parts = [get(int(doc_index[p0]), offset=o0, length=o1 - o0 + extra)]
+        else:
+            parts = [get(int(doc_index[p0]), offset=o0)]
+            parts += [get(int(doc_index[p])) for p in range(p0 + 1, p1)]
+            parts.append(get(int(doc_index[p1]), offset=0, length=o1 + extra))
+        want = self.config.seq_length + extra
+        have = sum(len(part) for part in parts)
+        if have < want:
+            parts.append(np.full(want - have, self.config.pad_id, dtype=np.int64))
+        return np.concatenate(parts, dtype=np.int64)

@@ -1,0 +1,158 @@
+"""Pick one implementation per op for a device: :func:`select_kernels` -> :class:`KernelSet`.
+
+Modes:
+
+* ``reference``: eager PyTorch, no compilation, no custom kernels. Memory-saving
+  formulations that are plain PyTorch stay on (chunked cross entropy, SDPA attention);
+  their textbook oracles are ``cross_entropy_reference`` and ``attention_reference``.
+* ``compiled``: ``torch.compile`` of the references (inductor: C++/OpenMP on CPU,
+  Triton on CUDA); the chunked cross entropy compiles its per-chunk math.
+* ``triton``: hand-written Triton kernels for RMSNorm, LayerNorm, SwiGLU, bias-GELU
+  and RoPE; bias-dropout-add and cross entropy come from ``compiled`` when inductor
+  works on the device (eager otherwise); attention is SDPA.
+* ``auto``: ``triton`` on CUDA when Triton is installed, else ``reference`` on CUDA
+  (inductor needs Triton there); ``compiled`` on CPU when a C++ compiler is found,
+  else ``reference``. Auto never picks the Triton interpreter.
+
+Forcing a mode the host cannot run raises ``ValueError`` naming what is missing; the
+choice is logged once per (requested mode, resolved mode, device type), on one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import attention_sdpa
+from .bias_dropout_add import bias_dropout_add_reference
+from .bias_gelu import bias_gelu_reference
+from .compiled import compile_available, compiled
+from .cross_entropy import _logits_grad, _target_and_sumexp, chunked_cross_entropy
+from .layer_norm import layer_norm_reference
+from .rms_norm import rms_norm_reference
+from .rope import rope_reference
+from .swiglu import swiglu_reference
+from .triton_ops import triton_available
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "reference", "compiled", "triton")
+OPS = (
+    "rms_norm",
+    "layer_norm",
+    "swiglu",
+    "bias_gelu",
+    "rope",
+    "bias_dropout_add",
+    "attention",
+    "cross_entropy",
+)
+_LOGGED: set[tuple[str, str, str]] = set()
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The ops as callables (same signatures as the ``*_reference`` functions).
+
+    ``sources`` maps each op name to the implementation behind it
+    (``reference``, ``compiled``, ``triton`` or ``sdpa``).
+    """
+
+    mode: str
+    device_type: str
+    rms_norm: Callable
+    layer_norm: Callable
+    swiglu: Callable
+    bias_gelu: Callable
+    rope: Callable
+    bias_dropout_add: Callable
+    attention: Callable
+    cross_entropy: Callable
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+_REFERENCES: dict[str, Callable] = {
+    "rms_norm": rms_norm_reference,
+    "layer_norm": layer_norm_reference,
+    "swiglu": swiglu_reference,
+    "bias_gelu": bias_gelu_reference,
+    "rope": rope_reference,
+    "bias_dropout_add": bias_dropout_add_reference,
+}
+"""The ops that ``compiled`` mode compiles whole (attention and cross entropy are special)."""
+
+
+def _reference_ops() -> dict[str, tuple[Callable, str]]:
+    ops = {name: (fn, "reference") for name, fn in _REFERENCES.items()}
+    ops["attention"] = (attention_sdpa, "sdpa")
+    ops["cross_entropy"] = (chunked_cross_entropy, "reference")
+    return ops
+
+
+def _compiled_ops() -> dict[str, tuple[Callable, str]]:
+    ops = {name: (compiled(fn), "compiled") for name, fn in _REFERENCES.items()}
+    ops["attention"] = (attention_sdpa, "sdpa")
+    chunk_fns = (compiled(_target_and_sumexp), compiled(_logits_grad))
+    ops["cross_entropy"] = (functools.partial(chunked_cross_entropy, _fns=chunk_fns), "compiled")
+    return ops
+
+
+def _triton_ops(device_type: str) -> dict[str, tuple[Callable, str]]:
+    from . import triton_ops as t
+
+    ops = _compiled_ops() if compile_available(device_type) else _reference_ops()
+    ops.update(
+        rms_norm=(t.rms_norm_triton, "triton"),
+        layer_norm=(t.layer_norm_triton, "triton"),
+        swiglu=(t.swiglu_triton, "triton"),
+        bias_gelu=(t.bias_gelu_triton, "triton"),
+        rope=(t.rope_triton, "triton"),
+    )
+    return ops
+
+
+def _resolve(mode: str, device_type: str) -> tuple[str, str]:
+    """(mode to build, reason for the log line)."""
+    if mode not in MODES:
+        raise ValueError(f"kernel mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "triton" and not triton_available(device_type):
+        raise ValueError(
+            f"kernel mode 'triton' cannot run on {device_type}: it needs the triton package and a CUDA "
+            "device (or TRITON_INTERPRET=1 on CPU, for numerics tests only); use mode 'auto' or 'compiled'"
+        )
+    if mode == "compiled" and not compile_available(device_type):
+        need = "the triton package" if device_type == "cuda" else "a C++ compiler (g++ or $CXX)"
+        raise ValueError(f"kernel mode 'compiled' needs {need} on {device_type}; use mode 'reference'")
+    if mode != "auto":
+        return mode, "forced"
+    if device_type == "cuda":
+        if triton_available("cuda"):
+            return "triton", "CUDA with Triton"
+        return "reference", "CUDA without Triton (inductor needs it too)"
+    if compile_available(device_type):
+        return "compiled", f"torch.compile works on {device_type}"
+    return "reference", f"no torch.compile backend for {device_type}"
+
+
+def select_kernels(mode: str = "auto", device: torch.device | str | None = None) -> KernelSet:
+    """The :class:`KernelSet` for ``mode`` on ``device`` (default: CUDA if available, else CPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = torch.device(device).type
+    resolved, reason = _resolve(mode, device_type)
+    builders = {"reference": _reference_ops, "compiled": _compiled_ops}
+    ops = _triton_ops(device_type) if resolved == "triton" else builders[resolved]()
+    key = (mode, resolved, device_type)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("kernels: %s on %s (requested %s: %s)", resolved, device_type, mode, reason)
+    return KernelSet(
+        mode=resolved,
+        device_type=device_type,
+        sources={name: src for name, (_, src) in ops.items()},
+        **{name: fn for name, (fn, _) in ops.items()},
+    )
