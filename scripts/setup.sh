@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create ./.venv (once) and install tokenloom into it: torch first, so pip never pulls a
 # CUDA build for a CPU machine, then the project (editable, with the native C++ build).
-#   EXTRAS=dev,interop   optional extras to install (default: dev,interop)
+#   EXTRAS=dev,interop   optional extras to install (default: dev,interop; the test command adds kernels)
 #   TORCH_SPEC=...        torch requirement (default torch==2.13.0; on a GPU cluster use your CUDA build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
