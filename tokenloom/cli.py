@@ -27,6 +27,40 @@ class _Group(click.Group):
             sys.exit(1)
 
 
+class _Greedy(click.Option):
+    """A ``multiple`` option that also takes the values following it, like argparse's ``nargs='+'``.
+
+    So ``--json-keys text title`` works as in Megatron's scripts, and so does the
+    click style ``--json-keys text --json-keys title``. Values run up to the next
+    token that looks like an option (numbers such as ``-0.5`` are values).
+    """
+
+    def add_to_parser(self, parser, ctx):
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            opt = parser._long_opt.get(name) or parser._short_opt.get(name)
+            if opt is None:
+                continue
+            process = opt.process
+
+            def greedy(value, state, process=process):
+                process(value, state)
+                while state.rargs and not _looks_like_option(state.rargs[0]):
+                    process(state.rargs.pop(0), state)
+
+            opt.process = greedy
+
+
+def _looks_like_option(token: str) -> bool:
+    if not token.startswith("-") or token == "-":
+        return False
+    try:
+        float(token)
+        return False
+    except ValueError:
+        return True
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="tokenloom")
 def main():
@@ -100,11 +134,12 @@ def _pp_help(name: str) -> str:
 
 
 @main.command()
-@click.option("--input", "inputs", multiple=True, required=True, help=_pp_help("inputs"))
+@click.option("--input", "inputs", cls=_Greedy, multiple=True, required=True, help=_pp_help("inputs"))
 @click.option("--output-prefix", required=True, help=_pp_help("output_prefix"))
 @click.option("--tokenizer", help=_pp_help("tokenizer"))
 @click.option("--tokenizer-type", help=_pp_help("tokenizer_type"))
-@click.option("--json-keys", multiple=True, default=("text",), show_default=True, help=_pp_help("json_keys"))
+@click.option("--json-keys", cls=_Greedy, multiple=True, default=("text",), show_default=True,
+              help=_pp_help("json_keys"))
 @click.option("--append-eod", is_flag=True, help=_pp_help("append_eod"))
 @click.option("--prepend-bos", is_flag=True, help=_pp_help("prepend_bos"))
 @click.option("--workers", type=int, default=0, show_default=True, help=_pp_help("workers"))
@@ -145,9 +180,9 @@ def _parse_counts(text: str | None) -> tuple:
         raise click.BadParameter(f"{text!r}: expected TRAIN[,VALID,TEST] integers", param_hint="--num-samples") from None
 
 
-@main.command(context_settings={"ignore_unknown_options": False})
-@click.argument("sources", nargs=-1)
-@click.option("--data", "data_flag", is_flag=True, help="The arguments are WEIGHT PREFIX pairs (Megatron's --data-path).")
+@main.command()
+@click.option("--data", "sources", cls=_Greedy, multiple=True,
+              help="Sources as WEIGHT PREFIX pairs (Megatron's --data-path), or prefixes alone for equal weights.")
 @click.option("--blend-file", type=click.Path(exists=True, dir_okay=False),
               help="YAML/JSON blend: {data: [[w, prefix], ...]} or per split {train: [...], valid: [...], test: [...]}.")
 @click.option("--split", default="969,30,1", show_default=True, help=_bd_help("split"))
@@ -163,8 +198,8 @@ def _parse_counts(text: str | None) -> tuple:
 @click.option("--dry-run", is_flag=True, help=_bd_help("dry_run"))
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of requested vs realised shares.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def build(sources, data_flag, blend_file, num_samples, plot, as_json, **options):
-    """Build GPT train/valid/test sample indices for a blend: build [--data] W1 PREFIX1 W2 PREFIX2 ..."""
+def build(sources, blend_file, num_samples, plot, as_json, **options):
+    """Build GPT train/valid/test sample indices for a blend: build --data W1 PREFIX1 W2 PREFIX2 ..."""
     from tokenloom.blending.build import (
         BuildConfig,
         format_plan,
@@ -176,7 +211,7 @@ def build(sources, data_flag, blend_file, num_samples, plot, as_json, **options)
     from tokenloom.blending.build import build as run
 
     if blend_file and sources:
-        raise click.UsageError("give the sources either as arguments or with --blend-file, not both")
+        raise click.UsageError("give the sources either with --data or with --blend-file, not both")
     spec = load_blend_file(blend_file) if blend_file else {"data": parse_data_args(list(sources))}
     if not blend_file and not sources:
         raise click.UsageError("no sources: build --data 0.3 PREFIX1 0.7 PREFIX2 (or --blend-file FILE)")
@@ -204,7 +239,7 @@ def _tt_help(name: str) -> str:
 
 
 @tokenizer.command("train")
-@click.option("--input", "inputs", multiple=True, required=True, help=_tt_help("inputs"))
+@click.option("--input", "inputs", cls=_Greedy, multiple=True, required=True, help=_tt_help("inputs"))
 @click.option("--output", required=True, help=_tt_help("output"))
 @click.option("--kind", type=click.Choice(["bpe", "unigram"]), default="bpe", show_default=True, help=_tt_help("kind"))
 @click.option("--vocab-size", type=int, default=32000, show_default=True, help=_tt_help("vocab_size"))

@@ -128,10 +128,15 @@ def resolve_shard(cfg: PreprocessConfig) -> tuple[int, int]:
     return n, i
 
 
-def output_prefixes(cfg: PreprocessConfig, num_shards: int, shard_index: int) -> dict[str, str]:
-    base = cfg.output_prefix
+def run_prefix(cfg: PreprocessConfig, num_shards: int, shard_index: int) -> str:
+    """The prefix of this run's own files (rejects, partial state): the output prefix, per shard."""
     if num_shards > 1:
-        base = f"{base}-shard{shard_index:05d}-of-{num_shards:05d}"
+        return f"{cfg.output_prefix}-shard{shard_index:05d}-of-{num_shards:05d}"
+    return cfg.output_prefix
+
+
+def output_prefixes(cfg: PreprocessConfig, num_shards: int, shard_index: int) -> dict[str, str]:
+    base = run_prefix(cfg, num_shards, shard_index)
     if cfg.megatron_names:
         return {k: f"{base}_{k}_document" for k in cfg.json_keys}
     if len(cfg.json_keys) == 1:
@@ -232,9 +237,9 @@ class _Run:
         self.opts = EncodeOptions(tuple(cfg.json_keys), str(self.dtype), tok.vocab_size, cfg.append_eod,
                                   cfg.prepend_bos, tok.eod, tok.bos)
         self.outputs = output_prefixes(cfg, self.num_shards, self.shard_index)
-        first = next(iter(self.outputs.values()))
-        self.partial = Path(f"{first}.partial")
-        self.rejects_path = Path(f"{first}.rejects.jsonl")
+        base = run_prefix(cfg, self.num_shards, self.shard_index)
+        self.partial = Path(f"{base}.partial")
+        self.rejects_path = Path(f"{base}.rejects.jsonl")
         self.digest = _config_digest(cfg, self.inputs, self.fingerprint, [self.num_shards, self.shard_index])
         self.workers = cfg.workers or os.cpu_count() or 1
         self.counts = Counts(per_key={k: {"documents": 0, "empty_documents": 0, "sequences": 0, "tokens": 0}
