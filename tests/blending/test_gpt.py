@@ -40,14 +40,29 @@ class ArraySource:
 
 
 def test_module_docstring_worked_example():
-    indices = build_gpt_indices(np.array([3, 5, 2, 4, 6], np.int32), np.arange(5, dtype=np.int32), 5, Split.train,
-                                GPTDatasetConfig(seq_length=4, seed=1234))  # fmt: skip
+    indices = build_gpt_indices(
+        np.array([3, 5, 2, 4, 6], np.int32),
+        np.arange(5, dtype=np.int32),
+        5,
+        Split.train,
+        GPTDatasetConfig(seq_length=4, seed=1234),
+    )
     assert indices.num_epochs == 2 and indices.separate_final_epoch
     assert indices.document_index.dtype == np.int32
     assert indices.document_index.tolist() == [4, 0, 1, 2, 3, 3, 2, 1, 0, 4]
     assert indices.sample_index.dtype == np.int32
-    assert indices.sample_index.tolist() == [[0, 0], [0, 4], [1, 2], [2, 3], [4, 0], [5, 0], [6, 0], [7, 2],
-                                             [8, 1], [9, 2]]  # fmt: skip
+    assert indices.sample_index.tolist() == [
+        [0, 0],
+        [0, 4],
+        [1, 2],
+        [2, 3],
+        [4, 0],
+        [5, 0],
+        [6, 0],
+        [7, 2],
+        [8, 1],
+        [9, 2],
+    ]
     assert indices.shuffle_index.dtype == np.uint32
     assert indices.shuffle_index.tolist() == [2, 0, 3, 1, 5, 8, 4, 6, 7]
     assert "[4 0 1 2 3 | 3 2 1 0 4]" in gpt.__doc__ and "[2 0 3 1 | 5 8 4 6 7]" in gpt.__doc__
@@ -72,8 +87,12 @@ def test_samples_are_windows_of_the_shuffled_stream(
 ):
     source = ArraySource(lengths)
     documents = np.arange(len(source), dtype=np.int32)
-    config = GPTDatasetConfig(seq_length=seq_length, seed=seed, add_extra_token=extra,
-                              drop_last_partial_validation_sequence=not keep_partial)  # fmt: skip
+    config = GPTDatasetConfig(
+        seq_length=seq_length,
+        seed=seed,
+        add_extra_token=extra,
+        drop_last_partial_validation_sequence=not keep_partial,
+    )
     total = sum(lengths)
     if total == 0 and (num_samples or extra) and num_samples is not None:
         with pytest.raises(TokenloomError, match="no tokens"):
@@ -120,10 +139,12 @@ def test_shuffle_index_dtype_rule():
 def test_empty_split_with_samples_is_an_error_not_a_hang():
     # Megatron's epoch loop never ends here.
     with pytest.raises(TokenloomError, match="no tokens"):
-        build_gpt_indices(np.array([5, 5], np.int32), np.zeros(0, np.int32), 3, Split.test,
-                          GPTDatasetConfig(seq_length=4))  # fmt: skip
-    one_epoch = build_gpt_indices(np.array([5, 5], np.int32), np.zeros(0, np.int32), None, Split.test,
-                                  GPTDatasetConfig(seq_length=4))  # fmt: skip
+        build_gpt_indices(
+            np.array([5, 5], np.int32), np.zeros(0, np.int32), 3, Split.test, GPTDatasetConfig(seq_length=4)
+        )
+    one_epoch = build_gpt_indices(
+        np.array([5, 5], np.int32), np.zeros(0, np.int32), None, Split.test, GPTDatasetConfig(seq_length=4)
+    )
     assert len(one_epoch) == 0 and one_epoch.sample_index.tolist() == [[0, 0]]
 
 
@@ -143,6 +164,8 @@ def test_exact_mode_only_changes_kept_partial_count():
     exact = build_gpt_indices(lengths, docs, None, Split.valid, GPTDatasetConfig(mode="exact", **kw))
     assert len(exact) == len(megatron) + 1
     np.testing.assert_array_equal(exact.sample_index[:-1], megatron.sample_index)
-    train = [build_gpt_indices(lengths, docs, None, Split.train, GPTDatasetConfig(mode=m, **kw)) for m in
-             ("megatron", "exact")]  # fmt: skip
+    train = [
+        build_gpt_indices(lengths, docs, None, Split.train, GPTDatasetConfig(mode=m, **kw))
+        for m in ("megatron", "exact")
+    ]
     np.testing.assert_array_equal(train[0].sample_index, train[1].sample_index)

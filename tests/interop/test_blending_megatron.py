@@ -1,12 +1,14 @@
 """tokenloom.blending vs megatron-core 0.16.1: same arrays (values and dtypes), same samples.
 
 megatron-core is a test-only oracle; it is imported once for the whole module (3-5 s).
-Both sides read the same files through megatron's reader, so any difference is
-in the index code. No cache path is given, so no process group is needed (spec G).
-"""
+tokenloom reads the files with its own reader, megatron with its own. Megatron gets
+a fresh ``path_to_cache`` per build (so nothing is ever a cache hit, and nothing is
+written next to the shared fixtures, which its default location would do); 0.16.1's
+BlendedDataset then needs a process group: a 1-rank gloo group on a file store."""
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -30,10 +32,16 @@ with warnings.catch_warnings():
 from tokenloom.blending import reference
 from tokenloom.blending.blend import Blend, BlendConfig, BlendedDataset, build_datasets, build_mock_datasets
 from tokenloom.blending.gpt import GPTDataset, GPTDatasetConfig, build_gpt_indices
+from tokenloom.blending.megatron_cache import MegatronCacheBuilder, cache_key
 from tokenloom.blending.mock import MockSource
 from tokenloom.blending.split import Split
 
 _native = pytest.importorskip("tokenloom._native", reason="native extension not built")
+
+try:  # tokenloom's own reader on our side when it exists, so the whole read path is compared
+    from tokenloom.indexed import IndexedDataset as OurIndexedDataset
+except ImportError:  # pragma: no cover - before tokenloom.indexed landed
+    OurIndexedDataset = MIndexedDataset
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 FIXTURES = SHARED_DATA / "megatron-fixtures"
@@ -45,6 +53,25 @@ class DummyTokenizer:
     vocab_size = 32000
     eod = 0
     unique_identifiers = {"class": "DummyTokenizer"}
+
+
+_CACHE_ROOT: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_process_group(tmp_path_factory):
+    import torch.distributed as dist
+
+    _CACHE_ROOT[:] = [str(tmp_path_factory.mktemp("megatron-cache"))]
+    owned = not dist.is_initialized()
+    if owned:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()
+    for name in ("test_text_document", "fim_text_document"):
+        assert not (FIXTURES / name).exists(), f"something wrote a cache next to the shared fixture {name}"
 
 
 def fixture_prefix(name: str) -> str:
@@ -87,20 +114,39 @@ def megatron_build(
     drop_last_valid=True,
     surplus=0.005,
     mock=False,
+    path_to_cache="fresh",
+    multiple_validation_sets=None,
 ):
+    if path_to_cache == "fresh":
+        path_to_cache = tempfile.mkdtemp(dir=_CACHE_ROOT[0])
     config = mgpt.GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=blend, blend_per_split=blend_per_split, split=split,
-        tokenizer=DummyTokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        add_extra_token_to_sequence=add_extra, drop_last_partial_validation_sequence=drop_last_valid,
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
+        tokenizer=DummyTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        add_extra_token_to_sequence=add_extra,
+        drop_last_partial_validation_sequence=drop_last_valid,
         mid_level_dataset_surplus=surplus,
-    )  # fmt: skip
+        path_to_cache=path_to_cache,
+        multiple_validation_sets=multiple_validation_sets,
+    )
     cls = mgpt.MockGPTDataset if mock else mgpt.GPTDataset
     return mbuilder.BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
 
 def gpt_config(seq_length, split, seed=1234, add_extra=True, drop_last_valid=True):
-    return GPTDatasetConfig(seq_length=seq_length, split=split, seed=seed, add_extra_token=add_extra,
-                            drop_last_partial_validation_sequence=drop_last_valid)  # fmt: skip
+    return GPTDatasetConfig(
+        seq_length=seq_length,
+        split=split,
+        seed=seed,
+        add_extra_token=add_extra,
+        drop_last_partial_validation_sequence=drop_last_valid,
+    )
 
 
 def assert_same_array(mine: np.ndarray, theirs: np.ndarray, what: str) -> None:
@@ -127,6 +173,11 @@ def assert_same_gpt(mine: GPTDataset, theirs, what: str, samples: int = 25) -> N
 def assert_same(mine, theirs, what: str) -> None:
     if mine is None or theirs is None:
         assert mine is None and theirs is None, f"{what}: {mine!r} vs megatron {theirs!r}"
+        return
+    if isinstance(mine, list):  # multiple validation sets
+        assert isinstance(theirs, list) and len(mine) == len(theirs), what
+        for d, (m, t) in enumerate(zip(mine, theirs, strict=True)):
+            assert_same_gpt(m, t, f"{what} set {d}")
         return
     if isinstance(mine, GPTDataset):
         assert_same_gpt(mine, theirs, what)
@@ -157,12 +208,16 @@ def compare(mine: list, theirs: list) -> None:
 
 def build_both(sizes, *, seq_length, split=None, prefixes=None, weights=None, per_split=None, **kw):
     """tokenloom and megatron datasets for one configuration (plain tuples -> both APIs)."""
-    gpt = gpt_config(seq_length, split, kw.get("seed", 1234), kw.get("add_extra", True),
-                     kw.get("drop_last_valid", True))  # fmt: skip
+    gpt = gpt_config(
+        seq_length, split, kw.get("seed", 1234), kw.get("add_extra", True), kw.get("drop_last_valid", True)
+    )
     surplus = kw.get("surplus", 0.005)
     if per_split is not None:
-        config = BlendConfig(gpt=gpt, blend_per_split=tuple(None if b is None else Blend(*b) for b in per_split),
-                             mid_level_dataset_surplus=surplus)  # fmt: skip
+        config = BlendConfig(
+            gpt=gpt,
+            blend_per_split=tuple(None if b is None else Blend(*b) for b in per_split),
+            mid_level_dataset_surplus=surplus,
+        )
         theirs = megatron_build(
             sizes,
             seq_length=seq_length,
@@ -182,7 +237,7 @@ def build_both(sizes, *, seq_length, split=None, prefixes=None, weights=None, pe
             blend=(list(prefixes), None if weights is None else list(weights)),
             **kw,
         )
-    mine = build_datasets(config, sizes, open_source=MIndexedDataset)
+    mine = build_datasets(config, sizes, open_source=OurIndexedDataset)
     return mine, theirs
 
 
@@ -198,8 +253,9 @@ def test_fixture_single_source():
 
 def test_fixture_weighted_two_way_blend():
     prefixes = [fixture_prefix("test_text_document"), fixture_prefix("fim_text_document")]
-    mine, theirs = build_both([500, 50, 10], seq_length=64, split="969, 30, 1", prefixes=prefixes,
-                              weights=(30.0, 70.0))  # fmt: skip
+    mine, theirs = build_both(
+        [500, 50, 10], seq_length=64, split="969, 30, 1", prefixes=prefixes, weights=(30.0, 70.0)
+    )
     compare(mine, theirs)
 
 
@@ -212,8 +268,14 @@ def test_fixture_sequence_longer_than_split():
 
 
 def test_one_epoch_keep_partial_no_extra_token(synthetic):
-    mine, theirs = build_both([None, None, None], seq_length=100, split="90,5,5", prefixes=[synthetic["medium"]],
-                              add_extra=False, drop_last_valid=False)  # fmt: skip
+    mine, theirs = build_both(
+        [None, None, None],
+        seq_length=100,
+        split="90,5,5",
+        prefixes=[synthetic["medium"]],
+        add_extra=False,
+        drop_last_valid=False,
+    )
     compare(mine, theirs)
     valid = mine[1]
     assert valid.read(len(valid) - 1)[-1] == -1  # the kept partial sample is padded with pad_id
@@ -231,8 +293,9 @@ def test_multi_epoch_final_epoch_rule(synthetic, train, separate):
 def test_tiny_weights(synthetic):
     # (split "969,30,1" would leave small's test split empty: megatron loops forever there)
     prefixes = [synthetic["small"], synthetic["medium"]]
-    mine, theirs = build_both([2000, 100, 100], seq_length=64, split="90,5,5", prefixes=prefixes,
-                              weights=(0.001, 0.999))  # fmt: skip
+    mine, theirs = build_both(
+        [2000, 100, 100], seq_length=64, split="90,5,5", prefixes=prefixes, weights=(0.001, 0.999)
+    )
     compare(mine, theirs)
     assert np.bincount(mine[0].dataset_index).tolist() == [2, 1998]
 
@@ -251,8 +314,9 @@ def test_unweighted_with_sizes(synthetic):
 
 
 def test_single_source_with_weight_goes_through_blend(synthetic):
-    mine, theirs = build_both([100, 10, 10], seq_length=32, split="8,1,1", prefixes=[synthetic["small"]],
-                              weights=(1.0,))  # fmt: skip
+    mine, theirs = build_both(
+        [100, 10, 10], seq_length=32, split="8,1,1", prefixes=[synthetic["small"]], weights=(1.0,)
+    )
     compare(mine, theirs)
     assert isinstance(mine[0], BlendedDataset)
 
@@ -265,6 +329,21 @@ def test_blend_per_split(synthetic):
     ]
     mine, theirs = build_both([800, 40, None], seq_length=64, per_split=per_split, seed=99)
     compare(mine, theirs)
+
+
+def test_multiple_validation_sets(synthetic):
+    blend_per_split = [([synthetic["small"]], None), ([synthetic["medium"], synthetic["tiny"]], None), None]
+    theirs = megatron_build(
+        [100, 30, None], seq_length=32, blend_per_split=blend_per_split, multiple_validation_sets=True
+    )
+    config = BlendConfig(
+        gpt=gpt_config(32, None),
+        multiple_validation_sets=True,
+        blend_per_split=tuple(None if b is None else Blend(tuple(b[0]), b[1]) for b in blend_per_split),
+    )
+    mine = build_datasets(config, [100, 30, None], open_source=OurIndexedDataset)
+    compare(mine, theirs)
+    assert [ds.num_samples for ds in mine[1]] == [30, 30]
 
 
 def test_mock_mode():
@@ -285,18 +364,31 @@ def test_float32_ceil_quirk_at_dataset_level():
 
     source = Lengths()
     documents = np.arange(len(source), dtype=np.int32)
-    config = mgpt.GPTDatasetConfig(random_seed=5, sequence_length=4096, split="1", tokenizer=DummyTokenizer(),
-                                   reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                                   drop_last_partial_validation_sequence=False)  # fmt: skip
+    config = mgpt.GPTDatasetConfig(
+        random_seed=5,
+        sequence_length=4096,
+        split="1",
+        tokenizer=DummyTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        drop_last_partial_validation_sequence=False,
+    )
     theirs = mgpt.GPTDataset(source, None, documents, None, MSplit.valid, config)
     gpt = gpt_config(4096, "1", seed=5, drop_last_valid=False)
     mine = build_gpt_indices(source.sequence_lengths, documents, None, Split.valid, gpt)
     for name in ("document_index", "sample_index", "shuffle_index"):
         assert_same_array(getattr(mine, name), getattr(theirs, name), name)
     assert len(mine) == 2**13
-    exact = build_gpt_indices(source.sequence_lengths, documents, None, Split.valid,
-                              GPTDatasetConfig(seq_length=4096, seed=5, split="1", mode="exact",
-                                               drop_last_partial_validation_sequence=False))  # fmt: skip
+    exact = build_gpt_indices(
+        source.sequence_lengths,
+        documents,
+        None,
+        Split.valid,
+        GPTDatasetConfig(
+            seq_length=4096, seed=5, split="1", mode="exact", drop_last_partial_validation_sequence=False
+        ),
+    )
     assert len(exact) == 2**13 + 1
 
 
@@ -306,20 +398,124 @@ def test_oversampling_is_a_clear_error_where_megatron_raises_index_error(synthet
     from tokenloom.errors import TokenloomError
 
     gpt = gpt_config(64, "1")
-    config = mgpt.GPTDatasetConfig(random_seed=1234, sequence_length=64, split="1", tokenizer=DummyTokenizer(),
-                                   reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)  # fmt: skip
+    config = mgpt.GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=64,
+        split="1",
+        tokenizer=DummyTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     prefixes = [synthetic["tiny"], synthetic["small"]]
     theirs, mine = [], []
     for prefix in prefixes:
-        source = MIndexedDataset(prefix)
-        documents = np.arange(len(source), dtype=np.int32)
-        theirs.append(mgpt.GPTDataset(source, prefix, documents, None, MSplit.train, config))
-        mine.append(GPTDataset(source, documents, None, Split.train, gpt))
+        documents = np.arange(len(MIndexedDataset(prefix)), dtype=np.int32)
+        theirs.append(mgpt.GPTDataset(MIndexedDataset(prefix), prefix, documents, None, MSplit.train, config))
+        mine.append(GPTDataset(OurIndexedDataset(prefix), documents, None, Split.train, gpt))
     size = len(mine[0]) + len(mine[1]) + 10
     with pytest.raises(IndexError, match="oversamples"):
         mblended.BlendedDataset(theirs, [0.5, 0.5], size, config)
     with pytest.raises(TokenloomError, match=r"tiny.*raise mid_level_dataset_surplus"):
         BlendedDataset(mine, [0.5, 0.5], size)
+
+
+# -- Megatron's cache: shared both ways --------------------------------------------------
+
+
+def cache_builder(prefixes, weights, path, split="90,5,5", seq_length=64, per_split=None):
+    gpt = gpt_config(seq_length, None if per_split else split)
+    if per_split:
+        config = BlendConfig(
+            gpt=gpt, blend_per_split=tuple(None if b is None else Blend(*b) for b in per_split)
+        )
+    else:
+        config = BlendConfig(gpt=gpt, blend=Blend(tuple(prefixes), weights))
+    return MegatronCacheBuilder(
+        config, DummyTokenizer.unique_identifiers, path, open_source=OurIndexedDataset
+    )
+
+
+def all_megatron_datasets(top):
+    for ds in top:
+        if isinstance(ds, mblended.BlendedDataset):
+            yield ds
+            yield from ds.datasets
+        elif ds is not None:
+            yield ds
+
+
+def test_megatron_cache_is_a_hit_for_tokenloom(synthetic, tmp_path):
+    prefixes = [synthetic["small"], synthetic["medium"]]
+    theirs = megatron_build(
+        [300, 30, 30],
+        seq_length=64,
+        split="90,5,5",
+        blend=(prefixes, [0.4, 0.6]),
+        path_to_cache=str(tmp_path),
+    )
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 3 * (3 + 2 * 4)
+    builder = cache_builder(prefixes, (0.4, 0.6), tmp_path)
+    mine = builder.build([300, 30, 30])
+    assert (builder.hits, builder.builds) == (9, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == files  # nothing rewritten or added
+    compare(mine, theirs)
+
+
+def test_tokenloom_cache_is_a_hit_for_megatron(synthetic, tmp_path):
+    per_split = [((synthetic["small"], synthetic["tiny"]), (2.0, 1.0)), ((synthetic["medium"],), None), None]
+    builder = cache_builder(None, None, tmp_path, per_split=per_split)
+    mine = builder.build([200, 20, None])
+    assert builder.builds == 4 and builder.hits == 0
+    blend_per_split = [
+        ([synthetic["small"], synthetic["tiny"]], [2.0, 1.0]),
+        ([synthetic["medium"]], None),
+        None,
+    ]
+    theirs = megatron_build(
+        [200, 20, None], seq_length=64, blend_per_split=blend_per_split, path_to_cache=str(tmp_path)
+    )
+    compare(mine, theirs)
+    for ds in all_megatron_datasets(theirs):  # loaded from our files, not rebuilt
+        split = ds.split if isinstance(ds, mblended.BlendedDataset) else ds.index_split
+        base = f"{ds.unique_description_hash}-{type(ds).__name__}-{split.name}"
+        assert (tmp_path / f"{base}-description.txt").read_text() == ds.unique_description
+        assert cache_key(ds.unique_description) == ds.unique_description_hash
+        array = ds.dataset_index if isinstance(ds, mblended.BlendedDataset) else ds.sample_index
+        assert isinstance(array, np.memmap)
+
+
+def test_default_cache_location_next_to_the_prefix(synthetic, tmp_path):
+    import shutil
+
+    prefix = str(tmp_path / "copy")
+    for ext in (".bin", ".idx"):
+        shutil.copy(synthetic["tiny"] + ext, prefix + ext)
+    builder = cache_builder([prefix], None, None, split="80,10,10", seq_length=16)
+    mine = builder.build([50, 5, 5])
+    assert len(list((tmp_path / "copy" / "cache" / "GPTDataset_indices").iterdir())) == 3 * 4
+    theirs = megatron_build(
+        [50, 5, 5], seq_length=16, split="80,10,10", blend=([prefix], None), path_to_cache=None
+    )
+    compare(mine, theirs)
+    assert all(isinstance(ds.sample_index, np.memmap) for ds in theirs)
+
+
+def test_mock_cache_shared(tmp_path):
+    gpt = gpt_config(128, None)
+    source = MockSource(DummyTokenizer.vocab_size, 0)
+    builder = MegatronCacheBuilder(
+        BlendConfig(gpt=gpt),
+        DummyTokenizer.unique_identifiers,
+        tmp_path,
+        open_source=lambda _: source,
+        mock=True,
+    )
+    mine = build_mock_datasets(gpt, [20, 4, 4], source, builder=builder)
+    theirs = megatron_build([20, 4, 4], seq_length=128, mock=True, path_to_cache=str(tmp_path))
+    compare(mine, theirs)
+    assert all(isinstance(ds.sample_index, np.memmap) for ds in theirs)
 
 
 # -- the helpers against megatron's compiled ones -----------------------------------------

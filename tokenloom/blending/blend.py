@@ -79,6 +79,9 @@ class BlendConfig:
     mid_level_dataset_surplus: float = 0.005
     """Extra fraction of samples built per source so the greedy blend never runs short."""
 
+    multiple_validation_sets: bool = False
+    """With blend_per_split: the valid split is a list of GPT datasets, one per source, not a blend."""
+
     def __post_init__(self) -> None:
         if self.blend is not None and self.blend_per_split is not None:
             raise TokenloomError("give either blend or blend_per_split, not both")
@@ -91,6 +94,8 @@ class BlendConfig:
                 raise TokenloomError("blend_per_split uses every source whole: set split to None")
         elif self.blend is not None and self.gpt.split is None:
             raise TokenloomError("a blend needs a split string, e.g. '969,30,1'")
+        if self.multiple_validation_sets and self.blend_per_split is None:
+            raise TokenloomError("multiple_validation_sets needs blend_per_split (a valid blend of its own)")
         if self.mid_level_dataset_surplus < 0:
             raise TokenloomError(
                 f"mid_level_dataset_surplus must be >= 0, got {self.mid_level_dataset_surplus}"
@@ -204,7 +209,7 @@ def _open_indexed(prefix: str) -> TokenSource:
     return IndexedDataset(prefix)
 
 
-TopLevel = GPTDataset | BlendedDataset
+TopLevel = GPTDataset | BlendedDataset | list[GPTDataset]  # a list: multiple_validation_sets
 
 
 class BlendBuilder:
@@ -258,7 +263,13 @@ class BlendBuilder:
     ) -> GPTDataset:
         source = self.source(prefix)
         documents = split_documents(bookend, len(source))
-        indices = self.gpt_indices(prefix, source, documents, bookend, num_samples, split)
+        try:
+            indices = self.gpt_indices(prefix, source, documents, bookend, num_samples, split)
+        except TokenloomError as exc:
+            raise TokenloomError(
+                f"{prefix if prefix is not None else source!r}, {split.name} split "
+                f"({len(documents)} of {len(source)} sequences): {exc}; change the split or drop the source"
+            ) from None
         return GPTDataset(source, documents, num_samples, split, self.config.gpt, indices=indices)
 
     def blended_dataset(
@@ -293,6 +304,8 @@ class BlendBuilder:
             only[split] = sizes[split]
             if len(blend.prefixes) == 1:  # weights of a lone per-split source are ignored, as in Megatron
                 out[split] = self.gpt_dataset(blend.prefixes[0], (0.0, 1.0), sizes[split], split)
+            elif cfg.multiple_validation_sets and split == Split.valid:  # each asked for all valid samples
+                out[split] = [self.gpt_dataset(p, (0.0, 1.0), sizes[split], split) for p in blend.prefixes]
             else:
                 out[split] = self._build_blend(blend, matrix, only)[split]
         return out
@@ -341,8 +354,13 @@ def build_datasets(
     return BlendBuilder(config, open_source).build(sizes)
 
 
-def build_mock_datasets(gpt: GPTDatasetConfig, sizes: Sizes, source: MockSource) -> list[GPTDataset]:
-    """Megatron's mock mode: one GPT dataset per split over ``source``, split forced to "1,1,1"."""
+def build_mock_datasets(
+    gpt: GPTDatasetConfig, sizes: Sizes, source: MockSource, builder: BlendBuilder | None = None
+) -> list[GPTDataset]:
+    """Megatron's mock mode: one GPT dataset per split over ``source``, split forced to "1,1,1".
+
+    ``builder`` (opening ``source`` for the prefix None) replaces the default one, e.g. to cache.
+    """
+    builder = builder or BlendBuilder(BlendConfig(gpt=gpt), open_source=lambda _: source)
     matrix = split_matrix("1,1,1")
-    builder = BlendBuilder(BlendConfig(gpt=gpt), open_source=lambda _: source)
     return [builder.gpt_dataset(None, bookend, sizes[s], Split(s)) for s, bookend in enumerate(matrix)]

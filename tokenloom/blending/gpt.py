@@ -81,6 +81,8 @@ class GPTDatasetConfig:
     def __post_init__(self) -> None:
         if self.seq_length < 1:
             raise TokenloomError(f"seq_length must be >= 1, got {self.seq_length}")
+        if not 0 <= self.seed < 2**32:
+            raise TokenloomError(f"seed must be in [0, 2^32), got {self.seed}")
         if self.mode not in ("megatron", "exact"):
             raise TokenloomError(f"mode must be 'megatron' or 'exact', got {self.mode!r}")
 
@@ -113,6 +115,21 @@ def count_epochs(tokens_per_epoch: int, num_samples: int | None, seq_length: int
             return 1
         raise TokenloomError(f"{num_samples} samples requested from a split with no tokens")
     return max(1, -(-needed // tokens_per_epoch))
+
+
+def epoch_plan(
+    tokens_per_epoch: int, num_samples: int | None, config: GPTDatasetConfig
+) -> tuple[int, bool, int]:
+    """``(num_epochs, separate_final_epoch, samples before the final epoch)`` for one split."""
+    seq_length, extra = config.seq_length, int(config.add_extra_token)
+    num_epochs = count_epochs(tokens_per_epoch, num_samples, seq_length, extra)
+    if num_epochs == 1:
+        return 1, False, 0
+    num_before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+    num_from_final = num_samples - num_before_final
+    per_epoch = (tokens_per_epoch - extra) // seq_length
+    assert 0 <= num_from_final <= per_epoch + 1, (num_from_final, per_epoch)
+    return num_epochs, num_from_final < int(FINAL_EPOCH_THRESHOLD * per_epoch), num_before_final
 
 
 def build_document_index(
@@ -155,16 +172,7 @@ def build_gpt_indices(
         raise TypeError(f"sequence_lengths must be int32, got {sequence_lengths.dtype}")
     seq_length, extra = config.seq_length, int(config.add_extra_token)
     tokens_per_epoch = int(np.sum(sequence_lengths[documents], dtype=np.int64))
-    num_epochs = count_epochs(tokens_per_epoch, num_samples, seq_length, extra)
-
-    separate = False
-    num_before_final = 0
-    if num_epochs > 1:
-        num_before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
-        num_from_final = num_samples - num_before_final
-        per_epoch = (tokens_per_epoch - extra) // seq_length
-        assert 0 <= num_from_final <= per_epoch + 1, (num_from_final, per_epoch)
-        separate = num_from_final < int(FINAL_EPOCH_THRESHOLD * per_epoch)
+    num_epochs, separate, num_before_final = epoch_plan(tokens_per_epoch, num_samples, config)
 
     rng = np.random.RandomState(config.seed)
     document_index = build_document_index(documents, num_epochs, rng, separate)
