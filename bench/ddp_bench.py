@@ -1,0 +1,106 @@
+"""Step time of our DDP vs torch.nn.parallel.DistributedDataParallel: 2 gloo ranks, same GPT.
+
+    .venv/bin/python bench/ddp_bench.py [--steps 10] [--repeat 5] [--d-model 128]
+
+Each rank runs forward + backward + AdamW step on the same model and batches, once
+wrapped in ours and once in torch's (default settings: 25 MiB buckets), with and without
+4-micro-batch accumulation (``no_sync``). Rounds alternate between the two wrappers and
+the best round of each is kept (the box is shared). Target: ours <= 1.05x torch's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _table import print_table  # noqa: E402
+
+from tokenloom.train.ddp import DistributedDataParallel  # noqa: E402
+from tokenloom.train.dist import init_from_env  # noqa: E402
+from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
+
+
+def make(args, wrapper: str):
+    cfg = GPTConfig(vocab_size=2048, make_vocab_size_divisible_by=128, seq_len=args.seq_len, n_layers=4,
+                    n_heads=4, d_model=args.d_model)
+    model = GPT(cfg)
+    ddp = DistributedDataParallel(model) if wrapper == "ours" else TorchDDP(model)
+    return model, ddp, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def steps(model, ddp, opt, batches, accum: int) -> None:
+    for x, y in batches:
+        opt.zero_grad(set_to_none=False)
+        for m in range(accum):
+            if m < accum - 1:
+                with ddp.no_sync():
+                    (ddp(x, y) / accum).backward()
+            else:
+                (ddp(x, y) / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+def worker(rank: int, args, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(args.threads)
+    init_from_env(timeout_s=120)
+    g = torch.Generator().manual_seed(rank)
+    data = torch.randint(0, 2048, (args.steps, args.micro, args.seq_len + 1), generator=g)
+    batches = [(d[:, :-1], d[:, 1:]) for d in data]
+    rows = []
+    for accum in (1, 4):
+        built = {w: make(args, w) for w in ("ours", "torch")}
+        for w in built:
+            steps(*built[w], batches[:2], accum)  # warm-up (bucket rebuild, allocator)
+        best = {"ours": float("inf"), "torch": float("inf")}
+        for _ in range(args.repeat):
+            for w in ("ours", "torch"):
+                dist.barrier()
+                start = time.perf_counter()
+                steps(*built[w], batches, accum)
+                elapsed = torch.tensor(time.perf_counter() - start)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                best[w] = min(best[w], elapsed.item() / args.steps)
+        tokens = 2 * args.micro * accum * args.seq_len
+        rows.append((f"step time, accum {accum} (ms)", f"{best['ours'] * 1e3:.1f}", f"{best['torch'] * 1e3:.1f}",
+                     f"{best['ours'] / best['torch']:.3f}x"))
+        rows.append((f"tokens/s, accum {accum}", f"{tokens / best['ours']:,.0f}", f"{tokens / best['torch']:,.0f}",
+                     f"{best['torch'] / best['ours']:.3f}x"))
+    if rank == 0:
+        params = sum(p.numel() for p in built["ours"][0].parameters())
+        print_table(f"DDP: tokenloom vs torch DDP, 2 gloo ranks x {args.threads} thread(s), GPT {params / 1e6:.2f}M "
+                    f"params, micro {args.micro} x seq {args.seq_len}, best of {args.repeat} x {args.steps} steps "
+                    "(time ratio = ours/torch, lower is better)", rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args, port), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Helpers for the pipeline-parallel and ZeRO-1 tests (gloo ranks on CPU).
+
+:func:`launch` spawns one process per rank (``multiprocessing`` spawn context,
+``init_method=file://`` in a temporary folder, so no ports), runs the named scenarios
+in order inside one process group and returns every rank's results (a dict per
+scenario, tensors allowed). A hang fails the test after ``deadline_s``; a crash on any
+rank is reported with its traceback. :func:`reference_train` is the one-process run
+every parallel layout is compared with.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.parallel import p2p
+from tokenloom.train.parallel.p2p import P2PComm
+from tokenloom.train.parallel.schedules import (
+    allreduce_tied_embedding_grads,
+    build_gpt_stage,
+    forward_backward,
+    get_schedule,
+    gpt_loss,
+    pipeline_bubble_fraction,
+)
+from tokenloom.train.parallel.zero import ZeroAdamW
+
+VOCAB, SEQ, D_MODEL, MB = 64, 16, 32, 2
+LR, WD = 1e-2, 0.1
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def tiny_cfg(n_layers: int) -> GPTConfig:
+    """gpt2 flavour without biases: the key bias has an exactly-zero true gradient
+    (softmax ignores a per-query constant), so its computed grad is rounding noise that
+    AdamW normalises into ~1e-5 updates of random sign, different per summation order."""
+    return GPTConfig(
+        bias=False,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=64,
+        seq_len=SEQ,
+        n_layers=n_layers,
+        n_heads=4,
+        d_model=D_MODEL,
+    )
+
+
+def microbatch(step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``k`` of global batch ``step``: ``(tokens, labels)``, each [MB, SEQ]."""
+    g = torch.Generator().manual_seed(1000 * step + k)
+    x = torch.randint(0, VOCAB, (MB, SEQ + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def reference_train(
+    n_layers: int, steps: int, num_micro: int, *, max_grad_norm: float | None = None, full_batch: bool = False
+) -> dict[str, Any]:
+    """One process, torch AdamW: per step micro-batches ``0..num_micro-1``, either
+    accumulated (loss / num_micro each) or concatenated into one full batch."""
+    torch.manual_seed(0)
+    model = GPT(tiny_cfg(n_layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses, norms = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        batches = [microbatch(step, k) for k in range(num_micro)]
+        if full_batch:
+            loss = model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+            loss.backward()
+            losses.append([loss.item()])
+        else:
+            step_losses = []
+            for x, y in batches:
+                loss = model(x, y)
+                (loss / num_micro).backward()
+                step_losses.append(loss.item())
+            losses.append(step_losses)
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
+        opt.step()
+    params = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+# ---------------------------------------------------------------------- launching
+
+
+def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float = 240.0):
+    """Run ``scenarios`` (name, kwargs) on ``world_size`` ranks; returns per-rank
+    lists of per-scenario results."""
+    ctx = mp.get_context("spawn")
+    init_file = tmp_path / "pg_init"
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, str(init_file), scenarios, str(tmp_path)))
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    end = time.monotonic() + deadline_s
+    try:
+        for proc in procs:
+            proc.join(timeout=max(1.0, end - time.monotonic()))
+        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        if hung:
+            pytest.fail(f"ranks {hung} still running after {deadline_s} s (hang?) in {scenarios}")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    results = []
+    for r in range(world_size):
+        path = tmp_path / f"rank{r}.pt"
+        if not path.exists():
+            pytest.fail(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
+        res = torch.load(path, weights_only=False)
+        if "crash" in res:
+            pytest.fail(f"rank {r} crashed:\n{res['crash']}")
+        results.append(res["results"])
+    return results
+
+
+def _worker(rank: int, world_size: int, init_file: str, scenarios: list, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        out["results"] = [SCENARIOS[name](rank, **kw) for name, kw in scenarios]
+    except Exception:
+        out = {"crash": traceback.format_exc()}
+    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    if "crash" not in out:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- scenarios
+
+
+def p2p_exchange(rank: int, numel: int) -> dict:
+    """Both ranks send at the same time (each direction, then all four at once) with
+    tensors big enough (numel floats) that an unpaired blocking send would stall."""
+    shape = (numel,)
+    comm = P2PComm.from_group(None, shape, torch.float32)
+    mine = torch.full(shape, float(rank + 1))
+    if rank == 0:
+        dy = p2p.send_forward_recv_backward(mine, comm)
+        got = {"dy": dy[0].item()}
+    else:
+        x = p2p.send_backward_recv_forward(mine, comm)
+        got = {"x": x[0].item(), "x_requires_grad": x.requires_grad}
+    x, dy = p2p.send_forward_backward_recv_forward_backward(mine, mine * 10, True, True, comm)
+    got["ring_x"], got["ring_dy"] = x[0].item(), dy[0].item()
+    p2p.wait_sends(comm)
+    got["wait_s"], got["pending_after_wait"] = comm.wait_s, len(comm.pending_sends)
+    try:
+        p2p.send_forward(torch.zeros(3), comm)
+        got["shape_error"] = ""
+    except TokenloomError as e:
+        got["shape_error"] = str(e)
+    return got
+
+
+def _groups(pp: int, dp: int) -> tuple[Any, Any, Any, int, int]:
+    """Megatron's layout with tp = 1: global = dp_rank + dp * pp_rank. Every rank creates
+    every group in the same order and keeps its own."""
+    rank = dist.get_rank()
+    mine = {}
+    for d in range(dp):
+        ranks = [d + dp * s for s in range(pp)]
+        g = dist.new_group(ranks)
+        e = dist.new_group([ranks[0], ranks[-1]]) if pp > 1 else None
+        if rank in ranks:
+            mine["pp"], mine["emb"] = g, e
+    for s in range(pp):
+        ranks = [d + dp * s for d in range(dp)]
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine["dp"] = g
+    return mine["pp"], mine["dp"], mine["emb"], rank // dp, rank % dp
+
+
+def train_pipeline(
+    rank: int,
+    *,
+    pp: int,
+    n_layers: int,
+    num_micro: int,
+    steps: int,
+    chunks: int = 1,
+    dp: int = 1,
+    max_grad_norm: float | None = None,
+) -> dict:
+    """Train the tiny GPT split over ``pp`` x ``chunks`` stages (x ``dp`` replicas with
+    ZeRO-1, else torch AdamW) and return losses, stage parameters by name, norms."""
+    pp_group, dp_group, emb_group, pp_rank, dp_rank = _groups(pp, dp)
+    torch.manual_seed(0)
+    model = GPT(tiny_cfg(n_layers))
+    stages = [build_gpt_stage(model, pp, pp_rank, chunks, c) for c in range(chunks)]
+    params = [p for s in stages for p in s.parameters()]
+    if dp > 1 or max_grad_norm is not None:
+        opt: Any = ZeroAdamW(
+            params, dp_group, lr=LR, weight_decay=WD, max_grad_norm=max_grad_norm, norm_group=pp_group
+        )
+    else:
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+    comm = P2PComm.from_group(pp_group, (MB, SEQ, D_MODEL), torch.float32)
+    schedule = get_schedule(pp, chunks)
+    losses, norms, bubbles = [], [], []
+    for step in range(steps):
+        opt.zero_grad()
+        batches = iter([microbatch(step, dp_rank * num_micro + j) for j in range(num_micro)])
+        res = forward_backward(
+            schedule, stages if chunks > 1 else stages[0], batches, num_micro, gpt_loss, comm=comm
+        )
+        allreduce_tied_embedding_grads(stages, emb_group)
+        norms.append(opt.step())
+        losses.append([loss.item() for loss in res.losses])
+        bubbles.append(res.stats.bubble_fraction)
+    named = {}
+    for s in stages:
+        named.update({n: t.detach().clone() for n, t in s.state_dict().items()})
+    tied = {}
+    if stages[0].first:
+        tied["first"] = stages[0].tok_emb.weight.detach().clone()
+    if stages[-1].last:
+        tied["last"] = stages[-1].lm_head.weight.detach().clone()
+    return {"losses": losses, "params": named, "tied": tied, "norms": norms, "pp_rank": pp_rank}
+
+
+def eval_pipeline(rank: int, *, n_layers: int, chunks: int, num_micro: int) -> dict:
+    """``forward_only`` over the whole world as the pipeline: losses, no grads."""
+    model = GPT(tiny_cfg(n_layers))
+    pp = dist.get_world_size()
+    stages = [build_gpt_stage(model, pp, rank, chunks, c) for c in range(chunks)]
+    comm = P2PComm.from_group(None, (MB, SEQ, D_MODEL), torch.float32)
+    data = iter([microbatch(0, k) for k in range(num_micro)])
+    model_arg = stages if chunks > 1 else stages[0]
+    res = forward_backward(
+        get_schedule(pp, chunks), model_arg, data, num_micro, gpt_loss, comm=comm, forward_only=True
+    )
+    no_grads = all(p.grad is None for s in stages for p in s.parameters())
+    return {"losses": [loss.item() for loss in res.losses], "no_grads": no_grads}
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that takes ``fwd_s`` seconds forward and ``bwd_s`` backward (a stage of
+    known cost, independent of how loaded the CPUs are)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_s, bwd_s):
+        time.sleep(fwd_s)
+        ctx.bwd_s = bwd_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+class SleepStage(nn.Module):
+    def __init__(self, shape: tuple[int, ...], fwd_s: float, bwd_s: float) -> None:
+        super().__init__()
+        self.shape, self.fwd_s, self.bwd_s = shape, fwd_s, bwd_s
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, hidden, batch):
+        x = torch.ones(self.shape) if hidden is None else hidden
+        return _Sleep.apply(x * self.scale, self.fwd_s, self.bwd_s)
+
+
+def bubble(rank: int, *, num_micro: int, stage_s: float) -> dict:
+    """Measured bubble of 1F1B and interleaved (v = 2, each chunk half the work) on
+    stages that sleep ``stage_s`` forward and backward."""
+    shape = (2, 4, 8)
+    comm = P2PComm.from_group(None, shape, torch.float32)
+    out = {}
+    for name, chunks in (
+        ("1f1b", [SleepStage(shape, stage_s, stage_s)]),
+        ("interleaved", [SleepStage(shape, stage_s / 2, stage_s / 2) for _ in range(2)]),
+    ):
+        data = iter([None] * num_micro)
+        model = chunks if name == "interleaved" else chunks[0]
+        res = forward_backward(name, model, data, num_micro, lambda y, b: y.mean(), comm=comm)
+        out[name] = pipeline_bubble_fraction(res.stats, None)
+        out[name + "_rank"] = res.stats.bubble_fraction
+        out[name + "_total_s"] = res.stats.total_s
+    return out
+
+
+def zero_train(rank: int, *, steps: int, max_grad_norm: float | None, resume_at: int) -> dict:
+    """ZeRO-1 over the whole world (dp = world size): rank d trains on micro-batch d of
+    each global batch. Also checkpoints after ``resume_at`` steps, resumes into a fresh
+    model + optimizer and replays the remaining steps."""
+
+    def run(model, opt, first, last, ckpt=None):
+        losses, norms = [], []
+        for step in range(first, last):
+            if step == resume_at and ckpt is not None:
+                ckpt["model"] = copy.deepcopy(model.state_dict())
+                ckpt["opt"] = copy.deepcopy(opt.state_dict())
+            opt.zero_grad()
+            loss = model(*microbatch(step, rank))
+            loss.backward()
+            norms.append(opt.step())
+            losses.append(loss.item())
+        return losses, norms
+
+    def make(model):
+        return ZeroAdamW(model.parameters(), None, lr=LR, weight_decay=WD, max_grad_norm=max_grad_norm)
+
+    torch.manual_seed(0)
+    model = GPT(tiny_cfg(2))
+    opt = make(model)
+    ckpt: dict[str, Any] = {}
+    losses, norms = run(model, opt, 0, steps, ckpt)
+    resumed = GPT(tiny_cfg(2))
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = make(resumed)
+    opt2.load_state_dict(ckpt["opt"])
+    resumed_losses, _ = run(resumed, opt2, resume_at, steps)
+    bad = dict(ckpt["opt"], dp_size=ckpt["opt"]["dp_size"] + 1)
+    try:
+        opt2.load_state_dict(bad)
+        load_error = ""
+    except TokenloomError as e:
+        load_error = str(e)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": {n: t.detach().clone() for n, t in model.state_dict().items()},
+        "resumed_params": {n: t.detach().clone() for n, t in resumed.state_dict().items()},
+        "resumed_losses": resumed_losses,
+        "load_error": load_error,
+        "shard_numel": opt.main_shard.numel(),
+        "exp_avg_numel": opt.optimizer.state[opt.main_shard]["exp_avg"].numel(),
+        "numel": opt.numel,
+        "grads_are_views": all(
+            p.grad.data_ptr() == v.data_ptr() for p, v in zip(opt.params, opt._grad_views, strict=True)
+        ),
+    }
+
+
+SCENARIOS = {
+    "p2p_exchange": p2p_exchange,
+    "train_pipeline": train_pipeline,
+    "bubble": bubble,
+    "zero_train": zero_train,
+    "eval_pipeline": eval_pipeline,
+}

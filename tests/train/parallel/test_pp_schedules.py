@@ -1,0 +1,154 @@
+"""Pipeline schedules and GPT stages against the one-process model (gloo, CPU, fp32).
+
+Multi-process checks share one 2-rank launch (``pp2`` fixture): p2p exchanges, 1F1B
+and interleaved training against :func:`pp_helpers.reference_train`, bubble timing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pp_helpers import D_MODEL, MB, SEQ, launch, microbatch, reference_train, tiny_cfg
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.model import GPT
+from tokenloom.train.parallel.p2p import P2PComm
+from tokenloom.train.parallel.schedules import (
+    build_gpt_stage,
+    forward_backward,
+    get_schedule,
+    gpt_loss,
+    stage_layer_ids,
+    theoretical_bubble_fraction,
+)
+
+TOL = 1e-5
+STEPS = 3
+RUNS = {  # name: (kwargs of train_pipeline, micro-batches)
+    "1f1b": dict(pp=2, n_layers=2, num_micro=3, steps=STEPS),
+    "interleaved": dict(pp=2, n_layers=4, num_micro=4, steps=STEPS, chunks=2),
+    "interleaved_m_eq_p": dict(pp=2, n_layers=4, num_micro=2, steps=2, chunks=2),
+}
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    scenarios = [("p2p_exchange", {"numel": 1 << 20})]
+    scenarios += [("train_pipeline", kw) for kw in RUNS.values()]
+    scenarios += [("bubble", {"num_micro": 4, "stage_s": 0.05})]
+    scenarios += [("eval_pipeline", {"n_layers": 4, "chunks": c, "num_micro": 4}) for c in (1, 2)]
+    results = launch(scenarios, 2, tmp_path_factory.mktemp("pp2"))
+    names = ["p2p", *RUNS, "bubble", "eval_1f1b", "eval_interleaved"]
+    return [dict(zip(names, per_rank, strict=True)) for per_rank in results]
+
+
+# ---------------------------------------------------------------------- single process
+
+
+def test_stage_layer_ids_follow_megatron():
+    assert stage_layer_ids(4, 2, 0) == [0, 1] and stage_layer_ids(4, 2, 1) == [2, 3]
+    # interleaved: chunk c of rank r is virtual stage c * p + r
+    assert [stage_layer_ids(4, 2, r, 2, c) for c in range(2) for r in range(2)] == [[0], [1], [2], [3]]
+    assert stage_layer_ids(8, 2, 1, 2, 1) == [6, 7]
+    with pytest.raises(TokenloomError, match="not divisible"):
+        stage_layer_ids(3, 2, 0)
+
+
+def test_single_stage_equals_gpt_exactly():
+    model = GPT(tiny_cfg(2))
+    stage = build_gpt_stage(model, 1, 0)
+    assert stage.lm_head.weight is stage.tok_emb.weight  # one stage: one tied tensor
+    assert set(stage.state_dict()) == set(model.state_dict())
+    x, y = microbatch(0, 0)
+    assert torch.equal(gpt_loss(stage(None, (x, y)), (x, y)), model(x, y))
+
+
+def test_no_pipelining_equals_gradient_accumulation():
+    model = GPT(tiny_cfg(2))
+    stage = build_gpt_stage(model, 1, 0)
+    res = forward_backward("no_pipelining", stage, iter([microbatch(0, k) for k in range(3)]), 3, gpt_loss)
+    for k in range(3):
+        (model(*microbatch(0, k)) / 3).backward()
+    grads = dict(model.named_parameters())
+    for name, p in stage.named_parameters():
+        assert torch.allclose(p.grad, grads[name].grad, atol=1e-7, rtol=0), name
+    assert len(res.losses) == 3 and res.stats.wait_s == 0.0
+
+
+def test_interleaved_needs_microbatches_divisible_by_pp():
+    comm = P2PComm(None, pp_rank=0, pp_size=2, prev_rank=1, next_rank=1, tensor_shape=(MB, SEQ, D_MODEL))
+    model = GPT(tiny_cfg(4))
+    chunks = [build_gpt_stage(model, 2, 0, 2, c) for c in range(2)]
+    with pytest.raises(TokenloomError, match=r"num_microbatches \(3\) divisible by the pipeline size \(2\)"):
+        forward_backward(
+            "interleaved", chunks, iter([microbatch(0, k) for k in range(3)]), 3, gpt_loss, comm=comm
+        )
+
+
+def test_schedule_choice_and_theoretical_bubble():
+    assert get_schedule(1) == "no_pipelining"
+    assert get_schedule(2) == "1f1b" and get_schedule(2, 2) == "interleaved"
+    assert theoretical_bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert theoretical_bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+
+
+# ---------------------------------------------------------------------- 2 ranks
+
+
+@pytest.mark.slow
+def test_p2p_paired_exchange_does_not_deadlock(pp2):
+    r0, r1 = pp2[0]["p2p"], pp2[1]["p2p"]
+    assert r0["dy"] == 2.0 and r1["x"] == 1.0 and r1["x_requires_grad"]
+    # 4-way ring at pp=2: the tag keeps activations (rank+1) apart from grads (10 * (rank+1))
+    assert (r0["ring_x"], r0["ring_dy"]) == (2.0, 20.0)
+    assert (r1["ring_x"], r1["ring_dy"]) == (1.0, 10.0)
+    assert "expected (1048576,)" in r0["shape_error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", list(RUNS))
+def test_pipeline_training_matches_one_process(pp2, run):
+    kw = RUNS[run]
+    ref = reference_train(kw["n_layers"], kw["steps"], kw["num_micro"])
+    last = pp2[1][run]
+    assert pp2[0][run]["losses"] == [[]] * kw["steps"]  # only the last stage has losses
+    for got, want in zip(last["losses"], ref["losses"], strict=True):
+        assert got == pytest.approx(want, abs=TOL, rel=0)
+    seen = set()
+    for res in pp2:
+        for name, t in res[run]["params"].items():
+            diff = (t - ref["params"][name]).abs().max().item()
+            assert diff <= TOL, (run, name, diff)
+            seen.add(name)
+    assert seen == set(ref["params"])  # every parameter lives on some stage
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", list(RUNS))
+def test_tied_embedding_copies_stay_equal(pp2, run):
+    first, last = pp2[0][run]["tied"]["first"], pp2[1][run]["tied"]["last"]
+    assert torch.equal(first, last)
+    assert "last" not in pp2[0][run]["tied"] and "first" not in pp2[1][run]["tied"]
+
+
+@pytest.mark.slow
+def test_bubble_measurement_is_plausible(pp2):
+    """Stages sleep 50 ms forward and backward; 1F1B at p=2, M=4 idles 1/5 of the time,
+    interleaved with v=2 1/9 (plus p2p latency)."""
+    for res in pp2:
+        b = res["bubble"]
+        assert abs(b["1f1b"] - theoretical_bubble_fraction(2, 4)) < 0.07, b
+        assert abs(b["interleaved"] - theoretical_bubble_fraction(2, 4, 2)) < 0.07, b
+        assert b["interleaved"] < b["1f1b"], b
+        assert 0.0 < b["1f1b_rank"] < 0.5 and 0.0 < b["interleaved_rank"] < 0.5, b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["eval_1f1b", "eval_interleaved"])
+def test_forward_only_gives_losses_and_no_grads(pp2, run):
+    model = GPT(tiny_cfg(4))
+    with torch.no_grad():
+        want = [model(*microbatch(0, k)).item() for k in range(4)]
+    assert pp2[0][run]["losses"] == []
+    assert pp2[1][run]["losses"] == pytest.approx(want, abs=1e-6, rel=0)
+    assert pp2[0][run]["no_grads"] and pp2[1][run]["no_grads"]

@@ -1,0 +1,195 @@
+"""The training loop on mock data: loss falls, accumulation equivalence, exact resume, configs, schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train import checkpoint
+from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig
+from tokenloom.train.loop import TrainConfig, config_to_dict, load_config, run
+from tokenloom.train.metrics import read_metrics
+from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.optim import OptimConfig, lr_at, param_groups
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny(tmp: Path, **overrides) -> TrainConfig:
+    """A 2-layer, d_model 32, seq 32 GPT on 300 mock documents; every step logged."""
+    kw = dict(
+        model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2, n_heads=2,
+                        d_model=32),
+        data=DataConfig(mock=MockDataConfig(num_sequences=300, max_length=200)),
+        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=3),
+        micro_batch_size=2, global_batch_size=4, train_iters=20, eval_interval=5, eval_iters=2,
+        log_interval=1, save_interval=None, output_dir=str(tmp), progress=False, plot=False,
+    )
+    kw.update(overrides)
+    return TrainConfig(**kw)
+
+
+def losses(out_dir: Path, key: str = "train_loss") -> list[tuple[int, float]]:
+    return [(r["iter"], r[key]) for r in read_metrics(out_dir / "metrics.jsonl") if key in r]
+
+
+def final_params(out_dir: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load_tensors(checkpoint.find_latest(out_dir / "checkpoints"), "model.pt")
+
+
+def run_subprocess(cfg: TrainConfig, path: Path) -> subprocess.CompletedProcess:
+    path.write_text(json.dumps(config_to_dict(cfg)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "tokenloom.train.loop", "--config", str(path)], env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_loss_falls_and_outputs_are_written(tmp_path):
+    cfg = tiny(tmp_path, train_iters=30, log_interval=5, plot=True)
+    summary = run(cfg)
+    train = losses(tmp_path)
+    assert [i for i, _ in train] == [5, 10, 15, 20, 25, 30]
+    assert train[-1][1] < train[0][1] - 0.8, train  # ramp content is learnable
+    assert summary["iteration"] == 30 and summary["val_loss"] < losses(tmp_path, "val_loss")[0][1]
+    record = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert {"lr", "grad_norm", "tokens_per_s", "step_time_s", "consumed_samples", "mfu"} <= set(record)
+    assert record["mfu"] is None and record["tokens_per_s"] > 0  # no known peak on CPU
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert checkpoint.find_latest(tmp_path / "checkpoints").name == "iter_0000030"
+    assert json.loads((tmp_path / "config.json").read_text())["train_iters"] == 30
+
+
+def test_grad_accumulation_equals_one_big_micro_batch(tmp_path):
+    run(tiny(tmp_path / "big", micro_batch_size=4, train_iters=8, eval_interval=0))
+    run(tiny(tmp_path / "accum", micro_batch_size=1, train_iters=8, eval_interval=0))
+    big, accum = losses(tmp_path / "big"), losses(tmp_path / "accum")
+    assert [i for i, _ in big] == [i for i, _ in accum] == list(range(1, 9))
+    for (_, a), (_, b) in zip(big, accum, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    pa, pb = final_params(tmp_path / "big"), final_params(tmp_path / "accum")
+    assert max((pa[k] - pb[k]).abs().max().item() for k in pa) < 1e-5
+
+
+def test_resume_in_a_fresh_process_is_exact(tmp_path):
+    """20 steps straight == 10 steps, checkpoint, new process, resume=auto, 10 more (bit for bit).
+
+    Dropout is on, so the restored RNG state matters too."""
+    model = GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2, n_heads=2,
+                      d_model=32, dropout=0.1)
+    straight = tiny(tmp_path / "straight", model=model)
+    split = tiny(tmp_path / "split", model=model, exit_interval=10, resume="auto")
+    first = run_subprocess(straight, tmp_path / "straight.json")
+    assert first.returncode == 0, first.stderr
+    part1 = run_subprocess(split, tmp_path / "split.json")
+    assert part1.returncode == 0, part1.stderr
+    assert json.loads(part1.stdout.splitlines()[-1])["exited"] is True
+    assert checkpoint.find_latest(tmp_path / "split" / "checkpoints").name == "iter_0000010"
+    part2 = run_subprocess(split, tmp_path / "split.json")
+    assert part2.returncode == 0, part2.stderr
+    assert "resumed from" in part2.stderr and "iter_0000010" in part2.stderr
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # exact equality, all 20 steps
+    assert losses(tmp_path / "split", "val_loss") == losses(tmp_path / "straight", "val_loss")
+    assert len(losses(tmp_path / "split")) == 20
+    pa, pb = final_params(tmp_path / "straight"), final_params(tmp_path / "split")
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_resume_on_different_data_needs_force(tmp_path):
+    run(tiny(tmp_path, train_iters=4, eval_interval=0))
+    other = DataConfig(mock=MockDataConfig(num_sequences=300, max_length=200, seed=7))
+    with pytest.raises(TokenloomError, match="different data"):
+        run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other))
+    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other, force_data=True))
+    assert summary["iteration"] == 6
+    assert [i for i, _ in losses(tmp_path)] == list(range(1, 7))  # metrics cut back to the resume point
+
+
+def test_resume_auto_skips_checkpoints_without_marker(tmp_path):
+    run(tiny(tmp_path, train_iters=6, eval_interval=0, save_interval=3))
+    root = tmp_path / "checkpoints"
+    (root / "iter_0000006" / checkpoint.COMPLETE).unlink()  # as if the save died before the marker
+    (root / "iter_0000009.tmp").mkdir()  # a save that died earlier still
+    assert checkpoint.find_latest(root).name == "iter_0000003"
+    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, save_interval=3, resume="auto"))
+    assert summary["iteration"] == 6
+    assert [i for i, _ in losses(tmp_path)] == list(range(1, 7))
+    assert checkpoint.find_latest(root).name == "iter_0000006"
+    assert (root / checkpoint.LATEST).read_text().strip() == "iter_0000006"
+    with pytest.raises(TokenloomError, match="not a complete checkpoint"):
+        checkpoint.read_state(root / "iter_0000009.tmp")
+    # Resuming a finished run trains nothing and points at its checkpoint.
+    again = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto"))
+    assert again["iteration"] == 6 and again["checkpoint"].endswith("iter_0000006")
+    other_model = GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2, n_heads=4,
+                            d_model=32)
+    with pytest.raises(TokenloomError, match="different model .n_heads differ"):
+        run(tiny(tmp_path, model=other_model, train_iters=8, resume="auto"))
+
+
+def test_fresh_run_without_checkpoints_and_resume_auto_starts_at_zero(tmp_path):
+    summary = run(tiny(tmp_path, train_iters=2, eval_interval=0, resume="auto"))
+    assert summary["iteration"] == 2
+    with pytest.raises(TokenloomError, match="does not exist"):
+        run(tiny(tmp_path / "x", train_iters=2, resume=str(tmp_path / "nowhere")))
+
+
+def test_config_files_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {vocab_size: 96, n_layers: 2, recompute_layers: [1]}\n"
+                    "data: {mock: {num_sequences: 50}}\noptim: {lr: 6e-4}\n")
+    cfg = load_config(path, ["optim.min_lr=1e-5", "train_iters=7"])
+    assert cfg.model.n_layers == 2 and cfg.model.recompute_layers == (1,)
+    assert cfg.optim.lr == 6e-4 and cfg.optim.min_lr == 1e-5 and cfg.train_iters == 7
+    assert cfg.data.mock.num_sequences == 50 and cfg.data.blend is None
+    blend = load_config(None, ['data={blend: {prefixes: [[0.3, a], [0.7, b]]}}'])
+    assert blend.data.blend.prefixes == [(0.3, "a"), (0.7, "b")] and blend.data.mock is None
+    with pytest.raises(TokenloomError, match="unknown config key"):
+        load_config(None, ["optim.learning_rate=1"])
+    with pytest.raises(TokenloomError, match="not a multiple"):
+        run(tiny(tmp_path, micro_batch_size=3))
+
+
+def test_blend_data_trains_from_bin_idx(tmp_path):
+    """The blend branch end to end on two tiny .bin/.idx files written with the indexed writer."""
+    from tokenloom.indexed import IndexedDatasetWriter
+
+    rng = np.random.default_rng(0)
+    prefixes = []
+    for name in ("a", "b"):
+        with IndexedDatasetWriter(tmp_path / name, vocab_size=96) as writer:
+            for _ in range(80):
+                writer.add_document(rng.integers(0, 95, size=int(rng.integers(20, 120))).tolist() + [95])
+        prefixes.append(str(tmp_path / name))
+    blend = BlendDataConfig(prefixes=[(0.4, prefixes[0]), (0.6, prefixes[1])], split="90,9,1")
+    cfg = tiny(tmp_path / "run", train_iters=4, eval_interval=2, eval_iters=1, data=DataConfig(blend=blend))
+    summary = run(cfg)
+    assert summary["iteration"] == 4 and math.isfinite(summary["val_loss"])
+    state = checkpoint.read_state(summary["checkpoint"])
+    assert state["data_description"]["kind"] == "blend" and len(state["data_description"]["sources"]) == 2
+
+
+def test_lr_schedule_and_no_decay_groups():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_iters=4)
+    assert [lr_at(i, cfg, 20) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg, 20) == 1.0 and lr_at(12, cfg, 20) == pytest.approx(0.55)
+    assert lr_at(20, cfg, 20) == pytest.approx(0.1) and lr_at(50, cfg, 20) == 0.1
+    assert math.isclose(lr_at(19, cfg, 20), 0.1 + 0.45 * (1 + math.cos(math.pi * 15 / 16)))
+    model = GPT(GPTConfig(vocab_size=96, seq_len=16, n_layers=1, n_heads=2, d_model=16))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in decay["params"]) == sorted(
+        ["blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.fc.weight",
+         "blocks.0.mlp.proj.weight"])
+    assert "tok_emb.weight" in {names[id(p)] for p in no_decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0

@@ -1,0 +1,223 @@
+"""Atomic, exactly resumable training checkpoints, loaded with ``torch.load(weights_only=True)`` only.
+
+Layout (one directory per saved iteration)::
+
+    CKPT_DIR/iter_0000100/model.pt         model state_dict (tensors only)
+                          optimizer.pt     optimizer state_dict (tensors and plain values)
+                          rng_rank<r>.pt   RNG states of data-parallel rank r, as tensors
+                          state.json       iteration, consumed samples, data fingerprint, config
+                          COMPLETE         written last: without it the directory is ignored
+    CKPT_DIR/latest                        name of the newest complete checkpoint
+
+Atomicity: every rank writes into ``iter_0000100.tmp`` (each file fsynced), a barrier
+waits for all ranks, then rank 0 writes ``COMPLETE``, fsyncs the directory, renames it to
+``iter_0000100`` and fsyncs the parent; only then is ``latest`` replaced (temp file +
+fsync + rename). A crash at any point leaves either the previous checkpoints intact or a
+``.tmp`` / marker-less directory that :func:`find_latest` skips. ``resume="auto"`` takes
+the highest-iteration *complete* checkpoint (the ``latest`` pointer is for people and
+tools; a crash between the rename and the pointer update cannot make auto-resume go
+back in time).
+
+Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
+stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
+Trade-offs: the model and optimizer are written whole by rank 0 (plain DDP replicas are
+identical), which is simple and exact but does not shard; a distributed optimizer
+would need per-rank optimizer files. All ranks write into one directory, so multi-node
+runs need ``CKPT_DIR`` on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenloom.errors import TokenloomError
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+_NAME = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+# --------------------------------------------------------------------------- RNG state
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, numpy, torch CPU (and CUDA) RNG states as tensors and plain values."""
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python_version": version,
+        "python_words": torch.tensor(words, dtype=torch.int64),
+        "python_gauss": gauss,
+        "numpy_kind": kind,
+        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": int(pos),
+        "numpy_has_gauss": int(has_gauss),
+        "numpy_cached_gauss": float(cached),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate((state["python_version"], tuple(state["python_words"].tolist()), state["python_gauss"]))
+    np.random.set_state((state["numpy_kind"], state["numpy_keys"].numpy().astype(np.uint32),
+                         state["numpy_pos"], state["numpy_has_gauss"], state["numpy_cached_gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    _write_bytes(tmp, lambda f: f.write(text.encode()))
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         state: dict, rank: int = 0, barrier: Callable[[], None] = lambda: None,
+         keep_last: int = 0) -> Path:
+    """Save a checkpoint of ``iteration`` under ``root``; every rank calls it (collective).
+
+    ``model`` is the unwrapped module; ``state`` is JSON-able (iteration, consumed
+    samples, fingerprint, config). ``keep_last > 0`` deletes older complete checkpoints.
+    """
+    root = Path(root)
+    name = checkpoint_name(iteration)
+    final, tmp = root / name, root / f"{name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed save
+        tmp.mkdir()
+    barrier()
+    _write_bytes(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(capture_rng(), f))
+    if rank == 0:
+        _write_bytes(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f))
+        _write_bytes(tmp / "optimizer.pt", lambda f: torch.save(optimizer.state_dict(), f))
+        text = json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
+        _write_bytes(tmp / "state.json", lambda f: f.write(text.encode()))
+    barrier()
+    if rank == 0:
+        _write_bytes(tmp / COMPLETE, lambda f: f.write(f"{iteration}\n".encode()))
+        _fsync_dir(tmp)
+        old = root / f"{name}.old"
+        if final.exists():  # re-saving the same iteration (a rerun into the same directory)
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
+        _write_text_atomic(root / LATEST, name + "\n")
+        if keep_last > 0:
+            for _, path in complete_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(path, ignore_errors=True)
+    barrier()
+    return final
+
+
+# --------------------------------------------------------------------------- find / load
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / COMPLETE).is_file()
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(iteration, path) of every complete checkpoint under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _NAME.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_latest(root: str | os.PathLike) -> Path | None:
+    """The highest-iteration complete checkpoint under ``root`` (None if there is none)."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve(resume: str, root: str | os.PathLike) -> Path | None:
+    """``"auto"``: latest complete checkpoint under ``root`` or None; otherwise ``resume`` is a
+    checkpoint directory, or a checkpoint root whose latest complete checkpoint is taken."""
+    if resume == "auto":
+        return find_latest(root)
+    path = Path(resume)
+    if is_complete(path):
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        why = "is not a complete checkpoint (no COMPLETE marker)" if path.exists() else "does not exist"
+        raise TokenloomError(f"resume: {path} {why}; pass a checkpoint directory, its parent, or 'auto'")
+    return latest
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """``state.json`` of a complete checkpoint (iteration, consumed samples, fingerprint, config)."""
+    path = Path(path)
+    if not is_complete(path):
+        raise TokenloomError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    return json.loads((path / "state.json").read_text())
+
+
+def load_tensors(path: str | os.PathLike, name: str, map_location: Any = "cpu") -> Any:
+    """One of the checkpoint's ``.pt`` files, with ``weights_only=True``."""
+    return torch.load(Path(path) / name, map_location=map_location, weights_only=True)
+
+
+def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+         rank: int = 0, device: torch.device | str = "cpu") -> dict:
+    """Restore model, optimizer and this rank's RNG from ``path``; returns ``state.json``.
+
+    A rank the checkpoint has no RNG file for (the run grew) keeps its fresh seeds.
+    """
+    state = read_state(path)
+    try:
+        model.load_state_dict(load_tensors(path, "model.pt", device))
+    except RuntimeError as e:
+        raise TokenloomError(f"{path}: the model in the checkpoint does not match the configured model "
+                             f"({str(e).splitlines()[0]})") from e
+    if optimizer is not None:
+        optimizer.load_state_dict(load_tensors(path, "optimizer.pt"))  # it moves state to the params
+    rng = Path(path) / f"rng_rank{rank}.pt"
+    if rng.exists():
+        restore_rng(load_tensors(path, rng.name))
+    return state

@@ -1,0 +1,170 @@
+"""Training data: the ``data`` section of the train config -> train/valid/test datasets and loaders.
+
+The section is either ``mock`` (Megatron's ``--mock-data``: a seeded synthetic source,
+nothing read from disk) or ``blend`` (weighted ``.bin/.idx`` prefixes, a split string
+and a cache directory)::
+
+    data: {mock: {num_sequences: 2000, max_length: 512}}
+    data: {blend: {prefixes: [[0.3, data/web], [0.7, data/code]], split: "969,30,1", cache_dir: cache}}
+
+Sizes follow Megatron: train needs ``train_iters * global_batch_size`` samples, valid
+``eval_iters * global_batch_size`` (every evaluation reads the *same* first validation
+batches, so validation losses are comparable across the run and exactly reproducible
+on resume; Megatron instead walks on through the validation set), test the same.
+
+Loaders are plain ``torch.utils.data.DataLoader`` over :class:`GPTSamples` with a
+:class:`ConsumedSamplesSampler`, so the only data state is the consumed-samples count
+(resume at any data-parallel size). The data fingerprint stored in checkpoints covers
+what fixes the global train order: the section itself (minus loader knobs), the sample
+shape, the built train sample count and, for blends, a digest of every source's
+``.idx``. Changing ``train_iters`` or the batch size of a *blend* changes the built sample
+count and so the fingerprint (the blend's interleave depends on it), so extending such a
+run needs ``force_data``; mock data only changes when its epoch count changes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from torch.utils.data import DataLoader
+
+from tokenloom.blending.gpt import GPTDatasetConfig
+from tokenloom.blending.loader import ConsumedSamplesSampler, GPTSamples, SampleConfig, fingerprint
+from tokenloom.errors import TokenloomError
+
+
+@dataclass(kw_only=True)
+class MockDataConfig:
+    """Synthetic sequences (``tokenloom.blending.mock.MockSource``)."""
+
+    num_sequences: int = 10_000
+    """Number of synthetic documents."""
+    max_length: int = 2048
+    """Document lengths are uniform in [1, max_length) tokens, EOD included."""
+    content: Literal["ramp", "random"] = "ramp"
+    """"ramp": 1, 2, 3, ... (learnable, Megatron's mock); "random": uniform ids (loss floor ln(vocab))."""
+    seed: int = 0
+    """Seed of the lengths and the random content."""
+    eod: int | None = None
+    """End-of-document id; None means the tokenizer's EOD, else vocab_size - 1."""
+
+
+@dataclass(kw_only=True)
+class BlendDataConfig:
+    """Weighted ``.bin/.idx`` token files split into train/valid/test."""
+
+    prefixes: list[tuple[float, str]]
+    """(weight, path prefix) pairs, e.g. [[0.3, "data/web"], [0.7, "data/code"]]."""
+    split: str = "969,30,1"
+    """Train/valid/test weights over each source's documents."""
+    cache_dir: str | None = None
+    """Directory for the built index arrays (reused across runs and ranks)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where samples come from (exactly one of ``mock`` / ``blend``) and how they are loaded."""
+
+    mock: MockDataConfig | None = None
+    """Synthetic data (no files needed)."""
+    blend: BlendDataConfig | None = None
+    """Real data: weighted token-file prefixes."""
+    seed: int = 1234
+    """Seed of the document and sample shuffles."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    eod_mask_loss: bool = False
+    """Do not train on predicting the token after an EOD."""
+
+    def __post_init__(self) -> None:
+        if (self.mock is None) == (self.blend is None):
+            raise TokenloomError("the data section needs exactly one of data.mock or data.blend")
+        if self.num_workers < 0:
+            raise TokenloomError(f"data.num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class Datasets:
+    """The built datasets (valid/test may be None when the split gives them no documents)."""
+
+    train: object
+    valid: object | None
+    test: object | None
+    eod: int | None
+    fingerprint: str
+    description: dict
+
+
+def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, int, int],
+          tokenizer_eod: int | None = None) -> Datasets:
+    """Build train/valid/test for ``sizes`` samples each (train must not come out short)."""
+    gpt = GPTDatasetConfig(seq_length=seq_len, seed=cfg.seed,
+                           split=cfg.blend.split if cfg.blend else "1,1,1")
+    if cfg.mock is not None:
+        from tokenloom.blending.blend import build_mock_datasets
+        from tokenloom.blending.mock import MockSource
+
+        m = cfg.mock
+        eod = m.eod if m.eod is not None else (tokenizer_eod if tokenizer_eod is not None else vocab_size - 1)
+        source = MockSource(vocab_size, eod, num_sequences=m.num_sequences, max_length=m.max_length,
+                            seed=m.seed, content=m.content)
+        train, valid, test = build_mock_datasets(gpt, sizes, source)
+        description = {"kind": "mock", **asdict(m), "eod": eod, "vocab_size": vocab_size}
+    else:
+        if tokenizer_eod is None and cfg.eod_mask_loss:
+            raise TokenloomError("data.eod_mask_loss needs the EOD id: set tokenizer")
+        eod = tokenizer_eod
+        train, valid, test = _build_blend(cfg.blend, gpt, sizes)
+        from tokenloom.blending.cache import source_digest
+
+        description = {"kind": "blend", "prefixes": [[float(w), p] for w, p in cfg.blend.prefixes],
+                       "split": cfg.blend.split,
+                       "sources": [source_digest(p) for _, p in cfg.blend.prefixes]}
+    if train is None or len(train) < sizes[0]:
+        raise TokenloomError(f"the train split has {0 if train is None else len(train)} samples, "
+                             f"{sizes[0]} needed (train_iters x global_batch_size)")
+    description.update(seq_len=seq_len, shuffle_seed=cfg.seed, eod_mask_loss=cfg.eod_mask_loss,
+                       train_samples=len(train))
+    return Datasets(train, valid, test, eod, fingerprint(description), description)
+
+
+def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int, int, int]) -> list:
+    """The one call into the blending stage for real data (swap point for the cached builder)."""
+    from tokenloom.blending.blend import Blend, BlendConfig, build_datasets
+
+    if not blend.prefixes:
+        raise TokenloomError("data.blend.prefixes is empty; give [[weight, prefix], ...]")
+    if blend.cache_dir is not None:
+        # TODO(train-blend-cache): route through the lead's cached tokenloom.blending.build_datasets.
+        warnings.warn("data.blend.cache_dir is not used yet: index arrays are rebuilt in memory",
+                      stacklevel=2)
+    weights = tuple(float(w) for w, _ in blend.prefixes)
+    prefixes = tuple(str(p) for _, p in blend.prefixes)
+    config = BlendConfig(gpt=gpt, blend=Blend(prefixes, weights))
+    return build_datasets(config, list(sizes))
+
+
+def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: int, micro_batch_size: int,
+           dp_rank: int, dp_size: int, num_workers: int = 0, pin_memory: bool = False,
+           total_samples: int | None = None) -> DataLoader:
+    """Micro-batches of this rank (dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids``).
+
+    The global order is the dataset's; rank ``r`` takes its slice of every global
+    micro-step (see :class:`ConsumedSamplesSampler`). ``total_samples`` caps the samples used.
+    """
+    total = len(dataset) if total_samples is None else min(total_samples, len(dataset))
+    sampler = ConsumedSamplesSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size)
+    samples = GPTSamples(dataset, SampleConfig(eod=eod, eod_mask_loss=eod_mask_loss))
+    # A private generator: DataLoader draws its worker base seed from the *global* torch RNG
+    # otherwise (even with num_workers=0), which would shift dropout's stream on resume.
+    generator = torch.Generator().manual_seed(consumed_samples)
+    return DataLoader(samples, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      generator=generator)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    non_blocking = device.type == "cuda"
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}

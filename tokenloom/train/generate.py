@@ -1,0 +1,98 @@
+"""Sample text from a training checkpoint: ``generate(GenerateConfig(...)) -> str``.
+
+The model shape and the tokenizer come from the checkpoint's ``state.json`` (the train
+config it was saved with); weights are read with ``weights_only=True``. Sampling is
+plain autoregressive decoding without a KV cache: each new token re-runs the model on
+the last ``seq_len`` tokens. That is O(n^2) in the generated length but keeps one code
+path with training (fine for a demo and for checking a run; a serving stack would add
+the cache). Temperature 0 means greedy; ``top_k`` keeps the k most likely ids; logits of
+the padded vocabulary rows are dropped. A private ``torch.Generator`` seeded with
+``seed`` makes the output deterministic (on a given device and torch version), and the
+global RNG is untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train import checkpoint
+from tokenloom.train.loop import config_from_dict, open_tokenizer
+from tokenloom.train.model import GPT, GPTConfig
+
+
+@dataclass(kw_only=True)
+class GenerateConfig:
+    """What to sample from which checkpoint."""
+
+    checkpoint: str
+    """A checkpoint directory, or a checkpoint root (its latest complete checkpoint is used)."""
+    prompt: str = ""
+    """Text to continue (an empty prompt starts from the EOD token)."""
+    max_new_tokens: int = 100
+    """Tokens to generate (fewer if EOD is produced and stop_at_eod is set)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 picks the most likely token every time."""
+    top_k: int | None = 50
+    """Sample only among the k most likely tokens; None uses all."""
+    seed: int = 0
+    """Seed of the sampling generator (same seed, same text)."""
+    stop_at_eod: bool = True
+    """Stop when the model emits the tokenizer's EOD id."""
+    tokenizer: str | None = None
+    """Override the tokenizer path stored in the checkpoint."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", "cuda", ..."""
+
+
+def load_model(path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
+    """The checkpoint's model in eval mode, and its ``state.json``."""
+    state = checkpoint.read_state(path)
+    model = GPT(config_from_dict(GPTConfig, state["config"]["model"], "model."))
+    model.load_state_dict(checkpoint.load_tensors(path, "model.pt"))
+    return model.to(device).eval(), state
+
+
+@torch.no_grad()
+def sample(model: GPT, ids: torch.Tensor, max_new_tokens: int, *, temperature: float, top_k: int | None,
+           generator: torch.Generator, eod: int | None = None) -> torch.Tensor:
+    """Append up to ``max_new_tokens`` sampled ids to the 1-D ``ids``; returns only the new ids."""
+    seq_len, vocab = model.cfg.seq_len, model.cfg.vocab_size
+    out = ids.clone()
+    for _ in range(max_new_tokens):
+        logits = model(out[-seq_len:].unsqueeze(0))[0, -1, :vocab].float()
+        if temperature == 0:
+            nxt = logits.argmax().view(1)
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < vocab:
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, -float("inf"))
+            probs = torch.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(out.device)
+        out = torch.cat([out, nxt])
+        if eod is not None and int(nxt) == eod:
+            break
+    return out[len(ids):]
+
+
+def generate(cfg: GenerateConfig) -> str:
+    """The prompt followed by the sampled continuation (EOD, if produced, is not decoded)."""
+    if cfg.temperature < 0 or cfg.max_new_tokens < 0 or (cfg.top_k is not None and cfg.top_k < 1):
+        raise TokenloomError("need temperature >= 0, max_new_tokens >= 0 and top_k >= 1 (or None)")
+    path = checkpoint.resolve(cfg.checkpoint, cfg.checkpoint)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    model, state = load_model(path, device)
+    tok_name = cfg.tokenizer or state["config"].get("tokenizer")
+    if not tok_name:
+        raise TokenloomError(f"{path} was trained without a tokenizer; pass tokenizer=PATH to decode")
+    tok = open_tokenizer(tok_name)
+    prompt_ids = [int(i) for i in tok.encode(cfg.prompt)] if cfg.prompt else [tok.eod]
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    new = sample(model, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                 generator=generator, eod=tok.eod if cfg.stop_at_eod else None)
+    new_ids = [int(i) for i in new.tolist() if not (cfg.stop_at_eod and i == tok.eod)]
+    return cfg.prompt + tok.decode(new_ids)

@@ -1,0 +1,112 @@
+"""Training metrics: a JSONL file (the record of truth), optional TensorBoard, a loss-curve PNG, MFU.
+
+Every line of ``metrics.jsonl`` is one JSON object with an ``iter`` key (completed
+optimizer steps): train records carry ``train_loss``, ``lr``, ``grad_norm``,
+``tokens_per_s``, ``step_time_s``, ``consumed_samples`` and ``mfu`` (null when the
+device's peak is unknown); evaluation records carry ``val_loss``. On resume the file is
+cut back to the checkpoint's iteration, so it never holds two records for one step and
+the loss curve of a resumed run looks like that of an uninterrupted one.
+
+MFU uses :meth:`tokenloom.train.model.GPT.flops_per_token` against the device's dense
+bf16 peak from :data:`PEAK_BF16_FLOPS` (matched on the CUDA device name), times the
+number of devices; CPUs have no entry (MFU is null) unless ``peak_flops`` is given. An
+fp32 GPU run is still measured against the bf16 peak (the convention of nanoGPT and
+Megatron: MFU says how far the hardware's best number is).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+]
+"""(substring of ``torch.cuda.get_device_name()``, dense bf16 FLOP/s per device), first match wins."""
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of one ``device`` from :data:`PEAK_BF16_FLOPS`, None when unknown (CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+class MetricsLogger:
+    """Appends records to a JSONL file (and TensorBoard when available). Rank 0 only."""
+
+    def __init__(self, path: str | os.PathLike, *, resume_iteration: int | None = None,
+                 tensorboard_dir: str | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_iteration is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("iter", 0) <= resume_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                warnings.warn("tensorboard_dir is ignored: the tensorboard package is not installed",
+                              stacklevel=2)
+            else:
+                self._tb = SummaryWriter(tensorboard_dir)
+
+    def log(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "iter" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["iter"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
+    """Train and validation loss against iteration as a PNG (matplotlib, Agg backend)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("no loss-curve PNG: matplotlib is not installed", stacklevel=2)
+        return None
+    records = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for key, style in (("train_loss", "-"), ("val_loss", "o-")):
+        points = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=key.replace("_", " "), markersize=3)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,100 @@
+"""AdamW with the usual no-decay groups, and warmup + cosine learning rate as a pure function.
+
+Choices and their costs:
+
+* **Weight decay** only on matrices used in matmuls (``dim >= 2``) that are not embedding
+  tables; biases, norm weights and the token/position embeddings (and so a tied LM head,
+  which is the same tensor) are not decayed (nanoGPT / Megatron convention). Grouping is
+  by parameter identity, so a tied weight is listed once.
+* **The schedule is a function of the iteration** (:func:`lr_at`), not a stateful torch
+  scheduler: the learning rate of step ``it`` is recomputed and written into every param
+  group before the step. Resume therefore needs no scheduler state beyond the iteration,
+  and changing ``train_iters`` on resume changes the curve exactly as a fresh run would.
+  Warmup is linear, ``lr * (it + 1) / warmup_iters`` (the first step does not waste a
+  zero learning rate), then cosine from ``lr`` to ``min_lr`` at ``lr_decay_iters``,
+  constant ``min_lr`` after.
+* AdamW uses torch's default implementation (``foreach`` on CPU and GPU); the fused CUDA
+  kernel is opt-in (``fused``) because it is not bit-identical to the CPU path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenloom.errors import TokenloomError
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW, warmup + cosine decay, gradient clipping."""
+
+    lr: float = 6e-4
+    """Peak learning rate (reached after warmup)."""
+    min_lr: float = 6e-5
+    """Learning rate at the end of the cosine decay and after it."""
+    warmup_iters: int = 100
+    """Iterations of linear warmup from lr/warmup_iters to lr."""
+    lr_decay_iters: int | None = None
+    """Iteration at which the cosine reaches min_lr; None means train_iters."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matmul weights (not on biases, norms, embeddings)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    fused: bool = False
+    """Use torch's fused AdamW kernel (CUDA; not bit-identical to the default path)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise TokenloomError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0, got lr={self.lr}, "
+                                 f"min_lr={self.min_lr}")
+        if self.warmup_iters < 0 or self.grad_clip < 0:
+            raise TokenloomError("optim.warmup_iters and optim.grad_clip must be >= 0")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matmul weights, and everything else (biases, norms, embeddings)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():  # parameters() de-duplicates tied tensors
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over :func:`param_groups`; the learning rate is set per step from :func:`lr_at`."""
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=True if cfg.fused else None,
+    )
+
+
+def lr_at(it: int, cfg: OptimConfig, train_iters: int) -> float:
+    """Learning rate of 0-based step ``it``: linear warmup, cosine to ``min_lr``, then flat."""
+    decay_iters = cfg.lr_decay_iters or train_iters
+    if it < cfg.warmup_iters:
+        return cfg.lr * (it + 1) / cfg.warmup_iters
+    if it >= decay_iters:
+        return cfg.min_lr
+    progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,423 @@
+"""Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
+
+Mirrors Megatron-core ``tensor_parallel/layers.py`` (training-stack.md section c):
+
+* :class:`ColumnParallelLinear` (``Y = X A^T``, A split by output rows): weight
+  ``[out/tp, in]``, bias ``[out/tp]``. The replicated input enters through
+  :func:`copy_to_region` (all-reduce of the input gradient in backward), or, with
+  ``sequence_parallel``, is all-gathered along the sequence inside the GEMM function
+  whose backward reduce-scatters the input gradient. ``gather_output`` all-gathers
+  the output along the last dim; ``skip_bias_add`` returns the bias for a later fusion.
+* :class:`RowParallelLinear` (A split by input columns): weight ``[out, in/tp]``. The
+  input is already split (``input_is_parallel``) or scattered here; partial outputs
+  are all-reduced, or reduce-scattered along the sequence with ``sequence_parallel``;
+  the replicated bias is added after the reduction.
+* :class:`VocabParallelEmbedding`: weight ``[V/tp, h]``, rank r owns ids
+  ``[r V/tp, (r+1) V/tp)``. Ids outside the shard look up row 0 and their rows are
+  zeroed, then all-reduce (or, with ``sequence_parallel``, transpose ``[b, s, h] ->
+  [s, b, h]`` and reduce-scatter along s, Megatron's ``reduce_scatter_embeddings``).
+
+Sequence-parallel activations are ``[seq, batch, hidden]`` with seq split over tp.
+Parameters that stay replicated but see only this rank's tokens (the row-parallel
+bias under sequence parallelism, and the LayerNorms around these layers) are tagged
+``param.sequence_parallel = True``; their gradients must be summed over tp after
+backward (:func:`sync_sequence_parallel_grads`; Megatron does it in
+``finalize_model_grads``). Sharded parameters carry ``tensor_model_parallel = True``
+and ``partition_dim`` as in Megatron.
+
+Initialisation equals the one-process model: every rank builds the *full* fp32
+master weight with ``init_method`` (same shape, distribution and generator calls as
+the one-process layer), casts it and keeps its shard (Megatron's
+``_initialize_affine_weight_cpu``). This costs a full-size temporary per layer on
+every rank and the same RNG draws everywhere, which is fine up to models whose
+largest matrix fits in host memory; Megatron's faster GPU path initialises each shard
+under the model-parallel RNG stream and is *not* equal to the one-process model.
+``from_linear`` / ``from_embedding`` build a layer from an existing full layer
+(checkpoint resharding, equality tests) and ``full_state_dict`` gathers it back.
+
+Fused layouts: ``split_sizes`` says the partitioned dim is a concatenation of blocks
+(e.g. ``[q, k, v]`` of a fused QKV, or ``[gate, up]`` of SwiGLU) that are each split
+evenly, so every rank gets its slice of every block; Megatron's ``stride`` covers the
+equal-block case only. Blocks must split on head boundaries; that is the caller's job.
+
+Not mirrored: the async dgrad all-reduce overlapped with the wgrad GEMM (small gain on
+CPU/gloo), ``gradient_accumulation_fusion`` into ``main_grad``, and expert layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.parallel.mappings import (
+    Group,
+    all_gather_first_dim,
+    all_reduce,
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    reduce_scatter_first_dim,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_region,
+)
+
+InitMethod = Callable[[torch.Tensor], object]
+"""Fills a full fp32 master weight in place."""
+
+
+def normal_init(std: float = 0.02, generator: torch.Generator | None = None) -> InitMethod:
+    """normal(0, std) with ``generator`` (the global RNG when None), Megatron's default init.
+
+    Pass the generator the one-process model uses (e.g. :class:`~tokenloom.train.model.GPT`'s
+    seeded private generator, drawn in the same module order) to get identical weights.
+    """
+
+    def init(weight: torch.Tensor) -> None:
+        weight.normal_(0.0, std, generator=generator)
+
+    return init
+
+
+def _rank_world(group: Group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_split(size: int, world: int, split_sizes: Sequence[int] | None, what: str) -> None:
+    blocks = list(split_sizes) if split_sizes else [size]
+    if sum(blocks) != size:
+        raise TokenloomError(f"split_sizes {blocks} of {what} add up to {sum(blocks)}, not {size}")
+    bad = [b for b in blocks if b % world]
+    if bad:
+        raise TokenloomError(
+            f"{what} {size} (blocks {blocks}) cannot be split evenly over {world} tensor-parallel ranks"
+        )
+
+
+def shard(
+    full: torch.Tensor, dim: int, rank: int, world: int, split_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full`` along ``dim`` (each of ``split_sizes`` blocks split evenly)."""
+    blocks = full.split(list(split_sizes), dim) if split_sizes else [full]
+    return torch.cat([b.chunk(world, dim)[rank] for b in blocks], dim).contiguous()
+
+
+def unshard(
+    shards: Sequence[torch.Tensor], dim: int, split_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`shard`: the full tensor from every rank's shard, in rank order."""
+    if not split_sizes:
+        return torch.cat(list(shards), dim)
+    world = len(shards)
+    pieces = [s.split([b // world for b in split_sizes], dim) for s in shards]
+    return torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(len(split_sizes))], dim)
+
+
+def _gather_shards(local: torch.Tensor, dim: int, group: Group, split_sizes: Sequence[int] | None):
+    """Collective: the full tensor from every rank's ``local`` shard."""
+    rank, world = _rank_world(group)
+    if world == 1:
+        return local.detach().clone()
+    stacked = all_gather_first_dim(local.detach().unsqueeze(0), group)
+    return unshard(stacked.unbind(0), dim, split_sizes)
+
+
+def _sharded_param(master: torch.Tensor, dim: int, group: Group, split_sizes, dtype, device) -> nn.Parameter:
+    rank, world = _rank_world(group)
+    data = shard(master, dim, rank, world, split_sizes).to(dtype=dtype, device=device)
+    param = nn.Parameter(data)
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    return param
+
+
+def _master_weight(shape, init_method: InitMethod | None) -> torch.Tensor:
+    master = torch.empty(shape, dtype=torch.float32)
+    (init_method or normal_init())(master)
+    return master
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``F.linear(all_gather_seq(x), w, b)`` saving only the sequence shard of ``x``.
+
+    Backward all-gathers ``x`` again for the weight gradient and reduce-scatters the input
+    gradient (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with SP,
+    without the async overlap): activation memory of the input stays divided by tp at
+    the price of a second all-gather.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather_first_dim(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = reduce_scatter_first_dim(grad @ weight, ctx.group) if need_x else None
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_w = None
+        if need_w:
+            total = all_gather_first_dim(x, ctx.group)
+            grad_w = grad_2d.T @ total.reshape(-1, total.shape[-1])
+        grad_b = grad_2d.sum(0) if ctx.has_bias and need_b else None
+        return grad_x, grad_w, grad_b, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear with the output features split over the tp group. See the module docstring."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: Group,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        init_method: InitMethod | None = None,
+        split_sizes: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        rank, world = _rank_world(group)
+        _check_split(out_features, world, split_sizes, "output features")
+        if sequence_parallel and gather_output:
+            raise TokenloomError(
+                "ColumnParallelLinear: gather_output is not supported with sequence_parallel"
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.gather_output = group, gather_output
+        self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
+        self.split_sizes = list(split_sizes) if split_sizes else None
+        dtype = dtype or torch.get_default_dtype()
+        master = _master_weight((out_features, in_features), init_method)
+        self.weight = _sharded_param(master, 0, group, self.split_sizes, dtype, device)
+        if bias:
+            self.bias = _sharded_param(torch.zeros(out_features), 0, group, self.split_sizes, dtype, device)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Group, **kwargs) -> ColumnParallelLinear:
+        """This rank's shard of an existing full ``nn.Linear`` (weights copied, not shared)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group=group,
+            bias=linear.bias is not None,
+            init_method=lambda w: w.copy_(linear.weight.detach()),
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            **kwargs,
+        )
+        if linear.bias is not None:
+            rank, world = _rank_world(group)
+            with torch.no_grad():
+                layer.bias.copy_(shard(linear.bias.detach(), 0, rank, world, layer.split_sizes))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """x: ``[..., in]`` replicated, or ``[s/tp, b, in]`` with sequence_parallel.
+
+        Returns ``[..., out/tp]`` (``[s, b, out/tp]`` with SP; ``[..., out]`` with
+        gather_output), plus the bias when ``skip_bias_add``.
+        """
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel and _rank_world(self.group)[1] > 1:
+            out = _SequenceParallelLinear.apply(x, self.weight, bias, self.group)
+        else:
+            out = F.linear(copy_to_region(x, self.group), self.weight, bias)
+        if self.gather_output:
+            out = gather_from_region(out, self.group)
+        return (out, self.bias) if self.skip_bias_add else out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective over the group: the full ``nn.Linear`` state dict (``weight``, ``bias``)."""
+        state = {"weight": _gather_shards(self.weight, 0, self.group, self.split_sizes)}
+        if self.bias is not None:
+            state["bias"] = _gather_shards(self.bias, 0, self.group, self.split_sizes)
+        return state
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Linear with the input features split over the tp group. See the module docstring."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: Group,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        init_method: InitMethod | None = None,
+        split_sizes: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        rank, world = _rank_world(group)
+        _check_split(in_features, world, split_sizes, "input features")
+        if sequence_parallel and not input_is_parallel:
+            raise TokenloomError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
+        self.split_sizes = list(split_sizes) if split_sizes else None
+        dtype = dtype or torch.get_default_dtype()
+        master = _master_weight((out_features, in_features), init_method)
+        self.weight = _sharded_param(master, 1, group, self.split_sizes, dtype, device)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Group, **kwargs) -> RowParallelLinear:
+        """This rank's shard of an existing full ``nn.Linear`` (weights copied, not shared)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group=group,
+            bias=linear.bias is not None,
+            init_method=lambda w: w.copy_(linear.weight.detach()),
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            **kwargs,
+        )
+        if linear.bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """x: ``[..., in/tp]`` (input_is_parallel) or ``[..., in]``. Returns ``[..., out]``
+        (``[s/tp, b, out]`` with sequence_parallel), plus the bias when ``skip_bias_add``."""
+        x_parallel = x if self.input_is_parallel else scatter_to_region(x, self.group)
+        partial = F.linear(x_parallel, self.weight)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial, self.group)
+        else:
+            out = reduce_from_region(partial, self.group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return out if self.bias is None else out + self.bias
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective over the group: the full ``nn.Linear`` state dict (``weight``, ``bias``)."""
+        state = {"weight": _gather_shards(self.weight, 1, self.group, self.split_sizes)}
+        if self.bias is not None:
+            state["bias"] = self.bias.detach().clone()
+        return state
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over the tp group. See the module docstring."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: Group,
+        sequence_parallel: bool = False,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        rank, world = _rank_world(group)
+        if num_embeddings % world:
+            raise TokenloomError(
+                f"vocabulary of {num_embeddings} rows cannot be split evenly over {world} tensor-parallel "
+                f"ranks; pad it to a multiple of {world} (Megatron pads to make_vocab_size_divisible_by * tp)"
+            )
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.sequence_parallel = group, sequence_parallel
+        per_rank = num_embeddings // world
+        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
+        master = _master_weight((num_embeddings, embedding_dim), init_method)
+        self.weight = _sharded_param(master, 0, group, None, dtype or torch.get_default_dtype(), device)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, *, group: Group, **kwargs) -> VocabParallelEmbedding:
+        """This rank's shard of an existing full ``nn.Embedding`` (weights copied, not shared)."""
+        return cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            group=group,
+            init_method=lambda w: w.copy_(embedding.weight.detach()),
+            dtype=embedding.weight.dtype,
+            device=embedding.weight.device,
+            **kwargs,
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: ``[b, s]`` (any shape). Returns ``[*ids.shape, h]``, or ``[s/tp, b, h]`` with
+        sequence_parallel (ids must then be ``[b, s]``)."""
+        world = _rank_world(self.group)[1]
+        if world == 1:
+            out = F.embedding(ids, self.weight)
+        else:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out.transpose(0, 1).contiguous(), self.group)
+        return reduce_from_region(out, self.group)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective over the group: the full ``nn.Embedding`` state dict (``weight``)."""
+        return {"weight": _gather_shards(self.weight, 0, self.group, None)}
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, ids [{self.vocab_start}, {self.vocab_end}), "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
+    """Sum over tp the grads of replicated params tagged ``sequence_parallel`` (one all-reduce).
+
+    Under sequence parallelism these params (LayerNorm weights, row-parallel biases) see
+    only this rank's tokens, so each rank holds a partial gradient. Call after backward,
+    before the data-parallel reduction and the optimizer step.
+    """
+    grads = [
+        p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
+    if not grads or _rank_world(group)[1] == 1:
+        return
+    summed = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+    for grad, new in zip(grads, summed.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(new.view_as(grad))

@@ -1,0 +1,156 @@
+"""Named RNG streams for dropout under tensor parallelism, on CPU and CUDA.
+
+Mirrors Megatron-core ``tensor_parallel/random.py`` (training-stack.md section c):
+
+* :func:`model_parallel_manual_seed(seed, tp_rank)` seeds the device's default
+  generator with ``seed`` (equal on all tp ranks of a stage, so dropout on replicated
+  activations agrees between them) and adds the named stream ``"model-parallel-rng"``
+  seeded ``seed + 2718 + tp_rank`` (differs across tp ranks, equal across dp ranks).
+  Callers pass ``seed = base + 100 * pp_rank`` as Megatron's ``initialize.py`` does.
+* ``tracker.fork()`` swaps that stream's state into the default generator, runs the
+  block (dropout on tensors *split* over tp: attention probabilities by head, or
+  everything under sequence parallelism), stores the advanced state and restores the
+  default one. Outside ``fork`` the default stream is used.
+
+Differences from Megatron: the tracker works on CPU (``torch.get_rng_state`` /
+``set_rng_state``) as well as CUDA (``torch.cuda`` equivalents for the current
+device), chosen by ``device``; Megatron's is CUDA-only and skipped on CPU hosts. The
+state swap is a global side effect (``F.dropout`` takes no generator), so a stream
+must not be forked from two threads at once. Activation recompute must replay the
+streams: :func:`checkpoint` wraps ``torch.utils.checkpoint`` (non-reentrant) and
+restores the tracker's states for the recompute, as Megatron's ``CheckpointFunction``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.utils.checkpoint
+
+from tokenloom.errors import TokenloomError
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+"""Name of the stream that differs across tensor-parallel ranks (Megatron's name)."""
+
+MODEL_PARALLEL_SEED_OFFSET = 2718
+"""Megatron's offset between the default seed and the model-parallel stream's seed."""
+
+
+class RNGStatesTracker:
+    """Named RNG states for one device type; ``fork(name)`` runs a block under one of them."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise TokenloomError(f"RNG tracker supports cpu and cuda devices, got {self.device}")
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def reset(self) -> None:
+        self._states.clear()
+        self._seeds.clear()
+
+    def add(self, name: str, seed: int) -> None:
+        """A new stream ``name`` seeded with ``seed``; the default generator is left unchanged."""
+        if seed in self._seeds:
+            raise TokenloomError(f"RNG seed {seed} is already used by another stream")
+        if name in self._states:
+            raise TokenloomError(f"RNG stream {name!r} already exists")
+        # A fresh generator's state has the same format as the device's default one.
+        self._states[name] = torch.Generator(self.device).manual_seed(seed).get_state()
+        self._seeds.add(seed)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of every stream's state (for checkpoints and recompute)."""
+        return {name: state.clone() for name, state in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = {name: state.clone() for name, state in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the block with stream ``name`` as the default generator's state."""
+        if name not in self._states:
+            raise TokenloomError(f"RNG stream {name!r} is not set up; call model_parallel_manual_seed first")
+        outer = self._get()
+        self._set(self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = self._get()
+            self._set(outer)
+
+
+_default_trackers: dict[str, RNGStatesTracker] = {}
+
+
+def get_rng_tracker(device: torch.device | str | None = None) -> RNGStatesTracker:
+    """The process-wide tracker for ``device``'s type (cuda when available, else cpu)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type
+    if kind not in _default_trackers:
+        _default_trackers[kind] = RNGStatesTracker(kind)
+    return _default_trackers[kind]
+
+
+def model_parallel_manual_seed(
+    seed: int, tp_rank: int, tracker: RNGStatesTracker | None = None
+) -> RNGStatesTracker:
+    """Seed the default generator with ``seed`` and the model-parallel stream with
+    ``seed + 2718 + tp_rank`` (Megatron's ``model_parallel_cuda_manual_seed``).
+
+    Resets ``tracker`` (the process-wide one for the default device when None) and
+    returns it. On CPU only the CPU generator is seeded; on CUDA only the current
+    device's generator.
+    """
+    tracker = tracker or get_rng_tracker()
+    if tracker.device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.random.default_generator.manual_seed(seed)
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+    return tracker
+
+
+def checkpoint(function: Callable, *args, tracker: RNGStatesTracker | None = None, **kwargs):
+    """``torch.utils.checkpoint`` (non-reentrant) that also replays the tracker's streams.
+
+    The default generator is already replayed by torch (``preserve_rng_state``); this
+    additionally snapshots the tracker's named states before the forward and swaps the
+    snapshot in during the recompute, so dropout inside ``fork()`` draws the same masks.
+    """
+    tracker = tracker or get_rng_tracker()
+    snapshot: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def forward_ctx() -> Iterator[None]:
+        snapshot.update(tracker.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute_ctx() -> Iterator[None]:
+        current = tracker.get_states()
+        tracker.set_states(snapshot)
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, context_fn=lambda: (forward_ctx(), recompute_ctx()), **kwargs
+    )

@@ -1,0 +1,476 @@
+"""Pipeline schedules (Megatron-core's ``schedules.py``) and GPT pipeline stages.
+
+:func:`forward_backward` runs one global batch of ``num_microbatches`` micro-batches
+through this rank's stage module(s) and leaves the accumulated gradients in ``.grad``:
+
+* ``"no_pipelining"`` (pp = 1): forward + backward of each micro-batch in turn
+  (gradient accumulation).
+* ``"1f1b"`` (Megatron's ``forward_backward_pipelining_without_interleaving``):
+  ``W = min(pp_size - pp_rank - 1, M)`` warmup forwards, then one-forward-one-backward,
+  then ``W`` cooldown backwards. Rank ``r`` keeps at most ``pp_size - r`` micro-batches
+  of activations. Bubble: ``(p - 1) / (M + p - 1)`` of the step time.
+* ``"interleaved"`` (``forward_backward_pipelining_with_interleaving``): each rank holds
+  ``v`` model chunks; chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``.
+  Micro-batches go through the chunks in groups of ``p`` (Megatron's default
+  ``microbatch_group_size_per_vp_stage``): micro-batches ``0..p-1`` through chunk 0,
+  then chunk 1, ... Warmup ``(p - r - 1) * 2 + (v - 1) * p`` (all ``v * M`` when
+  ``M == p``). ``M`` must be a multiple of ``p``. Bubble: ``(p - 1) / (v * M + p - 1)``,
+  paid for with ``v`` times more p2p messages.
+
+Bubble measurement: :class:`PipelineStats` (per rank: compute vs time inside p2p) and
+:func:`pipeline_bubble_fraction` (pipeline-wide, collective). Measured in the tests on
+2 gloo ranks with stages that sleep 50 ms forward and backward, M = 4: 1F1B 0.21
+(theory 0.20), interleaved v = 2 0.12 (theory 0.11); the excess is p2p latency,
+paid v times more often by the interleaved schedule.
+
+The loss is computed on the last (virtual) stage only, divided by ``num_microbatches``
+before backward (Megatron's non per-token mode), and the unscaled per-micro-batch
+losses are returned there; other ranks get an empty list.
+
+Differences from Megatron, on purpose:
+
+* The data iterator yields one micro-batch per ``next`` and all ``M`` are fetched up
+  front on every rank (token ids are small); the stage that runs micro-batch ``k``
+  picks ``batches[k]``. Megatron keeps one iterator per model chunk.
+* Gradient reduction across data-parallel ranks is not done here (Megatron overlaps it
+  with the last backwards; we do not). After the schedule, call
+  :func:`allreduce_tied_embedding_grads`, then the optimizer step
+  (:class:`tokenloom.train.parallel.zero.ZeroAdamW` reduce-scatters over DP inside
+  ``step()``). Megatron's ``finalize_model_grads`` runs the DP reduction first and the
+  embedding all-reduce second; both are sums, so the result is the same up to rounding.
+
+Stage modules are called as ``module(hidden, batch)``: ``hidden`` is None on the
+first stage (which reads ``batch``) and the received activation elsewhere.
+:class:`GPTStage` splits :class:`tokenloom.train.model.GPT` that way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.model import GPT, Block, GPTConfig, _norm, _rope_cache
+from tokenloom.train.parallel import p2p
+from tokenloom.train.parallel.p2p import P2PComm
+
+Schedule = Literal["no_pipelining", "1f1b", "interleaved"]
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+@dataclass
+class PipelineStats:
+    """Where this rank's time went during one :func:`forward_backward` call."""
+
+    compute_s: float = 0.0
+    """Seconds inside stage forwards, losses and backwards."""
+    wait_s: float = 0.0
+    """Seconds inside p2p calls (sending, and waiting for neighbours)."""
+    total_s: float = 0.0
+    """Wall-clock seconds of the whole call."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """This rank's share of busy-or-waiting time spent waiting, ``wait / (wait +
+        compute)``; see :func:`pipeline_bubble_fraction` for the whole pipeline's."""
+        busy = self.compute_s + self.wait_s
+        return self.wait_s / busy if busy > 0 else 0.0
+
+
+@dataclass
+class PipelineResult:
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """Per-micro-batch losses (detached, not divided by M); empty except on the last stage."""
+    stats: PipelineStats = field(default_factory=PipelineStats)
+
+
+def theoretical_bubble_fraction(pp_size: int, num_microbatches: int, num_chunks: int = 1) -> float:
+    """Idle share of a step for equal stages: ``(p - 1) / (v * M + p - 1)``."""
+    return (pp_size - 1) / (num_chunks * num_microbatches + pp_size - 1)
+
+
+def pipeline_bubble_fraction(stats: PipelineStats, pp_group: dist.ProcessGroup | None) -> float:
+    """Pipeline-wide bubble of one run (collective over ``pp_group``):
+    ``1 - sum(compute) / (pp_size * max(total))``.
+
+    The step ends when the slowest rank ends (the optimizer step waits for the DP and
+    embedding reductions), so idle time is counted against that, not each rank's own
+    end: the last stage finishes ``(p - 1)`` backwards earlier than the first and its
+    own ``wait / (wait + compute)`` reads low. Equals ``(p - 1) / (v * M + p - 1)``
+    for equal stages and free communication.
+    """
+    compute = torch.tensor([stats.compute_s], dtype=torch.float64)
+    total = torch.tensor([stats.total_s], dtype=torch.float64)
+    dist.all_reduce(compute, group=pp_group)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+    return 1.0 - compute.item() / (dist.get_world_size(pp_group) * total.item())
+
+
+def get_schedule(pp_size: int, num_chunks: int = 1) -> Schedule:
+    """Megatron's ``get_forward_backward_func`` choice."""
+    if pp_size == 1:
+        return "no_pipelining"
+    return "interleaved" if num_chunks > 1 else "1f1b"
+
+
+def forward_backward(
+    schedule: Schedule,
+    model: nn.Module | Sequence[nn.Module],
+    data_iterator: Iterator[Any],
+    num_microbatches: int,
+    loss_fn: LossFn,
+    *,
+    comm: P2PComm | None = None,
+    forward_only: bool = False,
+) -> PipelineResult:
+    """Run one global batch through this rank's stage(s); grads accumulate in ``.grad``.
+
+    ``model`` is one stage module, or the list of this rank's model chunks (interleaved;
+    chunk ``c`` = virtual stage ``c * pp_size + pp_rank``). ``loss_fn(output, batch)``
+    gives the mean loss of one micro-batch on the last stage. ``comm`` is required by
+    the pipelined schedules. ``forward_only`` skips backward (evaluation).
+    """
+    chunks = list(model) if isinstance(model, (Sequence, nn.ModuleList)) else [model]
+    if schedule not in ("no_pipelining", "1f1b", "interleaved"):
+        raise TokenloomError(f"unknown schedule {schedule!r}; use 'no_pipelining', '1f1b' or 'interleaved'")
+    if num_microbatches < 1:
+        raise TokenloomError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if schedule != "no_pipelining" and comm is None:
+        raise TokenloomError(f"schedule {schedule!r} needs a P2PComm (comm=...)")
+    if schedule != "interleaved" and len(chunks) != 1:
+        raise TokenloomError(f"schedule {schedule!r} takes one stage module, got {len(chunks)} chunks")
+    if schedule == "interleaved" and comm.pp_size < 2:
+        raise TokenloomError("the interleaved schedule needs a pipeline of at least 2 ranks")
+    if schedule == "interleaved" and num_microbatches % comm.pp_size:
+        raise TokenloomError(
+            f"interleaved schedule needs num_microbatches ({num_microbatches}) divisible by the "
+            f"pipeline size ({comm.pp_size}); change the global batch or the micro-batch size"
+        )
+    runner = _Runner(
+        chunks, [next(data_iterator) for _ in range(num_microbatches)], loss_fn, comm, forward_only
+    )
+    start = time.perf_counter()
+    wait0 = comm.wait_s if comm else 0.0
+    {"no_pipelining": runner.no_pipelining, "1f1b": runner.one_f_one_b, "interleaved": runner.interleaved}[
+        schedule
+    ]()
+    if comm is not None:
+        p2p.wait_sends(comm)
+    runner.result.stats.total_s = time.perf_counter() - start
+    runner.result.stats.wait_s = (comm.wait_s - wait0) if comm else 0.0
+    return runner.result
+
+
+class _Runner:
+    """State of one schedule run: micro-batches, kept activations, timings."""
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        batches: list[Any],
+        loss_fn: LossFn,
+        comm: P2PComm | None,
+        forward_only: bool,
+    ) -> None:
+        self.chunks, self.batches, self.loss_fn = chunks, batches, loss_fn
+        self.comm, self.forward_only = comm, forward_only
+        self.num_microbatches = len(batches)
+        self.result = PipelineResult()
+
+    # ------------------------------------------------------------------ steps
+
+    def forward_step(self, chunk: int, microbatch: int, x: torch.Tensor | None, last: bool) -> torch.Tensor:
+        """Stage forward; on the last stage the loss divided by M (Megatron's scaling)."""
+        start = time.perf_counter()
+        batch = self.batches[microbatch]
+        with torch.set_grad_enabled(not self.forward_only):
+            y = self.chunks[chunk](x, batch)
+            if last:
+                loss = self.loss_fn(y, batch)
+                self.result.losses.append(loss.detach())
+                y = loss / self.num_microbatches
+        self.result.stats.compute_s += time.perf_counter() - start
+        return y
+
+    def backward_step(
+        self, x: torch.Tensor | None, y: torch.Tensor, dy: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Backprop ``dy`` (None: ``y`` is the scaled loss) and return the input's grad."""
+        start = time.perf_counter()
+        if x is not None:
+            x.retain_grad()
+        torch.autograd.backward(y, grad_tensors=dy)
+        self.result.stats.compute_s += time.perf_counter() - start
+        return None if x is None else x.grad
+
+    # ------------------------------------------------------------------ schedules
+
+    def no_pipelining(self) -> None:
+        for k in range(self.num_microbatches):
+            y = self.forward_step(0, k, None, last=True)
+            if not self.forward_only:
+                self.backward_step(None, y, None)
+
+    def one_f_one_b(self) -> None:
+        comm, M, last = self.comm, self.num_microbatches, self.comm.is_last
+        warmup = min(comm.pp_size - comm.pp_rank - 1, M)
+        if self.forward_only:
+            warmup = M
+        remaining = M - warmup
+        kept: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        for k in range(warmup):
+            x = p2p.recv_forward(comm)
+            y = self.forward_step(0, k, x, last)
+            p2p.send_forward(y, comm)
+            if not self.forward_only:
+                kept.append((x, y))
+        x = p2p.recv_forward(comm) if remaining > 0 else None
+        for i in range(remaining):
+            y = self.forward_step(0, warmup + i, x, last)
+            kept.append((x, y))
+            dy = p2p.send_forward_recv_backward(y, comm)
+            x0, y0 = kept.pop(0)
+            dx = self.backward_step(x0, y0, dy)
+            if i == remaining - 1:
+                p2p.send_backward(dx, comm)
+            else:
+                x = p2p.send_backward_recv_forward(dx, comm)
+        for _ in range(len(kept)):  # cooldown
+            dy = p2p.recv_backward(comm)
+            x0, y0 = kept.pop(0)
+            p2p.send_backward(self.backward_step(x0, y0, dy), comm)
+
+    def interleaved(self) -> None:
+        """Megatron's interleaved 1F1B with ``microbatch_group_size_per_vp_stage == p``."""
+        comm, v, p = self.comm, len(self.chunks), self.comm.pp_size
+        total = self.num_microbatches * v
+        all_warmup = False
+        if self.forward_only:
+            warmup = total
+        elif self.num_microbatches == p:
+            warmup, all_warmup = total, True
+        else:
+            warmup = min((p - comm.pp_rank - 1) * 2 + (v - 1) * p, total)
+        remaining = total - warmup
+
+        def chunk_of(k: int, forward: bool) -> int:
+            c = (k % (p * v)) // p
+            return c if forward else v - c - 1
+
+        def microbatch_of(k: int) -> int:
+            return (k // (p * v)) * p + k % p
+
+        def first_virtual(c: int) -> bool:
+            return comm.is_first and c == 0
+
+        def last_virtual(c: int) -> bool:
+            return comm.is_last and c == v - 1
+
+        inputs: list[list[torch.Tensor | None]] = [[] for _ in range(v)]
+        outputs: list[list[torch.Tensor]] = [[] for _ in range(v)]
+        output_grads: list[list[torch.Tensor | None]] = [[] for _ in range(v)]
+
+        def forward_k(k: int) -> torch.Tensor:
+            c = chunk_of(k, forward=True)
+            if first_virtual(c) and len(inputs[c]) == len(outputs[c]):
+                inputs[c].append(None)
+            y = self.forward_step(c, microbatch_of(k), inputs[c][-1], last_virtual(c))
+            outputs[c].append(y)
+            if self.forward_only:
+                inputs[c].pop()
+                outputs[c].pop()
+            return y
+
+        def backward_k(k: int) -> torch.Tensor | None:
+            c = chunk_of(k, forward=False)
+            if last_virtual(c) and not output_grads[c]:
+                output_grads[c].append(None)
+            return self.backward_step(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0))
+
+        inputs[0].append(None if comm.is_first else p2p.communicate(comm, recv_prev=True)[0])
+        for k in range(warmup):
+            y = forward_k(k)
+            next_c = chunk_of(k + 1, forward=True)
+            recv_prev = not (comm.is_first and next_c == 0) and k != total - 1
+            send = None if last_virtual(chunk_of(k, forward=True)) else y
+            if k == warmup - 1 and not self.forward_only and not all_warmup:
+                x, dy = p2p.send_forward_backward_recv_forward_backward(
+                    send, None, recv_prev, not comm.is_last, comm
+                )
+                output_grads[v - 1].append(dy)
+            else:
+                x = p2p.send_forward_recv_forward(send, recv_prev, comm)
+            if recv_prev:
+                inputs[next_c].append(x)
+
+        for i in range(remaining):  # steady state: one forward and one backward
+            fk, bk = warmup + i, i
+            y = forward_k(fk)
+            dx = backward_k(bk)
+            send = None if last_virtual(chunk_of(fk, forward=True)) else y
+            if first_virtual(chunk_of(bk, forward=False)):
+                dx = None
+            recv_prev = True
+            if comm.is_first:
+                next_fc = chunk_of(fk - (p - 1), forward=True)
+                recv_prev = next_fc != v - 1
+                next_fc += 1
+            else:
+                next_fc = chunk_of(fk + 1, forward=True)
+            recv_next = True
+            if comm.is_last:
+                next_bc = chunk_of(bk - (p - 1), forward=False)
+                recv_next = next_bc != 0
+                next_bc -= 1
+            else:
+                next_bc = chunk_of(bk + 1, forward=False)
+            if i == remaining - 1:
+                recv_prev = False
+            x, dy = p2p.send_forward_backward_recv_forward_backward(send, dx, recv_prev, recv_next, comm)
+            if recv_prev:
+                inputs[next_fc].append(x)
+            if recv_next:
+                output_grads[next_bc].append(dy)
+
+        if self.forward_only:
+            return
+        if all_warmup:
+            output_grads[v - 1].append(p2p.communicate(comm, recv_next=not comm.is_last)[1])
+        for k in range(remaining, total):  # cooldown
+            dx = backward_k(k)
+            if first_virtual(chunk_of(k, forward=False)):
+                dx = None
+            next_bc = chunk_of(k + 1, forward=False)
+            recv_next = not (comm.is_last and next_bc == v - 1) and k != total - 1
+            dy = p2p.send_backward_recv_backward(dx, recv_next, comm)
+            if recv_next:
+                output_grads[next_bc].append(dy)
+
+
+# ---------------------------------------------------------------------- GPT stages
+
+
+def stage_layer_ids(
+    n_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 1, chunk: int = 0
+) -> list[int]:
+    """Blocks held by ``chunk`` of ``pp_rank``: Megatron's offset
+    ``chunk * L / v + pp_rank * L / (p * v)``, ``L / (p * v)`` consecutive layers.
+
+    Example: L = 4, p = 2, v = 2 -> rank 0 holds [0] and [2], rank 1 holds [1] and [3].
+    """
+    per = n_layers // (pp_size * num_chunks)
+    if per * pp_size * num_chunks != n_layers:
+        raise TokenloomError(
+            f"n_layers={n_layers} is not divisible by pipeline size {pp_size} x virtual stages {num_chunks}"
+        )
+    start = chunk * (n_layers // num_chunks) + pp_rank * per
+    return list(range(start, start + per))
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage (or model chunk) of :class:`~tokenloom.train.model.GPT`.
+
+    The first stage has the token (+ position) embedding, the last the final norm and
+    the LM head; blocks live in ``blocks``, a ``ModuleDict`` keyed by the *global* layer
+    index, so parameter names equal the one-process model's (``blocks.3.attn.qkv.weight``).
+    With tied embeddings and more than one stage, the last stage holds its own copy of
+    the embedding matrix as ``lm_head.weight`` (Megatron's duplicate word embedding),
+    tagged ``shared_embedding = True`` on both stages (the duplicate also ``shared = True``,
+    which keeps it out of the grad norm); keep them equal with
+    :func:`allreduce_tied_embedding_grads`. ``forward(hidden, batch)`` returns the
+    activation, or the logits on the last stage; ``batch`` is ``(tokens, labels)``.
+    """
+
+    def __init__(self, cfg: GPTConfig, layer_ids: Sequence[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg, self.first, self.last = cfg, first, last
+        if first:
+            self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
+            self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i in cfg.recompute_layers) for i in layer_ids})
+        if last:
+            self.norm = _norm(cfg)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+            if cfg.tie_embeddings and first:
+                self.lm_head.weight = self.tok_emb.weight
+        if cfg.tie_embeddings:
+            if first:
+                self.tok_emb.weight.shared_embedding = True
+            if last:
+                self.lm_head.weight.shared_embedding = True
+                if not first:  # the duplicate: left out of the grad norm (Megatron's `shared`)
+                    self.lm_head.weight.shared = True
+        if cfg.arch == "llama":
+            cos, sin = _rope_cache(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, hidden: torch.Tensor | None, batch: Any) -> torch.Tensor:
+        if self.first:
+            tokens = batch[0]
+            x = self.tok_emb(tokens)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+            x = self.drop(x)
+        else:
+            x = hidden
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
+        for block in self.blocks.values():
+            x = block(x, rope)
+        if self.last:
+            return self.lm_head(self.norm(x))
+        return x
+
+
+def build_gpt_stage(model: GPT, pp_size: int, pp_rank: int, num_chunks: int = 1, chunk: int = 0) -> GPTStage:
+    """Stage (chunk ``chunk`` of ``pp_rank``) holding exact copies of ``model``'s weights.
+
+    Every rank builds the same one-process model (deterministic init from the seed) and
+    keeps its part, so both tied-embedding copies start equal without Megatron's
+    zero-fill + all-reduce at setup. Fine for small models; for big ones build the
+    stage directly and sync the tied copy once with an all-reduce.
+    """
+    cfg = model.cfg
+    ids = stage_layer_ids(cfg.n_layers, pp_size, pp_rank, num_chunks, chunk)
+    first = pp_rank == 0 and chunk == 0
+    last = pp_rank == pp_size - 1 and chunk == num_chunks - 1
+    stage = GPTStage(cfg, ids, first, last)
+    full = model.state_dict()
+    with torch.no_grad():
+        for name, t in stage.state_dict(keep_vars=True).items():
+            t.copy_(full[name])
+    return stage
+
+
+def gpt_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    """Mean cross-entropy of one micro-batch, computed exactly as ``GPT.forward`` does."""
+    labels = batch[1]
+    losses = F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
+    return losses.mean()
+
+
+def allreduce_tied_embedding_grads(
+    stages: nn.Module | Sequence[nn.Module], embedding_group: dist.ProcessGroup | None
+) -> None:
+    """Sum the grads of ``shared_embedding`` parameters over the embedding group (first
+    and last pipeline stage), Megatron's ``_allreduce_word_embedding_grads``; call it
+    after the schedule, before the optimizer step (and before the DP reduction when the
+    optimizer does it, as :class:`~tokenloom.train.parallel.zero.ZeroAdamW`). A no-op when
+    ``embedding_group`` is None (pp = 1: the weight is one tensor already)."""
+    if embedding_group is None:
+        return
+    modules = list(stages) if isinstance(stages, (Sequence, nn.ModuleList)) else [stages]
+    for module in modules:
+        for param in module.parameters():
+            if getattr(param, "shared_embedding", False):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad, group=embedding_group)
