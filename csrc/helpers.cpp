@@ -39,6 +39,8 @@ template <>
 const char *dtype_name<int64_t>() { return "int64"; }
 template <>
 const char *dtype_name<double>() { return "float64"; }
+template <>
+const char *dtype_name<uint32_t>() { return "uint32"; }
 
 // Check that `obj` is a 1-D C-contiguous numpy array of exactly dtype T (no casts).
 template <typename T>
@@ -280,6 +282,102 @@ void build_exhaustive_blending_indices(py::handle dataset_index_obj, py::handle 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// numpy's legacy RandomState.shuffle, bit for bit, without the GIL.
+//
+// Megatron shuffles its document and shuffle indices with numpy.random.RandomState (MT19937).
+// numpy's shuffle of a 1-D array is Fisher-Yates: for i = n-1 .. 1, j = random_interval(i),
+// swap a[i], a[j]; random_interval(max) draws masked 32-bit words (64-bit above 2^32) until
+// one is <= max. Here the generator state (the 624-word key and position, as returned by
+// RandomState.get_state()) comes in and goes out, so the caller can set it back and numpy's
+// stream continues exactly as if numpy had shuffled.
+
+struct MT19937 {
+    static constexpr int N = 624, M = 397;
+    uint32_t *key;
+    int pos;
+
+    void refill() {
+        constexpr uint32_t kMatrixA = 0x9908b0dfU, kUpper = 0x80000000U, kLower = 0x7fffffffU;
+        int kk = 0;
+        uint32_t y;
+        for (; kk < N - M; ++kk) {
+            y = (key[kk] & kUpper) | (key[kk + 1] & kLower);
+            key[kk] = key[kk + M] ^ (y >> 1) ^ ((y & 1U) ? kMatrixA : 0U);
+        }
+        for (; kk < N - 1; ++kk) {
+            y = (key[kk] & kUpper) | (key[kk + 1] & kLower);
+            key[kk] = key[kk + (M - N)] ^ (y >> 1) ^ ((y & 1U) ? kMatrixA : 0U);
+        }
+        y = (key[N - 1] & kUpper) | (key[0] & kLower);
+        key[N - 1] = key[M - 1] ^ (y >> 1) ^ ((y & 1U) ? kMatrixA : 0U);
+        pos = 0;
+    }
+
+    uint32_t next32() {
+        if (pos >= N) refill();
+        uint32_t y = key[pos++];
+        y ^= (y >> 11);
+        y ^= (y << 7) & 0x9d2c5680U;
+        y ^= (y << 15) & 0xefc60000U;
+        y ^= (y >> 18);
+        return y;
+    }
+
+    uint32_t interval(uint32_t max) {  // uniform in [0, max] by masked rejection (numpy's legacy rule)
+        if (max == 0) return 0;
+        uint32_t mask = max;
+        mask |= mask >> 1;
+        mask |= mask >> 2;
+        mask |= mask >> 4;
+        mask |= mask >> 8;
+        mask |= mask >> 16;
+        uint32_t value;
+        while ((value = (next32() & mask)) > max) {
+        }
+        return value;
+    }
+};
+
+template <typename T>
+int legacy_shuffle(py::handle array_obj, py::handle key_obj, int pos) {
+    auto array = checked_array<T>(array_obj, "array", true);
+    auto key = checked_array<uint32_t>(key_obj, "key", true);
+    if (key.shape(0) != MT19937::N) {
+        throw py::value_error("argument 'key' must hold the 624 words of an MT19937 state");
+    }
+    if (pos < 0 || pos > MT19937::N) {
+        throw py::value_error("argument 'pos' must lie in [0, 624]");
+    }
+    const int64_t n = array.shape(0);
+    if (n - 1 > static_cast<int64_t>(std::numeric_limits<uint32_t>::max())) {
+        throw py::value_error("legacy_shuffle handles arrays up to 2^32 elements; use numpy beyond");
+    }
+    T *data = array.mutable_data();
+    MT19937 mt{key.mutable_data(), pos};
+    {
+        py::gil_scoped_release release;
+        // The draws do not depend on the data, so draw a block of j ahead and prefetch a[j]:
+        // random swaps on a large array are bound by cache misses, not by the generator.
+        constexpr int64_t kBlock = 256, kAhead = 16;
+        int64_t js[kBlock];
+        for (int64_t top = n - 1; top >= 1; top -= kBlock) {
+            const int64_t count = std::min(kBlock, top);  // i = top, top-1, ..., top-count+1 (>= 1)
+            for (int64_t k = 0; k < count; ++k) js[k] = mt.interval(static_cast<uint32_t>(top - k));
+            for (int64_t k = 0; k < count; ++k) {
+                if (k + kAhead < count) __builtin_prefetch(data + js[k + kAhead], 1);
+                std::swap(data[top - k], data[js[k]]);
+            }
+        }
+    }
+    return mt.pos;
+}
+
+const char *kShuffleDoc = R"doc(Shuffle a 1-D array in place exactly as numpy.random.RandomState.shuffle would.
+
+key (uint32[624], updated in place) and pos are the MT19937 state from RandomState.get_state();
+returns the new pos. Set the state back with RandomState.set_state to continue the stream.)doc";
+
 const char *kSampleIdxDoc = R"doc(Build the GPT sample index: a [n + 1, 2] array of (position in doc_idx, token offset).
 
 Same results as Megatron's build_sample_idx_<T>. With drop_last false, n is computed
@@ -296,6 +394,12 @@ PYBIND11_MODULE(_native, m) {
     m.def("build_sample_idx_int64", &build_sample_idx<int64_t>, kSampleIdxDoc, py::arg("sizes"), py::arg("doc_idx"),
           py::arg("seq_length"), py::arg("num_epochs"), py::arg("tokens_per_epoch"), py::arg("drop_last") = true,
           py::arg("add_extra_token") = 1, py::arg("exact_ceil") = false);
+    m.def("legacy_shuffle_int32", &legacy_shuffle<int32_t>, kShuffleDoc, py::arg("array"), py::arg("key"),
+          py::arg("pos"));
+    m.def("legacy_shuffle_uint32", &legacy_shuffle<uint32_t>, kShuffleDoc, py::arg("array"), py::arg("key"),
+          py::arg("pos"));
+    m.def("legacy_shuffle_int64", &legacy_shuffle<int64_t>, kShuffleDoc, py::arg("array"), py::arg("key"),
+          py::arg("pos"));
     m.def("build_blending_indices", &build_blending_indices,
           "Fill dataset_index (int16) and dataset_sample_index (int64) by Megatron's greedy largest-error rule.",
           py::arg("dataset_index"), py::arg("dataset_sample_index"), py::arg("weights"), py::arg("num_datasets"),

@@ -226,6 +226,47 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
             click.echo(f"plot: {plot}")
 
 
+@main.command()
+@click.option("--config", type=click.Path(exists=True, dir_okay=False),
+              help="Train config (YAML or JSON); the flags below and --set override it.")
+@click.option("--set", "overrides", multiple=True, help="Override any config field: --set optim.lr=3e-4 (repeatable).")
+@click.option("--data", cls=_Greedy, multiple=True, help="Train on a blend of WEIGHT PREFIX pairs.")
+@click.option("--mock-data", is_flag=True, help="Train on synthetic data (no files needed).")
+@click.option("--tokenizer", help="Tokenizer path (or 'byte'): stored for generate; sizes model.vocab_size.")
+@click.option("--split", help="Train/valid/test split of the blend's sources, e.g. 969,30,1.")
+@click.option("--cache-dir", help="Directory for the blend's index arrays (built once, shared by ranks).")
+@click.option("--seq-length", type=int, help="Tokens per sample (model.seq_len).")
+@click.option("--train-iters", type=int, help="Optimizer steps.")
+@click.option("--micro-batch-size", type=int, help="Samples per rank per forward/backward.")
+@click.option("--global-batch-size", type=int, help="Samples per optimizer step (accumulation fills the gap).")
+@click.option("--lr", type=float, help="Peak learning rate (optim.lr).")
+@click.option("--output-dir", help="Where checkpoints, metrics.jsonl and loss.png go.")
+@click.option("--resume", help="'auto' (latest complete checkpoint in the output dir) or a checkpoint path.")
+@click.option("--nproc-per-node", type=int,
+              help="Start torchrun with N processes here; without it, run in-process (e.g. under torchrun/Slurm).")
+def train(config, overrides, nproc_per_node, **flags):
+    """Train a GPT (DDP over every rank of the launch) on a blend or mock data."""
+    from tokenloom.train.launch import flag_overrides, launch
+    from tokenloom.train.loop import load_config
+
+    launch(load_config(config, [*flag_overrides(**flags), *overrides]), nproc_per_node)
+
+
+@main.command()
+@click.option("--checkpoint", required=True, help="Checkpoint directory, or a run's checkpoint root (latest).")
+@click.option("--prompt", default="", help="Text to continue.")
+@click.option("--max-new-tokens", type=int, default=100, show_default=True, help="Tokens to sample.")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=50, show_default=True, help="Sample among the k most likely tokens.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
+def generate(**options):
+    """Sample text from a checkpoint with its own tokenizer."""
+    from tokenloom.train.generate import GenerateConfig
+    from tokenloom.train.generate import generate as run
+
+    click.echo(run(GenerateConfig(**options)))
+
+
 @main.group()
 def tokenizer():
     """Train and inspect tokenizers."""

@@ -33,8 +33,11 @@ def describe() -> str:
     return f"not loaded, numpy fallback in use ({_IMPORT_ERROR})"
 
 
-def pick(name: str, reference: Callable) -> Callable:
-    """The native function ``name`` if the extension has it, else ``reference``."""
+def pick(name: str, reference: Callable | None) -> Callable | None:
+    """The native function ``name`` if the extension has it, else ``reference``.
+
+    ``reference=None`` marks an optional accelerator whose caller has its own fallback.
+    """
     global _warned
     if _ext is not None and hasattr(_ext, name):
         return getattr(_ext, name)

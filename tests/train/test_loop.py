@@ -171,12 +171,14 @@ def test_blend_data_trains_from_bin_idx(tmp_path):
             for _ in range(80):
                 writer.add_document(rng.integers(0, 95, size=int(rng.integers(20, 120))).tolist() + [95])
         prefixes.append(str(tmp_path / name))
-    blend = BlendDataConfig(prefixes=[(0.4, prefixes[0]), (0.6, prefixes[1])], split="90,9,1")
+    blend = BlendDataConfig(prefixes=[(0.4, prefixes[0]), (0.6, prefixes[1])], split="90,9,1",
+                            cache_dir=str(tmp_path / "cache"))
     cfg = tiny(tmp_path / "run", train_iters=4, eval_interval=2, eval_iters=1, data=DataConfig(blend=blend))
     summary = run(cfg)
     assert summary["iteration"] == 4 and math.isfinite(summary["val_loss"])
     state = checkpoint.read_state(summary["checkpoint"])
-    assert state["data_description"]["kind"] == "blend" and len(state["data_description"]["sources"]) == 2
+    assert state["data_description"]["kind"] == "blend" and len(state["data_description"]["indices"]) == 64
+    assert any((tmp_path / "cache").glob("*/meta.json"))  # the indices went through the build cache
 
 
 def test_lr_schedule_and_no_decay_groups():

@@ -22,7 +22,9 @@ so a caching layer can override just those two.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -272,6 +274,18 @@ class BlendBuilder:
             ) from None
         return GPTDataset(source, documents, num_samples, split, self.config.gpt, indices=indices)
 
+    def gpt_datasets(self, requests: list[tuple[str | None, Bookend, int | None, Split]]) -> list[GPTDataset]:
+        """Several :meth:`gpt_dataset` calls on a thread pool, results in request order.
+
+        Each dataset draws from its own ``RandomState(seed)``, so the arrays do not
+        depend on scheduling; the native shuffles and sample index release the GIL,
+        so members of a blend are built on separate cores.
+        """
+        if len(requests) <= 1:
+            return [self.gpt_dataset(*r) for r in requests]
+        with ThreadPoolExecutor(min(len(requests), os.cpu_count() or 1)) as pool:
+            return list(pool.map(lambda r: self.gpt_dataset(*r), requests))
+
     def blended_dataset(
         self, datasets: list[GPTDataset], weights: list[float] | list[int], size: int | None, split: Split
     ) -> BlendedDataset:
@@ -330,7 +344,7 @@ class BlendBuilder:
             if bookend is None:
                 continue
             split = Split(s)
-            members = [self.gpt_dataset(p, bookend, buffers[d][s], split) for d, p in enumerate(prefixes)]
+            members = self.gpt_datasets([(p, bookend, buffers[d][s], split) for d, p in enumerate(prefixes)])
             if weights is not None:
                 split_weights: list[float] | list[int] = weights
                 size = sum(targets[d][s] for d in range(len(prefixes)))

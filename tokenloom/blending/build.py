@@ -138,7 +138,8 @@ class CachedBlendBuilder(BlendBuilder):
                 "vocab": getattr(source, "vocab_size", None),
                 "content": getattr(source, "content", None),
             }
-        return {"prefix": Path(prefix).name, "digest": source_digest(prefix)}
+        memo = self.cache.dir if self.cache is not None else None
+        return {"prefix": Path(prefix).name, "digest": source_digest(prefix, memo)}
 
     def _cached(self, key: str, description: dict, build):
         if self.cache is None:

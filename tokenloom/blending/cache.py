@@ -49,27 +49,42 @@ def content_key(description: dict) -> str:
     return hashlib.sha256(canonical_json(description).encode()).hexdigest()
 
 
-def source_digest(prefix: str) -> str:
-    """SHA-256 over a dataset's ``.idx`` bytes and its manifest (if any); memoised per (path, size, mtime).
+def source_digest(prefix: str, memo_dir: str | os.PathLike | None = None) -> str:
+    """SHA-256 over a dataset's ``.idx`` bytes and its manifest (if any).
 
     The ``.idx`` fixes every sequence length and document boundary, which is all an
     index depends on; the manifest adds the tokenizer and inputs, so a re-tokenized
-    source with equal lengths still gets a new key.
+    source with equal lengths still gets a new key. Hashing a multi-GB ``.idx`` takes
+    seconds, so digests are memoised by file identity (real path, size, mtime in ns,
+    inode) in this process and, with ``memo_dir``, on disk for later processes.
+    Every writer in tokenloom publishes by rename, which gives a new inode, so a
+    rewritten file never matches a stale memo.
     """
     paths = [Path(f"{prefix}.idx"), Path(f"{prefix}.manifest.json")]
-    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.exists())
-    if not stamp:
+    stats = [(p, p.stat()) for p in paths if p.exists()]
+    if not stats or not stats[0][0].name.endswith(".idx"):
         raise TokenloomError(f"{prefix}.idx: no such file")
-    if stamp not in _DIGESTS:
+    stamp = [[os.path.realpath(p), st.st_size, st.st_mtime_ns, st.st_ino] for p, st in stats]
+    memo_key = content_key({"stamp": stamp})
+    if memo_key in _DIGESTS:
+        return _DIGESTS[memo_key]
+    memo_file = Path(memo_dir) / "digests" / f"{memo_key}.txt" if memo_dir else None
+    if memo_file is not None and memo_file.exists():
+        digest = memo_file.read_text().strip()
+    else:
         h = hashlib.sha256()
-        for p in paths:
-            if p.exists():
-                h.update(p.name.encode())
-                with open(p, "rb") as f:
-                    for block in iter(lambda f=f: f.read(1 << 22), b""):
-                        h.update(block)
-        _DIGESTS[stamp] = h.hexdigest()
-    return _DIGESTS[stamp]
+        for p, _ in stats:
+            h.update(p.name.encode())
+            with open(p, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 22), b""):
+                    h.update(block)
+        digest = h.hexdigest()
+        if memo_file is not None:
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_writer(memo_file, "w") as f:
+                f.write(digest)
+    _DIGESTS[memo_key] = digest
+    return digest
 
 
 class ArrayCache:

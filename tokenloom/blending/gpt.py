@@ -140,7 +140,7 @@ def build_document_index(
         first = build_document_index(documents, num_epochs - 1, rng, False)
         return np.concatenate([first, build_document_index(documents, 1, rng, False)])
     index = np.tile(documents.astype(np.int32, copy=False), num_epochs)
-    rng.shuffle(index)
+    helpers.shuffle(rng, index)
     return index
 
 
@@ -148,11 +148,11 @@ def build_shuffle_index(num_first: int, total: int, rng: np.random.RandomState) 
     """``[0, num_first)`` shuffled, then ``[num_first, total)`` shuffled."""
     dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
     first = np.arange(num_first, dtype=dtype)
-    rng.shuffle(first)
+    helpers.shuffle(rng, first)
     if num_first == total:
         return first
     last = np.arange(num_first, total, dtype=dtype)
-    rng.shuffle(last)
+    helpers.shuffle(rng, last)
     return np.concatenate([first, last])
 
 

@@ -24,7 +24,7 @@ run needs ``force_data``; mock data only changes when its epoch count changes.
 
 from __future__ import annotations
 
-import warnings
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -117,12 +117,10 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
         if tokenizer_eod is None and cfg.eod_mask_loss:
             raise TokenloomError("data.eod_mask_loss needs the EOD id: set tokenizer")
         eod = tokenizer_eod
-        train, valid, test = _build_blend(cfg.blend, gpt, sizes)
-        from tokenloom.blending.cache import source_digest
-
+        built = _build_blend(cfg.blend, gpt, sizes)
+        train, valid, test = built.datasets
         description = {"kind": "blend", "prefixes": [[float(w), p] for w, p in cfg.blend.prefixes],
-                       "split": cfg.blend.split,
-                       "sources": [source_digest(p) for _, p in cfg.blend.prefixes]}
+                       "split": cfg.blend.split, "indices": built.fingerprint}
     if train is None or len(train) < sizes[0]:
         raise TokenloomError(f"the train split has {0 if train is None else len(train)} samples, "
                              f"{sizes[0]} needed (train_iters x global_batch_size)")
@@ -131,20 +129,28 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
     return Datasets(train, valid, test, eod, fingerprint(description), description)
 
 
-def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int, int, int]) -> list:
-    """The one call into the blending stage for real data (swap point for the cached builder)."""
-    from tokenloom.blending.blend import Blend, BlendConfig, build_datasets
+def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int, int, int]):
+    """The one call into the build stage for real data: cached indices, built once per filesystem.
+
+    In a distributed run every rank calls this; ranks that share ``cache_dir`` elect one
+    builder per entry (see ``tokenloom.blending.cache``), the others load what it wrote.
+    """
+    import torch.distributed as dist
+
+    from tokenloom.blending.build import BuildConfig
+    from tokenloom.blending.build import build as build_blend
+    from tokenloom.blending.cache import SharedBuild
 
     if not blend.prefixes:
         raise TokenloomError("data.blend.prefixes is empty; give [[weight, prefix], ...]")
-    if blend.cache_dir is not None:
-        # TODO(train-blend-cache): route through the lead's cached tokenloom.blending.build_datasets.
-        warnings.warn("data.blend.cache_dir is not used yet: index arrays are rebuilt in memory",
-                      stacklevel=2)
-    weights = tuple(float(w) for w, _ in blend.prefixes)
-    prefixes = tuple(str(p) for _, p in blend.prefixes)
-    config = BlendConfig(gpt=gpt, blend=Blend(prefixes, weights))
-    return build_datasets(config, list(sizes))
+    shared = None
+    if blend.cache_dir is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        run_id = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(run_id, src=0)
+        shared = SharedBuild(dist.get_rank(), dist.get_world_size(), dist.barrier, run_id[0])
+    cfg = BuildConfig(data=[(float(w), str(p)) for w, p in blend.prefixes], split=blend.split,
+                      seq_length=gpt.seq_length, num_samples=tuple(sizes), seed=gpt.seed, cache_dir=blend.cache_dir)
+    return build_blend(cfg, shared=shared)
 
 
 def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: int, micro_batch_size: int,

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 from tokenloom.errors import TokenloomError
@@ -53,3 +54,32 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
         raise TokenloomError(f"training with {nproc_per_node} ranks failed (torchrun exit status {code}); "
                              "the failing rank's error is printed above")
     return None
+
+
+def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, tokenizer: str | None = None,
+                   **fields) -> list[str]:
+    """``--set`` overrides for the ``train`` command's convenience flags (None means not given).
+
+    ``data`` holds WEIGHT PREFIX pairs and replaces the data section with that blend;
+    ``tokenizer`` also sizes ``model.vocab_size`` to it (an explicit ``--set`` wins, as
+    it is applied after these). ``fields`` maps flag names to config keys below.
+    """
+    keys = {"seq_length": "model.seq_len", "train_iters": "train_iters", "micro_batch_size": "micro_batch_size",
+            "global_batch_size": "global_batch_size", "lr": "optim.lr", "output_dir": "output_dir",
+            "resume": "resume", "cache_dir": "data.blend.cache_dir", "split": "data.blend.split"}
+    out: list[str] = []
+    if data:
+        from tokenloom.blending.build import parse_data_args
+
+        pairs = [[w, p] for w, p in parse_data_args(list(data))]
+        out += ["data.mock=null", f"data.blend.prefixes={json.dumps(pairs)}"]
+    elif mock_data:
+        out += ["data.blend=null", "data.mock={}"]
+    if tokenizer is not None:
+        from tokenloom.train.loop import open_tokenizer
+
+        out += [f"tokenizer={json.dumps(tokenizer)}", f"model.vocab_size={open_tokenizer(tokenizer).vocab_size}"]
+    for name, value in fields.items():
+        if value is not None:
+            out.append(f"{keys[name]}={json.dumps(value)}")
+    return out

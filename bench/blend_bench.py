@@ -1,0 +1,126 @@
+"""build-stage speed: index build and sample loading, tokenloom vs megatron-core, same data, same run.
+
+Sources are synthetic and sparse: a real ``.idx`` (random sequence lengths) and a ``.bin``
+that is one big hole (created with truncate; nothing close to its size is written), so
+the bench needs neither real data nor disk space. Rows:
+
+* cold index build of a 3-source blend (>= 2 M train samples, several G tokens) vs
+  megatron-core's BlendedMegatronDatasetBuilder, each into a fresh cache directory (both
+  compute and save every array; ours also hashes every source's .idx for its content
+  key); best of 3 each  - target <= 0.5x;
+* a warm build from tokenloom's cache (a new process would see the same: digests are
+  memoised in the cache) - target <= 50 ms;
+* loader samples/s at seq 2048 from the blend: tokenloom's GPTSamples over the blend vs
+  megatron-core's BlendedDataset ``__getitem__`` (tokens, labels, masks, positions) - target >= 2x.
+
+Usage: python bench/blend_bench.py [--sequences N] [--samples N]   (needs the [interop] extra)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _table import best_of, print_table  # noqa: E402
+
+from tokenloom.blending.build import BuildConfig, build  # noqa: E402
+from tokenloom.blending.cache import _DIGESTS  # noqa: E402
+from tokenloom.blending.loader import GPTSamples, SampleConfig  # noqa: E402
+from tokenloom.indexed.format import write_index  # noqa: E402
+
+
+def sparse_source(prefix: Path, num_sequences: int, max_length: int, seed: int) -> str:
+    lengths = np.random.default_rng(seed).integers(1, max_length, size=num_sequences, dtype=np.int32)
+    with open(f"{prefix}.bin", "wb") as f:
+        f.truncate(int(lengths.sum(dtype=np.int64)) * 2)
+    write_index(f"{prefix}.idx", np.uint16, lengths, np.arange(num_sequences + 1, dtype=np.int64))
+    return str(prefix)
+
+
+class _Tokenizer:  # what megatron's GPTDatasetConfig needs from a tokenizer
+    vocab_size = 32000
+    eod = 0
+    unique_identifiers = {"class": "BenchTokenizer"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sequences", type=int, default=2_000_000, help="sequences per source (3 sources)")
+    ap.add_argument("--max-length", type=int, default=2048, help="sequence lengths are uniform in [1, max)")
+    ap.add_argument("--samples", type=int, default=2_000_000, help="train samples")
+    ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--reads", type=int, default=3000, help="samples read in the loader rows")
+    args = ap.parse_args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch.distributed as dist
+        from megatron.core.datasets import gpt_dataset as mgpt
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    tmp = Path(tempfile.mkdtemp(prefix="tl-blend-bench-"))
+    prefixes = [sparse_source(tmp / f"src{i}", args.sequences, args.max_length, seed=i) for i in range(3)]
+    weights = [0.5, 0.3, 0.2]
+    tokens = 3 * args.sequences * args.max_length // 2
+    sizes = [args.samples, args.samples // 100, args.samples // 1000]
+    split = "98,1,1"
+    if not dist.is_initialized():  # megatron-core 0.16.1 blends want a process group
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "store"), 1), rank=0, world_size=1)
+
+    def megatron(cache_dir=None):
+        config = mgpt.GPTDatasetConfig(
+            random_seed=1234, sequence_length=args.seq_length, blend=(prefixes, weights), split=split,
+            tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            path_to_cache=cache_dir or tempfile.mkdtemp(dir=tmp))  # None would cache beside the sources
+        return BlendedMegatronDatasetBuilder(mgpt.GPTDataset, sizes, lambda: True, config).build()
+
+    def ours(cache_dir=None):
+        return build(BuildConfig(data=list(zip(weights, prefixes, strict=True)), split=split,
+                                 seq_length=args.seq_length, num_samples=tuple(sizes), cache_dir=cache_dir))
+
+    def ours_cold():
+        _DIGESTS.clear()  # count the content digest of every source each time, as a new process would
+        return ours(tempfile.mkdtemp(dir=tmp))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t_theirs = best_of(megatron, repeat=3)
+        theirs = megatron()
+    t_ours = best_of(ours_cold, repeat=3)
+    cache = str(tmp / "cache")
+    ours(cache)  # fill the cache
+    t_warm = best_of(lambda: ours(cache), repeat=5)
+    result = ours(cache)
+    assert np.array_equal(np.asarray(result.train.dataset_index), theirs[0].dataset_index), "blends differ"
+
+    ids = np.random.default_rng(0).integers(0, len(result.train), size=args.reads).tolist()
+    samples = GPTSamples(result.train, SampleConfig(eod=0))
+
+    def read_ours():
+        for k in ids:
+            samples[k]
+
+    def read_theirs():
+        for k in ids:
+            theirs[0][k]
+
+    r_ours, r_theirs = best_of(read_ours), best_of(read_theirs)
+    rows = [
+        ("cold build, 3-source blend (target <= 0.5x)", f"{t_ours:.2f} s", f"{t_theirs:.2f} s",
+         f"{t_ours / t_theirs:.2f}x"),
+        ("warm build from cache (target <= 50 ms)", f"{t_warm * 1e3:.1f} ms", "50 ms", f"{t_warm / 0.05:.2f}x"),
+        (f"loader samples/s, seq {args.seq_length} (target >= 2x)", f"{args.reads / r_ours:.0f}",
+         f"{args.reads / r_theirs:.0f}", f"{r_theirs / r_ours:.2f}x"),
+    ]
+    print_table(f"build: 3 sparse sources x {args.sequences} sequences ({tokens / 1e9:.1f} G tokens), "
+                f"{args.samples} train samples of {args.seq_length}; baseline megatron-core 0.16.1 "
+                "(arrays checked equal)", rows)
+
+
+if __name__ == "__main__":
+    main()
