@@ -312,14 +312,24 @@ def tokenizer_inspect(path, tokenizer_type):
     click.echo(json.dumps(load_tokenizer(path, kind=tokenizer_type).fingerprint(), indent=2))
 
 
+def _demo_help(name: str) -> str:
+    from tokenloom.config import help_for
+    from tokenloom.demo import DemoConfig
+
+    return help_for(DemoConfig, name)
+
+
 @main.command()
-@click.option("--output-dir", default="demo-out", show_default=True, help="Where the demo writes its files.")
-@click.option("--max-documents", default=400, show_default=True, help="Python stdlib modules in the corpus.")
-def demo(output_dir, max_documents):
-    """Run the embedded default job end to end (no download): corpus -> tokens -> inspect -> verify."""
+@click.option("--output-dir", default="demo-out", show_default=True, help=_demo_help("output_dir"))
+@click.option("--max-documents", default=600, show_default=True, help=_demo_help("max_documents"))
+@click.option("--vocab-size", default=4096, show_default=True, help=_demo_help("vocab_size"))
+@click.option("--train-iters", default=400, show_default=True, help=_demo_help("train_iters"))
+@click.option("--nproc", default=2, show_default=True, help=_demo_help("nproc"))
+def demo(**options):
+    """The embedded default job, no download: tokenizer -> preprocess -> blend -> 2-rank training -> sample."""
     from tokenloom.demo import DemoConfig, run
 
-    run(DemoConfig(output_dir=output_dir, max_documents=max_documents), echo=click.echo)
+    run(DemoConfig(**options), echo=click.echo)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Fixtures for preprocess tests (helpers are in pp_helpers)."""
+"""Fixtures for preprocess tests (helpers are in preprocess_helpers)."""
 
 import pytest
 

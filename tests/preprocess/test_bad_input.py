@@ -6,7 +6,7 @@ import json
 from collections import namedtuple
 
 import pytest
-from pp_helpers import REPO, preprocess, write_jsonl
+from preprocess_helpers import REPO, preprocess, write_jsonl
 
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDataset

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from pp_helpers import REPO, preprocess, same_bytes, write_jsonl
+from preprocess_helpers import REPO, preprocess, same_bytes, write_jsonl
 
 from tokenloom.preprocess import manifest
 from tokenloom.preprocess.merge import merge

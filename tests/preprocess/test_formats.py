@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from pp_helpers import preprocess, same_bytes, write_jsonl
+from preprocess_helpers import preprocess, same_bytes, write_jsonl
 
 from tokenloom.indexed import IndexedDataset
 from tokenloom.preprocess import manifest

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pp_helpers import preprocess, same_bytes
+from preprocess_helpers import preprocess, same_bytes
 
 from tokenloom.indexed import IndexedDataset
 

@@ -109,11 +109,11 @@ class BuildResult:
 class CachedBlendBuilder(BlendBuilder):
     """``BlendBuilder`` whose two array computations go through an :class:`ArrayCache`."""
 
-    def __init__(self, config: BlendConfig, cache: ArrayCache | None, shared=None, **kw):
-        """``shared``: a :class:`SharedBuild` in a distributed run (one build per filesystem)."""
+    def __init__(self, config: BlendConfig, cache: ArrayCache | None, may_build: bool = True, **kw):
+        """``may_build=False``: every entry must already be in the cache (a non-builder rank)."""
         super().__init__(config, **kw)
         self.cache = cache
-        self.shared = shared
+        self.may_build = may_build
         self.keys: dict = {}  # id(indices) or ("blend", split) -> cache key
         self.hits = self.builds = 0
 
@@ -145,10 +145,7 @@ class CachedBlendBuilder(BlendBuilder):
         if self.cache is None:
             self.builds += 1
             return build()
-        if self.shared is not None:
-            arrays, built = self.shared.get_or_build(self.cache, key, build, description)
-        else:
-            arrays, built = self.cache.get_or_build(key, build, description)
+        arrays, built = self.cache.get_or_build(key, build, description, may_build=self.may_build)
         self.builds += built
         self.hits += not built
         return arrays
@@ -349,8 +346,14 @@ def build(cfg: BuildConfig, open_source=None, shared=None) -> BuildResult:
     """Build (or load from cache) the train/valid/test datasets of ``cfg`` and their plan.
 
     ``shared``: in a distributed run, a :class:`tokenloom.blending.cache.SharedBuild` so
-    that ranks sharing the cache filesystem build each entry once.
+    that ranks sharing the cache filesystem build once (every rank must call this).
     """
+    if shared is not None and cfg.cache_dir and not cfg.dry_run:
+        return shared.run(cfg.cache_dir, lambda may_build: _build(cfg, open_source, may_build))
+    return _build(cfg, open_source, True)
+
+
+def _build(cfg: BuildConfig, open_source, may_build: bool) -> BuildResult:
     if cfg.mode not in ("megatron", "tokens"):
         raise TokenloomError(f"--mode must be megatron or tokens, got {cfg.mode!r}")
     if cfg.mode == "megatron" and cfg.train_tokens is not None:
@@ -378,7 +381,7 @@ def build(cfg: BuildConfig, open_source=None, shared=None) -> BuildResult:
     check_tokenizers(sorted({p for pairs in all_pairs.values() for _, p in pairs}))
     cache = ArrayCache(cfg.cache_dir) if cfg.cache_dir and not cfg.dry_run else None
     builder = CachedBlendBuilder(
-        blend_cfg, cache, shared, **({"open_source": open_source} if open_source else {})
+        blend_cfg, cache, may_build, **({"open_source": open_source} if open_source else {})
     )
     sizes = _sizes(cfg, builder)
     if cfg.mode == "tokens":

@@ -175,28 +175,25 @@ def elect_builders(
 
 
 class SharedBuild:
-    """One build per filesystem in a distributed run (every rank must call in the same order).
+    """One build per filesystem in a distributed run.
 
-    ``run_id`` must be equal on all ranks and unique to this run (e.g. a nonce
-    broadcast from rank 0), so concurrent jobs never read each other's nonce files.
+    Every rank calls :meth:`run` once with the same build function: the lowest rank
+    of each filesystem (see :func:`elect_builders`) builds and stores every entry,
+    then all ranks meet at one barrier; the others then run the same function, which
+    only loads (``may_build=False``). One election and one barrier per build, so
+    builders may use threads freely. ``run_id`` must be equal on all ranks and unique
+    to this run (e.g. a nonce broadcast from rank 0).
     """
 
     def __init__(self, rank: int, world_size: int, barrier: Callable[[], None], run_id: str):
         self.rank, self.world_size, self.barrier, self.run_id = rank, world_size, barrier, run_id
-        self._calls = 0
 
-    def get_or_build(
-        self, cache: ArrayCache, key: str, build: Callable[[], Arrays], description: dict | None
-    ) -> tuple[Arrays, bool]:
-        self._calls += 1
-        leader = elect_builders(
-            cache.dir, self.rank, self.world_size, self.barrier, f"{self.run_id}-{self._calls}"
-        )
-        built = False
+    def run(self, cache_dir: str | os.PathLike, build: Callable[[bool], object]):
+        """``build(may_build)`` on the elected rank first, then on the others."""
+        leader = elect_builders(cache_dir, self.rank, self.world_size, self.barrier, self.run_id)
         if self.rank == leader:
-            _, built = cache.get_or_build(key, build, description)
+            result = build(True)
+            self.barrier()
+            return result
         self.barrier()
-        arrays = cache.load(key)
-        if arrays is None:
-            raise TokenloomError(f"cache entry {cache.entry(key)} missing after rank {leader} built it")
-        return arrays, built
+        return build(False)

@@ -25,7 +25,8 @@ Choices and their costs:
   ranks, for logging only) every ``log_interval`` steps, so the logged ``train_loss`` is the
   mean over the interval; the grad norm is that of the last step.
 * **Evaluation** runs the unwrapped model under ``no_grad`` on the same first
-  ``eval_iters`` validation batches every time, every ``eval_interval`` steps and at the end.
+  ``eval_iters`` validation batches every time, before the first step, every ``eval_interval``
+  steps and at the end.
 * **Failures**: a dead or stalled rank surfaces as a :class:`TokenloomError` from the
   next collective (at most the ``dist_timeout_s`` later); ``main`` prints it as one line
   and exits non-zero without tearing down the process group (which could block).
@@ -430,6 +431,11 @@ class _Run:
         last = {"train_loss": None, "val_loss": None}
         exited = False
         batches = self._batches() if self.iteration < cfg.train_iters else iter(())
+        if self.iteration == 0 and cfg.eval_interval and self.data.valid is not None:
+            # The starting point of the validation curve (eval mode: no RNG is consumed).
+            start = evaluate(self.net, self.data.valid, cfg, world, self.data.eod, self.autocast)
+            if self.metrics:
+                self.metrics.log({"iter": 0, "val_loss": start})
         while self.iteration < cfg.train_iters:
             lr = lr_at(self.iteration, cfg.optim, cfg.train_iters)
             set_lr(self.optimizer, lr)
