@@ -411,7 +411,6 @@ def _plan_rows(builder, split: Split, ds) -> list[SourceRow]:
     rows = []
     total = max(1, int(drawn.sum()))
     for m, member in enumerate(members):
-        lengths = np.asarray(member.source.sequence_lengths)
         docs = member.documents
         prefix = member.source.path_prefix or "mock"
         rows.append(
@@ -419,7 +418,7 @@ def _plan_rows(builder, split: Split, ds) -> list[SourceRow]:
                 split.name,
                 str(prefix),
                 len(docs),
-                int(lengths[docs].sum(dtype=np.int64)),
+                member.indices.tokens_per_epoch,
                 float(requested[m]),
                 float(drawn[m]) / total,
                 int(drawn[m]),

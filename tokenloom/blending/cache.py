@@ -107,9 +107,10 @@ class ArrayCache:
         if not meta_path.exists():
             return None
         meta = json.loads(meta_path.read_text())
-        return {
-            name: np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in meta["arrays"]
-        }
+        # Plain ndarray views of the mappings (np.asarray drops the memmap subclass, whose
+        # per-access overhead dominates reading single samples); the maps stay alive as .base.
+        return {name: np.asarray(np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False))
+                for name in meta["arrays"]}
 
     def description(self, key: str) -> dict | None:
         meta_path = self.entry(key) / "meta.json"

@@ -63,13 +63,13 @@ class GPTSamples:
         return len(self.dataset)
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
-        sample = np.asarray(self.dataset[k], dtype=np.int64)
-        tokens, labels = sample[:-1].copy(), sample[1:].copy()
+        sample = np.array(self.dataset[k], dtype=np.int64)  # a private copy: tokens/labels are views of it
+        tokens, labels = sample[:-1], sample[1:]
         loss_mask = np.ones(len(tokens), dtype=np.float32)
-        pad = self.cfg.pad_id
-        loss_mask[labels == pad] = 0.0
-        tokens[tokens == pad] = 0
-        labels[labels == pad] = 0
+        padded = sample == self.cfg.pad_id
+        if padded.any():  # only a kept partial sample is padded
+            loss_mask[padded[1:]] = 0.0
+            sample[padded] = 0
         positions = np.arange(len(tokens), dtype=np.int64)
         if self.cfg.eod is not None:
             is_eod = tokens == self.cfg.eod
