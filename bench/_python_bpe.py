@@ -5,7 +5,10 @@ Megatron's ``tools/preprocess_data.py --tokenizer-type GPT2BPETokenizer`` encode
 OpenAI's original encoder (regex pre-split, byte-to-unicode map, greedy lowest-rank
 merges, a per-word cache). ``megatron.training`` is not in the megatron-core wheel, so
 the bench uses this clean re-implementation of the same published algorithm as the
-baseline's tokenizer. The bench checks that it gives the same ids as tokenloom.
+baseline's tokenizer, doing per token what Megatron's does (cached merges looked up per
+pre-token, ``extend`` over a generator, then a second loop mapping symbols to ids through
+the special-token table and the vocabulary). The bench checks that it gives the same ids
+as tokenloom.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class PythonGPT2BPE:
         self.alphabet = byte_alphabet()
         self.pattern = regex.compile(GPT2_PATTERN)
         self.cache: dict[str, str] = {}
+        self.special_tokens: dict[str, int] = {}  # Megatron's GPT2BPETokenizer adds none
         self.eod = self.encoder["<|endoftext|>"]
 
     def bpe(self, word: str) -> str:
@@ -73,9 +77,20 @@ class PythonGPT2BPE:
     def tokenize(self, text: str) -> list[str]:
         symbols: list[str] = []
         for piece in self.pattern.findall(text):
-            symbols.extend(self.bpe("".join(self.alphabet[b] for b in piece.encode("utf-8"))).split(" "))
+            piece = "".join(self.alphabet[b] for b in piece.encode("utf-8"))
+            symbols.extend(symbol for symbol in self.bpe(piece).split(" "))  # a generator, as Megatron's
         return symbols
+
+    def convert_tokens_to_ids(self, symbols: list[str]) -> list[int]:
+        """Per symbol: the special-token table first, then the vocabulary (Megatron's loop)."""
+        ids = []
+        for symbol in symbols:
+            if symbol in self.special_tokens:
+                ids.append(self.special_tokens[symbol])
+            else:
+                ids.append(self.encoder.get(symbol, 0))
+        return ids
 
     def encode(self, text: str) -> list[int]:
         """Two passes as in Megatron's tokenizer: text -> BPE symbols, then symbols -> ids."""
-        return [self.encoder[symbol] for symbol in self.tokenize(text)]
+        return self.convert_tokens_to_ids(self.tokenize(text))
