@@ -242,6 +242,10 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
 @click.option("--lr", type=float, help="Peak learning rate (optim.lr).")
 @click.option("--output-dir", help="Where checkpoints, metrics.jsonl and loss.png go.")
 @click.option("--resume", help="'auto' (latest complete checkpoint in the output dir) or a checkpoint path.")
+@click.option("--tp", type=int, help="Tensor-parallel size (Megatron's layout: tp fastest, then dp, then pp).")
+@click.option("--pp", type=int, help="Pipeline-parallel size (1F1B schedule).")
+@click.option("--vpp", type=int, help="Virtual pipeline stages per rank (interleaved 1F1B).")
+@click.option("--zero1", is_flag=True, default=None, help="Shard the optimizer state over data-parallel ranks (ZeRO-1).")
 @click.option("--nproc-per-node", type=int,
               help="Start torchrun with N processes here; without it, run in-process (e.g. under torchrun/Slurm).")
 def train(config, overrides, nproc_per_node, **flags):

@@ -120,6 +120,14 @@ class TrainConfig:
     """Progress bar on rank 0."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; None looks it up (known GPUs only)."""
+    tp: int = 1
+    """Tensor-parallel size (Megatron layout tp-dp-pp); > 1 trains with tokenloom.train.parallel."""
+    pp: int = 1
+    """Pipeline-parallel size (1F1B schedule, interleaved with vpp); > 1 uses tokenloom.train.parallel."""
+    vpp: int | None = None
+    """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved schedule; None: 1."""
+    zero1: bool = False
+    """Shard AdamW state over data parallel (ZeRO-1, one weight-decay group); uses tokenloom.train.parallel."""
 
     def __post_init__(self) -> None:
         positive = ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_iters")
@@ -310,6 +318,10 @@ def evaluate(net, dataset, cfg: TrainConfig, world: _World, eod: int, autocast) 
 
 def run(cfg: TrainConfig) -> dict:
     """Train as configured; returns ``{"iteration", "train_loss", "val_loss", "checkpoint", "exited"}``."""
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.zero1:
+        from tokenloom.train.parallel.train import run_parallel
+
+        return run_parallel(cfg)
     world = _join_world(cfg)
     summary = _Run(cfg, world).train()
     if world.owns_group:

@@ -1,0 +1,155 @@
+"""Step time, communication volume and pipeline bubble per (dp, tp, pp) layout (gloo ranks).
+
+    .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
+
+Every layout of ``--world`` ranks (2 or 4) trains the same GPT with
+:class:`tokenloom.train.parallel.train.ParallelRun` on mock data: one warmup step, then
+``--steps`` timed steps (best step kept: the box is shared). Reported per layout:
+
+* step time of one global batch (the same for every layout: ``2 x world x
+  --micro-batches`` sequences), against pure data parallelism on the same ranks;
+* payload bytes handed to collectives and p2p sends per rank per step (all-reduce
+  counted once per call, not the ring's 2(n-1)/n traffic), against the baseline;
+* for pp > 1 the measured pipeline-wide bubble
+  (:func:`~tokenloom.train.parallel.schedules.pipeline_bubble_fraction`) against
+  ``(p - 1) / (v M + p - 1)``. On an oversubscribed CPU box stages are not equal and
+  p2p is slow, so the ratio reads above 1; the schedule tests measure it on stages of
+  known cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _table import print_table  # noqa: E402
+
+from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
+from tokenloom.train.loop import TrainConfig  # noqa: E402
+from tokenloom.train.model import GPTConfig  # noqa: E402
+from tokenloom.train.optim import OptimConfig  # noqa: E402
+from tokenloom.train.parallel import mappings  # noqa: E402
+from tokenloom.train.parallel.schedules import pipeline_bubble_fraction, theoretical_bubble_fraction  # noqa: E402
+
+
+class _Counter:
+    """Wraps the collectives tokenloom.train.parallel calls and counts payload bytes."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        for name in ("all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single"):
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(getattr(dist, name), arg=0 if name != "all_gather_single" else 1))
+        mappings._all_gather_flat = self._wrap(mappings._all_gather_flat, arg=1)
+        mappings._reduce_scatter_flat = self._wrap(mappings._reduce_scatter_flat, arg=1)
+        batch = dist.batch_isend_irecv
+
+        def batch_isend_irecv(ops):
+            self.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            return batch(ops)
+
+        dist.batch_isend_irecv = batch_isend_irecv
+
+    def _wrap(self, fn, arg: int):
+        def wrapped(*args, **kwargs):
+            t = args[arg] if len(args) > arg else None
+            if isinstance(t, torch.Tensor):
+                self.bytes += t.numel() * t.element_size()
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+
+def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None) -> TrainConfig:
+    model = GPTConfig(bias=False, vocab_size=1000, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
+                      n_layers=4, n_heads=4, d_model=args.d_model)
+    return TrainConfig(model=model, data=DataConfig(mock=MockDataConfig(num_sequences=2000, max_length=256)),
+                       optim=OptimConfig(warmup_iters=1), micro_batch_size=2,
+                       global_batch_size=2 * args.world * args.micro_batches, train_iters=args.steps + 1,
+                       eval_interval=0, save_interval=None, plot=False, progress=False, output_dir=str(out),
+                       tp=tp, pp=pp, vpp=vpp, dist_timeout_s=120.0)
+
+
+def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
+    from tokenloom.train.parallel.train import ParallelRun
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    counter = _Counter()
+    dp, tp, pp, vpp = layout
+    run = ParallelRun(config(args, Path(out) / "run", dp, tp, pp, vpp))
+    batches = run._global_batches(run.data.train, 0, (args.steps + 1) * run.cfg.global_batch_size)
+    run.train_step(next(batches))  # warmup
+    times, bubbles, start_bytes = [], [], counter.bytes
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run.train_step(next(batches))
+        times.append(time.perf_counter() - t0)
+        if pp > 1:
+            bubbles.append(pipeline_bubble_fraction(run.last_stats, run.state.pp_group))
+    comm = (counter.bytes - start_bytes) / args.steps
+    t = torch.tensor([min(times), comm], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        theory = theoretical_bubble_fraction(pp, run.num_micro, vpp or 1) if pp > 1 else 0.0
+        torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubble": min(bubbles) if bubbles else 0.0,
+                    "theory": theory}, Path(out) / "result.pt")
+    dist.destroy_process_group()
+
+
+def measure(args, layout) -> dict:
+    dp, tp, pp, _ = layout
+    world = dp * tp * pp
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker, args=(r, world, f"{tmp}/init", args, layout, tmp)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+            if p.is_alive():
+                p.kill()
+        return torch.load(Path(tmp) / "result.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2, choices=(2, 4))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--micro-batches", type=int, default=4,
+                        help="micro-batches per step at dp = world (global batch = 2 x world x this)")
+    args = parser.parse_args()
+    w = args.world
+    layouts = [(w, 1, 1, None), (1, w, 1, None), (1, 1, w, None), (1, 1, w, 2)]
+    if w == 4:
+        layouts += [(1, 2, 2, None), (2, 2, 1, None), (2, 1, 2, None)]
+    results = {lay: measure(args, lay) for lay in layouts}
+    base = results[layouts[0]]
+    rows = []
+    for (dp, tp, pp, vpp), r in results.items():
+        name = f"dp{dp} tp{tp} pp{pp}" + (f" vpp{vpp}" if vpp else "")
+        rows.append((f"step s ({name})", f"{r['step_s']:.3f}", f"{base['step_s']:.3f}",
+                     f"{r['step_s'] / base['step_s']:.2f}x"))
+        rows.append((f"comm MB/rank/step ({name})", f"{r['comm_bytes'] / 1e6:.2f}",
+                     f"{base['comm_bytes'] / 1e6:.2f}", f"{r['comm_bytes'] / max(base['comm_bytes'], 1):.2f}x"))
+        if pp > 1:
+            rows.append((f"bubble measured vs (p-1)/(vM+p-1) ({name})", f"{r['bubble']:.3f}",
+                         f"{r['theory']:.3f}", f"{r['bubble'] / r['theory']:.2f}x"))
+    print_table(f"tp x pp x dp on {w} gloo ranks (baseline: dp{w}; bubble baseline: theory)", rows)
+
+
+if __name__ == "__main__":
+    main()

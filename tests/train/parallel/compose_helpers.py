@@ -1,0 +1,174 @@
+"""Helpers for the tp x pp x dp composition tests (gloo ranks on CPU).
+
+:func:`launch` spawns ``world_size`` ranks (spawn context, ``file://`` init in a temporary
+folder, hard deadline), runs the named scenarios in order inside one process group and
+returns every rank's results. :func:`reference` is the one-process
+:mod:`tokenloom.train.loop` run every layout is compared with (same config, seed, data
+and global batch).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tokenloom.train import loop
+from tokenloom.train.data import DataConfig, MockDataConfig
+from tokenloom.train.loop import TrainConfig
+from tokenloom.train.model import GPTConfig
+from tokenloom.train.optim import OptimConfig
+from tokenloom.train.parallel import reshard
+from tokenloom.train.parallel.train import ParallelRun
+
+STEPS = 20
+
+
+def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zero1: bool = False,
+             weight_decay: float = 0.1, **kw: Any) -> TrainConfig:
+    """4 layers, d_model 32, seq 16, vocab 64; no biases (see pp_helpers' note on the key
+    bias); global batch 8 of micro-batches of 2; clipping (0.5) active in early steps."""
+    model = GPTConfig(bias=False, vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=4,
+                      n_heads=4, d_model=32)
+    data = DataConfig(mock=MockDataConfig(num_sequences=400, max_length=40, content="random"))
+    optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay, grad_clip=0.5)
+    base = dict(model=model, data=data, optim=optim, micro_batch_size=2, global_batch_size=8,
+                train_iters=STEPS, eval_interval=10, eval_iters=2, log_interval=1, save_interval=None, plot=False,
+                progress=False, dist_timeout_s=60.0, output_dir=str(out), tp=tp, pp=pp, vpp=vpp, zero1=zero1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def read_losses(metrics: Path) -> list[float]:
+    return [r["train_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "train_loss" in r]
+
+
+def reference(out: Path, **kw: Any) -> dict[str, Any]:
+    """The one-process loop.py run: per-step losses and final parameters."""
+    cfg = tiny_cfg(out, **kw)
+    run = loop._Run(cfg, loop._World(0, 1, torch.device("cpu"), False))
+    summary = run.train()
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {"losses": read_losses(Path(out) / "metrics.jsonl"), "summary": summary,
+            "norms": [r["grad_norm"] for r in records if "grad_norm" in r],
+            "params": {n: t.detach().clone() for n, t in run.model.state_dict().items()}}
+
+
+# ---------------------------------------------------------------------- scenarios (run on every rank)
+
+
+def train(rank: int, *, out: str, via_loop: bool = False, **kw: Any) -> dict[str, Any]:
+    """Train the tiny config in this layout; losses (last-stage ranks), full parameters by
+    one-process name (dp rank 0), coordinates."""
+    cfg = tiny_cfg(Path(out), **kw)
+    if via_loop:  # loop.run's dispatch, then the final checkpoint read back
+        summary = loop.run(cfg)
+        params = reshard.full_tensors(Path(summary["checkpoint"]))[0] if rank == 0 else {}
+        losses = read_losses(Path(out) / "metrics.jsonl") if (Path(out) / "metrics.jsonl").exists() else []
+        return {"losses": losses, "params": params, "summary": summary}
+    run = ParallelRun(cfg)
+    summary = run.train()
+    params = run.full_state_dict()
+    st = run.state
+    return {"losses": run.losses, "norms": run.norms, "params": params if st.dp_rank == 0 else {},
+            "coords": (st.tp_rank, st.dp_rank, st.pp_rank), "summary": summary,
+            "is_last": st.is_last_stage(ignore_virtual=True)}
+
+
+def forward_llama(rank: int) -> dict[str, Any]:
+    """llama flavour (RMSNorm, SwiGLU, RoPE, GQA 4 query / 2 kv heads, biases) split over the
+    whole world as tp: loss and input-embedding grad vs the one-process model, and the
+    gathered full state dict vs its state dict."""
+    from tokenloom.train.model import GPT
+    from tokenloom.train.parallel.gpt import build_tp_gpt_stage, tp_gpt_loss
+
+    cfg = GPTConfig(arch="llama", bias=True, vocab_size=60, make_vocab_size_divisible_by=64, seq_len=16,
+                    n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, tie_embeddings=False)
+    model = GPT(cfg)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 60, (2, 17), generator=g)
+    batch = {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": (x[:, 1:] % 7 != 0).float()}
+    ref = model(batch["tokens"], batch["labels"], batch["loss_mask"])
+    ref.backward()
+    stage = build_tp_gpt_stage(model, None if dist.get_world_size() == 1 else dist.group.WORLD)
+    loss = tp_gpt_loss(stage(None, batch), batch, stage.tp_group)
+    loss.backward()
+    full = stage.full_state_dict()
+    return {
+        "loss_delta": abs(loss.item() - ref.item()),
+        "param_delta": max((full[n] - t).abs().max().item() for n, t in model.state_dict().items()),
+        "same_names": sorted(full) == sorted(model.state_dict()),
+        "norm_grad_delta": (stage.blocks["1"].norm2.weight.grad - model.blocks[1].norm2.weight.grad).abs().max().item(),
+    }
+
+
+SCENARIOS = {"train": train, "forward_llama": forward_llama}
+
+
+def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        out.update(r["params"])
+    return out
+
+
+def logged_losses(results: list[dict]) -> list[float]:
+    """Losses of a last-stage rank (every last-stage rank holds the dp mean)."""
+    return next(r["losses"] for r in results if r["losses"])
+
+
+# ---------------------------------------------------------------------- launching
+
+
+def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float = 280.0):
+    """Run ``scenarios`` (name, kwargs) on ``world_size`` ranks; per-rank lists of results."""
+    ctx = mp.get_context("spawn")
+    init_file = tmp_path / f"pg_init_{world_size}"
+    procs = [ctx.Process(target=_worker, args=(r, world_size, str(init_file), scenarios, str(tmp_path)))
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    end = time.monotonic() + deadline_s
+    try:
+        for proc in procs:
+            proc.join(timeout=max(1.0, end - time.monotonic()))
+        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        if hung:
+            pytest.fail(f"ranks {hung} still running after {deadline_s} s (hang?)")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    results = []
+    for r in range(world_size):
+        path = tmp_path / f"result{world_size}_rank{r}.pt"
+        if not path.exists():
+            pytest.fail(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
+        res = torch.load(path, weights_only=False)
+        if "crash" in res:
+            pytest.fail(f"rank {r} crashed:\n{res['crash']}")
+        results.append(res["results"])
+    return results
+
+
+def _worker(rank: int, world_size: int, init_file: str, scenarios: list, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=60))
+        out["results"] = [SCENARIOS[name](rank, **kw) for name, kw in scenarios]
+    except Exception:
+        out = {"crash": traceback.format_exc()}
+    torch.save(out, Path(out_dir) / f"result{world_size}_rank{rank}.pt")
+    if "crash" not in out:
+        dist.destroy_process_group()

@@ -1,0 +1,177 @@
+"""Per-rank checkpoints of tp x pp x dp runs, loadable into any other layout.
+
+Layout on disk (``CKPT_DIR/iter_NNNNNNN/``, same names, ``COMPLETE`` marker and ``latest``
+file as :mod:`tokenloom.train.checkpoint`)::
+
+    state.json              iteration, consumed samples, data fingerprint, config, layout
+    shard_tp{t}_pp{p}.pt    written by the dp-rank-0 rank at (t, p): its local parameter
+                            shards and AdamW moments by one-process name, with each
+                            tensor's partition dim and split sizes
+    zero_rank{r}.pt         ZeRO-1 only: every rank's optimizer shard (per-rank layout)
+    rng_rank{r}.pt          every rank's RNG state
+
+Loading (:func:`resume`, Megatron's "dist checkpointing" idea in its simplest form):
+every rank reads all ``shard_*`` files, rebuilds each full tensor under its one-process
+name (:func:`~tokenloom.train.parallel.layers.unshard` over the saved tp ranks, a
+replicated tensor from tp rank 0) and re-splits it for its own ``(tp, pp, vpp)`` layout
+and stage. AdamW moments are elementwise, so they are resharded exactly like their
+parameters. The data position is the consumed-samples count, valid at any dp size.
+
+Trade-offs: every rank reads the whole model (host memory of the full model and
+optimizer during load; fine for the sizes trained here, Megatron reads only the
+pieces it needs). dp replicas are identical so only dp rank 0 writes parameters.
+ZeRO-1 optimizer shards are not resharded (:class:`ZeroAdamW`'s per-rank flat
+layout): resuming with ``zero1`` needs the same layout; resuming a ZeRO-1 checkpoint
+into a non-ZeRO run (or the reverse) is refused. RNG states are restored only when the
+layout is unchanged (dropout streams have no meaning across layouts).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train import checkpoint
+from tokenloom.train.parallel.layers import shard, unshard
+
+
+def _layout(run) -> dict[str, Any]:
+    c = run.cfg
+    return {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": run.state.dp_size, "zero1": c.zero1}
+
+
+def _named_params(run) -> dict[str, torch.nn.Parameter]:
+    out = {}
+    for stage in run.stages:
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            out[name] = p
+    return out
+
+
+def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[int] | None]:
+    if not getattr(p, "tensor_model_parallel", False):
+        return None, None
+    for stage in run.stages:
+        try:
+            module = stage.get_submodule(name.rsplit(".", 1)[0])
+        except AttributeError:
+            continue
+        return p.partition_dim, getattr(module, "split_sizes", None)
+    raise TokenloomError(f"no module owns {name}")
+
+
+def save(run) -> Path:
+    """Collective: write this iteration's checkpoint; returns its directory."""
+    cfg, st = run.cfg, run.state
+    root = cfg.ckpt_dir
+    name = checkpoint.checkpoint_name(run.iteration)
+    final, tmp = root / name, root / f"{name}.tmp"
+    if st.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    torch.save(checkpoint.capture_rng(), tmp / f"rng_rank{st.rank}.pt")
+    if st.dp_rank == 0:
+        params, meta, optim = {}, {}, {}
+        for pname, p in _named_params(run).items():
+            params[pname] = p.detach().cpu().clone()
+            meta[pname] = _split_info(run, pname, p)
+            if not cfg.zero1 and p in run.optimizer.state:
+                optim[pname] = {k: v.detach().cpu().clone() for k, v in run.optimizer.state[p].items()}
+        torch.save({"params": params, "meta": meta, "optim": optim, "tp_rank": st.tp_rank},
+                   tmp / f"shard_tp{st.tp_rank}_pp{st.pp_rank}.pt")
+    if cfg.zero1:
+        torch.save(run.optimizer.state_dict(), tmp / f"zero_rank{st.rank}.pt")
+    dist.barrier()
+    if st.rank == 0:
+        from tokenloom.train.loop import config_to_dict
+
+        state = {"iteration": run.iteration, "consumed_samples": run.consumed, "layout": _layout(run),
+                 "data_fingerprint": run.data.fingerprint, "config": config_to_dict(cfg)}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+        (tmp / checkpoint.COMPLETE).write_text(f"{run.iteration}\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        (root / checkpoint.LATEST).write_text(name + "\n")
+    dist.barrier()
+    return final
+
+
+def full_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Full parameters and AdamW states by one-process name from a checkpoint's shard files."""
+    pieces: dict[str, list[tuple[int, torch.Tensor, Any]]] = {}
+    opt_pieces: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
+    for f in sorted(path.glob("shard_tp*_pp*.pt")):
+        data = torch.load(f, weights_only=False)
+        t = data["tp_rank"]
+        for name, tensor in data["params"].items():
+            pieces.setdefault(name, []).append((t, tensor, data["meta"][name]))
+        for name, st in data["optim"].items():
+            for k, v in st.items():
+                opt_pieces.setdefault(name, {}).setdefault(k, []).append((t, v))
+    params, optim = {}, {}
+    for name, items in pieces.items():
+        items.sort(key=lambda x: x[0])
+        dim, sizes = items[0][2]
+        params[name] = items[0][1] if dim is None else unshard([x[1] for x in items], dim, sizes)
+        if name in opt_pieces:
+            optim[name] = {}
+            for k, vs in opt_pieces[name].items():
+                vs.sort(key=lambda x: x[0])
+                if dim is None or vs[0][1].dim() == 0:
+                    optim[name][k] = vs[0][1]
+                else:
+                    optim[name][k] = unshard([v for _, v in vs], dim, sizes)
+    return params, optim
+
+
+@torch.no_grad()
+def resume(run) -> Path | None:
+    """Load the checkpoint named by ``run.cfg.resume`` into ``run`` (any saved layout)."""
+    cfg, st = run.cfg, run.state
+    path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
+    if path is None:
+        return None
+    state = checkpoint.read_state(path)
+    saved = state.get("layout")
+    if saved is None:
+        raise TokenloomError(f"{path} is a one-process checkpoint; tp/pp resume needs one from the parallel path")
+    same = saved == _layout(run)
+    if (saved["zero1"] or cfg.zero1) and not same:
+        raise TokenloomError(f"{path} has layout {saved}, this run {_layout(run)}: ZeRO-1 optimizer state "
+                             "is per rank and cannot be resharded; resume with the same layout")
+    from tokenloom.blending.loader import check_fingerprint
+
+    check_fingerprint(state.get("data_fingerprint"), run.data.fingerprint, cfg.force_data)
+    params, optim = full_tensors(path)
+    tp_rank, tp = st.tp_rank, st.tp_size
+    done = set()
+    for name, p in _named_params(run).items():
+        if id(p) in done:
+            continue
+        done.add(id(p))
+        if name not in params:
+            raise TokenloomError(f"{path} has no tensor {name}; was it trained with another model?")
+        dim, sizes = _split_info(run, name, p)
+
+        def local(full: torch.Tensor, dim=dim, sizes=sizes) -> torch.Tensor:
+            return full if dim is None or full.dim() == 0 else shard(full, dim, tp_rank, tp, sizes)
+
+        p.copy_(local(params[name]))
+        if not cfg.zero1 and name in optim:
+            run.optimizer.state[p] = {k: local(v).to(p.device).clone() for k, v in optim[name].items()}
+    if cfg.zero1:
+        run.optimizer.load_state_dict(torch.load(path / f"zero_rank{st.rank}.pt", weights_only=False))
+    rng = path / f"rng_rank{st.rank}.pt"
+    if same and rng.exists():
+        checkpoint.restore_rng(torch.load(rng, weights_only=False))
+    run.iteration, run.consumed = int(state["iteration"]), int(state["consumed_samples"])
+    return path
