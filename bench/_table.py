@@ -1,9 +1,18 @@
-"""Tiny helpers shared by the benches: timing and a ratio table printed to stdout."""
+"""Tiny helpers shared by the benches: timing and a ratio table printed to stdout.
+
+``print_table`` also appends the table as markdown to the file named by the
+``BENCH_RESULTS_MD`` environment variable when it is set (``bench/run_all.py`` uses it
+to collect every table without parsing stdout). Its printed output is the same either
+way; the file gets a ``### title`` heading, a blank line and the same pipe rows.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+
+RESULTS_ENV = "BENCH_RESULTS_MD"
 
 
 def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
@@ -20,6 +29,12 @@ def print_table(title: str, rows: list[tuple[str, str, str, str]]) -> None:
     """rows: (metric, tokenloom, baseline, ratio) as strings."""
     header = ("metric", "tokenloom", "baseline", "ratio")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+             for row in [header, tuple("-" * w for w in widths), *rows]]
     print(f"\n{title}")
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+    for line in lines:
+        print(line)
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"### {title}\n\n" + "\n".join(lines) + "\n\n")

@@ -242,6 +242,8 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
 @click.option("--lr", type=float, help="Peak learning rate (optim.lr).")
 @click.option("--output-dir", help="Where checkpoints, metrics.jsonl and loss.png go.")
 @click.option("--resume", help="'auto' (latest complete checkpoint in the output dir) or a checkpoint path.")
+@click.option("--kernels", type=click.Choice(["auto", "reference", "compiled", "triton"]),
+              help="Fused-kernel implementation (default reference; auto: triton on CUDA, compiled on CPU).")
 @click.option("--tp", type=int, help="Tensor-parallel size (Megatron's layout: tp fastest, then dp, then pp).")
 @click.option("--pp", type=int, help="Pipeline-parallel size (1F1B schedule).")
 @click.option("--vpp", type=int, help="Virtual pipeline stages per rank (interleaved 1F1B).")

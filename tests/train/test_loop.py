@@ -197,3 +197,19 @@ def test_lr_schedule_and_no_decay_groups():
          "blocks.0.mlp.proj.weight"])
     assert "tok_emb.weight" in {names[id(p)] for p in no_decay["params"]}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+
+
+def test_resume_across_kernel_modes_and_from_older_checkpoints(tmp_path):
+    """kernels may change on resume; a checkpoint saved before a model field existed uses its default."""
+    run(tiny(tmp_path, train_iters=4, save_interval=4, eval_interval=0))
+    ckpt = checkpoint.find_latest(tmp_path / "checkpoints")
+    state_path = ckpt / "state.json"
+    state = json.loads(state_path.read_text())
+    del state["config"]["model"]["kernels"]  # as written before GPTConfig.kernels existed
+    state_path.write_text(json.dumps(state))
+    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto"))
+    assert summary["iteration"] == 6
+    with pytest.raises(TokenloomError, match="d_model differ"):
+        run(tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto",
+                 model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2,
+                                 n_heads=2, d_model=64)))

@@ -67,7 +67,7 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
     keys = {"seq_length": "model.seq_len", "train_iters": "train_iters", "micro_batch_size": "micro_batch_size",
             "global_batch_size": "global_batch_size", "lr": "optim.lr", "output_dir": "output_dir",
             "resume": "resume", "cache_dir": "data.blend.cache_dir", "split": "data.blend.split",
-            "tp": "tp", "pp": "pp", "vpp": "vpp", "zero1": "zero1"}
+            "tp": "tp", "pp": "pp", "vpp": "vpp", "zero1": "zero1", "kernels": "model.kernels"}
     out: list[str] = []
     if data:
         from tokenloom.blending.build import parse_data_args

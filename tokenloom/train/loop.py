@@ -329,7 +329,7 @@ def run(cfg: TrainConfig) -> dict:
     return summary
 
 
-_MODEL_FIELDS_FREE_ON_RESUME = {"recompute_layers", "dropout", "seed", "init_std"}
+_MODEL_FIELDS_FREE_ON_RESUME = {"recompute_layers", "dropout", "seed", "init_std", "kernels"}
 """Model settings that may change on resume (they do not change the parameters' meaning)."""
 
 
@@ -392,8 +392,12 @@ class _Run:
         if path is None:
             return None
         saved_model = checkpoint.read_state(path)["config"]["model"]
+        # A field a checkpoint predates (saved without it) had its default value then.
+        defaults = {f.name: f.default for f in dataclasses.fields(self.cfg.model)
+                    if f.default is not dataclasses.MISSING}
         changed = sorted(k for k, v in asdict(self.cfg.model).items()
-                         if k not in _MODEL_FIELDS_FREE_ON_RESUME and json.loads(json.dumps(v)) != saved_model.get(k))
+                         if k not in _MODEL_FIELDS_FREE_ON_RESUME
+                         and json.loads(json.dumps(v)) != saved_model.get(k, json.loads(json.dumps(defaults.get(k)))))
         if changed:
             raise TokenloomError(f"{path} was trained with a different model ({', '.join(changed)} differ); "
                                  "resume with the checkpoint's model settings")

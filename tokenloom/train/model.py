@@ -26,10 +26,33 @@ Choices and their costs:
   RNG is untouched): normal(0, ``init_std``) for all weights, and residual output
   projections scaled by ``1/sqrt(2 * n_layers)`` (GPT-2 paper); biases zero, norm
   weights one.
+
+Kernels (:attr:`GPTConfig.kernels`, see :mod:`tokenloom.train.kernels`): the ops are
+looked up with :func:`~tokenloom.train.kernels.select_kernels` on the first forward
+(the device is known then) and memoised per (mode, device type) in this module, never
+stored on the modules: no parameters or buffers are added, so the state dict, pickling
+and checkpoints are the same in every mode and load across modes.
+
+* ``reference`` (default) runs the eager code below exactly as before the kernel
+  library existed, bit for bit: ``nn.LayerNorm``/``nn.RMSNorm``, ``F.gelu``,
+  ``F.silu(gate) * up``, rotate-half RoPE, SDPA, and the loss from full padded-vocab
+  logits. It is the numerical baseline every distributed test compares against.
+  The price: the loss materialises ``[tokens, padded_vocab]`` fp32 logits (620 MB at
+  1024 tokens x 50k vocab).
+* ``compiled`` / ``triton`` / ``auto`` route norms, activation, RoPE and attention
+  through the :class:`~tokenloom.train.kernels.KernelSet`, and the loss through its
+  chunked cross entropy straight from the final hidden states and the LM-head weight
+  (O(chunk x vocab) memory, one extra LM-head GEMM in backward). The loss keeps the
+  reference semantics: softmax over the *padded* vocabulary (Megatron's), per-token
+  losses reduced exactly as the reference does (``mean`` over all tokens, or over
+  ``loss_mask``). Numerics differ from ``reference`` by float rounding (fp32 norms and
+  a different log-sum-exp order), ~1e-6 relative on the loss.
+* Logits (``labels=None``) are always the full padded-vocab tensor.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -40,6 +63,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.kernels import KernelSet, select_kernels
 
 
 @dataclass(kw_only=True)
@@ -80,6 +104,9 @@ class GPTConfig:
     """Standard deviation of the normal weight init."""
     seed: int = 0
     """Seed of the private generator used for the weight init."""
+    kernels: str = "reference"
+    """Op implementations: reference | compiled | triton | auto (see tokenloom.train.kernels);
+    ``reference`` is the eager path, bit-identical to the model before kernels existed."""
 
     def __post_init__(self) -> None:
         kv = self.kv_heads
@@ -91,6 +118,8 @@ class GPTConfig:
             raise TokenloomError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
         if self.bias is None:
             self.bias = self.arch == "gpt2"
+        if self.kernels not in ("reference", "compiled", "triton", "auto"):
+            raise TokenloomError(f"kernels must be reference, compiled, triton or auto, got {self.kernels!r}")
         bad = [i for i in self.recompute_layers if not 0 <= i < self.n_layers]
         if bad:
             raise TokenloomError(f"recompute_layers {bad} out of range for n_layers={self.n_layers}")
@@ -115,6 +144,18 @@ class GPTConfig:
         if self.arch == "gpt2":
             return 4 * self.d_model
         return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+
+@functools.cache
+def _kernel_set(mode: str, device_type: str) -> KernelSet | None:
+    """The kernel set for ``mode`` on ``device_type``, or None when it resolves to ``reference``
+    (the model's own eager code runs then). Raises ``ValueError`` when the host cannot run ``mode``."""
+    ks = select_kernels(mode, device_type)
+    return None if ks.mode == "reference" else ks
+
+
+def _kernels_for(mode: str, x: torch.Tensor) -> KernelSet | None:
+    return None if mode == "reference" else _kernel_set(mode, x.device.type)
 
 
 def _rope_cache(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +183,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.residual_scaled_init = True
         self.dropout = cfg.dropout
+        self.kernels = cfg.kernels
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -150,13 +192,20 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, hd).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
+        p = self.dropout if self.training else 0.0
+        ks = _kernels_for(self.kernels, x)
+        if ks is not None:
+            if rope is not None:
+                cos, sin = rope[0][:T], rope[1][:T]
+                q, k = ks.rope(q, cos, sin), ks.rope(k, cos, sin)
+            y = ks.attention(q, k, v, causal=True, dropout_p=p)
+            return self.proj(y.transpose(1, 2).reshape(B, T, -1))
         if rope is not None:
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -169,9 +218,14 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.d_model, 2 * inner if self.swiglu else inner, bias=cfg.bias)
         self.proj = nn.Linear(inner, cfg.d_model, bias=cfg.bias)
         self.proj.residual_scaled_init = True
+        self.kernels = cfg.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
+        ks = _kernels_for(self.kernels, x)
+        if ks is not None:
+            h = ks.swiglu(*h.chunk(2, dim=-1)) if self.swiglu else ks.bias_gelu(h, None, approximate="tanh")
+            return self.proj(h)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
@@ -180,10 +234,38 @@ class MLP(nn.Module):
         return self.proj(h)
 
 
+class _LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and state dict) whose forward honours ``kernels``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.kernels = cfg.kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ks = _kernels_for(self.kernels, x)
+        if ks is None:
+            return super().forward(x)
+        return ks.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class _RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (same parameters and state dict) whose forward honours ``kernels``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg.d_model, eps=cfg.norm_eps)
+        self.kernels = cfg.kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ks = _kernels_for(self.kernels, x)
+        if ks is None:
+            return super().forward(x)
+        return ks.rms_norm(x, self.weight, self.eps)
+
+
 def _norm(cfg: GPTConfig) -> nn.Module:
     if cfg.arch == "llama":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        return _RMSNorm(cfg)
+    return _LayerNorm(cfg)
 
 
 class Block(nn.Module):
@@ -268,14 +350,24 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope)
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)
+        ks = _kernels_for(self.cfg.kernels, h)
         if labels is None:
-            return logits
-        losses = F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(-1), reduction="none")
+            return self.lm_head(h)
+        if ks is not None:  # chunked: never holds [B*T, vocab] logits; per-token losses as below
+            losses = ks.cross_entropy(h, self.lm_head.weight, labels, reduction="none")
+        else:
+            logits = self.lm_head(h)
+            losses = F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(-1), reduction="none")
         if loss_mask is None:
             return losses.mean()
         mask = loss_mask.reshape(-1).to(losses.dtype)
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def kernel_set(self, device: torch.device | str | None = None) -> KernelSet:
+        """The :class:`KernelSet` ``cfg.kernels`` resolves to on ``device`` (default: the parameters')."""
+        device = self.tok_emb.weight.device if device is None else device
+        return select_kernels(self.cfg.kernels, device)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied embedding counts once). ``exclude_embeddings`` drops

@@ -1,0 +1,144 @@
+"""Run every ``bench/*_bench.py`` as a subprocess and write ``bench/RESULTS.md``.
+
+    .venv/bin/python bench/run_all.py [--full] [--only NAME ...] [--out bench/RESULTS.md]
+
+Each script runs in its own process (no shared torch threads, caches or allocator state
+between benches) with reduced sizes (``SMALL_ARGS``) so the suite takes ~10 minutes
+on 2 cores; ``--full`` uses each script's own defaults (much longer, closer to the
+issue targets). Tables are collected through ``BENCH_RESULTS_MD`` (see ``_table.py``),
+not by parsing stdout, so a script's progress output cannot corrupt them. A failing or
+timed-out script gets its exit status and the tail of its output in RESULTS.md instead
+of a table, and the suite goes on. The trade-off of the small sizes: fixed costs
+(process start, compile, pool start-up) weigh more, so ratios are pessimistic for
+tokenloom where it amortises start-up (preprocess, blend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+
+SMALL_ARGS: dict[str, list[str]] = {
+    "indexed_bench": ["--documents", "20000", "--reads", "20000"],
+    "preprocess_bench": ["--documents", "2000"],
+    "blend_bench": ["--sequences", "100000", "--samples", "100000", "--reads", "500"],
+    "ddp_bench": ["--steps", "5", "--repeat", "2", "--d-model", "64", "--seq-len", "64"],
+    "train_bench": ["--iters", "8", "--rounds", "2", "--d-model", "128", "--seq-len", "128"],
+    "kernels_bench": ["--steps", "5", "--rounds", "2"],
+}
+TIMEOUT_S = 420
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ram_gib() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def machine() -> list[str]:
+    import torch
+
+    gpu = "none"
+    if torch.cuda.is_available():
+        gpu = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    libs = ", ".join(f"{d} {_version(d)}" for d in ("numpy", "tokenizers", "tiktoken", "sentencepiece",
+                                                    "megatron-core"))
+    return [
+        f"- CPU: {_cpu_model()}, {usable} usable cores ({os.cpu_count()} online)",
+        f"- RAM: {_ram_gib()}",
+        f"- GPU: {gpu}",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, {libs}",
+        f"- OS: {platform.platform()}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--full", action="store_true", help="each script's default sizes")
+    parser.add_argument("--only", nargs="*", help="bench names (e.g. kernels_bench)")
+    parser.add_argument("--out", default=str(BENCH / "RESULTS.md"))
+    args = parser.parse_args()
+
+    scripts = sorted(BENCH.glob("*_bench.py"))
+    if args.only:
+        scripts = [s for s in scripts if s.stem in args.only]
+    started = datetime.datetime.now(datetime.timezone.utc)
+    sections: list[str] = []
+    for script in scripts:
+        extra = [] if args.full else SMALL_ARGS.get(script.stem, [])
+        cmd = [sys.executable, str(script), *extra]
+        print(f"== {script.name} {' '.join(extra)}", flush=True)
+        with tempfile.NamedTemporaryFile("r", suffix=".md", delete=False) as tables:
+            env = dict(os.environ, BENCH_RESULTS_MD=tables.name,
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                rc, output = proc.returncode, proc.stdout + proc.stderr
+            except subprocess.TimeoutExpired as e:
+                rc = "timeout"
+                output = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+            elapsed = time.perf_counter() - t0
+            body = Path(tables.name).read_text()
+        os.unlink(tables.name)
+        print(output[-4000:], flush=True)
+        head = f"## {script.stem}\n\n`python bench/{script.name} {' '.join(extra)}` ({elapsed:.0f} s)\n\n"
+        if rc != 0 or not body.strip():
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            body += f"**failed** (exit {rc}); last lines:\n\n```\n{tail}\n```\n\n"
+        sections.append(head + body)
+
+    sizes = "each script's default sizes (--full)" if args.full else "reduced sizes (bench/run_all.py SMALL_ARGS)"
+    text = "\n".join([
+        "# Benchmark results",
+        "",
+        f"Generated by `make bench` (`python bench/run_all.py`) on {started:%Y-%m-%d %H:%M} UTC, {sizes}.",
+        "Ratios are tokenloom / baseline; which direction is better is stated in each bench's docstring.",
+        "",
+        "## Machine",
+        "",
+        *machine(),
+        "",
+        "GPU rows: not yet run (no GPU available)" if "GPU: none" in "\n".join(machine()) else "",
+        "",
+        *sections,
+    ])
+    Path(args.out).write_text(text.rstrip() + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
