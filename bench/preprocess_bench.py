@@ -165,7 +165,7 @@ def megatron_style(corpus: Path, prefix: Path, workers: int, init) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--documents", type=int, default=12_000)
-    ap.add_argument("--doc-bytes", type=int, default=1000)
+    ap.add_argument("--doc-bytes", type=int, default=4000, help="~4 KB documents, as the data README suggests")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     args = ap.parse_args()
     if not (GPT2 / "gpt2-vocab.json").exists():

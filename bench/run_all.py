@@ -29,12 +29,12 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 
+# preprocess_bench, blend_bench and train_bench always run at their defaults: their targets are
+# defined at those sizes (>= 10,000 documents; >= 2 M samples over several G tokens; a model
+# large enough that per-step overheads do not dominate), and smaller inputs measure start-up costs.
 SMALL_ARGS: dict[str, list[str]] = {
     "indexed_bench": ["--documents", "20000", "--reads", "20000"],
-    "preprocess_bench": ["--documents", "2000"],
-    "blend_bench": ["--sequences", "100000", "--samples", "100000", "--reads", "500"],
     "ddp_bench": ["--steps", "5", "--repeat", "2", "--d-model", "64", "--seq-len", "64"],
-    "train_bench": ["--iters", "8", "--rounds", "2", "--d-model", "128", "--seq-len", "128"],
     "kernels_bench": ["--steps", "5", "--rounds", "2"],
 }
 TIMEOUT_S = 420
