@@ -125,7 +125,7 @@ def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, d
         path = tmp_path / f"rank{r}.pt"
         if not path.exists():
             pytest.fail(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
-        res = torch.load(path, weights_only=False)
+        res = torch.load(path, weights_only=True)
         if "crash" in res:
             pytest.fail(f"rank {r} crashed:\n{res['crash']}")
         results.append(res["results"])

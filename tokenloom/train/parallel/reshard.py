@@ -110,7 +110,7 @@ def full_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[st
     pieces: dict[str, list[tuple[int, torch.Tensor, Any]]] = {}
     opt_pieces: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
     for f in sorted(path.glob("shard_tp*_pp*.pt")):
-        data = torch.load(f, weights_only=False)
+        data = torch.load(f, weights_only=True)
         t = data["tp_rank"]
         for name, tensor in data["params"].items():
             pieces.setdefault(name, []).append((t, tensor, data["meta"][name]))
@@ -169,9 +169,9 @@ def resume(run) -> Path | None:
         if not cfg.zero1 and name in optim:
             run.optimizer.state[p] = {k: local(v).to(p.device).clone() for k, v in optim[name].items()}
     if cfg.zero1:
-        run.optimizer.load_state_dict(torch.load(path / f"zero_rank{st.rank}.pt", weights_only=False))
+        run.optimizer.load_state_dict(torch.load(path / f"zero_rank{st.rank}.pt", weights_only=True))
     rng = path / f"rng_rank{st.rank}.pt"
     if same and rng.exists():
-        checkpoint.restore_rng(torch.load(rng, weights_only=False))
+        checkpoint.restore_rng(torch.load(rng, weights_only=True))
     run.iteration, run.consumed = int(state["iteration"]), int(state["consumed_samples"])
     return path
