@@ -187,11 +187,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
-        hd = self.head_dim
-        q, k, v = self.qkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
-        q = q.view(B, T, self.n_heads, hd).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
+        q, k, v = split_qkv(self.qkv(x), self.n_heads, self.n_kv_heads, self.head_dim)
         p = self.dropout if self.training else 0.0
         ks = _kernels_for(self.kernels, x)
         if ks is not None:
@@ -226,12 +222,23 @@ class MLP(nn.Module):
         if ks is not None:
             h = ks.swiglu(*h.chunk(2, dim=-1)) if self.swiglu else ks.bias_gelu(h, None, approximate="tanh")
             return self.proj(h)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.proj(h)
+        return self.proj(mlp_activation(h, self.swiglu))
+
+
+def split_qkv(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int):
+    """[B, T, (H + 2 KV) * D] -> q [B, H, T, D], k and v [B, KV, T, D] (head counts of this rank)."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    return (q.view(B, T, n_heads, head_dim).transpose(1, 2), k.view(B, T, n_kv_heads, head_dim).transpose(1, 2),
+            v.view(B, T, n_kv_heads, head_dim).transpose(1, 2))
+
+
+def mlp_activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The reference MLP activation: SwiGLU over the [gate, up] halves (Llama), else tanh GELU (GPT-2)."""
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh")
 
 
 class _LayerNorm(nn.LayerNorm):

@@ -48,10 +48,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig, _apply_rope, _norm, _rope_cache
+from tokenloom.train.model import GPT, GPTConfig, _apply_rope, _norm, mlp_activation, split_qkv
 from tokenloom.train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tokenloom.train.parallel.mappings import Group
-from tokenloom.train.parallel.schedules import stage_layer_ids
+from tokenloom.train.parallel.schedules import stage_layer_ids, tag_embeddings_and_rope
 from tokenloom.train.parallel.tp_cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -89,11 +89,7 @@ class TPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
-        hd = self.head_dim
-        q, k, v = self.qkv(x).split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
-        q = q.view(B, T, self.n_heads, hd).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
+        q, k, v = split_qkv(self.qkv(x), self.n_heads, self.n_kv_heads, self.head_dim)
         if rope is not None:
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
@@ -114,13 +110,7 @@ class TPMLP(nn.Module):
         self.proj = RowParallelLinear.from_linear(ref.proj, group=group, input_is_parallel=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.proj(h)
+        return self.proj(mlp_activation(self.fc(x), self.swiglu))
 
 
 class TPBlock(nn.Module):
@@ -177,18 +167,9 @@ class TPGPTStage(nn.Module):
                 self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group=group)
                 if cfg.tie_embeddings and first:
                     self.lm_head.weight = self.tok_emb.weight
-        if cfg.tie_embeddings:
-            if first:
-                self.tok_emb.weight.shared_embedding = True
-            if last:
-                self.lm_head.weight.shared_embedding = True
-                self.lm_head.weight.is_embedding = True
-                if not first:
-                    self.lm_head.weight.shared = True
-        if cfg.arch == "llama":
-            cos, sin = _rope_cache(cfg)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        tag_embeddings_and_rope(self, cfg, first, last)
+        if cfg.tie_embeddings and last:
+            self.lm_head.weight.is_embedding = True  # a tied head decays like the table it is
 
     def forward(self, hidden: torch.Tensor | None, batch: Any) -> torch.Tensor:
         if self.first:

@@ -374,6 +374,27 @@ def stage_layer_ids(
     return list(range(start, start + per))
 
 
+def tag_embeddings_and_rope(stage: nn.Module, cfg: GPTConfig, first: bool, last: bool) -> None:
+    """Stage setup shared by every GPT stage class: tag the tied embedding copies and add RoPE tables.
+
+    With tied embeddings the first stage's table and the last stage's LM head are tagged
+    ``shared_embedding`` (their grads are summed over the embedding group); the last
+    stage's duplicate is also ``shared``, so the grad norm counts it once (Megatron's rule).
+    Llama stages get the non-persistent ``rope_cos``/``rope_sin`` buffers.
+    """
+    if cfg.tie_embeddings:
+        if first:
+            stage.tok_emb.weight.shared_embedding = True
+        if last:
+            stage.lm_head.weight.shared_embedding = True
+            if not first:
+                stage.lm_head.weight.shared = True
+    if cfg.arch == "llama":
+        cos, sin = _rope_cache(cfg)
+        stage.register_buffer("rope_cos", cos, persistent=False)
+        stage.register_buffer("rope_sin", sin, persistent=False)
+
+
 class GPTStage(nn.Module):
     """One pipeline stage (or model chunk) of :class:`~tokenloom.train.model.GPT`.
 
@@ -401,17 +422,7 @@ class GPTStage(nn.Module):
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
             if cfg.tie_embeddings and first:
                 self.lm_head.weight = self.tok_emb.weight
-        if cfg.tie_embeddings:
-            if first:
-                self.tok_emb.weight.shared_embedding = True
-            if last:
-                self.lm_head.weight.shared_embedding = True
-                if not first:  # the duplicate: left out of the grad norm (Megatron's `shared`)
-                    self.lm_head.weight.shared = True
-        if cfg.arch == "llama":
-            cos, sin = _rope_cache(cfg)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        tag_embeddings_and_rope(self, cfg, first, last)
 
     def forward(self, hidden: torch.Tensor | None, batch: Any) -> torch.Tensor:
         if self.first:
