@@ -10,14 +10,10 @@ and global batch).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
+import rank_launcher
 import torch
 import torch.distributed as dist
 
@@ -129,46 +125,8 @@ def logged_losses(results: list[dict]) -> list[float]:
 
 
 def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float = 280.0):
-    """Run ``scenarios`` (name, kwargs) on ``world_size`` ranks; per-rank lists of results."""
-    ctx = mp.get_context("spawn")
-    init_file = tmp_path / f"pg_init_{world_size}"
-    procs = [ctx.Process(target=_worker, args=(r, world_size, str(init_file), scenarios, str(tmp_path)))
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    end = time.monotonic() + deadline_s
-    try:
-        for proc in procs:
-            proc.join(timeout=max(1.0, end - time.monotonic()))
-        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
-        if hung:
-            pytest.fail(f"ranks {hung} still running after {deadline_s} s (hang?)")
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    results = []
-    for r in range(world_size):
-        path = tmp_path / f"result{world_size}_rank{r}.pt"
-        if not path.exists():
-            pytest.fail(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
-        res = torch.load(path, weights_only=True)
-        if "crash" in res:
-            pytest.fail(f"rank {r} crashed:\n{res['crash']}")
-        results.append(res["results"])
-    return results
+    """Run ``scenarios`` (name, kwargs) of this module on ``world_size`` ranks; per-rank result lists."""
+    return rank_launcher.launch(__name__, scenarios, world_size, tmp_path, deadline_s=deadline_s,
+                                collective_timeout_s=60)
 
 
-def _worker(rank: int, world_size: int, init_file: str, scenarios: list, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    out: dict[str, Any] = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=60))
-        out["results"] = [SCENARIOS[name](rank, **kw) for name, kw in scenarios]
-    except Exception:
-        out = {"crash": traceback.format_exc()}
-    torch.save(out, Path(out_dir) / f"result{world_size}_rank{rank}.pt")
-    if "crash" not in out:
-        dist.destroy_process_group()

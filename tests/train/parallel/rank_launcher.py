@@ -1,0 +1,70 @@
+"""Run named scenarios on N spawned gloo ranks and collect each rank's results (test helper).
+
+A scenario is a function ``f(rank, **kwargs)`` in a module's ``SCENARIOS`` dict; the
+module is named, not passed, because spawned workers must import it. A hang fails the
+test at ``deadline_s``; a rank's exception comes back as its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def launch(module: str, scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, *,
+           deadline_s: float, collective_timeout_s: float) -> list[list[Any]]:
+    """Per-rank lists of per-scenario results of ``module.SCENARIOS[name](rank, **kwargs)``."""
+    ctx = mp.get_context("spawn")
+    tag = f"{module}_{world_size}"
+    args = (world_size, str(tmp_path / f"pg_init_{tag}"), module, scenarios, str(tmp_path), tag,
+            collective_timeout_s)
+    procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    end = time.monotonic() + deadline_s
+    try:
+        for proc in procs:
+            proc.join(timeout=max(1.0, end - time.monotonic()))
+        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        if hung:
+            pytest.fail(f"ranks {hung} still running after {deadline_s} s (hang?) in {scenarios}")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    results = []
+    for r in range(world_size):
+        path = tmp_path / f"result_{tag}_rank{r}.pt"
+        if not path.exists():
+            pytest.fail(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
+        res = torch.load(path, weights_only=True)
+        if "crash" in res:
+            pytest.fail(f"rank {r} crashed:\n{res['crash']}")
+        results.append(res["results"])
+    return results
+
+
+def _worker(rank: int, world_size: int, init_file: str, module: str, scenarios: list, out_dir: str, tag: str,
+            collective_timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=collective_timeout_s))
+        registry = importlib.import_module(module).SCENARIOS
+        out["results"] = [registry[name](rank, **kw) for name, kw in scenarios]
+    except Exception:
+        out = {"crash": traceback.format_exc()}
+    torch.save(out, Path(out_dir) / f"result_{tag}_rank{rank}.pt")
+    if "crash" not in out:
+        dist.destroy_process_group()
