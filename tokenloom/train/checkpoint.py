@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import atomic_writer, fsync_dir
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -86,14 +87,6 @@ def restore_rng(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- save
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
     with open(path, "wb") as f:
         write(f)
@@ -101,11 +94,10 @@ def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
         os.fsync(f.fileno())
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    _write_bytes(tmp, lambda f: f.write(text.encode()))
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+def write_latest(root: Path, name: str) -> None:
+    """Point ``root/latest`` at checkpoint ``name`` (atomically: readers see the old or the new name)."""
+    with atomic_writer(root / LATEST, "w") as f:
+        f.write(name + "\n")
 
 
 def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -133,15 +125,15 @@ def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, opt
     barrier()
     if rank == 0:
         _write_bytes(tmp / COMPLETE, lambda f: f.write(f"{iteration}\n".encode()))
-        _fsync_dir(tmp)
+        fsync_dir(tmp / COMPLETE)  # the directory holding the files, before it is renamed
         old = root / f"{name}.old"
         if final.exists():  # re-saving the same iteration (a rerun into the same directory)
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(final)
         shutil.rmtree(old, ignore_errors=True)
-        _write_text_atomic(root / LATEST, name + "\n")
+        write_latest(root, name)
         if keep_last > 0:
             for _, path in complete_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(path, ignore_errors=True)

@@ -100,7 +100,7 @@ def save(run) -> Path:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        (root / checkpoint.LATEST).write_text(name + "\n")
+        checkpoint.write_latest(root, name)
     dist.barrier()
     return final
 
