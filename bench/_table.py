@@ -25,6 +25,20 @@ def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
     return best
 
 
+def best_interleaved(fns: list[Callable[[], float]], repeat: int = 3) -> list[float]:
+    """Best of ``repeat`` rounds for each timed callable, the callables alternating within a round.
+
+    Each ``fn`` times itself and returns seconds (so it can exclude its own set-up and
+    clean-up). Alternating A, B, A, B, ... lets slow drift of the machine (other load, page
+    cache growth, thermal state) reach both sides alike instead of whichever runs last.
+    """
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], fn())
+    return best
+
+
 def print_table(title: str, rows: list[tuple[str, str, str, str]]) -> None:
     """rows: (metric, tokenloom, baseline, ratio) as strings."""
     header = ("metric", "tokenloom", "baseline", "ratio")

@@ -194,6 +194,61 @@ void check_length(int64_t have, int64_t need, const char *name) {
     }
 }
 
+// The greedy rule of Megatron's build_blending_indices: sample i goes to the dataset whose
+// count lags its target w[d] * max(i, 1) most, the lowest index on ties. Counts are held as
+// doubles (exact below 2^53) so the error needs no conversion. The loop carries a dependency
+// through the counts, so its speed is their latency: with D fixed at compile time they stay
+// in registers and the selection compiles to conditional moves (about 4x the generic loop).
+template <int D>
+void greedy_blend(const double *w_in, double *counts, int64_t size, int16_t *index_out, int64_t *sample_out) {
+    double w[D], c[D];
+    for (int d = 0; d < D; ++d) {
+        w[d] = w_in[d];
+        c[d] = counts[d];
+    }
+    for (int64_t i = 0; i < size; ++i) {
+        // Megatron's target is w * max(i, 1), not w * (i + 1): keep it.
+        const double t = std::max(static_cast<double>(i), 1.0);
+        int32_t best = 0;
+        double best_error = w[0] * t - c[0];
+#pragma GCC unroll 8
+        for (int32_t d = 1; d < D; ++d) {
+            const double error = w[d] * t - c[d];
+            const bool greater = error > best_error;
+            best_error = greater ? error : best_error;
+            best = greater ? d : best;
+        }
+        double drawn = 0.0;
+#pragma GCC unroll 8
+        for (int32_t d = 0; d < D; ++d) {
+            drawn = d == best ? c[d] : drawn;
+            c[d] += d == best ? 1.0 : 0.0;
+        }
+        index_out[i] = static_cast<int16_t>(best);
+        sample_out[i] = static_cast<int64_t>(drawn);
+    }
+    for (int d = 0; d < D; ++d) counts[d] = c[d];
+}
+
+void greedy_blend_any(const double *w, double *c, int32_t num_datasets, int64_t size, int16_t *index_out,
+                      int64_t *sample_out) {
+    for (int64_t i = 0; i < size; ++i) {
+        const double t = std::max(static_cast<double>(i), 1.0);
+        int32_t best = 0;
+        double best_error = w[0] * t - c[0];
+        for (int32_t d = 1; d < num_datasets; ++d) {
+            const double error = w[d] * t - c[d];
+            if (error > best_error) {
+                best_error = error;
+                best = d;
+            }
+        }
+        index_out[i] = static_cast<int16_t>(best);
+        sample_out[i] = static_cast<int64_t>(c[best]);
+        c[best] += 1.0;
+    }
+}
+
 void build_blending_indices(py::handle dataset_index_obj, py::handle dataset_sample_index_obj,
                             py::handle weights_obj, int32_t num_datasets, int64_t size, bool verbose) {
     auto dataset_index = checked_array<int16_t>(dataset_index_obj, "dataset_index", true);
@@ -207,25 +262,21 @@ void build_blending_indices(py::handle dataset_index_obj, py::handle dataset_sam
 
     if (verbose) py::print("> building indices for blended datasets ...");
     std::vector<double> weights(weights_arr.data(), weights_arr.data() + num_datasets);
-    std::vector<int64_t> counts(num_datasets, 0);
+    std::vector<double> counts(num_datasets, 0.0);
     int16_t *index_out = dataset_index.mutable_data();
     int64_t *sample_out = dataset_sample_index.mutable_data();
     {
         py::gil_scoped_release release;
-        for (int64_t i = 0; i < size; ++i) {
-            // Megatron's target is w * max(i, 1), not w * (i + 1): keep it.
-            const double t = std::max(static_cast<double>(i), 1.0);
-            int32_t best = 0;
-            double best_error = weights[0] * t - static_cast<double>(counts[0]);
-            for (int32_t d = 1; d < num_datasets; ++d) {
-                const double error = weights[d] * t - static_cast<double>(counts[d]);
-                if (error > best_error) {
-                    best_error = error;
-                    best = d;
-                }
-            }
-            index_out[i] = static_cast<int16_t>(best);
-            sample_out[i] = counts[best]++;
+        switch (num_datasets) {  // the common few-source blends keep their counts in registers
+            case 1: greedy_blend<1>(weights.data(), counts.data(), size, index_out, sample_out); break;
+            case 2: greedy_blend<2>(weights.data(), counts.data(), size, index_out, sample_out); break;
+            case 3: greedy_blend<3>(weights.data(), counts.data(), size, index_out, sample_out); break;
+            case 4: greedy_blend<4>(weights.data(), counts.data(), size, index_out, sample_out); break;
+            case 5: greedy_blend<5>(weights.data(), counts.data(), size, index_out, sample_out); break;
+            case 6: greedy_blend<6>(weights.data(), counts.data(), size, index_out, sample_out); break;
+            case 7: greedy_blend<7>(weights.data(), counts.data(), size, index_out, sample_out); break;
+            case 8: greedy_blend<8>(weights.data(), counts.data(), size, index_out, sample_out); break;
+            default: greedy_blend_any(weights.data(), counts.data(), num_datasets, size, index_out, sample_out);
         }
     }
     if (verbose) {
@@ -303,46 +354,51 @@ struct MT19937 {
     static constexpr int N = 624, M = 397;
     uint32_t *key;
     int pos;
+    uint32_t out[N];  // out[k] = tempered key[k], valid for k >= pos
+
+    MT19937(uint32_t *key_words, int position) : key(key_words), pos(position) { temper(position); }
+
+    void temper(int from) {  // a whole block at once: the compiler vectorises this loop
+        for (int k = from; k < N; ++k) {
+            uint32_t y = key[k];
+            y ^= (y >> 11);
+            y ^= (y << 7) & 0x9d2c5680U;
+            y ^= (y << 15) & 0xefc60000U;
+            y ^= (y >> 18);
+            out[k] = y;
+        }
+    }
 
     void refill() {
         constexpr uint32_t kMatrixA = 0x9908b0dfU, kUpper = 0x80000000U, kLower = 0x7fffffffU;
-        int kk = 0;
         uint32_t y;
-        for (; kk < N - M; ++kk) {
+        for (int kk = 0; kk < N - M; ++kk) {
             y = (key[kk] & kUpper) | (key[kk + 1] & kLower);
-            key[kk] = key[kk + M] ^ (y >> 1) ^ ((y & 1U) ? kMatrixA : 0U);
+            key[kk] = key[kk + M] ^ (y >> 1) ^ (-(y & 1U) & kMatrixA);
         }
-        for (; kk < N - 1; ++kk) {
+        for (int kk = N - M; kk < N - 1; ++kk) {
             y = (key[kk] & kUpper) | (key[kk + 1] & kLower);
-            key[kk] = key[kk + (M - N)] ^ (y >> 1) ^ ((y & 1U) ? kMatrixA : 0U);
+            key[kk] = key[kk + (M - N)] ^ (y >> 1) ^ (-(y & 1U) & kMatrixA);
         }
         y = (key[N - 1] & kUpper) | (key[0] & kLower);
-        key[N - 1] = key[M - 1] ^ (y >> 1) ^ ((y & 1U) ? kMatrixA : 0U);
+        key[N - 1] = key[M - 1] ^ (y >> 1) ^ (-(y & 1U) & kMatrixA);
         pos = 0;
+        temper(0);
     }
 
-    uint32_t next32() {
-        if (pos >= N) refill();
-        uint32_t y = key[pos++];
-        y ^= (y >> 11);
-        y ^= (y << 7) & 0x9d2c5680U;
-        y ^= (y << 15) & 0xefc60000U;
-        y ^= (y >> 18);
-        return y;
-    }
-
-    uint32_t interval(uint32_t max) {  // uniform in [0, max] by masked rejection (numpy's legacy rule)
-        if (max == 0) return 0;
-        uint32_t mask = max;
-        mask |= mask >> 1;
-        mask |= mask >> 2;
-        mask |= mask >> 4;
-        mask |= mask >> 8;
-        mask |= mask >> 16;
-        uint32_t value;
-        while ((value = (next32() & mask)) > max) {
+    // js[k] = random_interval(top - k) for k < count, all top - k >= 1 (numpy's legacy masked
+    // rejection: draw 32-bit words, keep word & mask, retry while it exceeds max). Branch-free:
+    // every draw is written and the slot advances only on acceptance, so the ~30% rejections
+    // cost no mispredicted branches.
+    void intervals(int64_t top, int64_t count, int64_t *js) {
+        int64_t k = 0;
+        while (k < count) {
+            if (pos == N) refill();
+            const uint32_t max = static_cast<uint32_t>(top - k);
+            const uint32_t value = out[pos++] & (0xffffffffU >> __builtin_clz(max));
+            js[k] = value;
+            k += value <= max;
         }
-        return value;
     }
 };
 
@@ -361,7 +417,7 @@ int legacy_shuffle(py::handle array_obj, py::handle key_obj, int pos) {
         throw py::value_error("legacy_shuffle handles arrays up to 2^32 elements; use numpy beyond");
     }
     T *data = array.mutable_data();
-    MT19937 mt{key.mutable_data(), pos};
+    MT19937 mt(key.mutable_data(), pos);
     {
         py::gil_scoped_release release;
         // The draws do not depend on the data, so draw a block of j ahead and prefetch a[j]:
@@ -370,7 +426,7 @@ int legacy_shuffle(py::handle array_obj, py::handle key_obj, int pos) {
         int64_t js[kBlock];
         for (int64_t top = n - 1; top >= 1; top -= kBlock) {
             const int64_t count = std::min(kBlock, top);  // i = top, top-1, ..., top-count+1 (>= 1)
-            for (int64_t k = 0; k < count; ++k) js[k] = mt.interval(static_cast<uint32_t>(top - k));
+            mt.intervals(top, count, js);
             for (int64_t k = 0; k < count; ++k) {
                 if (k + kAhead < count) __builtin_prefetch(data + js[k + kAhead], 1);
                 std::swap(data[top - k], data[js[k]]);

@@ -107,8 +107,8 @@ def test_dispatch_picks_dtype():
 
 
 weights_strategy = st.lists(
-    st.one_of(st.floats(1e-4, 1.0), st.sampled_from([0.001, 0.999, 0.5, 1 / 3])), min_size=1, max_size=7
-)
+    st.one_of(st.floats(1e-4, 1.0), st.sampled_from([0.001, 0.999, 0.5, 1 / 3])), min_size=1, max_size=12
+)  # up to 8 sources take the register-resident path, more the generic one
 
 
 @FAST
@@ -208,3 +208,25 @@ def test_bad_values_raise_value_error(impl):
         impl.build_exhaustive_blending_indices(i16, i64, np.array([2, 0], np.int64), 2)
     with pytest.raises(ValueError, match="dataset_sample_index"):
         impl.build_exhaustive_blending_indices(i16, np.zeros(3, np.int64), np.array([2, 2], np.int64), 2)
+
+
+@FAST
+@given(
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 1500),
+    st.lists(st.sampled_from([0, 1, 2, 3, 623, 624, 625, 5000, 70_000]), min_size=1, max_size=3),
+    st.sampled_from([np.int32, np.uint32, np.int64]),
+)
+def test_native_shuffle_is_numpy_legacy_shuffle(seed, draws_before, lengths, dtype):
+    """Same permutation and same generator state after, from any point of the MT19937 stream."""
+    ours, numpys = np.random.RandomState(seed), np.random.RandomState(seed)
+    ours.randint(0, 2**31, size=draws_before)  # start mid-block: any state position
+    numpys.randint(0, 2**31, size=draws_before)
+    for n in lengths:
+        a = np.arange(n, dtype=dtype)
+        b = a.copy()
+        helpers.shuffle(ours, a)
+        numpys.shuffle(b)
+        np.testing.assert_array_equal(a, b)
+    assert ours.get_state()[2] == numpys.get_state()[2]
+    assert ours.randint(0, 2**31, size=3).tolist() == numpys.randint(0, 2**31, size=3).tolist()

@@ -274,18 +274,6 @@ class BlendBuilder:
             ) from None
         return GPTDataset(source, documents, num_samples, split, self.config.gpt, indices=indices)
 
-    def gpt_datasets(self, requests: list[tuple[str | None, Bookend, int | None, Split]]) -> list[GPTDataset]:
-        """Several :meth:`gpt_dataset` calls on a thread pool, results in request order.
-
-        Each dataset draws from its own ``RandomState(seed)``, so the arrays do not
-        depend on scheduling; the native shuffles and sample index release the GIL,
-        so members of a blend are built on separate cores.
-        """
-        if len(requests) <= 1:
-            return [self.gpt_dataset(*r) for r in requests]
-        with ThreadPoolExecutor(min(len(requests), os.cpu_count() or 1)) as pool:
-            return list(pool.map(lambda r: self.gpt_dataset(*r), requests))
-
     def blended_dataset(
         self, datasets: list[GPTDataset], weights: list[float] | list[int], size: int | None, split: Split
     ) -> BlendedDataset:
@@ -339,19 +327,27 @@ class BlendBuilder:
         else:
             targets = sample_budgets(weights, sizes)
             buffers = sample_budgets(weights, sizes, self.config.mid_level_dataset_surplus)
+        active = [s for s, bookend in enumerate(matrix) if bookend is not None]
+        for prefix in prefixes:  # opened here, once, not raced for by the threads below
+            self.source(prefix)
+        requests = [(p, matrix[s], buffers[d][s], Split(s)) for s in active for d, p in enumerate(prefixes)]
         out: list[TopLevel | None] = [None] * len(Split)
-        for s, bookend in enumerate(matrix):
-            if bookend is None:
-                continue
-            split = Split(s)
-            members = self.gpt_datasets([(p, bookend, buffers[d][s], split) for d, p in enumerate(prefixes)])
-            if weights is not None:
-                split_weights: list[float] | list[int] = weights
-                size = sum(targets[d][s] for d in range(len(prefixes)))
-            else:
-                split_weights = [len(ds) for ds in members]
-                size = None if sizes[s] is None else min(sizes[s], sum(split_weights))
-            out[s] = self.blended_dataset(members, split_weights, size, split)
+        # Every member of every split is queued on one thread pool, train first, and this
+        # thread blends each split as soon as its members are done, while the pool goes on
+        # with the later splits' members. Each dataset draws from its own RandomState(seed),
+        # so no array depends on the scheduling; the native shuffles, sample index and hashing
+        # release the GIL. Errors surface in split order, as a serial build would raise them.
+        with ThreadPoolExecutor(max(1, min(len(requests), os.cpu_count() or 1))) as pool:
+            built = [pool.submit(self.gpt_dataset, *r) for r in requests]
+            for k, s in enumerate(active):
+                members = [f.result() for f in built[k * len(prefixes) : (k + 1) * len(prefixes)]]
+                if weights is not None:
+                    split_weights: list[float] | list[int] = weights
+                    size = sum(targets[d][s] for d in range(len(prefixes)))
+                else:
+                    split_weights = [len(ds) for ds in members]
+                    size = None if sizes[s] is None else min(sizes[s], sum(split_weights))
+                out[s] = self.blended_dataset(members, split_weights, size, Split(s))
         return out
 
 

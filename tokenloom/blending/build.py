@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +117,7 @@ class CachedBlendBuilder(BlendBuilder):
         self.may_build = may_build
         self.keys: dict = {}  # id(indices) or ("blend", split) -> cache key
         self.hits = self.builds = 0
+        self._counting = threading.Lock()  # members are built on a thread pool
 
     def build(self, sizes):
         """As ``BlendBuilder.build``, but a split asked for 0 samples is skipped (None), not built."""
@@ -143,11 +145,12 @@ class CachedBlendBuilder(BlendBuilder):
 
     def _cached(self, key: str, description: dict, build):
         if self.cache is None:
-            self.builds += 1
-            return build()
-        arrays, built = self.cache.get_or_build(key, build, description, may_build=self.may_build)
-        self.builds += built
-        self.hits += not built
+            arrays, built = build(), True
+        else:
+            arrays, built = self.cache.get_or_build(key, build, description, may_build=self.may_build)
+        with self._counting:
+            self.builds += built
+            self.hits += not built
         return arrays
 
     def gpt_indices(self, prefix, source, documents, bookend, num_samples, split) -> GPTIndices:

