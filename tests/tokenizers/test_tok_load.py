@@ -204,3 +204,22 @@ def test_load_from_tokenizer_and_spec():
     assert load_tokenizer(tok, vocab_size=6).eod == 6
     with pytest.raises(TokenloomError, match="conflicts with the spec's kind"):
         load_tokenizer(tok.spec, kind="byte")
+
+
+@needs_shared
+@pytest.mark.parametrize("path", ["gpt2", "gpt-neox-20b", "llama2", "gpt2/gpt2.tiktoken"])
+def test_single_threaded_copy(path):
+    """What forked preprocess workers use: same ids, one thread, the original untouched."""
+    tok = load_shared(path, num_threads=2)
+    one = tok.single_threaded()
+    assert type(one) is type(tok) and one.spec.options["num_threads"] == 1
+    assert one.num_threads == 1 and tok.num_threads == 2 and tok.spec.options["num_threads"] == 2
+    texts = ["Hello world", "", "a<|endoftext|>b \u00e9\u4e2d"]
+    for got, want in zip(one.encode_batch(texts), tok.encode_batch(texts), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert one.fingerprint()["digest"] == tok.fingerprint()["digest"]
+
+
+def test_single_threaded_byte_tokenizer():
+    tok = load_tokenizer(None, kind="byte")
+    np.testing.assert_array_equal(tok.single_threaded().encode("ab"), tok.encode("ab"))

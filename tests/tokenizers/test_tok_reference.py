@@ -129,6 +129,22 @@ def test_gpt2_megatron_special_text_is_plain_text():
         assert 50256 not in ids and len(ids) > 3
 
 
+@pytest.mark.parametrize("path", ["gpt2", "gpt2/gpt2.tiktoken"])
+def test_tiktoken_numpy_path_equals_encode_ordinary(corpora, path):
+    """One thread encodes through encode_to_numpy; ids equal tiktoken's encode_ordinary and the
+    threaded batch path, special-token strings included (they stay plain text)."""
+    texts = corpora["wikitext-2"][:300] + ["a<|endoftext|>b", "<|endoftext|>", "", "x <|endofprompt|> y\n\n"]
+    one, many = load_shared(path, num_threads=1), load_shared(path, num_threads=2)
+    ids, lengths = one.encode_batch(texts)
+    assert ids.dtype == lengths.dtype == np.int64
+    expected = [one.enc.encode_ordinary(t) for t in texts]
+    np.testing.assert_array_equal(lengths, [len(e) for e in expected])
+    np.testing.assert_array_equal(ids, [i for e in expected for i in e])
+    threaded = many.encode_batch(texts)
+    np.testing.assert_array_equal(threaded[0], ids)
+    np.testing.assert_array_equal(threaded[1], lengths)
+
+
 def test_decode_same_on_both_engines():
     ids = [15496, 995, 50256, 0, 220, 129, 30]  # includes eod and a partial UTF-8 byte sequence
     ref, fast = load_shared("gpt2", fast=False), load_shared("gpt2")

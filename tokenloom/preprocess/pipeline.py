@@ -355,15 +355,16 @@ class _Run:
 def start_pool(run: _Run) -> cf.ProcessPoolExecutor | None:
     """Worker processes, started before any thread exists in this process.
 
-    On Linux they are forked (no re-import, ~10 ms each instead of ~1 s with spawn);
-    forking is safe because no thread is running yet (the hasher and the progress
-    bar start later). Each worker still builds its own tokenizer from the spec.
+    On Linux they are forked (no re-import, ~10 ms each instead of ~1 s with spawn) and
+    keep the parent's tokenizer, switched to one thread; forking is safe because no thread
+    is running yet (the hasher and the progress bar start later) and nothing has been
+    encoded here. Spawned workers build their tokenizer from the spec.
     """
     if run.workers <= 1:
         return None
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    pool = cf.ProcessPoolExecutor(run.workers, mp_context=multiprocessing.get_context(method), initializer=init,
-                                  initargs=(run.tokenizer.spec,))
+    fork = sys.platform.startswith("linux")
+    pool = cf.ProcessPoolExecutor(run.workers, mp_context=multiprocessing.get_context("fork" if fork else "spawn"),
+                                  initializer=init, initargs=(run.tokenizer.spec, run.tokenizer if fork else None))
     pool.submit(ping).result()  # launches every process now, before threads start
     return pool
 

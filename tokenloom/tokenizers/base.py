@@ -118,6 +118,21 @@ class Tokenizer(abc.ABC):
 
         return load_tokenizer, (self._spec,)
 
+    def single_threaded(self) -> Tokenizer:
+        """A shallow copy that encodes on the calling thread (``num_threads=1``).
+
+        For forked preprocess workers: they hold the parent's tokenizer already, and this
+        costs nothing where rebuilding from the spec costs up to 0.3 s per process. Safe
+        after fork only if the parent never ran the backend's own thread pool.
+        (Not ``copy.copy``: that goes through ``__reduce__``, which rebuilds.)
+        """
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone._spec = self._spec.with_options(num_threads=1)
+        if "num_threads" in clone.__dict__:
+            clone.num_threads = 1
+        return clone
+
     def id_options(self) -> dict[str, Any]:
         """Resolved options that affect ids (subclasses add auto-detected ones)."""
         return {k: v for k, v in sorted(self._spec.options.items()) if k not in RUNTIME_OPTIONS}

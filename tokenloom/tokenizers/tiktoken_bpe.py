@@ -112,13 +112,24 @@ def read_rank_file(path: str | Path) -> dict[bytes, int]:
     return ranks
 
 
-def encode_ordinary_batch(enc: tiktoken.Encoding, texts: list[str], num_threads: int | None) -> list[list[int]]:
-    """tiktoken batch encode; num_threads=1 stays on the calling thread (faster than a 1-thread pool)."""
+def encode_ordinary_flat(enc: tiktoken.Encoding, texts: list[str], num_threads: int | None):
+    """``(ids int64, lengths int64)`` of ``texts``, every special-token string encoded as text.
+
+    One thread (preprocess workers): ``encode_to_numpy`` per text, which hands tiktoken's
+    token buffer straight to numpy instead of building a Python int per token, then one
+    concatenate (about 10% of a worker's time saved). With no special token allowed and
+    none disallowed it runs tiktoken's ``encode`` with an empty allowed set, which encodes
+    the whole text as ordinary text, as ``encode_ordinary`` does (tests prove the ids equal,
+    special-token strings included). Several threads: tiktoken's own batch API.
+    """
     if num_threads == 1 or len(texts) == 1:
-        return [enc.encode_ordinary(t) for t in texts]
+        arrays = [enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        ids = np.concatenate(arrays).astype(np.int64) if arrays else np.empty(0, np.int64)
+        return ids, lengths
     if num_threads is None:
-        return enc.encode_ordinary_batch(texts)
-    return enc.encode_ordinary_batch(texts, num_threads=num_threads)
+        return flatten(enc.encode_ordinary_batch(texts))
+    return flatten(enc.encode_ordinary_batch(texts, num_threads=num_threads))
 
 
 def decode_skipping(enc: tiktoken.Encoding, ids, special_ids: set[int]) -> str:
@@ -187,7 +198,7 @@ class TiktokenTokenizer(Tokenizer):
         return {**super().id_options(), **self._resolved}
 
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        return flatten(encode_ordinary_batch(self.enc, texts, self.num_threads))
+        return encode_ordinary_flat(self.enc, texts, self.num_threads)
 
     def decode(self, ids) -> str:
         return decode_skipping(self.enc, ids, self._special_ids)
