@@ -49,10 +49,10 @@ def ours(args, out: Path) -> float:
     return max(r["tokens_per_s"] for r in read_metrics(out / "metrics.jsonl")[1:])
 
 
-def baseline(args, device: torch.device) -> float:
+def baseline(args, device: torch.device, fused: bool = False) -> float:
     """Plain eager loop; best tokens/s over the same intervals as ours."""
     model = GPT(model_config(args)).to(device)
-    opt = build_optimizer(model, OptimConfig(lr=3e-4))
+    opt = build_optimizer(model, OptimConfig(lr=3e-4, fused=None if fused else False))
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 4096, (args.iters, args.micro, args.seq_len + 1), generator=g).to(device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -79,19 +79,22 @@ def baseline(args, device: torch.device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=12, help="steps per run (3 log intervals)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8)
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    best_ours = best_base = 0.0
+    best_ours = best_base = best_fused = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             best_ours = max(best_ours, ours(args, Path(tmp) / f"r{r}"))
             best_base = max(best_base, baseline(args, device))
+            best_fused = max(best_fused, baseline(args, device, fused=True))
     model = GPT(model_config(args))
-    rows = [("tokens/s", f"{best_ours:,.0f}", f"{best_base:,.0f}", f"{best_ours / best_base:.3f}x")]
+    rows = [("tokens/s (target >= 1.0)", f"{best_ours:,.0f}", f"{best_base:,.0f}", f"{best_ours / best_base:.3f}x"),
+            ("tokens/s, baseline also with fused AdamW (loop overhead only)", f"{best_ours:,.0f}",
+             f"{best_fused:,.0f}", f"{best_ours / best_fused:.3f}x")]
     peak = peak_flops(device)
     if peak:
         fpt = model.flops_per_token()

@@ -361,11 +361,10 @@ class GPT(nn.Module):
         ks = _kernels_for(self.cfg.kernels, h)
         if labels is None:
             return self.lm_head(h)
-        if ks is not None:  # chunked: never holds [B*T, vocab] logits; per-token losses as below
-            losses = ks.cross_entropy(h, self.lm_head.weight, labels, reduction="none")
-        else:
-            logits = self.lm_head(h)
-            losses = F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(-1), reduction="none")
+        if ks is not None:  # chunked: never holds [B*T, vocab] logits; same reduction as below
+            return ks.cross_entropy(h, self.lm_head.weight, labels, loss_mask, reduction="mean")
+        logits = self.lm_head(h)
+        losses = F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(-1), reduction="none")
         if loss_mask is None:
             return losses.mean()
         mask = loss_mask.reshape(-1).to(losses.dtype)

@@ -13,8 +13,13 @@ Choices and their costs:
   Warmup is linear, ``lr * (it + 1) / warmup_iters`` (the first step does not waste a
   zero learning rate), then cosine from ``lr`` to ``min_lr`` at ``lr_decay_iters``,
   constant ``min_lr`` after.
-* AdamW uses torch's default implementation (``foreach`` on CPU and GPU); the fused CUDA
-  kernel is opt-in (``fused``) because it is not bit-identical to the CPU path.
+* **Fused AdamW by default** where torch has the kernel for the parameters' device (CPU
+  and CUDA): one kernel over every parameter instead of a loop of ops per tensor, 5-6x
+  faster on CPU for a 4M-parameter GPT (2.2 ms vs 10.5 ms for-loop, 13.9 ms foreach),
+  and torchtitan's default on GPU. It is the same update but not bit-identical to torch's
+  default implementation, so a comparison against a plain ``torch.optim.AdamW`` sets
+  ``fused=False``. Every tokenloom path builds its optimizer here, so single-process,
+  DDP, tensor/pipeline-parallel and resumed runs all use the same implementation.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ class OptimConfig:
     """Decoupled weight decay on matmul weights (not on biases, norms, embeddings)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
-    fused: bool = False
-    """Use torch's fused AdamW kernel (CUDA; not bit-identical to the default path)."""
+    fused: bool | None = None
+    """Fused AdamW kernel: None uses it where torch has one for the device (CPU, CUDA), False never."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -75,13 +80,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups`; the learning rate is set per step from :func:`lr_at`."""
+    groups = param_groups(model, cfg.weight_decay)
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        fused=True if cfg.fused else None,
+        fused=use_fused(cfg, [p for g in groups for p in g["params"]]),
     )
+
+
+def use_fused(cfg: OptimConfig, params: list[torch.Tensor]) -> bool | None:
+    """torch's ``fused`` argument for these parameters (None: torch's default implementation)."""
+    if cfg.fused is False or not params:
+        return None
+    supported = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+    if all(p.device.type in supported and p.is_floating_point() for p in params):
+        return True
+    if cfg.fused:
+        devices = sorted({p.device.type for p in params})
+        raise TokenloomError(f"optim.fused: torch has no fused AdamW for parameters on {devices}")
+    return None
 
 
 def lr_at(it: int, cfg: OptimConfig, train_iters: int) -> float:

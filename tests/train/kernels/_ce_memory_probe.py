@@ -1,7 +1,7 @@
 """Peak-memory probe for one cross-entropy implementation, run as a fresh subprocess.
 
 Usage: ``python _ce_memory_probe.py {reference|chunked} TOKENS VOCAB HIDDEN [CHUNK]``.
-Prints one JSON line: ``peak_rss_delta`` (bytes) and ``saved_bytes``.
+Prints one JSON line: ``peak_rss_delta`` and ``held_after_forward`` (bytes).
 
 * ``peak_rss_delta``: the kernel's peak-RSS counter (VmHWM) is reset through
   ``/proc/self/clear_refs`` after inputs are built and a tiny warm-up ran; the
@@ -10,8 +10,9 @@ Prints one JSON line: ``peak_rss_delta`` (bytes) and ``saved_bytes``.
   ``MALLOC_MMAP_THRESHOLD_`` so every large buffer is its own mmap, returned to the
   OS when freed (glibc otherwise raises the threshold dynamically and recycles heap
   memory, which blurs the measurement).
-* ``saved_bytes``: total bytes of distinct storages autograd saves for backward
-  (``saved_tensors_hooks``); deterministic, but blind to transients.
+* ``held_after_forward``: VmRSS after forward minus VmRSS before it: everything kept
+  from forward to backward (saved activations, and the gradients the training path of
+  the chunked loss computes in forward), which ``saved_tensors_hooks`` alone would miss.
 """
 
 from __future__ import annotations
@@ -47,19 +48,14 @@ def main() -> None:
     t = torch.randint(0, vocab, (1, tokens), generator=g)
     fn(h[:, :4].detach().requires_grad_(), w[:8].detach().requires_grad_(), t[:, :4] % 8).backward()
 
-    storages: dict[int, int] = {}
-
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status("VmRSS")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        loss = fn(h, w, t)
+    loss = fn(h, w, t)
+    held = _status("VmRSS") - before
     loss.backward()
-    print(json.dumps({"peak_rss_delta": _status("VmHWM") - before, "saved_bytes": sum(storages.values())}))
+    print(json.dumps({"peak_rss_delta": _status("VmHWM") - before, "held_after_forward": held}))
 
 
 if __name__ == "__main__":

@@ -2,21 +2,28 @@
 
 ``chunked_cross_entropy(hidden, weight, targets)`` equals
 ``F.cross_entropy(hidden @ weight.T, targets)`` but computes the logits
-``chunk_size`` tokens at a time inside one autograd function. Forward keeps only the
-per-token log-sum-exp; backward recomputes each chunk's logits and turns them straight
-into ``softmax - onehot``, then into the hidden and weight gradients. So:
+``chunk_size`` tokens at a time inside one autograd function, turning each chunk's
+logits straight into ``softmax - onehot`` and then into the hidden and weight
+gradients. So:
 
-* peak memory is O(chunk x vocab) instead of O(tokens x vocab): about two fp32
-  chunk buffers at a time. Measured (CPU, fp32, vocab 50304, 1024 tokens, hidden 64,
-  peak-RSS growth during forward+backward): reference 620 MB, chunked 149 MB at the
-  default chunk (333 rows), 66 MB at 128 rows (tests/train/kernels/
-  test_kernel_cross_entropy.py);
-* the price is one extra LM-head GEMM (2 * tokens * hidden * vocab FLOPs) in backward,
-  i.e. 4/3 of the LM-head compute; and smaller chunks mean smaller, less efficient
-  GEMMs. The default chunk holds ~2^24 logits (64 MB in fp32) and at least 16 rows.
-  Computing the gradients already in forward (as Liger's fused linear CE does) avoids
-  the recompute, but holds the hidden and weight gradients from forward to backward
-  and pays for them even when no backward follows (evaluation).
+* peak memory is O(chunk x vocab) instead of O(tokens x vocab): about two fp32 chunk
+  buffers at a time, plus the weight gradient, accumulated in place. Measured (CPU,
+  fp32, vocab 50304, 1024 tokens, peak-RSS growth during forward+backward): hidden 64,
+  reference 620 MB, chunked 115 MB at the default chunk (166 rows), 92 MB at 128 rows
+  (tests/train/kernels/test_kernel_cross_entropy.py); hidden 768, reference 623 MB,
+  chunked 262 MB, of which 154 MB is the weight gradient any implementation needs;
+* with ``reduction="mean"`` or ``"sum"`` and gradients wanted (training), each chunk's
+  ``softmax - onehot`` is turned into the hidden and weight gradients right in forward,
+  while the chunk's logits are at hand, and backward only scales them: 3 LM-head GEMMs,
+  as with full logits, and the two gradients are held from forward to backward.
+  Otherwise (``reduction="none"``, or a forward that may not be followed by backward)
+  forward keeps only the per-token log-sum-exp and backward recomputes each chunk's
+  logits: 4/3 of the LM-head compute. Liger's fused linear cross entropy also computes
+  gradients in forward; here that is done only where the reduction makes the per-token
+  gradient weights known, so evaluation never pays for gradients;
+* smaller chunks mean smaller, less efficient GEMMs. The default chunk holds ~2^23
+  logits (32 MB in fp32) and at least 16 rows; at 2^24 the peak above was 0.58x the
+  reference's at hidden 768, at 2^23 0.42x.
 
 Logits and softmax are computed in fp32 (fp64 for fp64 inputs) whatever the input
 dtype; the weight gradient is accumulated in fp32 across chunks for bf16/fp16 weights.
@@ -44,8 +51,8 @@ Reduction = Literal["mean", "sum", "none"]
 
 
 def default_chunk_size(vocab: int) -> int:
-    """Rows per chunk so that one fp32 logits chunk is ~64 MB (2^24 values), >= 16 rows."""
-    return max(16, (1 << 24) // max(vocab, 1))
+    """Rows per chunk so that one fp32 logits chunk is ~32 MB (2^23 values), >= 16 rows."""
+    return max(16, (1 << 23) // max(vocab, 1))
 
 
 def _target_and_sumexp(
@@ -72,6 +79,15 @@ def _logits_grad(
     grad = logits.sub_(lse.unsqueeze(1)).exp_()
     grad.scatter_add_(1, t_local.clamp(0, vocab - 1).unsqueeze(1), -in_shard.to(grad.dtype).unsqueeze(1))
     return grad.mul_(coef.unsqueeze(1)).to(out_dtype)
+
+
+def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    """``grad_weight += grad_logits.T @ h``, in place when the dtypes agree: the product is
+    weight-sized, and a temporary for it would be the largest buffer of the whole loss."""
+    if grad_weight.dtype == grad_logits.dtype == h.dtype:
+        grad_weight.addmm_(grad_logits.T, h)
+    else:  # bf16/fp16 inputs: the fp32 accumulator needs the product converted first
+        grad_weight += (grad_logits.T @ h).to(grad_weight.dtype)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -107,28 +123,101 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         hidden, weight, t_local, lse, ignored = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
         coef = grad_losses.to(lse.dtype).masked_fill(ignored, 0.0)
+        grads = _recomputed_grads(hidden, weight, t_local, lse, coef, ctx.chunk_size, ctx.group, ctx.grad_fn,
+                                  ctx.needs_input_grad[:2])
+        return (*grads, None, None, None, None, None)
+
+
+def _recomputed_grads(hidden, weight, t_local, lse, coef, chunk_size, group, grad_fn, needs):
+    """(hidden grad, weight grad) for per-token gradient coefficients ``coef``, recomputing each
+    chunk's logits from the saved log-sum-exp."""
+    need_hidden, need_weight = needs
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        h = hidden[rows]
+        logits = (h @ weight.T).to(lse.dtype)
+        grad_logits = grad_fn(logits, lse[rows], t_local[rows], coef[rows], hidden.dtype)
+        del logits
+        if need_hidden:
+            grad_hidden[rows] = grad_logits @ weight
+        if need_weight:
+            _accumulate_weight_grad(grad_weight, grad_logits, h)
+    if need_hidden and group is not None:
+        dist.all_reduce(grad_hidden, group=group)
+    if need_weight:
+        grad_weight = grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The reduced loss (a scalar) from hidden [N, H], weight [V_r, H], targets [N] and per-token
+    gradient coefficients ``coef`` [N] (the weight of each token's loss in the reduction).
+
+    Training variant of :class:`_ChunkedCrossEntropy`: because the reduction is known, each
+    chunk's ``softmax - onehot`` can be turned into the hidden and weight gradients in forward,
+    while its logits are still at hand. That saves the backward's recompute GEMM (3 LM-head
+    GEMMs instead of 4, as many as with full logits) at the price of holding the two gradients
+    from forward to backward. Backward scales them in place and hands them over (a scaled
+    copy would hold a second weight-sized gradient at the peak); a second backward of the
+    same graph (``retain_graph=True``, gradcheck) recomputes them from the saved log-sum-exp.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, coef, chunk_size, group, fns):
+        stats_fn, grad_fn = fns
+        compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        vocab_start = weight.shape[0] * dist.get_rank(group) if group is not None else 0
+        t_local = targets - vocab_start
+        coef = coef.to(compute_dtype)
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
-        )
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
+        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+        total = torch.zeros((), dtype=compute_dtype, device=hidden.device)
+        lse = torch.empty(hidden.shape[0], dtype=compute_dtype, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
             h = hidden[rows]
-            logits = (h @ weight.T).to(lse.dtype)
-            grad_logits = ctx.grad_fn(logits, lse[rows], t_local[rows], coef[rows], hidden.dtype)
+            logits = (h @ weight.T).to(compute_dtype)
+            row_max = logits.max(dim=1).values
+            if group is not None:
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            shifted_target, sum_exp = stats_fn(logits, row_max, t_local[rows])
+            if group is not None:
+                dist.all_reduce(shifted_target, group=group)
+                dist.all_reduce(sum_exp, group=group)
+            log_sum_exp = sum_exp.log()
+            total += ((log_sum_exp - shifted_target) * coef[rows]).sum()
+            lse[rows] = row_max + log_sum_exp
+            grad_logits = grad_fn(logits, lse[rows], t_local[rows], coef[rows], hidden.dtype)
             del logits
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
-                grad_weight += (grad_logits.T @ h).to(acc_dtype)
-        if need_hidden and ctx.group is not None:
-            dist.all_reduce(grad_hidden, group=ctx.group)
+                _accumulate_weight_grad(grad_weight, grad_logits, h)
+        if need_hidden and group is not None:
+            dist.all_reduce(grad_hidden, group=group)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        ctx.save_for_backward(hidden, weight, t_local, lse, coef)
+        ctx.grads = (grad_hidden, grad_weight)  # plain attributes: scaled in place by backward
+        ctx.chunk_size, ctx.group, ctx.grad_fn = chunk_size, group, grad_fn
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        if ctx.grads is not None:  # the first backward: the gradients computed in forward
+            grads = [g.mul_(grad_total) if g is not None else None for g in ctx.grads]
+            ctx.grads = None
+        else:
+            hidden, weight, t_local, lse, coef = ctx.saved_tensors
+            grads = _recomputed_grads(hidden, weight, t_local, lse, coef * grad_total, ctx.chunk_size, ctx.group,
+                                      ctx.grad_fn, ctx.needs_input_grad[:2])
+        return (*grads, None, None, None, None, None)
 
 
 def _reduce(
@@ -181,9 +270,17 @@ def chunked_cross_entropy(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     flat_targets = targets.reshape(-1)
-    losses = _ChunkedCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, ignore_index, chunk_size, group, _fns
-    )
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if reduction in ("mean", "sum") and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        # Training: the token weights of the reduction are known, so gradients come out of
+        # forward (no recompute GEMM in backward).
+        coef = (flat_targets != ignore_index).to(torch.promote_types(hidden.dtype, torch.float32))
+        if loss_mask is not None:
+            coef = coef * loss_mask.reshape(-1).to(coef.dtype)
+        if reduction == "mean":
+            coef = coef / coef.sum().clamp(min=1.0)
+        return _FusedLinearCrossEntropy.apply(flat_hidden, weight, flat_targets, coef, chunk_size, group, _fns)
+    losses = _ChunkedCrossEntropy.apply(flat_hidden, weight, flat_targets, ignore_index, chunk_size, group, _fns)
     return _reduce(losses, flat_targets, loss_mask, ignore_index, reduction)
 
 

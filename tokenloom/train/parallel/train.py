@@ -61,7 +61,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.metrics import MetricsLogger
 from tokenloom.train.model import GPT
-from tokenloom.train.optim import lr_at, set_lr
+from tokenloom.train.optim import lr_at, set_lr, use_fused
 from tokenloom.train.parallel.gpt import build_tp_gpt_stage, counts_in_grad_norm, tp_gpt_loss
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.schedules import allreduce_tied_embedding_grads, forward_backward, get_schedule
@@ -133,9 +133,9 @@ class ParallelRun:
                 norm_group=st.model_parallel_group if cfg.tp * cfg.pp > 1 else None,
             )
         else:
-            self.optimizer = torch.optim.AdamW(parallel_param_groups(self.stages, o.weight_decay), lr=o.lr,
-                                               betas=(o.beta1, o.beta2), eps=o.eps,
-                                               fused=True if o.fused else None)
+            groups = parallel_param_groups(self.stages, o.weight_decay)
+            self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                               fused=use_fused(o, [p for g in groups for p in g["params"]]))
         self.comm = None
         if cfg.pp > 1:
             shape = (cfg.micro_batch_size, cfg.model.seq_len, cfg.model.d_model)
