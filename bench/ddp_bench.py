@@ -1,11 +1,14 @@
 """Step time of our DDP vs torch.nn.parallel.DistributedDataParallel: 2 gloo ranks, same GPT.
 
-    .venv/bin/python bench/ddp_bench.py [--steps 10] [--repeat 5] [--d-model 128]
+    .venv/bin/python bench/ddp_bench.py [--steps 10] [--repeat 8] [--d-model 128]
 
 Each rank runs forward + backward + AdamW step on the same model and batches, once
 wrapped in ours and once in torch's (default settings: 25 MiB buckets), with and without
-4-micro-batch accumulation (``no_sync``). Rounds alternate between the two wrappers and
-the best round of each is kept (the box is shared). Target: ours <= 1.05x torch's time.
+4-micro-batch accumulation (``no_sync``). The two wrappers alternate step by step (ours,
+torch, ours, ...), each step timed on its own (barrier before, slowest rank's time), and
+each side reports its median step: on a shared box the load drifts within seconds, and
+step-level alternation gives both sides the same conditions where round-level alternation
+did not (best-of-rounds ratios moved by +-5% between runs). Target: ours <= 1.05x torch's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -64,15 +68,16 @@ def worker(rank: int, args, port: int) -> None:
         built = {w: make(args, w) for w in ("ours", "torch")}
         for w in built:
             steps(*built[w], batches[:2], accum)  # warm-up (bucket rebuild, allocator)
-        best = {"ours": float("inf"), "torch": float("inf")}
-        for _ in range(args.repeat):
+        times: dict[str, list[float]] = {"ours": [], "torch": []}
+        for k in range(args.repeat * args.steps):
             for w in ("ours", "torch"):
                 dist.barrier()
                 start = time.perf_counter()
-                steps(*built[w], batches, accum)
+                steps(*built[w], batches[k % len(batches) : k % len(batches) + 1], accum)
                 elapsed = torch.tensor(time.perf_counter() - start)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                best[w] = min(best[w], elapsed.item() / args.steps)
+                times[w].append(elapsed.item())
+        best = {w: statistics.median(t) for w, t in times.items()}
         tokens = 2 * args.micro * accum * args.seq_len
         rows.append((f"step time, accum {accum} (ms)", f"{best['ours'] * 1e3:.1f}", f"{best['torch'] * 1e3:.1f}",
                      f"{best['ours'] / best['torch']:.3f}x"))
@@ -81,7 +86,7 @@ def worker(rank: int, args, port: int) -> None:
     if rank == 0:
         params = sum(p.numel() for p in built["ours"][0].parameters())
         print_table(f"DDP: tokenloom vs torch DDP, 2 gloo ranks x {args.threads} thread(s), GPT {params / 1e6:.2f}M "
-                    f"params, micro {args.micro} x seq {args.seq_len}, best of {args.repeat} x {args.steps} steps "
+                    f"params, micro {args.micro} x seq {args.seq_len}, median of {args.repeat * args.steps} alternating steps "
                     "(time ratio = ours/torch, lower is better)", rows)
     dist.barrier()
     dist.destroy_process_group()
@@ -90,7 +95,7 @@ def worker(rank: int, args, port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro", type=int, default=4)

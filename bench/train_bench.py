@@ -1,19 +1,24 @@
 """Tokens/s of our training loop vs a plain single-process eager loop of the same GPT.
 
-    .venv/bin/python bench/train_bench.py [--iters 12] [--rounds 3] [--d-model 256]
+    .venv/bin/python bench/train_bench.py [--iters 40] [--skip 3] [--d-model 256]
 
-Ours is ``tokenloom.train.loop.run`` on mock data (DataLoader over GPTSamples, lr
-schedule, grad clipping, metrics JSONL; no evaluation, one checkpoint at the end which
-the timing excludes) and reports its own tokens/s per log interval. The baseline is the
+Ours is tokenloom's training loop (``loop.start_run(cfg).steps()``, what ``run`` drives)
+on mock data: DataLoader over GPTSamples, lr schedule, grad clipping, metrics JSONL every
+10 steps, one checkpoint at the end; no evaluation. The baseline is the
 nanoGPT-style loop: batches pre-built in memory, forward, backward, clip, AdamW. Both
 use the same model, batch, optimizer groups and precision (fp32 on CPU, bf16 autocast on
-GPU). Rounds alternate; the best interval of each side is kept. Target: ratio >= 1.0.
+GPU). The three loops take turns one optimizer step at a time (ours, baseline, baseline
+with fused AdamW, ours, ...), each step timed on its own, and each side reports its median
+step: on a shared box the load drifts within seconds, and alternating steps gives all
+sides the same conditions (alternating whole runs moved the ratio by +-4% between runs).
+Target: ratio >= 1.0.
 MFU is printed when the device's peak FLOP/s is known (GPUs in the metrics table).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -26,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
 
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
-from tokenloom.train.loop import TrainConfig, run  # noqa: E402
-from tokenloom.train.metrics import peak_flops, read_metrics  # noqa: E402
+from tokenloom.train.loop import TrainConfig, start_run  # noqa: E402
+from tokenloom.train.metrics import peak_flops  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 from tokenloom.train.optim import OptimConfig, build_optimizer  # noqa: E402
 
@@ -37,27 +42,27 @@ def model_config(args) -> GPTConfig:
                      n_heads=4, d_model=args.d_model)
 
 
-def ours(args, out: Path) -> float:
-    """Best tokens/s over the loop's log intervals (the first interval, with warm-up, is skipped)."""
+def our_steps(args, out: Path):
+    """tokenloom's loop on mock data, as a generator of optimizer steps."""
     cfg = TrainConfig(
         model=model_config(args), data=DataConfig(mock=MockDataConfig(num_sequences=20_000, max_length=1024)),
         optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_iters=5), micro_batch_size=args.micro,
-        global_batch_size=args.micro, train_iters=args.iters, eval_interval=0, log_interval=args.iters // 3,
+        global_batch_size=args.micro, train_iters=args.iters, eval_interval=0, log_interval=10,
         save_interval=None, output_dir=str(out), progress=False, plot=False,
     )
-    run(cfg)
-    return max(r["tokens_per_s"] for r in read_metrics(out / "metrics.jsonl")[1:])
+    r = start_run(cfg)
+    yield from r.steps()
+    r.finish()
 
 
-def baseline(args, device: torch.device, fused: bool = False) -> float:
-    """Plain eager loop; best tokens/s over the same intervals as ours."""
+def baseline_steps(args, device: torch.device, fused: bool = False):
+    """The plain eager loop, as a generator of optimizer steps."""
     model = GPT(model_config(args)).to(device)
     opt = build_optimizer(model, OptimConfig(lr=3e-4, fused=None if fused else False))
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 4096, (args.iters, args.micro, args.seq_len + 1), generator=g).to(device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
-    interval, best, start = args.iters // 3, 0.0, time.perf_counter()
     for it in range(args.iters):
         x, y = data[it, :, :-1], data[it, :, 1:]
         opt.zero_grad()
@@ -66,31 +71,39 @@ def baseline(args, device: torch.device, fused: bool = False) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if (it + 1) % interval == 0:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if it + 1 > interval:  # skip the warm-up interval, as for ours
-                best = max(best, interval * args.micro * args.seq_len / (now - start))
-            start = now
-    return best
+        yield it + 1
+
+
+def timed_step(steps, device: torch.device) -> float:
+    start = time.perf_counter()
+    next(steps)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=12, help="steps per run (3 log intervals)")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=40, help="steps per loop")
+    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8)
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    best_ours = best_base = best_fused = 0.0
+    times: dict[str, list[float]] = {"ours": [], "base": [], "fused": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            best_ours = max(best_ours, ours(args, Path(tmp) / f"r{r}"))
-            best_base = max(best_base, baseline(args, device))
-            best_fused = max(best_fused, baseline(args, device, fused=True))
+        runs = {"ours": our_steps(args, Path(tmp) / "run"), "base": baseline_steps(args, device),
+                "fused": baseline_steps(args, device, fused=True)}
+        for it in range(args.iters):  # the three loops take turns, one step each
+            for name, steps in runs.items():
+                elapsed = timed_step(steps, device)
+                if it >= args.skip:
+                    times[name].append(elapsed)
+        for steps in runs.values():
+            next(steps, None)  # lets our run finish (metrics closed)
+    tokens = args.micro * args.seq_len
+    best_ours, best_base, best_fused = (tokens / statistics.median(times[k]) for k in ("ours", "base", "fused"))
     model = GPT(model_config(args))
     rows = [("tokens/s (target >= 1.0)", f"{best_ours:,.0f}", f"{best_base:,.0f}", f"{best_ours / best_base:.3f}x"),
             ("tokens/s, baseline also with fused AdamW (loop overhead only)", f"{best_ours:,.0f}",
@@ -104,7 +117,7 @@ def main() -> None:
         rows.append(("MFU", "n/a", "n/a", f"no known peak FLOP/s for {device.type}"))
     print_table(f"training loop: tokenloom run() vs plain eager loop, {device.type} ({torch.get_num_threads()} "
                 f"threads), GPT {model.num_params() / 1e6:.2f}M params, micro {args.micro} x seq {args.seq_len}, "
-                f"best interval of {args.rounds} x {args.iters} steps (ratio = ours/baseline, higher is better)",
+                f"median step of {args.iters - args.skip} taken in turn (ratio = ours/baseline, higher is better)",
                 rows)
 
 

@@ -16,7 +16,7 @@ import torch
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig
-from tokenloom.train.loop import TrainConfig, config_to_dict, load_config, run
+from tokenloom.train.loop import TrainConfig, config_to_dict, load_config, run, start_run
 from tokenloom.train.metrics import read_metrics
 from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import OptimConfig, lr_at, param_groups
@@ -70,6 +70,20 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert checkpoint.find_latest(tmp_path / "checkpoints").name == "iter_0000030"
     assert json.loads((tmp_path / "config.json").read_text())["train_iters"] == 30
+
+
+def test_stepping_the_run_equals_run(tmp_path):
+    """start_run(cfg).steps() one step at a time, then finish(): the same metrics, summary and
+    checkpoint as run(cfg); and the parallel layouts are refused there."""
+    summary = run(tiny(tmp_path / "a", train_iters=8))
+    r = start_run(tiny(tmp_path / "b", train_iters=8))
+    assert list(r.steps()) == list(range(1, 9))
+    assert r.finish() == {**summary, "checkpoint": summary["checkpoint"].replace(str(tmp_path / "a"), str(tmp_path / "b"))}
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    for name, tensor in final_params(tmp_path / "a").items():
+        assert torch.equal(tensor, final_params(tmp_path / "b")[name]), name
+    with pytest.raises(TokenloomError, match="start_run covers"):
+        start_run(tiny(tmp_path / "c", tp=2))
 
 
 def test_grad_accumulation_equals_one_big_micro_batch(tmp_path):

@@ -44,6 +44,7 @@ import sys
 import time
 import types
 import typing
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -322,11 +323,20 @@ def run(cfg: TrainConfig) -> dict:
         from tokenloom.train.parallel.train import run_parallel
 
         return run_parallel(cfg)
-    world = _join_world(cfg)
-    summary = _Run(cfg, world).train()
-    if world.owns_group:
+    r = start_run(cfg)
+    summary = r.train()
+    if r.world.owns_group:
         dist.destroy_process_group()
     return summary
+
+
+def start_run(cfg: TrainConfig) -> _Run:
+    """A data-parallel run (tp = pp = 1, no ZeRO-1) set up in this process, not yet stepped:
+    ``for it in r.steps(): ...`` then ``r.finish()``; ``run`` does ``start_run(cfg).train()``
+    (``bench/train_bench.py`` steps it in turn with a baseline loop)."""
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.zero1:
+        raise TokenloomError("start_run covers tp = pp = 1 without ZeRO-1; use run()")
+    return _Run(cfg, _join_world(cfg))
 
 
 _MODEL_FIELDS_FREE_ON_RESUME = {"recompute_layers", "dropout", "seed", "init_std", "kernels"}
@@ -438,14 +448,24 @@ class _Run:
             yield [train_data.to_device(next(it), self.world.device) for _ in range(self.accum)]
 
     def train(self) -> dict:
+        """The whole loop: :meth:`steps` to the end, then :meth:`finish`."""
+        for _ in self.steps():
+            pass
+        return self.finish()
+
+    def steps(self) -> Iterator[int]:
+        """The loop, one optimizer step at a time: yields the iteration number after each step
+        (with its logging, evaluation and checkpoint). ``train`` drains it; a benchmark can
+        interleave it step by step with a baseline. Call :meth:`finish` afterwards."""
         cfg, world = self.cfg, self.world
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.train_iters, initial=self.iteration, disable=world.rank != 0 or not cfg.progress,
-                   dynamic_ncols=True, unit="it")
+        self._bar = bar = tqdm(total=cfg.train_iters, initial=self.iteration,
+                               disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True, unit="it")
         loss_sum, since, t0 = torch.zeros((), device=world.device), 0, time.perf_counter()
-        last = {"train_loss": None, "val_loss": None}
-        exited = False
+        self._last: dict = {"train_loss": None, "val_loss": None}
+        self._exited = False
+        last = self._last
         batches = self._batches() if self.iteration < cfg.train_iters else iter(())
         if self.iteration == 0 and cfg.eval_interval and self.data.valid is not None:
             # The starting point of the validation curve (eval mode: no RNG is consumed).
@@ -472,21 +492,26 @@ class _Run:
                 last["val_loss"] = evaluate(self.net, self.data.valid, cfg, world, self.data.eod, self.autocast)
                 if self.metrics:
                     self.metrics.log({"iter": self.iteration, "val_loss": last["val_loss"]})
-            exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
-            if done or exited or (cfg.save_interval and self.iteration % cfg.save_interval == 0):
+            self._exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
+            if done or self._exited or (cfg.save_interval and self.iteration % cfg.save_interval == 0):
                 last["checkpoint"] = str(self._save())
             if since == 0:
                 t0 = time.perf_counter()
-            if exited:
+            yield self.iteration
+            if self._exited:
                 break
-        bar.close()
+
+    def finish(self) -> dict:
+        """Close the progress bar and metrics, draw the loss plot; the run's summary."""
+        cfg, last = self.cfg, self._last
+        self._bar.close()
         if "checkpoint" not in last and self.resumed_from is not None:
             last["checkpoint"] = str(self.resumed_from)  # resumed a finished run: nothing new to save
         if self.metrics:
             self.metrics.close()
-            if cfg.plot and not exited:
+            if cfg.plot and not self._exited:
                 plot_loss(self.metrics_path, Path(cfg.output_dir) / "loss.png")
-        return {"iteration": self.iteration, "exited": exited, **last}
+        return {"iteration": self.iteration, "exited": self._exited, **last}
 
     def _log_train(self, mean_loss: torch.Tensor, norm: torch.Tensor, lr: float, steps: int, t0: float,
                    bar) -> float:
