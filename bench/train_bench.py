@@ -1,23 +1,28 @@
 """Tokens/s of our training loop vs a plain single-process eager loop of the same GPT.
 
-    .venv/bin/python bench/train_bench.py [--iters 40] [--skip 3] [--d-model 256]
+    .venv/bin/python bench/train_bench.py [--iters 13] [--skip 3] [--rounds 4] [--d-model 256]
 
 Ours is tokenloom's training loop (``loop.start_run(cfg).steps()``, what ``run`` drives)
 on mock data: DataLoader over GPTSamples, lr schedule, grad clipping, metrics JSONL every
-10 steps, one checkpoint at the end; no evaluation. The baseline is the
+10 steps, one checkpoint at the end, no evaluation; Python's automatic GC off with a
+collection every 50 steps (``gc_interval``), while the baseline steps run with Python's
+default automatic GC, as a plain loop does. The baseline is the
 nanoGPT-style loop: batches pre-built in memory, forward, backward, clip, AdamW. Both
 use the same model, batch, optimizer groups and precision (fp32 on CPU, bf16 autocast on
 GPU). The three loops take turns one optimizer step at a time (ours, baseline, baseline
 with fused AdamW, ours, ...), each step timed on its own, and each side reports its median
-step: on a shared box the load drifts within seconds, and alternating steps gives all
-sides the same conditions (alternating whole runs moved the ratio by +-4% between runs).
-Target: ratio >= 1.0.
+step over all rounds: on a shared box the load drifts within seconds, and alternating
+steps gives all sides the same conditions (alternating whole runs moved the ratio by +-4%
+between runs). Each round builds fresh models, because two instances of the same model in
+one process differ in speed by 3-6% (measured; memory placement, presumably), which one
+round would bake into the ratio. Target: ratio >= 1.0.
 MFU is printed when the device's peak FLOP/s is known (GPUs in the metrics table).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -74,18 +79,28 @@ def baseline_steps(args, device: torch.device, fused: bool = False):
         yield it + 1
 
 
-def timed_step(steps, device: torch.device) -> float:
+def timed_step(steps, device: torch.device, automatic_gc: bool = False) -> float:
+    """Seconds for one step. GC state is per process, and ours turns automatic collection off
+    for its run (its ``gc_interval``); ``automatic_gc`` gives a baseline step Python's default,
+    as the plain loop has on its own."""
+    was_enabled = gc.isenabled()
+    if automatic_gc:
+        gc.enable()
     start = time.perf_counter()
     next(steps)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    if not was_enabled:
+        gc.disable()
+    return elapsed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=40, help="steps per loop")
-    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out")
+    parser.add_argument("--iters", type=int, default=13, help="steps per loop and round")
+    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of every round")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds, each with fresh models")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8)
@@ -93,15 +108,16 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     times: dict[str, list[float]] = {"ours": [], "base": [], "fused": []}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {"ours": our_steps(args, Path(tmp) / "run"), "base": baseline_steps(args, device),
-                "fused": baseline_steps(args, device, fused=True)}
-        for it in range(args.iters):  # the three loops take turns, one step each
-            for name, steps in runs.items():
-                elapsed = timed_step(steps, device)
-                if it >= args.skip:
-                    times[name].append(elapsed)
-        for steps in runs.values():
-            next(steps, None)  # lets our run finish (metrics closed)
+        for r in range(args.rounds):  # fresh instances each round: a model's speed varies by a few % per instance
+            runs = {"ours": our_steps(args, Path(tmp) / f"run{r}"), "base": baseline_steps(args, device),
+                    "fused": baseline_steps(args, device, fused=True)}
+            for it in range(args.iters):  # the three loops take turns, one step each
+                for name, steps in runs.items():
+                    elapsed = timed_step(steps, device, automatic_gc=name != "ours")
+                    if it >= args.skip:
+                        times[name].append(elapsed)
+            for steps in runs.values():
+                next(steps, None)  # lets our run finish (metrics closed)
     tokens = args.micro * args.seq_len
     best_ours, best_base, best_fused = (tokens / statistics.median(times[k]) for k in ("ours", "base", "fused"))
     model = GPT(model_config(args))
@@ -117,7 +133,7 @@ def main() -> None:
         rows.append(("MFU", "n/a", "n/a", f"no known peak FLOP/s for {device.type}"))
     print_table(f"training loop: tokenloom run() vs plain eager loop, {device.type} ({torch.get_num_threads()} "
                 f"threads), GPT {model.num_params() / 1e6:.2f}M params, micro {args.micro} x seq {args.seq_len}, "
-                f"median step of {args.iters - args.skip} taken in turn (ratio = ours/baseline, higher is better)",
+                f"median step of {args.rounds} rounds x {args.iters - args.skip} taken in turn (ratio = ours/baseline, higher is better)",
                 rows)
 
 

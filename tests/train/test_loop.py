@@ -86,6 +86,27 @@ def test_stepping_the_run_equals_run(tmp_path):
         start_run(tiny(tmp_path / "c", tp=2))
 
 
+def test_manual_gc_during_the_run(tmp_path):
+    """Automatic GC is off while the run steps and back on after (also after an error);
+    gc_interval=0 leaves it alone; a negative interval is refused."""
+    import gc
+
+    assert gc.isenabled()
+    r = start_run(tiny(tmp_path / "a", train_iters=3, eval_interval=0))
+    states = [gc.isenabled() for _ in r.steps()]
+    r.finish()
+    assert states == [False, False, False] and gc.isenabled()
+    r = start_run(tiny(tmp_path / "b", train_iters=2, eval_interval=0, gc_interval=0))
+    assert [gc.isenabled() for _ in r.steps()] == [True, True]
+    steps = start_run(tiny(tmp_path / "c", train_iters=5, eval_interval=0)).steps()
+    next(steps)
+    assert not gc.isenabled()
+    steps.close()  # an abandoned or failed run (GeneratorExit) restores it too
+    assert gc.isenabled()
+    with pytest.raises(TokenloomError, match="gc_interval"):
+        tiny(tmp_path, gc_interval=-1)
+
+
 def test_grad_accumulation_equals_one_big_micro_batch(tmp_path):
     run(tiny(tmp_path / "big", micro_batch_size=4, train_iters=8, eval_interval=0))
     run(tiny(tmp_path / "accum", micro_batch_size=1, train_iters=8, eval_interval=0))

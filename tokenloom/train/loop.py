@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -87,6 +88,10 @@ class TrainConfig:
     """Global batches of validation data per evaluation."""
     log_interval: int = 10
     """Write a metrics record every this many steps."""
+    gc_interval: int = 50
+    """Python's automatic garbage collection is off while training and a young-generation
+    collection runs every this many steps (torchtitan's gc_freq, Megatron's --manual-gc);
+    0 keeps automatic collection."""
     save_interval: int | None = 500
     """Checkpoint every this many steps; a checkpoint is always written at the end."""
     keep_last_checkpoints: int = 0
@@ -137,6 +142,8 @@ class TrainConfig:
             raise TokenloomError(f"must be >= 1: {', '.join(bad)}")
         if self.resume is not None and not self.resume:
             raise TokenloomError("resume must be 'auto', a checkpoint path, or None")
+        if self.gc_interval < 0:
+            raise TokenloomError(f"gc_interval must be >= 0, got {self.gc_interval}")
 
     @property
     def ckpt_dir(self) -> Path:
@@ -317,6 +324,36 @@ def evaluate(net, dataset, cfg: TrainConfig, world: _World, eod: int, autocast) 
     return _mean_across(total / count, world, "validation loss all-reduce")
 
 
+class ManualGC:
+    """``with ManualGC(n) as g: ... g.step(iteration)``: Python's automatic garbage collection
+    off inside, a young-generation collection every ``n`` steps (n = 0: left automatic).
+
+    Automatic GC walks every tracked object whenever allocations pile up, and the data
+    pipeline allocates many small objects per step: measured at 1.5-2% of a CPU training
+    step. Collecting at fixed steps costs less and happens on every rank at the same step,
+    so no rank stalls the others at random (torchtitan's gc_freq, Megatron's --manual-gc).
+    """
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._was_enabled = gc.isenabled()
+
+    def __enter__(self) -> ManualGC:
+        self._was_enabled = gc.isenabled()
+        if self.interval:
+            gc.collect()
+            gc.disable()
+        return self
+
+    def step(self, iteration: int) -> None:
+        if self.interval and iteration % self.interval == 0:
+            gc.collect(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.interval and self._was_enabled:
+            gc.enable()
+
+
 def run(cfg: TrainConfig) -> dict:
     """Train as configured; returns ``{"iteration", "train_loss", "val_loss", "checkpoint", "exited"}``."""
     if cfg.tp > 1 or cfg.pp > 1 or cfg.zero1:
@@ -457,6 +494,10 @@ class _Run:
         """The loop, one optimizer step at a time: yields the iteration number after each step
         (with its logging, evaluation and checkpoint). ``train`` drains it; a benchmark can
         interleave it step by step with a baseline. Call :meth:`finish` afterwards."""
+        with ManualGC(self.cfg.gc_interval) as self._gc:
+            yield from self._loop()
+
+    def _loop(self) -> Iterator[int]:
         cfg, world = self.cfg, self.world
         from tqdm import tqdm
 
@@ -495,6 +536,7 @@ class _Run:
             self._exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
             if done or self._exited or (cfg.save_interval and self.iteration % cfg.save_interval == 0):
                 last["checkpoint"] = str(self._save())
+            self._gc.step(self.iteration)
             if since == 0:
                 t0 = time.perf_counter()
             yield self.iteration

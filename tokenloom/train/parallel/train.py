@@ -262,6 +262,12 @@ class ParallelRun:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
+        from tokenloom.train.loop import ManualGC  # loop.py imports this module lazily, and so here
+
+        with ManualGC(self.cfg.gc_interval) as manual_gc:
+            return self._train(manual_gc)
+
+    def _train(self, manual_gc) -> dict:
         cfg, st = self.cfg, self.state
         metrics = None
         if st.rank == self.logger_rank:
@@ -310,6 +316,7 @@ class ParallelRun:
                 if metrics:
                     metrics.log({"iter": self.iteration, "val_loss": last["val_loss"]})
             exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
+            manual_gc.step(self.iteration)
             if done or exited or (cfg.save_interval and self.iteration % cfg.save_interval == 0):
                 from tokenloom.train.parallel import reshard
 
