@@ -1,6 +1,6 @@
 """Tokens/s of our training loop vs a plain single-process eager loop of the same GPT.
 
-    .venv/bin/python bench/train_bench.py [--iters 13] [--skip 3] [--rounds 4] [--d-model 256]
+    .venv/bin/python bench/train_bench.py [--iters 13] [--skip 3] [--rounds 8] [--d-model 256]
 
 Ours is tokenloom's training loop (``loop.start_run(cfg).steps()``, what ``run`` drives)
 on mock data: DataLoader over GPTSamples, lr schedule, grad clipping, metrics JSONL every
@@ -100,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=13, help="steps per loop and round")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of every round")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds, each with fresh models")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds, each with fresh models")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8)
