@@ -13,9 +13,9 @@ Megatron (keyed by path) silently reuses stale indices.
 
 Safety: an entry is written into a temporary directory, every file fsynced, and
 the directory renamed into place, so it appears whole or not at all (a killed
-builder leaves only a ``<key>.tmp-*`` directory). Local builders serialise on an exclusive ``flock`` and re-check
-after taking it, so N processes started together do one build and N loads. A hit
-only memory-maps the files (``mmap_mode="r"``).
+builder leaves only a ``<key>.tmp-*`` directory). Local builders serialise on an
+exclusive ``flock`` and re-check after taking it, so N processes started together do
+one build and N loads. A hit only memory-maps the files (``mmap_mode="r"``).
 
 Distributed runs do not trust ``flock`` (unreliable on some shared filesystems):
 :func:`elect_builders` finds out which ranks share a filesystem by having each rank
