@@ -90,6 +90,43 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
         grad_weight += (grad_logits.T @ h).to(grad_weight.dtype)
 
 
+def _chunk_losses(logits, t_rows, group, stats_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, loss) per row of one chunk's logits (this shard's, all-reduced over ``group``)."""
+    row_max = logits.max(dim=1).values
+    if group is not None:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shifted_target, sum_exp = stats_fn(logits, row_max, t_rows)
+    if group is not None:
+        dist.all_reduce(shifted_target, group=group)
+        dist.all_reduce(sum_exp, group=group)
+    log_sum_exp = sum_exp.log()
+    return row_max + log_sum_exp, log_sum_exp - shifted_target
+
+
+class _ChunkGrads:
+    """The hidden and weight gradients of the LM-head GEMM, filled chunk by chunk."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool]) -> None:
+        need_hidden, need_weight = needs
+        self.weight = weight
+        self.hidden = torch.empty_like(hidden) if need_hidden else None
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        self.weight_grad = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+
+    def add(self, rows: slice, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+        if self.hidden is not None:
+            self.hidden[rows] = grad_logits @ self.weight
+        if self.weight_grad is not None:
+            _accumulate_weight_grad(self.weight_grad, grad_logits, h)
+
+    def result(self, group) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(hidden grad summed over the vocab shards of ``group``, weight grad in the weight's dtype)."""
+        if self.hidden is not None and group is not None:
+            dist.all_reduce(self.hidden, group=group)
+        weight_grad = self.weight_grad.to(self.weight.dtype) if self.weight_grad is not None else None
+        return self.hidden, weight_grad
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token losses [N] from hidden [N, H], weight [V_r, H], targets [N]."""
 
@@ -104,17 +141,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = (hidden[rows] @ weight.T).to(compute_dtype)
-            row_max = logits.max(dim=1).values
-            if group is not None:
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            shifted_target, sum_exp = stats_fn(logits, row_max, t_local[rows])
+            lse[rows], losses[rows] = _chunk_losses(logits, t_local[rows], group, stats_fn)
             del logits
-            if group is not None:
-                dist.all_reduce(shifted_target, group=group)
-                dist.all_reduce(sum_exp, group=group)
-            log_sum_exp = sum_exp.log()
-            lse[rows] = row_max + log_sum_exp
-            losses[rows] = log_sum_exp - shifted_target
         losses.masked_fill_(targets == ignore_index, 0.0)
         ctx.save_for_backward(hidden, weight, t_local, lse, targets == ignore_index)
         ctx.chunk_size, ctx.group, ctx.grad_fn = chunk_size, group, grad_fn
@@ -132,25 +160,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 def _recomputed_grads(hidden, weight, t_local, lse, coef, chunk_size, group, grad_fn, needs):
     """(hidden grad, weight grad) for per-token gradient coefficients ``coef``, recomputing each
     chunk's logits from the saved log-sum-exp."""
-    need_hidden, need_weight = needs
-    grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+    grads = _ChunkGrads(hidden, weight, needs)
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         h = hidden[rows]
         logits = (h @ weight.T).to(lse.dtype)
-        grad_logits = grad_fn(logits, lse[rows], t_local[rows], coef[rows], hidden.dtype)
+        grads.add(rows, grad_fn(logits, lse[rows], t_local[rows], coef[rows], hidden.dtype), h)
         del logits
-        if need_hidden:
-            grad_hidden[rows] = grad_logits @ weight
-        if need_weight:
-            _accumulate_weight_grad(grad_weight, grad_logits, h)
-    if need_hidden and group is not None:
-        dist.all_reduce(grad_hidden, group=group)
-    if need_weight:
-        grad_weight = grad_weight.to(weight.dtype)
-    return grad_hidden, grad_weight
+    return grads.result(group)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -173,38 +190,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         vocab_start = weight.shape[0] * dist.get_rank(group) if group is not None else 0
         t_local = targets - vocab_start
         coef = coef.to(compute_dtype)
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+        grads = _ChunkGrads(hidden, weight, ctx.needs_input_grad[:2])
         total = torch.zeros((), dtype=compute_dtype, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=compute_dtype, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows]
             logits = (h @ weight.T).to(compute_dtype)
-            row_max = logits.max(dim=1).values
-            if group is not None:
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            shifted_target, sum_exp = stats_fn(logits, row_max, t_local[rows])
-            if group is not None:
-                dist.all_reduce(shifted_target, group=group)
-                dist.all_reduce(sum_exp, group=group)
-            log_sum_exp = sum_exp.log()
-            total += ((log_sum_exp - shifted_target) * coef[rows]).sum()
-            lse[rows] = row_max + log_sum_exp
-            grad_logits = grad_fn(logits, lse[rows], t_local[rows], coef[rows], hidden.dtype)
+            lse[rows], losses = _chunk_losses(logits, t_local[rows], group, stats_fn)
+            total += (losses * coef[rows]).sum()
+            grads.add(rows, grad_fn(logits, lse[rows], t_local[rows], coef[rows], hidden.dtype), h)
             del logits
-            if need_hidden:
-                grad_hidden[rows] = grad_logits @ weight
-            if need_weight:
-                _accumulate_weight_grad(grad_weight, grad_logits, h)
-        if need_hidden and group is not None:
-            dist.all_reduce(grad_hidden, group=group)
-        if need_weight:
-            grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(hidden, weight, t_local, lse, coef)
-        ctx.grads = (grad_hidden, grad_weight)  # plain attributes: scaled in place by backward
+        ctx.grads = grads.result(group)  # plain attributes: scaled in place by backward
         ctx.chunk_size, ctx.group, ctx.grad_fn = chunk_size, group, grad_fn
         return total
 
