@@ -196,13 +196,7 @@ class Attention(nn.Module):
                 q, k = ks.rope(q, cos, sin), ks.rope(k, cos, sin)
             y = ks.attention(q, k, v, causal=True, dropout_p=p)
             return self.proj(y.transpose(1, 2).reshape(B, T, -1))
-        if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
-            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = attend(q, k, v, rope, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -223,6 +217,28 @@ class MLP(nn.Module):
             h = ks.swiglu(*h.chunk(2, dim=-1)) if self.swiglu else ks.bias_gelu(h, None, approximate="tanh")
             return self.proj(h)
         return self.proj(mlp_activation(h, self.swiglu))
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Reference causal attention: q [B, h, T, d], k/v [B, h_kv, T, d] -> [B, h, T, d].
+
+    RoPE (if ``rope``) on q and k, k/v heads repeated to h for GQA, then SDPA. Shared by
+    the one-process model and its tensor-parallel twin (each rank with its heads).
+    """
+    if rope is not None:
+        T = q.shape[2]
+        cos, sin = rope[0][:T], rope[1][:T]
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 def split_qkv(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int):

@@ -43,15 +43,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig, _apply_rope, _norm, mlp_activation, split_qkv
+from tokenloom.train.model import GPT, GPTConfig, _norm, attend, mlp_activation, split_qkv
 from tokenloom.train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tokenloom.train.parallel.mappings import Group
-from tokenloom.train.parallel.schedules import stage_layer_ids, tag_embeddings_and_rope
+from tokenloom.train.parallel.schedules import stage_forward, stage_layer_ids, tag_embeddings_and_rope
 from tokenloom.train.parallel.tp_cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -90,13 +89,7 @@ class TPAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = split_qkv(self.qkv(x), self.n_heads, self.n_kv_heads, self.head_dim)
-        if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
-            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = attend(q, k, v, rope)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -172,19 +165,7 @@ class TPGPTStage(nn.Module):
             self.lm_head.weight.is_embedding = True  # a tied head decays like the table it is
 
     def forward(self, hidden: torch.Tensor | None, batch: Any) -> torch.Tensor:
-        if self.first:
-            tokens = batch["tokens"]
-            x = self.tok_emb(tokens)
-            if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
-        else:
-            x = hidden
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
-        for block in self.blocks.values():
-            x = block(x, rope)
-        if self.last:
-            return self.lm_head(self.norm(x))
-        return x
+        return stage_forward(self, hidden, batch["tokens"] if self.first else None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective over the tp group: this stage's full tensors under one-process names

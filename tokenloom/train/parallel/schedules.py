@@ -425,20 +425,28 @@ class GPTStage(nn.Module):
         tag_embeddings_and_rope(self, cfg, first, last)
 
     def forward(self, hidden: torch.Tensor | None, batch: Any) -> torch.Tensor:
-        if self.first:
-            tokens = batch[0]
-            x = self.tok_emb(tokens)
-            if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
-            x = self.drop(x)
-        else:
-            x = hidden
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
-        for block in self.blocks.values():
-            x = block(x, rope)
-        if self.last:
-            return self.lm_head(self.norm(x))
-        return x
+        return stage_forward(self, hidden, batch[0] if self.first else None, self.drop if self.first else None)
+
+
+def stage_forward(
+    stage: nn.Module, hidden: torch.Tensor | None, tokens: torch.Tensor | None, drop: nn.Module | None = None
+) -> torch.Tensor:
+    """The forward every stage class shares: on the first stage embed ``tokens`` (+ positions,
+    then ``drop``), else take ``hidden``; run the blocks; on the last stage norm and LM head."""
+    if stage.first:
+        x = stage.tok_emb(tokens)
+        if stage.pos_emb is not None:
+            x = x + stage.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        if drop is not None:
+            x = drop(x)
+    else:
+        x = hidden
+    rope = (stage.rope_cos, stage.rope_sin) if stage.cfg.arch == "llama" else None
+    for block in stage.blocks.values():
+        x = block(x, rope)
+    if stage.last:
+        return stage.lm_head(stage.norm(x))
+    return x
 
 
 def build_gpt_stage(model: GPT, pp_size: int, pp_rank: int, num_chunks: int = 1, chunk: int = 0) -> GPTStage:
