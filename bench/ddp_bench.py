@@ -77,12 +77,12 @@ def worker(rank: int, args, port: int) -> None:
                 elapsed = torch.tensor(time.perf_counter() - start)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
                 times[w].append(elapsed.item())
-        best = {w: statistics.median(t) for w, t in times.items()}
+        median = {w: statistics.median(t) for w, t in times.items()}
         tokens = 2 * args.micro * accum * args.seq_len
-        rows.append((f"step time, accum {accum} (ms)", f"{best['ours'] * 1e3:.1f}", f"{best['torch'] * 1e3:.1f}",
-                     f"{best['ours'] / best['torch']:.3f}x"))
-        rows.append((f"tokens/s, accum {accum}", f"{tokens / best['ours']:,.0f}", f"{tokens / best['torch']:,.0f}",
-                     f"{best['torch'] / best['ours']:.3f}x"))
+        rows.append((f"step time, accum {accum} (ms)", f"{median['ours'] * 1e3:.1f}", f"{median['torch'] * 1e3:.1f}",
+                     f"{median['ours'] / median['torch']:.3f}x"))
+        rows.append((f"tokens/s, accum {accum}", f"{tokens / median['ours']:,.0f}", f"{tokens / median['torch']:,.0f}",
+                     f"{median['torch'] / median['ours']:.3f}x"))
     if rank == 0:
         params = sum(p.numel() for p in built["ours"][0].parameters())
         print_table(f"DDP: tokenloom vs torch DDP, 2 gloo ranks x {args.threads} thread(s), GPT {params / 1e6:.2f}M "

@@ -119,16 +119,16 @@ def main() -> None:
             for steps in runs.values():
                 next(steps, None)  # lets our run finish (metrics closed)
     tokens = args.micro * args.seq_len
-    best_ours, best_base, best_fused = (tokens / statistics.median(times[k]) for k in ("ours", "base", "fused"))
+    tps_ours, tps_base, tps_fused = (tokens / statistics.median(times[k]) for k in ("ours", "base", "fused"))
     model = GPT(model_config(args))
-    rows = [("tokens/s (target >= 1.0)", f"{best_ours:,.0f}", f"{best_base:,.0f}", f"{best_ours / best_base:.3f}x"),
-            ("tokens/s, baseline also with fused AdamW (loop overhead only)", f"{best_ours:,.0f}",
-             f"{best_fused:,.0f}", f"{best_ours / best_fused:.3f}x")]
+    rows = [("tokens/s (target >= 1.0)", f"{tps_ours:,.0f}", f"{tps_base:,.0f}", f"{tps_ours / tps_base:.3f}x"),
+            ("tokens/s, baseline also with fused AdamW (loop overhead only)", f"{tps_ours:,.0f}",
+             f"{tps_fused:,.0f}", f"{tps_ours / tps_fused:.3f}x")]
     peak = peak_flops(device)
     if peak:
         fpt = model.flops_per_token()
-        rows.append(("MFU", f"{fpt * best_ours / peak:.1%}", f"{fpt * best_base / peak:.1%}",
-                     f"{best_ours / best_base:.3f}x"))
+        rows.append(("MFU", f"{fpt * tps_ours / peak:.1%}", f"{fpt * tps_base / peak:.1%}",
+                     f"{tps_ours / tps_base:.3f}x"))
     else:
         rows.append(("MFU", "n/a", "n/a", f"no known peak FLOP/s for {device.type}"))
     print_table(f"training loop: tokenloom run() vs plain eager loop, {device.type} ({torch.get_num_threads()} "
