@@ -22,6 +22,7 @@ from torch import nn
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel import p2p
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.schedules import (
@@ -62,13 +63,15 @@ def microbatch(step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_train(
-    n_layers: int, steps: int, num_micro: int, *, max_grad_norm: float | None = None, full_batch: bool = False
+    n_layers: int, steps: int, num_micro: int, *, max_grad_norm: float | None = None, full_batch: bool = False,
+    groups: bool = False,
 ) -> dict[str, Any]:
     """One process, torch AdamW: per step micro-batches ``0..num_micro-1``, either
-    accumulated (loss / num_micro each) or concatenated into one full batch."""
+    accumulated (loss / num_micro each) or concatenated into one full batch. ``groups``:
+    optim.py's decay / no-decay groups instead of decay on every parameter."""
     torch.manual_seed(0)
     model = GPT(tiny_cfg(n_layers))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(param_groups(model, WD) if groups else model.parameters(), lr=LR, weight_decay=WD)
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad()
@@ -256,9 +259,10 @@ def bubble(rank: int, *, num_micro: int, stage_s: float) -> dict:
 
 
 def zero_train(rank: int, *, steps: int, max_grad_norm: float | None, resume_at: int) -> dict:
-    """ZeRO-1 over the whole world (dp = world size): rank d trains on micro-batch d of
-    each global batch. Also checkpoints after ``resume_at`` steps, resumes into a fresh
-    model + optimizer and replays the remaining steps."""
+    """ZeRO-1 over the whole world (dp = world size) with optim.py's decay / no-decay
+    groups: rank d trains on micro-batch d of each global batch. Also checkpoints after
+    ``resume_at`` steps, resumes into a fresh model + optimizer and replays the remaining
+    steps."""
 
     def run(model, opt, first, last, ckpt=None):
         losses, norms = [], []
@@ -274,7 +278,7 @@ def zero_train(rank: int, *, steps: int, max_grad_norm: float | None, resume_at:
         return losses, norms
 
     def make(model):
-        return ZeroAdamW(model.parameters(), None, lr=LR, weight_decay=WD, max_grad_norm=max_grad_norm)
+        return ZeroAdamW(param_groups(model, WD), None, lr=LR, max_grad_norm=max_grad_norm)
 
     torch.manual_seed(0)
     model = GPT(tiny_cfg(2))

@@ -1,9 +1,14 @@
-"""ZeRO-1 (:class:`ZeroAdamW`) at dp = 2 against one process on the full global batch."""
+"""ZeRO-1 (:class:`ZeroAdamW`) at dp = 2 against one process on the full global batch, both
+with optim.py's decay / no-decay parameter groups."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from pp_helpers import launch, reference_train
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.parallel.zero import ZeroAdamW
 
 TOL = 1e-5
 STEPS, RESUME_AT, MAX_NORM = 5, 3, 1.0
@@ -18,7 +23,7 @@ def dp2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref():
-    return reference_train(2, STEPS, 2, max_grad_norm=MAX_NORM, full_batch=True)
+    return reference_train(2, STEPS, 2, max_grad_norm=MAX_NORM, full_batch=True, groups=True)
 
 
 def test_losses_norms_and_params_match_full_batch(dp2, ref):
@@ -55,3 +60,9 @@ def test_state_dict_round_trip_resumes_exactly(dp2):
 def test_state_dict_layout_mismatch_is_a_clear_error(dp2):
     msg = dp2[0]["load_error"]
     assert "same data-parallel size" in msg and "(0, 3," in msg
+
+
+def test_groups_with_other_hyperparameters_are_refused():
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(TokenloomError, match="only 'params' and 'weight_decay'.*'lr'"):
+        ZeroAdamW([{"params": [p], "lr": 0.1}])

@@ -33,10 +33,9 @@ Choices and their costs:
 * **No overlap**: the dp all-reduce runs after the last backward as one flat buffer
   (Megatron overlaps bucketed reductions with backward); simple and exact, slower at
   scale.
-* **ZeRO-1** uses :class:`~tokenloom.train.parallel.zero.ZeroAdamW`, which has one param
-  group: weight decay then applies to every element (embeddings and norms too), unlike
-  the two groups of optim.py. Use ``optim.weight_decay = 0`` for runs that must match
-  the non-ZeRO path exactly.
+* **ZeRO-1** uses :class:`~tokenloom.train.parallel.zero.ZeroAdamW` with the same two
+  groups as optim.py (no decay for biases, norms and embedding tables), so it matches
+  the one-process run like every other layout.
 * **Evaluation** uses the forward-only schedule on the same first ``eval_iters``
   validation batches as loop.py.
 * **Autocast** (bf16 on GPUs) wraps the whole schedule; p2p activations stay fp32 (the
@@ -122,18 +121,21 @@ class ParallelRun:
         del full
         self.params = list({id(p): p for s in self.stages for p in s.parameters() if p.requires_grad}.values())
         o = cfg.optim
+        groups = parallel_param_groups(self.stages, o.weight_decay)
         if cfg.zero1:
             if st.tp_rank > 0:  # replicated tensors: counted in the norm on tp rank 0 only
                 for p in self.params:
                     if not getattr(p, "tensor_model_parallel", False):
                         p.shared = True
+            # one group per parameter keeps the flat buffer in self.params order (the layout
+            # ZeRO-1 checkpoints are saved in) while each parameter keeps its group's decay
+            decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
             self.optimizer: Any = ZeroAdamW(
-                self.params, st.dp_group, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                weight_decay=o.weight_decay, max_grad_norm=o.grad_clip or None,
+                [{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_group, lr=o.lr,
+                betas=(o.beta1, o.beta2), eps=o.eps, max_grad_norm=o.grad_clip or None,
                 norm_group=st.model_parallel_group if cfg.tp * cfg.pp > 1 else None,
             )
         else:
-            groups = parallel_param_groups(self.stages, o.weight_decay)
             self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                                fused=use_fused(o, [p for g in groups for p in g["params"]]))
         self.comm = None

@@ -16,7 +16,9 @@ One :meth:`ZeroAdamW.step`::
                               ``norm_group`` (the pipeline / model-parallel group);
                               grads scaled by min(1, max_norm / (norm + 1e-6)) as
                               torch.nn.utils.clip_grad_norm_ does
-    AdamW on the fp32 shard   (torch.optim.AdamW on one flat fp32 tensor)
+    weight decay              p *= 1 - lr * wd on the shard's slices of each group's
+                              parameters (decoupled, as AdamW applies it first)
+    AdamW on the fp32 shard   (torch.optim.AdamW on one flat fp32 tensor, no decay)
     shard -> param_buffer; all_gather (equal sizes, flat output: works on gloo)
 
 Choices and their costs:
@@ -30,8 +32,14 @@ Choices and their costs:
   (Megatron's, for kernels that read whole params); padding is only at the end.
 * **Pre-divide then SUM** (Megatron's default ``average_in_collective=False``): for
   power-of-two DP sizes the average is exact.
-* **Weight decay applies to every element** (one param group), like ``torch.optim.AdamW``
-  on ``model.parameters()``; per-parameter no-decay groups are not supported yet.
+* **Weight decay per parameter group**: ``params`` may be torch-style groups
+  (``{"params": [...], "weight_decay": wd}``), e.g. optim.py's decay / no-decay split, so
+  a ZeRO-1 run equals the one-process run with the same groups. One flat AdamW cannot
+  hold per-element hyperparameters, so the inner AdamW has ``weight_decay=0`` and the
+  decay is applied here, on the (few, merged) contiguous runs of the shard that belong to
+  decayed parameters: ``p *= 1 - lr * wd`` before the Adam update, which is where
+  ``torch.optim.AdamW`` applies it. No per-element mask is stored. Other
+  hyperparameters (lr, betas, eps) are shared by all groups.
 * **State dict is per rank** (this shard's master weights and moments, Megatron's
   non-reshardable per-rank layout): it can only be loaded with the same DP size and
   parameter list. Loading all-gathers the master weights back into the parameters,
@@ -54,11 +62,15 @@ class ZeroAdamW:
     """AdamW with ZeRO-1 sharding over ``dp_group``; use it like a torch optimizer.
 
     Args:
-        params: the model parameters (duplicates by identity are dropped). Their
-            ``.data`` are moved into a flat buffer at construction; they must be equal
-            on every DP rank (same init).
+        params: the model parameters, or torch-style groups of them (dicts with
+            ``"params"`` and optionally ``"weight_decay"``; other keys are refused).
+            Duplicates by identity are dropped (the first group wins). Their ``.data``
+            are moved into a flat buffer at construction; they must be equal on every
+            DP rank (same init).
         dp_group: data-parallel group (None: the default group).
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        lr, betas, eps: as ``torch.optim.AdamW``.
+        weight_decay: decoupled weight decay for parameters (or groups) that do not set
+            their own.
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         norm_group: extra group the squared norm is summed over after DP, e.g. the
             pipeline group, so every stage clips by the whole model's norm. Parameters
@@ -68,7 +80,7 @@ class ZeroAdamW:
 
     def __init__(
         self,
-        params: Iterable[nn.Parameter],
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
         dp_group: dist.ProcessGroup | None = None,
         *,
         lr: float = 1e-3,
@@ -78,11 +90,12 @@ class ZeroAdamW:
         max_grad_norm: float | None = None,
         norm_group: dist.ProcessGroup | None = None,
     ) -> None:
-        unique: dict[int, nn.Parameter] = {}
-        for p in params:
+        unique: dict[int, tuple[nn.Parameter, float]] = {}
+        for p, wd in _flatten_groups(params, weight_decay):
             if p.requires_grad:
-                unique.setdefault(id(p), p)
-        self.params = list(unique.values())
+                unique.setdefault(id(p), (p, wd))
+        self.params = [p for p, _ in unique.values()]
+        decays = [wd for _, wd in unique.values()]
         if not self.params:
             raise TokenloomError("ZeroAdamW got no trainable parameters")
         dtypes = {p.dtype for p in self.params}
@@ -101,9 +114,10 @@ class ZeroAdamW:
         self.grad_buffer = torch.zeros(padded, dtype=dtype)
         self._grad_views: list[torch.Tensor] = []
         norm_weight = torch.ones(padded, dtype=torch.float32)
+        runs: list[tuple[int, int, float]] = []  # (start, end, weight decay) over the flat buffer
         offset = 0
         with torch.no_grad():
-            for p in self.params:
+            for p, wd in zip(self.params, decays, strict=True):
                 n = p.numel()
                 self.param_buffer[offset : offset + n].copy_(p.reshape(-1))
                 p.data = self.param_buffer[offset : offset + n].view(p.shape)
@@ -114,16 +128,20 @@ class ZeroAdamW:
                 self._grad_views.append(view)
                 if getattr(p, "shared", False):
                     norm_weight[offset : offset + n] = 0.0
+                if runs and runs[-1][1] == offset and runs[-1][2] == wd:
+                    runs[-1] = (runs[-1][0], offset + n, wd)
+                else:
+                    runs.append((offset, offset + n, wd))
                 offset += n
 
         lo, hi = self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
         self._shard = slice(lo, hi)
+        self._decay_runs = [(max(a, lo) - lo, min(b, hi) - lo, wd) for a, b, wd in runs
+                            if wd != 0.0 and a < hi and b > lo]
         self._norm_weight = norm_weight[lo:hi]
         self._grad_shard = torch.zeros(self.shard_size, dtype=dtype)
         self.main_shard = nn.Parameter(self.param_buffer[lo:hi].float().clone())
-        self.optimizer = torch.optim.AdamW(
-            [self.main_shard], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
-        )
+        self.optimizer = torch.optim.AdamW([self.main_shard], lr=lr, betas=betas, eps=eps, weight_decay=0.0)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -156,6 +174,9 @@ class ZeroAdamW:
             if coef < 1.0:
                 grad.mul_(coef)
         self.main_shard.grad = grad
+        lr = self.optimizer.param_groups[0]["lr"]
+        for a, b, wd in self._decay_runs:
+            self.main_shard[a:b].mul_(1 - lr * wd)
         self.optimizer.step()
         self.main_shard.grad = None
         self._all_gather_params()
@@ -198,4 +219,22 @@ class ZeroAdamW:
             )
         self.main_shard.copy_(state["main_shard"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # decay is applied by step(), never by the inner AdamW
+            group["weight_decay"] = 0.0
         self._all_gather_params()
+
+
+def _flatten_groups(params: Iterable[Any], default_wd: float) -> list[tuple[nn.Parameter, float]]:
+    """(parameter, weight decay) pairs from parameters or torch-style groups, in order."""
+    out: list[tuple[nn.Parameter, float]] = []
+    for item in params:
+        if not isinstance(item, dict):
+            out.append((item, default_wd))
+            continue
+        extra = set(item) - {"params", "weight_decay"}
+        if extra:
+            raise TokenloomError(f"ZeroAdamW groups take only 'params' and 'weight_decay', got {sorted(extra)}")
+        group = item["params"]
+        group = [group] if isinstance(group, torch.Tensor) else list(group)
+        out.extend((p, float(item.get("weight_decay", default_wd))) for p in group)
+    return out
