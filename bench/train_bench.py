@@ -13,9 +13,11 @@ GPU). The three loops take turns one optimizer step at a time (ours, baseline, b
 with fused AdamW, ours, ...), each step timed on its own, and each side reports its median
 step over all rounds: on a shared box the load drifts within seconds, and alternating
 steps gives all sides the same conditions (alternating whole runs moved the ratio by +-4%
-between runs). Each round builds fresh models, because two instances of the same model in
-one process differ in speed by 3-6% (measured; memory placement, presumably), which one
-round would bake into the ratio. Target: ratio >= 1.0.
+between runs). All three loops train the same model instance, the one our run builds
+(each loop has its own optimizer and data): two instances of the same model in one
+process differ in step time by 4-5% (measured: six instances, same seed, interleaved;
+memory placement, presumably), which separate instances would put into the ratio. Each
+round builds a fresh run and model. Target: ratio >= 1.0.
 MFU is printed when the device's peak FLOP/s is known (GPUs in the metrics table).
 """
 
@@ -47,22 +49,25 @@ def model_config(args) -> GPTConfig:
                      n_heads=4, d_model=args.d_model)
 
 
-def our_steps(args, out: Path):
-    """tokenloom's loop on mock data, as a generator of optimizer steps."""
+def our_run(args, out: Path):
+    """tokenloom's run on mock data (:func:`start_run`): its model is shared with the baselines."""
     cfg = TrainConfig(
         model=model_config(args), data=DataConfig(mock=MockDataConfig(num_sequences=20_000, max_length=1024)),
         optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_iters=5), micro_batch_size=args.micro,
         global_batch_size=args.micro, train_iters=args.iters, eval_interval=0, log_interval=10,
         save_interval=None, output_dir=str(out), progress=False, plot=False,
     )
-    r = start_run(cfg)
-    yield from r.steps()
-    r.finish()
+    return start_run(cfg)
 
 
-def baseline_steps(args, device: torch.device, fused: bool = False):
-    """The plain eager loop, as a generator of optimizer steps."""
-    model = GPT(model_config(args)).to(device)
+def our_steps(run):
+    """tokenloom's loop, as a generator of optimizer steps."""
+    yield from run.steps()
+    run.finish()
+
+
+def baseline_steps(args, device: torch.device, model: GPT, fused: bool = False):
+    """The plain eager loop over ``model`` with its own AdamW, as a generator of optimizer steps."""
     opt = build_optimizer(model, OptimConfig(lr=3e-4, fused=None if fused else False))
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 4096, (args.iters, args.micro, args.seq_len + 1), generator=g).to(device)
@@ -100,22 +105,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=13, help="steps per loop and round")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of every round")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds, each with fresh models")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds, each with a fresh run and model")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8)
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     times: dict[str, list[float]] = {"ours": [], "base": [], "fused": []}
+    round_ratios: list[float] = []  # per round: base median step / ours median step
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):  # fresh instances each round: a model's speed varies by a few % per instance
-            runs = {"ours": our_steps(args, Path(tmp) / f"run{r}"), "base": baseline_steps(args, device),
-                    "fused": baseline_steps(args, device, fused=True)}
+        for r in range(args.rounds):  # a fresh run (and model) each round
+            run = our_run(args, Path(tmp) / f"run{r}")
+            runs = {"ours": our_steps(run), "base": baseline_steps(args, device, run.model),
+                    "fused": baseline_steps(args, device, run.model, fused=True)}
+            this_round: dict[str, list[float]] = {name: [] for name in runs}
             for it in range(args.iters):  # the three loops take turns, one step each
                 for name, steps in runs.items():
                     elapsed = timed_step(steps, device, automatic_gc=name != "ours")
                     if it >= args.skip:
-                        times[name].append(elapsed)
+                        this_round[name].append(elapsed)
+            for name, ts in this_round.items():
+                times[name].extend(ts)
+            round_ratios.append(statistics.median(this_round["base"]) / statistics.median(this_round["ours"]))
             for steps in runs.values():
                 next(steps, None)  # lets our run finish (metrics closed)
     tokens = args.micro * args.seq_len
@@ -123,7 +134,9 @@ def main() -> None:
     model = GPT(model_config(args))
     rows = [("tokens/s (target >= 1.0)", f"{tps_ours:,.0f}", f"{tps_base:,.0f}", f"{tps_ours / tps_base:.3f}x"),
             ("tokens/s, baseline also with fused AdamW (loop overhead only)", f"{tps_ours:,.0f}",
-             f"{tps_fused:,.0f}", f"{tps_ours / tps_fused:.3f}x")]
+             f"{tps_fused:,.0f}", f"{tps_ours / tps_fused:.3f}x"),
+            ("for information: tokens/s ratio per round, min / median / max", "", "",
+             " / ".join(f"{v:.3f}" for v in (min(round_ratios), statistics.median(round_ratios), max(round_ratios))))]
     peak = peak_flops(device)
     if peak:
         fpt = model.flops_per_token()
