@@ -17,12 +17,13 @@ from tokenloom.indexed import IndexedDatasetWriter
 from tokenloom.preprocess import manifest
 
 
-def make_source(path, n_docs=300, seed=0, vocab=1000, tokenizer_digest="t" * 64):
+def make_source(path, n_docs=300, seed=0, vocab=1000, tokenizer_digest="t" * 64, tokenizer=None):
     rng = np.random.default_rng(seed)
     with IndexedDatasetWriter(path, vocab_size=vocab) as w:
         for _ in range(n_docs):
             w.add_document(rng.integers(0, vocab, size=int(rng.integers(5, 200))))
-    m = manifest.build(str(path), "text", "uint16", [], {"digest": tokenizer_digest, "kind": "test"}, {}, {})
+    tok = tokenizer or {"digest": tokenizer_digest, "kind": "test"}
+    m = manifest.build(str(path), "text", "uint16", [], tok, {}, {})
     manifest.write(path, m)
     return str(path)
 
@@ -109,6 +110,25 @@ def test_refuses_sources_from_different_tokenizers(tmp_path):
     b = make_source(tmp_path / "b", tokenizer_digest="b" * 64)
     with pytest.raises(TokenloomError, match="different tokenizers"):
         build(cfg_for([a, b], tmp_path))
+
+
+def _gpt2_fingerprint(files: dict[str, str], digest: str) -> dict:
+    return {"kind": "gpt2-bpe", "files": files, "vocab_size": 50257, "eod": 50256, "bos": None, "pad": None,
+            "options": {}, "digest": digest, "engine": "tiktoken"}
+
+
+def test_same_tokenizer_files_under_other_names_blend(tmp_path):
+    """Megatron's gpt2-vocab.json / gpt2-merges.txt and HF's vocab.json / merges.txt with the
+    same contents give the same ids: the sources blend; other contents are refused."""
+    megatron = _gpt2_fingerprint({"gpt2-merges.txt": "m" * 64, "gpt2-vocab.json": "v" * 64}, "1" * 64)
+    hf = _gpt2_fingerprint({"merges.txt": "m" * 64, "vocab.json": "v" * 64}, "2" * 64)
+    other = _gpt2_fingerprint({"merges.txt": "x" * 64, "vocab.json": "v" * 64}, "3" * 64)
+    a = make_source(tmp_path / "a", tokenizer=megatron)
+    b = make_source(tmp_path / "b", seed=1, tokenizer=hf)
+    c = make_source(tmp_path / "c", seed=2, tokenizer=other)
+    assert len(build(cfg_for([a, b], tmp_path)).train) > 0
+    with pytest.raises(TokenloomError, match="different tokenizers"):
+        build(cfg_for([a, c], tmp_path))
 
 
 def test_plan_reports_shares_and_epochs(sources, tmp_path):

@@ -3,11 +3,13 @@
 import json
 import multiprocessing
 import pickle
+import shutil
 
 import pytest
 from tok_helpers import TOK, load_shared, needs_shared
 
 from tokenloom.tokenizers import TokenizerSpec, load_tokenizer
+from tokenloom.tokenizers.base import ids_key
 
 SAMPLE = "Fingerprints should travel: héllo wörld 123!"
 
@@ -86,3 +88,26 @@ def test_fingerprints_differ():
     toks += [load_tokenizer(kind="byte"), load_tokenizer(kind="null"), load_tokenizer(kind="null", vocab_size=9)]
     digests = [t.fingerprint()["digest"] for t in toks]
     assert len(set(digests)) == len(digests)
+    keys = [ids_key(t.fingerprint()) for t in toks]
+    assert len(set(keys)) == len(keys)
+
+
+@needs_shared
+def test_ids_key_ignores_file_names(tmp_path):
+    """GPT-2's files (Megatron's names in the shared data) under HF's names give the same
+    ids: same ids_key, while the digest (which keys caches) still tells the setups apart;
+    other contents change the key."""
+    megatron = load_shared("gpt2")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copy(TOK / "gpt2" / "gpt2-vocab.json", hf / "vocab.json")
+    shutil.copy(TOK / "gpt2" / "gpt2-merges.txt", hf / "merges.txt")
+    renamed = load_tokenizer(hf)
+    assert renamed.encode(SAMPLE).tolist() == megatron.encode(SAMPLE).tolist()
+    assert renamed.fingerprint()["digest"] != megatron.fingerprint()["digest"]
+    assert ids_key(renamed.fingerprint()) == ids_key(megatron.fingerprint())
+    # read back from JSON, as a manifest stores it
+    assert ids_key(json.loads(json.dumps(renamed.fingerprint()))) == ids_key(megatron.fingerprint())
+    merges = (hf / "merges.txt").read_text(encoding="utf-8").splitlines()
+    (hf / "merges.txt").write_text("\n".join(merges[:-1]) + "\n", encoding="utf-8")  # one merge fewer
+    assert ids_key(load_tokenizer(hf).fingerprint()) != ids_key(megatron.fingerprint())

@@ -281,14 +281,17 @@ def _blend(pairs: list[tuple[float, str]], exhaustive: bool) -> Blend:
 
 
 def check_tokenizers(prefixes: list[str]) -> str | None:
-    """Refuse sources made with different tokenizers; the common fingerprint digest (None if unknown)."""
+    """Refuse sources made with tokenizers that give different ids (compared by
+    :func:`~tokenloom.tokenizers.base.ids_key`, so file names do not matter); the common
+    key (None if no source has a manifest)."""
     from tokenloom.preprocess import manifest
+    from tokenloom.tokenizers.base import ids_key
 
     seen: dict[str, list[str]] = {}
     for prefix in prefixes:
         m = manifest.read(prefix)
         if m is not None:
-            seen.setdefault(m["tokenizer"]["digest"], []).append(prefix)
+            seen.setdefault(ids_key(m["tokenizer"]), []).append(prefix)
     if len(seen) > 1:
         groups = "; ".join(f"{d[:12]}: {', '.join(ps)}" for d, ps in seen.items())
         raise TokenloomError(

@@ -66,7 +66,9 @@ def read(prefix: str | os.PathLike) -> dict | None:
 
 def merged(output_prefix: str, manifests: list[dict], counts: dict) -> dict:
     """The manifest of a merge of outputs that all had manifests (same tokenizer required)."""
-    digests = {m["tokenizer"]["digest"] for m in manifests}
+    from tokenloom.tokenizers.base import ids_key
+
+    digests = {ids_key(m["tokenizer"]) for m in manifests}  # file names do not matter
     if len(digests) > 1:
         raise TokenloomError("cannot merge outputs made with different tokenizers "
                              f"(fingerprints {', '.join(sorted(d[:12] for d in digests))})")

@@ -12,6 +12,11 @@ sha256 of every file read (keyed by file *name*, never by absolute path), the
 vocab size, the eod/bos/pad ids and the options that can change ids. Options that
 only change speed (``num_threads``, ``fast``) and the engine actually used are
 reported next to the digest but are not part of it, because the ids are the same.
+The digest tells one tokenizer setup from another (it keys caches and resumes).
+Checks that ask "do these ids mean the same tokens?" (blending sources, merging
+shards) compare :func:`ids_key` instead, which also drops the file names: the same
+vocab and merges saved as Megatron's ``gpt2-vocab.json``/``gpt2-merges.txt`` and as
+HF's ``vocab.json``/``merges.txt`` give the same ids, so they must blend.
 """
 
 from __future__ import annotations
@@ -155,3 +160,17 @@ class Tokenizer(abc.ABC):
     def __repr__(self) -> str:
         name = Path(self._spec.path).name if self._spec.path else ""
         return f"<{type(self).__name__} kind={self.kind} {name} vocab_size={self.vocab_size} eod={self.eod}>"
+
+
+def ids_key(fingerprint: dict) -> str:
+    """A digest of what decides the ids, from a :meth:`Tokenizer.fingerprint` (live or read
+    back from any manifest): kind, the contents of the files read (their sha256s, sorted;
+    names dropped), vocab size, eod/bos/pad and the id options. Equal keys mean equal ids
+    for the same text. A fingerprint without ``files`` (written by hand) falls back to its
+    ``digest``."""
+    if "files" not in fingerprint:
+        return str(fingerprint.get("digest"))
+    core = {k: fingerprint.get(k) for k in ("kind", "vocab_size", "eod", "bos", "pad", "options")}
+    core["files"] = sorted(fingerprint["files"].values())
+    blob = json.dumps(core, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
