@@ -3,28 +3,30 @@
     .venv/bin/python bench/train_bench.py [--iters 13] [--skip 3] [--rounds 8] [--d-model 256]
 
 Ours is tokenloom's training loop (``loop.start_run(cfg).steps()``, what ``run`` drives)
-on mock data: DataLoader over GPTSamples, lr schedule, grad clipping, metrics JSONL every
-10 steps, one checkpoint at the end, no evaluation; Python's automatic GC off with a
-collection every 50 steps (``gc_interval``), while the baseline steps run with Python's
-default automatic GC, as a plain loop does. The baseline is the
-nanoGPT-style loop: batches pre-built in memory, forward, backward, clip, AdamW. Both
-use the same model, batch, optimizer groups and precision (fp32 on CPU, bf16 autocast on
-GPU). The three loops take turns one optimizer step at a time (ours, baseline, baseline
-with fused AdamW, ours, ...), each step timed on its own, and each side reports its median
-step over all rounds: on a shared box the load drifts within seconds, and alternating
-steps gives all sides the same conditions (alternating whole runs moved the ratio by +-4%
-between runs). All three loops train the same model instance, the one our run builds
-(each loop has its own optimizer and data): two instances of the same model in one
-process differ in step time by 4-5% (measured: six instances, same seed, interleaved;
-memory placement, presumably), which separate instances would put into the ratio. Each
-round builds a fresh run and model. Target: ratio >= 1.0.
+on mock data, with the defaults a ``train`` run has: DataLoader over GPTSamples, lr
+schedule, grad clipping, metrics JSONL every 10 steps, one checkpoint at the end, no
+evaluation, manual GC (``gc_interval``) and, on CPU, glibc malloc keeping freed memory
+for the next step (``keep_freed_memory``, tokenloom.train.host_alloc). The baseline is
+the nanoGPT-style loop: batches pre-built in memory, forward, backward, clip, AdamW,
+with Python's and malloc's defaults. Both use the same model config and seed, batch,
+optimizer groups and precision (fp32 on CPU, bf16 autocast on GPU).
+
+Each loop runs in its own process, as it would in real use (GC and malloc settings are
+per process), and the processes take turns one optimizer step at a time (ours,
+baseline, baseline with fused AdamW, ours with malloc's defaults, ours, ...), each step
+timed on its own: on a shared box the load drifts within seconds, and alternating steps
+gives every side the same conditions (alternating whole runs moved the ratio by +-4%
+between runs). Each side reports its median step over all rounds; each round starts
+fresh processes, because one model instance can be 4-5% faster or slower than another
+(measured: six instances of the same model, same seed, interleaved in one process),
+and many rounds average that out. Target: ratio >= 1.0.
 MFU is printed when the device's peak FLOP/s is known (GPUs in the metrics table).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -49,25 +51,23 @@ def model_config(args) -> GPTConfig:
                      n_heads=4, d_model=args.d_model)
 
 
-def our_run(args, out: Path):
-    """tokenloom's run on mock data (:func:`start_run`): its model is shared with the baselines."""
+def our_steps(args, out: Path, keep_freed_memory: bool = True):
+    """tokenloom's run on mock data, as a generator of optimizer steps."""
     cfg = TrainConfig(
         model=model_config(args), data=DataConfig(mock=MockDataConfig(num_sequences=20_000, max_length=1024)),
         optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_iters=5), micro_batch_size=args.micro,
         global_batch_size=args.micro, train_iters=args.iters, eval_interval=0, log_interval=10,
-        save_interval=None, output_dir=str(out), progress=False, plot=False,
+        save_interval=None, output_dir=str(out), progress=False, plot=False, keep_freed_memory=keep_freed_memory,
     )
-    return start_run(cfg)
-
-
-def our_steps(run):
-    """tokenloom's loop, as a generator of optimizer steps."""
+    run = start_run(cfg)
     yield from run.steps()
     run.finish()
 
 
-def baseline_steps(args, device: torch.device, model: GPT, fused: bool = False):
-    """The plain eager loop over ``model`` with its own AdamW, as a generator of optimizer steps."""
+def baseline_steps(args, device: torch.device, fused: bool = False):
+    """The plain eager loop, as a generator of optimizer steps."""
+    torch.manual_seed(0)
+    model = GPT(model_config(args)).to(device)
     opt = build_optimizer(model, OptimConfig(lr=3e-4, fused=None if fused else False))
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 4096, (args.iters, args.micro, args.seq_len + 1), generator=g).to(device)
@@ -84,57 +84,74 @@ def baseline_steps(args, device: torch.device, model: GPT, fused: bool = False):
         yield it + 1
 
 
-def timed_step(steps, device: torch.device, automatic_gc: bool = False) -> float:
-    """Seconds for one step. GC state is per process, and ours turns automatic collection off
-    for its run (its ``gc_interval``); ``automatic_gc`` gives a baseline step Python's default,
-    as the plain loop has on its own."""
-    was_enabled = gc.isenabled()
-    if automatic_gc:
-        gc.enable()
-    start = time.perf_counter()
-    next(steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    if not was_enabled:
-        gc.disable()
-    return elapsed
+def _loop_process(name: str, args, out: str, conn) -> None:
+    """One loop in its own process: a step per message, answering with the step's seconds."""
+    device = _device()
+    if name.startswith("ours"):
+        steps = our_steps(args, Path(out), keep_freed_memory=name == "ours")
+    else:
+        steps = baseline_steps(args, device, fused=name == "fused")
+    while conn.recv():
+        start = time.perf_counter()
+        next(steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        conn.send(time.perf_counter() - start)
+    next(steps, None)  # lets our run finish (metrics closed)
+    conn.send(None)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=13, help="steps per loop and round")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of every round")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds, each with a fresh run and model")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds, each with fresh processes")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8)
     args = parser.parse_args()
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    times: dict[str, list[float]] = {"ours": [], "base": [], "fused": []}
+    device = _device()
+    ctx = mp.get_context("spawn")
+    names = ("ours", "base", "fused", "ours_malloc_default")
+    times: dict[str, list[float]] = {name: [] for name in names}
     round_ratios: list[float] = []  # per round: base median step / ours median step
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):  # a fresh run (and model) each round
-            run = our_run(args, Path(tmp) / f"run{r}")
-            runs = {"ours": our_steps(run), "base": baseline_steps(args, device, run.model),
-                    "fused": baseline_steps(args, device, run.model, fused=True)}
-            this_round: dict[str, list[float]] = {name: [] for name in runs}
-            for it in range(args.iters):  # the three loops take turns, one step each
-                for name, steps in runs.items():
-                    elapsed = timed_step(steps, device, automatic_gc=name != "ours")
+        for r in range(args.rounds):
+            pipes, procs = {}, []
+            for name in names:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_loop_process, args=(name, args, str(Path(tmp) / f"{name}{r}"), child))
+                proc.start()
+                pipes[name], _ = parent, procs.append(proc)
+            this_round: dict[str, list[float]] = {name: [] for name in names}
+            for it in range(args.iters):  # the loops take turns, one step each; the others wait
+                for name in names:
+                    pipes[name].send(True)
+                    elapsed = pipes[name].recv()
                     if it >= args.skip:
                         this_round[name].append(elapsed)
+            for name in names:
+                pipes[name].send(False)
+                pipes[name].recv()
+            for proc in procs:
+                proc.join(timeout=120)
+                if proc.exitcode != 0:
+                    raise SystemExit(f"a bench loop process failed (exit code {proc.exitcode})")
             for name, ts in this_round.items():
                 times[name].extend(ts)
             round_ratios.append(statistics.median(this_round["base"]) / statistics.median(this_round["ours"]))
-            for steps in runs.values():
-                next(steps, None)  # lets our run finish (metrics closed)
     tokens = args.micro * args.seq_len
-    tps_ours, tps_base, tps_fused = (tokens / statistics.median(times[k]) for k in ("ours", "base", "fused"))
+    tps_ours, tps_base, tps_fused, tps_plain_malloc = (tokens / statistics.median(times[k]) for k in names)
     model = GPT(model_config(args))
     rows = [("tokens/s (target >= 1.0)", f"{tps_ours:,.0f}", f"{tps_base:,.0f}", f"{tps_ours / tps_base:.3f}x"),
-            ("tokens/s, baseline also with fused AdamW (loop overhead only)", f"{tps_ours:,.0f}",
-             f"{tps_fused:,.0f}", f"{tps_ours / tps_fused:.3f}x"),
+            ("tokens/s, baseline also with fused AdamW", f"{tps_ours:,.0f}", f"{tps_fused:,.0f}",
+             f"{tps_ours / tps_fused:.3f}x"),
+            ("for information: ours with keep_freed_memory off (malloc defaults)", f"{tps_plain_malloc:,.0f}",
+             f"{tps_base:,.0f}", f"{tps_plain_malloc / tps_base:.3f}x"),
             ("for information: tokens/s ratio per round, min / median / max", "", "",
              " / ".join(f"{v:.3f}" for v in (min(round_ratios), statistics.median(round_ratios), max(round_ratios))))]
     peak = peak_flops(device)
@@ -146,7 +163,8 @@ def main() -> None:
         rows.append(("MFU", "n/a", "n/a", f"no known peak FLOP/s for {device.type}"))
     print_table(f"training loop: tokenloom run() vs plain eager loop, {device.type} ({torch.get_num_threads()} "
                 f"threads), GPT {model.num_params() / 1e6:.2f}M params, micro {args.micro} x seq {args.seq_len}, "
-                f"median step of {args.rounds} rounds x {args.iters - args.skip} taken in turn (ratio = ours/baseline, higher is better)",
+                f"one process per loop, median step of {args.rounds} rounds x {args.iters - args.skip} taken in "
+                "turn (ratio = ours/baseline, higher is better)",
                 rows)
 
 

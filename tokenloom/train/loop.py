@@ -92,6 +92,10 @@ class TrainConfig:
     """Python's automatic garbage collection is off while training and a young-generation
     collection runs every this many steps (torchtitan's gc_freq, Megatron's --manual-gc);
     0 keeps automatic collection."""
+    keep_freed_memory: bool = True
+    """On CPU with glibc: malloc keeps freed activation memory for the next step instead of
+    unmapping it and faulting it in again (5-10% faster CPU steps measured; the process keeps
+    its peak heap). See tokenloom.train.host_alloc. Off: malloc's defaults."""
     save_interval: int | None = 500
     """Checkpoint every this many steps; a checkpoint is always written at the end."""
     keep_last_checkpoints: int = 0
@@ -324,6 +328,15 @@ def evaluate(net, dataset, cfg: TrainConfig, world: _World, eod: int, autocast) 
     return _mean_across(total / count, world, "validation loss all-reduce")
 
 
+def tune_host_memory(cfg: TrainConfig, device: torch.device) -> None:
+    """:func:`~tokenloom.train.host_alloc.keep_freed_memory` when ``cfg.keep_freed_memory`` and
+    the run computes on the CPU (on a GPU, host allocations are few and small)."""
+    if cfg.keep_freed_memory and device.type == "cpu":
+        from tokenloom.train.host_alloc import keep_freed_memory
+
+        keep_freed_memory()
+
+
 class ManualGC:
     """``with ManualGC(n) as g: ... g.step(iteration)``: Python's automatic garbage collection
     off inside, a young-generation collection every ``n`` steps (n = 0: left automatic).
@@ -385,6 +398,7 @@ class _Run:
 
     def __init__(self, cfg: TrainConfig, world: _World) -> None:
         self.cfg, self.world = cfg, world
+        tune_host_memory(cfg, world.device)
         dp = world.size
         if cfg.global_batch_size % (cfg.micro_batch_size * dp):
             raise TokenloomError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "

@@ -89,6 +89,7 @@ class ParallelRun:
 
         self.cfg = cfg
         self.world = world or loop._join_world(cfg)
+        loop.tune_host_memory(cfg, self.world.device)
         if not dist.is_initialized():
             raise TokenloomError("tp/pp/zero1 training needs torch.distributed (launch with torchrun)")
         from datetime import timedelta
