@@ -13,7 +13,8 @@ them: after the first step the faults drop to about zero.
 
 Trade-off: the process keeps its peak heap instead of handing memory back to the OS
 between steps (the next step needs it again anyway), and memory freed after, say, an
-evaluation pass is kept as well. Blocks of 1 GiB and more are still mmapped. PyTorch's
+evaluation pass is kept as well; reuse also fragments a little: peak RSS 760 MiB vs
+724 MiB for the model above (+5%). Blocks of 1 GiB and more are still mmapped. PyTorch's
 own CPU launcher (``python -m torch.backends.xeon.run_cpu``) gets the same effect by
 preloading jemalloc or tcmalloc; this needs no extra library and no relaunch. Only
 glibc is tuned: under another allocator (musl, or jemalloc/tcmalloc in ``LD_PRELOAD``)
