@@ -47,7 +47,7 @@ def keep_freed_memory() -> bool:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 - raises AttributeError when the C library is not glibc
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library handle (Windows) or not glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and not mallopt(_M_MMAP_THRESHOLD, _FALLBACK_MMAP_THRESHOLD):
