@@ -126,7 +126,8 @@ def main() -> None:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_loop_process, args=(name, args, str(Path(tmp) / f"{name}{r}"), child))
                 proc.start()
-                pipes[name], _ = parent, procs.append(proc)
+                pipes[name] = parent
+                procs.append(proc)
             this_round: dict[str, list[float]] = {name: [] for name in names}
             for it in range(args.iters):  # the loops take turns, one step each; the others wait
                 for name in names:
