@@ -127,6 +127,13 @@ class _ChunkGrads:
         return self.hidden, weight_grad
 
 
+def _shard_targets(weight: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    """``targets`` as ids into this rank's vocab shard ``weight`` (rank r owns ids
+    ``[r * V_r, (r + 1) * V_r)``); ids outside the shard fall outside ``[0, V_r)``."""
+    vocab_start = weight.shape[0] * dist.get_rank(group) if group is not None else 0
+    return targets - vocab_start
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token losses [N] from hidden [N, H], weight [V_r, H], targets [N]."""
 
@@ -134,8 +141,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, ignore_index, chunk_size, group, fns):
         stats_fn, grad_fn = fns
         compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
-        vocab_start = weight.shape[0] * dist.get_rank(group) if group is not None else 0
-        t_local = targets - vocab_start
+        t_local = _shard_targets(weight, targets, group)
         lse = torch.empty(hidden.shape[0], dtype=compute_dtype, device=hidden.device)
         losses = torch.empty_like(lse)
         for start in range(0, hidden.shape[0], chunk_size):
@@ -187,8 +193,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, coef, chunk_size, group, fns):
         stats_fn, grad_fn = fns
         compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
-        vocab_start = weight.shape[0] * dist.get_rank(group) if group is not None else 0
-        t_local = targets - vocab_start
+        t_local = _shard_targets(weight, targets, group)
         coef = coef.to(compute_dtype)
         grads = _ChunkGrads(hidden, weight, ctx.needs_input_grad[:2])
         total = torch.zeros((), dtype=compute_dtype, device=hidden.device)
