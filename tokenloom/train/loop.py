@@ -349,7 +349,6 @@ class ManualGC:
 
     def __init__(self, interval: int) -> None:
         self.interval = interval
-        self._was_enabled = gc.isenabled()
 
     def __enter__(self) -> ManualGC:
         self._was_enabled = gc.isenabled()
