@@ -4,13 +4,22 @@
 
 Rows:
 
-* training tokens/s (forward + backward + AdamW step, fp32 on CPU, bf16 autocast on GPU)
+* training tokens/s (forward + backward + AdamW step, fp32 on CPU, bf16 autocast on GPU,
+  glibc malloc tuned on CPU as the training loop tunes it, ``keep_freed_memory``)
   of the same GPT (gpt2 and llama flavours) with ``model.kernels`` = the device's best
   mode (``compiled`` on CPU, ``triton`` on CUDA) vs ``reference``. Warm-up steps
   (where torch.compile builds its graphs) are excluded and reported as their own row;
   rounds alternate and the best is kept (the box is shared). Target: ratio >= 1.0.
   On tiny CPU shapes the win is small or negative: the eager ops are already a few
   big vectorised loops, and each compiled op adds a guard check and a call.
+* a whole 20-step training run (``python -m tokenloom.train.loop``, what ``tokenloom
+  train`` starts), one fresh process per run, the two modes alternating over
+  ``--run-rounds`` rounds (medians): the run's own ``tokens_per_s`` (every step but the
+  first, see ``metrics.StepTimer``) with its ratio, the first step (compile and warm-up)
+  and the process's wall time from start to exit for information, and the largest
+  per-step loss difference between the modes (target <= 1e-4). On CPU the wall time of
+  so short a run is dominated by inductor's start-up (importing it alone takes ~1.8 s in
+  torch 2.13), which 20 steps of a small model cannot pay back.
 * peak memory (RSS high-water growth during forward + backward, fresh subprocess per
   implementation) of the chunked cross entropy vs the full-logits reference at vocab
   50304, 1024 tokens; uses tests/train/kernels/_ce_memory_probe.py.
@@ -24,8 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,7 +46,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
 
-from tokenloom.train.metrics import peak_flops  # noqa: E402
+from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
+from tokenloom.train.host_alloc import keep_freed_memory  # noqa: E402
+from tokenloom.train.loop import TrainConfig, config_to_dict  # noqa: E402
+from tokenloom.train.metrics import peak_flops, read_metrics  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,6 +106,58 @@ def _train_rows(args: argparse.Namespace, device: torch.device, fast: str) -> tu
     return rows, best_fast_tps
 
 
+def _run_once(args: argparse.Namespace, config: Path, out: Path, mode: str) -> dict:
+    """One 20-step ``tokenloom.train.loop`` process: its summary, per-step losses and wall time."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tokenloom.train.loop", "--config", str(config),
+                           "--set", f"model.kernels={mode}", "--set", f"output_dir={out}"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"train run ({mode}) failed:\n{done.stderr[-3000:]}")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    losses = [r["train_loss"] for r in read_metrics(out / "metrics.jsonl") if "train_loss" in r]
+    return {"wall": wall, "losses": losses, **summary}
+
+
+def _run_rows(args: argparse.Namespace, fast: str) -> list:
+    """Whole 20-step training runs, ``fast`` vs reference, fresh processes taking turns."""
+    cfg = TrainConfig(
+        model=GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layers=args.layers,
+                        n_heads=args.d_model // 32, d_model=args.d_model),
+        data=DataConfig(mock=MockDataConfig(num_sequences=2000, max_length=2 * args.seq_len, content="random")),
+        micro_batch_size=args.micro, global_batch_size=args.micro, train_iters=args.run_steps, eval_interval=0,
+        log_interval=1, save_interval=None, progress=False, plot=False, seed=1234,
+    )
+    runs: dict[str, list[dict]] = {"reference": [], fast: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "train.json"
+        config.write_text(json.dumps(config_to_dict(cfg)))
+        for r in range(args.run_rounds):
+            for mode in runs:
+                runs[mode].append(_run_once(args, config, Path(tmp) / f"{mode}{r}", mode))
+    ref, new = runs["reference"], runs[fast]
+    diff = max(abs(a - b) for x, y in zip(ref, new, strict=True)
+               for a, b in zip(x["losses"], y["losses"], strict=True))
+    med = {m: {k: statistics.median(run[k] for run in rs) for k in ("tokens_per_s", "first_step_s", "wall")}
+           for m, rs in runs.items()}
+    what = f"{args.run_steps}-step train run"
+    return [
+        (f"{what}: tokens/s after the first step ({fast} vs reference, target >= 1.0)",
+         f"{med[fast]['tokens_per_s']:,.0f}", f"{med['reference']['tokens_per_s']:,.0f}",
+         f"{med[fast]['tokens_per_s'] / med['reference']['tokens_per_s']:.2f}x"),
+        (f"{what}: max per-step |loss difference| (target <= 1e-4)", f"{diff:.1e}", "", ""),
+        (f"{what}: first step (compile, warm-up)", f"{med[fast]['first_step_s']:.2f} s",
+         f"{med['reference']['first_step_s']:.2f} s",
+         f"{med[fast]['first_step_s'] / med['reference']['first_step_s']:.1f}x"),
+        (f"for information: {what}, process wall time start to exit", f"{med[fast]['wall']:.1f} s",
+         f"{med['reference']['wall']:.1f} s", f"{med[fast]['wall'] / med['reference']['wall']:.2f}x"),
+    ]
+
+
 def _ce_memory(mode: str, tokens: int, vocab: int, hidden: int) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, str(PROBE), mode, str(tokens), str(vocab), str(hidden)],
@@ -109,14 +175,20 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--run-steps", type=int, default=20, help="steps of each whole training run")
+    parser.add_argument("--run-rounds", type=int, default=3, help="whole runs per mode, taken in turn")
     parser.add_argument("--ce-tokens", type=int, default=1024)
     parser.add_argument("--ce-vocab", type=int, default=50304)
     parser.add_argument("--ce-hidden", type=int, default=768)
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        keep_freed_memory()  # as the training loop does on CPU: without it both modes re-fault
+        # their activations every step, and that cost, not the kernels, set the ratio
     fast = "triton" if device.type == "cuda" else "compiled"
     rows, fast_tps = _train_rows(args, device, fast)
+    rows += _run_rows(args, fast)
 
     ref = _ce_memory("reference", args.ce_tokens, args.ce_vocab, args.ce_hidden)
     chunked = _ce_memory("chunked", args.ce_tokens, args.ce_vocab, args.ce_hidden)

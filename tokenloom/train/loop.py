@@ -42,7 +42,6 @@ import math
 import os
 import random
 import sys
-import time
 import types
 import typing
 from collections.abc import Iterator
@@ -59,7 +58,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
-from tokenloom.train.metrics import MetricsLogger, peak_flops, plot_loss
+from tokenloom.train.metrics import MetricsLogger, StepTimer, peak_flops, plot_loss
 from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import OptimConfig, build_optimizer, lr_at, set_lr
 
@@ -516,7 +515,8 @@ class _Run:
 
         self._bar = bar = tqdm(total=cfg.train_iters, initial=self.iteration,
                                disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True, unit="it")
-        loss_sum, since, t0 = torch.zeros((), device=world.device), 0, time.perf_counter()
+        loss_sum, since = torch.zeros((), device=world.device), 0
+        self._timer = timer = StepTimer(cfg.global_batch_size * cfg.model.seq_len, world.device)
         self._last: dict = {"train_loss": None, "val_loss": None}
         self._exited = False
         last = self._last
@@ -526,6 +526,7 @@ class _Run:
             start = evaluate(self.net, self.data.valid, cfg, world, self.data.eod, self.autocast)
             if self.metrics:
                 self.metrics.log({"iter": 0, "val_loss": start})
+        timer.start()
         while self.iteration < cfg.train_iters:
             lr = lr_at(self.iteration, cfg.optim, cfg.train_iters)
             set_lr(self.optimizer, lr)
@@ -535,23 +536,27 @@ class _Run:
             self.consumed += cfg.global_batch_size
             loss_sum += loss
             since += 1
+            timer.step()
             bar.update(1)
             done = self.iteration == cfg.train_iters
             if self.iteration % cfg.log_interval == 0 or done:
-                last["train_loss"] = self._log_train(loss_sum / since, norm, lr, since, t0, bar)
+                last["train_loss"] = self._log_train(loss_sum / since, norm, lr, bar)
                 loss_sum.zero_()
                 since = 0
-            if cfg.eval_interval and self.data.valid is not None and (
-                    self.iteration % cfg.eval_interval == 0 or done):
-                last["val_loss"] = evaluate(self.net, self.data.valid, cfg, world, self.data.eod, self.autocast)
-                if self.metrics:
-                    self.metrics.log({"iter": self.iteration, "val_loss": last["val_loss"]})
-            self._exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
-            if done or self._exited or (cfg.save_interval and self.iteration % cfg.save_interval == 0):
-                last["checkpoint"] = str(self._save())
             self._gc.step(self.iteration)
-            if since == 0:
-                t0 = time.perf_counter()
+            evaluating = bool(cfg.eval_interval) and self.data.valid is not None and (
+                self.iteration % cfg.eval_interval == 0 or done)
+            self._exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
+            saving = done or self._exited or bool(cfg.save_interval and self.iteration % cfg.save_interval == 0)
+            if evaluating or saving:
+                with timer.paused():
+                    if evaluating:
+                        last["val_loss"] = evaluate(self.net, self.data.valid, cfg, world, self.data.eod,
+                                                    self.autocast)
+                        if self.metrics:
+                            self.metrics.log({"iter": self.iteration, "val_loss": last["val_loss"]})
+                    if saving:
+                        last["checkpoint"] = str(self._save())
             yield self.iteration
             if self._exited:
                 break
@@ -566,23 +571,21 @@ class _Run:
             self.metrics.close()
             if cfg.plot and not self._exited:
                 plot_loss(self.metrics_path, Path(cfg.output_dir) / "loss.png")
-        return {"iteration": self.iteration, "exited": self._exited, **last}
+        return {"iteration": self.iteration, "exited": self._exited, **last, **self._timer.summary()}
 
-    def _log_train(self, mean_loss: torch.Tensor, norm: torch.Tensor, lr: float, steps: int, t0: float,
-                   bar) -> float:
-        cfg = self.cfg
+    def _log_train(self, mean_loss: torch.Tensor, norm: torch.Tensor, lr: float, bar) -> float:
         loss = _mean_across(mean_loss, self.world, "loss all-reduce")
         if not math.isfinite(loss):
             raise TokenloomError(f"training loss is {loss} at iteration {self.iteration}; lower optim.lr or "
                                  "check the data")
-        if self.world.device.type == "cuda":
-            torch.cuda.synchronize()
-        step_time = (time.perf_counter() - t0) / steps
-        tokens_per_s = cfg.global_batch_size * cfg.model.seq_len / step_time
+        step_time, first_step_s = self._timer.interval()
+        tokens_per_s = self._timer.tokens_per_step / step_time
         mfu = self.flops_per_token * tokens_per_s / self.peak_total if self.peak_total else None
         record = {"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm),
                   "tokens_per_s": tokens_per_s, "step_time_s": step_time, "consumed_samples": self.consumed,
                   "mfu": mfu}
+        if first_step_s is not None:
+            record["first_step_s"] = first_step_s
         if self.metrics:
             self.metrics.log(record)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")

@@ -3,7 +3,9 @@
 Every line of ``metrics.jsonl`` is one JSON object with an ``iter`` key (completed
 optimizer steps): train records carry ``train_loss``, ``lr``, ``grad_norm``,
 ``tokens_per_s``, ``step_time_s``, ``consumed_samples`` and ``mfu`` (null when the
-device's peak is unknown); evaluation records carry ``val_loss``. On resume the file is
+device's peak is unknown); evaluation records carry ``val_loss``. The record whose
+interval holds the process's first step also carries ``first_step_s`` (see
+:class:`StepTimer`). On resume the file is
 cut back to the checkpoint's iteration, so it never holds two records for one step and
 the loss curve of a resumed run looks like that of an uninterrupted one.
 
@@ -19,7 +21,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,6 +47,79 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+class StepTimer:
+    """Wall time of training steps: each log interval's mean step time and the run's tokens/s.
+
+    The first step a process takes is timed on its own (``first_step_s``) and left out of
+    the interval means and of :attr:`tokens_per_s`: it carries one-off costs a run pays
+    once (torch.compile building its kernels, CUDA context and cuBLAS workspaces, the
+    allocator's first faults), which folded into the first interval made a compiled run
+    read slower per step than it is and skewed short runs' throughput. The cost of that
+    choice is one device synchronisation after the first step. Evaluation and checkpoint
+    time is taken out with :meth:`paused`. An interval holding only the first step (log
+    interval 1) reports the first step's time, so every train record has a step time.
+    """
+
+    def __init__(self, tokens_per_step: int, device: torch.device) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.device = device
+        self.first_step_s: float | None = None
+        self._t0 = time.perf_counter()
+        self._steps = 0  # timed steps since the last interval
+        self._first_unreported = False
+        self._total_steps, self._total_s = 0, 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        """Start the clock (right before the first step)."""
+        self._t0 = time.perf_counter()
+
+    def step(self) -> None:
+        """Call after every optimizer step."""
+        if self.first_step_s is None:
+            now = self._now()
+            self.first_step_s, self._t0 = now - self._t0, now
+            self._first_unreported = True
+        else:
+            self._steps += 1
+
+    def interval(self) -> tuple[float, float | None]:
+        """(mean step time in s since the previous call, ``first_step_s`` if the first step
+        fell in this interval else None); restarts the interval."""
+        now = self._now()
+        first, self._first_unreported = (self.first_step_s if self._first_unreported else None), False
+        if self._steps == 0:
+            self._t0 = now
+            return (self.first_step_s or 0.0), first
+        elapsed = now - self._t0
+        self._total_steps += self._steps
+        self._total_s += elapsed
+        mean = elapsed / self._steps
+        self._t0, self._steps = now, 0
+        return mean, first
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the enclosed time (evaluation, checkpointing) out of the step times."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            self._t0 += self._now() - start
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens/s over every step but the first that :meth:`interval` has closed; None before."""
+        return self.tokens_per_step * self._total_steps / self._total_s if self._total_s > 0 else None
+
+    def summary(self) -> dict:
+        return {"tokens_per_s": self.tokens_per_s, "first_step_s": self.first_step_s}
 
 
 class MetricsLogger:

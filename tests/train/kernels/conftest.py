@@ -109,6 +109,12 @@ OP_CASES = [
         bias_gelu_reference,
         lambda d, dev: [_t(3, 5, 40, dtype=d, device=dev), _t(40, dtype=d, device=dev), "none"],
     ),
+    OpCase(
+        "gelu_no_bias",
+        "bias_gelu",
+        bias_gelu_reference,
+        lambda d, dev: [_t(3, 5, 40, dtype=d, device=dev), None, "tanh"],
+    ),
     OpCase("rope", "rope", rope_reference, _rope_args),
     OpCase(
         "bias_dropout_add_eval",

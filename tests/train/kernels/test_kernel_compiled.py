@@ -1,4 +1,5 @@
-"""``compiled`` implementations (torch.compile of the references) match the references.
+"""``compiled`` implementations (torch.compile of the references, ATen's own kernel for
+fp32 LayerNorm and for GELU without a bias) match the references.
 
 Tolerances, outputs and input gradients (inductor reorders fp32 arithmetic and fuses
 the casts): float32 rtol 1e-5 / atol 1e-5; bfloat16 rtol 2e-2 / atol 2e-2 (a couple of

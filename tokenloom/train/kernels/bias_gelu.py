@@ -10,6 +10,7 @@ must be evaluated with the variant it was trained with. Computed in fp32, cast t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -26,3 +27,16 @@ def bias_gelu_reference(
     """x: [..., ffn]; bias: [ffn] or None. Returns ``gelu(x + bias)`` like ``x``."""
     z = upcast(x) if bias is None else upcast(x) + upcast(bias)
     return F.gelu(z, approximate=approximate).to(x.dtype)
+
+
+def bias_gelu_with(fused: Callable) -> Callable:
+    """``bias_gelu`` that calls ``fused`` when there is a bias to fuse and ATen's GELU when
+    there is none: ``F.gelu`` is one kernel already (fp32 math for bf16 inputs, one rounding),
+    and compiling it alone measured 0.85-0.94x on CPU (forward + backward)."""
+
+    def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: Approximate = "tanh"):
+        if bias is None:
+            return F.gelu(x, approximate=approximate)
+        return fused(x, bias, approximate)
+
+    return bias_gelu

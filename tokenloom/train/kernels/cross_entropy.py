@@ -92,7 +92,7 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
 
 def _chunk_losses(logits, t_rows, group, stats_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-sum-exp, loss) per row of one chunk's logits (this shard's, all-reduced over ``group``)."""
-    row_max = logits.max(dim=1).values
+    row_max = logits.amax(dim=1)  # not max(): its argmax costs ~7x the reduction (CPU, measured)
     if group is not None:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     shifted_target, sum_exp = stats_fn(logits, row_max, t_rows)

@@ -6,7 +6,11 @@ Modes:
   formulations that are plain PyTorch stay on (chunked cross entropy, SDPA attention);
   their textbook oracles are ``cross_entropy_reference`` and ``attention_reference``.
 * ``compiled``: ``torch.compile`` of the references (inductor: C++/OpenMP on CPU,
-  Triton on CUDA); the chunked cross entropy compiles its per-chunk math.
+  Triton on CUDA) where that fuses several kernels into one: RMSNorm, SwiGLU, RoPE,
+  bias-dropout-add, bias + GELU, LayerNorm on bf16/fp16; the chunked cross entropy
+  compiles its per-chunk math. fp32 LayerNorm and GELU without a bias are single ATen
+  kernels already (``F.layer_norm``, ``F.gelu``), so this mode calls those: compiling
+  them only rebuilt the same kernel, slower on CPU (``layer_norm_with``, ``bias_gelu_with``).
 * ``triton``: hand-written Triton kernels for RMSNorm, LayerNorm, SwiGLU, bias-GELU
   and RoPE; bias-dropout-add and cross entropy come from ``compiled`` when inductor
   works on the device (eager otherwise); attention is SDPA.
@@ -29,10 +33,10 @@ import torch
 
 from .attention import attention_sdpa
 from .bias_dropout_add import bias_dropout_add_reference
-from .bias_gelu import bias_gelu_reference
+from .bias_gelu import bias_gelu_reference, bias_gelu_with
 from .compiled import compile_available, compiled
 from .cross_entropy import _logits_grad, _target_and_sumexp, chunked_cross_entropy
-from .layer_norm import layer_norm_reference
+from .layer_norm import layer_norm_reference, layer_norm_with
 from .rms_norm import rms_norm_reference
 from .rope import rope_reference
 from .swiglu import swiglu_reference
@@ -59,7 +63,8 @@ class KernelSet:
     """The ops as callables (same signatures as the ``*_reference`` functions).
 
     ``sources`` maps each op name to the implementation behind it
-    (``reference``, ``compiled``, ``triton`` or ``sdpa``).
+    (``reference``, ``compiled``, ``triton`` or ``sdpa``; ``compiled`` ops call ATen's own
+    kernel where that is one fused kernel already, see the module docstring).
     """
 
     mode: str
@@ -95,6 +100,8 @@ def _reference_ops() -> dict[str, tuple[Callable, str]]:
 
 def _compiled_ops() -> dict[str, tuple[Callable, str]]:
     ops = {name: (compiled(fn), "compiled") for name, fn in _REFERENCES.items()}
+    ops["layer_norm"] = (layer_norm_with(compiled(layer_norm_reference)), "compiled")
+    ops["bias_gelu"] = (bias_gelu_with(compiled(bias_gelu_reference)), "compiled")
     ops["attention"] = (attention_sdpa, "sdpa")
     chunk_fns = (compiled(_target_and_sumexp), compiled(_logits_grad))
     ops["cross_entropy"] = (functools.partial(chunked_cross_entropy, _fns=chunk_fns), "compiled")

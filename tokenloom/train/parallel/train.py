@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,7 @@ from torch import nn
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
-from tokenloom.train.metrics import MetricsLogger
+from tokenloom.train.metrics import MetricsLogger, StepTimer
 from tokenloom.train.model import GPT
 from tokenloom.train.optim import lr_at, set_lr, use_fused
 from tokenloom.train.parallel.gpt import build_tp_gpt_stage, counts_in_grad_norm, tp_gpt_loss
@@ -289,7 +288,9 @@ class ParallelRun:
             start = self._broadcast_float(self.evaluate())  # the curve's starting point, as loop.py
             if metrics:
                 metrics.log({"iter": 0, "val_loss": start})
-        loss_sum, since, t0 = 0.0, 0, time.perf_counter()
+        loss_sum, since = 0.0, 0
+        timer = StepTimer(cfg.global_batch_size * cfg.model.seq_len, self.world.device)
+        timer.start()
         while self.iteration < cfg.train_iters:
             lr = lr_at(self.iteration, cfg.optim, cfg.train_iters)
             set_lr(self.optimizer, lr)
@@ -301,36 +302,42 @@ class ParallelRun:
                 loss_sum += loss
             self.norms.append(norm)
             since += 1
+            timer.step()
             done = self.iteration == cfg.train_iters
             if self.iteration % cfg.log_interval == 0 or done:
                 mean = self._broadcast_float(loss_sum / since if loss is not None else None)
                 if mean is None or not math.isfinite(mean):
                     raise TokenloomError(f"training loss is {mean} at iteration {self.iteration}; lower optim.lr")
-                step_time = (time.perf_counter() - t0) / since
+                step_time, first_step_s = timer.interval()
                 if metrics:
-                    metrics.log({"iter": self.iteration, "train_loss": mean, "lr": lr, "grad_norm": norm,
-                                 "tokens_per_s": cfg.global_batch_size * cfg.model.seq_len / step_time,
-                                 "step_time_s": step_time, "consumed_samples": self.consumed})
+                    record = {"iter": self.iteration, "train_loss": mean, "lr": lr, "grad_norm": norm,
+                              "tokens_per_s": timer.tokens_per_step / step_time, "step_time_s": step_time,
+                              "consumed_samples": self.consumed}
+                    metrics.log(record if first_step_s is None else {**record, "first_step_s": first_step_s})
                 last["train_loss"] = mean
-                loss_sum, since, t0 = 0.0, 0, time.perf_counter()
-            if cfg.eval_interval and self.data.valid is not None and (
-                    self.iteration % cfg.eval_interval == 0 or done):
-                last["val_loss"] = self._broadcast_float(self.evaluate())
-                if metrics:
-                    metrics.log({"iter": self.iteration, "val_loss": last["val_loss"]})
-            exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
+                loss_sum, since = 0.0, 0
             manual_gc.step(self.iteration)
-            if done or exited or (cfg.save_interval and self.iteration % cfg.save_interval == 0):
-                from tokenloom.train.parallel import reshard
+            evaluating = bool(cfg.eval_interval) and self.data.valid is not None and (
+                self.iteration % cfg.eval_interval == 0 or done)
+            exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
+            saving = done or exited or bool(cfg.save_interval and self.iteration % cfg.save_interval == 0)
+            if evaluating or saving:
+                with timer.paused():
+                    if evaluating:
+                        last["val_loss"] = self._broadcast_float(self.evaluate())
+                        if metrics:
+                            metrics.log({"iter": self.iteration, "val_loss": last["val_loss"]})
+                    if saving:
+                        from tokenloom.train.parallel import reshard
 
-                last["checkpoint"] = str(reshard.save(self))
+                        last["checkpoint"] = str(reshard.save(self))
             if exited:
                 break
         if metrics:
             metrics.close()
         if "checkpoint" not in last and self.resumed_from is not None:
             last["checkpoint"] = str(self.resumed_from)
-        return {"iteration": self.iteration, "exited": exited, **last}
+        return {"iteration": self.iteration, "exited": exited, **last, **timer.summary()}
 
 
 def run_parallel(cfg) -> dict:

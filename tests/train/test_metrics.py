@@ -1,0 +1,59 @@
+"""StepTimer: the first step is timed alone, pauses are left out, tokens/s covers the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.train import metrics
+from tokenloom.train.metrics import StepTimer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(metrics.time, "perf_counter", c)
+    return c
+
+
+def test_first_step_alone_then_interval_means(clock):
+    timer = StepTimer(tokens_per_step=1000, device=torch.device("cpu"))
+    timer.start()
+    clock.now += 7.0  # the first step: compile and warm-up
+    timer.step()
+    for _ in range(4):
+        clock.now += 0.5
+        timer.step()
+    assert timer.interval() == (0.5, 7.0)  # mean of steps 2-5; the first step is reported once
+    for _ in range(2):
+        clock.now += 0.25
+        timer.step()
+    assert timer.interval() == (0.25, None)
+    assert timer.first_step_s == 7.0
+    assert timer.tokens_per_s == pytest.approx(1000 * 6 / 2.5)
+    assert timer.summary() == {"tokens_per_s": pytest.approx(2400.0), "first_step_s": 7.0}
+
+
+def test_interval_of_only_the_first_step_and_pauses(clock):
+    timer = StepTimer(tokens_per_step=10, device=torch.device("cpu"))
+    timer.start()
+    clock.now += 3.0
+    timer.step()
+    assert timer.interval() == (3.0, 3.0)  # log interval 1: the record still has a step time
+    assert timer.tokens_per_s is None  # nothing but the first step yet
+    clock.now += 1.0
+    timer.step()
+    with timer.paused():  # an evaluation or a checkpoint
+        clock.now += 60.0
+    clock.now += 1.0
+    timer.step()
+    assert timer.interval() == (1.0, None)
+    assert timer.tokens_per_s == pytest.approx(10.0)
