@@ -1,9 +1,9 @@
 """GPT with ``model.kernels``: compiled kernels match the eager reference in training.
 
 The 20-step runs compile (inductor C++ on CPU, 10-30 s on the 2-core box), so this file
-is the slow part of the kernel tests; the wall times are printed (``pytest -s``), not
-asserted: on tiny CPU shapes the compiled path is dominated by compile time and Python
-dispatch, so "compiled not slower" is a GPU / large-shape target.
+is the slow part of the kernel tests. Speed is measured in bench/kernels_bench.py (whole
+20-step runs in fresh processes, taken in turn), never asserted here; the wall times are
+printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.data import DataConfig, MockDataConfig
-from tokenloom.train.kernels.compiled import compile_available
+from tokenloom.train.kernels.compiled import compile_available, force_compiled
 from tokenloom.train.loop import TrainConfig, run
 from tokenloom.train.metrics import read_metrics
 from tokenloom.train.model import GPT, GPTConfig
@@ -62,12 +62,13 @@ def test_forward_backward_compiled_matches_reference(arch):
     grads, losses, logits = [], [], []
     for mode in ("reference", "compiled"):
         model = GPT(small(mode, recompute_layers=(1,), **ARCHS[arch]))
-        loss = model(tokens, labels, mask)
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-        with torch.no_grad():
-            logits.append(model(tokens))
+        with force_compiled():  # small shapes: otherwise the size switch keeps them eager
+            loss = model(tokens, labels, mask)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad for n, p in model.named_parameters()})
+            with torch.no_grad():
+                logits.append(model(tokens))
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     for name, g in grads[0].items():
@@ -83,10 +84,11 @@ def _train(tmp: Path, kernels: str) -> tuple[list[float], float, float]:
         save_interval=None, output_dir=str(tmp), progress=False, plot=False, seed=1234,
     )
     start = time.perf_counter()
-    run(cfg)
+    with force_compiled():  # the compiled kernels at every size, not only past the size switch
+        run(cfg)
     wall = time.perf_counter() - start
     records = [r for r in read_metrics(tmp / "metrics.jsonl") if "train_loss" in r]
-    steady = sum(r["step_time_s"] for r in records[5:])  # steps 6..20: compile is over by then
+    steady = sum(r["step_time_s"] for r in records[1:])  # the first step (compile) is timed alone
     return [r["train_loss"] for r in records], wall, steady
 
 
@@ -94,8 +96,8 @@ def _train(tmp: Path, kernels: str) -> tuple[list[float], float, float]:
 def test_twenty_step_training_compiled_matches_reference(tmp_path):
     ref, ref_wall, ref_step = _train(tmp_path / "ref", "reference")
     comp, comp_wall, comp_step = _train(tmp_path / "comp", "compiled")
-    print(f"\nreference: wall {ref_wall:.2f} s, steps 6-20 {ref_step:.2f} s, losses {ref}")
-    print(f"compiled:  wall {comp_wall:.2f} s, steps 6-20 {comp_step:.2f} s, losses {comp}")
+    print(f"\nreference: wall {ref_wall:.2f} s, steps 2-20 {ref_step:.2f} s, losses {ref}")
+    print(f"compiled:  wall {comp_wall:.2f} s, steps 2-20 {comp_step:.2f} s, losses {comp}")
     print(f"max |loss diff| {max(abs(a - b) for a, b in zip(ref, comp, strict=True)):.3e}")
     assert len(ref) == len(comp) == 20
     for step, (a, b) in enumerate(zip(ref, comp, strict=True), 1):

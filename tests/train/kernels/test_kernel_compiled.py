@@ -9,11 +9,16 @@ First compile in a process costs 10-30 s on the shared dev box, hence ``slow``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
+from tokenloom.train.kernels import compiled as compiled_mod
 from tokenloom.train.kernels import select_kernels
-from tokenloom.train.kernels.compiled import compile_available
+from tokenloom.train.kernels.compiled import compile_available, compiled_above, force_compiled
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -27,7 +32,8 @@ pytestmark = [
 def test_compiled_matches_reference(op_case, dtype):
     kernels = select_kernels("compiled", "cpu")
     assert kernels.sources[op_case.op] == "compiled"
-    out, grads = op_case.run(getattr(kernels, op_case.op), dtype)
+    with force_compiled():  # these shapes are small: the compiled kernels would not be used
+        out, grads = op_case.run(getattr(kernels, op_case.op), dtype)
     ref_out, ref_grads = op_case.run(op_case.reference, dtype)
     assert out.dtype == ref_out.dtype
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
@@ -40,7 +46,8 @@ def test_compiled_dropout_drops_and_rescales():
     bda = select_kernels("compiled", "cpu").bias_dropout_add
     x = torch.randn(64, 128, requires_grad=True)
     bias, residual = torch.randn(128), torch.randn(64, 128)
-    out = bda(x, bias, residual, 0.25, True)
+    with force_compiled():
+        out = bda(x, bias, residual, 0.25, True)
     kept = (out - residual).abs() > 1e-6
     torch.testing.assert_close((out - residual)[kept], ((x + bias) / 0.75)[kept], rtol=1e-5, atol=1e-5)
     assert 0.2 < 1 - kept.float().mean().item() < 0.3
@@ -61,3 +68,41 @@ def test_new_shapes_do_not_recompile_endlessly():
         for rows in range(1, 7):
             x = torch.randn(rows, 8)
             torch.testing.assert_close(fn(x, w), rms_norm_reference(x, w), **TOL[torch.float32])
+
+
+def test_small_cpu_inputs_run_eager_large_ones_compiled(monkeypatch):
+    """The size switch: below the op's threshold the eager function runs (bit-identical,
+    nothing compiled); at or above it, and under force_compiled, the compiled one."""
+    from tokenloom.train.kernels.rms_norm import rms_norm_reference
+
+    def fresh_rms_norm(x, w):  # a new function, so no other test has compiled it
+        return rms_norm_reference(x, w)
+
+    monkeypatch.setitem(compiled_mod.CPU_MIN_NUMEL, "rms_norm", 64)
+    fn, w = compiled_above(fresh_rms_norm, "rms_norm"), torch.rand(8) + 0.5
+    small = torch.randn(7, 8)  # 56 elements
+    assert torch.equal(fn(small, w), fresh_rms_norm(small, w))
+    assert fresh_rms_norm not in compiled_mod._CACHE
+    with force_compiled():
+        torch.testing.assert_close(fn(small, w), fresh_rms_norm(small, w), **TOL[torch.float32])
+    assert fresh_rms_norm in compiled_mod._CACHE
+    large = torch.randn(8, 8)
+    torch.testing.assert_close(fn(large, w), fresh_rms_norm(large, w), **TOL[torch.float32])
+    monkeypatch.setitem(compiled_mod.CPU_MIN_NUMEL, "rms_norm", None)  # None: never on CPU
+    assert torch.equal(fn(large, w), fresh_rms_norm(large, w))
+
+
+def test_a_small_model_never_starts_the_compiler():
+    """A GPT whose tensors all stay below the thresholds trains in ``compiled`` mode without
+    compiling anything (fresh interpreter: nothing compiled before)."""
+    code = textwrap.dedent("""
+        import torch
+        from tokenloom.train.kernels import compiled
+        from tokenloom.train.model import GPT, GPTConfig
+        model = GPT(GPTConfig(vocab_size=96, seq_len=16, n_layers=2, n_heads=2, d_model=32, kernels="compiled"))
+        tokens = torch.randint(0, 96, (2, 16))
+        model(tokens, tokens).backward()
+        print(len(compiled._CACHE), torch._dynamo.utils.counters["stats"]["calls_captured"])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["0", "0"], out.stdout + out.stderr

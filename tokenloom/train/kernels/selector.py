@@ -11,6 +11,8 @@ Modes:
   compiles its per-chunk math. fp32 LayerNorm and GELU without a bias are single ATen
   kernels already (``F.layer_norm``, ``F.gelu``), so this mode calls those: compiling
   them only rebuilt the same kernel, slower on CPU (``layer_norm_with``, ``bias_gelu_with``).
+  On CPU, inputs below a per-op size run the eager reference, where a compiled call's
+  fixed cost exceeds what fusing saves (``compiled.CPU_MIN_NUMEL``, measured crossovers).
 * ``triton``: hand-written Triton kernels for RMSNorm, LayerNorm, SwiGLU, bias-GELU
   and RoPE; bias-dropout-add and cross entropy come from ``compiled`` when inductor
   works on the device (eager otherwise); attention is SDPA.
@@ -34,7 +36,7 @@ import torch
 from .attention import attention_sdpa
 from .bias_dropout_add import bias_dropout_add_reference
 from .bias_gelu import bias_gelu_reference, bias_gelu_with
-from .compiled import compile_available, compiled
+from .compiled import compile_available, compiled_above
 from .cross_entropy import _logits_grad, _target_and_sumexp, chunked_cross_entropy
 from .layer_norm import layer_norm_reference, layer_norm_with
 from .rms_norm import rms_norm_reference
@@ -99,11 +101,12 @@ def _reference_ops() -> dict[str, tuple[Callable, str]]:
 
 
 def _compiled_ops() -> dict[str, tuple[Callable, str]]:
-    ops = {name: (compiled(fn), "compiled") for name, fn in _REFERENCES.items()}
-    ops["layer_norm"] = (layer_norm_with(compiled(layer_norm_reference)), "compiled")
-    ops["bias_gelu"] = (bias_gelu_with(compiled(bias_gelu_reference)), "compiled")
+    ops = {name: (compiled_above(fn, name), "compiled") for name, fn in _REFERENCES.items()}
+    ops["layer_norm"] = (layer_norm_with(compiled_above(layer_norm_reference, "layer_norm")), "compiled")
+    ops["bias_gelu"] = (bias_gelu_with(compiled_above(bias_gelu_reference, "bias_gelu")), "compiled")
     ops["attention"] = (attention_sdpa, "sdpa")
-    chunk_fns = (compiled(_target_and_sumexp), compiled(_logits_grad))
+    chunk_fns = (compiled_above(_target_and_sumexp, "cross_entropy_chunk"),
+                 compiled_above(_logits_grad, "cross_entropy_chunk"))
     ops["cross_entropy"] = (functools.partial(chunked_cross_entropy, _fns=chunk_fns), "compiled")
     return ops
 
