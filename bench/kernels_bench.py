@@ -15,7 +15,9 @@ Rows:
 * a whole 20-step training run (``python -m tokenloom.train.loop``, what ``tokenloom
   train`` starts), one fresh process per run, the two modes alternating over
   ``--run-rounds`` rounds (medians): the run's own ``tokens_per_s`` (every step but the
-  first, see ``metrics.StepTimer``) with its ratio, the first step (compile and warm-up)
+  first, see ``metrics.StepTimer``) with its ratio, the median step after the first (the
+  steps right after a compile are slower while inductor's worker pool starts on the same
+  cores, which the mean keeps and the median drops), the first step (compile and warm-up)
   and the process's wall time from start to exit for information, and the largest
   per-step loss difference between the modes (target <= 1e-4). On CPU the wall time of
   so short a run is dominated by inductor's start-up (importing it alone takes ~1.8 s in
@@ -119,8 +121,9 @@ def _run_once(args: argparse.Namespace, config: Path, out: Path, mode: str) -> d
     if done.returncode:
         raise SystemExit(f"train run ({mode}) failed:\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    losses = [r["train_loss"] for r in read_metrics(out / "metrics.jsonl") if "train_loss" in r]
-    return {"wall": wall, "losses": losses, **summary}
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "train_loss" in r]
+    median_step = statistics.median(r["step_time_s"] for r in records[1:])  # log_interval 1: one step each
+    return {"wall": wall, "losses": [r["train_loss"] for r in records], "median_step": median_step, **summary}
 
 
 def _run_rows(args: argparse.Namespace, fast: str) -> list:
@@ -142,13 +145,19 @@ def _run_rows(args: argparse.Namespace, fast: str) -> list:
     ref, new = runs["reference"], runs[fast]
     diff = max(abs(a - b) for x, y in zip(ref, new, strict=True)
                for a, b in zip(x["losses"], y["losses"], strict=True))
-    med = {m: {k: statistics.median(run[k] for run in rs) for k in ("tokens_per_s", "first_step_s", "wall")}
+    med = {m: {k: statistics.median(run[k] for run in rs)
+               for k in ("tokens_per_s", "median_step", "first_step_s", "wall")}
            for m, rs in runs.items()}
     what = f"{args.run_steps}-step train run"
+    tokens_per_step = args.micro * args.seq_len
     return [
         (f"{what}: tokens/s after the first step ({fast} vs reference, target >= 1.0)",
          f"{med[fast]['tokens_per_s']:,.0f}", f"{med['reference']['tokens_per_s']:,.0f}",
          f"{med[fast]['tokens_per_s'] / med['reference']['tokens_per_s']:.2f}x"),
+        (f"{what}: median step after the first, tokens/s ({fast} vs reference)",
+         f"{tokens_per_step / med[fast]['median_step']:,.0f}",
+         f"{tokens_per_step / med['reference']['median_step']:,.0f}",
+         f"{med['reference']['median_step'] / med[fast]['median_step']:.2f}x"),
         (f"{what}: max per-step |loss difference| (target <= 1e-4)", f"{diff:.1e}", "", ""),
         (f"{what}: first step (compile, warm-up)", f"{med[fast]['first_step_s']:.2f} s",
          f"{med['reference']['first_step_s']:.2f} s",

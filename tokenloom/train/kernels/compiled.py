@@ -32,10 +32,10 @@ LN, bf16       1.06    1.15    1.41    1.81    3.01    4.81
 CE chunk       0.92    0.88    0.97    1.02    1.12    1.18
 =============  ======  ======  ======  ======  ======  ======
 
-(Rows of 128; bias-dropout-add at p = 0.1, training; CE: logits per chunk, vocab 1024.) Hence :data:`CPU_MIN_NUMEL`. Like Megatron's fused
-softmax, which runs only for shapes its kernel handles and falls back to torch's
-otherwise, the switch is a pure function of the input's size and device, so a run is
-deterministic. CUDA inputs always take the compiled path (no measurements here: the
+(Rows of 128; bias-dropout-add at p = 0.1, training; CE: logits per chunk, vocab 1024.)
+Hence :data:`CPU_MIN_NUMEL`. Like Megatron's fused softmax, which runs only for shapes
+its kernel handles and falls back to torch's otherwise, the switch is a pure function of
+the input's size and device, so a run is deterministic. CUDA inputs always take the compiled path (no measurements here: the
 dev box has no GPU). :func:`force_compiled` turns the switch off (tests, benches).
 """
 

@@ -28,7 +28,6 @@ def layer_norm_reference(
     return y.to(x.dtype)
 
 
-
 def layer_norm_with(fused: Callable) -> Callable:
     """``layer_norm`` that calls ATen's ``F.layer_norm`` on fp32 inputs and ``fused`` otherwise.
 
