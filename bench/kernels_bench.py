@@ -16,8 +16,8 @@ Rows:
   train`` starts), one fresh process per run, the two modes alternating over
   ``--run-rounds`` rounds (medians): the run's own ``tokens_per_s`` (every step but the
   first, see ``metrics.StepTimer``) with its ratio, the median step after the first (the
-  steps right after a compile are slower while inductor's worker pool starts on the same
-  cores, which the mean keeps and the median drops), the first step (compile and warm-up)
+  few steps right after a compile read slower, cause not pinned down; the mean keeps
+  them and the median drops them), the first step (compile and warm-up)
   and the process's wall time from start to exit for information, and the largest
   per-step loss difference between the modes (target <= 1e-4). On CPU the wall time of
   so short a run is dominated by inductor's start-up (importing it alone takes ~1.8 s in

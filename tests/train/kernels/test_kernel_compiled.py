@@ -93,8 +93,8 @@ def test_small_cpu_inputs_run_eager_large_ones_compiled(monkeypatch):
 
 
 def test_a_small_model_never_starts_the_compiler():
-    """A GPT whose tensors all stay below the thresholds trains in ``compiled`` mode without
-    compiling anything (fresh interpreter: nothing compiled before)."""
+    """A GPT whose tensors all stay below the thresholds runs forward and backward in
+    ``compiled`` mode without compiling anything (fresh interpreter: nothing compiled before)."""
     code = textwrap.dedent("""
         import torch
         from tokenloom.train.kernels import compiled
