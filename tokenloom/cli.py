@@ -6,6 +6,8 @@ stderr with a non-zero exit status; anything else is a bug and keeps its traceba
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import click
@@ -251,11 +253,14 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
 @click.option("--nproc-per-node", type=int,
               help="Start torchrun with N processes here; without it, run in-process (e.g. under torchrun/Slurm).")
 def train(config, overrides, nproc_per_node, **flags):
-    """Train a GPT (DDP over every rank of the launch) on a blend or mock data."""
+    """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
+    the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step) last."""
     from tokenloom.train.launch import flag_overrides, launch
     from tokenloom.train.loop import load_config
 
-    launch(load_config(config, [*flag_overrides(**flags), *overrides]), nproc_per_node)
+    summary = launch(load_config(config, [*flag_overrides(**flags), *overrides]), nproc_per_node)
+    if summary is not None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own
+        click.echo(json.dumps(summary))
 
 
 @main.command()
