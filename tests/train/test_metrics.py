@@ -32,11 +32,12 @@ def test_first_step_alone_then_interval_means(clock):
     for _ in range(4):
         clock.now += 0.5
         timer.step()
-    assert timer.interval() == (0.5, 7.0)  # mean of steps 2-5; the first step is reported once
+    # mean of steps 2-5; the first step is reported once
+    assert timer.interval() == pytest.approx({"tokens_per_s": 2000.0, "step_time_s": 0.5, "first_step_s": 7.0})
     for _ in range(2):
         clock.now += 0.25
         timer.step()
-    assert timer.interval() == (0.25, None)
+    assert timer.interval() == pytest.approx({"tokens_per_s": 4000.0, "step_time_s": 0.25})
     assert timer.first_step_s == 7.0
     assert timer.tokens_per_s == pytest.approx(1000 * 6 / 2.5)
     assert timer.summary() == {"tokens_per_s": pytest.approx(2400.0), "first_step_s": 7.0}
@@ -47,7 +48,8 @@ def test_interval_of_only_the_first_step_and_pauses(clock):
     timer.start()
     clock.now += 3.0
     timer.step()
-    assert timer.interval() == (3.0, 3.0)  # log interval 1: the record still has a step time
+    # log interval 1: the record still has a step time
+    assert timer.interval() == pytest.approx({"tokens_per_s": 10 / 3, "step_time_s": 3.0, "first_step_s": 3.0})
     assert timer.tokens_per_s is None  # nothing but the first step yet
     clock.now += 1.0
     timer.step()
@@ -55,5 +57,5 @@ def test_interval_of_only_the_first_step_and_pauses(clock):
         clock.now += 60.0
     clock.now += 1.0
     timer.step()
-    assert timer.interval() == (1.0, None)
+    assert timer.interval() == pytest.approx({"tokens_per_s": 10.0, "step_time_s": 1.0})
     assert timer.tokens_per_s == pytest.approx(10.0)

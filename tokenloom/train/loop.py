@@ -327,6 +327,15 @@ def evaluate(net, dataset, cfg: TrainConfig, world: _World, eod: int, autocast) 
     return _mean_across(total / count, world, "validation loss all-reduce")
 
 
+def due(cfg: TrainConfig, iteration: int, done: bool, has_valid: bool) -> tuple[bool, bool, bool]:
+    """(evaluate, exit, save) after ``iteration`` steps, by ``cfg``'s intervals (``done``: the
+    last step). Both loops, this one and the tp/pp/ZeRO one, ask here."""
+    evaluating = bool(cfg.eval_interval) and has_valid and (iteration % cfg.eval_interval == 0 or done)
+    exiting = bool(cfg.exit_interval) and iteration % cfg.exit_interval == 0 and not done
+    saving = done or exiting or bool(cfg.save_interval and iteration % cfg.save_interval == 0)
+    return evaluating, exiting, saving
+
+
 def tune_host_memory(cfg: TrainConfig, device: torch.device) -> None:
     """:func:`~tokenloom.train.host_alloc.keep_freed_memory` when ``cfg.keep_freed_memory`` and
     the run computes on the CPU (on a GPU, host allocations are few and small)."""
@@ -544,10 +553,7 @@ class _Run:
                 loss_sum.zero_()
                 since = 0
             self._gc.step(self.iteration)
-            evaluating = bool(cfg.eval_interval) and self.data.valid is not None and (
-                self.iteration % cfg.eval_interval == 0 or done)
-            self._exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
-            saving = done or self._exited or bool(cfg.save_interval and self.iteration % cfg.save_interval == 0)
+            evaluating, self._exited, saving = due(cfg, self.iteration, done, self.data.valid is not None)
             if evaluating or saving:
                 with timer.paused():
                     if evaluating:
@@ -578,17 +584,12 @@ class _Run:
         if not math.isfinite(loss):
             raise TokenloomError(f"training loss is {loss} at iteration {self.iteration}; lower optim.lr or "
                                  "check the data")
-        step_time, first_step_s = self._timer.interval()
-        tokens_per_s = self._timer.tokens_per_step / step_time
-        mfu = self.flops_per_token * tokens_per_s / self.peak_total if self.peak_total else None
-        record = {"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm),
-                  "tokens_per_s": tokens_per_s, "step_time_s": step_time, "consumed_samples": self.consumed,
-                  "mfu": mfu}
-        if first_step_s is not None:
-            record["first_step_s"] = first_step_s
+        timing = self._timer.interval()
+        mfu = self.flops_per_token * timing["tokens_per_s"] / self.peak_total if self.peak_total else None
         if self.metrics:
-            self.metrics.log(record)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+            self.metrics.log({"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm),
+                              **timing, "consumed_samples": self.consumed, "mfu": mfu})
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}")
         return loss
 
 

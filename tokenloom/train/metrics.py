@@ -89,20 +89,23 @@ class StepTimer:
         else:
             self._steps += 1
 
-    def interval(self) -> tuple[float, float | None]:
-        """(mean step time in s since the previous call, ``first_step_s`` if the first step
-        fell in this interval else None); restarts the interval."""
+    def interval(self) -> dict:
+        """The timing fields of a train record for the steps since the previous call:
+        ``tokens_per_s``, ``step_time_s`` (the mean), and ``first_step_s`` when the first step
+        fell in this interval. Restarts the interval."""
         now = self._now()
         first, self._first_unreported = (self.first_step_s if self._first_unreported else None), False
         if self._steps == 0:
-            self._t0 = now
-            return (self.first_step_s or 0.0), first
-        elapsed = now - self._t0
-        self._total_steps += self._steps
-        self._total_s += elapsed
-        mean = elapsed / self._steps
+            mean = self.first_step_s or 0.0
+        else:
+            mean = (now - self._t0) / self._steps
+            self._total_steps += self._steps
+            self._total_s += now - self._t0
         self._t0, self._steps = now, 0
-        return mean, first
+        timing = {"tokens_per_s": self.tokens_per_step / mean, "step_time_s": mean}
+        if first is not None:
+            timing["first_step_s"] = first
+        return timing
 
     @contextmanager
     def paused(self) -> Iterator[None]:

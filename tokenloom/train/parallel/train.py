@@ -270,12 +270,12 @@ class ParallelRun:
             return self._train(manual_gc)
 
     def _train(self, manual_gc) -> dict:
+        from tokenloom.train.loop import config_to_dict, due
+
         cfg, st = self.cfg, self.state
         metrics = None
         if st.rank == self.logger_rank:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            from tokenloom.train.loop import config_to_dict
-
             (Path(cfg.output_dir) / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             path = Path(cfg.metrics_path or Path(cfg.output_dir) / "metrics.jsonl")
             metrics = MetricsLogger(path, tensorboard_dir=cfg.tensorboard_dir,
@@ -308,19 +308,14 @@ class ParallelRun:
                 mean = self._broadcast_float(loss_sum / since if loss is not None else None)
                 if mean is None or not math.isfinite(mean):
                     raise TokenloomError(f"training loss is {mean} at iteration {self.iteration}; lower optim.lr")
-                step_time, first_step_s = timer.interval()
+                timing = timer.interval()
                 if metrics:
-                    record = {"iter": self.iteration, "train_loss": mean, "lr": lr, "grad_norm": norm,
-                              "tokens_per_s": timer.tokens_per_step / step_time, "step_time_s": step_time,
-                              "consumed_samples": self.consumed}
-                    metrics.log(record if first_step_s is None else {**record, "first_step_s": first_step_s})
+                    metrics.log({"iter": self.iteration, "train_loss": mean, "lr": lr, "grad_norm": norm, **timing,
+                                 "consumed_samples": self.consumed})
                 last["train_loss"] = mean
                 loss_sum, since = 0.0, 0
             manual_gc.step(self.iteration)
-            evaluating = bool(cfg.eval_interval) and self.data.valid is not None and (
-                self.iteration % cfg.eval_interval == 0 or done)
-            exited = bool(cfg.exit_interval) and self.iteration % cfg.exit_interval == 0 and not done
-            saving = done or exited or bool(cfg.save_interval and self.iteration % cfg.save_interval == 0)
+            evaluating, exited, saving = due(cfg, self.iteration, done, self.data.valid is not None)
             if evaluating or saving:
                 with timer.paused():
                     if evaluating:
