@@ -26,6 +26,7 @@ from torch.autograd import gradcheck
 
 from tokenloom.train.kernels.compiled import compile_available, compiled
 from tokenloom.train.kernels.cross_entropy import (
+    CHUNK_LOGITS,
     _logits_grad,
     _target_and_sumexp,
     chunked_cross_entropy,
@@ -156,7 +157,24 @@ def test_frozen_weight_and_errors():
         chunked_cross_entropy(h, w.double(), t)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_cross_entropy(h, w, t, chunk_size=0)
-    assert default_chunk_size(50304) == 166 and default_chunk_size(10**9) == 16
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 15, 16, 17, 64, 1024, 2048, 8192, 100_000])
+@pytest.mark.parametrize("vocab", [7, 512, 50304, 128256, 10**9])
+def test_default_chunk_size(tokens, vocab):
+    """Never all rows in one chunk (unless there is one row); chunks within CHUNK_LOGITS unless
+    that would mean fewer than 16 rows; as few chunks as that allows, of equal size."""
+    rows = default_chunk_size(tokens, vocab)
+    chunks = -(-tokens // rows)
+    half = -(-tokens // 2)
+    assert 1 <= rows <= max(half, 1)
+    assert chunks >= 2 or tokens == 1
+    assert rows >= min(16, half)
+    assert rows * vocab <= CHUNK_LOGITS or rows == min(16, half)
+    fewest = max(2, -(-tokens * vocab // CHUNK_LOGITS))
+    assert chunks <= fewest or rows == min(16, half)
+    assert rows - (tokens - (chunks - 1) * rows) < chunks  # the last chunk is nearly full
+    assert default_chunk_size(1024, 50304) == 512 and default_chunk_size(8192, 50304) == 1171
 
 
 def _probe(mode: str, *args: int) -> dict:
@@ -172,9 +190,9 @@ def test_peak_memory_at_vocab_50k_is_under_half_of_reference():
     """seq 1024, batch 1, hidden 64, vocab 50304 (GPT-2 padded), fp32: one fresh process each.
 
     Measured on the dev box: reference +620 MB peak RSS (fp32 logits, log-softmax and
-    their gradients are ~206 MB each), chunked +115 MB at the default chunk (166 rows),
-    +92 MB at chunk 128. Held from forward to backward: the reference's logits and
-    log-softmax vs the chunked loss's hidden and weight gradients (13 MB).
+    their gradients are ~206 MB each), chunked +118 MB at the default chunk (2 x 512 rows),
+    +41 MB at chunk 128. Held from forward to backward: the reference's logits and
+    log-softmax vs the chunked loss's hidden and weight gradients (15 MB).
     """
     shape = (1024, 50304, 64)
     ref, default, small = (

@@ -6,24 +6,31 @@
 logits straight into ``softmax - onehot`` and then into the hidden and weight
 gradients. So:
 
-* peak memory is O(chunk x vocab) instead of O(tokens x vocab): about two fp32 chunk
-  buffers at a time, plus the weight gradient, accumulated in place. Measured (CPU,
-  fp32, vocab 50304, 1024 tokens, peak-RSS growth during forward+backward): hidden 64,
-  reference 620 MB, chunked 115 MB at the default chunk (166 rows), 92 MB at 128 rows
-  (tests/train/kernels/test_kernel_cross_entropy.py); hidden 768, reference 623 MB,
-  chunked 262 MB, of which 154 MB is the weight gradient any implementation needs;
+* peak memory is O(chunk x vocab) instead of O(tokens x vocab): one fp32 chunk buffer
+  at a time (the logits become ``exp(logits - max)`` and then the gradient in place),
+  plus the weight gradient. Measured (CPU, fp32, vocab 50304, 1024 tokens, peak-RSS
+  growth during forward+backward, default chunk: 2 x 512 rows): hidden 64, reference
+  620 MB, chunked 118 MB, 41 MB at 128 rows (tests/train/kernels/test_kernel_cross_entropy.py);
+  hidden 768, reference 623 MB, chunked 269 MB (0.43x), of which 154 MB is the weight
+  gradient any implementation needs;
 * with ``reduction="mean"`` or ``"sum"`` and gradients wanted (training), each chunk's
   ``softmax - onehot`` is turned into the hidden and weight gradients right in forward,
   while the chunk's logits are at hand, and backward only scales them: 3 LM-head GEMMs,
-  as with full logits, and the two gradients are held from forward to backward.
-  Otherwise (``reduction="none"``, or a forward that may not be followed by backward)
-  forward keeps only the per-token log-sum-exp and backward recomputes each chunk's
-  logits: 4/3 of the LM-head compute. Liger's fused linear cross entropy also computes
-  gradients in forward; here that is done only where the reduction makes the per-token
-  gradient weights known, so evaluation never pays for gradients;
-* smaller chunks mean smaller, less efficient GEMMs. The default chunk holds ~2^23
-  logits (32 MB in fp32) and at least 16 rows; at 2^24 the peak above was 0.58x the
-  reference's at hidden 768, at 2^23 0.42x.
+  as with full logits, and the two gradients are held from forward to backward. The
+  per-row factor (``coef / sum exp``) is applied to the GEMMs' ``[rows, hidden]`` sides,
+  not to the ``[rows, vocab]`` chunk. Otherwise (``reduction="none"``, or a forward that
+  may not be followed by backward) forward keeps only the per-token log-sum-exp and
+  backward recomputes each chunk's logits: 4/3 of the LM-head compute. Liger's fused
+  linear cross entropy also computes gradients in forward; here that is done only where
+  the reduction makes the per-token gradient weights known, so evaluation never pays
+  for gradients;
+* each chunk streams the whole weight through its three GEMMs, so chunks are few and
+  large (:func:`default_chunk_size`: at least two, at most 2^26 logits each). LM-head
+  loss forward + backward, time vs full logits, fp32, 2-core CPU, compiled chunk math
+  (eager in parentheses), tokens x hidden x vocab: 1024 x 128 x 8192 0.88x (0.93x),
+  1024 x 128 x 50304 0.79x (0.88x), 2048 x 384 x 50304 1.00x (1.06x), 1024 x 768 x
+  50304 1.04x (1.04x). With 2^24-logit chunks (333 rows at 50304) the last two took
+  1.17x and 1.13x (eager).
 
 Logits and softmax are computed in fp32 (fp64 for fp64 inputs) whatever the input
 dtype; the weight gradient is accumulated in fp32 across chunks for bf16/fp16 weights.
@@ -50,21 +57,65 @@ import torch.nn.functional as F
 Reduction = Literal["mean", "sum", "none"]
 
 
-def default_chunk_size(vocab: int) -> int:
-    """Rows per chunk so that one fp32 logits chunk is ~32 MB (2^23 values), >= 16 rows."""
-    return max(16, (1 << 23) // max(vocab, 1))
+CHUNK_LOGITS = 1 << 26
+"""Most logits one default chunk holds (256 MB in fp32); see :func:`default_chunk_size`."""
+
+
+def default_chunk_size(tokens: int, vocab: int) -> int:
+    """Rows per chunk for ``tokens`` rows of ``vocab`` logits: as few chunks as keep each within
+    :data:`CHUNK_LOGITS`, and at least two, of equal size; at least 16 rows, unless that would
+    leave a single chunk.
+
+    Two chunks at least, so the full logits never exist, whatever the batch. Few, large
+    chunks otherwise, because every chunk streams the whole LM-head weight through each of
+    its three GEMMs: on the 2-core CPU dev box, at 50304 x 384 and 2048 tokens, 333-row
+    chunks made the loss 1.17x slower than full logits and 1024-row chunks 1.06x (eager
+    chunk math; 1.00x compiled). On a GPU, 256 MB is small next to a large model's
+    activations, and its bandwidth makes the extra weight reads cheap.
+    """
+    chunks = max(2, -(-tokens * vocab // CHUNK_LOGITS))
+    half = -(-tokens // 2)
+    return max(min(16, half), -(-tokens // chunks), 1)
 
 
 def _target_and_sumexp(
     logits: torch.Tensor, row_max: torch.Tensor, t_local: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(target logit - row_max, or 0 when the target is outside this shard; sum exp(logits - row_max))."""
+    """(target logit - row_max, or 0 when the target is outside this shard; sum exp(logits - row_max)).
+
+    Overwrites ``logits`` with ``exp(logits - row_max)``: no second chunk-sized buffer, and the
+    training path's gradient starts from it (:func:`_gradient_from_exp`).
+    """
     vocab = logits.shape[1]
     in_shard = (t_local >= 0) & (t_local < vocab)
     z_t = logits.gather(1, t_local.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
     shifted_target = torch.where(in_shard, z_t - row_max, torch.zeros_like(z_t))
-    sum_exp = (logits - row_max.unsqueeze(1)).exp_().sum(dim=1)
+    sum_exp = logits.sub_(row_max.unsqueeze(1)).exp_().sum(dim=1)
     return shifted_target, sum_exp
+
+
+def _gradient_from_exp(
+    exp_shifted: torch.Tensor, t_local: torch.Tensor, sum_exp: torch.Tensor, coef: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(softmax - onehot) * coef[:, None]`` from ``exp(logits - row_max)`` and its (all-reduced)
+    row sums, as ``(matrix, row_scale)``: the gradient is ``row_scale[:, None] * matrix``, or
+    ``matrix`` itself when ``row_scale`` is None. Overwrites ``exp_shifted``.
+
+    The matrix is ``exp_shifted - sum_exp * onehot``; the normalisation and ``coef`` make one
+    per-row factor ``coef / sum_exp``. When ``out_dtype`` is the buffer's dtype (fp32, fp64)
+    that factor is left to the caller, who applies it to the LM-head GEMMs' ``[rows, H]``
+    operands: a pass over ``rows x H`` values instead of one over ``rows x vocab``. For a
+    narrower ``out_dtype`` the cast is a full pass anyway, so the factor is applied before it.
+    """
+    vocab = exp_shifted.shape[1]
+    in_shard = (t_local >= 0) & (t_local < vocab)
+    at_target = torch.where(in_shard, -sum_exp, torch.zeros_like(sum_exp))
+    exp_shifted.scatter_add_(1, t_local.clamp(0, vocab - 1).unsqueeze(1), at_target.unsqueeze(1))
+    row_scale = coef / sum_exp
+    if out_dtype == exp_shifted.dtype:
+        return exp_shifted, row_scale
+    return exp_shifted.mul_(row_scale.unsqueeze(1)).to(out_dtype), None
 
 
 def _logits_grad(
@@ -90,8 +141,9 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
         grad_weight += (grad_logits.T @ h).to(grad_weight.dtype)
 
 
-def _chunk_losses(logits, t_rows, group, stats_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-sum-exp, loss) per row of one chunk's logits (this shard's, all-reduced over ``group``)."""
+def _chunk_losses(logits, t_rows, group, stats_fn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, loss, sum exp(logits - row max)) per row of one chunk's logits (this shard's,
+    all-reduced over ``group``). Leaves ``exp(logits - row max)`` in ``logits``."""
     row_max = logits.amax(dim=1)  # not max(): its argmax costs ~7x the reduction (CPU, measured)
     if group is not None:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -100,31 +152,42 @@ def _chunk_losses(logits, t_rows, group, stats_fn) -> tuple[torch.Tensor, torch.
         dist.all_reduce(shifted_target, group=group)
         dist.all_reduce(sum_exp, group=group)
     log_sum_exp = sum_exp.log()
-    return row_max + log_sum_exp, log_sum_exp - shifted_target
+    return row_max + log_sum_exp, log_sum_exp - shifted_target, sum_exp
 
 
 class _ChunkGrads:
     """The hidden and weight gradients of the LM-head GEMM, filled chunk by chunk."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, bool]) -> None:
-        need_hidden, need_weight = needs
+        need_hidden, self.need_weight = needs
         self.weight = weight
         self.hidden = torch.empty_like(hidden) if need_hidden else None
-        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-        self.weight_grad = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+        self.acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        self.weight_grad: torch.Tensor | None = None  # the first chunk's product, then accumulated
 
-    def add(self, rows: slice, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    def add(self, rows: slice, grad_logits: torch.Tensor, h: torch.Tensor,
+            row_scale: torch.Tensor | None = None) -> None:
+        """Add the chunk's share for logits gradient ``row_scale[:, None] * grad_logits`` (see
+        :func:`_gradient_from_exp`; the scale goes on the ``[rows, H]`` side of each GEMM)."""
         if self.hidden is not None:
-            self.hidden[rows] = grad_logits @ self.weight
-        if self.weight_grad is not None:
-            _accumulate_weight_grad(self.weight_grad, grad_logits, h)
+            grad_h = grad_logits @ self.weight
+            self.hidden[rows] = grad_h if row_scale is None else grad_h.mul_(row_scale.unsqueeze(1))
+        if self.need_weight:
+            if row_scale is not None:
+                h = h * row_scale.unsqueeze(1)
+            if self.weight_grad is None:  # no zero-filled accumulator to read back: one weight-sized pass less
+                self.weight_grad = (grad_logits.T @ h).to(self.acc_dtype)
+            else:
+                _accumulate_weight_grad(self.weight_grad, grad_logits, h)
 
     def result(self, group) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(hidden grad summed over the vocab shards of ``group``, weight grad in the weight's dtype)."""
         if self.hidden is not None and group is not None:
             dist.all_reduce(self.hidden, group=group)
-        weight_grad = self.weight_grad.to(self.weight.dtype) if self.weight_grad is not None else None
-        return self.hidden, weight_grad
+        weight_grad = self.weight_grad
+        if self.need_weight and weight_grad is None:  # no rows at all
+            weight_grad = torch.zeros(self.weight.shape, dtype=self.acc_dtype, device=self.weight.device)
+        return self.hidden, (weight_grad.to(self.weight.dtype) if weight_grad is not None else None)
 
 
 def _shard_targets(weight: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
@@ -147,7 +210,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = (hidden[rows] @ weight.T).to(compute_dtype)
-            lse[rows], losses[rows] = _chunk_losses(logits, t_local[rows], group, stats_fn)
+            lse[rows], losses[rows], _ = _chunk_losses(logits, t_local[rows], group, stats_fn)
             del logits
         losses.masked_fill_(targets == ignore_index, 0.0)
         ctx.save_for_backward(hidden, weight, t_local, lse, targets == ignore_index)
@@ -202,10 +265,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             h = hidden[rows]
             logits = (h @ weight.T).to(compute_dtype)
-            lse[rows], losses = _chunk_losses(logits, t_local[rows], group, stats_fn)
+            lse[rows], losses, sum_exp = _chunk_losses(logits, t_local[rows], group, stats_fn)
             total += (losses * coef[rows]).sum()
-            grads.add(rows, grad_fn(logits, lse[rows], t_local[rows], coef[rows], hidden.dtype), h)
-            del logits
+            grad_logits, row_scale = _gradient_from_exp(logits, t_local[rows], sum_exp, coef[rows], hidden.dtype)
+            grads.add(rows, grad_logits, h, row_scale)
+            del logits, grad_logits  # the same buffer: free it before the next chunk's GEMM
         ctx.save_for_backward(hidden, weight, t_local, lse, coef)
         ctx.grads = grads.result(group)  # plain attributes: scaled in place by backward
         ctx.chunk_size, ctx.group, ctx.grad_fn = chunk_size, group, grad_fn
@@ -268,12 +332,12 @@ def chunked_cross_entropy(
     """
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if chunk_size is None:
-        chunk_size = default_chunk_size(weight.shape[0])
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     flat_targets = targets.reshape(-1)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if chunk_size is None:
+        chunk_size = default_chunk_size(flat_hidden.shape[0], weight.shape[0])
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if reduction in ("mean", "sum") and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         # Training: the token weights of the reduction are known, so gradients come out of
         # forward (no recompute GEMM in backward).
