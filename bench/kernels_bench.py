@@ -10,18 +10,28 @@ Rows:
   mode (``compiled`` on CPU, ``triton`` on CUDA) vs ``reference``. Warm-up steps
   (where torch.compile builds its graphs) are excluded and reported as their own row;
   rounds alternate and the best is kept (the box is shared). Target: ratio >= 1.0.
-  On tiny CPU shapes the win is small or negative: the eager ops are already a few
-  big vectorised loops, and each compiled op adds a guard check and a call.
+  On CPU the modes differ mainly in the LM-head loss (chunked vs full logits) and, for
+  llama, in the compiled RMSNorm; the other ops stay eager at these sizes
+  (``compiled.CPU_MIN_NUMEL``).
 * a whole 20-step training run (``python -m tokenloom.train.loop``, what ``tokenloom
-  train`` starts), one fresh process per run, the two modes alternating over
-  ``--run-rounds`` rounds (medians): the run's own ``tokens_per_s`` (every step but the
-  first, see ``metrics.StepTimer``) with its ratio, the median step after the first (the
+  train`` starts), one fresh process per run, the two modes back to back in each of
+  ``--run-rounds`` rounds: the run's own ``tokens_per_s`` (every step but the first, see
+  ``metrics.StepTimer``), its ratio as the median of the rounds' ratios (runs of one mode
+  differ by up to 25% between processes on the dev box, so single pairs are noise; each
+  pair's ratio is listed too), the median step after the first (the
   few steps right after a compile read slower, cause not pinned down; the mean keeps
   them and the median drops them), the first step (compile and warm-up)
   and the process's wall time from start to exit for information, and the largest
   per-step loss difference between the modes (target <= 1e-4). On CPU the wall time of
   so short a run is dominated by inductor's start-up (importing it alone takes ~1.8 s in
   torch 2.13), which 20 steps of a small model cannot pay back.
+  The runs are made at each ``--run-vocabs`` size: the model's vocabulary sets how much
+  of a step the LM-head loss is, the one op where the modes differ most (the reference
+  materialises full logits; the others chunk them).
+* the LM-head loss alone (forward + backward from the final hidden states, the weight
+  and the targets) at ``--ce-tokens`` x ``--ce-hidden`` x ``--ce-vocab``: the chunked
+  cross entropy of the fast mode vs full logits (``cross_entropy_reference``), median
+  of alternating calls.
 * peak memory (RSS high-water growth during forward + backward, fresh subprocess per
   implementation) of the chunked cross entropy vs the full-logits reference at vocab
   50304, 1024 tokens; uses tests/train/kernels/_ce_memory_probe.py.
@@ -50,6 +60,7 @@ from _table import print_table  # noqa: E402
 
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
 from tokenloom.train.host_alloc import keep_freed_memory  # noqa: E402
+from tokenloom.train.kernels import cross_entropy_reference, select_kernels  # noqa: E402
 from tokenloom.train.loop import TrainConfig, config_to_dict  # noqa: E402
 from tokenloom.train.metrics import peak_flops, read_metrics  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
@@ -126,10 +137,10 @@ def _run_once(args: argparse.Namespace, config: Path, out: Path, mode: str) -> d
     return {"wall": wall, "losses": [r["train_loss"] for r in records], "median_step": median_step, **summary}
 
 
-def _run_rows(args: argparse.Namespace, fast: str) -> list:
+def _run_rows(args: argparse.Namespace, fast: str, vocab: int) -> list:
     """Whole 20-step training runs, ``fast`` vs reference, fresh processes taking turns."""
     cfg = TrainConfig(
-        model=GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layers=args.layers,
+        model=GPTConfig(vocab_size=vocab, seq_len=args.seq_len, n_layers=args.layers,
                         n_heads=args.d_model // 32, d_model=args.d_model),
         data=DataConfig(mock=MockDataConfig(num_sequences=2000, max_length=2 * args.seq_len, content="random")),
         micro_batch_size=args.micro, global_batch_size=args.micro, train_iters=args.run_steps, eval_interval=0,
@@ -148,16 +159,23 @@ def _run_rows(args: argparse.Namespace, fast: str) -> list:
     med = {m: {k: statistics.median(run[k] for run in rs)
                for k in ("tokens_per_s", "median_step", "first_step_s", "wall")}
            for m, rs in runs.items()}
-    what = f"{args.run_steps}-step train run"
+    # Ratios within a round (the two runs back to back), then their median: the box drifts by
+    # 20% between minutes, which a ratio of medians over all rounds would carry in.
+    tps_ratios = sorted(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(ref, new, strict=True))
+    step_ratios = [a["median_step"] / b["median_step"] for a, b in zip(ref, new, strict=True)]
+    what = f"{args.run_steps}-step train run, vocab {vocab}"
     tokens_per_step = args.micro * args.seq_len
     return [
-        (f"{what}: tokens/s after the first step ({fast} vs reference, target >= 1.0)",
+        (f"{what}: tokens/s after the first step ({fast} vs reference, median of {len(tps_ratios)} "
+         "paired runs, target >= 1.0)",
          f"{med[fast]['tokens_per_s']:,.0f}", f"{med['reference']['tokens_per_s']:,.0f}",
-         f"{med[fast]['tokens_per_s'] / med['reference']['tokens_per_s']:.2f}x"),
-        (f"{what}: median step after the first, tokens/s ({fast} vs reference)",
+         f"{statistics.median(tps_ratios):.2f}x"),
+        (f"for information: {what}: tokens/s ratio of each pair, lowest to highest",
+         " ".join(f"{r:.2f}" for r in tps_ratios), "", ""),
+        (f"{what}: median step after the first, tokens/s ({fast} vs reference, median of paired runs)",
          f"{tokens_per_step / med[fast]['median_step']:,.0f}",
          f"{tokens_per_step / med['reference']['median_step']:,.0f}",
-         f"{med['reference']['median_step'] / med[fast]['median_step']:.2f}x"),
+         f"{statistics.median(step_ratios):.2f}x"),
         (f"{what}: max per-step |loss difference| (target <= 1e-4)", f"{diff:.1e}", "", ""),
         (f"{what}: first step (compile, warm-up)", f"{med[fast]['first_step_s']:.2f} s",
          f"{med['reference']['first_step_s']:.2f} s",
@@ -165,6 +183,34 @@ def _run_rows(args: argparse.Namespace, fast: str) -> list:
         (f"for information: {what}, process wall time start to exit", f"{med[fast]['wall']:.1f} s",
          f"{med['reference']['wall']:.1f} s", f"{med[fast]['wall'] / med['reference']['wall']:.2f}x"),
     ]
+
+
+def _ce_time_row(args: argparse.Namespace, device: torch.device, fast: str) -> tuple:
+    """LM-head loss forward + backward: the fast mode's chunked cross entropy vs full logits."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.ce_tokens, args.ce_hidden, generator=g).to(device).requires_grad_()
+    weight = (0.02 * torch.randn(args.ce_vocab, args.ce_hidden, generator=g)).to(device).requires_grad_()
+    targets = torch.randint(0, args.ce_vocab, (args.ce_tokens,), generator=g).to(device)
+    fns = {"chunked": select_kernels(fast, device).cross_entropy, "full": cross_entropy_reference}
+
+    def call(fn) -> float:
+        start = time.perf_counter()
+        fn(hidden, weight, targets).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        hidden.grad = weight.grad = None
+        return time.perf_counter() - start
+
+    for fn in fns.values():
+        call(fn), call(fn)  # warm-up (compile)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(args.ce_reps):
+        for name, fn in fns.items():
+            times[name].append(call(fn))
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    return (f"LM-head loss fwd+bwd, {args.ce_tokens} tok x hidden {args.ce_hidden} x vocab {args.ce_vocab} "
+            f"({fast} chunked vs full logits, time)", f"{med['chunked']:.0f} ms", f"{med['full']:.0f} ms",
+            f"{med['chunked'] / med['full']:.2f}x")
 
 
 def _ce_memory(mode: str, tokens: int, vocab: int, hidden: int) -> dict:
@@ -185,7 +231,10 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--run-steps", type=int, default=20, help="steps of each whole training run")
-    parser.add_argument("--run-rounds", type=int, default=3, help="whole runs per mode, taken in turn")
+    parser.add_argument("--run-rounds", type=int, default=5, help="whole runs per mode, taken in turn")
+    parser.add_argument("--run-vocabs", type=lambda v: [int(x) for x in v.split(",")], default=[8192, 50304],
+                        help="vocabulary sizes of the whole runs, comma-separated")
+    parser.add_argument("--ce-reps", type=int, default=5, help="alternating calls per LM-head loss")
     parser.add_argument("--ce-tokens", type=int, default=1024)
     parser.add_argument("--ce-vocab", type=int, default=50304)
     parser.add_argument("--ce-hidden", type=int, default=768)
@@ -196,8 +245,13 @@ def main() -> None:
         keep_freed_memory()  # as the training loop does on CPU: without it both modes re-fault
         # their activations every step, and that cost, not the kernels, set the ratio
     fast = "triton" if device.type == "cuda" else "compiled"
+    # The whole runs first, while this process has compiled nothing and holds little memory:
+    # started after the in-process rows, the compiled runs read 0.86-0.93x against 0.98x
+    # alone (this process was idle meanwhile; cause not pinned down).
+    run_rows = [row for vocab in args.run_vocabs for row in _run_rows(args, fast, vocab)]
     rows, fast_tps = _train_rows(args, device, fast)
-    rows += _run_rows(args, fast)
+    rows += run_rows
+    rows.append(_ce_time_row(args, device, fast))
 
     ref = _ce_memory("reference", args.ce_tokens, args.ce_vocab, args.ce_hidden)
     chunked = _ce_memory("chunked", args.ce_tokens, args.ce_vocab, args.ce_hidden)
