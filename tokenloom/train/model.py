@@ -42,7 +42,8 @@ and checkpoints are the same in every mode and load across modes.
 * ``compiled`` / ``triton`` / ``auto`` route norms, activation, RoPE and attention
   through the :class:`~tokenloom.train.kernels.KernelSet`, and the loss through its
   chunked cross entropy straight from the final hidden states and the LM-head weight
-  (O(chunk x vocab) memory, the same three LM-head GEMMs when training). The loss keeps the
+  (O(chunk x vocab) memory, the same three LM-head GEMMs when training; full logits
+  below 2^22 of them, where chunking only costs time). The loss keeps the
   reference semantics: softmax over the *padded* vocabulary (Megatron's), per-token
   losses reduced exactly as the reference does (``mean`` over all tokens, or over
   ``loss_mask``). Numerics differ from ``reference`` by float rounding (fp32 norms and

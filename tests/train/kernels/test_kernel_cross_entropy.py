@@ -27,11 +27,13 @@ from torch.autograd import gradcheck
 from tokenloom.train.kernels.compiled import compile_available, compiled
 from tokenloom.train.kernels.cross_entropy import (
     CHUNK_LOGITS,
+    FULL_LOGITS_BELOW,
     _logits_grad,
     _target_and_sumexp,
     chunked_cross_entropy,
     cross_entropy_reference,
     default_chunk_size,
+    full_logits_below,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -270,3 +272,36 @@ def test_cuda_matches_reference_and_peak_memory(dtype):
     assert peaks[1] <= 0.5 * peaks[0], peaks
     for a, b in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(a, b, **GRAD_TOL[dtype])
+
+
+def test_full_logits_below_threshold_only():
+    """The KernelSet's loss takes full logits for small single-process problems with the default
+    chunking, and the chunked loss otherwise (big, vocab-parallel, or an explicit chunk_size)."""
+    calls = []
+
+    def chunked(*args):
+        calls.append(args)
+        return chunked_cross_entropy(*args)
+
+    loss = full_logits_below(chunked)
+    h, w, t, mask = _problem(torch.float32)
+    torch.testing.assert_close(loss(h, w, t, mask), cross_entropy_reference(h, w, t, mask), rtol=0, atol=0)
+    assert not calls
+    loss(h, w, t, mask, chunk_size=8)
+    assert len(calls) == 1
+    vocab = -(-FULL_LOGITS_BELOW // h[..., 0].numel())  # the fewest logits that reach the threshold
+    big_w = 0.02 * torch.randn(vocab, h.shape[-1])
+    loss(h, big_w, t % vocab)
+    assert len(calls) == 2
+    loss(h, big_w[:-1], t % (vocab - 1))
+    assert len(calls) == 2
+
+
+def test_reduce_without_mask_counts_only_non_ignored_tokens():
+    h, w, t, _ = _problem(torch.float64)
+    per_token = cross_entropy_reference(h, w, t, reduction="none")
+    kept = (t.reshape(-1) != -100).sum()
+    torch.testing.assert_close(cross_entropy_reference(h, w, t), per_token.sum() / kept)
+    torch.testing.assert_close(cross_entropy_reference(h, w, t, reduction="sum"), per_token.sum())
+    all_ignored = torch.full_like(t, -100)
+    assert cross_entropy_reference(h, w, all_ignored).item() == 0.0

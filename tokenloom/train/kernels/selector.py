@@ -8,7 +8,8 @@ Modes:
 * ``compiled``: ``torch.compile`` of the references (inductor: C++/OpenMP on CPU,
   Triton on CUDA) where that fuses several kernels into one: RMSNorm, SwiGLU, RoPE,
   bias-dropout-add, bias + GELU, LayerNorm on bf16/fp16; the chunked cross entropy
-  compiles its per-chunk math. fp32 LayerNorm and GELU without a bias are single ATen
+  compiles its per-chunk math (losses under 2^22 logits take full logits instead,
+  ``cross_entropy.full_logits_below``). fp32 LayerNorm and GELU without a bias are single ATen
   kernels already (``F.layer_norm``, ``F.gelu``), so this mode calls those: compiling
   them only rebuilt the same kernel, slower on CPU (``layer_norm_with``, ``bias_gelu_with``).
   On CPU, inputs below a per-op size run the eager reference, where a compiled call's
@@ -37,7 +38,7 @@ from .attention import attention_sdpa
 from .bias_dropout_add import bias_dropout_add_reference
 from .bias_gelu import bias_gelu_reference, bias_gelu_with
 from .compiled import compile_available, compiled_above
-from .cross_entropy import _logits_grad, _target_and_sumexp, chunked_cross_entropy
+from .cross_entropy import _logits_grad, _target_and_sumexp, chunked_cross_entropy, full_logits_below
 from .layer_norm import layer_norm_reference, layer_norm_with
 from .rms_norm import rms_norm_reference
 from .rope import rope_reference
@@ -107,7 +108,7 @@ def _compiled_ops() -> dict[str, tuple[Callable, str]]:
     ops["attention"] = (attention_sdpa, "sdpa")
     chunk_fns = (compiled_above(_target_and_sumexp, "cross_entropy_chunk"),
                  compiled_above(_logits_grad, "cross_entropy_chunk"))
-    ops["cross_entropy"] = (functools.partial(chunked_cross_entropy, _fns=chunk_fns), "compiled")
+    ops["cross_entropy"] = (full_logits_below(functools.partial(chunked_cross_entropy, _fns=chunk_fns)), "compiled")
     return ops
 
 
