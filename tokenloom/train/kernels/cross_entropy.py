@@ -79,6 +79,12 @@ def default_chunk_size(tokens: int, vocab: int) -> int:
     return max(min(16, half), -(-tokens // chunks), 1)
 
 
+def _target_slots(t_local: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each target id falls in this shard's ``[0, vocab)``; its column as a ``[rows, 1]``
+    index, clamped into the shard so that gather and scatter stay in bounds)."""
+    return (t_local >= 0) & (t_local < vocab), t_local.clamp(0, vocab - 1).unsqueeze(1)
+
+
 def _target_and_sumexp(
     logits: torch.Tensor, row_max: torch.Tensor, t_local: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,9 +93,8 @@ def _target_and_sumexp(
     Overwrites ``logits`` with ``exp(logits - row_max)``: no second chunk-sized buffer, and the
     training path's gradient starts from it (:func:`_gradient_from_exp`).
     """
-    vocab = logits.shape[1]
-    in_shard = (t_local >= 0) & (t_local < vocab)
-    z_t = logits.gather(1, t_local.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
+    in_shard, slot = _target_slots(t_local, logits.shape[1])
+    z_t = logits.gather(1, slot).squeeze(1)
     shifted_target = torch.where(in_shard, z_t - row_max, torch.zeros_like(z_t))
     sum_exp = logits.sub_(row_max.unsqueeze(1)).exp_().sum(dim=1)
     return shifted_target, sum_exp
@@ -109,10 +114,9 @@ def _gradient_from_exp(
     operands: a pass over ``rows x H`` values instead of one over ``rows x vocab``. For a
     narrower ``out_dtype`` the cast is a full pass anyway, so the factor is applied before it.
     """
-    vocab = exp_shifted.shape[1]
-    in_shard = (t_local >= 0) & (t_local < vocab)
+    in_shard, slot = _target_slots(t_local, exp_shifted.shape[1])
     at_target = torch.where(in_shard, -sum_exp, torch.zeros_like(sum_exp))
-    exp_shifted.scatter_add_(1, t_local.clamp(0, vocab - 1).unsqueeze(1), at_target.unsqueeze(1))
+    exp_shifted.scatter_add_(1, slot, at_target.unsqueeze(1))
     row_scale = coef / sum_exp
     if out_dtype == exp_shifted.dtype:
         return exp_shifted, row_scale
@@ -126,10 +130,9 @@ def _logits_grad(
 
     In place so that eager mode holds one chunk-sized buffer here, not four.
     """
-    vocab = logits.shape[1]
-    in_shard = (t_local >= 0) & (t_local < vocab)
+    in_shard, slot = _target_slots(t_local, logits.shape[1])
     grad = logits.sub_(lse.unsqueeze(1)).exp_()
-    grad.scatter_add_(1, t_local.clamp(0, vocab - 1).unsqueeze(1), -in_shard.to(grad.dtype).unsqueeze(1))
+    grad.scatter_add_(1, slot, -in_shard.to(grad.dtype).unsqueeze(1))
     return grad.mul_(coef.unsqueeze(1)).to(out_dtype)
 
 
