@@ -58,10 +58,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
 
+from tokenloom.train.config import TrainConfig, config_to_dict  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
 from tokenloom.train.host_alloc import keep_freed_memory  # noqa: E402
 from tokenloom.train.kernels import cross_entropy_reference, select_kernels  # noqa: E402
-from tokenloom.train.loop import TrainConfig, config_to_dict  # noqa: E402
 from tokenloom.train.metrics import peak_flops, read_metrics  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 

@@ -3,7 +3,7 @@
     .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
 
 Every layout of ``--world`` ranks (2 or 4) trains the same GPT with
-:class:`tokenloom.train.parallel.train.ParallelRun` on mock data: one warmup step, then
+:class:`tokenloom.train.strategy.Strategy` of the training loop on mock data: one warmup step, then
 ``--steps`` timed steps (best step kept: the box is shared). Reported per layout:
 
 * step time of one global batch (the same for every layout: ``2 x world x
@@ -33,8 +33,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
 
+from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
-from tokenloom.train.loop import TrainConfig  # noqa: E402
 from tokenloom.train.model import GPTConfig  # noqa: E402
 from tokenloom.train.optim import OptimConfig  # noqa: E402
 from tokenloom.train.parallel import mappings  # noqa: E402
@@ -80,15 +80,17 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None) -> Train
 
 
 def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
-    from tokenloom.train.parallel.train import ParallelRun
+    from tokenloom.train.loop import start_run
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     counter = _Counter()
     dp, tp, pp, vpp = layout
-    run = ParallelRun(config(args, Path(out) / "run", dp, tp, pp, vpp))
-    batches = run._global_batches(run.data.train, 0, (args.steps + 1) * run.cfg.global_batch_size)
+    trainer = start_run(config(args, Path(out) / "run", dp, tp, pp, vpp))
+    run = trainer.strategy
+    batches = run.global_batches(trainer.data.train, eod=trainer.data.eod, consumed=0,
+                                 total=(args.steps + 1) * run.cfg.global_batch_size)
     run.train_step(next(batches))  # warmup
     times, bubbles, start_bytes = [], [], counter.bytes
     for _ in range(args.steps):

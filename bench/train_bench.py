@@ -39,8 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
 
+from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
-from tokenloom.train.loop import TrainConfig, start_run  # noqa: E402
+from tokenloom.train.loop import start_run  # noqa: E402
 from tokenloom.train.metrics import peak_flops  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 from tokenloom.train.optim import OptimConfig, build_optimizer  # noqa: E402

@@ -255,8 +255,8 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
 def train(config, overrides, nproc_per_node, **flags):
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step) last."""
+    from tokenloom.train.config import load_config
     from tokenloom.train.launch import flag_overrides, launch
-    from tokenloom.train.loop import load_config
 
     summary = launch(load_config(config, [*flag_overrides(**flags), *overrides]), nproc_per_node)
     if summary is not None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own

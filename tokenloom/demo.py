@@ -92,8 +92,8 @@ def write_corpus(path: Path, records: list[dict]) -> Path:
 
 
 def _train_config(cfg: DemoConfig, out: Path, tok, prefixes: list[tuple[float, str]]):
+    from tokenloom.train.config import TrainConfig
     from tokenloom.train.data import BlendDataConfig, DataConfig
-    from tokenloom.train.loop import TrainConfig
     from tokenloom.train.model import GPTConfig
     from tokenloom.train.optim import OptimConfig
 

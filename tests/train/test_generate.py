@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
 from tokenloom.train.generate import GenerateConfig, generate
-from tokenloom.train.loop import TrainConfig, run
+from tokenloom.train.loop import run
 from tokenloom.train.model import GPTConfig
 
 

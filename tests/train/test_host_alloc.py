@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tokenloom.train import host_alloc
-from tokenloom.train.loop import TrainConfig
+from tokenloom.train.config import TrainConfig
 
 PROBE = r"""
 import json, resource, sys

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
 from tokenloom.train.kernels.compiled import compile_available, force_compiled
-from tokenloom.train.loop import TrainConfig, run
+from tokenloom.train.loop import run
 from tokenloom.train.metrics import read_metrics
 from tokenloom.train.model import GPT, GPTConfig
 

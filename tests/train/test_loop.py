@@ -15,8 +15,9 @@ import torch
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
+from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig
-from tokenloom.train.loop import TrainConfig, config_to_dict, load_config, run, start_run
+from tokenloom.train.loop import run, start_run
 from tokenloom.train.metrics import read_metrics
 from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import OptimConfig, lr_at, param_groups
@@ -77,7 +78,7 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
 
 def test_stepping_the_run_equals_run(tmp_path):
     """start_run(cfg).steps() one step at a time, then finish(): the same metrics, summary and
-    checkpoint as run(cfg); and the parallel layouts are refused there."""
+    checkpoint as run(cfg); and a layout the world cannot hold is refused."""
     summary = run(tiny(tmp_path / "a", train_iters=8))
     r = start_run(tiny(tmp_path / "b", train_iters=8))
     assert list(r.steps()) == list(range(1, 9))
@@ -88,7 +89,7 @@ def test_stepping_the_run_equals_run(tmp_path):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
     for name, tensor in final_params(tmp_path / "a").items():
         assert torch.equal(tensor, final_params(tmp_path / "b")[name]), name
-    with pytest.raises(TokenloomError, match="start_run covers"):
+    with pytest.raises(TokenloomError, match="does not divide the 1 ranks"):
         start_run(tiny(tmp_path / "c", tp=2))
 
 

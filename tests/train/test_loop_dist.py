@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny(tmp: Path, **overrides):
+    from tokenloom.train.config import TrainConfig
     from tokenloom.train.data import DataConfig, MockDataConfig
-    from tokenloom.train.loop import TrainConfig
     from tokenloom.train.model import GPTConfig
     from tokenloom.train.optim import OptimConfig
 
@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 
 def test_dead_rank_stops_the_others_with_one_line_error(tmp_path):
-    from tokenloom.train.loop import config_to_dict
+    from tokenloom.train.config import config_to_dict
 
     config = tmp_path / "cfg.json"
     config.write_text(json.dumps(config_to_dict(tiny(tmp_path / "run", train_iters=20, dist_timeout_s=30))))
@@ -103,16 +103,17 @@ def test_dead_rank_stops_the_others_with_one_line_error(tmp_path):
 def _die_in_third_step(config: str) -> None:
     """One rank of the dead-rank test: rank 1 exits abruptly in its third training step."""
     from tokenloom.train import loop
+    from tokenloom.train.strategy import Strategy
 
-    real_step, calls = loop.train_step, []
+    real_step, calls = Strategy.train_step, []
 
-    def step(*args, **kwargs):
+    def step(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 3 and os.environ["RANK"] == "1":
             os._exit(3)
-        return real_step(*args, **kwargs)
+        return real_step(self, *args, **kwargs)
 
-    loop.train_step = step
+    Strategy.train_step = step
     torch.set_num_threads(1)
     sys.exit(loop.main(["--config", config]))
 

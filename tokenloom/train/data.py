@@ -174,3 +174,11 @@ def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: i
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     non_blocking = device.type == "cuda"
     return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def open_tokenizer(name: str):
+    """``load_tokenizer`` for a path, or for a file-less kind name such as ``"byte"``."""
+    from tokenloom.tokenizers import load_tokenizer
+    from tokenloom.tokenizers.load import FILELESS
+
+    return load_tokenizer(kind=name) if name in FILELESS else load_tokenizer(name)

@@ -216,7 +216,7 @@ class DistributedDataParallel(nn.Module):
         self._backward_started = False
         self._next_bucket = 0
         self._marked = [False] * len(self._params)
-        self._locally_used = torch.zeros(len(self._params), dtype=torch.int32)
+        self._locally_used = torch.zeros(len(self._params), dtype=torch.int32, device=self._params[0].device)
         self._unused: list[int] = []
         self._grad_was_none: set[int] = set()
         self._rebuild_enabled = rebuild_buckets and not find_unused_parameters

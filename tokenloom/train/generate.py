@@ -19,7 +19,8 @@ import torch
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
-from tokenloom.train.loop import config_from_dict, open_tokenizer
+from tokenloom.train.config import config_from_dict
+from tokenloom.train.data import open_tokenizer
 from tokenloom.train.model import GPT, GPTConfig
 
 

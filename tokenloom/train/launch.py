@@ -25,7 +25,8 @@ import typing
 from pathlib import Path
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.loop import TrainConfig, config_to_dict, load_config, run
+from tokenloom.train.config import TrainConfig, config_to_dict, load_config
+from tokenloom.train.loop import run
 
 
 def torchrun_command(config_path: str | os.PathLike, nproc_per_node: int) -> list[str]:
@@ -77,7 +78,7 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
     elif mock_data:
         out += ["data.blend=null", "data.mock={}"]
     if tokenizer is not None:
-        from tokenloom.train.loop import open_tokenizer
+        from tokenloom.train.data import open_tokenizer
 
         out += [f"tokenizer={json.dumps(tokenizer)}", f"model.vocab_size={open_tokenizer(tokenizer).vocab_size}"]
     for name, value in fields.items():

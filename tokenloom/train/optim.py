@@ -20,14 +20,21 @@ Choices and their costs:
   default implementation, so a comparison against a plain ``torch.optim.AdamW`` sets
   ``fused=False``. Every tokenloom path builds its optimizer here, so single-process,
   DDP, tensor/pipeline-parallel and resumed runs all use the same implementation.
+* **One gradient norm** (:func:`global_grad_norm`) for every layout and both optimizers:
+  torch's ``get_total_norm`` over the gradients this rank counts (Megatron's rule: each
+  parameter once per model replica), squared and summed over the groups that hold the
+  other pieces (model-parallel, and data-parallel for ZeRO-1 shards), on the device with
+  no host sync. With no groups it is exactly ``clip_grad_norm_``'s norm.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
@@ -66,21 +73,27 @@ class OptimConfig:
             raise TokenloomError("optim.warmup_iters and optim.grad_clip must be >= 0")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed matmul weights, and everything else (biases, norms, embeddings)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+def param_groups(modules: nn.Module | Iterable[nn.Module], weight_decay: float) -> list[dict]:
+    """Two AdamW groups over the parameters of ``modules`` (a model, or a rank's pipeline
+    chunks): decayed matmul weights, and everything else (biases, norms, embedding tables:
+    ``nn.Embedding`` weights and parameters tagged ``is_embedding``, such as a tied LM head
+    or a vocab-parallel table). Tied tensors are listed once, in first-seen order."""
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    embeddings = {id(m.weight) for mod in modules for m in mod.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay, seen = [], [], set()
-    for p in model.parameters():  # parameters() de-duplicates tied tensors
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    for module in modules:
+        for p in module.parameters():  # parameters() de-duplicates tied tensors within a module
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            embedding = id(p) in embeddings or getattr(p, "is_embedding", False)
+            (decay if p.dim() >= 2 and not embedding else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(modules: nn.Module | Iterable[nn.Module], cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups`; the learning rate is set per step from :func:`lr_at`."""
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(modules, cfg.weight_decay)
     return torch.optim.AdamW(
         groups,
         lr=cfg.lr,
@@ -88,6 +101,29 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         eps=cfg.eps,
         fused=use_fused(cfg, [p for g in groups for p in g["params"]]),
     )
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] = (),
+                     *, device: torch.device) -> torch.Tensor:
+    """L2 norm of a gradient spread over ranks, as a 0-dim fp32 tensor on ``device``.
+
+    ``grads``: the pieces this rank counts; ``groups``: the groups whose members hold the
+    other pieces (the squared norm is all-reduced over each in turn). With no groups this
+    is ``torch.nn.utils.clip_grad_norm_``'s norm exactly."""
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    if not groups:
+        return local
+    sq = local.double().square()
+    for group in groups:
+        dist.all_reduce(sq, group=group)
+    return sq.sqrt().float()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clipping factor ``min(1, max_norm / (norm + 1e-6))`` (1 when ``max_norm <= 0``),
+    a device tensor (no host sync)."""
+    max_norm = max_norm if max_norm > 0 else math.inf
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def use_fused(cfg: OptimConfig, params: list[torch.Tensor]) -> bool | None:

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.train import loop
+from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
-from tokenloom.train.loop import TrainConfig
 from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
 from tokenloom.train.parallel import reshard
-from tokenloom.train.parallel.train import ParallelRun
+from tokenloom.train.runtime import World
 
 STEPS = 20
 
@@ -47,36 +47,40 @@ def read_losses(metrics: Path) -> list[float]:
     return [r["train_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "train_loss" in r]
 
 
+def read_norms(metrics: Path) -> list[float]:
+    return [r["grad_norm"] for r in map(json.loads, metrics.read_text().splitlines()) if "grad_norm" in r]
+
+
+def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
+    """Full parameters by one-process name from a checkpoint of any layout."""
+    if (path / "model.pt").exists():
+        return torch.load(path / "model.pt", weights_only=True)
+    return reshard.full_tensors(path)[0]
+
+
 def reference(out: Path, **kw: Any) -> dict[str, Any]:
-    """The one-process loop.py run: per-step losses and final parameters."""
+    """The one-process run of the loop: per-step losses and grad norms, final parameters."""
     cfg = tiny_cfg(out, **kw)
-    run = loop._Run(cfg, loop._World(0, 1, torch.device("cpu"), False))
+    run = loop.start_run(cfg, World(0, 1, torch.device("cpu"), False))
     summary = run.train()
-    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return {"losses": read_losses(Path(out) / "metrics.jsonl"), "summary": summary,
-            "norms": [r["grad_norm"] for r in records if "grad_norm" in r],
-            "params": {n: t.detach().clone() for n, t in run.model.state_dict().items()}}
+    metrics = Path(out) / "metrics.jsonl"
+    return {"losses": read_losses(metrics), "summary": summary, "norms": read_norms(metrics),
+            "params": {n: t.detach().clone() for n, t in run.strategy.chunks[0].state_dict().items()}}
 
 
 # ---------------------------------------------------------------------- scenarios (run on every rank)
 
 
-def train(rank: int, *, out: str, via_loop: bool = False, **kw: Any) -> dict[str, Any]:
-    """Train the tiny config in this layout; losses (last-stage ranks), full parameters by
-    one-process name (dp rank 0), coordinates."""
+def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
+    """Train the tiny config in this layout through the one loop (``loop.run``); rank 0
+    returns the logged losses and grad norms and the final checkpoint's full parameters."""
     cfg = tiny_cfg(Path(out), **kw)
-    if via_loop:  # loop.run's dispatch, then the final checkpoint read back
-        summary = loop.run(cfg)
-        params = reshard.full_tensors(Path(summary["checkpoint"]))[0] if rank == 0 else {}
-        losses = read_losses(Path(out) / "metrics.jsonl") if (Path(out) / "metrics.jsonl").exists() else []
-        return {"losses": losses, "params": params, "summary": summary}
-    run = ParallelRun(cfg)
-    summary = run.train()
-    params = run.full_state_dict()
-    st = run.state
-    return {"losses": run.losses, "norms": run.norms, "params": params if st.dp_rank == 0 else {},
-            "coords": (st.tp_rank, st.dp_rank, st.pp_rank), "summary": summary,
-            "is_last": st.is_last_stage(ignore_virtual=True)}
+    summary = loop.run(cfg)
+    if rank != 0:
+        return {"losses": [], "norms": [], "params": {}, "summary": summary}
+    metrics = Path(out) / "metrics.jsonl"
+    return {"losses": read_losses(metrics), "norms": read_norms(metrics), "summary": summary,
+            "params": checkpoint_params(Path(summary["checkpoint"]))}
 
 
 def forward_llama(rank: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""tp x pp x dp training (tokenloom.train.parallel.train) against the one-process loop.py
+"""tp x pp x dp training through the one loop (tokenloom.train.loop) against its one-process
 run: 20-step losses, grad norms, validation loss and final parameters for eight layouts,
 a llama-flavour tp forward (RoPE, SwiGLU, GQA, biases),
 and checkpoint resharding from (dp, tp, pp) = (1, 2, 2) into (2, 1, 1) and (1, 1, 1).
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
 LAYOUTS = {
-    "dp1_tp2_pp1": (2, dict(tp=2, via_loop=True)),  # through loop.run's dispatch
+    "dp1_tp2_pp1": (2, dict(tp=2)),
     "dp1_tp1_pp2": (2, dict(pp=2)),
     "dp1_tp1_pp2_vpp2": (2, dict(pp=2, vpp=2)),
     "dp1_tp2_pp2": (4, dict(tp=2, pp=2)),
@@ -90,10 +90,9 @@ def test_layout_matches_one_process(runs, ref, name):
     summary = runs[name][0]["summary"]
     assert summary["iteration"] == STEPS
     assert abs(summary["val_loss"] - ref["summary"]["val_loss"]) < TOL
-    norms = next((r["norms"] for r in runs[name] if r.get("norms")), None)
-    if norms is not None:  # loop.run's path returns no norms
-        assert max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)) < TOL
-        assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
+    norms = runs[name][0]["norms"]
+    assert max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)) < TOL
+    assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
 
 
 @pytest.mark.parametrize("name", ["cont_122", "cont_211", "cont_111"])

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.loop import TrainConfig
+from tokenloom.train.config import TrainConfig
 from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel.gpt import build_tp_gpt_stage, check_tp_config, counts_in_grad_norm, tp_gpt_loss
-from tokenloom.train.parallel.train import parallel_param_groups
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -33,7 +32,7 @@ def test_param_groups_match_optim():
     model = GPT(GPTConfig(vocab_size=50, make_vocab_size_divisible_by=64, seq_len=8, n_layers=2, n_heads=4,
                           d_model=16))
     stage = build_tp_gpt_stage(model, None)
-    ours = [sorted(p.numel() for p in g["params"]) for g in parallel_param_groups([stage], 0.1)]
+    ours = [sorted(p.numel() for p in g["params"]) for g in param_groups([stage], 0.1)]
     ref = [sorted(p.numel() for p in g["params"]) for g in param_groups(model, 0.1)]
     assert ours == ref
 

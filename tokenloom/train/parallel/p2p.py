@@ -10,8 +10,8 @@ two neighbours that both send first never deadlock, on gloo or NCCL.
 Choices and their costs:
 
 * **Fixed shapes.** Every boundary tensor has the same shape (``[micro_batch, seq,
-  hidden]``) and dtype, known up front, so receive buffers are allocated without a
-  shape handshake (Megatron's ``variable_seq_lengths`` costs one extra tiny exchange per
+  hidden]``), dtype and device, known up front, so receive buffers are allocated on the
+  run's device without a shape handshake (Megatron's ``variable_seq_lengths`` costs one extra tiny exchange per
   message; we do not support it).
 * **Peers are global ranks** on a ring (``prev_rank`` of the first stage is the last
   stage and vice versa), as in Megatron; the interleaved schedule uses the wrap-around
@@ -71,7 +71,11 @@ class P2PComm:
     tensor_shape: tuple[int, ...]
     """Shape of every boundary tensor, ``(micro_batch, seq, hidden)``."""
     dtype: torch.dtype = torch.float32
-    """dtype of every boundary tensor (Megatron's ``pipeline_dtype``)."""
+    """dtype of every boundary tensor (Megatron's ``pipeline_dtype``): the compute dtype, so
+    bf16 runs send half the bytes; sends are cast to it, received gradients are cast back
+    to the dtype of the output they belong to."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Device of every boundary tensor (receive buffers are allocated there): the run's device."""
     wait_s: float = 0.0
     """Seconds spent inside p2p calls (posting + waiting); reset it between measurements."""
     pending_sends: list = field(default_factory=list)
@@ -79,7 +83,8 @@ class P2PComm:
 
     @classmethod
     def from_group(
-        cls, pp_group: dist.ProcessGroup | None, tensor_shape: tuple[int, ...], dtype: torch.dtype
+        cls, pp_group: dist.ProcessGroup | None, tensor_shape: tuple[int, ...], dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> P2PComm:
         """Neighbours from the group's rank list: ring order = group rank order."""
         ranks = dist.get_process_group_ranks(pp_group or dist.group.WORLD)
@@ -95,6 +100,7 @@ class P2PComm:
             next_rank=ranks[(me + 1) % size],
             tensor_shape=tuple(tensor_shape),
             dtype=dtype,
+            device=torch.device(device),
         )
 
     @property
@@ -121,8 +127,8 @@ def communicate(
     receiving stage can backpropagate into them. Nothing to do returns ``(None, None)``
     without touching the network.
     """
-    from_prev = torch.empty(comm.tensor_shape, dtype=comm.dtype) if recv_prev else None
-    from_next = torch.empty(comm.tensor_shape, dtype=comm.dtype) if recv_next else None
+    from_prev = torch.empty(comm.tensor_shape, dtype=comm.dtype, device=comm.device) if recv_prev else None
+    from_next = torch.empty(comm.tensor_shape, dtype=comm.dtype, device=comm.device) if recv_next else None
     ops = []
     if send_prev is not None:
         ops.append(dist.P2POp(dist.isend, _wire(send_prev, comm), comm.prev_rank, comm.group, BACKWARD_TAG))
@@ -157,12 +163,13 @@ def wait_sends(comm: P2PComm) -> None:
 
 
 def _wire(t: torch.Tensor, comm: P2PComm) -> torch.Tensor:
-    if tuple(t.shape) != comm.tensor_shape or t.dtype != comm.dtype:
+    """What goes on the wire: ``t`` detached, contiguous, in the pipeline dtype."""
+    if tuple(t.shape) != comm.tensor_shape or t.device != comm.device:
         raise TokenloomError(
-            f"pipeline boundary tensor has shape {tuple(t.shape)} {t.dtype}, expected "
-            f"{comm.tensor_shape} {comm.dtype} (P2PComm.tensor_shape / dtype)"
+            f"pipeline boundary tensor has shape {tuple(t.shape)} on {t.device}, expected "
+            f"{comm.tensor_shape} on {comm.device} (P2PComm.tensor_shape / device)"
         )
-    return t.detach().contiguous()
+    return t.detach().to(comm.dtype).contiguous()
 
 
 # Stage-aware helpers (non-interleaved schedule): the first stage receives no activations,

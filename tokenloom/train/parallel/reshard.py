@@ -10,7 +10,7 @@ file as :mod:`tokenloom.train.checkpoint`)::
     zero_rank{r}.pt         ZeRO-1 only: every rank's optimizer shard (per-rank layout)
     rng_rank{r}.pt          every rank's RNG state
 
-Loading (:func:`resume`, Megatron's "dist checkpointing" idea in its simplest form):
+Loading (:func:`load`, Megatron's "dist checkpointing" idea in its simplest form):
 every rank reads all ``shard_*`` files, rebuilds each full tensor under its one-process
 name (:func:`~tokenloom.train.parallel.layers.unshard` over the saved tp ranks, a
 replicated tensor from tp rank 0) and re-splits it for its own ``(tp, pp, vpp)`` layout
@@ -48,7 +48,7 @@ def _layout(run) -> dict[str, Any]:
 
 def _named_params(run) -> dict[str, torch.nn.Parameter]:
     out = {}
-    for stage in run.stages:
+    for stage in run.chunks:
         for name, p in stage.named_parameters(remove_duplicate=False):
             out[name] = p
     return out
@@ -57,7 +57,7 @@ def _named_params(run) -> dict[str, torch.nn.Parameter]:
 def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[int] | None]:
     if not getattr(p, "tensor_model_parallel", False):
         return None, None
-    for stage in run.stages:
+    for stage in run.chunks:
         try:
             module = stage.get_submodule(name.rsplit(".", 1)[0])
         except AttributeError:
@@ -66,11 +66,13 @@ def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list
     raise TokenloomError(f"no module owns {name}")
 
 
-def save(run) -> Path:
-    """Collective: write this iteration's checkpoint; returns its directory."""
+def save(run, iteration: int, run_state: dict) -> Path:
+    """Collective: write ``iteration``'s checkpoint of ``run`` (a
+    :class:`~tokenloom.train.strategy.Strategy`); ``run_state`` (consumed samples, data
+    fingerprint, config...) goes into ``state.json`` with the layout. Returns its directory."""
     cfg, st = run.cfg, run.state
     root = cfg.ckpt_dir
-    name = checkpoint.checkpoint_name(run.iteration)
+    name = checkpoint.checkpoint_name(iteration)
     final, tmp = root / name, root / f"{name}.tmp"
     if st.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -91,16 +93,16 @@ def save(run) -> Path:
         torch.save(run.optimizer.state_dict(), tmp / f"zero_rank{st.rank}.pt")
     dist.barrier()
     if st.rank == 0:
-        from tokenloom.train.loop import config_to_dict
-
-        state = {"iteration": run.iteration, "consumed_samples": run.consumed, "layout": _layout(run),
-                 "data_fingerprint": run.data.fingerprint, "config": config_to_dict(cfg)}
+        state = {**run_state, "iteration": iteration, "layout": _layout(run)}
         (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-        (tmp / checkpoint.COMPLETE).write_text(f"{run.iteration}\n")
+        (tmp / checkpoint.COMPLETE).write_text(f"{iteration}\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         checkpoint.write_latest(root, name)
+        if cfg.keep_last_checkpoints > 0:
+            for _, path in checkpoint.complete_checkpoints(root)[:-cfg.keep_last_checkpoints]:
+                shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -134,23 +136,18 @@ def full_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[st
 
 
 @torch.no_grad()
-def resume(run) -> Path | None:
-    """Load the checkpoint named by ``run.cfg.resume`` into ``run`` (any saved layout)."""
+def load(run, path: Path, state: dict) -> None:
+    """Load the checkpoint at ``path`` (``state``: its ``state.json``) into ``run``, a
+    :class:`~tokenloom.train.strategy.Strategy` of any layout."""
     cfg, st = run.cfg, run.state
-    path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
-    if path is None:
-        return None
-    state = checkpoint.read_state(path)
     saved = state.get("layout")
     if saved is None:
-        raise TokenloomError(f"{path} is a one-process checkpoint; tp/pp resume needs one from the parallel path")
+        raise TokenloomError(f"{path} is a one-process checkpoint; tp/pp/ZeRO-1 resume needs one saved with "
+                             "tp, pp or zero1 set (resume it with tp=pp=1 and zero1=false)")
     same = saved == _layout(run)
     if (saved["zero1"] or cfg.zero1) and not same:
         raise TokenloomError(f"{path} has layout {saved}, this run {_layout(run)}: ZeRO-1 optimizer state "
                              "is per rank and cannot be resharded; resume with the same layout")
-    from tokenloom.blending.loader import check_fingerprint
-
-    check_fingerprint(state.get("data_fingerprint"), run.data.fingerprint, cfg.force_data)
     params, optim = full_tensors(path)
     tp_rank, tp = st.tp_rank, st.tp_size
     done = set()
@@ -173,5 +170,3 @@ def resume(run) -> Path | None:
     rng = path / f"rng_rank{st.rank}.pt"
     if same and rng.exists():
         checkpoint.restore_rng(torch.load(rng, weights_only=True))
-    run.iteration, run.consumed = int(state["iteration"]), int(state["consumed_samples"])
-    return path

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -62,7 +63,7 @@ from tokenloom.train.parallel import p2p
 from tokenloom.train.parallel.p2p import P2PComm
 
 Schedule = Literal["no_pipelining", "1f1b", "interleaved"]
-LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+ForwardStep = Callable[[nn.Module, "torch.Tensor | None", Any, bool], torch.Tensor]
 
 
 @dataclass
@@ -125,17 +126,23 @@ def forward_backward(
     model: nn.Module | Sequence[nn.Module],
     data_iterator: Iterator[Any],
     num_microbatches: int,
-    loss_fn: LossFn,
+    forward_step: ForwardStep,
     *,
     comm: P2PComm | None = None,
     forward_only: bool = False,
+    no_sync: Callable[[], AbstractContextManager] | None = None,
 ) -> PipelineResult:
     """Run one global batch through this rank's stage(s); grads accumulate in ``.grad``.
 
     ``model`` is one stage module, or the list of this rank's model chunks (interleaved;
-    chunk ``c`` = virtual stage ``c * pp_size + pp_rank``). ``loss_fn(output, batch)``
-    gives the mean loss of one micro-batch on the last stage. ``comm`` is required by
-    the pipelined schedules. ``forward_only`` skips backward (evaluation).
+    chunk ``c`` = virtual stage ``c * pp_size + pp_rank``).
+    ``forward_step(module, hidden, batch, is_last)`` runs one chunk on one micro-batch
+    (Megatron's ``forward_step_func``): ``hidden`` is the received activation (None on the
+    first stage), and on the last stage it returns the micro-batch's mean loss, elsewhere
+    the activation to send on. ``comm`` is required by the pipelined schedules.
+    ``forward_only`` skips backward (evaluation). ``no_sync`` (Megatron's
+    ``no_sync_func``): a context in which the backward of every micro-batch but the last
+    runs without pipelining, so a bucketed DDP reduces once per step (pp = 1 only).
     """
     chunks = list(model) if isinstance(model, (Sequence, nn.ModuleList)) else [model]
     if schedule not in ("no_pipelining", "1f1b", "interleaved"):
@@ -153,8 +160,10 @@ def forward_backward(
             f"interleaved schedule needs num_microbatches ({num_microbatches}) divisible by the "
             f"pipeline size ({comm.pp_size}); change the global batch or the micro-batch size"
         )
+    if no_sync is not None and schedule != "no_pipelining":
+        raise TokenloomError("no_sync is only used without pipelining")
     runner = _Runner(
-        chunks, [next(data_iterator) for _ in range(num_microbatches)], loss_fn, comm, forward_only
+        chunks, [next(data_iterator) for _ in range(num_microbatches)], forward_step, comm, forward_only, no_sync
     )
     start = time.perf_counter()
     wait0 = comm.wait_s if comm else 0.0
@@ -175,12 +184,13 @@ class _Runner:
         self,
         chunks: list[nn.Module],
         batches: list[Any],
-        loss_fn: LossFn,
+        forward: ForwardStep,
         comm: P2PComm | None,
         forward_only: bool,
+        no_sync: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
-        self.chunks, self.batches, self.loss_fn = chunks, batches, loss_fn
-        self.comm, self.forward_only = comm, forward_only
+        self.chunks, self.batches, self.forward = chunks, batches, forward
+        self.comm, self.forward_only, self.no_sync = comm, forward_only, no_sync
         self.num_microbatches = len(batches)
         self.result = PipelineResult()
 
@@ -191,11 +201,10 @@ class _Runner:
         start = time.perf_counter()
         batch = self.batches[microbatch]
         with torch.set_grad_enabled(not self.forward_only):
-            y = self.chunks[chunk](x, batch)
+            y = self.forward(self.chunks[chunk], x, batch, last)
             if last:
-                loss = self.loss_fn(y, batch)
-                self.result.losses.append(loss.detach())
-                y = loss / self.num_microbatches
+                self.result.losses.append(y.detach())
+                y = y / self.num_microbatches
         self.result.stats.compute_s += time.perf_counter() - start
         return y
 
@@ -206,6 +215,8 @@ class _Runner:
         start = time.perf_counter()
         if x is not None:
             x.retain_grad()
+        if dy is not None and dy.dtype != y.dtype:  # received in the pipeline dtype
+            dy = dy.to(y.dtype)
         torch.autograd.backward(y, grad_tensors=dy)
         self.result.stats.compute_s += time.perf_counter() - start
         return None if x is None else x.grad
@@ -214,9 +225,11 @@ class _Runner:
 
     def no_pipelining(self) -> None:
         for k in range(self.num_microbatches):
-            y = self.forward_step(0, k, None, last=True)
-            if not self.forward_only:
-                self.backward_step(None, y, None)
+            syncing = self.no_sync is None or k == self.num_microbatches - 1
+            with nullcontext() if syncing else self.no_sync():
+                y = self.forward_step(0, k, None, last=True)
+                if not self.forward_only:
+                    self.backward_step(None, y, None)
 
     def one_f_one_b(self) -> None:
         comm, M, last = self.comm, self.num_microbatches, self.comm.is_last

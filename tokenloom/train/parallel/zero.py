@@ -48,7 +48,7 @@ Choices and their costs:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.optim import clip_coefficient, global_grad_norm
 
 
 class ZeroAdamW:
@@ -73,9 +74,10 @@ class ZeroAdamW:
             their own.
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         norm_group: extra group the squared norm is summed over after DP, e.g. the
-            pipeline group, so every stage clips by the whole model's norm. Parameters
-            with ``shared = True`` (the last stage's copy of a tied embedding) are left
-            out of the norm, as in Megatron.
+            model-parallel group, so every stage clips by the whole model's norm.
+        counts_in_norm: which parameters this rank counts in the norm (Megatron's rule:
+            each once per replica). Default: all but those tagged ``shared = True`` (the
+            last stage's copy of a tied embedding).
     """
 
     def __init__(
@@ -89,7 +91,11 @@ class ZeroAdamW:
         weight_decay: float = 1e-2,
         max_grad_norm: float | None = None,
         norm_group: dist.ProcessGroup | None = None,
+        counts_in_norm: Callable[[nn.Parameter], bool] | None = None,
     ) -> None:
+        if counts_in_norm is None:
+            def counts_in_norm(p: nn.Parameter) -> bool:
+                return not getattr(p, "shared", False)
         unique: dict[int, tuple[nn.Parameter, float]] = {}
         for p, wd in _flatten_groups(params, weight_decay):
             if p.requires_grad:
@@ -109,11 +115,13 @@ class ZeroAdamW:
         self.numel = sum(p.numel() for p in self.params)
         self.shard_size = -(-self.numel // self.dp_size)
         padded = self.shard_size * self.dp_size
-        dtype = self.params[0].dtype
-        self.param_buffer = torch.zeros(padded, dtype=dtype)
-        self.grad_buffer = torch.zeros(padded, dtype=dtype)
+        dtype, device = self.params[0].dtype, self.params[0].device
+        if any(p.device != device for p in self.params):
+            raise TokenloomError("ZeroAdamW needs every parameter on one device")
+        self.param_buffer = torch.zeros(padded, dtype=dtype, device=device)
+        self.grad_buffer = torch.zeros(padded, dtype=dtype, device=device)
         self._grad_views: list[torch.Tensor] = []
-        norm_weight = torch.ones(padded, dtype=torch.float32)
+        norm_weight = torch.ones(padded, dtype=torch.float32, device=device)
         runs: list[tuple[int, int, float]] = []  # (start, end, weight decay) over the flat buffer
         offset = 0
         with torch.no_grad():
@@ -126,7 +134,7 @@ class ZeroAdamW:
                     view.copy_(p.grad)
                 p.grad = view
                 self._grad_views.append(view)
-                if getattr(p, "shared", False):
+                if not counts_in_norm(p):
                     norm_weight[offset : offset + n] = 0.0
                 if runs and runs[-1][1] == offset and runs[-1][2] == wd:
                     runs[-1] = (runs[-1][0], offset + n, wd)
@@ -139,7 +147,7 @@ class ZeroAdamW:
         self._decay_runs = [(max(a, lo) - lo, min(b, hi) - lo, wd) for a, b, wd in runs
                             if wd != 0.0 and a < hi and b > lo]
         self._norm_weight = norm_weight[lo:hi]
-        self._grad_shard = torch.zeros(self.shard_size, dtype=dtype)
+        self._grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
         self.main_shard = nn.Parameter(self.param_buffer[lo:hi].float().clone())
         self.optimizer = torch.optim.AdamW([self.main_shard], lr=lr, betas=betas, eps=eps, weight_decay=0.0)
 
@@ -155,9 +163,9 @@ class ZeroAdamW:
             p.grad = view
 
     @torch.no_grad()
-    def step(self) -> float | None:
+    def step(self) -> torch.Tensor | None:
         """Reduce, clip, update this shard, all-gather. Returns the global grad norm
-        (before clipping) when ``max_grad_norm`` is set, else None."""
+        (before clipping, a device tensor) when ``max_grad_norm`` is set, else None."""
         for p, view in zip(self.params, self._grad_views, strict=True):
             if p.grad is None:
                 view.zero_()
@@ -170,9 +178,7 @@ class ZeroAdamW:
         norm = None
         if self.max_grad_norm is not None:
             norm = self.grad_norm(grad)
-            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
-            if coef < 1.0:
-                grad.mul_(coef)
+            grad.mul_(clip_coefficient(norm, self.max_grad_norm))
         self.main_shard.grad = grad
         lr = self.optimizer.param_groups[0]["lr"]
         for a, b, wd in self._decay_runs:
@@ -182,13 +188,10 @@ class ZeroAdamW:
         self._all_gather_params()
         return norm
 
-    def grad_norm(self, grad_shard: torch.Tensor) -> float:
-        """L2 norm of the full gradient from this rank's (reduced) shard."""
-        sq = (grad_shard.double().square() * self._norm_weight.double()).sum()
-        dist.all_reduce(sq, group=self.dp_group)
-        if self.norm_group is not None:
-            dist.all_reduce(sq, group=self.norm_group)
-        return float(sq.sqrt())
+    def grad_norm(self, grad_shard: torch.Tensor) -> torch.Tensor:
+        """L2 norm of the full gradient from this rank's (reduced) shard (a device tensor)."""
+        groups = [self.dp_group] + ([self.norm_group] if self.norm_group is not None else [])
+        return global_grad_norm([grad_shard * self._norm_weight], groups, device=grad_shard.device)
 
     def _all_gather_params(self) -> None:
         shard = self.main_shard.detach().to(self.param_buffer.dtype)

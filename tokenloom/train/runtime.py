@@ -1,0 +1,125 @@
+"""What a training process sets up around the model: its place in the job, seeds,
+autocast, host memory and garbage collection. Every layout uses the same pieces.
+
+* :func:`join_world`: join the launcher's process group (torchrun or Slurm variables,
+  :mod:`tokenloom.train.dist`) or run alone; the run's device is decided here once and
+  every tensor the trainer makes names it.
+* :func:`collective`: a peer that died or stalled surfaces as one-line
+  :class:`~tokenloom.errors.TokenloomError` at the next collective (after at most the
+  process group's timeout), not a backend traceback.
+* :class:`ManualGC`: automatic GC off, a young-generation collection every N steps on
+  every rank at the same step (torchtitan's ``gc_freq``, Megatron's ``--manual-gc``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tokenloom.errors import TokenloomError
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job."""
+
+    rank: int
+    size: int
+    device: torch.device
+    owns_group: bool
+    """We created the default process group (and destroy it at the end)."""
+
+
+def join_world(dist_timeout_s: float) -> World:
+    """Join the launch described by the environment (torchrun / Slurm), or run alone on
+    ``cuda:0`` when CUDA is available, else the CPU."""
+    from tokenloom.train.dist import init_from_env
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized():
+        owns = not dist.is_initialized()
+        info = init_from_env(timeout_s=dist_timeout_s)
+        return World(info.rank, info.world_size, info.device, owns)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return World(0, 1, device, False)
+
+
+def collective(what: str, fn: Callable, *args, **kwargs):
+    """Run a collective, turning a peer failure into a one-line TokenloomError."""
+    try:
+        return fn(*args, **kwargs)
+    except TokenloomError:
+        raise
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise TokenloomError(f"rank {dist.get_rank()}: {what} failed ({type(e).__name__}: {first}); another "
+                             "rank has probably died or stalled past the collective timeout") from e
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global RNGs (dropout, shuffles)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """A factory of the forward's autocast context: bf16 when ``precision`` is ``bf16``, or
+    ``auto`` on a GPU that supports it; fp32 (no autocast) otherwise."""
+    bf16 = precision == "bf16" or (
+        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    )
+    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype activations have between layers under :func:`autocast_for`'s context."""
+    bf16 = precision == "bf16" or (
+        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    )
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def tune_host_memory(keep_freed: bool, device: torch.device) -> None:
+    """:func:`~tokenloom.train.host_alloc.keep_freed_memory` when asked and the run computes
+    on the CPU (on a GPU, host allocations are few and small)."""
+    if keep_freed and device.type == "cpu":
+        from tokenloom.train.host_alloc import keep_freed_memory
+
+        keep_freed_memory()
+
+
+class ManualGC:
+    """``with ManualGC(n) as g: ... g.step(iteration)``: Python's automatic garbage collection
+    off inside, a young-generation collection every ``n`` steps (n = 0: left automatic).
+
+    Automatic GC walks every tracked object whenever allocations pile up, and the data
+    pipeline allocates many small objects per step: measured at 1.5-2% of a CPU training
+    step. Collecting at fixed steps costs less and happens on every rank at the same step,
+    so no rank stalls the others at random (torchtitan's gc_freq, Megatron's --manual-gc).
+    """
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+
+    def __enter__(self) -> ManualGC:
+        self._was_enabled = gc.isenabled()
+        if self.interval:
+            gc.collect()
+            gc.disable()
+        return self
+
+    def step(self, iteration: int) -> None:
+        if self.interval and iteration % self.interval == 0:
+            gc.collect(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.interval and self._was_enabled:
+            gc.enable()

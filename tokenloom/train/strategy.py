@@ -1,0 +1,269 @@
+"""What differs per parallel layout, behind one small object the training loop calls.
+
+The loop (:mod:`tokenloom.train.loop`) is the same for every layout; a
+:class:`Strategy`, built on every rank from ``(tp, pp, vpp, sp, zero1)`` and the world
+size (dp = world / (tp x pp), Megatron's rank order tp-dp-pp), decides:
+
+============================  =====================================  ==========================================
+piece                         data parallel only (tp = pp = 1)       tensor / pipeline parallel
+============================  =====================================  ==========================================
+model chunks                  the whole :class:`GPT`                 this rank's chunk(s) of the same GPT
+how a step runs               ``no_pipelining`` (accumulation)       ``1f1b``, or ``interleaved`` with vpp
+gradient finalisation         our bucketed DDP, overlapped with      tied-embedding all-reduce (pp > 1), then one
+                              backward (not with ZeRO-1)             flat all-reduce over dp (Megatron overlaps it;
+                                                                     issue 16)
+norm groups for clipping      none                                   the model-parallel group
+optimizer                     fused AdamW, or ZeRO-1 (dp-sharded)    the same two
+checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
+                              (one model file)                       (per-shard files, loadable in any layout)
+============================  =====================================  ==========================================
+
+Every tensor it makes names the run's device (buffers, p2p receive buffers, loss and
+norm scalars), and every collective gets device tensors: NCCL needs that, and a test
+runs every layout with the default device set to ``meta`` to prove it on a CPU.
+
+Losses stay on the device: :meth:`Strategy.train_step` returns the step's mean
+micro-batch loss as a tensor (zero on ranks that compute no loss); it is reduced over
+dp and sent from the last pipeline stage to every rank only when the loop logs
+(:meth:`Strategy.loss_for_log`), so a step has no host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train import checkpoint
+from tokenloom.train import data as train_data
+from tokenloom.train.config import TrainConfig
+from tokenloom.train.model import GPT
+from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
+from tokenloom.train.parallel.gpt import build_tp_gpt_stage, counts_in_grad_norm, tp_gpt_loss
+from tokenloom.train.parallel.p2p import P2PComm
+from tokenloom.train.parallel.schedules import allreduce_tied_embedding_grads, forward_backward, get_schedule
+from tokenloom.train.parallel.state import ParallelState
+from tokenloom.train.parallel.zero import ZeroAdamW
+from tokenloom.train.runtime import World, autocast_for, collective, compute_dtype
+
+
+def parallel_state(cfg: TrainConfig, world: World) -> ParallelState:
+    """This rank's place in the ``tp x dp x pp`` grid (collective when the world has more ranks)."""
+    mp = cfg.tp * cfg.pp
+    if world.size % mp:
+        raise TokenloomError(f"tp x pp = {cfg.tp} x {cfg.pp} = {mp} does not divide the {world.size} ranks of "
+                             f"this launch; launch a multiple of {mp} ranks (--nproc-per-node) or change tp/pp")
+    if world.size == 1:
+        return ParallelState.single_process()
+    return collective("parallel group setup", ParallelState.create, cfg.tp, cfg.pp, cfg.vpp,
+                      timeout=timedelta(seconds=cfg.dist_timeout_s))
+
+
+class Strategy:
+    """One layout's model chunks, optimizer, step, gradient finalisation and checkpoint I/O.
+
+    Build it on every rank at the same time (it creates process groups and, under DDP,
+    broadcasts the initial parameters).
+    """
+
+    def __init__(self, cfg: TrainConfig, world: World) -> None:
+        self.cfg, self.world, self.device = cfg, world, world.device
+        self.state = st = parallel_state(cfg, world)
+        self.dp_size, self.dp_rank = st.dp_size, st.dp_rank
+        if cfg.global_batch_size % (cfg.micro_batch_size * self.dp_size):
+            raise TokenloomError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
+                                 f"micro_batch_size x data-parallel ranks = {cfg.micro_batch_size} x {self.dp_size}")
+        self.num_micro = cfg.global_batch_size // (cfg.micro_batch_size * self.dp_size)
+        self.num_chunks = cfg.vpp or 1
+        self.schedule = get_schedule(cfg.pp, self.num_chunks)
+        self.staged = cfg.tp > 1 or cfg.pp > 1
+        if cfg.compile and self.staged:
+            raise TokenloomError("compile: torch.compile is supported at tp = pp = 1 only; set compile=false for "
+                                 f"tp={cfg.tp} pp={cfg.pp}")
+        self.autocast = autocast_for(cfg.precision, self.device)
+        self.chunks = self._build_chunks()
+        self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
+        self.optimizer = self._build_optimizer()
+        self.comm = None
+        if cfg.pp > 1:
+            shape = (cfg.micro_batch_size, cfg.model.seq_len, cfg.model.d_model)
+            self.comm = P2PComm.from_group(st.pp_group, shape, compute_dtype(cfg.precision, self.device),
+                                           self.device)
+        self.net = torch.compile(self.chunks[0]) if cfg.compile else self.chunks[0]
+        self.ddp = None
+        if self.dp_size > 1 and not self.staged and not cfg.zero1:
+            from tokenloom.train.ddp import DistributedDataParallel
+
+            self.ddp = collective("DDP setup", DistributedDataParallel, self.net, bucket_cap_mb=cfg.ddp_bucket_cap_mb)
+        # the loss of the last stage reaches every rank from here (tp 0, dp 0, last pp rank)
+        self.loss_src = st.layout.rank_of(0, 0, cfg.pp - 1)
+
+    # ------------------------------------------------------------------ building
+
+    def _build_chunks(self) -> list[nn.Module]:
+        cfg, st = self.cfg, self.state
+        if not self.staged:
+            return [GPT(cfg.model).to(self.device)]
+        full = GPT(cfg.model)
+        chunks = [build_tp_gpt_stage(full, st.tp_group, cfg.pp, st.pp_rank, self.num_chunks, c).to(self.device)
+                  for c in range(self.num_chunks)]
+        del full
+        return chunks
+
+    def _build_optimizer(self):
+        cfg, st, o = self.cfg, self.state, self.cfg.optim
+        if not cfg.zero1:
+            return build_optimizer(self.chunks, o)
+        groups = param_groups(self.chunks, o.weight_decay)
+        # one group per parameter keeps ZeRO's flat buffer in self.params order (the layout its
+        # checkpoints are saved in) while each parameter keeps its group's decay
+        decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+        return ZeroAdamW([{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_group,
+                         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, max_grad_norm=o.grad_clip,
+                         norm_group=st.model_parallel_group if self.staged else None,
+                         counts_in_norm=self._counts_in_norm)
+
+    def _counts_in_norm(self, p: nn.Parameter) -> bool:
+        return counts_in_grad_norm(p, self.state.tp_rank)
+
+    # ------------------------------------------------------------------ data
+
+    @property
+    def has_data(self) -> bool:
+        """Whether this rank reads batches (first and last pipeline stages; middle stages get None)."""
+        return self.state.is_first_stage(ignore_virtual=True) or self.state.is_last_stage(ignore_virtual=True)
+
+    @property
+    def computes_loss(self) -> bool:
+        return self.state.is_last_stage(ignore_virtual=True)
+
+    def global_batches(self, dataset, *, eod: int | None, consumed: int, total: int,
+                       workers: int = 0) -> Iterator[list]:
+        """This rank's micro-batches of each global batch, on the device (None where unread)."""
+        if not self.has_data:
+            while True:
+                yield [None] * self.num_micro
+        cfg = self.cfg
+        loader = train_data.loader(
+            dataset, eod=eod, eod_mask_loss=cfg.data.eod_mask_loss, consumed_samples=consumed,
+            micro_batch_size=cfg.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            num_workers=workers, pin_memory=self.device.type == "cuda", total_samples=total,
+        )
+        it = iter(loader)
+        while True:
+            yield [train_data.to_device(next(it), self.device) for _ in range(self.num_micro)]
+
+    # ------------------------------------------------------------------ steps
+
+    def _forward_step(self, module: nn.Module, hidden: torch.Tensor | None, batch: Any, last: bool) -> torch.Tensor:
+        if not self.staged:
+            return module(batch["tokens"], batch["labels"], batch["loss_mask"])
+        y = module(hidden, batch)
+        return tp_gpt_loss(y, batch, self.state.tp_group) if last else y
+
+    def _run(self, modules: list[nn.Module], batches: list, forward_only: bool,
+             no_sync: Callable[[], AbstractContextManager] | None = None) -> torch.Tensor:
+        """Run one global batch; the sum of its micro-batch losses (zero off the last stage)."""
+        model = modules if self.num_chunks > 1 else modules[0]
+        with self.autocast():
+            res = forward_backward(self.schedule, model, iter(batches), self.num_micro, self._forward_step,
+                                   comm=self.comm, forward_only=forward_only, no_sync=no_sync)
+        self.last_stats = res.stats
+        total = torch.zeros((), device=self.device)
+        for loss in res.losses:
+            total += loss.detach().float()
+        return total
+
+    def train_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's micro-batches; (mean micro-batch loss, grad
+        norm before clipping), device tensors; the loss is zero on ranks without one."""
+        if self.ddp is not None:
+            self.optimizer.zero_grad(set_to_none=False)  # keep DDP's bucket views
+            total = self._run([self.ddp], batches, False, no_sync=self.ddp.no_sync)
+        else:
+            self.optimizer.zero_grad()
+            total = self._run(self.chunks if self.staged else [self.net], batches, False)
+        norm = self._finish_grads_and_step()
+        return total / self.num_micro, norm
+
+    def _finish_grads_and_step(self) -> torch.Tensor:
+        cfg, st = self.cfg, self.state
+        allreduce_tied_embedding_grads(self.chunks, st.embedding_group if cfg.pp > 1 else None)
+        if cfg.zero1:
+            return self.optimizer.step()
+        if self.ddp is None and self.dp_size > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
+            collective("gradient all-reduce", dist.all_reduce, flat, group=st.dp_group)
+            for g, new in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(new.view_as(g))
+        grads = [p.grad for p in self.params if p.grad is not None]
+        counted = [p.grad for p in self.params if p.grad is not None and self._counts_in_norm(p)]
+        groups = [st.model_parallel_group] if self.staged else []
+        norm = global_grad_norm(counted, groups, device=self.device)
+        torch._foreach_mul_(grads, clip_coefficient(norm, cfg.optim.grad_clip))
+        self.optimizer.step()
+        return norm
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batches: list) -> torch.Tensor:
+        """Sum of the micro-batch losses of one global batch, forward only (eval mode)."""
+        modules = self.chunks if self.staged else [self.net]
+        for m in modules:
+            m.eval()
+        try:
+            return self._run(modules, batches, True)
+        finally:
+            for m in modules:
+                m.train()
+
+    def loss_for_log(self, value: torch.Tensor, what: str) -> float:
+        """The data-parallel mean of a last-stage loss, on every rank (collective)."""
+        st = self.state
+        value = value.detach().clone()
+        if self.dp_size > 1 and self.computes_loss:
+            collective(what, dist.all_reduce, value, group=st.dp_group)
+            value /= self.dp_size
+        if self.cfg.pp > 1:
+            collective(what, dist.broadcast, value, src=self.loss_src)
+        return float(value)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, iteration: int, state: dict) -> Path:
+        """Collective: write the checkpoint of ``iteration`` (``state``: JSON-able run state)."""
+        cfg, world = self.cfg, self.world
+        if self.staged or cfg.zero1:
+            from tokenloom.train.parallel import reshard
+
+            return reshard.save(self, iteration, state)
+        barrier = (lambda: collective("checkpoint barrier", dist.barrier)) if world.size > 1 else (lambda: None)
+        return checkpoint.save(cfg.ckpt_dir, iteration, model=self.chunks[0], optimizer=self.optimizer,
+                               state=state, rank=world.rank, barrier=barrier, keep_last=cfg.keep_last_checkpoints)
+
+    def load(self, path: Path, saved: dict) -> None:
+        """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank."""
+        if self.staged or self.cfg.zero1 or saved.get("layout") is not None:
+            from tokenloom.train.parallel import reshard
+
+            reshard.load(self, path, saved)
+            return
+        checkpoint.load(path, model=self.chunks[0], optimizer=self.optimizer, rank=self.world.rank,
+                        device=self.device)
+
+    # ------------------------------------------------------------------ model facts
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token of the whole model (counted on a ``meta`` copy, no memory)."""
+        with torch.device("meta"):
+            return GPT(self.cfg.model).flops_per_token()
