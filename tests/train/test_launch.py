@@ -47,6 +47,6 @@ def test_failing_ranks_raise_one_error(tmp_path, monkeypatch, capfd):
     path = write_config(tmp_path / "c.json", tmp_path / "run", micro_batch_size=4)
     with pytest.raises(TokenloomError, match="torchrun exit status"):
         launch(path, nproc_per_node=2)
-    assert "not a multiple of micro_batch_size x ranks = 4 x 2" in capfd.readouterr().err
+    assert "not a multiple of micro_batch_size x data-parallel ranks = 4 x 2" in capfd.readouterr().err
     with pytest.raises(TokenloomError, match="nproc_per_node"):
         launch(path, nproc_per_node=0)

@@ -61,7 +61,7 @@ def capture_rng() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python_version": version,
-        "python_words": torch.tensor(words, dtype=torch.int64),
+        "python_words": torch.tensor(words, dtype=torch.int64, device="cpu"),
         "python_gauss": gauss,
         "numpy_kind": kind,
         "numpy_keys": torch.from_numpy(keys.astype(np.int64)),

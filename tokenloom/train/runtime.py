@@ -70,21 +70,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
-    """A factory of the forward's autocast context: bf16 when ``precision`` is ``bf16``, or
-    ``auto`` on a GPU that supports it; fp32 (no autocast) otherwise."""
-    bf16 = precision == "bf16" or (
-        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    )
-    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
-
-
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype activations have between layers under :func:`autocast_for`'s context."""
+    """bf16 when ``precision`` is ``bf16``, or ``auto`` on a GPU that supports it; fp32
+    otherwise (always on CPU under ``auto``)."""
     bf16 = precision == "bf16" or (
         precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     )
     return torch.bfloat16 if bf16 else torch.float32
+
+
+def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """A factory of the forward's autocast context in :func:`compute_dtype` (none for fp32)."""
+    if compute_dtype(precision, device) == torch.bfloat16:
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext
 
 
 def tune_host_memory(keep_freed: bool, device: torch.device) -> None:

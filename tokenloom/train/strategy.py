@@ -66,6 +66,19 @@ def parallel_state(cfg: TrainConfig, world: World) -> ParallelState:
                       timeout=timedelta(seconds=cfg.dist_timeout_s))
 
 
+def refuse_unsupported(cfg: TrainConfig) -> None:
+    """Refuse, naming the field, a setting this layout would otherwise ignore."""
+    staged = cfg.tp > 1 or cfg.pp > 1
+    if cfg.compile and staged:
+        raise TokenloomError(f"compile: torch.compile is supported at tp = pp = 1 only (this run has tp={cfg.tp} "
+                             f"pp={cfg.pp}); set compile=false")
+    if cfg.sp:
+        raise TokenloomError("sp: sequence parallelism is not wired into the tensor-parallel model yet; set sp=false")
+    if cfg.ddp_bucket_cap_mb is not None and (staged or cfg.zero1):
+        raise TokenloomError("ddp_bucket_cap_mb sizes the buckets of the data-parallel DDP, which runs at tp = pp = 1 "
+                             "without zero1; leave it unset for this layout")
+
+
 class Strategy:
     """One layout's model chunks, optimizer, step, gradient finalisation and checkpoint I/O.
 
@@ -84,9 +97,7 @@ class Strategy:
         self.num_chunks = cfg.vpp or 1
         self.schedule = get_schedule(cfg.pp, self.num_chunks)
         self.staged = cfg.tp > 1 or cfg.pp > 1
-        if cfg.compile and self.staged:
-            raise TokenloomError("compile: torch.compile is supported at tp = pp = 1 only; set compile=false for "
-                                 f"tp={cfg.tp} pp={cfg.pp}")
+        refuse_unsupported(cfg)
         self.autocast = autocast_for(cfg.precision, self.device)
         self.chunks = self._build_chunks()
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
@@ -146,7 +157,10 @@ class Strategy:
 
     def global_batches(self, dataset, *, eod: int | None, consumed: int, total: int,
                        workers: int = 0) -> Iterator[list]:
-        """This rank's micro-batches of each global batch, on the device (None where unread)."""
+        """This rank's micro-batches of each global batch, on the device (None where unread).
+
+        Batches are assembled on the host (``torch.device("cpu")`` named explicitly, so the
+        loader's own tensors never follow a process-wide default device) and then copied."""
         if not self.has_data:
             while True:
                 yield [None] * self.num_micro
@@ -156,9 +170,13 @@ class Strategy:
             micro_batch_size=cfg.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_workers=workers, pin_memory=self.device.type == "cuda", total_samples=total,
         )
-        it = iter(loader)
+        host = torch.device("cpu")
+        with host:
+            it = iter(loader)
         while True:
-            yield [train_data.to_device(next(it), self.device) for _ in range(self.num_micro)]
+            with host:
+                host_batches = [next(it) for _ in range(self.num_micro)]
+            yield [train_data.to_device(b, self.device) for b in host_batches]
 
     # ------------------------------------------------------------------ steps
 

@@ -40,6 +40,16 @@ LR, WD = 1e-2, 0.1
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
+def with_loss(loss_fn):
+    """A schedule ``forward_step`` from a stage module and a ``loss_fn(output, batch)``."""
+
+    def forward_step(module, hidden, batch, last):
+        y = module(hidden, batch)
+        return loss_fn(y, batch) if last else y
+
+    return forward_step
+
+
 def tiny_cfg(n_layers: int) -> GPTConfig:
     """gpt2 flavour without biases: the key bias has an exactly-zero true gradient
     (softmax ignores a per-query constant), so its computed grad is rounding noise that
@@ -180,7 +190,7 @@ def train_pipeline(
         opt.zero_grad()
         batches = iter([microbatch(step, dp_rank * num_micro + j) for j in range(num_micro)])
         res = forward_backward(
-            schedule, stages if chunks > 1 else stages[0], batches, num_micro, gpt_loss, comm=comm
+            schedule, stages if chunks > 1 else stages[0], batches, num_micro, with_loss(gpt_loss), comm=comm
         )
         allreduce_tied_embedding_grads(stages, emb_group)
         norms.append(opt.step())
@@ -206,7 +216,7 @@ def eval_pipeline(rank: int, *, n_layers: int, chunks: int, num_micro: int) -> d
     data = iter([microbatch(0, k) for k in range(num_micro)])
     model_arg = stages if chunks > 1 else stages[0]
     res = forward_backward(
-        get_schedule(pp, chunks), model_arg, data, num_micro, gpt_loss, comm=comm, forward_only=True
+        get_schedule(pp, chunks), model_arg, data, num_micro, with_loss(gpt_loss), comm=comm, forward_only=True
     )
     no_grads = all(p.grad is None for s in stages for p in s.parameters())
     return {"losses": [loss.item() for loss in res.losses], "no_grads": no_grads}
@@ -251,7 +261,7 @@ def bubble(rank: int, *, num_micro: int, stage_s: float) -> dict:
     ):
         data = iter([None] * num_micro)
         model = chunks if name == "interleaved" else chunks[0]
-        res = forward_backward(name, model, data, num_micro, lambda y, b: y.mean(), comm=comm)
+        res = forward_backward(name, model, data, num_micro, with_loss(lambda y, b: y.mean()), comm=comm)
         out[name] = pipeline_bubble_fraction(res.stats, None)
         out[name + "_rank"] = res.stats.bubble_fraction
         out[name + "_total_s"] = res.stats.total_s

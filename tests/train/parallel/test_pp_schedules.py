@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pp_helpers import D_MODEL, MB, SEQ, launch, microbatch, reference_train, tiny_cfg
+from pp_helpers import D_MODEL, MB, SEQ, launch, microbatch, reference_train, tiny_cfg, with_loss
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.model import GPT
@@ -66,7 +66,7 @@ def test_single_stage_equals_gpt_exactly():
 def test_no_pipelining_equals_gradient_accumulation():
     model = GPT(tiny_cfg(2))
     stage = build_gpt_stage(model, 1, 0)
-    res = forward_backward("no_pipelining", stage, iter([microbatch(0, k) for k in range(3)]), 3, gpt_loss)
+    res = forward_backward("no_pipelining", stage, iter([microbatch(0, k) for k in range(3)]), 3, with_loss(gpt_loss))
     for k in range(3):
         (model(*microbatch(0, k)) / 3).backward()
     grads = dict(model.named_parameters())
@@ -81,7 +81,7 @@ def test_interleaved_needs_microbatches_divisible_by_pp():
     chunks = [build_gpt_stage(model, 2, 0, 2, c) for c in range(2)]
     with pytest.raises(TokenloomError, match=r"num_microbatches \(3\) divisible by the pipeline size \(2\)"):
         forward_backward(
-            "interleaved", chunks, iter([microbatch(0, k) for k in range(3)]), 3, gpt_loss, comm=comm
+            "interleaved", chunks, iter([microbatch(0, k) for k in range(3)]), 3, with_loss(gpt_loss), comm=comm
         )
 
 

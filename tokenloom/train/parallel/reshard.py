@@ -11,15 +11,15 @@ file as :mod:`tokenloom.train.checkpoint`)::
     rng_rank{r}.pt          every rank's RNG state
 
 Loading (:func:`load`, Megatron's "dist checkpointing" idea in its simplest form):
-every rank reads all ``shard_*`` files, rebuilds each full tensor under its one-process
-name (:func:`~tokenloom.train.parallel.layers.unshard` over the saved tp ranks, a
+every rank memory-maps the ``shard_*`` files, rebuilds each full tensor *it holds* under
+its one-process name (:func:`~tokenloom.train.parallel.layers.unshard` over the saved tp ranks, a
 replicated tensor from tp rank 0) and re-splits it for its own ``(tp, pp, vpp)`` layout
 and stage. AdamW moments are elementwise, so they are resharded exactly like their
 parameters. The data position is the consumed-samples count, valid at any dp size.
 
-Trade-offs: every rank reads the whole model (host memory of the full model and
-optimizer during load; fine for the sizes trained here, Megatron reads only the
-pieces it needs). dp replicas are identical so only dp rank 0 writes parameters.
+Trade-offs: a rank reads the full tensors of the parameters it holds (host memory of
+those, not of the model; Megatron reads only the slices it needs, which saves the
+other tp ranks' bytes of the same tensors). dp replicas are identical so only dp rank 0 writes parameters.
 ZeRO-1 optimizer shards are not resharded (:class:`ZeroAdamW`'s per-rank flat
 layout): resuming with ``zero1`` needs the same layout; resuming a ZeRO-1 checkpoint
 into a non-ZeRO run (or the reverse) is refused. RNG states are restored only when the
@@ -107,18 +107,23 @@ def save(run, iteration: int, run_state: dict) -> Path:
     return final
 
 
-def full_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """Full parameters and AdamW states by one-process name from a checkpoint's shard files."""
+def full_tensors(path: Path, names: set[str] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Full parameters and AdamW states by one-process name from a checkpoint's shard files
+    (only ``names`` when given). Files are memory-mapped, so a rank reads the bytes of the
+    tensors it asks for, not the whole checkpoint."""
     pieces: dict[str, list[tuple[int, torch.Tensor, Any]]] = {}
     opt_pieces: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
     for f in sorted(path.glob("shard_tp*_pp*.pt")):
-        data = torch.load(f, weights_only=True)
+        data = torch.load(f, weights_only=True, mmap=True, map_location="cpu")
         t = data["tp_rank"]
         for name, tensor in data["params"].items():
-            pieces.setdefault(name, []).append((t, tensor, data["meta"][name]))
+            if names is None or name in names:
+                pieces.setdefault(name, []).append((t, tensor, data["meta"][name]))
         for name, st in data["optim"].items():
-            for k, v in st.items():
-                opt_pieces.setdefault(name, {}).setdefault(k, []).append((t, v))
+            if names is None or name in names:
+                for k, v in st.items():
+                    opt_pieces.setdefault(name, {}).setdefault(k, []).append((t, v))
     params, optim = {}, {}
     for name, items in pieces.items():
         items.sort(key=lambda x: x[0])
@@ -148,7 +153,7 @@ def load(run, path: Path, state: dict) -> None:
     if (saved["zero1"] or cfg.zero1) and not same:
         raise TokenloomError(f"{path} has layout {saved}, this run {_layout(run)}: ZeRO-1 optimizer state "
                              "is per rank and cannot be resharded; resume with the same layout")
-    params, optim = full_tensors(path)
+    params, optim = full_tensors(path, set(_named_params(run)))
     tp_rank, tp = st.tp_rank, st.tp_size
     done = set()
     for name, p in _named_params(run).items():

@@ -107,11 +107,20 @@ def pipeline_bubble_fraction(stats: PipelineStats, pp_group: dist.ProcessGroup |
     own ``wait / (wait + compute)`` reads low. Equals ``(p - 1) / (v * M + p - 1)``
     for equal stages and free communication.
     """
-    compute = torch.tensor([stats.compute_s], dtype=torch.float64)
-    total = torch.tensor([stats.total_s], dtype=torch.float64)
+    device = stats_device(pp_group)
+    compute = torch.tensor([stats.compute_s], dtype=torch.float64, device=device)
+    total = torch.tensor([stats.total_s], dtype=torch.float64, device=device)
     dist.all_reduce(compute, group=pp_group)
     dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
     return 1.0 - compute.item() / (dist.get_world_size(pp_group) * total.item())
+
+
+def stats_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small collective over ``group`` needs its tensor: the current CUDA device on
+    NCCL, the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def get_schedule(pp_size: int, num_chunks: int = 1) -> Schedule:
