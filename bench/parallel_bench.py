@@ -14,13 +14,19 @@ Every layout of ``--world`` ranks (2 or 4) trains the same GPT with
   (:func:`~tokenloom.train.parallel.schedules.pipeline_bubble_fraction`) against
   ``(p - 1) / (v M + p - 1)``. On an oversubscribed CPU box stages are not equal and
   p2p is slow, so the ratio reads above 1; the schedule tests measure it on stages of
-  known cost.
+  known cost;
+* with ``--rss-model`` (on by default; ``--no-rss`` skips it): the peak resident memory
+  (``ru_maxrss``) of the largest rank after a warmup and one training step of a
+  GPT-2-small shape (124 M parameters, vocab 50304, seq 128, micro-batch 1) at dp 2,
+  tp 2 and pp 2 on 2 ranks, against dp 2 (tp 1): parameters, gradients and AdamW state
+  are split by tp and pp, replicated by dp.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import resource
 import sys
 import tempfile
 import time
@@ -70,11 +76,16 @@ class _Counter:
 
 
 def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None) -> TrainConfig:
-    model = GPTConfig(bias=False, vocab_size=1000, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
-                      n_layers=4, n_heads=4, d_model=args.d_model)
+    if args.rss:  # GPT-2 small (124 M parameters)
+        model = GPTConfig(vocab_size=50257, seq_len=128, n_layers=12, n_heads=12, d_model=768)
+        micro, gbs = 1, 2
+    else:
+        model = GPTConfig(bias=False, vocab_size=1000, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
+                          n_layers=4, n_heads=4, d_model=args.d_model)
+        micro, gbs = 2, 2 * args.world * args.micro_batches
     return TrainConfig(model=model, data=DataConfig(mock=MockDataConfig(num_sequences=2000, max_length=256)),
-                       optim=OptimConfig(warmup_iters=1), micro_batch_size=2,
-                       global_batch_size=2 * args.world * args.micro_batches, train_iters=args.steps + 1,
+                       optim=OptimConfig(warmup_iters=1), micro_batch_size=micro,
+                       global_batch_size=gbs, train_iters=args.steps + 1,
                        eval_interval=0, save_interval=None, plot=False, progress=False, output_dir=str(out),
                        tp=tp, pp=pp, vpp=vpp, dist_timeout_s=120.0)
 
@@ -101,12 +112,13 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
         if pp > 1:
             bubbles.append(pipeline_bubble_fraction(run.last_stats, run.state.pp_group))
     comm = (counter.bytes - start_bytes) / args.steps
-    t = torch.tensor([min(times), comm], dtype=torch.float64)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    t = torch.tensor([min(times), comm, rss], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         theory = theoretical_bubble_fraction(pp, run.num_micro, vpp or 1) if pp > 1 else 0.0
         torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubble": min(bubbles) if bubbles else 0.0,
-                    "theory": theory}, Path(out) / "result.pt")
+                    "theory": theory, "peak_rss": float(t[2])}, Path(out) / "result.pt")
     dist.destroy_process_group()
 
 
@@ -133,7 +145,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--micro-batches", type=int, default=4,
                         help="micro-batches per step at dp = world (global batch = 2 x world x this)")
+    parser.add_argument("--no-rss", dest="with_rss", action="store_false",
+                        help="skip the peak-memory rows (a 124 M-parameter model on 2 ranks)")
     args = parser.parse_args()
+    args.rss = False
     w = args.world
     layouts = [(w, 1, 1, None), (1, w, 1, None), (1, 1, w, None), (1, 1, w, 2)]
     if w == 4:
@@ -151,6 +166,19 @@ def main() -> None:
             rows.append((f"bubble measured vs (p-1)/(vM+p-1) ({name})", f"{r['bubble']:.3f}",
                          f"{r['theory']:.3f}", f"{r['bubble'] / r['theory']:.2f}x"))
     print_table(f"tp x pp x dp on {w} gloo ranks (baseline: dp{w}; bubble baseline: theory)", rows)
+    if args.with_rss:
+        print_table("peak RSS per rank, GPT-2 small (124 M parameters), 2 gloo ranks (baseline: dp2, tp1)",
+                    rss_rows(args))
+
+
+def rss_rows(args) -> list[tuple[str, str, str, str]]:
+    """Peak RSS of the largest rank after a warmup and one step, per 2-rank layout, vs dp2."""
+    args = argparse.Namespace(**{**vars(args), "rss": True, "steps": 1})
+    layouts = [(2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, None)]
+    results = {lay: measure(args, lay) for lay in layouts}
+    base = results[layouts[0]]["peak_rss"]
+    return [(f"peak RSS MB (dp{dp} tp{tp} pp{pp})", f"{r['peak_rss'] / 1e6:.0f}", f"{base / 1e6:.0f}",
+             f"{r['peak_rss'] / base:.2f}x") for (dp, tp, pp, _), r in results.items()]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""Every layout through ``cli.py train --nproc-per-node N`` (torchrun, gloo, fp32) against
+the one-process ``cli.py train`` of the same config file: per-step losses equal within
+1e-5, one metrics file, and the final checkpoint of each layout holds the one-process
+parameters. The in-process twin of this check, for all eight layouts and resharded
+resume, is ``parallel/test_compose.py``; this one proves the command's flags and the
+launcher reach the same loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
+from compose_helpers import checkpoint_params, read_losses, tiny_cfg  # noqa: E402
+from tl_testing import REPO, run_cli  # noqa: E402
+
+from tokenloom.train.config import config_to_dict  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5
+
+# name -> (ranks, extra CLI flags)
+LAYOUTS = {
+    "dp1_tp1_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
+    "dp2_tp1_pp1_zero1": (2, ["--zero1"]),
+    "dp2_tp2_pp1": (4, ["--tp", "2"]),
+}
+
+
+def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str]):
+    config = tmp_path / f"{name}.json"
+    out = tmp_path / name
+    config.write_text(json.dumps(config_to_dict(tiny_cfg(out, save_interval=None))))
+    launch = ["--nproc-per-node", str(ranks)] if ranks else []
+    env_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(REPO) + (os.pathsep + env_path if env_path else "")
+    try:
+        done = run_cli("train", "--config", config, *launch, *flags, timeout=280)
+    finally:
+        if env_path is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = env_path
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = train(tmp_path_factory.mktemp("ref"), "ref", None, [])
+    return read_losses(out / "metrics.jsonl"), checkpoint_params(out / "checkpoints" / "iter_0000020")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_through_the_cli_equals_one_process(tmp_path, reference, name):
+    ranks, flags = LAYOUTS[name]
+    out = train(tmp_path, name, ranks, flags)
+    losses = read_losses(out / "metrics.jsonl")
+    ref_losses, ref_params = reference
+    assert len(losses) == len(ref_losses) == 20
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOL
+    params = checkpoint_params(out / "checkpoints" / "iter_0000020")
+    assert sorted(params) == sorted(ref_params)
+    assert max((params[n] - t).abs().max().item() for n, t in ref_params.items()) < TOL
+    assert all(torch.isfinite(t).all() for t in params.values())
