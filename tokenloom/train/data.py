@@ -10,7 +10,8 @@ and a cache directory)::
 Sizes follow Megatron: train needs ``train_iters * global_batch_size`` samples, valid
 ``eval_iters * global_batch_size`` (every evaluation reads the *same* first validation
 batches, so validation losses are comparable across the run and exactly reproducible
-on resume; Megatron instead walks on through the validation set), test the same.
+on resume; Megatron instead walks on through the validation set). The trainer asks no
+test samples (it never reads them); a blend's split asked for 0 samples is not built.
 
 Loaders are plain ``torch.utils.data.DataLoader`` over :class:`GPTSamples` with a
 :class:`ConsumedSamplesSampler`, so the only data state is the consumed-samples count

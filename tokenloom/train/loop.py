@@ -111,7 +111,9 @@ class Trainer:
         seed_everything(cfg.seed)
         tok_eod = self._check_tokenizer()
         gbs, evals = cfg.global_batch_size, cfg.eval_iters
-        sizes = (cfg.train_iters * gbs, evals * gbs if cfg.eval_interval else 0, evals * gbs)
+        # Megatron also sizes a test split; training never reads it, so none is asked for here (a
+        # split string that leaves a small source no test documents must not fail the run).
+        sizes = (cfg.train_iters * gbs, evals * gbs if cfg.eval_interval else 0, 0)
         self.strategy = Strategy(cfg, world)
         self.data = train_data.build(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
                                      sizes=sizes, tokenizer_eod=tok_eod)
