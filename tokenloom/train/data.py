@@ -97,6 +97,9 @@ class Datasets:
     eod: int | None
     fingerprint: str
     description: dict
+    plan: str = ""
+    """What was built, for people: the blend plan ``build`` prints (per split and source:
+    documents, tokens, requested vs realised share, epochs, cache key), or the mock source."""
 
 
 def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, int, int],
@@ -114,11 +117,13 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
                             seed=m.seed, content=m.content)
         train, valid, test = build_mock_datasets(gpt, sizes, source)
         description = {"kind": "mock", **asdict(m), "eod": eod, "vocab_size": vocab_size}
+        plan = (f"mock data ({m.content}): {m.num_sequences} synthetic documents of 1-{m.max_length - 1} tokens, "
+                f"eod {eod}")
     else:
         if tokenizer_eod is None and cfg.eod_mask_loss:
             raise TokenloomError("data.eod_mask_loss needs the EOD id: set tokenizer")
         eod = tokenizer_eod
-        built = _build_blend(cfg.blend, gpt, sizes)
+        built, plan = _build_blend(cfg.blend, gpt, sizes)
         train, valid, test = built.datasets
         description = {"kind": "blend", "prefixes": [[float(w), p] for w, p in cfg.blend.prefixes],
                        "split": cfg.blend.split, "indices": built.fingerprint}
@@ -127,18 +132,19 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
                              f"{sizes[0]} needed (train_iters x global_batch_size)")
     description.update(seq_len=seq_len, shuffle_seed=cfg.seed, eod_mask_loss=cfg.eod_mask_loss,
                        train_samples=len(train))
-    return Datasets(train, valid, test, eod, fingerprint(description), description)
+    return Datasets(train, valid, test, eod, fingerprint(description), description, plan)
 
 
 def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int, int, int]):
-    """The one call into the build stage for real data: cached indices, built once per filesystem.
+    """The one call into the build stage for real data: cached indices, built once per filesystem;
+    returns the build result and its printed plan.
 
     In a distributed run every rank calls this; ranks that share ``cache_dir`` elect one
     builder per entry (see ``tokenloom.blending.cache``), the others load what it wrote.
     """
     import torch.distributed as dist
 
-    from tokenloom.blending.build import BuildConfig
+    from tokenloom.blending.build import BuildConfig, format_plan
     from tokenloom.blending.build import build as build_blend
     from tokenloom.blending.cache import SharedBuild
 
@@ -151,7 +157,8 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
         shared = SharedBuild(dist.get_rank(), dist.get_world_size(), dist.barrier, run_id[0])
     cfg = BuildConfig(data=[(float(w), str(p)) for w, p in blend.prefixes], split=blend.split,
                       seq_length=gpt.seq_length, num_samples=tuple(sizes), seed=gpt.seed, cache_dir=blend.cache_dir)
-    return build_blend(cfg, shared=shared)
+    built = build_blend(cfg, shared=shared)
+    return built, format_plan(built, cfg)
 
 
 def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: int, micro_batch_size: int,

@@ -56,8 +56,16 @@ from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.metrics import MetricsLogger, StepTimer, peak_flops, plot_loss
 from tokenloom.train.optim import lr_at, set_lr
-from tokenloom.train.runtime import ManualGC, World, join_world, seed_everything, tune_host_memory
+from tokenloom.train.runtime import (
+    ManualGC,
+    World,
+    compute_dtype,
+    join_world,
+    seed_everything,
+    tune_host_memory,
+)
 from tokenloom.train.strategy import Strategy
+from tokenloom.train.summary import RunFacts, startup_summary
 
 
 def due(cfg: TrainConfig, iteration: int, done: bool, has_valid: bool) -> tuple[bool, bool, bool]:
@@ -121,13 +129,19 @@ class Trainer:
         self.resumed_from = self._resume()
         peak = cfg.peak_flops or peak_flops(world.device)
         self.peak_total = peak * world.size if peak else None
-        self.flops_per_token = self.strategy.flops_per_token()
+        parameters, self.flops_per_token = self.strategy.model_size()
         self.metrics = None
         if world.rank == 0:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.output_dir) / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             self.metrics = MetricsLogger(self.metrics_path, tensorboard_dir=cfg.tensorboard_dir,
                                          resume_iteration=self.iteration if self.resumed_from else None)
+            s = self.strategy
+            facts = RunFacts(world_size=world.size, dp=s.dp_size, accumulation=s.num_micro, device=world.device.type,
+                             precision=str(compute_dtype(cfg.precision, world.device)).removeprefix("torch."),
+                             parameters=parameters, train_samples=len(self.data.train), data_plan=self.data.plan,
+                             resumed_at=self.iteration)
+            print(startup_summary(cfg, facts), file=sys.stderr, flush=True)
 
     @property
     def metrics_path(self) -> Path:

@@ -167,7 +167,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
-    """Train and validation loss against iteration as a PNG (matplotlib, Agg backend)."""
+    """Train and validation loss against iteration as a PNG (matplotlib, Agg backend). Every
+    logged point gets a marker, so a short run (one train record) still shows its loss."""
     try:
         import matplotlib
 
@@ -178,10 +179,10 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> P
         return None
     records = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for key, style in (("train_loss", "-"), ("val_loss", "o-")):
+    for key, style in (("train_loss", ".-"), ("val_loss", "o-")):
         points = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
         if points:
-            ax.plot(*zip(*points, strict=True), style, label=key.replace("_", " "), markersize=3)
+            ax.plot(*zip(*points, strict=True), style, label=key.replace("_", " "), markersize=3 if len(points) > 1 else 6)
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

@@ -281,7 +281,9 @@ class Strategy:
 
     # ------------------------------------------------------------------ model facts
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token of the whole model (counted on a ``meta`` copy, no memory)."""
+    def model_size(self) -> tuple[int, int]:
+        """(parameters, training FLOPs per token) of the whole model, counted on a ``meta``
+        copy (no memory)."""
         with torch.device("meta"):
-            return GPT(self.cfg.model).flops_per_token()
+            model = GPT(self.cfg.model)
+        return model.num_params(), model.flops_per_token()

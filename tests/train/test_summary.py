@@ -1,0 +1,56 @@
+"""The start-up summary: what it says, the warnings for regrettable settings, and that a run
+prints it once on rank 0 before its first step."""
+
+from __future__ import annotations
+
+from test_loop import tiny
+
+from tokenloom.train.config import TrainConfig
+from tokenloom.train.data import DataConfig
+from tokenloom.train.loop import start_run
+from tokenloom.train.optim import OptimConfig
+from tokenloom.train.summary import RunFacts, regrets, startup_summary
+
+
+def facts(**kw) -> RunFacts:
+    base = dict(world_size=4, dp=2, accumulation=4, device="cpu", precision="float32", parameters=124_000_000,
+                train_samples=1_000_000, data_plan="plan line 1\nplan line 2")
+    return RunFacts(**{**base, **kw})
+
+
+def test_summary_states_the_run(tmp_path):
+    cfg = TrainConfig(tp=2, global_batch_size=32, micro_batch_size=4, train_iters=1000, eval_interval=100,
+                      eval_iters=10, output_dir=str(tmp_path))
+    text = startup_summary(cfg, facts())
+    assert "12 layers x 768 wide, 12 heads (12 kv), vocab 50257 (padded 50304), seq 1024; 124.0M parameters" in text
+    assert "4 rank(s) on cpu: dp 2 x tp 2 x pp 1; float32" in text
+    assert "data      plan line 1\n          plan line 2" in text
+    assert "global 32 = micro 4 x dp 2 x accumulation 4; 32.8k tokens/step, 1000 steps = 32.8M tokens" in text
+    assert "linear warmup 100 steps, cosine to 6e-05 at step 1000" in text
+    # evaluations at 0, 100, ..., 1000: 11 (the end is a multiple of the interval)
+    assert "10 global batches (320 samples) every 100 steps, at the end and before the first step: 11 evaluations" \
+        in text
+    resumed = startup_summary(TrainConfig(train_iters=1050, eval_interval=100, output_dir=str(tmp_path)),
+                              facts(resumed_at=500))
+    assert ": 6 evaluations" in resumed and "resume    from iteration 500" in resumed  # 600..1000, 1050
+
+
+def test_regrettable_settings_warn():
+    cfg = TrainConfig(train_iters=10, optim=OptimConfig(warmup_iters=100))
+    found = regrets(cfg, facts(train_samples=10))
+    assert any("mock data" in w for w in found)
+    assert any("124.0M parameters but the run trains on 10.2k tokens" in w for w in found)
+    assert any("warmup (100 steps) is not shorter than the run (10 steps)" in w for w in found)
+    quiet = TrainConfig(train_iters=10_000, optim=OptimConfig(warmup_iters=100),
+                        data=DataConfig(blend={"prefixes": [[1.0, "x"]]}, mock=None))
+    assert regrets(quiet, facts()) == []
+
+
+def test_a_run_prints_the_summary_once_before_training(tmp_path, capfd):
+    r = start_run(tiny(tmp_path, train_iters=2, eval_interval=0))
+    err = capfd.readouterr().err
+    assert err.count("model     gpt2: 2 layers x 32 wide") == 1 and "warning: training on synthetic mock data" in err
+    assert r.iteration == 0  # printed at set-up, before the first step
+    list(r.steps())
+    r.finish()
+    assert "model     " not in capfd.readouterr().err

@@ -1,0 +1,85 @@
+"""The start-up summary rank 0 prints before the first step, and the warnings for defaults
+a user is likely to regret.
+
+It says what the run will do in the terms a Megatron user checks first: the model's
+shape and size, the layout over the world, the data plan (the one ``build`` prints),
+the batch arithmetic, the learning-rate schedule, what evaluation costs and where the
+outputs go. Printing costs nothing measurable; the facts come from the config and the
+built datasets, not from a second pass over the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenloom.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the summary needs beyond the config (known once the run is set up)."""
+
+    world_size: int
+    dp: int
+    accumulation: int
+    device: str
+    precision: str
+    parameters: int
+    train_samples: int
+    data_plan: str
+    resumed_at: int = 0
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(int(n))
+
+
+def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
+    """The summary text (several lines, each starting with its topic)."""
+    m, o = cfg.model, cfg.optim
+    tokens_per_step = cfg.global_batch_size * m.seq_len
+    decay = o.lr_decay_iters or cfg.train_iters
+    evals, interval, start = 0, cfg.eval_interval, facts.resumed_at
+    if interval and cfg.train_iters > start:  # as loop.due: every interval, at the end, and before step 1
+        evals = cfg.train_iters // interval - start // interval
+        evals += (cfg.train_iters % interval != 0) + (start == 0)
+    lines = [
+        f"model     {m.arch}: {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads ({m.kv_heads} kv), "
+        f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_len}; "
+        f"{_count(facts.parameters)} parameters; kernels {m.kernels}",
+        f"layout    {facts.world_size} rank(s) on {facts.device}: dp {facts.dp} x tp {cfg.tp} x pp {cfg.pp}"
+        f"{f' (vpp {cfg.vpp})' if cfg.vpp else ''}{', sequence parallel' if cfg.sp else ''}"
+        f"{', ZeRO-1' if cfg.zero1 else ''}; {facts.precision}",
+        "data      " + facts.data_plan.replace("\n", "\n          "),
+        f"batch     global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {facts.dp} x accumulation "
+        f"{facts.accumulation}; {_count(tokens_per_step)} tokens/step, {cfg.train_iters} steps = "
+        f"{_count(tokens_per_step * cfg.train_iters)} tokens",
+        f"schedule  lr {o.lr:g}, linear warmup {o.warmup_iters} steps, cosine to {o.min_lr:g} at step {decay}; "
+        f"weight decay {o.weight_decay:g}, grad clip {o.grad_clip:g}",
+        (f"eval      {cfg.eval_iters} global batches ({cfg.eval_iters * cfg.global_batch_size} samples) "
+         f"every {cfg.eval_interval} steps, at the end{' and before the first step' if facts.resumed_at == 0 else ''}"
+         f": {evals} evaluations" if cfg.eval_interval else "eval      off (eval_interval 0)"),
+        f"outputs   {cfg.output_dir} (config.json, metrics.jsonl{', loss.png' if cfg.plot else ''}); checkpoints in "
+        f"{cfg.ckpt_dir} " + (f"every {cfg.save_interval} steps and " if cfg.save_interval else "") + "at the end",
+    ]
+    if facts.resumed_at:
+        lines.append(f"resume    from iteration {facts.resumed_at}")
+    return "\n".join(lines + [f"warning: {w}" for w in regrets(cfg, facts)])
+
+
+def regrets(cfg: TrainConfig, facts: RunFacts) -> list[str]:
+    """Defaults and settings that are legal but probably not what the user meant."""
+    out = []
+    if cfg.data.mock is not None:
+        out.append("training on synthetic mock data; give --data WEIGHT PREFIX ... (or data.blend) for real data")
+    tokens = facts.train_samples * cfg.model.seq_len
+    if facts.parameters > tokens:
+        out.append(f"the model has {_count(facts.parameters)} parameters but the run trains on {_count(tokens)} "
+                   "tokens; a smaller model (model.n_layers / model.d_model) or more steps fit better")
+    if cfg.optim.warmup_iters >= cfg.train_iters:
+        out.append(f"warmup ({cfg.optim.warmup_iters} steps) is not shorter than the run ({cfg.train_iters} steps): "
+                   "the learning rate never reaches its peak; lower optim.warmup_iters")
+    return out
