@@ -127,6 +127,6 @@ def check_fingerprint(saved: str | None, current: str, force: bool = False) -> N
     if saved is not None and saved != current and not force:
         raise TokenloomError(
             f"the checkpoint was trained on different data (fingerprint {saved[:12]}, now "
-            f"{current[:12]}); resuming would change the sample order. Pass --force-data to "
+            f"{current[:12]}); resuming would change the sample order. Pass --set force_data=true to "
             "resume anyway"
         )

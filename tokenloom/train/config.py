@@ -192,3 +192,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
     return config_from_dict(TrainConfig, raw)
+
+
+MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", "init_std", "kernels"})
+"""Model settings that may change on resume (they do not change the parameters' meaning)."""
+
+
+def check_resumable_model(path: str | os.PathLike, cfg: TrainConfig, saved_model: dict) -> None:
+    """Refuse, with the old and new values, a checkpoint at ``path`` whose model (``saved_model``,
+    from its ``state.json``) differs from ``cfg.model`` in a field that matters."""
+    # A field a checkpoint predates (saved without it) had its default value then.
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg.model) if f.default is not dataclasses.MISSING}
+    plain = json.loads(json.dumps(asdict(cfg.model)))
+    changed = []
+    for k, v in plain.items():
+        old = saved_model.get(k, json.loads(json.dumps(defaults.get(k))))
+        if k not in MODEL_FIELDS_FREE_ON_RESUME and v != old:
+            changed.append(f"model.{k} {json.dumps(old)} -> {json.dumps(v)}")
+    if changed:
+        raise TokenloomError(f"{path} was trained with a different model ({'; '.join(changed)}); resume with the "
+                             "checkpoint's model settings")

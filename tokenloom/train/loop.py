@@ -37,14 +37,12 @@ Choices and their costs:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import sys
 import typing
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -53,7 +51,7 @@ import torch.distributed as dist
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
-from tokenloom.train.config import TrainConfig, config_to_dict, load_config
+from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict, load_config
 from tokenloom.train.metrics import MetricsLogger, StepTimer, peak_flops, plot_loss
 from tokenloom.train.optim import lr_at, set_lr
 from tokenloom.train.runtime import (
@@ -75,22 +73,6 @@ def due(cfg: TrainConfig, iteration: int, done: bool, has_valid: bool) -> tuple[
     exiting = bool(cfg.exit_interval) and iteration % cfg.exit_interval == 0 and not done
     saving = done or exiting or bool(cfg.save_interval and iteration % cfg.save_interval == 0)
     return evaluating, exiting, saving
-
-
-MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", "init_std", "kernels"})
-"""Model settings that may change on resume (they do not change the parameters' meaning)."""
-
-
-def check_resumable_model(path: Path, cfg: TrainConfig, saved_model: dict) -> None:
-    """Refuse a checkpoint whose model differs from ``cfg.model`` in a field that matters."""
-    # A field a checkpoint predates (saved without it) had its default value then.
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg.model) if f.default is not dataclasses.MISSING}
-    plain = json.loads(json.dumps(asdict(cfg.model)))
-    changed = sorted(k for k, v in plain.items() if k not in MODEL_FIELDS_FREE_ON_RESUME
-                     and v != saved_model.get(k, json.loads(json.dumps(defaults.get(k)))))
-    if changed:
-        raise TokenloomError(f"{path} was trained with a different model ({', '.join(changed)} differ); "
-                             "resume with the checkpoint's model settings")
 
 
 def run(cfg: TrainConfig) -> dict:

@@ -1,0 +1,139 @@
+"""Checks a train config can pass before any rank starts, each failing with one line that
+names the flag or file and what to type instead.
+
+The launching process runs :func:`check` (``cli.py train``, with or without
+``--nproc-per-node``), so a typo costs a second, not a torchrun start-up and one
+traceback per rank. Everything here reads only the config and small files (``.idx``
+headers, manifests, a checkpoint's ``state.json``); what needs the built indices (enough
+samples for ``train_iters``) is still found by the ranks. The ranks repeat the
+layout and batch checks (:mod:`tokenloom.train.strategy`), so a job started by
+``srun`` without this launcher fails the same way, once per rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict
+
+
+def check(cfg: TrainConfig, world_size: int) -> None:
+    """Raise :class:`TokenloomError` for the first problem found (see the module docstring)."""
+    check_layout(cfg, world_size)
+    check_model_split(cfg)
+    if cfg.data.blend is not None:
+        check_sources(cfg)
+    if cfg.resume is not None:
+        check_resume(cfg)
+
+
+def check_layout(cfg: TrainConfig, world_size: int) -> None:
+    """tp x pp divides the world; the global batch splits into micro-batches per dp rank."""
+    mp = cfg.tp * cfg.pp
+    if world_size % mp:
+        fits = [n for n in range(mp, 8 * mp + 1, mp)][:4]
+        raise TokenloomError(f"--tp {cfg.tp} x --pp {cfg.pp} = {mp} does not divide the {world_size} rank(s) of "
+                             f"this launch; use --nproc-per-node {' or '.join(map(str, fits))} or change --tp/--pp")
+    dp = world_size // mp
+    per_step = cfg.micro_batch_size * dp
+    if cfg.global_batch_size % per_step:
+        lo = max(per_step, cfg.global_batch_size // per_step * per_step)
+        raise TokenloomError(
+            f"--global-batch-size {cfg.global_batch_size} is not a multiple of --micro-batch-size "
+            f"{cfg.micro_batch_size} x {dp} data-parallel rank(s) = {per_step}; use --global-batch-size {lo} or "
+            f"{lo + per_step}")
+    num_micro = cfg.global_batch_size // per_step
+    if cfg.vpp and cfg.vpp > 1 and num_micro % cfg.pp:
+        raise TokenloomError(
+            f"the interleaved schedule (--vpp {cfg.vpp}) needs the {num_micro} micro-batches per step "
+            f"(--global-batch-size / (--micro-batch-size x dp)) to be a multiple of --pp {cfg.pp}")
+
+
+def check_model_split(cfg: TrainConfig) -> None:
+    """The model's heads, MLP, vocabulary and layers split evenly over tp, pp and vpp."""
+    m, tp, stages = cfg.model, cfg.tp, cfg.pp * (cfg.vpp or 1)
+    problems = []
+    if m.n_heads % tp or m.kv_heads % tp:
+        problems.append(f"model.n_heads {m.n_heads} and model.n_kv_heads {m.kv_heads} must be divisible by --tp {tp}")
+    if m.ffn_size % tp:
+        problems.append(f"the MLP size {m.ffn_size} must be divisible by --tp {tp} (model.ffn_hidden_size)")
+    if m.padded_vocab_size % tp:
+        problems.append(f"the padded vocabulary {m.padded_vocab_size} must be divisible by --tp {tp} "
+                        "(raise model.make_vocab_size_divisible_by)")
+    if m.n_layers % stages:
+        problems.append(f"model.n_layers {m.n_layers} must be divisible by --pp {cfg.pp} x --vpp {cfg.vpp or 1}")
+    if problems:
+        raise TokenloomError("; ".join(problems))
+
+
+def tokenizer_name(fingerprint: dict) -> str:
+    """A tokenizer as people know it: its kind, files and vocabulary size."""
+    files = ", ".join(sorted(fingerprint.get("files") or {})) or "no files"
+    return f"{fingerprint.get('kind', '?')} ({files}; vocabulary {fingerprint.get('vocab_size', '?')})"
+
+
+def check_sources(cfg: TrainConfig) -> None:
+    """Every prefix has its ``.bin``/``.idx``; no split that evaluation reads is empty; the
+    ``--tokenizer`` gives the ids every source's manifest was made with."""
+    from tokenloom.blending.split import Split, split_documents, split_matrix
+    from tokenloom.indexed.format import data_path, index_path, read_header
+    from tokenloom.preprocess import manifest
+    from tokenloom.tokenizers.base import ids_key
+
+    blend = cfg.data.blend
+    if not blend.prefixes:
+        raise TokenloomError("--data is empty; give WEIGHT PREFIX pairs, e.g. --data 0.7 out/web 0.3 out/code")
+    bookends = split_matrix(blend.split)
+    tok = None
+    if cfg.tokenizer:
+        from tokenloom.train.data import open_tokenizer
+
+        tok = open_tokenizer(cfg.tokenizer)
+    for _, prefix in blend.prefixes:
+        for path in (index_path(prefix), data_path(prefix)):
+            if not Path(path).is_file():
+                raise TokenloomError(f"--data: {path} does not exist (a PREFIX names PREFIX.bin and PREFIX.idx, as "
+                                     "preprocess --output-prefix wrote them)")
+        num_sequences = read_header(index_path(prefix))[1]
+        if cfg.eval_interval and bookends[Split.valid] is not None and not len(
+                split_documents(bookends[Split.valid], num_sequences)):
+            raise TokenloomError(f"--split {blend.split} leaves {prefix} ({num_sequences} documents) no validation "
+                                 "documents, yet evaluation reads them; give its valid part more weight (e.g. "
+                                 "--split 949,50,1) or set --set eval_interval=0")
+        if cfg.eval_interval and bookends[Split.valid] is None:
+            raise TokenloomError(f"--split {blend.split} has no validation part, yet evaluation reads it; give it one "
+                                 "(e.g. --split 949,50,1) or set --set eval_interval=0")
+        saved = manifest.read(prefix)
+        if tok is not None and saved is not None and ids_key(saved["tokenizer"]) != ids_key(tok.fingerprint()):
+            raise TokenloomError(
+                f"--tokenizer {cfg.tokenizer} is {tokenizer_name(tok.fingerprint())}, but {prefix} was tokenized "
+                f"with {tokenizer_name(saved['tokenizer'])} (its manifest); pass that tokenizer")
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """A checkpoint to resume has the same model, and the same data unless ``force_data``
+    (loader-only settings, ``num_workers`` and the cache directory, may change)."""
+    from tokenloom.train import checkpoint
+
+    path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
+    if path is None:
+        return
+    saved = checkpoint.read_state(path)["config"]
+    check_resumable_model(path, cfg, saved["model"])
+    if cfg.force_data or saved.get("data") is None:
+        return
+
+    def order_defining(data: dict) -> dict:
+        out = {k: v for k, v in data.items() if k != "num_workers"}
+        if out.get("blend"):
+            out["blend"] = {k: v for k, v in out["blend"].items() if k != "cache_dir"}
+        return out
+
+    old, new = order_defining(saved["data"]), order_defining(config_to_dict(cfg)["data"])
+    diff = [f"data.{k} {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
+    if diff:
+        raise TokenloomError(f"{path} was trained on other data ({'; '.join(diff)}), which changes the sample "
+                             "order; resume with the same data or pass --set force_data=true")
