@@ -270,6 +270,7 @@ def train(config, overrides, nproc_per_node, **flags):
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=50, show_default=True, help="Sample among the k most likely tokens.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
+@click.option("--tokenizer", help="Tokenizer path (or 'byte') to decode with; default: the one the run stored.")
 def generate(**options):
     """Sample text from a checkpoint with its own tokenizer."""
     from tokenloom.train.generate import GenerateConfig

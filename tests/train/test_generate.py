@@ -46,3 +46,24 @@ def test_checkpoint_root_and_errors(trained, tmp_path):
         generate(GenerateConfig(checkpoint=trained, temperature=-1))
     with pytest.raises(TokenloomError, match="does not exist"):
         generate(GenerateConfig(checkpoint=str(tmp_path / "none")))
+
+
+def test_a_tensor_parallel_checkpoint_generates_as_the_one_process_model(tmp_path):
+    """A tp 2 run's sharded checkpoint is gathered back into the one-process model: greedy text
+    from it equals greedy text from the same run trained in one process."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
+    from compose_helpers import launch
+
+    kw = dict(train_iters=3, eval_interval=0, tokenizer="byte", save_interval=None,
+              model=GPTConfig(vocab_size=259, make_vocab_size_divisible_by=64, seq_len=16, n_layers=2, n_heads=4,
+                              d_model=32, bias=False))
+    launch([("train", dict(out=str(tmp_path / "tp2"), tp=2, **kw))], 2, tmp_path)
+    launch([("train", dict(out=str(tmp_path / "one"), **kw))], 1, tmp_path)
+    greedy = dict(prompt="ab", max_new_tokens=12, temperature=0.0, stop_at_eod=False)
+    one = generate(GenerateConfig(checkpoint=str(tmp_path / "one" / "checkpoints"), **greedy))
+    tp2 = generate(GenerateConfig(checkpoint=str(tmp_path / "tp2" / "checkpoints"), **greedy))
+    assert (tmp_path / "tp2" / "checkpoints" / "iter_0000003" / "shard_tp1_pp0.pt").exists()
+    assert tp2 == one and len(one) > len("ab")

@@ -167,9 +167,10 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve(resume: str, root: str | os.PathLike) -> Path | None:
+def resolve(resume: str, root: str | os.PathLike, flag: str = "--resume") -> Path | None:
     """``"auto"``: latest complete checkpoint under ``root`` or None; otherwise ``resume`` is a
-    checkpoint directory, or a checkpoint root whose latest complete checkpoint is taken."""
+    checkpoint directory, or a checkpoint root whose latest complete checkpoint is taken.
+    ``flag`` names the option the path came from in errors."""
     if resume == "auto":
         return find_latest(root)
     path = Path(resume)
@@ -178,7 +179,8 @@ def resolve(resume: str, root: str | os.PathLike) -> Path | None:
     latest = find_latest(path)
     if latest is None:
         why = "is not a complete checkpoint (no COMPLETE marker)" if path.exists() else "does not exist"
-        raise TokenloomError(f"resume: {path} {why}; pass a checkpoint directory, its parent, or 'auto'")
+        auto = " or 'auto'" if flag == "--resume" else ""
+        raise TokenloomError(f"{flag} {path} {why}; pass a checkpoint directory or its parent{auto}")
     return latest
 
 

@@ -49,10 +49,18 @@ class GenerateConfig:
 
 
 def load_model(path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
-    """The checkpoint's model in eval mode, and its ``state.json``."""
+    """The checkpoint's model in eval mode, and its ``state.json``. A checkpoint of any
+    layout: one model file (data parallel), or tensor/pipeline shards gathered back into
+    the one-process model (:func:`tokenloom.train.parallel.reshard.full_tensors`)."""
     state = checkpoint.read_state(path)
     model = GPT(config_from_dict(GPTConfig, state["config"]["model"], "model."))
-    model.load_state_dict(checkpoint.load_tensors(path, "model.pt"))
+    if state.get("layout") is not None:
+        from tokenloom.train.parallel.reshard import full_tensors
+
+        tensors = full_tensors(path)[0]
+    else:
+        tensors = checkpoint.load_tensors(path, "model.pt")
+    model.load_state_dict(tensors)
     return model.to(device).eval(), state
 
 
@@ -83,12 +91,12 @@ def generate(cfg: GenerateConfig) -> str:
     """The prompt followed by the sampled continuation (EOD, if produced, is not decoded)."""
     if cfg.temperature < 0 or cfg.max_new_tokens < 0 or (cfg.top_k is not None and cfg.top_k < 1):
         raise TokenloomError("need temperature >= 0, max_new_tokens >= 0 and top_k >= 1 (or None)")
-    path = checkpoint.resolve(cfg.checkpoint, cfg.checkpoint)
+    path = checkpoint.resolve(cfg.checkpoint, cfg.checkpoint, flag="--checkpoint")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     model, state = load_model(path, device)
     tok_name = cfg.tokenizer or state["config"].get("tokenizer")
     if not tok_name:
-        raise TokenloomError(f"{path} was trained without a tokenizer; pass tokenizer=PATH to decode")
+        raise TokenloomError(f"{path} was trained without a tokenizer; pass --tokenizer PATH to decode")
     tok = open_tokenizer(tok_name)
     prompt_ids = [int(i) for i in tok.encode(cfg.prompt)] if cfg.prompt else [tok.eod]
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)

@@ -90,6 +90,9 @@ class Strategy:
         self.cfg, self.world, self.device = cfg, world, world.device
         self.state = st = parallel_state(cfg, world)
         self.dp_size, self.dp_rank = st.dp_size, st.dp_rank
+        if cfg.zero1 and world.size == 1:
+            raise TokenloomError("zero1 shards the optimizer state over data-parallel ranks and this run has one "
+                                 "rank; launch several (--nproc-per-node) or leave zero1 off")
         if cfg.global_batch_size % (cfg.micro_batch_size * self.dp_size):
             raise TokenloomError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
                                  f"micro_batch_size x data-parallel ranks = {cfg.micro_batch_size} x {self.dp_size}")
