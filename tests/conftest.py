@@ -1,4 +1,10 @@
-"""Fixtures for every test folder; helpers live in ``tl_testing``."""
+"""Fixtures for every test folder; helpers live in ``tl_testing``.
+
+Under ``CI=true`` a skip is a failure unless the test needs a GPU: a test skips when a
+part it needs is missing (megatron-core, the native extension, the shared data, Triton's
+interpreter), and CI installs all of them, so a skip there means an install step broke
+and a whole capability went untested. Locally such tests still skip, with the reason.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,35 @@ from tl_testing import shared_data_dir
 # any test module is collected. It only affects Triton kernels, which need it on CPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+GPU_REASON = "needs a CUDA device"
+"""The one skip reason CI accepts (no CI machine has a GPU); GPU tests use exactly it."""
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def _fail_skip_in_ci(report, needs_gpu: bool) -> None:
+    if IN_CI and report.skipped and not needs_gpu and GPU_REASON not in _skip_reason(report):
+        report.outcome = "failed"
+        report.longrepr = (f"CI=true: this would have been skipped ({_skip_reason(report)}); in CI every "
+                           "required part is installed, so a skip means a capability went untested")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result(), item.get_closest_marker("gpu") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result(), False)  # a module that skips at import (importorskip)
 
 
 @pytest.fixture(scope="session")

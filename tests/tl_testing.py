@@ -29,7 +29,9 @@ def run_cli(*args, cwd: Path | None = None, timeout: float = 300) -> subprocess.
 
 
 def import_megatron(module: str):
-    """Import a megatron.core module quietly, or skip the test (the ``[interop]`` extra is missing)."""
+    """Import a megatron.core module quietly, or skip the test when megatron-core is missing or
+    fails to import (the ``[interop]`` extra; under ``CI=true`` the skip fails the run)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return pytest.importorskip(module, reason="megatron-core not installed (pip install -e '.[interop]')")
+        return pytest.importorskip(module, reason="megatron-core not installed or not importable "
+                                   "(pip install -e '.[interop]')", exc_type=ImportError)

@@ -16,18 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    mbuilder = pytest.importorskip(
-        "megatron.core.datasets.blended_megatron_dataset_builder", reason="megatron-core not installed"
-    )
-    from megatron.core.datasets import blended_dataset as mblended
-    from megatron.core.datasets import gpt_dataset as mgpt
-    from megatron.core.datasets import helpers_cpp as mhelpers
-    from megatron.core.datasets.indexed_dataset import IndexedDataset as MIndexedDataset
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as MBuilder
-    from megatron.core.datasets.utils import Split as MSplit
+from tl_testing import import_megatron
 
 from tokenloom.blending import reference
 from tokenloom.blending.blend import Blend, BlendConfig, BlendedDataset, build_datasets, build_mock_datasets
@@ -35,13 +24,20 @@ from tokenloom.blending.gpt import GPTDataset, GPTDatasetConfig, build_gpt_indic
 from tokenloom.blending.megatron_cache import MegatronCacheBuilder, cache_key
 from tokenloom.blending.mock import MockSource
 from tokenloom.blending.split import Split
+from tokenloom.indexed import IndexedDataset as OurIndexedDataset  # ours is compared, never megatron's
+
+mbuilder = import_megatron("megatron.core.datasets.blended_megatron_dataset_builder")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets import blended_dataset as mblended
+    from megatron.core.datasets import gpt_dataset as mgpt
+    from megatron.core.datasets import helpers_cpp as mhelpers
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MIndexedDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as MBuilder
+    from megatron.core.datasets.utils import Split as MSplit
 
 _native = pytest.importorskip("tokenloom._native", reason="native extension not built")
-
-try:  # tokenloom's own reader on our side when it exists, so the whole read path is compared
-    from tokenloom.indexed import IndexedDataset as OurIndexedDataset
-except ImportError:  # pragma: no cover - before tokenloom.indexed landed
-    OurIndexedDataset = MIndexedDataset
+pytestmark = pytest.mark.interop
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 FIXTURES = SHARED_DATA / "megatron-fixtures"

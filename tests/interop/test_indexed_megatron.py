@@ -14,6 +14,7 @@ from tl_testing import import_megatron
 from tokenloom.indexed import IndexedDataset, IndexedDatasetWriter
 
 mcore = import_megatron("megatron.core.datasets.indexed_dataset")
+pytestmark = pytest.mark.interop
 
 
 def _write_both(root: Path, docs, dtype):

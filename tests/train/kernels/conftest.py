@@ -131,6 +131,14 @@ OP_CASES = [
 ]
 
 
+TRITON_OPS = ("rms_norm", "layer_norm", "swiglu", "bias_gelu", "rope")
+"""The ops with a Triton kernel (``tokenloom.train.kernels.triton_ops``); the others use the
+compiled or eager version in triton mode."""
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "op_case" in metafunc.fixturenames:
         metafunc.parametrize("op_case", OP_CASES, ids=[c.name for c in OP_CASES])
+    if "triton_case" in metafunc.fixturenames:
+        cases = [c for c in OP_CASES if c.op in TRITON_OPS]
+        metafunc.parametrize("triton_case", cases, ids=[c.name for c in cases])
