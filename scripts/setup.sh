@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Create ./.venv (once) and install tokenloom into it: torch first, so pip never pulls a
-# CUDA build for a CPU machine, then the project (editable, with the native C++ build).
+# Create ./.venv (once) and install tokenloom into it: torch first (TORCH_SPEC decides which
+# build; the project's own install then finds torch satisfied and pulls no other), then the
+# project (editable, with the native C++ build).
 #   EXTRAS=dev,interop   optional extras to install (default: dev,interop; the test command adds kernels)
-#   TORCH_SPEC=...        torch requirement (default torch==2.13.0; on a GPU cluster use your CUDA build)
+#   TORCH_SPEC=...        torch requirement, reinstalled whenever the installed torch does not satisfy it
+#                         (default torch==2.13.0). A CPU-only machine that reaches PyPI only gets the
+#                         CUDA wheel from PyPI; add the CPU index: TORCH_SPEC="torch==2.13.0 --index-url
+#                         https://download.pytorch.org/whl/cpu". On a GPU cluster name your CUDA build the same way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,5 +16,16 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v 'is ignored: it is neither' >&2); }
-.venv/bin/python -c "import torch" 2>/dev/null || pip install "$TORCH_SPEC"
+# TORCH_SPEC's first word is the requirement; the rest are pip options (an index URL).
+read -r -a torch_args <<< "$TORCH_SPEC"
+.venv/bin/python - "${torch_args[0]}" <<'PY' 2>/dev/null || pip install "${torch_args[@]}"
+import sys
+from importlib.metadata import version
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a fresh venv has pip's copy only
+    from pip._vendor.packaging.requirements import Requirement
+req = Requirement(sys.argv[1])
+sys.exit(0 if req.specifier.contains(version("torch"), prereleases=True) else 1)
+PY
 pip install -e ".${EXTRAS:+[$EXTRAS]}"
