@@ -48,9 +48,9 @@ def test_regrettable_settings_warn():
 
 def test_a_run_prints_the_summary_once_before_training(tmp_path, capfd):
     r = start_run(tiny(tmp_path, train_iters=2, eval_interval=0))
-    err = capfd.readouterr().err
-    assert err.count("model     gpt2: 2 layers x 32 wide") == 1 and "warning: training on synthetic mock data" in err
+    out = capfd.readouterr().out
+    assert out.count("model     gpt2: 2 layers x 32 wide") == 1 and "warning: training on synthetic mock data" in out
     assert r.iteration == 0  # printed at set-up, before the first step
     list(r.steps())
     r.finish()
-    assert "model     " not in capfd.readouterr().err
+    assert "model     " not in capfd.readouterr().out

@@ -123,7 +123,7 @@ class Trainer:
                              precision=str(compute_dtype(cfg.precision, world.device)).removeprefix("torch."),
                              parameters=parameters, train_samples=len(self.data.train), data_plan=self.data.plan,
                              resumed_at=self.iteration)
-            print(startup_summary(cfg, facts), file=sys.stderr, flush=True)
+            print(startup_summary(cfg, facts), flush=True)
 
     @property
     def metrics_path(self) -> Path:

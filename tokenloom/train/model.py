@@ -159,7 +159,7 @@ def _kernels_for(mode: str, x: torch.Tensor) -> KernelSet | None:
     return None if mode == "reference" else _kernel_set(mode, x.device.type)
 
 
-def _rope_cache(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape [seq_len, head_dim] (rotate-half layout)."""
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
@@ -286,7 +286,7 @@ class _RMSNorm(nn.RMSNorm):
         return ks.rms_norm(x, self.weight, self.eps)
 
 
-def _norm(cfg: GPTConfig) -> nn.Module:
+def make_norm(cfg: GPTConfig) -> nn.Module:
     if cfg.arch == "llama":
         return _RMSNorm(cfg)
     return _LayerNorm(cfg)
@@ -297,8 +297,8 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, recompute: bool = False) -> None:
         super().__init__()
-        self.norm1, self.attn = _norm(cfg), Attention(cfg)
-        self.norm2, self.mlp = _norm(cfg), MLP(cfg)
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = recompute
 
@@ -323,12 +323,12 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i in cfg.recompute_layers) for i in range(cfg.n_layers))
-        self.norm = _norm(cfg)
+        self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, V, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         if cfg.arch == "llama":
-            cos, sin = _rope_cache(cfg)
+            cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()

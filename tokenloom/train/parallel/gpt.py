@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig, _norm, attend, mlp_activation, split_qkv
+from tokenloom.train.model import GPT, GPTConfig, attend, make_norm, mlp_activation, split_qkv
 from tokenloom.train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tokenloom.train.parallel.mappings import Group
 from tokenloom.train.parallel.schedules import stage_forward, stage_layer_ids, tag_embeddings_and_rope
@@ -111,7 +111,7 @@ class TPBlock(nn.Module):
 
     def __init__(self, cfg: GPTConfig, ref: nn.Module, group: Group) -> None:
         super().__init__()
-        self.norm1, self.norm2 = _norm(cfg), _norm(cfg)
+        self.norm1, self.norm2 = make_norm(cfg), make_norm(cfg)
         self.norm1.load_state_dict(ref.norm1.state_dict())
         self.norm2.load_state_dict(ref.norm2.state_dict())
         self.attn, self.mlp = TPAttention(cfg, ref.attn, group), TPMLP(cfg, ref.mlp, group)
@@ -155,7 +155,7 @@ class TPGPTStage(nn.Module):
                     self.pos_emb.weight.is_embedding = True
             self.blocks = nn.ModuleDict({str(i): TPBlock(cfg, model.blocks[i], group) for i in layer_ids})
             if last:
-                self.norm = _norm(cfg)
+                self.norm = make_norm(cfg)
                 self.norm.load_state_dict(model.norm.state_dict())
                 self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group=group)
                 if cfg.tie_embeddings and first:

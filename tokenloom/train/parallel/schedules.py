@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, Block, GPTConfig, _norm, _rope_cache
+from tokenloom.train.model import GPT, Block, GPTConfig, make_norm, rope_tables
 from tokenloom.train.parallel import p2p
 from tokenloom.train.parallel.p2p import P2PComm
 
@@ -412,7 +412,7 @@ def tag_embeddings_and_rope(stage: nn.Module, cfg: GPTConfig, first: bool, last:
             if not first:
                 stage.lm_head.weight.shared = True
     if cfg.arch == "llama":
-        cos, sin = _rope_cache(cfg)
+        cos, sin = rope_tables(cfg)
         stage.register_buffer("rope_cos", cos, persistent=False)
         stage.register_buffer("rope_sin", sin, persistent=False)
 
@@ -440,7 +440,7 @@ class GPTStage(nn.Module):
             self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i in cfg.recompute_layers) for i in layer_ids})
         if last:
-            self.norm = _norm(cfg)
+            self.norm = make_norm(cfg)
             self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
             if cfg.tie_embeddings and first:
                 self.lm_head.weight = self.tok_emb.weight
