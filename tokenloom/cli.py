@@ -141,9 +141,9 @@ def _pp_help(name: str) -> str:
 @click.option("--tokenizer", help=_pp_help("tokenizer"))
 @click.option("--tokenizer-type", help=_pp_help("tokenizer_type"))
 @click.option("--tokenizer-backend", type=click.Choice(["auto", "reference", "gigatoken"]), default="auto",
-              show_default=True, help="Tokenizer engine: auto (gigatoken when its self-check on load proves it "
-              "gives the reference library's ids, else the reference), reference, or gigatoken (fail if unusable). "
-              "Recorded in the manifest; the ids are the same.")
+              show_default=True, help="Tokenizer engine: auto (gigatoken when its self-check on load finds the "
+              "reference library's ids, else the reference library), reference, or gigatoken (fail if it cannot "
+              "be used). The manifest records which ran and why; the ids are the same.")
 @click.option("--json-keys", cls=_Greedy, multiple=True, default=("text",), show_default=True,
               help=_pp_help("json_keys"))
 @click.option("--append-eod", is_flag=True, help=_pp_help("append_eod"))

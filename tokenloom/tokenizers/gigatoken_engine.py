@@ -174,7 +174,9 @@ def select_backend(tok, requested: str) -> None:
         reason = str(exc)
     except ImportError:
         reason = "gigatoken is not installed"
-    except Exception as exc:  # noqa: BLE001 - gigatoken raises ValueError, OSError and Rust errors alike
+    except BaseException as exc:  # ValueError, OSError, Rust errors, and pyo3 panics (not Exceptions)
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise  # KeyboardInterrupt, SystemExit
         reason = f"gigatoken cannot load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if reason is None:
         tok.set_backend(engine, f"self-check passed: {len(probes)} probe texts give the same ids as {tok.engine}")
