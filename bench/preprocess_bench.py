@@ -8,9 +8,12 @@ All rows are measured in one run on the same cores:
                  megatron-core's ``IndexedDatasetBuilder``. Tokenizer: Megatron's GPT2BPETokenizer
                  algorithm (pure Python, see _python_bpe.py); a second row uses the fast HF tokenizer
                  in the same structure.
-* ceiling        the chosen backend's own batch API on the same texts already in memory, all cores
+* ceiling        the reference backend's own batch API on the same texts already in memory, all cores
                  (for GPT-2 files: tiktoken's ``encode_ordinary_batch(texts, num_threads=cores)``,
                  ids left as tiktoken returns them).
+* gigatoken      the ceiling of issue 21: gigatoken's own ``encode_files`` on the same jsonl (it reads
+                 and tokenizes), all cores, nothing written. tokenloom's ``auto`` backend runs gigatoken
+                 for these files after its self-check.
 * encode only    for information: the texts in memory split into one slice per core, each
                  encoded by its own forked process (``encode_to_numpy``, as tokenloom's workers
                  do), no JSON, no I/O, no start-up. tiktoken's batch API is bound by building
@@ -217,7 +220,7 @@ def main() -> None:
         return [sys.executable, str(REPO / "cli.py"), "preprocess", "--input", str(src), "--output-prefix",
                 str(prefix), "--tokenizer", str(GPT2), "--append-eod", "--workers", str(w), "--no-progress"]
 
-    tok = load_tokenizer(str(GPT2), num_threads=w)
+    tok = load_tokenizer(str(GPT2), num_threads=w, backend="reference")
     if tok.engine != "tiktoken":
         raise SystemExit(f"expected the tiktoken engine for {GPT2}, got {tok.engine}")
     tok.enc.encode_ordinary_batch(texts[:20], num_threads=w)  # warm
@@ -232,6 +235,13 @@ def main() -> None:
     def ceiling():  # the backend tokenloom picked for these files, texts in memory, all cores
         tok.enc.encode_ordinary_batch(texts, num_threads=w)
 
+    import gigatoken
+
+    giga = gigatoken.Tokenizer.from_tiktoken(GPT2 / "gpt2.tiktoken", pretokenizer="gpt2", special_tokens={})
+
+    def giga_ceiling():  # reads the jsonl itself, all cores; + 1 per document for the EOD tokenloom writes
+        giga.encode_files(gigatoken.JsonlFileSource([str(corpus)], field="text"), parallel=True)
+
     runs = iter(range(1_000_000))
 
     def ours():  # a new prefix each round: an existing output would be a finished run
@@ -239,8 +249,8 @@ def main() -> None:
 
     # Timed runs alternate (the machine's load drifts; best of N each) and run without the
     # memory sampler, whose /proc walks would take CPU from the run being timed.
-    t_ours, t_ceiling, t_encode_only, t_hf, t_py = best_interleaved([
-        timed(ours), timed(ceiling), lambda: encode_only(tok.enc, texts, w),
+    t_ours, t_ceiling, t_giga, t_encode_only, t_hf, t_py = best_interleaved([
+        timed(ours), timed(ceiling), timed(giga_ceiling), lambda: encode_only(tok.enc, texts, w),
         lambda: megatron_style(corpus, tmp / "mhf", w, _init_hf),
         lambda: megatron_style(corpus, tmp / "mpy", w, _init_python_bpe),
     ], repeat=args.repeat)
@@ -260,6 +270,7 @@ def main() -> None:
 
     rows = [
         ("tokenloom vs ceiling (target >= 0.9)", tps(t_ours), tps(t_ceiling), f"{t_ceiling / t_ours:.2f}x"),
+        ("tokenloom vs gigatoken encode_files (target >= 0.8)", tps(t_ours), tps(t_giga), f"{t_giga / t_ours:.2f}x"),
         ("for information: tokenloom vs encode only, 1 process per core", tps(t_ours), tps(t_encode_only),
          f"{t_encode_only / t_ours:.2f}x"),
         ("tokenloom vs megatron-style, GPT2BPETokenizer (target >= 5)", tps(t_ours), tps(t_py),

@@ -140,6 +140,10 @@ def _pp_help(name: str) -> str:
 @click.option("--output-prefix", required=True, help=_pp_help("output_prefix"))
 @click.option("--tokenizer", help=_pp_help("tokenizer"))
 @click.option("--tokenizer-type", help=_pp_help("tokenizer_type"))
+@click.option("--tokenizer-backend", type=click.Choice(["auto", "reference", "gigatoken"]), default="auto",
+              show_default=True, help="Tokenizer engine: auto (gigatoken when its self-check on load finds the "
+              "reference library's ids, else the reference library), reference, or gigatoken (fail if it cannot "
+              "be used). The manifest records which ran and why; the ids are the same.")
 @click.option("--json-keys", cls=_Greedy, multiple=True, default=("text",), show_default=True,
               help=_pp_help("json_keys"))
 @click.option("--append-eod", is_flag=True, help=_pp_help("append_eod"))
@@ -160,10 +164,12 @@ def _pp_help(name: str) -> str:
 def preprocess(**options):
     """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
     from tokenloom.preprocess import PreprocessConfig, run
+    from tokenloom.tokenizers import use_backend
 
     options["inputs"] = list(options["inputs"])
     options["json_keys"] = [k for item in options["json_keys"] for k in item.split()]
-    run(PreprocessConfig(**options), echo=click.echo)
+    with use_backend(options.pop("tokenizer_backend")):
+        run(PreprocessConfig(**options), echo=click.echo)
 
 
 def _bd_help(name: str) -> str:

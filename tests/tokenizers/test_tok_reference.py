@@ -1,5 +1,8 @@
 """Every backend reproduces the reference ids/counts of shared/data/README.md, and the fast
-GPT-2 engine is proven id-identical to the reference engine on every document."""
+GPT-2 engine is proven id-identical to the reference engine on every document.
+
+Rows here use ``backend="reference"`` (the libraries themselves; gigatoken is compared with
+them in test_tok_gigatoken.py) except the ``-auto`` rows, which take whatever ``auto`` picks."""
 
 import json
 
@@ -20,13 +23,18 @@ REFERENCE_COUNTS = {
     "llama2": {"tinyshakespeare": 355_001, "wikitext-2": 637_430},
     "mistral-v3": {"tinyshakespeare": 348_337, "wikitext-2": 623_939},
 }
+REF = {"backend": "reference"}
 TOKENIZERS = {
-    "gpt2-reference": ("gpt2", {"fast": False}),
-    "gpt2-fast": ("gpt2", {}),
-    "gpt2-tiktoken-file": ("gpt2/gpt2.tiktoken", {}),
-    "gpt-neox-20b": ("gpt-neox-20b", {}),
-    "llama2": ("llama2", {}),
-    "mistral-v3": ("mistral-v3", {}),
+    "gpt2-reference": ("gpt2", {"fast": False, **REF}),
+    "gpt2-fast": ("gpt2", REF),
+    "gpt2-tiktoken-file": ("gpt2/gpt2.tiktoken", REF),
+    "gpt-neox-20b": ("gpt-neox-20b", REF),
+    "llama2": ("llama2", REF),
+    "mistral-v3": ("mistral-v3", REF),
+    "gpt2-auto": ("gpt2", {}),
+    "gpt-neox-20b-auto": ("gpt-neox-20b", {}),
+    "llama2-auto": ("llama2", {}),
+    "mistral-v3-auto": ("mistral-v3", {}),
 }
 
 
@@ -64,8 +72,8 @@ def test_fast_engine_ids_identical_to_reference(encoded, corpus, fast):
 
 
 def test_engines_and_shared_digest():
-    ref = load_tokenizer(TOK / "gpt2", fast=False)
-    fast = load_tokenizer(TOK / "gpt2")
+    ref = load_tokenizer(TOK / "gpt2", fast=False, backend="reference")
+    fast = load_tokenizer(TOK / "gpt2", backend="reference")
     assert (ref.engine, fast.engine) == ("tokenizers", "tiktoken")
     assert ref.fingerprint()["digest"] == fast.fingerprint()["digest"]
     assert ref.fingerprint()["engine"] != fast.fingerprint()["engine"]
@@ -85,10 +93,10 @@ def test_fast_path_for_reserialised_gpt2(tmp_path, corpora):
     (tmp_path / "vocab.json").write_text(json.dumps(vocab, indent=1, ensure_ascii=False), encoding="utf-8")
     merges = (TOK / "gpt2" / "gpt2-merges.txt").read_bytes()
     (tmp_path / "merges.txt").write_bytes(merges.split(b"\n", 1)[1])
-    tok = load_tokenizer(tmp_path, num_threads=1)
+    tok = load_tokenizer(tmp_path, num_threads=1, backend="reference")
     assert tok.engine == "tiktoken"
     docs = corpora["tinyshakespeare"][:500]
-    ref_ids, _ = load_shared("gpt2", num_threads=1, fast=False).encode_batch(docs)
+    ref_ids, _ = load_shared("gpt2", num_threads=1, fast=False, backend="reference").encode_batch(docs)
     np.testing.assert_array_equal(tok.encode_batch(docs)[0], ref_ids)
 
 
@@ -97,7 +105,7 @@ def test_fast_path_needs_proof(tmp_path):
     (tmp_path / "vocab.json").write_bytes((TOK / "gpt2" / "gpt2-vocab.json").read_bytes())
     header, first, second, rest = (TOK / "gpt2" / "gpt2-merges.txt").read_bytes().split(b"\n", 3)
     (tmp_path / "merges.txt").write_bytes(b"\n".join([header, second, first, rest]))
-    tok = load_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path, backend="reference")
     assert tok.engine == "tokenizers"
     assert list(tok.encode("Hello world!")) == [15496, 995, 0]
 
@@ -123,7 +131,7 @@ def test_qwen2_example():
 
 def test_gpt2_megatron_special_text_is_plain_text():
     """Megatron's GPT2BPETokenizer (and tiktoken encode_ordinary) never map text to <|endoftext|>."""
-    for options in ({}, {"fast": False}):
+    for options in ({}, {"fast": False}, REF):
         tok = load_tokenizer(TOK / "gpt2", **options)
         ids = list(tok.encode("a<|endoftext|>b"))
         assert 50256 not in ids and len(ids) > 3
@@ -134,7 +142,7 @@ def test_tiktoken_numpy_path_equals_encode_ordinary(corpora, path):
     """One thread encodes through encode_to_numpy; ids equal tiktoken's encode_ordinary and the
     threaded batch path, special-token strings included (they stay plain text)."""
     texts = corpora["wikitext-2"][:300] + ["a<|endoftext|>b", "<|endoftext|>", "", "x <|endofprompt|> y\n\n"]
-    one, many = load_shared(path, num_threads=1), load_shared(path, num_threads=2)
+    one, many = load_shared(path, num_threads=1, **REF), load_shared(path, num_threads=2, **REF)
     ids, lengths = one.encode_batch(texts)
     assert ids.dtype == lengths.dtype == np.int64
     expected = [one.enc.encode_ordinary(t) for t in texts]
@@ -154,7 +162,7 @@ def test_decode_same_on_both_engines():
 def test_explicit_merges_option(tmp_path):
     (tmp_path / "my-vocab.json").write_bytes((TOK / "gpt2" / "gpt2-vocab.json").read_bytes())
     (tmp_path / "my.bpe").write_bytes((TOK / "gpt2" / "gpt2-merges.txt").read_bytes())
-    tok = load_tokenizer(tmp_path / "my-vocab.json", merges=tmp_path / "my.bpe")
+    tok = load_tokenizer(tmp_path / "my-vocab.json", merges=tmp_path / "my.bpe", backend="reference")
     assert tok.engine == "tiktoken"  # byte-identical files, so still proven
     assert str(tmp_path) not in str(tok.fingerprint())
 

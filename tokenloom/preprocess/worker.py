@@ -15,11 +15,11 @@ last sequence of each non-empty document; ``--prepend-bos`` adds BOS to its firs
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenloom.preprocess.documents import decode_chunk
 from tokenloom.preprocess.readers import Chunk
 
 _TOKENIZER = None
@@ -80,78 +80,6 @@ def set_tokenizer(tokenizer) -> None:
     """Use an already built tokenizer in this process (the in-process ``--workers 1`` path)."""
     global _TOKENIZER
     _TOKENIZER = tokenizer
-
-
-def _snippet(raw) -> str:
-    if isinstance(raw, bytes):
-        raw = raw.decode("utf-8", errors="replace")
-    return str(raw)[:200]
-
-
-def _check_text(value, key: str) -> tuple[list[str] | None, str | None]:
-    """The value's texts (one, or the sentences of a list), or the reason it is bad."""
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return None, f"invalid UTF-8 at byte {exc.start} of key {key!r}"
-    if isinstance(value, str):
-        texts = [value]
-    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-        texts = value
-    elif value is None:
-        return None, f"key {key!r} is null, not a string"
-    else:
-        return None, f"key {key!r} is a {type(value).__name__}, not a string"
-    for text in texts:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return None, f"invalid UTF-8 in key {key!r} (unpaired surrogate at character {exc.start})"
-    return texts, None
-
-
-def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | None]:
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return None, f"invalid UTF-8 at byte {exc.start}"
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return None, f"invalid JSON ({exc.msg} at column {exc.colno})"
-    if not isinstance(obj, dict):
-        return None, f"a JSON {type(obj).__name__}, not an object"
-    for key in keys:
-        if key not in obj:
-            return None, f"missing key {key!r}"
-    return obj, None
-
-
-def decode_chunk(chunk: Chunk, keys: tuple[str, ...]):
-    """Validate a chunk's records: ``(good, bad)`` with good = ``[(number, {key: [texts]})]`` and
-    bad = ``[(number, reason, snippet)]``, both in input order (reader errors included in ``bad``)."""
-    good, bad = [], [(n, reason, "") for n, reason in chunk.errors]
-    for j, number in enumerate(chunk.numbers):
-        if chunk.kind == "json":
-            obj, reason = _parse_line(chunk.lines[j], keys)
-            raw = chunk.lines[j]
-        else:
-            obj, reason = {k: chunk.columns[k][j] for k in keys}, None
-            raw = chunk.columns[keys[0]][j]
-        texts_per_key = {}
-        if obj is not None:
-            for key in keys:
-                texts, reason = _check_text(obj[key], key)
-                if reason:
-                    break
-                texts_per_key[key] = texts
-        if reason:
-            bad.append((number, reason, _snippet(raw)))
-        else:
-            good.append((number, texts_per_key))
-    bad.sort(key=lambda b: b[0])
-    return good, bad
 
 
 def encode_chunk(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:

@@ -17,14 +17,18 @@ Policy (details in each backend's module docstring):
   sentencepiece all cores). Preprocess workers should pass ``num_threads=1``: the
   parallelism then comes from the processes, and no thread pool is started.
 * A faster engine is used only when it is proven to give identical ids (GPT-2
-  vocab+merges -> tiktoken, see ``hf.py``); ``fast=False`` turns it off.
+  vocab+merges -> tiktoken, see ``hf.py``; ``fast=False`` turns it off), and gigatoken
+  only after a self-check on load against that engine (``gigatoken_engine.py``;
+  ``backend="reference"`` or ``use_backend("reference")`` turns it off).
 """
 
 from tokenloom.tokenizers.base import THREADS_ENV, Tokenizer, TokenizerSpec
+from tokenloom.tokenizers.gigatoken_engine import BACKEND_CHOICES, use_backend
 from tokenloom.tokenizers.load import KIND_ALIASES, detect_kind, list_kinds, load_tokenizer
 from tokenloom.tokenizers.train import TrainTokenizerConfig, train_tokenizer
 
 __all__ = [
+    "BACKEND_CHOICES",
     "KIND_ALIASES",
     "THREADS_ENV",
     "Tokenizer",
@@ -34,4 +38,5 @@ __all__ = [
     "list_kinds",
     "load_tokenizer",
     "train_tokenizer",
+    "use_backend",
 ]

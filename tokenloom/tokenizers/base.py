@@ -10,8 +10,9 @@ just its spec, so a tokenizer can also be passed to a worker directly.
 Fingerprint policy: ``fingerprint()["digest"]`` is a sha256 over the kind, the
 sha256 of every file read (keyed by file *name*, never by absolute path), the
 vocab size, the eod/bos/pad ids and the options that can change ids. Options that
-only change speed (``num_threads``, ``fast``) and the engine actually used are
-reported next to the digest but are not part of it, because the ids are the same.
+only change speed (``num_threads``, ``fast``), the engine actually used and the backend
+choice with its reason (``backend``, ``backend_reason``) are reported next to the digest
+but are not part of it, because the ids are the same.
 The digest tells one tokenizer setup from another (it keys caches and resumes).
 Checks that ask "do these ids mean the same tokens?" (blending sources, merging
 shards) compare :func:`ids_key` instead, which also drops the file names: the same
@@ -34,6 +35,7 @@ import numpy as np
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import sha256_file  # noqa: F401 - re-exported for the backends
+from tokenloom.tokenizers.gigatoken_engine import Unsupported
 
 #: Options that never change the emitted ids (or are file paths, whose content is hashed in
 #: ``files``); excluded from the fingerprint digest.
@@ -49,11 +51,14 @@ class TokenizerSpec:
 
     ``path`` is absolute (or None for file-less kinds such as ``byte``/``null``);
     ``options`` holds plain JSON-like values only, so the spec pickles and prints.
+    ``backend`` picks the encoding engine (auto | reference | gigatoken, see
+    ``gigatoken_engine``); it never changes the ids, so it is not an option.
     """
 
     kind: str
     path: str | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    backend: str = "auto"
 
     def with_options(self, **options: Any) -> TokenizerSpec:
         """A copy with ``options`` merged in, e.g. ``spec.with_options(num_threads=1)``."""
@@ -101,10 +106,32 @@ class Tokenizer(abc.ABC):
         self._spec = spec
         self._files = files  # {file name: sha256}
         self.engine = engine
+        self.backend, self.backend_reason = "reference", "not selected yet"
+        self._gigatoken = None  # a GigatokenEngine once the self-check has passed
 
-    @abc.abstractmethod
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Flat ids of all texts concatenated, and per-text lengths (both np.int64)."""
+        if self._gigatoken is None:
+            return self.encode_batch_reference(texts)
+        parallel = getattr(self, "num_threads", None) != 1 and len(texts) > 1
+        return self._gigatoken.encode_batch(texts, parallel, self.encode_batch_reference)
+
+    @abc.abstractmethod
+    def encode_batch_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``encode_batch`` on the reference library of this kind."""
+
+    def gigatoken_source(self):
+        """A ``GigatokenSource`` for this tokenizer's files; raises (with the reason) where gigatoken
+        cannot encode this kind. Kinds that gigatoken supports override it."""
+        raise Unsupported(f"gigatoken does not encode the {self.kind} kind")
+
+    def set_backend(self, gigatoken_engine, reason: str) -> None:
+        """Encode with ``gigatoken_engine`` (None: the reference library); ``reason`` goes to the manifest."""
+        self._gigatoken = gigatoken_engine
+        self.backend = "reference" if gigatoken_engine is None else "gigatoken"
+        if gigatoken_engine is not None:
+            self.engine = "gigatoken"
+        self.backend_reason = reason
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
@@ -155,6 +182,7 @@ class Tokenizer(abc.ABC):
         blob = json.dumps(fp, sort_keys=True, separators=(",", ":")).encode()
         fp["digest"] = hashlib.sha256(blob).hexdigest()
         fp["engine"] = self.engine  # not in the digest: every engine gives the same ids
+        fp["backend"], fp["backend_reason"] = self.backend, self.backend_reason
         return fp
 
     def __repr__(self) -> str:

@@ -48,6 +48,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec, flatten, resolve_threads, sha256_file
+from tokenloom.tokenizers.gigatoken_engine import GigatokenSource
 from tokenloom.tokenizers.tiktoken_bpe import R50K_PATTERN, decode_skipping, encode_ordinary_flat
 
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
@@ -117,7 +118,7 @@ class _HFBase(Tokenizer):
         if opts:
             raise TokenloomError(f"unknown {self.kind} tokenizer options {sorted(opts)} for {path}")
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if self.num_threads == 1:
             encs = [self.tk.encode(t, add_special_tokens=False) for t in texts]
         else:
@@ -126,6 +127,9 @@ class _HFBase(Tokenizer):
 
     def decode(self, ids) -> str:
         return self.tk.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def added_tokens(self) -> list[str]:
+        return [t.content for _, t in sorted(self.tk.get_added_tokens_decoder().items())]
 
 
 class HFTokenizer(_HFBase):
@@ -146,6 +150,13 @@ class HFTokenizer(_HFBase):
         except Exception as e:  # the Rust side raises a bare Exception for parse errors
             raise TokenloomError(f"{path}: not a valid Hugging Face tokenizer.json: {e}") from None
         self._set_specials(opts, path)
+        self.json_path = path
+
+    def gigatoken_source(self) -> GigatokenSource:
+        """The same tokenizer.json in gigatoken (BPE models only; WordPiece/Unigram raise)."""
+        import gigatoken
+
+        return GigatokenSource(gigatoken.Tokenizer.from_json(self.json_path.read_bytes()), self.added_tokens())
 
 
 def find_vocab_merges(path: Path, merges: str | None) -> tuple[Path, Path]:
@@ -308,10 +319,16 @@ class GPT2BPETokenizer(_HFBase):
     def id_options(self) -> dict:
         return {**super().id_options(), "pretokenizer": self.pretokenizer}
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def gigatoken_source(self) -> GigatokenSource:
+        """The vocab+merges as the tokenizer.json of the reference model, loaded in gigatoken."""
+        import gigatoken
+
+        return GigatokenSource(gigatoken.Tokenizer.from_json(self.tk.to_str()), ["<|endoftext|>", *self.added_tokens()])
+
+    def encode_batch_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if self.engine == "tiktoken":
             return encode_ordinary_flat(self.enc, texts, self.num_threads)
-        return super().encode_batch(texts)
+        return super().encode_batch_reference(texts)
 
     def decode(self, ids) -> str:
         # GPT-2's <|endoftext|> is a plain vocab entry, so skip eod/bos/pad by id (same on both engines)

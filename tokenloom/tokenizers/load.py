@@ -15,11 +15,13 @@ Megatron's ``--tokenizer-type`` names are accepted as kinds too (``KIND_ALIASES`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec
+from tokenloom.tokenizers.gigatoken_engine import check_backend, default_backend, select_backend
 from tokenloom.tokenizers.hf import (
     MERGES_NAMES,
     VOCAB_NAMES,
@@ -57,13 +59,14 @@ def list_kinds() -> list[str]:
 
 
 def load_tokenizer(path_or_spec: str | Path | TokenizerSpec | Tokenizer | None = None, kind: str | None = None,
-                   **options) -> Tokenizer:
+                   backend: str | None = None, **options) -> Tokenizer:
     """Build a tokenizer from a file/directory (kind auto-detected unless given) or a spec.
 
     ``load_tokenizer("tok/gpt2")``, ``load_tokenizer("x.model", kind="sentencepiece")``,
     ``load_tokenizer(kind="byte")``, ``load_tokenizer(tok.spec)`` (in a worker process).
+    ``backend``: auto | reference | gigatoken (default: ``default_backend()``; a spec keeps its own).
     """
-    if isinstance(path_or_spec, Tokenizer) and kind is None and not options:
+    if isinstance(path_or_spec, Tokenizer) and kind is None and backend is None and not options:
         return path_or_spec
     if isinstance(path_or_spec, Tokenizer):
         path_or_spec = path_or_spec.spec
@@ -73,7 +76,10 @@ def load_tokenizer(path_or_spec: str | Path | TokenizerSpec | Tokenizer | None =
             raise TokenloomError(f"kind={kind!r} conflicts with the spec's kind {spec.kind!r}")
         if options:
             spec = spec.with_options(**options)
+        if backend is not None:
+            spec = dataclasses.replace(spec, backend=check_backend(backend))
         return _build(spec)
+    backend = check_backend(backend or default_backend())
     if kind in KIND_ALIASES:
         kind, alias_options = KIND_ALIASES[kind]
         options = {**alias_options, **options}
@@ -83,7 +89,7 @@ def load_tokenizer(path_or_spec: str | Path | TokenizerSpec | Tokenizer | None =
     if kind in FILELESS:
         if path_or_spec is not None:
             raise TokenloomError(f"the {kind} tokenizer takes no file, got {path_or_spec}")
-        return _build(TokenizerSpec(kind, None, dict(options)))
+        return _build(TokenizerSpec(kind, None, dict(options), backend))
     if path_or_spec is None:
         raise TokenloomError("no tokenizer given: pass a path, or kind='byte' / kind='null'")
     path = Path(path_or_spec).expanduser()
@@ -92,13 +98,15 @@ def load_tokenizer(path_or_spec: str | Path | TokenizerSpec | Tokenizer | None =
     path = path.resolve()
     if "merges" in options:  # the spec must work from any working directory
         options["merges"] = str(Path(options["merges"]).expanduser().resolve())
-    return _build(TokenizerSpec(kind or detect_kind(path), str(path), dict(options)))
+    return _build(TokenizerSpec(kind or detect_kind(path), str(path), dict(options), backend))
 
 
 def _build(spec: TokenizerSpec) -> Tokenizer:
     if spec.kind not in BACKENDS:
         raise TokenloomError(f"unknown tokenizer kind {spec.kind!r}; known kinds: {', '.join(list_kinds())}")
-    return BACKENDS[spec.kind](spec)
+    tok = BACKENDS[spec.kind](spec)
+    select_backend(tok, spec.backend)
+    return tok
 
 
 def detect_kind(path: Path) -> str:

@@ -37,7 +37,7 @@ class ByteTokenizer(Tokenizer):
             raise TokenloomError(f"the byte tokenizer takes no options, got {unknown}")
         super().__init__(spec, {}, engine="python")
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         data = [t.encode("utf-8") for t in texts]
         lengths = np.fromiter((len(d) for d in data), dtype=np.int64, count=len(data))
         return np.frombuffer(b"".join(data), dtype=np.uint8).astype(np.int64), lengths
@@ -67,7 +67,7 @@ class NullTokenizer(Tokenizer):
     def id_options(self) -> dict:
         return {"vocab_size": self.max_text_id + 1}
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         try:
             seqs = [[int(w) for w in t.split()] for t in texts]
         except ValueError as e:

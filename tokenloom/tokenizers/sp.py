@@ -19,6 +19,7 @@ import sentencepiece as spm
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec, flatten, resolve_threads, sha256_file
+from tokenloom.tokenizers.gigatoken_engine import GigatokenSource
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -34,6 +35,7 @@ class SentencePieceTokenizer(Tokenizer):
         if not path.is_file():
             raise TokenloomError(f"{path}: no SentencePiece tokenizer.model here")
         super().__init__(spec, {path.name: sha256_file(path)}, engine="sentencepiece")
+        self.model_path = path
         opts = dict(spec.options)
         self.num_threads = resolve_threads(opts.pop("num_threads", None))
         self.sp = spm.SentencePieceProcessor()
@@ -59,12 +61,25 @@ class SentencePieceTokenizer(Tokenizer):
         if opts:
             raise TokenloomError(f"unknown sentencepiece options {sorted(opts)} for {path}")
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if self.num_threads is None:
             seqs = self.sp.encode(texts, out_type=int)
         else:
             seqs = self.sp.encode(texts, out_type=int, num_threads=self.num_threads)
         return flatten(seqs)
+
+    def gigatoken_source(self) -> GigatokenSource:
+        """gigatoken's SentencePiece-BPE reader (BPE with byte fallback only; others raise). Control
+        pieces are escapes: gigatoken matches them in text, sentencepiece does not. Probed too: the
+        pieces of score 0 that are not bytes (user-defined and hand-added pieces)."""
+        import gigatoken
+
+        sp, ids = self.sp, range(self.vocab_size)
+        control = [sp.id_to_piece(i) for i in ids if sp.is_control(i)]
+        manual = [sp.id_to_piece(i) for i in ids if sp.get_score(i) == 0 and not (sp.is_byte(i) or sp.is_control(i)
+                                                                                  or sp.is_unknown(i))]
+        model = gigatoken.Tokenizer.from_sentencepiece(self.model_path.read_bytes())
+        return GigatokenSource(model, control + manual[:256], escapes=tuple(control))
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])

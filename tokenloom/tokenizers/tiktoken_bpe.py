@@ -28,6 +28,7 @@ import tiktoken
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec, flatten, resolve_threads, sha256_file
+from tokenloom.tokenizers.gigatoken_engine import GigatokenSource, Unsupported
 
 ENDOFTEXT = "<|endoftext|>"
 
@@ -47,6 +48,8 @@ O200K_PATTERN = "|".join(
         r"""\s+""",
     ]
 )
+# our split patterns -> gigatoken's name for the same pretokenizer (the self-check proves each file)
+GIGATOKEN_SCHEMES = {R50K_PATTERN: "gpt2", CL100K_PATTERN: "gpt4", O200K_PATTERN: "o200k"}
 PATTERNS = {"r50k": R50K_PATTERN, "gpt2": R50K_PATTERN, "llama3": LLAMA3_PATTERN, "cl100k": CL100K_PATTERN,
             "o200k": O200K_PATTERN}
 
@@ -152,6 +155,7 @@ class TiktokenTokenizer(Tokenizer):
             path = found[0]
         digest = sha256_file(path)
         super().__init__(spec, {path.name: digest}, engine="tiktoken")
+        self.rank_path = path
         opts = dict(spec.options)
         self.num_threads = resolve_threads(opts.pop("num_threads", None))
         name, pattern, specials, eod, bos = KNOWN_RANK_FILES.get(digest, (None, None, None, None, None))
@@ -197,8 +201,19 @@ class TiktokenTokenizer(Tokenizer):
     def id_options(self) -> dict:
         return {**super().id_options(), **self._resolved}
 
-    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         return encode_ordinary_flat(self.enc, texts, self.num_threads)
+
+    def gigatoken_source(self) -> GigatokenSource:
+        """gigatoken's rank-file reader with the same split scheme and no special tokens (special-token
+        strings stay text, as in ``encode_ordinary``); other split patterns raise."""
+        import gigatoken
+
+        scheme = GIGATOKEN_SCHEMES.get(self._resolved["pattern"])
+        if scheme is None:
+            raise Unsupported("gigatoken has no pretokenizer for this split pattern")
+        model = gigatoken.Tokenizer.from_tiktoken(self.rank_path, pretokenizer=scheme, special_tokens={})
+        return GigatokenSource(model, list(self._resolved["special_tokens"]))
 
     def decode(self, ids) -> str:
         return decode_skipping(self.enc, ids, self._special_ids)

@@ -1,0 +1,154 @@
+"""The gigatoken backend: chosen by auto only after its self-check, same ids as the reference library on
+every document of the shared corpora, a self-check that fails where gigatoken differs, and a
+fingerprint/ids_key that does not depend on the backend."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+from tok_helpers import TOK, load_shared, needs_shared
+
+from tokenloom.errors import TokenloomError
+from tokenloom.tokenizers import load_tokenizer, use_backend
+from tokenloom.tokenizers.base import ids_key
+from tokenloom.tokenizers.gigatoken_engine import GigatokenEngine, probe_texts
+from tokenloom.tokenizers.sp import SentencePieceTokenizer
+
+pytestmark = needs_shared
+
+# the files auto is expected to run on gigatoken (Megatron's three families, and the rank file)
+GIGATOKEN_FILES = ["gpt2", "gpt2/gpt2.tiktoken", "gpt-neox-20b", "llama2", "qwen2"]
+
+
+@pytest.mark.parametrize("path", GIGATOKEN_FILES)
+def test_auto_picks_gigatoken_after_its_self_check(path):
+    tok = load_shared(path)
+    fp = tok.fingerprint()
+    assert (tok.backend, tok.engine, fp["backend"]) == ("gigatoken", "gigatoken", "gigatoken")
+    assert fp["backend_reason"].startswith("self-check passed")
+
+
+@pytest.mark.parametrize("corpus", ["tinyshakespeare", "wikitext-2"])
+@pytest.mark.parametrize("path", GIGATOKEN_FILES)
+def test_gigatoken_ids_identical_to_reference(corpora, path, corpus):
+    texts = corpora[corpus]
+    ref_ids, ref_lengths = load_shared(path, num_threads=1, backend="reference").encode_batch(texts)
+    for threads in (1, 2):  # one thread in workers, gigatoken's pool otherwise
+        ids, lengths = load_shared(path, num_threads=threads, backend="gigatoken").encode_batch(texts)
+        np.testing.assert_array_equal(lengths, ref_lengths)
+        np.testing.assert_array_equal(ids, ref_ids)
+
+
+@pytest.mark.parametrize("path", GIGATOKEN_FILES + ["llama3", "mistral-v3"])
+def test_fingerprint_and_ids_key_do_not_depend_on_the_backend(path):
+    ref, auto = load_shared(path, backend="reference"), load_shared(path)
+    assert ref.backend == "reference" and ref.fingerprint()["backend_reason"] == "reference backend requested"
+    assert ref.fingerprint()["digest"] == auto.fingerprint()["digest"]
+    assert ids_key(ref.fingerprint()) == ids_key(auto.fingerprint())
+    assert (ref.vocab_size, ref.eod, ref.bos, ref.pad) == (auto.vocab_size, auto.eod, auto.bos, auto.pad)
+
+
+def test_self_check_fails_where_gigatoken_differs(tmp_path):
+    """gigatoken ignores an added token's lstrip flag; HF tokenizers strips the spaces before it.
+    The self-check sees it: auto falls back (reason recorded), a forced gigatoken refuses."""
+    data = json.loads((TOK / "gpt-neox-20b" / "tokenizer.json").read_text(encoding="utf-8"))
+    for token in data["added_tokens"]:
+        token["lstrip"] = True
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    tok = load_tokenizer(path)
+    assert tok.backend == "reference" and tok.engine == "tokenizers"
+    assert tok.fingerprint()["backend_reason"].startswith("self-check failed: probe text")
+    with pytest.raises(TokenloomError, match="gigatoken cannot be used .* self-check failed"):
+        load_tokenizer(path, backend="gigatoken")
+
+
+def test_user_defined_pieces_fail_the_self_check():
+    """Mistral v3's user-defined [REFERENCE_DOC_n] pieces: sentencepiece keeps the dummy-prefix piece
+    before them, gigatoken does not; so auto keeps sentencepiece for that model."""
+    tok = load_shared("mistral-v3")
+    assert tok.backend == "reference" and tok.engine == "sentencepiece"
+    assert "self-check failed" in tok.backend_reason and "REFERENCE_DOC" in tok.backend_reason
+
+
+def test_sentencepiece_control_pieces_are_escaped(monkeypatch):
+    """gigatoken reads '<s>' in text as Llama 2's BOS, sentencepiece as text: without the escape
+    the self-check fails; with it, such texts go to sentencepiece and keep their place in a batch."""
+    texts = ["plain text", "a </s> b <s>", "", "more plain 日本 text", "<s>"]
+    ref = load_shared("llama2", num_threads=1, backend="reference")
+    tok = load_shared("llama2", num_threads=1)
+    assert tok.backend == "gigatoken"
+    for got, want in zip(tok.encode_batch(texts), ref.encode_batch(texts), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    original = SentencePieceTokenizer.gigatoken_source
+
+    def no_escapes(self):
+        source = original(self)
+        source.escapes = ()
+        return source
+
+    monkeypatch.setattr(SentencePieceTokenizer, "gigatoken_source", no_escapes)
+    unescaped = load_tokenizer(TOK / "llama2")
+    assert unescaped.backend == "reference" and "self-check failed" in unescaped.backend_reason
+    assert GigatokenEngine(no_escapes(ref)).encode(["<s>"], False)[0].tolist() == [ref.bos]
+
+
+def test_probes_reach_byte_fallback_and_specials():
+    """The probe texts exercise SentencePiece byte-fallback pieces (<0x..>, not valid UTF-8 alone) and
+    every special token given to them."""
+    ref = load_shared("llama2", num_threads=1, backend="reference")
+    ids, _ = ref.encode_batch(probe_texts(["<s>", "</s>"]))
+    assert any(ref.sp.is_byte(int(i)) for i in ids)
+    probes = probe_texts(["<|special_a|>", "<|special_b|>"])
+    assert any("<|special_a|>" in p and "<|special_b|>" not in p for p in probes)
+    assert probes == probe_texts(["<|special_a|>", "<|special_b|>"])  # seeded: the same check every load
+
+
+@pytest.mark.parametrize("path, kind, reason", [
+    (None, "byte", "gigatoken does not encode the byte kind"),
+    ("llama3", None, "gigatoken has no pretokenizer for this split pattern"),
+])
+def test_unsupported_falls_back_or_fails_forced(path, kind, reason):
+    where = None if path is None else TOK / path
+    tok = load_tokenizer(where, kind=kind)
+    assert tok.backend == "reference" and tok.backend_reason.startswith(reason)
+    with pytest.raises(TokenloomError, match=f"gigatoken cannot be used .*{reason}"):
+        load_tokenizer(where, kind=kind, backend="gigatoken")
+
+
+def test_wordpiece_is_not_gigatoken(wordpiece_vocab):
+    assert "does not encode the wordpiece kind" in load_tokenizer(wordpiece_vocab).backend_reason
+
+
+def test_missing_gigatoken_falls_back(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "gigatoken", None)  # import gigatoken -> ImportError
+    tok = load_tokenizer(TOK / "gpt-neox-20b")
+    assert tok.backend == "reference" and tok.backend_reason.startswith("gigatoken is not installed")
+
+
+def test_backend_travels_with_the_spec():
+    """A forced backend is part of the spec, so a pickled tokenizer (a preprocess worker) rebuilds it;
+    use_backend sets the default for tokenizers loaded inside the block only."""
+    with use_backend("reference"):
+        tok = load_tokenizer(TOK / "gpt-neox-20b")
+    assert tok.spec.backend == "reference" and tok.backend == "reference"
+    again = pickle.loads(pickle.dumps(tok))
+    assert again.backend == "reference" and again.spec == tok.spec
+    assert load_tokenizer(TOK / "gpt-neox-20b").backend == "gigatoken"
+    one = load_shared("gpt-neox-20b").single_threaded()
+    assert one.backend == "gigatoken" and one.num_threads == 1
+    with pytest.raises(TokenloomError, match="tokenizer backend must be one of"):
+        load_tokenizer(TOK / "gpt-neox-20b", backend="fastest")
+
+
+def test_cli_forced_gigatoken_that_cannot_load_is_one_line(tmp_path):
+    from tl_testing import run_cli
+
+    (tmp_path / "a.jsonl").write_text('{"text": "hi"}\n')
+    proc = run_cli("preprocess", "--input", tmp_path / "a.jsonl", "--output-prefix", tmp_path / "out",
+                   "--tokenizer-type", "byte", "--tokenizer-backend", "gigatoken", "--no-progress")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "gigatoken does not encode the byte kind" in proc.stderr
+    assert not (tmp_path / "out.bin").exists()

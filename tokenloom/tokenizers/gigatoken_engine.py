@@ -1,0 +1,187 @@
+"""gigatoken as the encoding engine, used only where a self-check on load proves it gives the reference ids.
+
+Backends (``--tokenizer-backend``, ``load_tokenizer(..., backend=)``, ``TokenizerSpec.backend``):
+
+* ``reference``: the library each kind is defined by (tokenizers, tiktoken, sentencepiece).
+* ``gigatoken``: gigatoken (a Rust byte-level BPE / SentencePiece-BPE encoder, ~4x tiktoken and
+  ~9x HF tokenizers on one core here) or a one-line error when it cannot load the file or its
+  self-check fails.
+* ``auto`` (default): gigatoken when it loads and passes the self-check, else the reference;
+  the choice and its reason go into ``fingerprint()["backend"]``/``["backend_reason"]`` and
+  so into every manifest. Neither is part of the digest or ``ids_key``: same ids, same key.
+
+The self-check encodes a few hundred probe texts on both engines and requires identical ids:
+whitespace runs, CJK, emoji and ZWJ sequences, combining marks, digits, control characters,
+rare characters that SentencePiece spells as byte-fallback pieces (each piece alone is not
+valid UTF-8), a 5000-letter word, every special/added token of this tokenizer in context, and
+seeded random mixtures of all of these. It is not a proof for every text -- the tests compare
+both engines on every document of the shared corpora and against Megatron's own outputs --
+but it catches a different split regex, normalizer, merge order or special-token policy on
+load, for the exact file being used (about 0.1 s).
+
+One policy difference is handled instead of refused: gigatoken matches a SentencePiece model's
+*control* pieces (Llama 2's ``<s>``, ``</s>``) written in the text as those tokens, while
+sentencepiece (and Megatron) spell them as text. Texts containing one (rare) are encoded by the
+reference engine, the rest by gigatoken; the self-check covers both paths. Differences that are
+not understood are refused, e.g. Mistral v3's user-defined ``[REFERENCE_DOC_n]`` pieces (at the
+start of a text sentencepiece keeps the dummy-prefix piece before them, gigatoken drops it): the
+self-check fails and ``auto`` keeps sentencepiece for that model.
+
+Threads: one thread when the tokenizer has ``num_threads=1`` (preprocess workers) or a single
+text, so a parent process never starts gigatoken's pool before forking; otherwise gigatoken's
+process-wide pool (all cores, or ``RAYON_NUM_THREADS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenloom.errors import TokenloomError
+
+BACKEND_CHOICES = ("auto", "reference", "gigatoken")
+_DEFAULT_BACKEND = contextvars.ContextVar("tokenloom_tokenizer_backend", default="auto")
+
+
+def check_backend(name: str) -> str:
+    if name not in BACKEND_CHOICES:
+        raise TokenloomError(f"tokenizer backend must be one of {', '.join(BACKEND_CHOICES)}, got {name!r}")
+    return name
+
+
+def default_backend() -> str:
+    """The backend ``load_tokenizer`` uses when none is given (``auto`` unless inside :func:`use_backend`)."""
+    return _DEFAULT_BACKEND.get()
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Within the block, tokenizers loaded without an explicit backend use ``name`` (the CLI's
+    ``--tokenizer-backend``). The choice is stored in each spec, so workers rebuild the same."""
+    token = _DEFAULT_BACKEND.set(check_backend(name))
+    try:
+        yield
+    finally:
+        _DEFAULT_BACKEND.reset(token)
+
+
+class Unsupported(Exception):
+    """Raised by ``Tokenizer.gigatoken_source`` for a tokenizer gigatoken cannot encode; the message is the reason."""
+
+
+@dataclass
+class GigatokenSource:
+    """What a tokenizer kind hands over: the loaded gigatoken model, the special/added token strings
+    to probe, and ``escapes``: strings gigatoken treats specially where the reference does not
+    (texts containing one go to the reference engine)."""
+
+    model: object
+    specials: list[str] = field(default_factory=list)
+    escapes: tuple[str, ...] = ()
+
+
+class GigatokenEngine:
+    def __init__(self, source: GigatokenSource):
+        self.model = source.model
+        # one regex scan per text however many escapes (Mistral v3 has 750 control pieces)
+        longest_first = sorted(source.escapes, key=len, reverse=True)
+        self.escapes = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+
+    def encode(self, texts: list[str], parallel: bool) -> tuple[np.ndarray, np.ndarray]:
+        import awkward as ak
+
+        rows = self.model.encode_batch(texts, parallel=parallel)
+        return (ak.to_numpy(ak.flatten(rows)).astype(np.int64),
+                ak.to_numpy(ak.num(rows)).astype(np.int64))
+
+    def encode_batch(self, texts: list[str], parallel: bool, reference) -> tuple[np.ndarray, np.ndarray]:
+        """Flat ids and lengths; texts holding an escape string are encoded by ``reference``."""
+        escaped = [i for i, t in enumerate(texts) if self.escapes.search(t)] if self.escapes else []
+        if not escaped:
+            return self.encode(texts, parallel)
+        mask = np.zeros(len(texts), dtype=bool)
+        mask[escaped] = True
+        parts = [self.encode([t for t, m in zip(texts, mask, strict=True) if not m], parallel),
+                 reference([texts[i] for i in escaped])]
+        lengths = np.empty(len(texts), dtype=np.int64)
+        lengths[~mask], lengths[mask] = parts[0][1], parts[1][1]
+        pieces = [np.split(ids, np.cumsum(lens)[:-1]) if len(lens) else [] for ids, lens in parts]
+        own, ref = iter(pieces[0]), iter(pieces[1])
+        ids = [next(ref) if m else next(own) for m in mask]
+        return (np.concatenate(ids) if ids else np.empty(0, np.int64)), lengths
+
+
+def probe_texts(specials: list[str], seed: int = 0) -> list[str]:
+    """Texts on which gigatoken must reproduce the reference ids (see the module docstring)."""
+    fixed = [
+        "", " ", "  ", "\n", "\n\n\n", "\t", " \t\n \r\n", "Hello world", " Hello  world ", "hello\tworld\n",
+        "a  b   c    d     e" + " " * 40 + "f", "trailing spaces   ", "   leading spaces", "line\r\nbreaks\rold mac",
+        "I'm you're they'll we've she'd it's DON'T", "12345678901234567890 3.14159 1,000,000 0x7fff 2024-01-31",
+        "日本語のテキストと中文文本 한국어 텍스트", "Ünïcödé façade naïve coöperate", "e\u0301 a\u0308 n\u0303 Z\u0351\u0352",
+        "👍🏽 👨‍👩‍👧‍👦 🏳️‍🌈 🇫🇷 🎉", "\u00a0nbsp\u2009thin\u3000ideographic\u200bzero-width\ufeffbom",
+        "\x00\x01\x07\x1b[0m ctrl \x7f", "𓀀𓀁 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ﬁﬂ \ue000\U0010fffd \ufffd",
+        "Ελληνικά русский עברית العربية हिन्दी ไทย", "<|endoftext|>", "a<|endoftext|>b", "<s> </s> <unk> <pad>",
+        "[CLS] [SEP] <|im_start|>user\nhi<|im_end|>", "x" * 5000, "supercalifragilisticexpialidocious " * 20,
+        "ab" * 700, "1" * 1000, " " * 1000, "\n" * 300, "def f(x):\n    return x  # comment\n\n\tpass\n",
+        "https://example.com/path?q=1&r=%20#frag user@example.org", "...!!!???---___***",
+    ]
+    texts = fixed + [f"{s}" for s in specials] + [f" {s} x{s}y\n{s}{s}  " for s in specials]
+    pool = list("abcdefXYZ0123456789 .,;:'\"!?-_()[]{}<>/\\|") + [" ", "  ", "\n", "\t", "\r\n", "   "]
+    pool += list("日本中文한글ÜéñçøßΩжש") + ["e\u0301", "a\u0308", "👍", "👍🏽", "🇫🇷", "𓀀", "\ue000", "\u200b", "\x00"]
+    pool += ["'s", "'ll", " the", "ing", "tion", "1234", "http://"] + list(specials[:64])
+    rng = random.Random(seed)
+    for _ in range(240):
+        texts.append("".join(rng.choice(pool) for _ in range(rng.randint(1, 120))))
+    return texts
+
+
+def self_check(reference, engine: GigatokenEngine, probes: list[str]) -> str | None:
+    """None when ``engine`` gives ``reference``'s ids on every probe text, else the first difference.
+    ``reference``: ``texts -> (ids, lengths)`` on the calling thread."""
+    want_ids, want_lens = reference(probes)
+    got_ids, got_lens = engine.encode_batch(probes, False, reference)
+    if np.array_equal(want_ids, got_ids) and np.array_equal(want_lens, got_lens):
+        return None
+    ends_w, ends_g = np.cumsum(want_lens), np.cumsum(got_lens)
+    for i, text in enumerate(probes):
+        w = want_ids[ends_w[i] - want_lens[i]: ends_w[i]]
+        g = got_ids[ends_g[i] - got_lens[i]: ends_g[i]]
+        if not np.array_equal(w, g):
+            return f"probe text {text[:40]!r} encodes to {g[:8].tolist()}... instead of {w[:8].tolist()}..."
+    return "ids differ"  # not reached: equal lengths and equal per-text ids mean equal arrays
+
+
+def select_backend(tok, requested: str) -> None:
+    """Attach gigatoken to ``tok`` when ``requested`` allows it and the self-check passes; record why."""
+    requested = check_backend(requested)
+    if requested == "reference":
+        tok.set_backend(None, "reference backend requested")
+        return
+    reference = tok.single_threaded().encode_batch_reference  # never starts a thread pool before a fork
+    try:
+        source = tok.gigatoken_source()
+        engine = GigatokenEngine(source)
+        probes = probe_texts(source.specials)
+        mismatch = self_check(reference, engine, probes)
+        reason = None if mismatch is None else f"self-check failed: {mismatch}"
+    except Unsupported as exc:
+        reason = str(exc)
+    except ImportError:
+        reason = "gigatoken is not installed"
+    except BaseException as exc:  # ValueError, OSError, Rust errors, and pyo3 panics (not Exceptions)
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise  # KeyboardInterrupt, SystemExit
+        reason = f"gigatoken cannot load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    if reason is None:
+        tok.set_backend(engine, f"self-check passed: {len(probes)} probe texts give the same ids as {tok.engine}")
+    elif requested == "gigatoken":
+        raise TokenloomError(f"tokenizer backend gigatoken cannot be used for {tok.spec.path or tok.kind}: {reason} "
+                             f"(use --tokenizer-backend auto or reference)")
+    else:
+        tok.set_backend(None, f"{reason}; using {tok.engine}")
