@@ -1,7 +1,12 @@
-"""Process-group setup from the launcher's environment (torchrun / our test harness).
+"""Process-group setup from the launcher's environment (torchrun, Slurm's srun, our tests).
 
 Reads the standard variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
-and ``MASTER_PORT``. The backend is NCCL when CUDA is available, gloo otherwise. The
+and ``MASTER_PORT``; where torchrun did not set them and the process is one task of a
+Slurm step (``srun -n N python cli.py train ...``, no torchrun), :func:`launch_env` derives
+them from ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``),
+``SLURM_LOCALID``, the first host of the step's node list and a port from the job and
+step ids (as Lightning and torchtitan's Slurm scripts do). Variables already set win, so
+torchrun started by srun (one task per node) keeps torchrun's ranks. The backend is NCCL when CUDA is available, gloo otherwise. The
 ``timeout_s`` is the collective timeout: a rank that dies or stalls makes the others
 raise after at most this long instead of hanging (gloo usually notices a closed peer
 socket much sooner). Keep it short in tests; in production NCCL runs it should cover
@@ -11,6 +16,8 @@ the slowest legitimate gap between collectives (checkpoint saves, evals).
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +40,38 @@ class DistInfo:
     device: torch.device
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: ``gpu[07-09,12],cpu1`` -> ``gpu07``.
+
+    Slurm's own expansion (``scontrol show hostnames``) is not on every compute node's
+    PATH and runs a process per rank; rank 0 runs on the first host, which is all we need.
+    """
+    item = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist.strip()).group(0)
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], item)
+
+
+def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` of this
+    process: torchrun's (or anyone's) where set, else derived from an srun step's Slurm
+    variables, else a single process (``WORLD_SIZE`` 1)."""
+    env = os.environ if environ is None else environ
+    out = {k: env[k] for k in (*_REQUIRED, "LOCAL_RANK") if k in env}
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    if "RANK" not in env and "SLURM_PROCID" in env and tasks and int(tasks) > 1:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodes and "MASTER_ADDR" not in env:
+            raise TokenloomError("a Slurm task without a node list (SLURM_STEP_NODELIST); set MASTER_ADDR "
+                                 "to rank 0's host")
+        step = int(env.get("SLURM_STEP_ID", "0")) if env.get("SLURM_STEP_ID", "0").isdigit() else 0
+        out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": tasks, "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+               "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes),
+               "MASTER_PORT": env.get("MASTER_PORT") or str(15000 + (int(env.get("SLURM_JOB_ID", "0")) + step) % 20000)}
+    out.setdefault("WORLD_SIZE", "1")
+    out.setdefault("RANK", "0")
+    out.setdefault("LOCAL_RANK", "0")
+    return out
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
     """Initialise the default process group from env vars and return :class:`DistInfo`.
 
@@ -42,7 +81,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistI
     """
     if dist.is_initialized():
         return _describe(dist.get_backend())
-    missing = [k for k in _REQUIRED if k not in os.environ]
+    env = launch_env()
+    os.environ.update(env)  # env:// reads them (no-op under torchrun; srun's derived values)
+    missing = [k for k in _REQUIRED if k not in env]
     if missing:
         raise TokenloomError(
             f"distributed launch variables missing: {', '.join(missing)}; "
@@ -53,18 +94,18 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistI
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise TokenloomError("backend 'nccl' needs CUDA, but no CUDA device is visible; use 'gloo'")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(env["LOCAL_RANK"]))
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        init_method="env://",  # torchrun's agent store is reused only through env://
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
         timeout=timedelta(seconds=timeout_s),
     )
     return _describe(backend)
 
 
 def _describe(backend: str) -> DistInfo:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(launch_env()["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)

@@ -14,7 +14,6 @@ autocast, host memory and garbage collection. Every layout uses the same pieces.
 from __future__ import annotations
 
 import gc
-import os
 import random
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -41,9 +40,9 @@ class World:
 def join_world(dist_timeout_s: float) -> World:
     """Join the launch described by the environment (torchrun / Slurm), or run alone on
     ``cuda:0`` when CUDA is available, else the CPU."""
-    from tokenloom.train.dist import init_from_env
+    from tokenloom.train.dist import init_from_env, launch_env
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized():
+    if int(launch_env()["WORLD_SIZE"]) > 1 or dist.is_initialized():
         owns = not dist.is_initialized()
         info = init_from_env(timeout_s=dist_timeout_s)
         return World(info.rank, info.world_size, info.device, owns)
