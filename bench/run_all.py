@@ -1,6 +1,7 @@
 """Run every ``bench/*_bench.py`` as a subprocess and write ``bench/RESULTS.md``.
 
     .venv/bin/python bench/run_all.py [--full] [--only NAME ...] [--out bench/RESULTS.md]
+    .venv/bin/python bench/run_all.py --gpu      # on a CUDA machine: only the GPU rows
 
 Each script runs in its own process (no shared torch threads, caches or allocator state
 between benches) with reduced sizes (``SMALL_ARGS``) so the suite takes ~10 minutes
@@ -11,6 +12,11 @@ timed-out script gets its exit status and the tail of its output in RESULTS.md i
 of a table, and the suite goes on. The trade-off of the small sizes: fixed costs
 (process start, compile, pool start-up) weigh more, so ratios are pessimistic for
 tokenloom where it amortises start-up (preprocess, blend).
+
+The GPU rows (``--gpu``, what ``scripts/gpu-check.sh`` runs) are a bf16 run of a
+~1B-parameter GPT (``GPU_ARGS``): tokens/s and MFU of our loop against the plain eager
+loop. They live between ``GPU_BEGIN`` and ``GPU_END`` in RESULTS.md; ``--gpu`` rewrites
+only that block and a CPU run keeps the block it finds, so neither erases the other.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ SMALL_ARGS: dict[str, list[str]] = {
     "kernels_bench": ["--steps", "5", "--rounds", "2"],
 }
 TIMEOUT_S = 420
+# ~1.0 B parameters: 16 layers x d_model 2048 (0.81 B) + 50304 x 2048 tied embedding (0.10 B)
+GPU_ARGS: dict[str, list[str]] = {
+    "train_bench": ["--d-model", "2048", "--n-layers", "16", "--n-heads", "16", "--vocab", "50304",
+                    "--seq-len", "2048", "--micro", "4", "--iters", "10", "--skip", "4", "--rounds", "2"],
+}
+GPU_BEGIN, GPU_END = "<!-- gpu-rows -->", "<!-- /gpu-rows -->"
 
 
 def _version(dist: str) -> str:
@@ -90,15 +102,22 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="each script's default sizes")
     parser.add_argument("--only", nargs="*", help="bench names (e.g. kernels_bench)")
     parser.add_argument("--out", default=str(BENCH / "RESULTS.md"))
+    parser.add_argument("--gpu", action="store_true", help="run only the GPU rows (needs CUDA) and rewrite only them")
     args = parser.parse_args()
 
     scripts = sorted(BENCH.glob("*_bench.py"))
-    if args.only:
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("run_all.py --gpu: no CUDA device visible")
+        scripts = [BENCH / f"{name}.py" for name in GPU_ARGS]
+    elif args.only:
         scripts = [s for s in scripts if s.stem in args.only]
     started = datetime.datetime.now(datetime.timezone.utc)
     sections: list[str] = []
     for script in scripts:
-        extra = [] if args.full else SMALL_ARGS.get(script.stem, [])
+        extra = GPU_ARGS[script.stem] if args.gpu else [] if args.full else SMALL_ARGS.get(script.stem, [])
         cmd = [sys.executable, str(script), *extra]
         print(f"== {script.name} {' '.join(extra)}", flush=True)
         with tempfile.NamedTemporaryFile("r", suffix=".md", delete=False) as tables:
@@ -106,7 +125,8 @@ def main() -> None:
                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
             t0 = time.perf_counter()
             try:
-                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                      timeout=TIMEOUT_S * (3 if args.gpu else 1))
                 rc, output = proc.returncode, proc.stdout + proc.stderr
             except subprocess.TimeoutExpired as e:
                 rc = "timeout"
@@ -121,7 +141,18 @@ def main() -> None:
             body += f"**failed** (exit {rc}); last lines:\n\n```\n{tail}\n```\n\n"
         sections.append(head + body)
 
+    out = Path(args.out)
+    old = out.read_text() if out.exists() else ""
+    kept_gpu = old[old.index(GPU_BEGIN):old.index(GPU_END) + len(GPU_END)] if GPU_END in old else ""
+    if args.gpu:
+        block = "\n".join([GPU_BEGIN, f"GPU rows: `bench/run_all.py --gpu` on {started:%Y-%m-%d %H:%M} UTC",
+                           "", *machine(), "", *sections, GPU_END])
+        text = old.replace(kept_gpu, block) if kept_gpu else old.rstrip() + "\n\n" + block
+        out.write_text(text.rstrip() + "\n")
+        print(f"wrote the GPU rows of {args.out}")
+        return
     sizes = "each script's default sizes (--full)" if args.full else "reduced sizes (bench/run_all.py SMALL_ARGS)"
+    gpu_block = kept_gpu or f"{GPU_BEGIN}\nGPU rows: not yet run (`bash scripts/gpu-check.sh` on a CUDA machine)\n{GPU_END}"
     text = "\n".join([
         "# Benchmark results",
         "",
@@ -132,11 +163,11 @@ def main() -> None:
         "",
         *machine(),
         "",
-        "GPU rows: not yet run (no GPU available)" if "GPU: none" in "\n".join(machine()) else "",
+        gpu_block,
         "",
         *sections,
     ])
-    Path(args.out).write_text(text.rstrip() + "\n")
+    out.write_text(text.rstrip() + "\n")
     print(f"wrote {args.out}")
 
 

@@ -1,6 +1,7 @@
 """Tokens/s of our training loop vs a plain single-process eager loop of the same GPT.
 
     .venv/bin/python bench/train_bench.py [--iters 13] [--skip 3] [--rounds 8] [--d-model 256]
+        [--n-layers 4] [--n-heads 4] [--vocab 4096] [--sides ours,base,...]
 
 Ours is tokenloom's training loop (``loop.start_run(cfg).steps()``, what ``run`` drives)
 on mock data, with the defaults a ``train`` run has: DataLoader over GPTSamples, lr
@@ -8,8 +9,11 @@ schedule, grad clipping, metrics JSONL every 10 steps, one checkpoint at the end
 evaluation, manual GC (``gc_interval``) and, on CPU, glibc malloc keeping freed memory
 for the next step (``keep_freed_memory``, tokenloom.train.host_alloc). The baseline is
 the nanoGPT-style loop: batches pre-built in memory, forward, backward, clip, AdamW,
-with Python's and malloc's defaults. Both use the same model config and seed, batch,
-optimizer groups and precision (fp32 on CPU, bf16 autocast on GPU).
+with Python's GC defaults. Both use the same model config and seed, batch, optimizer
+groups, precision (fp32 on CPU, bf16 autocast on GPU) and, on CPU, the same malloc
+setting (``keep_freed_memory``: it is a process setting any loop can make, so giving it
+to one side only would measure malloc, not the loop); two more sides run both with
+malloc's defaults, for information.
 
 Each loop runs in its own process, as it would in real use (GC and malloc settings are
 per process), and the processes take turns one optimizer step at a time (ours,
@@ -20,7 +24,9 @@ between runs). Each side reports its median step over all rounds; each round sta
 fresh processes, because one model instance can be 4-5% faster or slower than another
 (measured: six instances of the same model, same seed, interleaved in one process),
 and many rounds average that out. Target: ratio >= 1.0.
-MFU is printed when the device's peak FLOP/s is known (GPUs in the metrics table).
+MFU is printed when the device's peak FLOP/s is known (GPUs in the metrics table). On a
+GPU only ``ours`` and ``base`` run by default (two ~1B-parameter models fit one 80 GB
+device; ``scripts/gpu-check.sh`` runs that size through ``bench/run_all.py --gpu``).
 """
 
 from __future__ import annotations
@@ -45,11 +51,12 @@ from tokenloom.train.loop import start_run  # noqa: E402
 from tokenloom.train.metrics import peak_flops  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 from tokenloom.train.optim import OptimConfig, build_optimizer  # noqa: E402
+from tokenloom.train.runtime import tune_host_memory  # noqa: E402
 
 
 def model_config(args) -> GPTConfig:
-    return GPTConfig(vocab_size=4096, make_vocab_size_divisible_by=128, seq_len=args.seq_len, n_layers=4,
-                     n_heads=4, d_model=args.d_model)
+    return GPTConfig(vocab_size=args.vocab, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
+                     n_layers=args.n_layers, n_heads=args.n_heads, d_model=args.d_model)
 
 
 def our_steps(args, out: Path, keep_freed_memory: bool = True):
@@ -71,7 +78,7 @@ def baseline_steps(args, device: torch.device, fused: bool = False):
     model = GPT(model_config(args)).to(device)
     opt = build_optimizer(model, OptimConfig(lr=3e-4, fused=None if fused else False))
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 4096, (args.iters, args.micro, args.seq_len + 1), generator=g).to(device)
+    data = torch.randint(0, args.vocab, (args.iters, args.micro, args.seq_len + 1), generator=g).to(device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
     for it in range(args.iters):
@@ -88,9 +95,11 @@ def baseline_steps(args, device: torch.device, fused: bool = False):
 def _loop_process(name: str, args, out: str, conn) -> None:
     """One loop in its own process: a step per message, answering with the step's seconds."""
     device = _device()
+    malloc_default = name.endswith("_malloc_default")
     if name.startswith("ours"):
-        steps = our_steps(args, Path(out), keep_freed_memory=name == "ours")
+        steps = our_steps(args, Path(out), keep_freed_memory=not malloc_default)
     else:
+        tune_host_memory(not malloc_default, device)
         steps = baseline_steps(args, device, fused=name == "fused")
     while conn.recv():
         start = time.perf_counter()
@@ -100,6 +109,9 @@ def _loop_process(name: str, args, out: str, conn) -> None:
         conn.send(time.perf_counter() - start)
     next(steps, None)  # lets our run finish (metrics closed)
     conn.send(None)
+
+
+SIDES = ("ours", "base", "fused", "ours_malloc_default", "base_malloc_default")
 
 
 def _device() -> torch.device:
@@ -114,10 +126,17 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--n-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--sides", help="comma-separated subset of " + ",".join(SIDES) + " (default: all on CPU, "
+                        "ours,base on a GPU)")
     args = parser.parse_args()
     device = _device()
     ctx = mp.get_context("spawn")
-    names = ("ours", "base", "fused", "ours_malloc_default")
+    names = tuple(args.sides.split(",")) if args.sides else SIDES if device.type == "cpu" else ("ours", "base")
+    if not {"ours", "base"} <= set(names) or not set(names) <= set(SIDES):
+        raise SystemExit(f"--sides must include ours and base, from {','.join(SIDES)}")
     times: dict[str, list[float]] = {name: [] for name in names}
     round_ratios: list[float] = []  # per round: base median step / ours median step
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,20 +166,27 @@ def main() -> None:
                 times[name].extend(ts)
             round_ratios.append(statistics.median(this_round["base"]) / statistics.median(this_round["ours"]))
     tokens = args.micro * args.seq_len
-    tps_ours, tps_base, tps_fused, tps_plain_malloc = (tokens / statistics.median(times[k]) for k in names)
-    model = GPT(model_config(args))
-    rows = [("tokens/s (target >= 1.0)", f"{tps_ours:,.0f}", f"{tps_base:,.0f}", f"{tps_ours / tps_base:.3f}x"),
-            ("tokens/s, baseline also with fused AdamW", f"{tps_ours:,.0f}", f"{tps_fused:,.0f}",
-             f"{tps_ours / tps_fused:.3f}x"),
-            ("for information: ours with keep_freed_memory off (malloc defaults)", f"{tps_plain_malloc:,.0f}",
-             f"{tps_base:,.0f}", f"{tps_plain_malloc / tps_base:.3f}x"),
-            ("for information: tokens/s ratio per round, min / median / max", "", "",
-             " / ".join(f"{v:.3f}" for v in (min(round_ratios), statistics.median(round_ratios), max(round_ratios))))]
+    tps = {k: tokens / statistics.median(times[k]) for k in names}
+    with torch.device("meta"):
+        model = GPT(model_config(args))
+
+    def row(what: str, ours: str, base: str) -> tuple[str, str, str, str]:
+        return what, f"{tps[ours]:,.0f}", f"{tps[base]:,.0f}", f"{tps[ours] / tps[base]:.3f}x"
+
+    rows = [row("tokens/s (target >= 1.0)", "ours", "base")]
+    if "fused" in tps:
+        rows.append(row("tokens/s, baseline also with fused AdamW", "ours", "fused"))
+    if "ours_malloc_default" in tps and "base_malloc_default" in tps:
+        rows.append(row("for information: both with malloc's defaults (no keep_freed_memory)",
+                        "ours_malloc_default", "base_malloc_default"))
+    rows.append(("for information: tokens/s ratio per round, min / median / max", "", "",
+                 " / ".join(f"{v:.3f}" for v in (min(round_ratios), statistics.median(round_ratios),
+                                                 max(round_ratios)))))
     peak = peak_flops(device)
     if peak:
         fpt = model.flops_per_token()
-        rows.append(("MFU", f"{fpt * tps_ours / peak:.1%}", f"{fpt * tps_base / peak:.1%}",
-                     f"{tps_ours / tps_base:.3f}x"))
+        rows.append(("MFU", f"{fpt * tps['ours'] / peak:.1%}", f"{fpt * tps['base'] / peak:.1%}",
+                     f"{tps['ours'] / tps['base']:.3f}x"))
     else:
         rows.append(("MFU", "n/a", "n/a", f"no known peak FLOP/s for {device.type}"))
     print_table(f"training loop: tokenloom run() vs plain eager loop, {device.type} ({torch.get_num_threads()} "

@@ -68,3 +68,26 @@ def test_layout_through_the_cli_equals_one_process(tmp_path, reference, name):
     assert sorted(params) == sorted(ref_params)
     assert max((params[n] - t).abs().max().item() for n, t in ref_params.items()) < TOL
     assert all(torch.isfinite(t).all() for t in params.values())
+
+
+# On CUDA (scripts/gpu-check.sh): every layout on NCCL, one GPU per rank, fp32 (bf16 would
+# hide a wrong reduction inside its rounding), against the one-process run on one GPU.
+GPU_LAYOUTS = {
+    "dp2": (2, []), "tp2": (2, ["--tp", "2"]), "tp2_sp": (2, ["--tp", "2", "--set", "sp=true"]),
+    "pp2": (2, ["--pp", "2"]), "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]), "dp2_zero1": (2, ["--zero1"]),
+    "dp2_tp2": (4, ["--tp", "2"]), "dp2_pp2": (4, ["--pp", "2"]),
+}
+GPU_TOL = 1e-4  # NCCL's reduction order differs from one process's sums
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_LAYOUTS))
+def test_layout_on_nccl_equals_one_gpu(tmp_path, name):
+    ranks, flags = GPU_LAYOUTS[name]
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs a CUDA device per rank ({ranks}); {torch.cuda.device_count()} visible")
+    fp32 = ["--set", "precision=fp32"]
+    ref = read_losses(train(tmp_path, "one_gpu", None, fp32) / "metrics.jsonl")
+    losses = read_losses(train(tmp_path, name, ranks, [*flags, *fp32]) / "metrics.jsonl")
+    assert len(losses) == len(ref) == 20
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < GPU_TOL
