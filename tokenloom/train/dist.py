@@ -72,6 +72,14 @@ def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+def cuda_index(local_rank: int) -> int:
+    """This rank's GPU among the visible ones: ``LOCAL_RANK``, or ``LOCAL_RANK`` modulo the
+    count when the launcher already narrowed ``CUDA_VISIBLE_DEVICES`` per task (``srun
+    --gpus-per-task 1`` leaves each task one device, ``cuda:0``, whatever its local rank)."""
+    count = torch.cuda.device_count()
+    return local_rank % count if count and local_rank >= count else local_rank
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
     """Initialise the default process group from env vars and return :class:`DistInfo`.
 
@@ -94,7 +102,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistI
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise TokenloomError("backend 'nccl' needs CUDA, but no CUDA device is visible; use 'gloo'")
-        torch.cuda.set_device(int(env["LOCAL_RANK"]))
+        torch.cuda.set_device(cuda_index(int(env["LOCAL_RANK"])))
     dist.init_process_group(
         backend=backend,
         init_method="env://",  # torchrun's agent store is reused only through env://
@@ -107,5 +115,5 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistI
 
 def _describe(backend: str) -> DistInfo:
     local_rank = int(launch_env()["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", cuda_index(local_rank)) if backend == "nccl" else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
