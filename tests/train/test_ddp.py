@@ -7,7 +7,7 @@ conftest.py) to keep the multi-process cost to one start-up per world size.
 from __future__ import annotations
 
 import pytest
-from _dist_worker import CONFIGS  # test-local helper module (tests/train is on sys.path)
+from _dist_worker import CONFIGS, tiny_gpt  # test-local helper module (tests/train is on sys.path)
 
 TOL = 1e-6
 pytestmark = pytest.mark.slow  # multi-process: one interpreter start-up per rank
@@ -37,8 +37,24 @@ def test_rebuilt_buckets_match_torch(suite_results):
 
 
 def test_custom_first_bucket_cap(suite_results):
-    r = suite_results[0]["gpt2_untied_sgd_accum_set_to_none_small_buckets"]
-    assert r["num_buckets"] > 4  # 0.002 MiB first bucket, 0.01 MiB after
+    """Torch's rule, applied by hand to the grad-ready order we ended with: parameters join
+    the open bucket, which closes once it holds >= its cap (0.002 MiB for the first bucket,
+    0.01 MiB for every later one)."""
+    name = "gpt2_untied_sgd_accum_set_to_none_small_buckets"
+    r = suite_results[0][name]
+    nbytes = [p.numel() * p.element_size() for p in tiny_gpt(**CONFIGS[name][0]).parameters()]
+    order = [i for bucket in r["our_bucket_indices"] for i in bucket]
+    assert sorted(order) == list(range(len(nbytes)))
+    expected, current, cap = [], [], 0.002 * 2**20
+    for i in order:
+        current.append(i)
+        if sum(nbytes[j] for j in current) >= cap:
+            expected.append(current)
+            current, cap = [], 0.01 * 2**20
+    expected += [current] if current else []
+    assert r["our_bucket_indices"] == expected
+    assert r["our_bucket_sizes"] == [sum(nbytes[j] for j in b) for b in expected]
+    assert len(expected) > 4
 
 
 def test_shape_mismatch_reported_on_every_rank(suite_results):

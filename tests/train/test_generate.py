@@ -36,6 +36,34 @@ def test_same_seed_same_text(trained):
     assert generate(GenerateConfig(seed=1, **greedy)) == generate(GenerateConfig(seed=2, **greedy))
 
 
+def test_greedy_text_is_the_models_argmax_continuation(trained):
+    """Greedy text equals a decode written here from the checkpoint's raw tensors (argmax of
+    the last position's logits over the real vocabulary, 12 times), and top_k=1 sampling at
+    any temperature or seed equals greedy (only one token can be drawn)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from tokenloom.tokenizers import load_tokenizer
+    from tokenloom.train.model import GPT
+
+    path = Path(trained)
+    stored = json.loads((path / "state.json").read_text())["config"]["model"]
+    model = GPT(GPTConfig(**{k: v for k, v in stored.items() if k in GPTConfig.__dataclass_fields__}))
+    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+    model.eval()
+    tok = load_tokenizer(kind="byte")
+    ids = list(tok.encode("ab"))
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids[-32:]]))[0, -1, :259].argmax()))
+    expected = "ab" + tok.decode(ids[2:])
+    greedy = dict(checkpoint=trained, prompt="ab", max_new_tokens=12, stop_at_eod=False)
+    assert generate(GenerateConfig(temperature=0.0, **greedy)) == expected
+    assert generate(GenerateConfig(temperature=1.7, top_k=1, seed=9, **greedy)) == expected
+
+
 def test_checkpoint_root_and_errors(trained, tmp_path):
     from pathlib import Path
 

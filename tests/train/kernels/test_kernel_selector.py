@@ -21,15 +21,34 @@ def test_reference_mode_exposes_every_op():
 
 
 def test_reference_mode_runs_a_tiny_block():
+    """The ops the reference mode hands out, chained as a block, equal the same block
+    written with torch's own functions and RoPE as a complex rotation (derived by hand:
+    the pair (x_i, x_{i+d/2}) at position t turns by t * 10000^(-2i/d))."""
+    torch.manual_seed(0)
     k = select_kernels("reference", "cpu")
-    x = torch.randn(2, 6, 16)
-    cos, sin = rope_cache(6, 4)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    w_norm, w_out, targets = torch.rand(16, dtype=torch.float64) + 0.5, torch.randn(10, 16, dtype=torch.float64), \
+        torch.randint(0, 10, (2, 6))
+    cos, sin = (t.double() for t in rope_cache(6, 4))
     q = k.rope(x.view(2, 6, 4, 4).transpose(1, 2), cos, sin)
     y = k.attention(q, q, q).transpose(1, 2).reshape(2, 6, 16)
     y = k.bias_dropout_add(y, None, x, 0.0, False)
-    h = k.swiglu(k.rms_norm(y, torch.ones(16)), y)
-    loss = k.cross_entropy(k.layer_norm(h, torch.ones(16)), torch.randn(10, 16), torch.randint(0, 10, (2, 6)))
-    assert torch.isfinite(loss)
+    h = k.swiglu(k.rms_norm(y, w_norm), y)
+    loss = k.cross_entropy(k.layer_norm(h, w_norm), w_out, targets)
+
+    heads = x.view(2, 6, 4, 2, 2).transpose(1, 2)  # [b, h, t, which half, i]
+    pairs = torch.complex(heads[..., 0, :], heads[..., 1, :])  # x_i + i * x_{i+d/2}, i = 0, 1
+    angles = torch.arange(6, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(2, dtype=torch.float64) / 2)
+    turned = pairs * torch.polar(torch.ones_like(angles), angles)
+    q_hand = torch.cat([turned.real, turned.imag], dim=-1)
+    y_hand = torch.nn.functional.scaled_dot_product_attention(q_hand, q_hand, q_hand, is_causal=True)
+    y_hand = y_hand.transpose(1, 2).reshape(2, 6, 16) + x
+    normed = y_hand * torch.rsqrt(y_hand.pow(2).mean(-1, keepdim=True) + 1e-5) * w_norm
+    h_hand = torch.nn.functional.silu(normed) * y_hand
+    logits = torch.nn.functional.layer_norm(h_hand, (16,), w_norm, eps=1e-5) @ w_out.T
+    loss_hand = torch.nn.functional.cross_entropy(logits.view(-1, 10), targets.view(-1))
+    torch.testing.assert_close(q, q_hand)
+    torch.testing.assert_close(loss, loss_hand)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rule")
