@@ -34,11 +34,12 @@ def test_compiled_matches_reference(op_case, dtype):
     assert kernels.sources[op_case.op] == "compiled"
     with force_compiled():  # these shapes are small: the compiled kernels would not be used
         out, grads = op_case.run(getattr(kernels, op_case.op), dtype)
-    ref_out, ref_grads = op_case.run(op_case.reference, dtype)
-    assert out.dtype == ref_out.dtype
-    torch.testing.assert_close(out, ref_out, **TOL[dtype])
-    for got, want in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, want, **TOL[dtype])
+    for truth in (op_case.reference, op_case.independent):
+        ref_out, ref_grads = op_case.run(truth, dtype)
+        assert out.dtype == ref_out.dtype
+        torch.testing.assert_close(out, ref_out, **TOL[dtype])
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 def test_compiled_dropout_drops_and_rescales():
