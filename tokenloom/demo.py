@@ -100,7 +100,7 @@ def _train_config(cfg: DemoConfig, out: Path, tok, prefixes: list[tuple[float, s
     return TrainConfig(
         model=GPTConfig(arch="gpt2", vocab_size=tok.vocab_size, seq_len=128, n_layers=4, n_heads=4, d_model=128),
         data=DataConfig(blend=BlendDataConfig(prefixes=prefixes, split="95,5,0", cache_dir=str(out / "cache"))),
-        optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_iters=30, weight_decay=0.1),
+        optim=OptimConfig(lr=2e-3, min_lr=2e-4, warmup_iters=min(30, max(1, cfg.train_iters // 10)), weight_decay=0.1),
         micro_batch_size=8, global_batch_size=16 * cfg.nproc, train_iters=cfg.train_iters,
         eval_interval=max(1, cfg.train_iters // 6), eval_iters=4, log_interval=max(1, cfg.train_iters // 6),
         save_interval=cfg.train_iters, output_dir=str(out / "run"), tokenizer=str(out / "tokenizer"),
