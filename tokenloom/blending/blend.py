@@ -177,6 +177,11 @@ class BlendedDataset:
         d, k = self.locate(i)
         return self.datasets[d][k]
 
+    def documents_of(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample i and its document piece lengths (:meth:`GPTDataset.documents_of`)."""
+        d, k = self.locate(i)
+        return self.datasets[d].documents_of(k)
+
     def __repr__(self) -> str:
         drawn = np.bincount(self.dataset_index, minlength=len(self.datasets))
         lines = [f"BlendedDataset({self.split.name}, {len(self)} samples, {len(self.datasets)} sources)"]

@@ -239,8 +239,18 @@ class GPTDataset:
         """Sample k (in shuffled order): ``seq_length + x`` tokens as int64, padded with pad_id if partial."""
         return self.read(int(self.indices.shuffle_index[k]))
 
+    def documents_of(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample k and the lengths of the document pieces it is made of, in order (a padded
+        tail counts as one more piece): what document-isolated attention needs."""
+        parts = self.read_parts(int(self.indices.shuffle_index[k]))
+        return np.concatenate(parts, dtype=np.int64), np.array([len(p) for p in parts], dtype=np.int64)
+
     def read(self, j: int) -> np.ndarray:
         """Unshuffled sample j: the tokens between sample_index rows j and j + 1 (+ x)."""
+        return np.concatenate(self.read_parts(j), dtype=np.int64)
+
+    def read_parts(self, j: int) -> list[np.ndarray]:
+        """Unshuffled sample j as its document pieces (and a pad piece if it is partial)."""
         extra = int(self.config.add_extra_token)
         # One slice and one tolist() per array: element-wise indexing of mapped arrays
         # costs about a microsecond per access, which dominates short samples.
@@ -257,4 +267,4 @@ class GPTDataset:
         have = sum(len(part) for part in parts)
         if have < want:
             parts.append(np.full(want - have, self.config.pad_id, dtype=np.int64))
-        return np.concatenate(parts, dtype=np.int64)
+        return [part for part in parts if len(part)]

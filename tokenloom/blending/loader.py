@@ -20,6 +20,13 @@ the same samples in the same order.
 Each sample of ``seq_length + 1`` tokens becomes ``tokens = s[:-1]``, ``labels = s[1:]``,
 a float ``loss_mask`` (0 on padding, and on EOD inputs when ``eod_mask_loss``) and
 ``position_ids`` (restarting after every EOD when ``reset_position_ids``).
+
+With ``inter_document_masking`` (megatron-core's option of that name) a sample also
+carries ``cu_seqlens``: int32, ``seq_length + 1`` entries, the starts of the documents
+within the sample's inputs followed by ``seq_length`` (and padded with it), taken from
+the document pieces the sample was cut from, not from EOD ids (data without EOD works);
+``max_seqlen``, the longest piece; and position ids that restart at every piece. A
+padded tail of a partial sample is a piece of its own.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ class SampleConfig:
     """Do not train on predicting what follows an EOD token (Megatron's --eod-mask-loss)."""
     reset_position_ids: bool = False
     """Restart position ids after each EOD, so packed documents each start at position 0."""
+    inter_document_masking: bool = False
+    """Add ``cu_seqlens`` / ``max_seqlen`` (document boundaries within the sample) and restart
+    position ids at each document (megatron-core's ``inter_document_masking``)."""
 
 
 class GPTSamples:
@@ -63,7 +73,11 @@ class GPTSamples:
         return len(self.dataset)
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
-        sample = np.array(self.dataset[k], dtype=np.int64)  # a private copy: tokens/labels are views of it
+        if self.cfg.inter_document_masking:
+            sample, pieces = self.dataset.documents_of(k)
+            sample = np.array(sample, dtype=np.int64)
+        else:
+            sample = np.array(self.dataset[k], dtype=np.int64)  # a private copy: tokens/labels are views of it
         tokens, labels = sample[:-1], sample[1:]
         loss_mask = np.ones(len(tokens), dtype=np.float32)
         padded = sample == self.cfg.pad_id
@@ -82,7 +96,23 @@ class GPTSamples:
                 after = after[after < len(tokens)]
                 starts[after] = after
                 positions = positions - np.maximum.accumulate(starts)
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+        out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+        if self.cfg.inter_document_masking:
+            out.update(document_boundaries(pieces, len(tokens)))
+        return out
+
+
+def document_boundaries(pieces: np.ndarray, seq_length: int) -> dict[str, np.ndarray]:
+    """``cu_seqlens`` (int32, ``seq_length + 1`` entries padded with ``seq_length``),
+    ``max_seqlen`` and restarting ``position_ids`` of inputs cut from pieces of these lengths
+    (their sum is ``seq_length`` plus the extra label token)."""
+    ends = np.cumsum(pieces)
+    starts = np.concatenate([[0], ends[ends < seq_length], [seq_length]]).astype(np.int64)
+    cu_seqlens = np.full(seq_length + 1, seq_length, dtype=np.int32)
+    cu_seqlens[: len(starts)] = starts
+    lengths = np.diff(starts)
+    positions = np.arange(seq_length, dtype=np.int64) - np.repeat(starts[:-1], lengths)
+    return {"cu_seqlens": cu_seqlens, "max_seqlen": np.int32(lengths.max()), "position_ids": positions}
 
 
 class ConsumedSamplesSampler:
