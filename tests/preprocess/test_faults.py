@@ -10,6 +10,7 @@ steps. Every test then reruns the same command and compares bytes with an uninte
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from tl_testing import shared_data_dir
 
 from tokenloom.cli import main
 from tokenloom.indexed import format as indexed_format
-from tokenloom.preprocess import commit, pipeline
+from tokenloom.preprocess import pipeline
 
 
 def _corpus(path: Path, n: int, seed: int = 0, words: int = 300) -> Path:
@@ -175,9 +176,23 @@ def _estimate_and_real(tmp_path, inputs, **kw) -> tuple[int, int]:
     return estimate, sum(Path(f"{out}{ext}").stat().st_size for ext in (".bin", ".idx"))
 
 
-def test_space_estimate_is_within_1_2x_of_the_output(tmp_path):
-    files = [_corpus(tmp_path / f"c{i}.jsonl", 300 + 200 * i, seed=i) for i in range(3)]
+@pytest.mark.parametrize("compress", [None, "gz", "zst"])
+def test_space_estimate_is_within_1_2x_of_the_output(tmp_path, compress):
+    files = []
+    for i in range(3):
+        plain = _corpus(tmp_path / f"c{i}.jsonl", 300 + 200 * i, seed=i)
+        docs = [json.loads(line) for line in plain.read_text().splitlines()]
+        files.append(write_jsonl(tmp_path / f"c{i}.jsonl{'.' + compress if compress else ''}", docs, compress))
     estimate, real = _estimate_and_real(tmp_path, files, tokenizer_type="byte", append_eod=True)
+    assert real / 1.2 <= estimate <= real * 1.2, (estimate, real)
+
+
+def test_space_estimate_of_a_compressed_file_larger_than_the_decompressors_read(tmp_path):
+    plain = _corpus(tmp_path / "big.jsonl", 12000, words=400)  # ~14 MB of text, > 1 MiB compressed
+    docs = [json.loads(line) for line in plain.read_text().splitlines()]
+    big = write_jsonl(tmp_path / "big.jsonl.zst", docs, "zst")
+    assert big.stat().st_size > 2 << 20
+    estimate, real = _estimate_and_real(tmp_path, [big], tokenizer_type="byte")
     assert real / 1.2 <= estimate <= real * 1.2, (estimate, real)
 
 
@@ -243,6 +258,7 @@ def _start_two_worker_run(tmp_path, out: Path):
     path = _corpus(tmp_path / "c.jsonl", 6000, words=400)
     args = _args(path, out, "--checkpoint-interval", "0")
     args[args.index("--workers") + 1] = "2"
+    args[args.index("--chunk-bytes") + 1] = "65536"  # a checkpoint per chunk copies the index: keep chunks few
     proc = subprocess.Popen(_cli(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     part = Path(f"{out}.partial")
@@ -287,27 +303,36 @@ class _Killed(BaseException):
     """Stands for SIGKILL at an exact step: nothing catches it, so no clean-up runs."""
 
 
-PUBLISH_STEPS = ["staging", "before-commit", "old-manifest-removed", "bin", "idx", "manifest", "clean-up"]
+PUBLISH_STEPS = ["staging", "before-bin", "old-manifest-removed", "bin", "idx", "manifest", "clean-up"]
 
 
-def _kill_at(monkeypatch, step: str):
-    if step == "staging":  # the manifests are being staged: no marker yet, the rerun resumes from the checkpoint
+def _kill_at(monkeypatch, step: str, out: Path):
+    """Make the run die at ``step`` of publishing ``out`` (renames are matched by their destination)."""
+    if step == "staging":  # the manifests are being written: the data is complete, nothing is published
         monkeypatch.setattr(pipeline.manifest, "write", _raise)
-    elif step == "before-commit":
-        monkeypatch.setattr(pipeline, "publish_dataset", _raise)
-    elif step == "clean-up":
+    elif step == "clean-up":  # everything is published, the partial folder is being removed
         monkeypatch.setattr(pipeline.shutil, "rmtree", _raise)
-    else:  # after the n-th durable step of the commit
-        n = PUBLISH_STEPS.index(step) - PUBLISH_STEPS.index("old-manifest-removed") + 1
-        calls, original = [], commit.fsync_dir
+    elif step == "old-manifest-removed":
+        unlink = os.unlink
 
-        def fsync_then_die(path):
-            original(path)
-            calls.append(path)
-            if len(calls) == n:
+        def unlink_then_die(path, *a, **k):
+            unlink(path, *a, **k)
+            if os.fspath(path) == f"{out}.manifest.json":
                 raise _Killed()
 
-        monkeypatch.setattr(commit, "fsync_dir", fsync_then_die)
+        monkeypatch.setattr(os, "unlink", unlink_then_die)
+    else:
+        replace, before = os.replace, step.startswith("before-")
+        final = f"{out}.{step.removeprefix('before-')}".replace(".manifest", ".manifest.json")
+
+        def replace_and_die(src, dst, *a, **k):
+            if os.fspath(dst) == final and before:
+                raise _Killed()
+            replace(src, dst, *a, **k)
+            if os.fspath(dst) == final:
+                raise _Killed()
+
+        monkeypatch.setattr(os, "replace", replace_and_die)
 
 
 def _raise(*a, **k):
@@ -322,7 +347,7 @@ def test_kill_at_each_publish_step_then_the_rerun_publishes_the_right_bytes(tmp_
     new_ref = preprocess(tmp_path, [new], name="new_ref", append_eod=True)
     assert _invoke(_args(old, tmp_path / "out")).exit_code == 0  # a finished dataset is being replaced
     with monkeypatch.context() as m:
-        _kill_at(m, step)
+        _kill_at(m, step, tmp_path / "out")
         with pytest.raises(_Killed):
             pipeline.run(pipeline.PreprocessConfig(
                 inputs=[str(new)], output_prefix=str(tmp_path / "out"), tokenizer_type="byte", append_eod=True,

@@ -215,6 +215,25 @@ def _open_text_stream(inp: Input, raw):
     return raw
 
 
+def text_expansion(inp: Input, sample_bytes: int = 4 << 20) -> float:
+    """Decompressed bytes per stored byte over the first ``sample_bytes`` of an input (1.0 if plain).
+
+    Measured on a prefix because decompressors read ahead: the stored bytes consumed by
+    the first chunk overstate what its text cost by up to a whole read (1 MiB for zstd).
+    """
+    if not inp.compressed:
+        return 1.0
+    with open(inp.path, "rb") as raw:
+        head = raw.read(sample_bytes)
+    stream, text = _open_text_stream(inp, io.BytesIO(head)), 0
+    try:
+        while block := stream.read(1 << 16):  # small reads: little is lost where the prefix cuts a block
+            text += len(block)
+    except (TruncatedInput, EOFError, OSError):
+        pass
+    return text / max(len(head), 1)
+
+
 # --------------------------------------------------------------------------- chunking
 
 
