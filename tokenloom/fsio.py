@@ -66,8 +66,9 @@ _ADVICE = {
     errno.EMFILE: "too many open files at {path}: raise the open-file limit (ulimit -n)",
     errno.ENFILE: "the system's open-file table is full at {path}: close other programs' files",
     errno.EIO: "I/O error on {path}: the disk or network filesystem failed; check it (dmesg)",
-    errno.EACCES: "permission denied on {path}: make {dir} writable for this user or choose another location",
-    errno.EPERM: "operation not permitted on {path}: make {dir} writable for this user or choose another location",
+    errno.EACCES: "permission denied on {path}: give this user access to it and to {dir}, or choose another location",
+    errno.EPERM: "operation not permitted on {path}: give this user access to it and to {dir}, or choose another "
+                 "location",
     errno.EROFS: "read-only file system at {path}: choose a writable location",
 }
 

@@ -154,7 +154,7 @@ def test_an_unwritable_checkpoint_names_its_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline.np, "savez", denied)
     result = _invoke(_args(path, out, "--checkpoint-interval", "0"))
-    _assert_one_line_error(result, f"permission denied on {out}.partial/checkpoint.npz", "make", "writable")
+    _assert_one_line_error(result, f"permission denied on {out}.partial/checkpoint.npz", "give this user access")
     assert _left_behind(tmp_path) == [] and not Path(f"{out}.partial").exists()
 
 

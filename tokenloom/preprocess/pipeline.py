@@ -328,6 +328,8 @@ class _Run:
         self.workers = cfg.workers or os.cpu_count() or 1
         self.counts = Counts(per_key={k: {"documents": 0, "empty_documents": 0, "sequences": 0, "tokens": 0}
                                       for k in cfg.json_keys})
+        self.writers: dict[str, IndexedDatasetWriter] = {}
+        self.rejects = None
 
     # -- setup: fresh, resumed, or an interrupted publish
     def staged(self, n: int, ext: str) -> Path:
@@ -557,7 +559,10 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
     """Run preprocess; return the summary (also printed as a table)."""
     start = time.perf_counter()
     r = _Run(cfg, echo)
-    r.remove_dead_temps()
+    try:
+        r.remove_dead_temps()
+    except OSError as exc:
+        raise TokenloomError(os_error_message(exc, r.partial)) from None
     if not r.load_staged():
         _tokenize(r)
     try:
@@ -573,16 +578,16 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
 
 def _tokenize(r: _Run) -> None:
     """Read, encode and write every input, then stage the outputs (see the module docstring for faults)."""
-    cfg, start = r.cfg, time.perf_counter()
-    position = r.open_outputs()
-    fresh = r.counts.records == 0 and position == Position()
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(i.size for i in r.inputs), unit="B", unit_scale=True, disable=not cfg.progress,
-               file=sys.stderr, desc="preprocess", mininterval=0.5, initial=r.counts.bytes_in)
-    pool, done = None, position
-    tokens_at_start = sum(c["tokens"] for c in r.counts.per_key.values())
+    cfg, start = r.cfg, time.perf_counter()
+    pool, bar = None, None
     try:
+        done = position = r.open_outputs()
+        fresh = r.counts.records == 0 and position == Position()
+        bar = tqdm(total=sum(i.size for i in r.inputs), unit="B", unit_scale=True, disable=not cfg.progress,
+                   file=sys.stderr, desc="preprocess", mininterval=0.5, initial=r.counts.bytes_in)
+        tokens_at_start = sum(c["tokens"] for c in r.counts.per_key.values())
         pool = start_pool(r)
         if fresh and cfg.check_space:
             _check_space(next(iter(r.outputs.values())), r.estimate(pool))
@@ -621,7 +626,8 @@ def _tokenize(r: _Run) -> None:
         r.close_files()
         raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if pool is not None:
             pool.shutdown(cancel_futures=True)
 
