@@ -396,3 +396,17 @@ def test_merge_uncommits_the_old_output_first_and_cleans_dead_temps(tmp_path, mo
         merge(str(tmp_path / "out"), [str(a), str(b)])
     assert not (tmp_path / "out.manifest.json").exists(), "the old manifest must not describe the new .bin"
     assert not (tmp_path / "out.idx.tmp-999999999-0a1b2c3d").exists()
+
+
+def test_merge_on_a_full_disk_ends_in_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    a = preprocess(tmp_path, [_corpus(tmp_path / "a.jsonl", 40, seed=5)], name="a", append_eod=True)
+    b = preprocess(tmp_path, [_corpus(tmp_path / "b.jsonl", 40, seed=6)], name="b", append_eod=True)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "copy_file_range", full)  # merge copies in-kernel, falling back to pwrite
+    monkeypatch.setattr(os, "pwrite", full)
+    result = _invoke(["merge", "--output-prefix", str(tmp_path / "out"), str(a), str(b)])
+    _assert_one_line_error(result, f"no space left on device writing {tmp_path}/out", "rerun the merge")
+    assert _left_behind(tmp_path) == []

@@ -8,14 +8,17 @@ same bytes as a single run over all inputs.
 The output follows the commit order of :mod:`tokenloom.preprocess.commit`: its old
 manifest goes first, then ``.bin``, ``.idx`` and the new manifest are published, so a
 killed merge leaves an unfinished pair (no manifest) that the rerun replaces, and
-temporary files of dead merges into the same output are removed when it starts.
+temporary files of dead merges into the same output are removed when it starts. A
+full disk or another OS error ends in one line naming the path; the merge keeps
+nothing (it has no checkpoint: a rerun starts over).
 """
 
 from __future__ import annotations
 
 import os
 
-from tokenloom.fsio import remove_dead_temps
+from tokenloom.errors import TokenloomError
+from tokenloom.fsio import os_error_message, remove_dead_temps
 from tokenloom.indexed import merge as merge_indexed
 from tokenloom.indexed.format import data_path, index_path, normalize_prefix
 from tokenloom.preprocess import manifest
@@ -23,6 +26,13 @@ from tokenloom.preprocess.commit import uncommit
 
 
 def merge(output_prefix: str, prefixes: list[str]) -> dict:
+    try:
+        return _merge(output_prefix, prefixes)
+    except OSError as exc:
+        raise TokenloomError(f"{os_error_message(exc, output_prefix)}; then rerun the merge") from None
+
+
+def _merge(output_prefix: str, prefixes: list[str]) -> dict:
     prefixes = [normalize_prefix(p) for p in prefixes]
     manifests = [manifest.read(p) for p in prefixes]
     have = [m is not None for m in manifests]
