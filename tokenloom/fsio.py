@@ -44,7 +44,9 @@ def remove_dead_temps(final: str | os.PathLike) -> list[str]:
     """Remove ``final``'s temporary files and folders whose writer process is dead; return them.
 
     Only pids of this machine can be checked: a temporary name of a live process (this
-    one included) is kept, so a concurrent writer on this host is never disturbed.
+    one included) is kept, so a concurrent writer on this host is never disturbed. Names
+    carry no host, so an output that processes on several hosts write at once (a shared
+    cache) must not be cleaned this way; preprocess and merge outputs have one writer.
     """
     removed = []
     for path in glob.glob(glob.escape(os.fspath(final)) + ".tmp-*"):
@@ -76,8 +78,9 @@ _ADVICE = {
 def os_error_message(exc: OSError, path: str | os.PathLike | None = None) -> str:
     """One line for an operating-system failure: what happened, on which path, what to do."""
     where = os.fspath(exc.filename if exc.filename is not None else path if path is not None else "?")
-    template = _ADVICE.get(exc.errno, f"{exc.strerror or exc} on {{path}}")
-    return template.format(path=where, dir=os.path.dirname(os.path.abspath(where)) or ".")
+    if exc.errno not in _ADVICE:
+        return f"{exc.strerror or exc} on {where}"
+    return _ADVICE[exc.errno].format(path=where, dir=os.path.dirname(os.path.abspath(where)) or ".")
 
 
 @contextlib.contextmanager
@@ -88,7 +91,7 @@ def naming(path: str | os.PathLike):
     except OSError as exc:
         if exc.filename is not None or exc.errno is None:
             raise
-        raise type(exc)(exc.errno, exc.strerror, os.fspath(path)) from exc
+        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from exc  # the errno picks the subclass
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
