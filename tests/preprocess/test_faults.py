@@ -10,6 +10,7 @@ steps. Every test then reruns the same command and compares bytes with an uninte
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import signal
@@ -59,24 +60,41 @@ def _assert_one_line_error(result, *needles: str) -> str:
     return lines[0]
 
 
-class _SmallDisk:
-    """A ``.bin`` file on a filesystem with ``room`` bytes left: writes what fits, then fails like the kernel."""
+class _SmallDisk(io.RawIOBase):
+    """A file on a filesystem with ``room`` bytes left: writes what fits, then fails like the kernel.
 
-    def __init__(self, f, room: int, err: int):
-        self._f, self._room, self._err = f, room, err
+    It sits under a real ``BufferedWriter``, so buffered bytes meet the full disk again when
+    the file is flushed or closed, as they do on a real filesystem.
+    """
+
+    def __init__(self, raw, room: int, err: int):
+        self._raw, self._room, self._err = raw, room, err
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
 
     def write(self, data) -> int:
-        data = memoryview(data).cast("B")
-        if len(data) > self._room:
-            self._f.write(data[: self._room])  # the short write a full disk allows
-            self._f.flush()
-            self._room = 0
+        if self._room == 0:
             raise OSError(self._err, os.strerror(self._err))  # no file name, as from write(2)
-        self._room -= len(data)
-        return self._f.write(data)
+        n = self._raw.write(memoryview(data).cast("B")[: self._room])  # the short write a full disk allows
+        self._room -= n
+        return n
 
-    def __getattr__(self, name):
-        return getattr(self._f, name)
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._raw.seek(offset, whence)
+
+    def truncate(self, size=None) -> int:
+        return self._raw.truncate(size)
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 @pytest.fixture
@@ -88,7 +106,7 @@ def small_disk(monkeypatch):
 
         def init(self, *a, **kw):
             original(self, *a, **kw)
-            self._bin = _SmallDisk(self._bin, room, err)
+            self._bin = io.BufferedWriter(_SmallDisk(self._bin.detach(), room, err))
 
         monkeypatch.setattr(indexed_format.IndexedDatasetWriter, "__init__", init)
         return monkeypatch

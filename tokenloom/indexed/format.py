@@ -38,6 +38,7 @@ Trade-offs chosen, against Megatron's ``IndexedDatasetBuilder``:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -399,14 +400,18 @@ class IndexedDatasetWriter:
         self._finalized = True
 
     def close(self) -> None:
-        """Close the in-progress file without publishing or deleting it (a later ``resume`` may use it)."""
+        """Close the in-progress file without publishing or deleting it (a later ``resume`` may use it).
+
+        Buffered bytes that cannot be written (the disk is full) are dropped, not raised:
+        a resume cuts the file back to its checkpoint anyway.
+        """
         if not self._bin.closed:
-            self._bin.close()
+            with contextlib.suppress(OSError):
+                self._bin.close()  # the file is closed even when its last flush fails
 
     def abort(self) -> None:
         """Drop everything written so far; nothing is published."""
-        if not self._bin.closed:
-            self._bin.close()
+        self.close()
         for tmp in (self._bin_tmp, self._idx_tmp):
             try:
                 os.unlink(tmp)

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer, os_error_message, remove_dead_temps, sha256_tree
+from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps, sha256_tree
 from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
 from tokenloom.preprocess import manifest
 from tokenloom.preprocess.commit import publish_dataset
@@ -418,9 +418,10 @@ class _Run:
                 unit = "line" if inp.format.startswith(("jsonl", "txt")) else "row"
                 raise TokenloomError(f"{inp.path}:{number}: {reason} (bad {unit}; pass --max-bad-fraction F to "
                                      "quarantine bad records instead)")
-            for number, reason, snippet in result.bad:
-                self.rejects.write((json.dumps({"file": inp.path, "line": number, "reason": reason,
-                                                "record": snippet}, ensure_ascii=False) + "\n").encode())
+            with naming(self.partial / "rejects.jsonl"):
+                for number, reason, snippet in result.bad:
+                    self.rejects.write((json.dumps({"file": inp.path, "line": number, "reason": reason,
+                                                    "record": snippet}, ensure_ascii=False) + "\n").encode())
         self.counts.bad_records += len(result.bad)
         self.counts.records += result.documents + len(result.bad)
         self.counts.documents += result.documents
@@ -474,16 +475,17 @@ class _Run:
         return self.partial / "checkpoint.npz"
 
     def close_files(self) -> None:
+        """Close without publishing; bytes a full disk refuses are dropped (a resume cuts them anyway)."""
         for writer in self.writers.values():
             writer.close()
         if self.rejects is not None and not self.rejects.closed:
-            self.rejects.close()
+            with contextlib.suppress(OSError):
+                self.rejects.close()
 
     def abort(self) -> None:
         for writer in self.writers.values():
             writer.abort()
-        if self.rejects is not None and not self.rejects.closed:
-            self.rejects.close()
+        self.close_files()
         shutil.rmtree(self.partial, ignore_errors=True)
 
     def suspend(self) -> str:
