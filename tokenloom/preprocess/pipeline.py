@@ -238,8 +238,12 @@ def _check_space(prefix: str, estimate: SpaceEstimate) -> None:
     free = shutil.disk_usage(directory).free
     if estimate.peak > free:
         raise TokenloomError(f"not enough disk space in {directory}: the output is estimated at "
-                             f"{estimate.output / 1e9:.2f} GB ({estimate.peak / 1e9:.2f} GB while running) but "
-                             f"only {free / 1e9:.2f} GB are free (free space, or pass --no-space-check)")
+                             f"{_megabytes(estimate.output)} ({_megabytes(estimate.peak)} while running) but only "
+                             f"{_megabytes(free)} are free (free space, or pass --no-space-check)")
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
 
 
 def _config_digest(cfg: PreprocessConfig, inputs: list[Input], tokenizer_fp: dict, shard) -> str:
