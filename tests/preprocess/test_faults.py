@@ -214,6 +214,17 @@ def test_space_estimate_of_a_compressed_file_larger_than_the_decompressors_read(
     assert real / 1.2 <= estimate <= real * 1.2, (estimate, real)
 
 
+def test_space_estimate_of_parquet_whose_first_batch_is_larger_than_the_sample(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    plain = _corpus(tmp_path / "c.jsonl", 1000, words=1000)  # one 1024-row batch, ~3 MB of text
+    texts = [json.loads(line)["text"] for line in plain.read_text().splitlines()]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "c.parquet")
+    estimate, real = _estimate_and_real(tmp_path, [tmp_path / "c.parquet"], tokenizer_type="byte")
+    assert real / 1.2 <= estimate <= real * 1.2, (estimate, real)
+
+
 def test_space_estimate_with_gpt2_on_shared_corpora(tmp_path):
     data = shared_data_dir()
     corpora = [data / "wikitext-2" / "wikitext-2.jsonl", data / "tinyshakespeare" / "tinyshakespeare.jsonl"]

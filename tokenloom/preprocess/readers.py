@@ -392,7 +392,9 @@ class ChunkReader:
                 continue
             lo = max(0, pos.records - number)
             cols = {key: batch.column(key).to_pylist()[lo:] for key in self.keys}
-            chunk.raw_bytes += raw_bytes
+            # A chunk that ends inside the batch gets its rows' share of the batch's bytes (exact
+            # integer shares, so the shares of a batch sum to its bytes however it is cut or resumed).
+            counted = raw_bytes * lo // n if n else 0
             for j in range(n - lo):
                 number_j = number + lo + j + 1
                 chunk.numbers.append(number_j)
@@ -401,9 +403,13 @@ class ChunkReader:
                     chunk.columns[key].append(value)
                     size += len(value) if isinstance(value, str) else 8
                 if size >= self.chunk_bytes or len(chunk) >= self.max_records:
+                    share = raw_bytes * (lo + j + 1) // n
+                    chunk.raw_bytes += share - counted
+                    counted = share
                     chunk.end = Position(k, number_j, None)
                     yield chunk
                     chunk, size = self._new_chunk(k, "values"), 0
+            chunk.raw_bytes += raw_bytes - counted
             number += n
         chunk.end = Position(k + 1, 0, 0)
         if len(chunk) or chunk.raw_bytes:
