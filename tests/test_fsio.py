@@ -33,7 +33,7 @@ def test_remove_dead_temps_removes_files_and_folders_of_dead_pids_only(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, odd.name, other.name])
 
 
-@pytest.mark.parametrize("err, start", [(errno.ENOSPC, "no space left on device writing /d/{x}.bin: free space in /d"),
+@pytest.mark.parametrize("err, start", [(errno.ENOSPC, "no space left on device writing /d/{x}.bin: free space on that disk"),
                                         (errno.EMFILE, "too many open files at /d/{x}.bin: raise the open-file limit"),
                                         (errno.EIO, "I/O error on /d/{x}.bin"),
                                         (errno.EROFS, "read-only file system at /d/{x}.bin"),

@@ -63,8 +63,8 @@ def remove_dead_temps(final: str | os.PathLike) -> list[str]:
 
 
 _ADVICE = {
-    errno.ENOSPC: "no space left on device writing {path}: free space in {dir}",
-    errno.EDQUOT: "disk quota exceeded writing {path}: free space in {dir} or raise the quota",
+    errno.ENOSPC: "no space left on device writing {path}: free space on that disk",
+    errno.EDQUOT: "disk quota exceeded writing {path}: free space on that disk or raise the quota",
     errno.EMFILE: "too many open files at {path}: raise the open-file limit (ulimit -n)",
     errno.ENFILE: "the system's open-file table is full at {path}: close other programs' files",
     errno.EIO: "I/O error on {path}: the disk or network filesystem failed; check it (dmesg)",

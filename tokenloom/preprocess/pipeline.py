@@ -509,8 +509,9 @@ class _Run:
                 os.truncate(self.staged(n, "bin"), int(saved["bin_bytes"]))
             self.staged(n, "idx").unlink(missing_ok=True)
             self.staged(n, "manifest.json").unlink(missing_ok=True)
+        kept = sum(f.stat().st_size for f in self.partial.iterdir() if f.is_file())
         return (f"rerun the same command to resume from the checkpoint in {self.partial} "
-                f"({state['counts']['records']} records done)")
+                f"({state['counts']['records']} records done, {_megabytes(kept)} kept there)")
 
 
 class WorkerDied(Exception):
