@@ -176,6 +176,30 @@ def test_an_unwritable_checkpoint_names_its_file(tmp_path, monkeypatch):
     assert _left_behind(tmp_path) == [] and not Path(f"{out}.partial").exists()
 
 
+def test_too_many_open_files_while_starting_workers_stops_the_started_ones(tmp_path, monkeypatch):
+    import multiprocessing
+
+    path = _corpus(tmp_path / "c.jsonl", 50)
+    pipe, started = os.pipe, []
+
+    def pipe_until_two_workers_run():  # each forked worker takes two pipes; the pool's queues take some first
+        if len(multiprocessing.active_children()) >= 2:
+            started.append(len(multiprocessing.active_children()))
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return pipe()
+
+    monkeypatch.setattr(os, "pipe", pipe_until_two_workers_run)
+    args = _args(path, tmp_path / "out")
+    args[args.index("--workers") + 1] = "8"
+    result = _invoke(args)
+    monkeypatch.undo()
+    _assert_one_line_error(result, f"too many open files at {tmp_path}/out.partial", "ulimit -n",
+                           "no checkpoint was saved yet, so it starts over")
+    assert started, "the failure came before any worker started"
+    assert multiprocessing.active_children() == [], "started workers would keep the process from exiting"
+    assert _left_behind(tmp_path) == [] and not (tmp_path / "out.partial").exists()
+
+
 def test_space_check_refuses_in_one_line(tmp_path, monkeypatch):
     path = _corpus(tmp_path / "c.jsonl", 100)
     monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda d: type("U", (), {"free": 1000})())

@@ -529,10 +529,22 @@ def start_pool(run: _Run) -> cf.ProcessPoolExecutor | None:
     if run.workers <= 1:
         return None
     fork = sys.platform.startswith("linux")
+    before = set(multiprocessing.active_children())
     pool = cf.ProcessPoolExecutor(run.workers, mp_context=multiprocessing.get_context("fork" if fork else "spawn"),
                                   initializer=init,
                                   initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid()))
-    pool.submit(ping).result()  # launches every process now, before threads start
+    try:
+        pool.submit(ping).result()  # launches every process now, before threads start
+    except BaseException:
+        # A start that failed part-way (too many open files ...) leaves the workers it did
+        # start waiting for work, and exiting would wait for them: stop them here.
+        started = set(multiprocessing.active_children()) - before
+        for process in started:
+            process.kill()
+        for process in started:
+            process.join(5)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
     return pool
 
 
