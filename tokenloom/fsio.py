@@ -4,14 +4,23 @@ Every final file tokenloom writes goes through :func:`atomic_writer`: data goes 
 unique temporary name beside the target, is flushed and fsynced, then renamed over
 the target, and the directory is fsynced. Readers see the old file or the whole
 new one, and a killed writer leaves only a ``*.tmp-*`` file, never a half-written
-file under the final name.
+file under the final name. Temporary names carry the writer's pid, so the next run
+of the same output removes those of dead processes (:func:`remove_dead_temps`)
+without touching a live writer's.
+
+Operating-system failures while writing (disk full, too many open files, I/O and
+permission errors) become one line naming the path and what to do
+(:func:`os_error_message`); the stage that catches them decides what it keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -19,6 +28,70 @@ from pathlib import Path
 def temp_name(final: str | os.PathLike) -> str:
     """A unique temporary name beside ``final`` (same directory, so the rename is atomic)."""
     return f"{os.fspath(final)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def remove_dead_temps(final: str | os.PathLike) -> list[str]:
+    """Remove ``final``'s temporary files and folders whose writer process is dead; return them.
+
+    Only pids of this machine can be checked: a temporary name of a live process (this
+    one included) is kept, so a concurrent writer on this host is never disturbed. Names
+    carry no host, so an output that processes on several hosts write at once (a shared
+    cache) must not be cleaned this way; preprocess and merge outputs have one writer.
+    """
+    removed = []
+    for path in glob.glob(glob.escape(os.fspath(final)) + ".tmp-*"):
+        pid = path.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+_ADVICE = {
+    errno.ENOSPC: "no space left on device writing {path}: free space on that disk",
+    errno.EDQUOT: "disk quota exceeded writing {path}: free space on that disk or raise the quota",
+    errno.EMFILE: "too many open files at {path}: raise the open-file limit (ulimit -n)",
+    errno.ENFILE: "the system's open-file table is full at {path}: close other programs' files",
+    errno.EIO: "I/O error on {path}: the disk or network filesystem failed; check it (dmesg)",
+    errno.EACCES: "permission denied on {path}: give this user access to it and to {dir}, or choose another location",
+    errno.EPERM: "operation not permitted on {path}: give this user access to it and to {dir}, or choose another "
+                 "location",
+    errno.EROFS: "read-only file system at {path}: choose a writable location",
+}
+
+
+def os_error_message(exc: OSError, path: str | os.PathLike | None = None) -> str:
+    """One line for an operating-system failure: what happened, on which path, what to do."""
+    where = os.fspath(exc.filename if exc.filename is not None else path if path is not None else "?")
+    if exc.errno not in _ADVICE:
+        return f"{exc.strerror or exc} on {where}"
+    return _ADVICE[exc.errno].format(path=where, dir=os.path.dirname(os.path.abspath(where)) or ".")
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike):
+    """Give an :class:`OSError` raised inside the block ``path`` when it names no file (``write``)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from exc  # the errno picks the subclass
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -46,7 +119,7 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
     """``with atomic_writer(p) as f: f.write(...)``: published on success, discarded on error."""
     tmp = temp_name(path)
     try:
-        with open(tmp, mode, encoding=encoding) as f:
+        with naming(path), open(tmp, mode, encoding=encoding) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -27,7 +27,9 @@ Trade-offs chosen, against Megatron's ``IndexedDatasetBuilder``:
 * ``.bin`` and ``.idx`` are written under temporary names, fsynced, and renamed into
   place by :meth:`IndexedDatasetWriter.finalize` (``.bin`` first, ``.idx`` last, since
   the ``.idx`` is what marks a dataset as present). A killed writer leaves only
-  ``*.tmp-*`` files behind, never a half-written file under a final name.
+  ``*.tmp-*`` files behind, never a half-written file under a final name. Callers
+  with a stronger commit point (preprocess: the manifest) call :meth:`~IndexedDatasetWriter.stage`
+  and move the files themselves.
 * Merging (:meth:`IndexedDatasetWriter.add_index`) copies ``.bin`` data in-kernel and
   preserves holes, so sparse test files stay sparse.
 * The reader memory-maps both files and returns zero-copy views; it validates the
@@ -36,6 +38,7 @@ Trade-offs chosen, against Megatron's ``IndexedDatasetBuilder``:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -45,7 +48,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from tokenloom.errors import FormatError, TokenloomError
-from tokenloom.fsio import publish, temp_name
+from tokenloom.fsio import naming, publish, temp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -118,7 +121,7 @@ def write_index(path: str, dtype: np.dtype, lengths: np.ndarray, document_indice
     dtype = np.dtype(dtype)
     lengths = np.ascontiguousarray(lengths, dtype=np.int32)
     document_indices = np.ascontiguousarray(document_indices, dtype=np.int64)
-    with open(path, "wb") as out:
+    with naming(path), open(path, "wb") as out:
         out.write(encode_header(dtype, len(lengths), len(document_indices)))
         out.write(lengths.astype("<i4", copy=False).tobytes())
         out.write(sequence_pointers(lengths, dtype.itemsize).astype("<i8", copy=False).tobytes())
@@ -217,9 +220,11 @@ class IndexedDatasetWriter:
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype=None, vocab_size: int | None = None,
-                 bin_tmp: str | os.PathLike | None = None, resume: dict | None = None):
-        """``bin_tmp`` places the in-progress ``.bin`` (default: a unique temp name beside the
-        output); ``resume`` continues from a :meth:`checkpoint` whose data is in ``bin_tmp``."""
+                 bin_tmp: str | os.PathLike | None = None, resume: dict | None = None,
+                 idx_tmp: str | os.PathLike | None = None):
+        """``bin_tmp`` and ``idx_tmp`` place the in-progress ``.bin`` and the staged ``.idx``
+        (default: unique temp names beside the output); ``resume`` continues from a
+        :meth:`checkpoint` whose data is in ``bin_tmp``."""
         self.prefix = normalize_prefix(prefix)
         if dtype is None:
             dtype = optimal_dtype(vocab_size)
@@ -237,7 +242,7 @@ class IndexedDatasetWriter:
             self._min_id = max(self._min_id, 0)
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         self._bin_tmp = os.fspath(bin_tmp) if bin_tmp else temp_name(data_path(self.prefix))
-        self._idx_tmp = temp_name(index_path(self.prefix))
+        self._idx_tmp = os.fspath(idx_tmp) if idx_tmp else temp_name(index_path(self.prefix))
         self._lengths = _Growable(np.int32)
         self._doc_index = _Growable(np.int64, [0])
         if resume is None:
@@ -255,7 +260,7 @@ class IndexedDatasetWriter:
             self._lengths.extend(resume["lengths"])
             self._doc_index = _Growable(np.int64, [])
             self._doc_index.extend(resume["document_indices"])
-        self._finalized = False
+        self._finalized = self._staged = False
         self._native_le = self.dtype.byteorder in "=|<" and sys.byteorder == "little"
 
     # -- properties
@@ -295,7 +300,8 @@ class IndexedDatasetWriter:
     def _write_tokens(self, arr: np.ndarray) -> None:
         if not self._native_le:
             arr = arr.astype(self.dtype.newbyteorder("<"))
-        self._bin.write(np.ascontiguousarray(arr).data)  # buffer protocol: no extra copy
+        with naming(self._bin_tmp):
+            self._bin.write(np.ascontiguousarray(arr).data)  # buffer protocol: no extra copy
         self._num_tokens += arr.size
 
     def add_item(self, tokens) -> None:
@@ -366,33 +372,46 @@ class IndexedDatasetWriter:
 
     def checkpoint(self) -> dict[str, np.ndarray]:
         """Make everything written so far durable and return the state that resumes from here."""
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
+        with naming(self._bin_tmp):
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
         return {"lengths": self._lengths.view().copy(), "document_indices": self._doc_index.view().copy(),
                 "bin_bytes": np.asarray(self._bin.tell(), dtype=np.int64)}
 
     # -- publishing
+    def stage(self) -> tuple[str, str]:
+        """Complete both files under their temporary names, fsynced; return (bin, idx) paths."""
+        if not self._staged:
+            with naming(self._bin_tmp):
+                self._bin.flush()
+                os.fsync(self._bin.fileno())
+            self._bin.close()
+            write_index(self._idx_tmp, self.dtype, self._lengths.view(), self._doc_index.view())
+            self._staged = True
+        return self._bin_tmp, self._idx_tmp
+
     def finalize(self) -> None:
         """fsync both files and rename them into place (``.bin`` first, ``.idx`` last)."""
         if self._finalized:
             return
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
-        write_index(self._idx_tmp, self.dtype, self._lengths.view(), self._doc_index.view())
+        self.stage()
         publish(self._bin_tmp, data_path(self.prefix))
         publish(self._idx_tmp, index_path(self.prefix))
         self._finalized = True
 
     def close(self) -> None:
-        """Close the in-progress file without publishing or deleting it (a later ``resume`` may use it)."""
+        """Close the in-progress file without publishing or deleting it (a later ``resume`` may use it).
+
+        Buffered bytes that cannot be written (the disk is full) are dropped, not raised:
+        a resume cuts the file back to its checkpoint anyway.
+        """
         if not self._bin.closed:
-            self._bin.close()
+            with contextlib.suppress(OSError):
+                self._bin.close()  # the file is closed even when its last flush fails
 
     def abort(self) -> None:
         """Drop everything written so far; nothing is published."""
-        if not self._bin.closed:
-            self._bin.close()
+        self.close()
         for tmp in (self._bin_tmp, self._idx_tmp):
             try:
                 os.unlink(tmp)

@@ -45,8 +45,9 @@ def build(prefix: str, key: str, dtype: str, inputs: list[dict], tokenizer: dict
     }
 
 
-def write(prefix: str | os.PathLike, manifest: dict) -> None:
-    with atomic_writer(manifest_path(prefix), "w", encoding="utf-8") as f:
+def write(prefix: str | os.PathLike, manifest: dict, path: str | os.PathLike | None = None) -> None:
+    """Write ``prefix``'s manifest atomically, to its final name or to ``path`` (staging)."""
+    with atomic_writer(path or manifest_path(prefix), "w", encoding="utf-8") as f:
         f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 

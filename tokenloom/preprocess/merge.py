@@ -4,21 +4,45 @@ The ``.bin/.idx`` merge is :func:`tokenloom.indexed.merge`; when every input has
 manifest, the merged manifest lists all inputs in order, sums the counts, and the
 merge is refused if the tokenizers differ. Shards merged in index order give the
 same bytes as a single run over all inputs.
+
+The output follows the commit order of :mod:`tokenloom.preprocess.commit`: its old
+manifest goes first, then ``.bin``, ``.idx`` and the new manifest are published, so a
+killed merge leaves an unfinished pair (no manifest) that the rerun replaces, and
+temporary files of dead merges into the same output are removed when it starts. A
+full disk or another OS error ends in one line naming the path; the merge keeps
+nothing (it has no checkpoint: a rerun starts over).
 """
 
 from __future__ import annotations
 
+import os
+
+from tokenloom.errors import TokenloomError
+from tokenloom.fsio import os_error_message, remove_dead_temps
 from tokenloom.indexed import merge as merge_indexed
-from tokenloom.indexed.format import normalize_prefix
+from tokenloom.indexed.format import data_path, index_path, normalize_prefix
 from tokenloom.preprocess import manifest
+from tokenloom.preprocess.commit import uncommit
 
 
 def merge(output_prefix: str, prefixes: list[str]) -> dict:
+    try:
+        return _merge(output_prefix, prefixes)
+    except OSError as exc:
+        raise TokenloomError(f"{os_error_message(exc, output_prefix)}; then rerun the merge") from None
+
+
+def _merge(output_prefix: str, prefixes: list[str]) -> dict:
     prefixes = [normalize_prefix(p) for p in prefixes]
     manifests = [manifest.read(p) for p in prefixes]
     have = [m is not None for m in manifests]
     if all(have):
         manifest.merged(output_prefix, manifests, {})  # refuses mixed tokenizers before any work
+    output = normalize_prefix(output_prefix)
+    for final in (data_path(output), index_path(output), manifest.manifest_path(output)):
+        remove_dead_temps(final)
+    if all(os.path.abspath(p) != os.path.abspath(output) for p in prefixes):  # else merge_indexed refuses
+        uncommit(output)
     report = merge_indexed(output_prefix, prefixes)
     if all(have):
         counts = {"documents": report["documents"], "sequences": report["sequences"], "tokens": report["tokens"]}

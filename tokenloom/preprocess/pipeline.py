@@ -16,6 +16,18 @@ Policy and its costs:
   atomically into ``OUTPUT.partial/``. Rerunning the same command continues from
   there; anything written after the checkpoint is truncated away, so the result
   is byte-identical to an uninterrupted run. A different command starts afresh.
+* Faults: a full disk, too many open files, an I/O or permission error ends the run
+  with one line naming the path and what to do; everything written after the last
+  checkpoint is cut away (it may be what filled the disk) and the checkpoint is kept,
+  so rerunning the same command resumes. A dead worker process (killed, out of
+  memory) first checkpoints everything already written, then stops the same way.
+  Workers die with the main process (see ``worker``).
+* Publishing: every output is completed inside ``OUTPUT.partial/`` (``.bin``,
+  ``.idx``, manifest), a ``staged.json`` marker records that, and then each output is
+  committed ``.bin``, ``.idx``, manifest (:mod:`tokenloom.preprocess.commit`): the
+  manifest is the commit point. A run killed while publishing is finished by the
+  next run of the same command without tokenizing again; temporary files of dead
+  runs of the same output are removed when it starts.
 * Bad records: by default the first one stops the run with ``file:line: reason``.
   With ``max_bad_fraction`` they go to ``OUTPUT.rejects.jsonl`` and the run fails
   only if their share of records exceeds it. On failure nothing is published
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -42,10 +55,19 @@ from pathlib import Path
 import numpy as np
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer, sha256_tree
-from tokenloom.indexed.format import IndexedDatasetWriter, optimal_dtype
+from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps, sha256_tree
+from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
 from tokenloom.preprocess import manifest
-from tokenloom.preprocess.readers import ChunkReader, Input, Position, discover, shard_inputs
+from tokenloom.preprocess.commit import publish_dataset
+from tokenloom.preprocess.readers import (
+    Chunk,
+    ChunkReader,
+    Input,
+    Position,
+    discover,
+    shard_inputs,
+    text_expansion,
+)
 from tokenloom.preprocess.worker import (
     EncodedChunk,
     EncodeOptions,
@@ -56,6 +78,7 @@ from tokenloom.preprocess.worker import (
 )
 
 CHECKPOINT_FORMAT = "tokenloom.preprocess-checkpoint/1"
+STAGED_FORMAT = "tokenloom.preprocess-staged/1"
 
 
 @dataclass(kw_only=True)
@@ -91,9 +114,9 @@ class PreprocessConfig:
     checkpoint_interval: float = 60.0
     """Seconds between resume checkpoints."""
     check_space: bool = True
-    """Refuse to start when the output disk cannot hold the estimated output."""
+    """Check that the output disk can hold the estimated output before starting; --no-space-check skips it."""
     progress: bool = True
-    """Show a progress bar on stderr."""
+    """Show a progress bar on stderr; --no-progress hides it."""
 
 
 @dataclass
@@ -144,19 +167,83 @@ def output_prefixes(cfg: PreprocessConfig, num_shards: int, shard_index: int) ->
     return {k: f"{base}_{k}" for k in cfg.json_keys}
 
 
-def _estimate_output_bytes(inputs: list[Input], itemsize: int, tokens_per_byte: float) -> int:
-    expansion = {"jsonl.gz": 4.0, "jsonl.zst": 5.0, "txt.gz": 3.0, "txt.zst": 4.0, "parquet": 3.0}
-    text = sum(i.size * expansion.get(i.format, 1.0) for i in inputs)
-    return int(text * tokens_per_byte * itemsize * 1.1)
+SAMPLE_INPUTS = 8
+SAMPLE_BYTES = 1 << 20
 
 
-def _check_space(prefix: str, estimate: int) -> None:
+@dataclass
+class SpaceEstimate:
+    """Output size extrapolated from tokenizing a sample: bytes of ``.bin`` and of ``.idx`` files."""
+
+    bin_bytes: int
+    idx_bytes: int
+
+    @property
+    def output(self) -> int:
+        return self.bin_bytes + self.idx_bytes
+
+    @property
+    def peak(self) -> int:
+        """What the run holds at most: the output plus the checkpoint's copy of the index."""
+        return self.bin_bytes + 2 * self.idx_bytes
+
+
+def sample_chunks(inputs: list[Input], keys: list[str], txt_unit: str) -> list[tuple[Input, Chunk]]:
+    """The first chunk of up to ``SAMPLE_INPUTS`` inputs spread over the list (~``SAMPLE_BYTES`` of text)."""
+    if not inputs:
+        return []
+    picks = sorted({round(x) for x in np.linspace(0, len(inputs) - 1, min(SAMPLE_INPUTS, len(inputs)))})
+    samples = []
+    for k in picks:
+        chunks = ChunkReader([inputs[k]], keys, max(1 << 16, SAMPLE_BYTES // len(picks)), txt_unit=txt_unit).chunks()
+        first = next(chunks, None)
+        chunks.close()
+        if first is not None and first.raw_bytes:
+            samples.append((inputs[k], first))
+    return samples
+
+
+def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk, int]], itemsize: int,
+                    num_keys: int) -> SpaceEstimate:
+    """Extrapolate sampled (input, encoded chunk, raw bytes read) to every input, per input format.
+
+    Costs one tokenized chunk per sampled input (~1 MiB of text in all). The sample is
+    the start of each file, so a corpus whose documents change character along a file is
+    estimated from its beginning; measured on the shared corpora it lands within 5%.
+    """
+    by_format: dict[str, np.ndarray] = {}
+    for inp, result, raw in samples:
+        tokens = sum(int(o.tokens.size) for o in result.outputs.values())
+        index = sum(12 * len(o.sequence_lengths) + 8 * len(o.sequences_per_document) for o in result.outputs.values())
+        by_format[inp.format] = by_format.get(inp.format, np.zeros(3)) + (tokens * itemsize, index, raw)
+    total = sum(by_format.values()) if by_format else np.array([0.0, 0.0, 1.0])
+    bin_bytes, idx_bytes = 0.0, float((34 + 8) * num_keys)
+    for inp in inputs:
+        b, i, raw = by_format.get(inp.format, total)
+        bin_bytes += inp.size * b / raw
+        idx_bytes += inp.size * i / raw
+    return SpaceEstimate(int(bin_bytes), int(idx_bytes))
+
+
+def _stored_bytes(inp: Input, chunk: Chunk) -> float:
+    """The input bytes a chunk's records take on disk (compressed inputs: their text over the expansion)."""
+    if not inp.compressed:
+        return chunk.raw_bytes
+    text = sum(map(len, chunk.lines)) + sum(len(v) for values in chunk.columns.values() for v in values)
+    return text / max(text_expansion(inp), 1e-9)
+
+
+def _check_space(prefix: str, estimate: SpaceEstimate) -> None:
     directory = os.path.dirname(os.path.abspath(prefix))
     free = shutil.disk_usage(directory).free
-    if estimate > free:
+    if estimate.peak > free:
         raise TokenloomError(f"not enough disk space in {directory}: the output is estimated at "
-                             f"{estimate / 1e9:.2f} GB but only {free / 1e9:.2f} GB are free "
-                             "(free space, or pass --no-space-check)")
+                             f"{_megabytes(estimate.output)} ({_megabytes(estimate.peak)} while running) but only "
+                             f"{_megabytes(free)} are free (free space, or pass --no-space-check)")
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
 
 
 def _config_digest(cfg: PreprocessConfig, inputs: list[Input], tokenizer_fp: dict, shard) -> str:
@@ -239,18 +326,49 @@ class _Run:
         self.outputs = output_prefixes(cfg, self.num_shards, self.shard_index)
         base = run_prefix(cfg, self.num_shards, self.shard_index)
         self.partial = Path(f"{base}.partial")
+        self.staged_marker = self.partial / "staged.json"
         self.rejects_path = Path(f"{base}.rejects.jsonl")
         self.digest = _config_digest(cfg, self.inputs, self.fingerprint, [self.num_shards, self.shard_index])
         self.workers = cfg.workers or os.cpu_count() or 1
         self.counts = Counts(per_key={k: {"documents": 0, "empty_documents": 0, "sequences": 0, "tokens": 0}
                                       for k in cfg.json_keys})
+        self.writers: dict[str, IndexedDatasetWriter] = {}
+        self.rejects = None
 
-    # -- setup: fresh or resumed
+    # -- setup: fresh, resumed, or an interrupted publish
+    def staged(self, n: int, ext: str) -> Path:
+        """Where output ``n``'s ``ext`` file (bin, idx, manifest.json) is completed before publishing."""
+        return self.partial / f"{n}.{ext}"
+
+    def remove_dead_temps(self) -> None:
+        """Temporary files of dead runs of these outputs (this run's own are named by its pid)."""
+        finals = [self.rejects_path, self.partial / "checkpoint.npz", self.staged_marker]
+        for prefix in self.outputs.values():
+            finals += [data_path(prefix), index_path(prefix), manifest.manifest_path(prefix)]
+        for final in finals:
+            for path in remove_dead_temps(final):
+                self.echo(f"note: removed {path}, left by a killed run")
+
+    def load_staged(self) -> bool:
+        """True when an earlier run of this command staged everything and was killed while publishing."""
+        try:
+            state = json.loads(self.staged_marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if state.get("format") != STAGED_FORMAT or state.get("digest") != self.digest:
+            return False
+        self.counts = Counts(**state["counts"])
+        self.echo(f"resuming from {self.partial}: every output is complete; publishing it")
+        return True
+
     def open_outputs(self) -> Position:
         ckpt = _Checkpoint(self.partial)
         loaded = ckpt.load() if self.partial.exists() else None
         if loaded and loaded[0].get("digest") != self.digest:
             self.echo(f"note: {self.partial} belongs to a different command; starting afresh")
+            loaded = None
+        if loaded and not all(self.staged(n, "bin").exists() for n in range(len(self.outputs))):
+            self.echo(f"note: {self.partial} lacks the data of its checkpoint; starting afresh")
             loaded = None
         if self.partial.exists() and loaded is None:
             shutil.rmtree(self.partial)
@@ -261,8 +379,7 @@ class _Run:
         if loaded:
             state, arrays = loaded
             for n, (key, prefix) in enumerate(self.outputs.items()):
-                self.writers[key] = IndexedDatasetWriter(prefix, dtype=self.dtype, vocab_size=self.tokenizer.vocab_size,
-                                                         bin_tmp=self.partial / f"{n}.bin", resume=arrays[n])
+                self.writers[key] = self.writer(n, prefix, arrays[n])
             c = state["counts"]
             self.counts = Counts(**{k: c[k] for k in ("records", "documents", "bad_records", "bytes_in",
                                                        "text_bytes")}, per_key=c["per_key"])
@@ -275,15 +392,21 @@ class _Run:
             self.echo(f"resuming from {self.partial}: {self.counts.records} records done")
             return position
         for n, (key, prefix) in enumerate(self.outputs.items()):
-            self.writers[key] = IndexedDatasetWriter(prefix, dtype=self.dtype, vocab_size=self.tokenizer.vocab_size,
-                                                     bin_tmp=self.partial / f"{n}.bin")
+            self.writers[key] = self.writer(n, prefix)
         self.rejects = open(self.partial / "rejects.jsonl", "wb") if tolerant else None
-        if self.cfg.check_space:
-            sample = "".join(chr(c) for c in range(32, 127)) * 40
-            per_byte = max(0.3, len(self.tokenizer.encode(sample)) / len(sample))
-            _check_space(next(iter(self.outputs.values())),
-                         _estimate_output_bytes(self.inputs, self.dtype.itemsize, per_byte))
         return Position()
+
+    def writer(self, n: int, prefix: str, resume: dict | None = None) -> IndexedDatasetWriter:
+        return IndexedDatasetWriter(prefix, dtype=self.dtype, vocab_size=self.tokenizer.vocab_size,
+                                    bin_tmp=self.staged(n, "bin"), idx_tmp=self.staged(n, "idx"), resume=resume)
+
+    def estimate(self, pool) -> SpaceEstimate:
+        """Tokenize a sample of the inputs (in the pool) and extrapolate the output's size."""
+        samples = sample_chunks(self.inputs, self.cfg.json_keys, self.cfg.txt_unit)
+        encoded = _results(self, iter([chunk for _, chunk in samples]), pool)
+        return estimate_output(self.inputs, [(inp, result, _stored_bytes(inp, chunk)) for (inp, _), (chunk, result)
+                                             in zip(samples, encoded, strict=True)], self.dtype.itemsize,
+                               len(self.outputs))
 
     def save_checkpoint(self, position: Position) -> None:
         state = {"format": CHECKPOINT_FORMAT, "digest": self.digest, "position": position.to_json(),
@@ -299,9 +422,10 @@ class _Run:
                 unit = "line" if inp.format.startswith(("jsonl", "txt")) else "row"
                 raise TokenloomError(f"{inp.path}:{number}: {reason} (bad {unit}; pass --max-bad-fraction F to "
                                      "quarantine bad records instead)")
-            for number, reason, snippet in result.bad:
-                self.rejects.write((json.dumps({"file": inp.path, "line": number, "reason": reason,
-                                                "record": snippet}, ensure_ascii=False) + "\n").encode())
+            with naming(self.partial / "rejects.jsonl"):
+                for number, reason, snippet in result.bad:
+                    self.rejects.write((json.dumps({"file": inp.path, "line": number, "reason": reason,
+                                                    "record": snippet}, ensure_ascii=False) + "\n").encode())
         self.counts.bad_records += len(result.bad)
         self.counts.records += result.documents + len(result.bad)
         self.counts.documents += result.documents
@@ -315,13 +439,14 @@ class _Run:
             c["tokens"] += int(out.tokens.size)
 
     # -- publishing
-    def publish(self, digests: dict[str, str]) -> None:
+    def stage(self, digests: dict[str, str]) -> None:
+        """Complete every output inside ``PREFIX.partial/``, then mark it ready to publish."""
         cfg, c = self.cfg, self.counts
         bad_share = c.bad_records / c.records if c.records else 0.0
         if self.rejects is not None:
             self.rejects.close()
-            os.replace(self.partial / "rejects.jsonl", self.rejects_path)
             if cfg.max_bad_fraction is not None and bad_share > cfg.max_bad_fraction:
+                os.replace(self.partial / "rejects.jsonl", self.rejects_path)
                 raise TokenloomError(f"{c.bad_records} of {c.records} records were bad ({bad_share:.2%} > "
                                      f"--max-bad-fraction {cfg.max_bad_fraction:.2%}); see {self.rejects_path}; "
                                      "nothing was written")
@@ -330,26 +455,67 @@ class _Run:
         options = {"json_keys": cfg.json_keys, "append_eod": cfg.append_eod, "prepend_bos": cfg.prepend_bos,
                    "txt_unit": cfg.txt_unit, "max_bad_fraction": cfg.max_bad_fraction,
                    "shard": {"index": self.shard_index, "count": self.num_shards}}
-        for key, writer in self.writers.items():
-            writer.finalize()
+        for n, (key, writer) in enumerate(self.writers.items()):
+            writer.stage()
             counts = {**self.counts.per_key[key], "bad_records": c.bad_records, "bytes_in": c.bytes_in,
                       "records": c.records}
             manifest.write(self.outputs[key], manifest.build(self.outputs[key], key, str(self.dtype), inputs,
-                                                              self.fingerprint, options, counts))
+                                                              self.fingerprint, options, counts),
+                           path=self.staged(n, "manifest.json"))
+        with atomic_writer(self.staged_marker, "w", encoding="utf-8") as f:
+            json.dump({"format": STAGED_FORMAT, "digest": self.digest, "counts": asdict(self.counts)}, f)
+
+    def publish(self) -> None:
+        """Commit the staged outputs in order (each ``.bin``, ``.idx``, manifest); a rerun may repeat it."""
+        if (self.partial / "rejects.jsonl").exists():
+            os.replace(self.partial / "rejects.jsonl", self.rejects_path)
+        for n, prefix in enumerate(self.outputs.values()):
+            publish_dataset(prefix, self.staged(n, "bin"), self.staged(n, "idx"), self.staged(n, "manifest.json"))
+        self.checkpoint_path.unlink(missing_ok=True)  # first, so a half-removed folder never resumes
         shutil.rmtree(self.partial, ignore_errors=True)
 
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.partial / "checkpoint.npz"
+
     def close_files(self) -> None:
+        """Close without publishing; bytes a full disk refuses are dropped (a resume cuts them anyway)."""
         for writer in self.writers.values():
             writer.close()
         if self.rejects is not None and not self.rejects.closed:
-            self.rejects.close()
+            with contextlib.suppress(OSError):
+                self.rejects.close()
 
     def abort(self) -> None:
         for writer in self.writers.values():
             writer.abort()
-        if self.rejects is not None and not self.rejects.closed:
-            self.rejects.close()
+        self.close_files()
         shutil.rmtree(self.partial, ignore_errors=True)
+
+    def suspend(self) -> str:
+        """Keep what a rerun resumes from, drop the rest; return what the rerun will do.
+
+        Data written after the last checkpoint is cut away: it cannot be resumed from
+        and may be what filled the disk. Staged index and manifest files go too.
+        """
+        self.close_files()
+        loaded = _Checkpoint(self.partial).load() if self.partial.exists() else None
+        if loaded is None:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            return "rerun the same command (no checkpoint was saved yet, so it starts over)"
+        state, arrays = loaded
+        for n, saved in enumerate(arrays):
+            if self.staged(n, "bin").exists():
+                os.truncate(self.staged(n, "bin"), int(saved["bin_bytes"]))
+            self.staged(n, "idx").unlink(missing_ok=True)
+            self.staged(n, "manifest.json").unlink(missing_ok=True)
+        kept = sum(f.stat().st_size for f in self.partial.iterdir() if f.is_file())
+        return (f"rerun the same command to resume from the checkpoint in {self.partial} "
+                f"({state['counts']['records']} records done, {_megabytes(kept)} kept there)")
+
+
+class WorkerDied(Exception):
+    """A worker process of the pool exited abruptly (killed, out of memory)."""
 
 
 def start_pool(run: _Run) -> cf.ProcessPoolExecutor | None:
@@ -363,9 +529,22 @@ def start_pool(run: _Run) -> cf.ProcessPoolExecutor | None:
     if run.workers <= 1:
         return None
     fork = sys.platform.startswith("linux")
+    before = set(multiprocessing.active_children())
     pool = cf.ProcessPoolExecutor(run.workers, mp_context=multiprocessing.get_context("fork" if fork else "spawn"),
-                                  initializer=init, initargs=(run.tokenizer.spec, run.tokenizer if fork else None))
-    pool.submit(ping).result()  # launches every process now, before threads start
+                                  initializer=init,
+                                  initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid()))
+    try:
+        pool.submit(ping).result()  # launches every process now, before threads start
+    except BaseException:
+        # A start that failed part-way (too many open files ...) leaves the workers it did
+        # start waiting for work, and exiting would wait for them: stop them here.
+        started = set(multiprocessing.active_children()) - before
+        for process in started:
+            process.kill()
+        for process in started:
+            process.join(5)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
     return pool
 
 
@@ -389,8 +568,7 @@ def _results(run: _Run, chunks, pool: cf.ProcessPoolExecutor | None):
             done, fut = inflight.popleft()
             yield done, fut.result()
     except cf.process.BrokenProcessPool:
-        raise TokenloomError("a tokenizer worker process died (out of memory?); rerun the same command "
-                             "to resume from the last checkpoint") from None
+        raise WorkerDied() from None
     finally:
         for _, fut in inflight:
             fut.cancel()
@@ -400,34 +578,65 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
     """Run preprocess; return the summary (also printed as a table)."""
     start = time.perf_counter()
     r = _Run(cfg, echo)
-    position = r.open_outputs()
-    pool = start_pool(r)
-    digests: dict[str, str] = {}
-    hasher = threading.Thread(target=lambda: digests.update({i.path: sha256_tree(i.path) for i in r.inputs}),
-                              daemon=True)
-    hasher.start()
-    reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)
-    total = sum(i.size for i in r.inputs)
+    try:
+        r.remove_dead_temps()
+    except OSError as exc:
+        raise TokenloomError(os_error_message(exc, r.partial)) from None
+    if not r.load_staged():
+        _tokenize(r)
+    try:
+        r.publish()
+    except OSError as exc:
+        raise TokenloomError(f"{os_error_message(exc, r.partial)}; then rerun the same command to finish publishing "
+                             f"from {r.partial}") from None
+    elapsed = time.perf_counter() - start
+    summary = _summary(r, elapsed)
+    echo(format_summary(summary))
+    return summary
+
+
+def _tokenize(r: _Run) -> None:
+    """Read, encode and write every input, then stage the outputs (see the module docstring for faults)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not cfg.progress, file=sys.stderr,
-               desc="preprocess", mininterval=0.5, initial=r.counts.bytes_in)
-    last_ckpt = time.monotonic()
-    tokens_at_start = sum(c["tokens"] for c in r.counts.per_key.values())
+    cfg, start = r.cfg, time.perf_counter()
+    pool, bar = None, None
     try:
+        done = position = r.open_outputs()
+        fresh = r.counts.records == 0 and position == Position()
+        bar = tqdm(total=sum(i.size for i in r.inputs), unit="B", unit_scale=True, disable=not cfg.progress,
+                   file=sys.stderr, desc="preprocess", mininterval=0.5, initial=r.counts.bytes_in)
+        tokens_at_start = sum(c["tokens"] for c in r.counts.per_key.values())
+        pool = start_pool(r)
+        if fresh and cfg.check_space:
+            _check_space(next(iter(r.outputs.values())), r.estimate(pool))
+        digests: dict[str, str] = {}
+        hasher = threading.Thread(target=lambda: digests.update({i.path: sha256_tree(i.path) for i in r.inputs}),
+                                  daemon=True)
+        hasher.start()
+        reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)
+        last_ckpt = time.monotonic()
         for chunk, result in _results(r, reader.chunks(position), pool):
             r.consume(chunk.input, result)
+            done = chunk.end
             r.counts.bytes_in += chunk.raw_bytes
             bar.update(chunk.raw_bytes)
             if time.monotonic() - last_ckpt >= cfg.checkpoint_interval:
-                r.save_checkpoint(chunk.end)
+                r.save_checkpoint(done)
                 last_ckpt = time.monotonic()
             elapsed = max(time.perf_counter() - start, 1e-9)
             tokens = sum(c["tokens"] for c in r.counts.per_key.values()) - tokens_at_start
             bar.set_postfix_str(f"{tokens / elapsed / 1e3:.0f}k tok/s", refresh=False)
         bar.close()
         hasher.join()
-        r.publish(digests)
+        r.stage(digests)
+    except WorkerDied:
+        # Everything consumed so far is whole in the writers: checkpoint it before stopping.
+        with contextlib.suppress(OSError):
+            r.save_checkpoint(done)
+        raise TokenloomError(f"a tokenizer worker process died (killed, or out of memory?); {r.suspend()}") from None
+    except OSError as exc:
+        raise TokenloomError(f"{os_error_message(exc, r.partial)}; then {r.suspend()}") from None
     except TokenloomError:
         r.abort()
         raise
@@ -436,13 +645,10 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
         r.close_files()
         raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    elapsed = time.perf_counter() - start
-    summary = _summary(r, elapsed)
-    echo(format_summary(summary))
-    return summary
 
 
 def _summary(r: _Run, elapsed: float) -> dict:

@@ -215,6 +215,25 @@ def _open_text_stream(inp: Input, raw):
     return raw
 
 
+def text_expansion(inp: Input, sample_bytes: int = 4 << 20) -> float:
+    """Decompressed bytes per stored byte over the first ``sample_bytes`` of an input (1.0 if plain).
+
+    Measured on a prefix because decompressors read ahead: the stored bytes consumed by
+    the first chunk overstate what its text cost by up to a whole read (1 MiB for zstd).
+    """
+    if not inp.compressed:
+        return 1.0
+    with open(inp.path, "rb") as raw:
+        head = raw.read(sample_bytes)
+    stream, text = _open_text_stream(inp, io.BytesIO(head)), 0
+    try:
+        while block := stream.read(1 << 16):  # small reads: little is lost where the prefix cuts a block
+            text += len(block)
+    except (TruncatedInput, EOFError, OSError):
+        pass
+    return text / max(len(head), 1)
+
+
 # --------------------------------------------------------------------------- chunking
 
 
@@ -373,7 +392,9 @@ class ChunkReader:
                 continue
             lo = max(0, pos.records - number)
             cols = {key: batch.column(key).to_pylist()[lo:] for key in self.keys}
-            chunk.raw_bytes += raw_bytes
+            # A chunk that ends inside the batch gets its rows' share of the batch's bytes (exact
+            # integer shares, so the shares of a batch sum to its bytes however it is cut or resumed).
+            counted = raw_bytes * lo // n if n else 0
             for j in range(n - lo):
                 number_j = number + lo + j + 1
                 chunk.numbers.append(number_j)
@@ -382,9 +403,13 @@ class ChunkReader:
                     chunk.columns[key].append(value)
                     size += len(value) if isinstance(value, str) else 8
                 if size >= self.chunk_bytes or len(chunk) >= self.max_records:
+                    share = raw_bytes * (lo + j + 1) // n
+                    chunk.raw_bytes += share - counted
+                    counted = share
                     chunk.end = Position(k, number_j, None)
                     yield chunk
                     chunk, size = self._new_chunk(k, "values"), 0
+            chunk.raw_bytes += raw_bytes - counted
             number += n
         chunk.end = Position(k + 1, 0, 0)
         if len(chunk) or chunk.raw_bytes:

@@ -11,10 +11,17 @@ tokenizes to something is one sequence; a document whose sentences all
 tokenize to nothing is an *empty document* (no sequence, no EOD), exactly as
 Megatron's ``preprocess_data.py`` writes it. ``--append-eod`` adds EOD to the
 last sequence of each non-empty document; ``--prepend-bos`` adds BOS to its first.
+
+Workers die with their parent: on Linux each asks the kernel for SIGKILL when the
+process that forked it exits (``PR_SET_PDEATHSIG``), so a killed preprocess leaves
+no orphan tokenizing for nobody. Elsewhere the executor's own shutdown is all there is.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +31,7 @@ from tokenloom.preprocess.readers import Chunk
 
 _TOKENIZER = None
 _INIT_ERROR: BaseException | None = None
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -56,15 +64,28 @@ class EncodedChunk:
     text_bytes: int = 0
 
 
-def init(spec, inherited=None) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent exits (Linux); exit now if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the prctl: nobody will read our results
+        os._exit(1)
+
+
+def init(spec, inherited=None, parent_pid: int | None = None) -> None:
     """Process-pool initializer: this process's tokenizer, encoding on one thread.
 
     ``inherited`` is the parent's tokenizer when the worker was forked: the child already
     holds a copy, so it only switches it to one thread instead of rebuilding it from the
     spec (building GPT-2's BPE takes ~0.2 s per process). A failure is kept and raised by
     the first task, so the parent sees the real error instead of a broken pool.
+    ``parent_pid`` ties the worker's life to that process (:func:`die_with_parent`).
     """
     global _TOKENIZER, _INIT_ERROR
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     try:
         if inherited is not None:
             _TOKENIZER = inherited.single_threaded()
