@@ -3,8 +3,9 @@
 Layout::
 
     CACHE_DIR/<key>/<name>.npy     one array per file, plain .npy (np.load(allow_pickle=False))
-    CACHE_DIR/<key>/meta.json      array names and the description the key was hashed from
+    CACHE_DIR/<key>/meta.json      each array's size and BLAKE3, and the description the key was hashed from
     CACHE_DIR/<key>.lock           flock taken by the one process that builds the entry
+    CACHE_DIR/<key>.tmp-<host>-<pid>-<random>/   an entry being written (or left by a killed builder)
 
 ``key`` is the SHA-256 of a canonical JSON description of everything that changes
 the arrays: the config *and* a digest of every source's ``.idx`` bytes and
@@ -13,9 +14,12 @@ Megatron (keyed by path) silently reuses stale indices.
 
 Safety: an entry is written into a temporary directory, every file fsynced, and
 the directory renamed into place, so it appears whole or not at all (a killed
-builder leaves only a ``<key>.tmp-*`` directory). Local builders serialise on an
-exclusive ``flock`` and re-check after taking it, so N processes started together do
-one build and N loads. A hit only memory-maps the files (``mmap_mode="r"``).
+builder leaves only a ``<key>.tmp-*`` directory, which the next process that opens the
+cache removes once its owner is dead). Local builders serialise on an exclusive
+``flock`` and re-check after taking it, so N processes started together do one build
+and N loads. A hit maps large files (``mmap_mode="r"``) and reads small ones; an entry
+whose files no longer match the sizes and checksums recorded at publish time (a
+truncated ``.npy``, a lost file) is rebuilt with a warning instead of crashing the run.
 
 Distributed runs do not trust ``flock`` (unreliable on some shared filesystems):
 :func:`elect_builders` finds out which ranks share a filesystem by having each rank
@@ -28,10 +32,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
+import socket
+import sys
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,7 +47,7 @@ import blake3
 import numpy as np
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer, fsync_dir, temp_name
+from tokenloom.fsio import atomic_writer, fsync_dir
 
 Arrays = dict[str, np.ndarray]
 _DIGESTS: dict[str, str] = {}
@@ -99,8 +107,50 @@ def source_digest(prefix: str, memo_dir: str | os.PathLike | None = None) -> str
         return digest
 
 
+class DamagedEntry(Exception):
+    """A finished entry whose files disagree with the sizes or checksums recorded at publish time."""
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+class _HashingWriter:
+    """A write-only file wrapper that counts and BLAKE3-hashes what passes through it."""
+
+    def __init__(self, f):
+        self.f, self.hash, self.size = f, blake3.blake3(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.hash.update(view)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+
 class ArrayCache:
-    """Entries of named numpy arrays under ``cache_dir``, keyed by content."""
+    """Entries of named numpy arrays under ``cache_dir``, keyed by content.
+
+    Reading policy: arrays up to ``map_threshold`` bytes are read into memory and their
+    BLAKE3 checked against the one recorded at publish time (free at that size); larger
+    ones are memory-mapped and checked by size and ``.npy`` header only, since hashing a
+    multi-GB index on every start would cost seconds. Reading small arrays instead of
+    mapping them keeps the process's descriptors and mappings bounded however many
+    entries a blend of thousands of sources loads (each mapping holds a descriptor in
+    Python < 3.13, and the kernel caps mappings at ``vm.max_map_count``).
+    """
+
+    map_threshold = 1 << 20
 
     def __init__(self, cache_dir: str | os.PathLike):
         self.dir = Path(cache_dir)
@@ -108,55 +158,116 @@ class ArrayCache:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TokenloomError(f"--cache-dir {self.dir}: cannot create ({exc.strerror})") from None
+        self.sweep()
 
     def entry(self, key: str) -> Path:
         return self.dir / key
 
-    def load(self, key: str) -> Arrays | None:
-        """The entry's arrays, memory-mapped, or None if absent or incomplete."""
-        entry = self.entry(key)
-        meta_path = entry / "meta.json"
-        if not meta_path.exists():
+    def temp_dir(self, key: str) -> Path:
+        """``<key>.tmp-<host>-<pid>-<random>``: the name says who owns it (see :meth:`sweep`)."""
+        return self.dir / f"{key}.tmp-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def sweep(self, key: str = "*") -> int:
+        """Remove ``<key>.tmp-*`` folders whose builder is dead (same host, pid gone); the number removed.
+
+        Folders of builders on other hosts are left alone: their liveness cannot be seen
+        from here, and the next build on their host removes them.
+        """
+        removed, host = 0, _host_tag()
+        for tmp in self.dir.glob(f"{key}.tmp-*"):
+            parts = tmp.name.rsplit(".tmp-", 1)[1].split("-")
+            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed += 1
+        return removed
+
+    def _read_meta(self, key: str) -> dict | None:
+        meta_path = self.entry(key) / "meta.json"
+        try:
+            text = meta_path.read_text()
+        except FileNotFoundError:
             return None
-        meta = json.loads(meta_path.read_text())
-        # Plain ndarray views of the mappings (np.asarray drops the memmap subclass, whose
-        # per-access overhead dominates reading single samples); the maps stay alive as .base.
-        return {name: np.asarray(np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False))
-                for name in meta["arrays"]}
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise DamagedEntry("meta.json is not valid JSON") from None
+
+    def load(self, key: str) -> Arrays | None:
+        """The entry's arrays, or None if absent or incomplete; raises :class:`DamagedEntry`."""
+        meta = self._read_meta(key)
+        if meta is None:
+            return None
+        entry = self.entry(key)
+        recorded = meta["arrays"]
+        if isinstance(recorded, list):  # an entry published before sizes were recorded
+            recorded = {name: None for name in recorded}
+        out = {}
+        for name, record in recorded.items():
+            path = entry / f"{name}.npy"
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise DamagedEntry(f"{name}.npy is missing") from None
+            if record is not None and size != record["bytes"]:
+                raise DamagedEntry(f"{name}.npy has {size} bytes, {record['bytes']} when published")
+            try:
+                if record is not None and size <= self.map_threshold:
+                    data = path.read_bytes()
+                    if blake3.blake3(data).hexdigest() != record["blake3"]:
+                        raise DamagedEntry(f"{name}.npy does not match its checksum")
+                    out[name] = np.load(io.BytesIO(data), allow_pickle=False)
+                else:
+                    # Plain ndarray views of the mappings (np.asarray drops the memmap subclass, whose
+                    # per-access overhead dominates reading single samples); the maps stay alive as .base.
+                    out[name] = np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
+            except ValueError as exc:  # a header or length that does not parse
+                raise DamagedEntry(f"{name}.npy: {exc}") from None
+        return out
 
     def description(self, key: str) -> dict | None:
-        meta_path = self.entry(key) / "meta.json"
-        return json.loads(meta_path.read_text()).get("description") if meta_path.exists() else None
+        meta = self._read_meta(key)
+        return None if meta is None else meta.get("description")
 
     def store(self, key: str, arrays: Arrays, description: dict | None = None) -> None:
         """Publish an entry whole: files go to a temporary directory beside it, each is fsynced,
         then the directory is fsynced and renamed into place, and the cache directory fsynced.
 
-        One rename publishes every array, so an entry costs one fsync per file plus two
-        directory fsyncs (renaming each file in would add a directory fsync per file), and
+        meta.json records every file's size and BLAKE3 (hashed from the bytes written,
+        so a later truncation or overwrite is detected on load). One rename publishes
+        every array, so an entry costs one fsync per file plus two directory fsyncs, and
         readers never see an entry with some arrays missing. Callers hold :meth:`lock`.
         """
         entry = self.entry(key)
-        tmp = Path(temp_name(entry))
+        tmp = self.temp_dir(key)
         tmp.mkdir(parents=True)
         try:
+            records = {}
             for name, arr in arrays.items():
                 with open(tmp / f"{name}.npy", "wb") as f:
-                    np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+                    hashing = _HashingWriter(f)  # numpy writes through it in bounded chunks
+                    np.save(hashing, np.ascontiguousarray(arr), allow_pickle=False)
                     f.flush()
                     os.fsync(f.fileno())
+                records[name] = {"bytes": hashing.size, "blake3": hashing.hash.hexdigest()}
             with open(tmp / "meta.json", "w") as f:
-                f.write(canonical_json({"arrays": sorted(arrays), "description": description}))
+                f.write(canonical_json({"arrays": records, "description": description}))
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(tmp / "meta.json")
-            if entry.exists():  # an incomplete entry (no meta.json) left by an older layout
-                shutil.rmtree(entry)
+            if entry.exists():  # an incomplete or damaged entry
+                self._discard(entry)
             os.rename(tmp, entry)
             fsync_dir(entry)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def _discard(self, entry: Path) -> None:
+        """Move a bad entry out of the way in one rename (readers never see it half-deleted), then delete it."""
+        doomed = self.temp_dir(entry.name)
+        os.rename(entry, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     @contextlib.contextmanager
     def lock(self, key: str):
@@ -170,14 +281,29 @@ class ArrayCache:
     def get_or_build(
         self, key: str, build: Callable[[], Arrays], description: dict | None = None, may_build: bool = True
     ) -> tuple[Arrays, bool]:
-        """(arrays, built_here). Exactly one local process builds a missing entry; the rest wait and load."""
-        found = self.load(key)
+        """(arrays, built_here). Exactly one local process builds a missing entry; the rest wait and load.
+
+        A damaged entry (sizes or checksums that differ from those recorded at publish
+        time) is rebuilt under the lock, with a warning on stderr.
+        """
+        try:
+            found = self.load(key)
+        except DamagedEntry as exc:
+            if not may_build:
+                raise TokenloomError(f"cache entry {self.entry(key)} is damaged ({exc}) and this rank may not "
+                                     "rebuild it; rerun `build` with this --cache-dir") from None
+            found = None
         if found is not None:
             return found, False
         if not may_build:
             raise TokenloomError(f"cache entry {self.entry(key)} is missing and this rank may not build it")
         with self.lock(key):
-            found = self.load(key)
+            found = None
+            try:
+                found = self.load(key)
+            except DamagedEntry as exc:
+                print(f"warning: cache entry {self.entry(key)} is damaged ({exc}); rebuilding it", file=sys.stderr)
+                self._discard(self.entry(key))
             if found is not None:
                 return found, False
             self.store(key, build(), description)
