@@ -42,10 +42,10 @@ def cfg_for(sources, tmp_path, **kw):
 
 def test_warm_cache_only_loads(sources, tmp_path):
     first = build(cfg_for(sources, tmp_path))
-    assert first.builds == 9 and first.hits == 0  # 2 sources x 3 splits + 3 blends
+    assert first.builds == 3 and first.hits == 0  # one bundle entry per split
     start = time.perf_counter()
     again = build(cfg_for(sources, tmp_path))
-    assert again.builds == 0 and again.hits == 9
+    assert again.builds == 0 and again.hits == 3
     assert time.perf_counter() - start < 1.0
     assert again.fingerprint == first.fingerprint
     assert np.array_equal(np.asarray(again.train.dataset_index), np.asarray(first.train.dataset_index))
@@ -80,7 +80,7 @@ def test_eight_concurrent_builders_build_once(sources, tmp_path):
     results = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(60)
-    assert sum(r[0] for r in results) == 9  # every entry built exactly once across the 8 processes
+    assert sum(r[0] for r in results) == 3  # every entry built exactly once across the 8 processes
     assert len({(r[1], tuple(r[2])) for r in results}) == 1
 
 
@@ -174,7 +174,7 @@ def test_cli_build_and_errors(sources, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["builds"] == 9 and os.path.getsize(tmp_path / "p.png") > 1000
+    assert report["builds"] == 3 and os.path.getsize(tmp_path / "p.png") > 1000
     bad = run_cli("build", "--data", "0.4", sources[0], "0.6", "--seq-length", 64, "--num-samples", "10")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
 
@@ -217,4 +217,4 @@ def test_distributed_build_once_per_filesystem(sources, tmp_path, layout):
         p.join(60)
     builds = [r[1] for r in results]
     assert len({r[2] for r in results}) == 1
-    assert builds == ([9, 0] if layout == "shared" else [9, 9])
+    assert builds == ([3, 0] if layout == "shared" else [3, 3])

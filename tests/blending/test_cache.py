@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from tokenloom.blending.cache import ArrayCache, content_key, elect_builders, source_digest
+from tokenloom.blending.cache import ArrayCache, content_key, elect_builders
+from tokenloom.blending.sources import source_metadata
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDatasetWriter
 
@@ -67,10 +68,10 @@ def test_key_follows_content_not_path(tmp_path):
                 w.add_document(doc)
 
     write([[1, 2, 3], [4]])
-    first = source_digest(str(tmp_path / "src"))
+    first = source_metadata([str(tmp_path / "src")])[str(tmp_path / "src")].digest
     time.sleep(0.01)
     write([[1, 2], [3, 4]])  # "re-tokenized" into the same prefix
-    second = source_digest(str(tmp_path / "src"))
+    second = source_metadata([str(tmp_path / "src")])[str(tmp_path / "src")].digest
     assert first != second
     assert content_key({"a": 1, "b": [1, 2]}) == content_key({"b": [1, 2], "a": 1})
     assert content_key({"seq": 1024}) != content_key({"seq": 2048})

@@ -222,7 +222,7 @@ class GPTDataset:
         self.num_samples = num_samples
         self.split = split
         self.config = config
-        self.indices = indices or build_gpt_indices(
+        self.indices = indices if indices is not None else build_gpt_indices(
             source.sequence_lengths, documents, num_samples, split, config
         )
 
