@@ -86,14 +86,13 @@ def _compute(prefix: str) -> SourceMeta:
 
     _, sequences, document_indices = read_header(f"{prefix}.idx")
     h = blake3.blake3()
-    buffer = bytearray(1 << 22)
     for path in (Path(f"{prefix}.idx"), Path(f"{prefix}.manifest.json")):
         if not path.exists():
             continue
         h.update(path.name.encode())
         with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buffer):
-                h.update(memoryview(buffer)[:n])
+            while chunk := f.read(1 << 22):  # sized to the file when smaller: no 4 MiB buffer per source
+                h.update(chunk)
     saved = manifest.read(prefix)
     tokenizer = ids_key(saved["tokenizer"]) if saved is not None else None
     return SourceMeta(h.hexdigest(), sequences, document_indices - 1, tokenizer)
