@@ -218,3 +218,51 @@ def test_distributed_build_once_per_filesystem(sources, tmp_path, layout):
     builds = [r[1] for r in results]
     assert len({r[2] for r in results}) == 1
     assert builds == ([3, 0] if layout == "shared" else [3, 3])
+
+
+def _slow_open(prefix):
+    from tokenloom.blending.sources import LazySource
+
+    time.sleep(3.0)  # two sources: the build outlasts the process group's 3 s timeout
+    return LazySource(prefix)
+
+
+def _node_rank_main(rank, world, store_dir, cache_dirs, sources, out):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tokenloom.blending.cache import SharedBuild
+
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=3))
+    lines = []
+    shared = SharedBuild(rank, world, dist.barrier, run_id="node-run", timeout=120, report_every=1.0,
+                         echo=lines.append)
+    cfg = BuildConfig(data=[(0.4, sources[0]), (0.6, sources[1])], cache_dir=str(cache_dirs[rank]), seq_length=64,
+                      num_samples=(1000, 50, 10), split="90,8,2")
+    result = build(cfg, open_source=_slow_open if rank % 2 == 0 else None, shared=shared)
+    dist.barrier()  # the process group is still healthy after the long wait
+    arrays = [np.asarray(result.train.dataset_index), np.asarray(result.train.datasets[1].indices.shuffle_index)]
+    out.put((rank, result.builds, result.fingerprint, [a.tobytes().hex()[:4096] for a in arrays], len(lines)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_node_local_caches_build_once_per_node_and_waiters_outlive_the_collective_timeout(sources, tmp_path):
+    world = 4  # two "nodes" of two ranks, each node with its own cache directory (no shared filesystem)
+    cache_dirs = [tmp_path / f"node{r // 2}" for r in range(world)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_node_rank_main, args=(r, world, tmp_path, cache_dirs, sources, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [r[1] for r in results] == [3, 0, 3, 0]  # one build per node
+    assert len({(r[2], tuple(r[3])) for r in results}) == 1  # every rank reads identical arrays
+    assert results[1][4] >= 2 and results[3][4] >= 2  # the waiting ranks reported progress
+    assert all((tmp_path / f"node{n}" / ".runs" / "node-run.done").exists() for n in range(2))

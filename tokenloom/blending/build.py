@@ -99,6 +99,7 @@ class BuildResult:
     fingerprint: str = ""
     builds: int = 0  # index entries computed by this process
     hits: int = 0  # index entries loaded from the cache
+    sources: dict[str, SourceMeta] = field(default_factory=dict)  # prefix -> what the build read of it
 
     @property
     def train(self):
@@ -497,12 +498,21 @@ def build(cfg: BuildConfig, open_source=None, shared=None) -> BuildResult:
     ``shared``: in a distributed run, a :class:`tokenloom.blending.cache.SharedBuild` so
     that ranks sharing the cache filesystem build once (every rank must call this).
     """
-    if shared is not None and cfg.cache_dir and not cfg.dry_run:
-        return shared.run(cfg.cache_dir, lambda may_build: _build(cfg, open_source, may_build))
-    return _build(cfg, open_source, True)
+    if shared is None or not cfg.cache_dir or cfg.dry_run:
+        return _build(cfg, open_source, True)
+
+    def lead(progress):
+        result = _build(cfg, open_source, True, progress=progress)
+        return result, {"sources": {p: dataclasses.asdict(m) for p, m in result.sources.items()}}
+
+    def follow(payload):  # the builder's source records: no per-source file access here
+        metas = {p: SourceMeta(**m) for p, m in payload["sources"].items()}
+        return _build(cfg, open_source, False, metas=metas)
+
+    return shared.run(cfg.cache_dir, lead, follow)
 
 
-def _build(cfg: BuildConfig, open_source, may_build: bool, progress=None) -> BuildResult:
+def _build(cfg: BuildConfig, open_source, may_build: bool, progress=None, metas=None) -> BuildResult:
     if cfg.mode not in ("megatron", "tokens"):
         raise TokenloomError(f"--mode must be megatron or tokens, got {cfg.mode!r}")
     if cfg.mode == "megatron" and cfg.train_tokens is not None:
@@ -529,7 +539,8 @@ def _build(cfg: BuildConfig, open_source, may_build: bool, progress=None) -> Bui
         bookends = [(0.0, 1.0) if all_pairs[s] else None for s in Split]
     cache = ArrayCache(cfg.cache_dir) if cfg.cache_dir and not cfg.dry_run else None
     prefixes = sorted({p for pairs in all_pairs.values() for _, p in pairs})
-    metas = source_metadata(prefixes, cache.dir if cache is not None else None)
+    if metas is None or set(metas) != set(prefixes):
+        metas = source_metadata(prefixes, cache.dir if cache is not None else None)
     check_tokenizers(metas)
     builder = CachedBlendBuilder(
         blend_cfg, cache, may_build, metas, progress, **({"open_source": open_source} if open_source else {})
@@ -540,7 +551,7 @@ def _build(cfg: BuildConfig, open_source, may_build: bool, progress=None) -> Bui
             if bookends[s] is not None and all_pairs[s] and sizes[s]:
                 _check_token_mix(builder, cfg, all_pairs[s], s, sizes[s], bookends[s])
     datasets = builder.build(sizes)
-    result = BuildResult(datasets)
+    result = BuildResult(datasets, sources=metas)
     for s in Split:
         ds = datasets[s]
         if ds is None:

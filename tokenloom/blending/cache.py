@@ -25,7 +25,8 @@ truncated ``.npy``, a lost file) is rebuilt with a warning instead of crashing t
 Distributed runs do not trust ``flock`` (unreliable on some shared filesystems):
 :func:`elect_builders` finds out which ranks share a filesystem by having each rank
 drop a nonce file and look for the others' (detected, not configured); the
-lowest rank of each filesystem builds while the rest wait at a barrier.
+lowest rank of each filesystem builds while the rest poll the cache directory for
+its hand-over file (:class:`SharedBuild`), with progress and a timeout of their own.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -308,25 +310,113 @@ def elect_builders(
 
 
 class SharedBuild:
-    """One build per filesystem in a distributed run.
+    """One build per filesystem in a distributed run; the other ranks wait on the cache, not a collective.
 
-    Every rank calls :meth:`run` once with the same build function: the lowest rank
-    of each filesystem (see :func:`elect_builders`) builds and stores every entry,
-    then all ranks meet at one barrier; the others then run the same function, which
-    only loads (``may_build=False``). One election and one barrier per build, so
-    builders may use threads freely. ``run_id`` must be equal on all ranks and unique
-    to this run (e.g. a nonce broadcast from rank 0).
+    Every rank calls :meth:`run` once: the lowest rank of each filesystem (see
+    :func:`elect_builders`) builds, writing its progress to
+    ``CACHE_DIR/.runs/<run_id>.progress`` and, when done, ``<run_id>.done`` holding a
+    JSON payload for the others (or ``<run_id>.failed`` with its error). The others
+    poll those files -- printing what the builder has done every ``report_every``
+    seconds -- for up to ``timeout`` seconds, then run the follower function on the
+    payload. A build of hours therefore never meets the process group's collective
+    timeout (30 minutes by default), and node-local cache directories work: each
+    node's lowest rank builds into its own. A follower stops early if the builder died
+    on this host. ``run_id`` must be equal on all ranks and unique to this run.
     """
 
-    def __init__(self, rank: int, world_size: int, barrier: Callable[[], None], run_id: str):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        barrier: Callable[[], None],
+        run_id: str,
+        timeout: float = 6 * 3600,
+        report_every: float = 30.0,
+        echo: Callable[[str], None] | None = None,
+    ):
         self.rank, self.world_size, self.barrier, self.run_id = rank, world_size, barrier, run_id
+        self.timeout, self.report_every = timeout, report_every
+        self.echo = echo or (lambda line: print(line, flush=True))
 
-    def run(self, cache_dir: str | os.PathLike, build: Callable[[bool], object]):
-        """``build(may_build)`` on the elected rank first, then on the others."""
+    def run(self, cache_dir: str | os.PathLike, lead: Callable, follow: Callable):
+        """``lead(progress) -> (result, payload)`` on the elected rank; ``follow(payload) -> result`` on the rest.
+
+        ``progress(done, total)`` may be called by ``lead`` as often as it likes (written at
+        most once a second); ``payload`` must be JSON-serialisable.
+        """
         leader = elect_builders(cache_dir, self.rank, self.world_size, self.barrier, self.run_id)
-        if self.rank == leader:
-            result = build(True)
-            self.barrier()
-            return result
-        self.barrier()
-        return build(False)
+        runs = Path(cache_dir) / ".runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        base = runs / self.run_id
+        if self.rank != leader:
+            return follow(self._wait(base, leader, Path(cache_dir)))
+        _forget_old_runs(runs)
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 1.0 or done == total:
+                last[0] = now
+                _write_json(base.with_suffix(".progress"), {"done": done, "total": total})
+
+        _write_json(base.with_suffix(".owner"), {"host": _host_tag(), "pid": os.getpid()})
+        try:
+            result, payload = lead(progress)
+        except BaseException as exc:
+            _write_json(base.with_suffix(".failed"), {"error": str(exc) or type(exc).__name__})
+            raise
+        _write_json(base.with_suffix(".done"), payload)
+        return result
+
+    def _wait(self, base: Path, leader: int, cache_dir: Path):
+        start = time.monotonic()
+        next_report, delay = start + self.report_every, 0.05
+        while True:
+            try:
+                return json.loads(base.with_suffix(".done").read_text())
+            except (FileNotFoundError, ValueError):
+                pass
+            failed = _read_json(base.with_suffix(".failed"))
+            if failed is not None:
+                raise TokenloomError(f"rank {leader} failed to build the index cache in {cache_dir}: {failed['error']}")
+            owner = _read_json(base.with_suffix(".owner"))
+            if owner and owner["host"] == _host_tag() and not _pid_alive(owner["pid"]):
+                raise TokenloomError(f"rank {leader} (pid {owner['pid']}) died while building the index cache in "
+                                     f"{cache_dir}; rerun the job (finished entries are kept)")
+            now = time.monotonic()
+            if now - start > self.timeout:
+                raise TokenloomError(
+                    f"rank {self.rank} waited {now - start:.0f} s for rank {leader} to build the index cache in "
+                    f"{cache_dir}; raise data.blend.build_timeout (now {self.timeout:g} s) or run `build` with "
+                    "this --cache-dir before the job")
+            if now >= next_report:
+                state = _read_json(base.with_suffix(".progress")) or {}
+                done = f"{state['done']}/{state['total']} blend members built" if state else "starting"
+                self.echo(f"rank {self.rank}: waiting for rank {leader} to build the index cache in {cache_dir}: "
+                          f"{done}, {now - start:.0f} s elapsed (timeout {self.timeout:g} s)")
+                next_report = now + self.report_every
+            time.sleep(delay)
+            delay = min(1.0, delay * 1.5)
+
+
+def _write_json(path: Path, doc) -> None:
+    """Written whole (temp name, rename), so a poller sees all of it or nothing."""
+    tmp = path.with_name(f"{path.name}.tmp-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _forget_old_runs(runs: Path, age: float = 7 * 86400) -> None:
+    """Hand-over files of runs older than a week (every follower has long read them)."""
+    cutoff = time.time() - age
+    for path in runs.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
