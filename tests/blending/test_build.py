@@ -266,3 +266,20 @@ def test_node_local_caches_build_once_per_node_and_waiters_outlive_the_collectiv
     assert len({(r[2], tuple(r[3])) for r in results}) == 1  # every rank reads identical arrays
     assert results[1][4] >= 2 and results[3][4] >= 2  # the waiting ranks reported progress
     assert all((tmp_path / f"node{n}" / ".runs" / "node-run.done").exists() for n in range(2))
+
+
+def test_cli_rebuilds_a_truncated_cache_entry_with_the_same_arrays(sources, tmp_path):
+    args = ["build", "--data", "0.4", sources[0], "0.6", sources[1], "--seq-length", 64, "--split", "90,8,2",
+            "--num-samples", "20000,20,5", "--cache-dir", tmp_path / "c", "--json"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    key = json.loads(first.stdout)["keys"]["train"]
+    npy = tmp_path / "c" / key / "shuffle_index.npy"
+    reference = np.load(npy)
+    npy.write_bytes(npy.read_bytes()[: npy.stat().st_size // 2])  # a damaged, finished entry
+    (tmp_path / "c" / f"{key}.tmp-00000000-1-deadbeef").mkdir()  # another host's leftovers stay
+    again = run_cli(*args)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert "damaged" in again.stderr and json.loads(again.stdout)["builds"] == 1
+    assert np.array_equal(np.load(npy), reference)
+    assert (tmp_path / "c" / f"{key}.tmp-00000000-1-deadbeef").is_dir()
