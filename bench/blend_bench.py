@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import best_interleaved, best_of, print_table  # noqa: E402
 
 from tokenloom.blending.build import BuildConfig, build  # noqa: E402
-from tokenloom.blending.cache import _DIGESTS  # noqa: E402
 from tokenloom.blending.loader import GPTSamples, SampleConfig  # noqa: E402
+from tokenloom.blending.sources import clear_memo  # noqa: E402
 from tokenloom.indexed.format import write_index  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def sparse_source(prefix: Path, num_sequences: int, max_length: int, seed: int) 
     return str(prefix)
 
 
-class _Tokenizer:  # what megatron's GPTDatasetConfig needs from a tokenizer
+class BenchTokenizer:  # what megatron's GPTDatasetConfig needs from a tokenizer
     vocab_size = 32000
     eod = 0
     unique_identifiers = {"class": "BenchTokenizer"}
@@ -80,7 +80,7 @@ def main() -> None:
     def megatron(cache_dir=None):
         config = mgpt.GPTDatasetConfig(
             random_seed=1234, sequence_length=args.seq_length, blend=(prefixes, weights), split=split,
-            tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            tokenizer=BenchTokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
             path_to_cache=cache_dir or tempfile.mkdtemp(dir=tmp))  # None would cache beside the sources
         return BlendedMegatronDatasetBuilder(mgpt.GPTDataset, sizes, lambda: True, config).build()
 
@@ -91,7 +91,7 @@ def main() -> None:
     def cold(fn):
         def timed() -> float:
             cache_dir = tempfile.mkdtemp(dir=tmp)
-            _DIGESTS.clear()  # count the content digest of every source each time, as a new process would
+            clear_memo()  # count the content digest of every source each time, as a new process would
             start = time.perf_counter()
             fn(cache_dir)
             elapsed = time.perf_counter() - start
