@@ -193,7 +193,7 @@ def _check_members(datasets: list[GPTDataset], weights: Sequence[float]) -> None
         raise TokenloomError(f"at most {MAX_BLEND_MEMBERS} sources per blend, got {len(datasets)}")
     if len(weights) != len(datasets):
         raise TokenloomError(f"{len(datasets)} blend members but {len(weights)} weights")
-    empty = [_name(ds) for ds, w in zip(datasets, weights, strict=True) if not w > 0]
+    empty = [_name(datasets[d]) for d, w in enumerate(weights) if not w > 0]  # members may be made lazily
     if empty:
         raise TokenloomError(
             f"the {datasets[0].split.name} blend has sources with no samples: {empty}; "

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,33 +217,16 @@ class CachedBlendBuilder(BlendBuilder):
         return out
 
     def _unbundle(self, arrays, blend, bookend, counts, split: Split, key: str) -> BlendedDataset:
-        """The split's BlendedDataset over views of a bundle entry's arrays (no copies)."""
-        offsets, table = arrays["offsets"].tolist(), arrays["members"].tolist()
-        document_index, sample_index, shuffle_index = (
-            arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"]
-        )
+        """The split's BlendedDataset over a bundle entry's arrays; members are made on first use."""
         if blend.weights is not None:
             weights: list = normalize(blend.weights)
             buffers = [b[split] for b in sample_budgets(weights, counts, self.config.mid_level_dataset_surplus)]
         else:
-            weights = [offsets[d + 1][1] - offsets[d][1] - 1 for d in range(len(blend.prefixes))]
             buffers = [None] * len(blend.prefixes)
-        members = []
-        for d, prefix in enumerate(blend.prefixes):
-            (a0, b0, c0), (a1, b1, c1) = offsets[d], offsets[d + 1]
-            epochs, separate, tokens = table[d]
-            indices = GPTIndices(
-                document_index[a0:a1],
-                sample_index[b0:b1],
-                shuffle_index[c0:c1],
-                num_epochs=epochs,
-                separate_final_epoch=bool(separate),
-                tokens_per_epoch=tokens,
-            )
-            source = self.source(prefix)
-            documents = range(*split_bounds(bookend, len(source)))
-            members.append(GPTDataset(source, documents, buffers[d], split, self.config.gpt, indices=indices))
-            self.keys[id(indices)] = key
+        members = BundleMembers([self.source(p) for p in blend.prefixes], bookend, buffers, split,
+                                self.config.gpt, arrays, key)
+        if blend.weights is None:
+            weights = members.lengths()
         size = int(arrays["size"][0])
         self.keys[("blend", split)] = key
         return BlendedDataset(
@@ -316,6 +300,61 @@ class CachedBlendBuilder(BlendBuilder):
         arrays = self._cached(key, description, build)
         self.keys[("blend", split)] = key
         return arrays["dataset_index"], arrays["dataset_sample_index"]
+
+
+class BundleMembers(Sequence):
+    """The members of a blend split read from a bundle entry, each GPTDataset made on first use.
+
+    A rank that reads a few sources of a 10,000-source blend makes a few member objects,
+    not 10,000, and the plan is read from the bundle's table without making any. Member
+    arrays are views of the bundle's (no copies).
+    """
+
+    def __init__(self, sources, bookend, buffers, split: Split, gpt: GPTDatasetConfig, arrays: dict, key: str):
+        self.sources, self.bookend, self.buffers, self.split, self.gpt = sources, bookend, buffers, split, gpt
+        self.arrays, self.key = arrays, key
+        self._made: dict[int, GPTDataset] = {}
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_made"} | {"_made": {}}
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, d):
+        if isinstance(d, slice):
+            return [self[i] for i in range(*d.indices(len(self)))]
+        d = range(len(self))[d]  # bounds and negative indices as a list has them
+        member = self._made.get(d)
+        if member is None:
+            offsets, arrays = self.arrays["offsets"], self.arrays
+            (a0, b0, c0), (a1, b1, c1) = offsets[d].tolist(), offsets[d + 1].tolist()
+            epochs, separate, tokens = arrays["members"][d].tolist()
+            indices = GPTIndices(
+                arrays["document_index"][a0:a1],
+                arrays["sample_index"][b0:b1],
+                arrays["shuffle_index"][c0:c1],
+                num_epochs=epochs,
+                separate_final_epoch=bool(separate),
+                tokens_per_epoch=tokens,
+            )
+            source = self.sources[d]
+            documents = range(*split_bounds(self.bookend, len(source)))
+            member = self._made.setdefault(
+                d, GPTDataset(source, documents, self.buffers[d], self.split, self.gpt, indices=indices)
+            )
+        return member
+
+    def lengths(self) -> list[int]:
+        """Samples per member (sample-index rows minus one)."""
+        return (np.diff(self.arrays["offsets"][:, 1]) - 1).tolist()
+
+    def plan_columns(self) -> tuple[list, list, list, list, list]:
+        """Per member: prefix, documents, tokens per epoch, epochs, cache key."""
+        table = self.arrays["members"]
+        documents = [_width(split_bounds(self.bookend, len(src))) for src in self.sources]
+        return ([src.path_prefix for src in self.sources], documents, table[:, 2].tolist(), table[:, 0].tolist(),
+                [self.key] * len(self))
 
 
 class _ProgressBuilder(BlendBuilder):
@@ -565,26 +604,27 @@ def _build(cfg: BuildConfig, open_source, may_build: bool, progress=None, metas=
 
 def _plan_rows(builder, split: Split, ds) -> list[SourceRow]:
     members = ds.datasets if isinstance(ds, BlendedDataset) else [ds]
+    if isinstance(members, BundleMembers):
+        prefixes, documents, tokens, epochs, keys = members.plan_columns()
+        lengths = members.lengths()
+    else:
+        prefixes = [m.source.path_prefix for m in members]
+        documents = [len(m.documents) for m in members]
+        tokens = [m.indices.tokens_per_epoch for m in members]
+        epochs = [int(m.indices.num_epochs) for m in members]
+        keys = [builder.keys.get(id(m.indices), "") for m in members]
+        lengths = [len(m) for m in members]
     if isinstance(ds, BlendedDataset):
         drawn = np.bincount(np.asarray(ds.dataset_index), minlength=len(members))
-        requested = list(ds.weights) if ds.size is not None else [len(m) / len(ds) for m in members]
+        requested = list(ds.weights) if ds.size is not None else [n / len(ds) for n in lengths]
     else:
         drawn, requested = np.array([len(ds)]), [1.0]
-    name, keys, drawn = split.name, builder.keys, drawn.tolist()
+    name, drawn = split.name, drawn.tolist()
     total = max(1, sum(drawn))
     return [
-        SourceRow(
-            name,
-            str(member.source.path_prefix or "mock"),
-            len(member.documents),
-            member.indices.tokens_per_epoch,
-            float(requested[m]),
-            drawn[m] / total,
-            drawn[m],
-            int(member.indices.num_epochs),
-            keys.get(id(member.indices), "")[:12],
-        )
-        for m, member in enumerate(members)
+        SourceRow(name, str(prefixes[m] or "mock"), documents[m], tokens[m], float(requested[m]), drawn[m] / total,
+                  drawn[m], epochs[m], keys[m][:12])
+        for m in range(len(members))
     ]
 
 

@@ -206,7 +206,11 @@ def build_gpt_indices(
 
 
 class GPTDataset:
-    """Samples of ``seq_length (+1)`` tokens from one split of one source."""
+    """Samples of ``seq_length (+1)`` tokens from one split of one source.
+
+    ``documents`` are the split's sequence ids: an int32 array, or a ``range`` when the
+    indices are given (a blend loaded from the cache keeps no id array per member).
+    """
 
     def __init__(
         self,
