@@ -23,7 +23,9 @@ split and source shows documents, tokens, requested and realised share, epochs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -537,6 +539,26 @@ def build(cfg: BuildConfig, open_source=None, shared=None) -> BuildResult:
     ``shared``: in a distributed run, a :class:`tokenloom.blending.cache.SharedBuild` so
     that ranks sharing the cache filesystem build once (every rank must call this).
     """
+    with _collector_paused():
+        return _build_shared(cfg, open_source, shared)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """CPython's cyclic collector off for the build: a blend of 10,000 sources allocates some
+    10^5 small records and views (none of them cyclic garbage), and each allocation burst makes
+    the collector rescan every live object of the process -- a second of a warm start's 1.8 s
+    in a process that has torch loaded. Re-enabled on the way out (if it was on)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _build_shared(cfg: BuildConfig, open_source, shared) -> BuildResult:
     if shared is None or not cfg.cache_dir or cfg.dry_run:
         return _build(cfg, open_source, True)
 
