@@ -22,7 +22,6 @@ Usage: python bench/blend_bench.py [--sequences N] [--samples N]   (needs the [i
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _table import best_interleaved, best_of, print_table  # noqa: E402
+from _table import best_interleaved, best_of, print_table, timed_in_fresh_dir  # noqa: E402
 
 from tokenloom.blending.build import BuildConfig, build  # noqa: E402
 from tokenloom.blending.loader import GPTSamples, SampleConfig  # noqa: E402
@@ -88,16 +87,8 @@ def main() -> None:
         return build(BuildConfig(data=list(zip(weights, prefixes, strict=True)), split=split,
                                  seq_length=args.seq_length, num_samples=tuple(sizes), cache_dir=cache_dir))
 
-    def cold(fn):
-        def timed() -> float:
-            cache_dir = tempfile.mkdtemp(dir=tmp)
-            clear_memo()  # count the content digest of every source each time, as a new process would
-            start = time.perf_counter()
-            fn(cache_dir)
-            elapsed = time.perf_counter() - start
-            shutil.rmtree(cache_dir)
-            return elapsed
-        return timed
+    def cold(fn):  # the memo cleared: count the digest of every source each time, as a new process would
+        return timed_in_fresh_dir(fn, tmp, before=clear_memo)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

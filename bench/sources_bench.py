@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _table import best_interleaved, print_table  # noqa: E402
+from _table import best_interleaved, print_table, timed_in_fresh_dir  # noqa: E402
 from blend_bench import BenchTokenizer, sparse_source  # noqa: E402
 
 from tokenloom.blending.build import BuildConfig, build  # noqa: E402
@@ -82,16 +82,6 @@ def main() -> None:
                     eod_mask_loss=False, path_to_cache=cache_dir)
                 return BlendedMegatronDatasetBuilder(mgpt.GPTDataset, sizes, lambda: True, config).build()
 
-            def cold(fn):
-                def timed() -> float:
-                    cache_dir = tempfile.mkdtemp(dir=tmp)
-                    start = time.perf_counter()
-                    fn(cache_dir)
-                    elapsed = time.perf_counter() - start
-                    shutil.rmtree(cache_dir)
-                    return elapsed
-                return timed
-
             def warm(fn, cache_dir):
                 start = time.perf_counter()
                 result = fn(cache_dir)
@@ -100,7 +90,7 @@ def main() -> None:
             with_megatron = count <= args.megatron_max
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                sides = [cold(ours), cold(megatron)] if with_megatron else [cold(ours)]
+                sides = [timed_in_fresh_dir(f, tmp) for f in ([ours, megatron] if with_megatron else [ours])]
                 t_cold = best_interleaved(sides, repeat=args.repeat if with_megatron else 1)
                 ours_dir, theirs_dir = str(tmp / f"ours{count}"), str(tmp / f"theirs{count}")
                 ours(ours_dir)

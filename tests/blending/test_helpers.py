@@ -222,12 +222,7 @@ def test_native_shuffle_is_numpy_legacy_shuffle(seed, draws_before, lengths, dty
     ours, numpys = np.random.RandomState(seed), np.random.RandomState(seed)
     ours.randint(0, 2**31, size=draws_before)  # start mid-block: any state position
     numpys.randint(0, 2**31, size=draws_before)
-    for n in lengths:
-        a = np.arange(n, dtype=dtype)
-        b = a.copy()
-        helpers.shuffle(ours, a)
-        numpys.shuffle(b)
-        np.testing.assert_array_equal(a, b)
+    _assert_same_shuffles(ours, numpys, lengths, dtype)
     assert ours.get_state()[2] == numpys.get_state()[2]
     assert ours.randint(0, 2**31, size=3).tolist() == numpys.randint(0, 2**31, size=3).tolist()
 
@@ -240,10 +235,15 @@ def test_native_shuffle_is_numpy_legacy_shuffle(seed, draws_before, lengths, dty
 @settings(max_examples=30, deadline=None)
 def test_seeded_stream_draws_what_a_fresh_random_state_draws(seed, lengths, dtype):
     ours, numpys = helpers.SeededStream(seed), np.random.RandomState(seed)
+    _assert_same_shuffles(ours, numpys, lengths, dtype)
+    assert ours.pos == numpys.get_state()[2] and np.array_equal(ours.key, numpys.get_state()[1])
+
+
+def _assert_same_shuffles(ours, numpys, lengths, dtype) -> None:
+    """helpers.shuffle with ``ours`` permutes like numpy's own shuffle with ``numpys``, array after array."""
     for n in lengths:
         a = np.arange(n, dtype=dtype)
         b = a.copy()
         helpers.shuffle(ours, a)
         numpys.shuffle(b)
         np.testing.assert_array_equal(a, b)
-    assert ours.pos == numpys.get_state()[2] and np.array_equal(ours.key, numpys.get_state()[1])
