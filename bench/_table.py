@@ -9,6 +9,8 @@ way; the file gets a ``### title`` heading, a blank line and the same pipe rows.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -37,6 +39,23 @@ def best_interleaved(fns: list[Callable[[], float]], repeat: int = 3) -> list[fl
         for i, fn in enumerate(fns):
             best[i] = min(best[i], fn())
     return best
+
+
+def timed_in_fresh_dir(fn: Callable[[str], object], parent: str | os.PathLike,
+                       before: Callable[[], object] | None = None) -> Callable[[], float]:
+    """A self-timing callable for :func:`best_interleaved`: ``before()``, then ``fn(new directory
+    under parent)`` timed, then the directory removed (untimed: a growing page cache would slow
+    whichever side runs later)."""
+    def timed() -> float:
+        directory = tempfile.mkdtemp(dir=parent)
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn(directory)
+        elapsed = time.perf_counter() - start
+        shutil.rmtree(directory)
+        return elapsed
+    return timed
 
 
 def print_table(title: str, rows: list[tuple[str, str, str, str]]) -> None:

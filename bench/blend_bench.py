@@ -22,7 +22,6 @@ Usage: python bench/blend_bench.py [--sequences N] [--samples N]   (needs the [i
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 import time
@@ -32,11 +31,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _table import best_interleaved, best_of, print_table  # noqa: E402
+from _table import best_interleaved, best_of, print_table, timed_in_fresh_dir  # noqa: E402
 
 from tokenloom.blending.build import BuildConfig, build  # noqa: E402
-from tokenloom.blending.cache import _DIGESTS  # noqa: E402
 from tokenloom.blending.loader import GPTSamples, SampleConfig  # noqa: E402
+from tokenloom.blending.sources import clear_memo  # noqa: E402
 from tokenloom.indexed.format import write_index  # noqa: E402
 
 
@@ -48,7 +47,7 @@ def sparse_source(prefix: Path, num_sequences: int, max_length: int, seed: int) 
     return str(prefix)
 
 
-class _Tokenizer:  # what megatron's GPTDatasetConfig needs from a tokenizer
+class BenchTokenizer:  # what megatron's GPTDatasetConfig needs from a tokenizer
     vocab_size = 32000
     eod = 0
     unique_identifiers = {"class": "BenchTokenizer"}
@@ -80,7 +79,7 @@ def main() -> None:
     def megatron(cache_dir=None):
         config = mgpt.GPTDatasetConfig(
             random_seed=1234, sequence_length=args.seq_length, blend=(prefixes, weights), split=split,
-            tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            tokenizer=BenchTokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
             path_to_cache=cache_dir or tempfile.mkdtemp(dir=tmp))  # None would cache beside the sources
         return BlendedMegatronDatasetBuilder(mgpt.GPTDataset, sizes, lambda: True, config).build()
 
@@ -88,16 +87,8 @@ def main() -> None:
         return build(BuildConfig(data=list(zip(weights, prefixes, strict=True)), split=split,
                                  seq_length=args.seq_length, num_samples=tuple(sizes), cache_dir=cache_dir))
 
-    def cold(fn):
-        def timed() -> float:
-            cache_dir = tempfile.mkdtemp(dir=tmp)
-            _DIGESTS.clear()  # count the content digest of every source each time, as a new process would
-            start = time.perf_counter()
-            fn(cache_dir)
-            elapsed = time.perf_counter() - start
-            shutil.rmtree(cache_dir)
-            return elapsed
-        return timed
+    def cold(fn):  # the memo cleared: count the digest of every source each time, as a new process would
+        return timed_in_fresh_dir(fn, tmp, before=clear_memo)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

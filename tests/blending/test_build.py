@@ -42,10 +42,10 @@ def cfg_for(sources, tmp_path, **kw):
 
 def test_warm_cache_only_loads(sources, tmp_path):
     first = build(cfg_for(sources, tmp_path))
-    assert first.builds == 9 and first.hits == 0  # 2 sources x 3 splits + 3 blends
+    assert first.builds == 3 and first.hits == 0  # one bundle entry per split
     start = time.perf_counter()
     again = build(cfg_for(sources, tmp_path))
-    assert again.builds == 0 and again.hits == 9
+    assert again.builds == 0 and again.hits == 3
     assert time.perf_counter() - start < 1.0
     assert again.fingerprint == first.fingerprint
     assert np.array_equal(np.asarray(again.train.dataset_index), np.asarray(first.train.dataset_index))
@@ -80,7 +80,7 @@ def test_eight_concurrent_builders_build_once(sources, tmp_path):
     results = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(60)
-    assert sum(r[0] for r in results) == 9  # every entry built exactly once across the 8 processes
+    assert sum(r[0] for r in results) == 3  # every entry built exactly once across the 8 processes
     assert len({(r[1], tuple(r[2])) for r in results}) == 1
 
 
@@ -174,7 +174,7 @@ def test_cli_build_and_errors(sources, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["builds"] == 9 and os.path.getsize(tmp_path / "p.png") > 1000
+    assert report["builds"] == 3 and os.path.getsize(tmp_path / "p.png") > 1000
     bad = run_cli("build", "--data", "0.4", sources[0], "0.6", "--seq-length", 64, "--num-samples", "10")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
 
@@ -217,4 +217,69 @@ def test_distributed_build_once_per_filesystem(sources, tmp_path, layout):
         p.join(60)
     builds = [r[1] for r in results]
     assert len({r[2] for r in results}) == 1
-    assert builds == ([9, 0] if layout == "shared" else [9, 9])
+    assert builds == ([3, 0] if layout == "shared" else [3, 3])
+
+
+def _slow_open(prefix):
+    from tokenloom.blending.sources import LazySource
+
+    time.sleep(3.0)  # two sources: the build outlasts the process group's 3 s timeout
+    return LazySource(prefix)
+
+
+def _node_rank_main(rank, world, store_dir, cache_dirs, sources, out):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tokenloom.blending.cache import SharedBuild
+
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=3))
+    lines = []
+    shared = SharedBuild(rank, world, dist.barrier, run_id="node-run", timeout=120, report_every=1.0,
+                         echo=lines.append)
+    cfg = BuildConfig(data=[(0.4, sources[0]), (0.6, sources[1])], cache_dir=str(cache_dirs[rank]), seq_length=64,
+                      num_samples=(1000, 50, 10), split="90,8,2")
+    result = build(cfg, open_source=_slow_open if rank % 2 == 0 else None, shared=shared)
+    dist.barrier()  # the process group is still healthy after the long wait
+    arrays = [np.asarray(result.train.dataset_index), np.asarray(result.train.datasets[1].indices.shuffle_index)]
+    out.put((rank, result.builds, result.fingerprint, [a.tobytes().hex()[:4096] for a in arrays], len(lines)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_node_local_caches_build_once_per_node_and_waiters_outlive_the_collective_timeout(sources, tmp_path):
+    world = 4  # two "nodes" of two ranks, each node with its own cache directory (no shared filesystem)
+    cache_dirs = [tmp_path / f"node{r // 2}" for r in range(world)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_node_rank_main, args=(r, world, tmp_path, cache_dirs, sources, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [r[1] for r in results] == [3, 0, 3, 0]  # one build per node
+    assert len({(r[2], tuple(r[3])) for r in results}) == 1  # every rank reads identical arrays
+    assert results[1][4] >= 2 and results[3][4] >= 2  # the waiting ranks reported progress
+    assert all((tmp_path / f"node{n}" / ".runs" / "node-run.done").exists() for n in range(2))
+
+
+def test_cli_rebuilds_a_truncated_cache_entry_with_the_same_arrays(sources, tmp_path):
+    args = ["build", "--data", "0.4", sources[0], "0.6", sources[1], "--seq-length", 64, "--split", "90,8,2",
+            "--num-samples", "20000,20,5", "--cache-dir", tmp_path / "c", "--json"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    key = json.loads(first.stdout)["keys"]["train"]
+    npy = tmp_path / "c" / key / "shuffle_index.npy"
+    reference = np.load(npy)
+    npy.write_bytes(npy.read_bytes()[: npy.stat().st_size // 2])  # a damaged, finished entry
+    (tmp_path / "c" / f"{key}.tmp-00000000-1-deadbeef").mkdir()  # another host's leftovers stay
+    again = run_cli(*args)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert "damaged" in again.stderr and json.loads(again.stdout)["builds"] == 1
+    assert np.array_equal(np.load(npy), reference)
+    assert (tmp_path / "c" / f"{key}.tmp-00000000-1-deadbeef").is_dir()

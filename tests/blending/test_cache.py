@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
 import pytest
 
-from tokenloom.blending.cache import ArrayCache, content_key, elect_builders, source_digest
+from tokenloom.blending.cache import ArrayCache, content_key, elect_builders
+from tokenloom.blending.sources import source_metadata
+from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDatasetWriter
 
 
@@ -65,10 +68,10 @@ def test_key_follows_content_not_path(tmp_path):
                 w.add_document(doc)
 
     write([[1, 2, 3], [4]])
-    first = source_digest(str(tmp_path / "src"))
+    first = source_metadata([str(tmp_path / "src")])[str(tmp_path / "src")].digest
     time.sleep(0.01)
     write([[1, 2], [3, 4]])  # "re-tokenized" into the same prefix
-    second = source_digest(str(tmp_path / "src"))
+    second = source_metadata([str(tmp_path / "src")])[str(tmp_path / "src")].digest
     assert first != second
     assert content_key({"a": 1, "b": [1, 2]}) == content_key({"b": [1, 2], "a": 1})
     assert content_key({"seq": 1024}) != content_key({"seq": 2048})
@@ -79,3 +82,44 @@ def test_election_on_shared_dir(tmp_path):
     for r in range(3):
         (tmp_path / f".nonce-run-{r}").write_text(str(r))
     assert elect_builders(tmp_path, 2, 3, lambda: None, "run") == 0
+
+
+@pytest.mark.parametrize("damage", ["truncate-large", "truncate-small", "flip-small", "meta"])
+def test_damaged_entry_is_rebuilt_with_a_warning(tmp_path, capsys, damage):
+    cache = ArrayCache(tmp_path)
+    values = {"big": np.arange(300_000, dtype=np.int64), "small": np.arange(10, dtype=np.int32)}
+    cache.get_or_build("abc", lambda: values)
+    entry = tmp_path / "abc"
+    if damage == "truncate-large":
+        (entry / "big.npy").write_bytes((entry / "big.npy").read_bytes()[:-1000])
+    elif damage == "truncate-small":
+        (entry / "small.npy").write_bytes((entry / "small.npy").read_bytes()[:-4])
+    elif damage == "flip-small":
+        data = bytearray((entry / "small.npy").read_bytes())
+        data[-1] ^= 1
+        (entry / "small.npy").write_bytes(bytes(data))
+    else:
+        (entry / "meta.json").write_text("{")
+    arrays, built = cache.get_or_build("abc", lambda: values)
+    assert built and "damaged" in capsys.readouterr().err
+    assert all(np.array_equal(arrays[k], values[k]) for k in values)
+    assert not list(tmp_path.glob("abc.tmp-*"))
+    with pytest.raises(TokenloomError, match="may not rebuild"):
+        (entry / "small.npy").write_bytes(b"")
+        cache.get_or_build("abc", lambda: values, may_build=False)
+
+
+def test_temp_folders_of_dead_builders_are_swept(tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    cache = ArrayCache(tmp_path)
+    mine = cache.temp_dir("k").name.rsplit("-", 2)[0]  # <key>.tmp-<host>
+    names = [f"{mine}-{dead.pid}-aaaaaaaa", f"{mine}-{os.getpid()}-bbbbbbbb", "k.tmp-00000000-1-cccccccc"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x.npy").write_bytes(b"partial")
+    assert ArrayCache(tmp_path) is not None  # opening the cache sweeps
+    left = sorted(p.name for p in tmp_path.glob("k.tmp-*"))
+    assert left == sorted(names[1:])  # the live builder's and the other host's stay

@@ -222,11 +222,28 @@ def test_native_shuffle_is_numpy_legacy_shuffle(seed, draws_before, lengths, dty
     ours, numpys = np.random.RandomState(seed), np.random.RandomState(seed)
     ours.randint(0, 2**31, size=draws_before)  # start mid-block: any state position
     numpys.randint(0, 2**31, size=draws_before)
+    _assert_same_shuffles(ours, numpys, lengths, dtype)
+    assert ours.get_state()[2] == numpys.get_state()[2]
+    assert ours.randint(0, 2**31, size=3).tolist() == numpys.randint(0, 2**31, size=3).tolist()
+
+
+@given(
+    st.integers(0, 2**32 - 1),
+    st.lists(st.sampled_from([0, 1, 7, 624, 5000, 70_000]), min_size=1, max_size=4),
+    st.sampled_from([np.int32, np.uint32, np.int64, np.int16]),  # int16: no native shuffle, numpy's path
+)
+@settings(max_examples=30, deadline=None)
+def test_seeded_stream_draws_what_a_fresh_random_state_draws(seed, lengths, dtype):
+    ours, numpys = helpers.SeededStream(seed), np.random.RandomState(seed)
+    _assert_same_shuffles(ours, numpys, lengths, dtype)
+    assert ours.pos == numpys.get_state()[2] and np.array_equal(ours.key, numpys.get_state()[1])
+
+
+def _assert_same_shuffles(ours, numpys, lengths, dtype) -> None:
+    """helpers.shuffle with ``ours`` permutes like numpy's own shuffle with ``numpys``, array after array."""
     for n in lengths:
         a = np.arange(n, dtype=dtype)
         b = a.copy()
         helpers.shuffle(ours, a)
         numpys.shuffle(b)
         np.testing.assert_array_equal(a, b)
-    assert ours.get_state()[2] == numpys.get_state()[2]
-    assert ours.randint(0, 2**31, size=3).tolist() == numpys.randint(0, 2**31, size=3).tolist()

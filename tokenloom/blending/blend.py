@@ -198,7 +198,7 @@ def _check_members(datasets: list[GPTDataset], weights: Sequence[float]) -> None
         raise TokenloomError(f"at most {MAX_BLEND_MEMBERS} sources per blend, got {len(datasets)}")
     if len(weights) != len(datasets):
         raise TokenloomError(f"{len(datasets)} blend members but {len(weights)} weights")
-    empty = [_name(ds) for ds, w in zip(datasets, weights, strict=True) if not w > 0]
+    empty = [_name(datasets[d]) for d, w in enumerate(weights) if not w > 0]  # members may be made lazily
     if empty:
         raise TokenloomError(
             f"the {datasets[0].split.name} blend has sources with no samples: {empty}; "
@@ -211,9 +211,9 @@ def _name(ds: GPTDataset) -> str:
 
 
 def _open_indexed(prefix: str) -> TokenSource:
-    from tokenloom.indexed import IndexedDataset  # the reader lives one stage up
+    from tokenloom.blending.sources import LazySource
 
-    return IndexedDataset(prefix)
+    return LazySource(prefix)
 
 
 TopLevel = GPTDataset | BlendedDataset | list[GPTDataset]  # a list: multiple_validation_sets
@@ -296,7 +296,7 @@ class BlendBuilder:
         if cfg.blend is not None:
             if cfg.blend.weights is not None:
                 _require_sizes(sizes, range(len(Split)))
-            return self._build_blend(cfg.blend, split_matrix(cfg.gpt.split), list(sizes))
+            return self.build_blend(cfg.blend, split_matrix(cfg.gpt.split), list(sizes))
         if cfg.blend_per_split is None:
             raise TokenloomError("no blend given; use build_mock_datasets for synthetic data")
         out: list[TopLevel | None] = [None] * len(Split)
@@ -314,12 +314,13 @@ class BlendBuilder:
             elif cfg.multiple_validation_sets and split == Split.valid:  # each asked for all valid samples
                 out[split] = [self.gpt_dataset(p, (0.0, 1.0), sizes[split], split) for p in blend.prefixes]
             else:
-                out[split] = self._build_blend(blend, matrix, only)[split]
+                out[split] = self.build_blend(blend, matrix, only)[split]
         return out
 
-    def _build_blend(
+    def build_blend(
         self, blend: Blend, matrix: list[Bookend | None], sizes: list[int | None]
     ) -> list[TopLevel | None]:
+        """The splits of one blend: ``matrix`` gives each split's book-ends (None: not built)."""
         prefixes = blend.prefixes
         weights = normalize(blend.weights) if blend.weights is not None else None
         if len(prefixes) == 1 and weights is None:

@@ -3,8 +3,10 @@
 Layout::
 
     CACHE_DIR/<key>/<name>.npy     one array per file, plain .npy (np.load(allow_pickle=False))
-    CACHE_DIR/<key>/meta.json      array names and the description the key was hashed from
+    CACHE_DIR/<key>/meta.json      each array's size and BLAKE3 (written last)
+    CACHE_DIR/<key>/description.json   what the key was hashed from, for people
     CACHE_DIR/<key>.lock           flock taken by the one process that builds the entry
+    CACHE_DIR/<key>.tmp-<host>-<pid>-<random>/   an entry being written (or left by a killed builder)
 
 ``key`` is the SHA-256 of a canonical JSON description of everything that changes
 the arrays: the config *and* a digest of every source's ``.idx`` bytes and
@@ -13,14 +15,18 @@ Megatron (keyed by path) silently reuses stale indices.
 
 Safety: an entry is written into a temporary directory, every file fsynced, and
 the directory renamed into place, so it appears whole or not at all (a killed
-builder leaves only a ``<key>.tmp-*`` directory). Local builders serialise on an
-exclusive ``flock`` and re-check after taking it, so N processes started together do
-one build and N loads. A hit only memory-maps the files (``mmap_mode="r"``).
+builder leaves only a ``<key>.tmp-*`` directory, which the next process that opens the
+cache removes once its owner is dead). Local builders serialise on an exclusive
+``flock`` and re-check after taking it, so N processes started together do one build
+and N loads. A hit maps large files (``mmap_mode="r"``) and reads small ones; an entry
+whose files no longer match the sizes and checksums recorded at publish time (a
+truncated ``.npy``, a lost file) is rebuilt with a warning instead of crashing the run.
 
 Distributed runs do not trust ``flock`` (unreliable on some shared filesystems):
 :func:`elect_builders` finds out which ranks share a filesystem by having each rank
 drop a nonce file and look for the others' (detected, not configured); the
-lowest rank of each filesystem builds while the rest wait at a barrier.
+lowest rank of each filesystem builds while the rest poll the cache directory for
+its hand-over file (:class:`SharedBuild`), with progress and a timeout of their own.
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
-import threading
+import socket
+import sys
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,12 +49,9 @@ import blake3
 import numpy as np
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer, fsync_dir, temp_name
+from tokenloom.fsio import fsync_dir
 
 Arrays = dict[str, np.ndarray]
-_DIGESTS: dict[str, str] = {}
-_DIGEST_LOCKS: dict[str, threading.Lock] = {}
-_DIGEST_LOCKS_GUARD = threading.Lock()
 
 
 def canonical_json(obj) -> str:
@@ -55,52 +62,63 @@ def content_key(description: dict) -> str:
     return hashlib.sha256(canonical_json(description).encode()).hexdigest()
 
 
-def source_digest(prefix: str, memo_dir: str | os.PathLike | None = None) -> str:
-    """BLAKE3 over a dataset's ``.idx`` bytes and its manifest (if any).
+class DamagedEntry(Exception):
+    """A finished entry whose files disagree with the sizes or checksums recorded at publish time."""
 
-    The ``.idx`` fixes every sequence length and document boundary, which is all an
-    index depends on; the manifest adds the tokenizer and inputs, so a re-tokenized
-    source with equal lengths still gets a new key. Hashing a multi-GB ``.idx`` takes
-    seconds, so digests are memoised by file identity (real path, size, mtime in ns,
-    inode) in this process and, with ``memo_dir``, on disk for later processes.
-    Every writer in tokenloom publishes by rename, which gives a new inode, so a
-    rewritten file never matches a stale memo. BLAKE3, not SHA-256: it is as strong a
-    content address and about 2.5x faster per core (4.6 vs 1.8 GB/s here), and hashing
-    the sources is a third of a cold build's CPU time.
-    """
-    paths = [Path(f"{prefix}.idx"), Path(f"{prefix}.manifest.json")]
-    stats = [(p, p.stat()) for p in paths if p.exists()]
-    if not stats or not stats[0][0].name.endswith(".idx"):
-        raise TokenloomError(f"{prefix}.idx: no such file")
-    stamp = [[os.path.realpath(p), st.st_size, st.st_mtime_ns, st.st_ino] for p, st in stats]
-    memo_key = content_key({"stamp": stamp, "hash": "blake3"})
-    with _DIGEST_LOCKS_GUARD:
-        lock = _DIGEST_LOCKS.setdefault(memo_key, threading.Lock())
-    with lock:  # threads of one build that share a source hash it once
-        if memo_key in _DIGESTS:
-            return _DIGESTS[memo_key]
-        memo_file = Path(memo_dir) / "digests" / f"{memo_key}.txt" if memo_dir else None
-        if memo_file is not None and memo_file.exists():
-            digest = memo_file.read_text().strip()
-        else:
-            h = blake3.blake3()
-            buffer = bytearray(1 << 22)
-            for p, _ in stats:
-                h.update(p.name.encode())
-                with open(p, "rb", buffering=0) as f:
-                    while n := f.readinto(buffer):
-                        h.update(memoryview(buffer)[:n])
-            digest = h.hexdigest()
-            if memo_file is not None:
-                memo_file.parent.mkdir(parents=True, exist_ok=True)
-                with atomic_writer(memo_file, "w") as f:
-                    f.write(digest)
-        _DIGESTS[memo_key] = digest
-        return digest
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+class _HashingWriter:
+    """A write-only file wrapper that counts and BLAKE3-hashes what passes through it."""
+
+    def __init__(self, f):
+        self.f, self.hash, self.size = f, blake3.blake3(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.hash.update(view)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+
+def _save_parts(f, parts: list[np.ndarray]) -> None:
+    """One ``.npy`` holding ``np.concatenate(parts)`` (as ``np.save`` would write it), streamed."""
+    from numpy.lib import format as npy
+
+    first = parts[0]
+    shape = (sum(len(p) for p in parts), *first.shape[1:])
+    npy.write_array_header_1_0(f, {"descr": npy.dtype_to_descr(first.dtype), "fortran_order": False, "shape": shape})
+    for part in parts:
+        assert part.dtype == first.dtype and part.shape[1:] == first.shape[1:], (part.dtype, first.dtype)
+        if part.size:
+            f.write(np.ascontiguousarray(part).reshape(-1).view(np.uint8).data)
 
 
 class ArrayCache:
-    """Entries of named numpy arrays under ``cache_dir``, keyed by content."""
+    """Entries of named numpy arrays under ``cache_dir``, keyed by content.
+
+    Reading policy: arrays up to ``map_threshold`` bytes are read into memory and their
+    BLAKE3 checked against the one recorded at publish time (free at that size); larger
+    ones are memory-mapped and checked by size and ``.npy`` header only, since hashing a
+    multi-GB index on every start would cost seconds. Reading small arrays instead of
+    mapping them keeps the process's descriptors and mappings bounded however many
+    entries a blend of thousands of sources loads (each mapping holds a descriptor in
+    Python < 3.13, and the kernel caps mappings at ``vm.max_map_count``).
+    """
+
+    map_threshold = 1 << 20
 
     def __init__(self, cache_dir: str | os.PathLike):
         self.dir = Path(cache_dir)
@@ -108,55 +126,123 @@ class ArrayCache:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TokenloomError(f"--cache-dir {self.dir}: cannot create ({exc.strerror})") from None
+        self.sweep()
 
     def entry(self, key: str) -> Path:
         return self.dir / key
 
-    def load(self, key: str) -> Arrays | None:
-        """The entry's arrays, memory-mapped, or None if absent or incomplete."""
-        entry = self.entry(key)
-        meta_path = entry / "meta.json"
-        if not meta_path.exists():
+    def temp_dir(self, key: str) -> Path:
+        """``<key>.tmp-<host>-<pid>-<random>``: the name says who owns it (see :meth:`sweep`)."""
+        return self.dir / f"{key}.tmp-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def sweep(self, key: str = "*") -> int:
+        """Remove ``<key>.tmp-*`` folders whose builder is dead (same host, pid gone); the number removed.
+
+        Folders of builders on other hosts are left alone: their liveness cannot be seen
+        from here, and the next build on their host removes them.
+        """
+        removed, host = 0, _host_tag()
+        for tmp in self.dir.glob(f"{key}.tmp-*"):
+            parts = tmp.name.rsplit(".tmp-", 1)[1].split("-")
+            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed += 1
+        return removed
+
+    def _read_meta(self, key: str) -> dict | None:
+        meta_path = self.entry(key) / "meta.json"
+        try:
+            text = meta_path.read_text()
+        except FileNotFoundError:
             return None
-        meta = json.loads(meta_path.read_text())
-        # Plain ndarray views of the mappings (np.asarray drops the memmap subclass, whose
-        # per-access overhead dominates reading single samples); the maps stay alive as .base.
-        return {name: np.asarray(np.load(entry / f"{name}.npy", mmap_mode="r", allow_pickle=False))
-                for name in meta["arrays"]}
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise DamagedEntry("meta.json is not valid JSON") from None
+
+    def load(self, key: str) -> Arrays | None:
+        """The entry's arrays, or None if absent or incomplete; raises :class:`DamagedEntry`."""
+        meta = self._read_meta(key)
+        if meta is None:
+            return None
+        entry = self.entry(key)
+        recorded = meta["arrays"]
+        if isinstance(recorded, list):  # an entry published before sizes were recorded
+            recorded = {name: None for name in recorded}
+        out = {}
+        for name, record in recorded.items():
+            path = entry / f"{name}.npy"
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise DamagedEntry(f"{name}.npy is missing") from None
+            if record is not None and size != record["bytes"]:
+                raise DamagedEntry(f"{name}.npy has {size} bytes, {record['bytes']} when published")
+            try:
+                if record is not None and size <= self.map_threshold:
+                    data = path.read_bytes()
+                    if blake3.blake3(data).hexdigest() != record["blake3"]:
+                        raise DamagedEntry(f"{name}.npy does not match its checksum")
+                    out[name] = np.load(io.BytesIO(data), allow_pickle=False)
+                else:
+                    # Plain ndarray views of the mappings (np.asarray drops the memmap subclass, whose
+                    # per-access overhead dominates reading single samples); the maps stay alive as .base.
+                    out[name] = np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
+            except ValueError as exc:  # a header or length that does not parse
+                raise DamagedEntry(f"{name}.npy: {exc}") from None
+        return out
 
     def description(self, key: str) -> dict | None:
-        meta_path = self.entry(key) / "meta.json"
-        return json.loads(meta_path.read_text()).get("description") if meta_path.exists() else None
+        """What the key was hashed from (kept beside the arrays for people; loads never read it)."""
+        try:
+            return json.loads((self.entry(key) / "description.json").read_text())
+        except FileNotFoundError:
+            return None
 
-    def store(self, key: str, arrays: Arrays, description: dict | None = None) -> None:
+    def store(self, key: str, arrays: dict[str, np.ndarray | list[np.ndarray]], description: dict | None = None
+              ) -> None:
         """Publish an entry whole: files go to a temporary directory beside it, each is fsynced,
         then the directory is fsynced and renamed into place, and the cache directory fsynced.
 
-        One rename publishes every array, so an entry costs one fsync per file plus two
-        directory fsyncs (renaming each file in would add a directory fsync per file), and
+        A list of arrays (same dtype and trailing shape) is stored as their concatenation,
+        written part by part without building it in memory.
+        meta.json records every file's size and BLAKE3 (hashed from the bytes written,
+        so a later truncation or overwrite is detected on load). One rename publishes
+        every array, so an entry costs one fsync per file plus two directory fsyncs, and
         readers never see an entry with some arrays missing. Callers hold :meth:`lock`.
         """
         entry = self.entry(key)
-        tmp = Path(temp_name(entry))
+        tmp = self.temp_dir(key)
         tmp.mkdir(parents=True)
         try:
+            records = {}
             for name, arr in arrays.items():
                 with open(tmp / f"{name}.npy", "wb") as f:
-                    np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+                    hashing = _HashingWriter(f)
+                    _save_parts(hashing, arr if isinstance(arr, list) else [arr])
                     f.flush()
                     os.fsync(f.fileno())
-            with open(tmp / "meta.json", "w") as f:
-                f.write(canonical_json({"arrays": sorted(arrays), "description": description}))
-                f.flush()
-                os.fsync(f.fileno())
+                records[name] = {"bytes": hashing.size, "blake3": hashing.hash.hexdigest()}
+            for name, doc in (("description.json", description), ("meta.json", {"arrays": records})):
+                with open(tmp / name, "w") as f:
+                    f.write(canonical_json(doc))
+                    f.flush()
+                    os.fsync(f.fileno())
             fsync_dir(tmp / "meta.json")
-            if entry.exists():  # an incomplete entry (no meta.json) left by an older layout
-                shutil.rmtree(entry)
+            if entry.exists():  # an incomplete or damaged entry
+                self._discard(entry)
             os.rename(tmp, entry)
             fsync_dir(entry)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def _discard(self, entry: Path) -> None:
+        """Move a bad entry out of the way in one rename (readers never see it half-deleted), then delete it."""
+        doomed = self.temp_dir(entry.name)
+        os.rename(entry, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     @contextlib.contextmanager
     def lock(self, key: str):
@@ -170,14 +256,29 @@ class ArrayCache:
     def get_or_build(
         self, key: str, build: Callable[[], Arrays], description: dict | None = None, may_build: bool = True
     ) -> tuple[Arrays, bool]:
-        """(arrays, built_here). Exactly one local process builds a missing entry; the rest wait and load."""
-        found = self.load(key)
+        """(arrays, built_here). Exactly one local process builds a missing entry; the rest wait and load.
+
+        A damaged entry (sizes or checksums that differ from those recorded at publish
+        time) is rebuilt under the lock, with a warning on stderr.
+        """
+        try:
+            found = self.load(key)
+        except DamagedEntry as exc:
+            if not may_build:
+                raise TokenloomError(f"cache entry {self.entry(key)} is damaged ({exc}) and this rank may not "
+                                     "rebuild it; rerun `build` with this --cache-dir") from None
+            found = None
         if found is not None:
             return found, False
         if not may_build:
             raise TokenloomError(f"cache entry {self.entry(key)} is missing and this rank may not build it")
         with self.lock(key):
-            found = self.load(key)
+            found = None
+            try:
+                found = self.load(key)
+            except DamagedEntry as exc:
+                print(f"warning: cache entry {self.entry(key)} is damaged ({exc}); rebuilding it", file=sys.stderr)
+                self._discard(self.entry(key))
             if found is not None:
                 return found, False
             self.store(key, build(), description)
@@ -209,25 +310,113 @@ def elect_builders(
 
 
 class SharedBuild:
-    """One build per filesystem in a distributed run.
+    """One build per filesystem in a distributed run; the other ranks wait on the cache, not a collective.
 
-    Every rank calls :meth:`run` once with the same build function: the lowest rank
-    of each filesystem (see :func:`elect_builders`) builds and stores every entry,
-    then all ranks meet at one barrier; the others then run the same function, which
-    only loads (``may_build=False``). One election and one barrier per build, so
-    builders may use threads freely. ``run_id`` must be equal on all ranks and unique
-    to this run (e.g. a nonce broadcast from rank 0).
+    Every rank calls :meth:`run` once: the lowest rank of each filesystem (see
+    :func:`elect_builders`) builds, writing its progress to
+    ``CACHE_DIR/.runs/<run_id>.progress`` and, when done, ``<run_id>.done`` holding a
+    JSON payload for the others (or ``<run_id>.failed`` with its error). The others
+    poll those files -- printing what the builder has done every ``report_every``
+    seconds -- for up to ``timeout`` seconds, then run the follower function on the
+    payload. A build of hours therefore never meets the process group's collective
+    timeout (30 minutes by default), and node-local cache directories work: each
+    node's lowest rank builds into its own. A follower stops early if the builder died
+    on this host. ``run_id`` must be equal on all ranks and unique to this run.
     """
 
-    def __init__(self, rank: int, world_size: int, barrier: Callable[[], None], run_id: str):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        barrier: Callable[[], None],
+        run_id: str,
+        timeout: float = 6 * 3600,
+        report_every: float = 30.0,
+        echo: Callable[[str], None] | None = None,
+    ):
         self.rank, self.world_size, self.barrier, self.run_id = rank, world_size, barrier, run_id
+        self.timeout, self.report_every = timeout, report_every
+        self.echo = echo or (lambda line: print(line, flush=True))
 
-    def run(self, cache_dir: str | os.PathLike, build: Callable[[bool], object]):
-        """``build(may_build)`` on the elected rank first, then on the others."""
+    def run(self, cache_dir: str | os.PathLike, lead: Callable, follow: Callable):
+        """``lead(progress) -> (result, payload)`` on the elected rank; ``follow(payload) -> result`` on the rest.
+
+        ``progress(done, total)`` may be called by ``lead`` as often as it likes (written at
+        most once a second); ``payload`` must be JSON-serialisable.
+        """
         leader = elect_builders(cache_dir, self.rank, self.world_size, self.barrier, self.run_id)
-        if self.rank == leader:
-            result = build(True)
-            self.barrier()
-            return result
-        self.barrier()
-        return build(False)
+        runs = Path(cache_dir) / ".runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        base = runs / self.run_id
+        if self.rank != leader:
+            return follow(self._wait(base, leader, Path(cache_dir)))
+        _forget_old_runs(runs)
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 1.0 or done == total:
+                last[0] = now
+                _write_json(base.with_suffix(".progress"), {"done": done, "total": total})
+
+        _write_json(base.with_suffix(".owner"), {"host": _host_tag(), "pid": os.getpid()})
+        try:
+            result, payload = lead(progress)
+        except BaseException as exc:
+            _write_json(base.with_suffix(".failed"), {"error": str(exc) or type(exc).__name__})
+            raise
+        _write_json(base.with_suffix(".done"), payload)
+        return result
+
+    def _wait(self, base: Path, leader: int, cache_dir: Path):
+        start = time.monotonic()
+        next_report, delay = start + self.report_every, 0.05
+        while True:
+            try:
+                return json.loads(base.with_suffix(".done").read_text())
+            except (FileNotFoundError, ValueError):
+                pass
+            failed = _read_json(base.with_suffix(".failed"))
+            if failed is not None:
+                raise TokenloomError(f"rank {leader} failed to build the index cache in {cache_dir}: {failed['error']}")
+            owner = _read_json(base.with_suffix(".owner"))
+            if owner and owner["host"] == _host_tag() and not _pid_alive(owner["pid"]):
+                raise TokenloomError(f"rank {leader} (pid {owner['pid']}) died while building the index cache in "
+                                     f"{cache_dir}; rerun the job (finished entries are kept)")
+            now = time.monotonic()
+            if now - start > self.timeout:
+                raise TokenloomError(
+                    f"rank {self.rank} waited {now - start:.0f} s for rank {leader} to build the index cache in "
+                    f"{cache_dir}; raise data.blend.build_timeout (now {self.timeout:g} s) or run `build` with "
+                    "this --cache-dir before the job")
+            if now >= next_report:
+                state = _read_json(base.with_suffix(".progress")) or {}
+                done = f"{state['done']}/{state['total']} blend members built" if state else "starting"
+                self.echo(f"rank {self.rank}: waiting for rank {leader} to build the index cache in {cache_dir}: "
+                          f"{done}, {now - start:.0f} s elapsed (timeout {self.timeout:g} s)")
+                next_report = now + self.report_every
+            time.sleep(delay)
+            delay = min(1.0, delay * 1.5)
+
+
+def _write_json(path: Path, doc) -> None:
+    """Written whole (temp name, rename), so a poller sees all of it or nothing."""
+    tmp = path.with_name(f"{path.name}.tmp-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _forget_old_runs(runs: Path, age: float = 7 * 86400) -> None:
+    """Hand-over files of runs older than a week (every follower has long read them)."""
+    cutoff = time.time() - age
+    for path in runs.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mtime < cutoff:
+                path.unlink()

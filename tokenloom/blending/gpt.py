@@ -133,7 +133,7 @@ def epoch_plan(
 
 
 def build_document_index(
-    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+    documents: np.ndarray, num_epochs: int, rng: helpers.Shuffler, separate_final_epoch: bool
 ) -> np.ndarray:
     """``documents`` tiled ``num_epochs`` times and shuffled (the last epoch apart if asked)."""
     if separate_final_epoch and num_epochs > 1:
@@ -144,7 +144,7 @@ def build_document_index(
     return index
 
 
-def build_shuffle_index(num_first: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+def build_shuffle_index(num_first: int, total: int, rng: helpers.Shuffler) -> np.ndarray:
     """``[0, num_first)`` shuffled, then ``[num_first, total)`` shuffled."""
     dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
     first = np.arange(num_first, dtype=dtype)
@@ -184,7 +184,7 @@ def build_gpt_indices(
     tokens_per_epoch = _total_length(sequence_lengths, documents)
     num_epochs, separate, num_before_final = epoch_plan(tokens_per_epoch, num_samples, config)
 
-    rng = np.random.RandomState(config.seed)
+    rng = helpers.SeededStream(config.seed)  # RandomState(seed)'s draws, without seeding one per index
     document_index = build_document_index(documents, num_epochs, rng, separate)
     drop_last = config.drop_last_partial_validation_sequence if split == Split.valid else True
     if num_epochs * tokens_per_epoch - extra < 0:  # an empty split: no samples (Megatron's result for S > 1)
@@ -206,7 +206,11 @@ def build_gpt_indices(
 
 
 class GPTDataset:
-    """Samples of ``seq_length (+1)`` tokens from one split of one source."""
+    """Samples of ``seq_length (+1)`` tokens from one split of one source.
+
+    ``documents`` are the split's sequence ids: an int32 array, or a ``range`` when the
+    indices are given (a blend loaded from the cache keeps no id array per member).
+    """
 
     def __init__(
         self,
@@ -222,7 +226,7 @@ class GPTDataset:
         self.num_samples = num_samples
         self.split = split
         self.config = config
-        self.indices = indices or build_gpt_indices(
+        self.indices = indices if indices is not None else build_gpt_indices(
             source.sequence_lengths, documents, num_samples, split, config
         )
 

@@ -18,6 +18,7 @@ import numpy as np
 from tokenloom.errors import TokenloomError
 
 Bookend = tuple[float, float]
+_INT32_MAX = 2**31 - 1
 
 
 class Split(enum.IntEnum):
@@ -63,12 +64,17 @@ def split_matrix(split: str) -> list[Bookend | None]:
     return [(lo, hi) if hi > lo else None for lo, hi in zip(edges[:-1], edges[1:], strict=True)]
 
 
-def split_documents(bookend: Bookend, num_sequences: int) -> np.ndarray:
-    """The int32 sequence ids of one split of a dataset with ``num_sequences`` sequences."""
+def split_bounds(bookend: Bookend, num_sequences: int) -> tuple[int, int]:
+    """``(first, end)`` sequence ids of one split of a dataset with ``num_sequences`` sequences."""
     beg = int(round(bookend[0] * float(num_sequences)))
     end = int(round(bookend[1] * float(num_sequences)))
-    if end - 1 > np.iinfo(np.int32).max:
+    if end - 1 > _INT32_MAX:
         raise TokenloomError(
             f"{num_sequences} sequences: Megatron's int32 split indices cap a dataset at 2^31"
         )
-    return np.arange(beg, end, dtype=np.int32)
+    return beg, end
+
+
+def split_documents(bookend: Bookend, num_sequences: int) -> np.ndarray:
+    """The int32 sequence ids of one split of a dataset with ``num_sequences`` sequences."""
+    return np.arange(*split_bounds(bookend, num_sequences), dtype=np.int32)

@@ -63,6 +63,13 @@ class BlendDataConfig:
     """Train/valid/test weights over each source's documents."""
     cache_dir: str | None = None
     """Directory for the built index arrays (reused across runs and ranks)."""
+    build_timeout: float = 6 * 3600
+    """Seconds a rank waits for another rank's index build in a shared or node-local cache_dir
+    (it polls the cache and prints progress; builds of hours are normal for large blends)."""
+
+    def __post_init__(self) -> None:
+        if not self.build_timeout > 0:
+            raise TokenloomError(f"data.blend.build_timeout must be > 0 seconds, got {self.build_timeout}")
 
 
 @dataclass(kw_only=True)
@@ -140,7 +147,8 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
     returns the build result and its printed plan.
 
     In a distributed run every rank calls this; ranks that share ``cache_dir`` elect one
-    builder per entry (see ``tokenloom.blending.cache``), the others load what it wrote.
+    builder (see ``tokenloom.blending.cache``), the others poll the cache for up to
+    ``build_timeout`` seconds and then load what it wrote.
     """
     import torch.distributed as dist
 
@@ -154,7 +162,8 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
     if blend.cache_dir is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         run_id = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
-        shared = SharedBuild(dist.get_rank(), dist.get_world_size(), dist.barrier, run_id[0])
+        shared = SharedBuild(dist.get_rank(), dist.get_world_size(), dist.barrier, run_id[0],
+                             timeout=blend.build_timeout)
     cfg = BuildConfig(data=[(float(w), str(p)) for w, p in blend.prefixes], split=blend.split,
                       seq_length=gpt.seq_length, num_samples=tuple(sizes), seed=gpt.seed, cache_dir=blend.cache_dir)
     built = build_blend(cfg, shared=shared)

@@ -128,7 +128,7 @@ def check_resume(cfg: TrainConfig) -> None:
     def order_defining(data: dict) -> dict:
         out = {k: v for k, v in data.items() if k != "num_workers"}
         if out.get("blend"):
-            out["blend"] = {k: v for k, v in out["blend"].items() if k != "cache_dir"}
+            out["blend"] = {k: v for k, v in out["blend"].items() if k not in ("cache_dir", "build_timeout")}
         return out
 
     old, new = order_defining(saved["data"]), order_defining(config_to_dict(cfg)["data"])

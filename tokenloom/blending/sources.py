@@ -1,0 +1,228 @@
+"""Token sources of a blend: metadata read once and remembered, files opened only when read.
+
+A blend of thousands of sources must start in about a second and must not hold a file
+descriptor per source (two per ``IndexedDataset``: each memory map keeps its own in
+Python < 3.13). So the build works from :class:`SourceMeta` records -- sequence and
+document counts, the content digest that goes into cache keys and the tokenizer the
+manifest names -- and a source's ``.idx``/``.bin`` are mapped only when its tokens or
+sequence lengths are read, through a small pool of open datasets that closes the least
+recently used one beyond ``soft RLIMIT_NOFILE / 8`` (at most 1024).
+
+Records are computed once per file version and remembered in ``CACHE_DIR/sources.jsonl``
+(one JSON line per version, appended; lines that do not parse are ignored, so a torn
+append costs one recomputation, never a wrong digest). A version is the ``.idx``'s and
+manifest's (device, inode, size, mtime in ns): every tokenloom writer publishes by
+rename, which gives a new inode, so a rewritten file never matches a stale record.
+A warm start therefore costs two ``stat`` calls per source and one file read.
+
+The digest is BLAKE3 over the ``.idx`` bytes and the manifest: the ``.idx`` fixes every
+sequence length and document boundary, which is all an index depends on; the manifest
+adds the tokenizer and inputs, so a re-tokenized source with equal lengths still gets a
+new key. BLAKE3, not SHA-256: as strong a content address and about 2.5x faster per core.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import resource
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import blake3
+import numpy as np
+
+from tokenloom.errors import TokenloomError
+
+MEMO_FILE = "sources.jsonl"
+
+
+@dataclass(frozen=True)
+class SourceMeta:
+    """What a build needs to know about one ``.bin``/``.idx`` pair without opening it."""
+
+    digest: str
+    """BLAKE3 of the ``.idx`` bytes and the manifest (the source's part of every cache key)."""
+    sequences: int
+    """Number of sequences (Megatron's "documents" for splitting and indexing)."""
+    documents: int
+    """Number of documents in the ``.idx`` document index."""
+    tokenizer: str | None
+    """``ids_key`` of the manifest's tokenizer; None when the source has no manifest."""
+
+
+_MEMO: dict[str, SourceMeta] = {}
+_MEMO_LOCK = threading.Lock()
+
+
+def clear_memo() -> None:
+    """Forget the records remembered in this process (a benchmark's cold start)."""
+    with _MEMO_LOCK:
+        _MEMO.clear()
+
+
+def _stamp(prefix: str) -> str:
+    """The version of a source's files: (device, inode, size, mtime_ns) of ``.idx`` and manifest."""
+    parts = []
+    for path in (f"{prefix}.idx", f"{prefix}.manifest.json"):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if path.endswith(".idx"):
+                raise TokenloomError(f"{path}: no such file") from None
+            parts.append("-")
+            continue
+        parts.append(f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")
+    return "/".join(parts)
+
+
+def _compute(prefix: str) -> SourceMeta:
+    from tokenloom.indexed.format import read_header
+    from tokenloom.preprocess import manifest
+    from tokenloom.tokenizers.base import ids_key
+
+    _, sequences, document_indices = read_header(f"{prefix}.idx")
+    h = blake3.blake3()
+    for path in (Path(f"{prefix}.idx"), Path(f"{prefix}.manifest.json")):
+        if not path.exists():
+            continue
+        h.update(path.name.encode())
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(1 << 22):  # sized to the file when smaller: no 4 MiB buffer per source
+                h.update(chunk)
+    saved = manifest.read(prefix)
+    tokenizer = ids_key(saved["tokenizer"]) if saved is not None else None
+    return SourceMeta(h.hexdigest(), sequences, document_indices - 1, tokenizer)
+
+
+def _read_memo(path: Path) -> dict[str, SourceMeta]:
+    out: dict[str, SourceMeta] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    try:  # one parse for the whole file (10,000 lines: 3x faster than line by line) ...
+        records = json.loads("[" + ",".join(lines) + "]")
+    except ValueError:  # ... unless a line is torn: then each line on its own
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue  # that version is recomputed
+    for record in records:
+        try:
+            meta = SourceMeta(**record["meta"])
+        except (KeyError, TypeError):
+            continue
+        if isinstance(meta.digest, str) and len(meta.digest) == 64:
+            out[record["stamp"]] = meta
+    return out
+
+
+def source_metadata(prefixes: list[str], memo_dir: str | os.PathLike | None = None) -> dict[str, SourceMeta]:
+    """``{prefix: SourceMeta}``, computed once per file version (see the module docstring).
+
+    Missing records are computed on a thread pool (hashing releases the GIL) and
+    appended to ``memo_dir/sources.jsonl`` in one write.
+    """
+    stamps = {p: _stamp(p) for p in dict.fromkeys(prefixes)}
+    with _MEMO_LOCK:
+        missing = [p for p, s in stamps.items() if s not in _MEMO]
+    memo_file = Path(memo_dir) / MEMO_FILE if memo_dir is not None else None
+    if missing and memo_file is not None:
+        on_disk = _read_memo(memo_file)
+        with _MEMO_LOCK:
+            _MEMO.update(on_disk)
+            missing = [p for p in missing if stamps[p] not in _MEMO]
+    if missing:
+        with ThreadPoolExecutor(max(1, min(len(missing), os.cpu_count() or 1))) as pool:
+            computed = dict(zip(missing, pool.map(_compute, missing), strict=True))
+        with _MEMO_LOCK:
+            _MEMO.update({stamps[p]: m for p, m in computed.items()})
+        if memo_file is not None:
+            lines = "".join(json.dumps({"stamp": stamps[p], "meta": asdict(m)}) + "\n" for p, m in computed.items())
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(memo_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, lines.encode())
+            finally:
+                os.close(fd)
+    with _MEMO_LOCK:
+        return {p: _MEMO[s] for p, s in stamps.items()}
+
+
+# --------------------------------------------------------------------------- lazily opened sources
+
+
+class _OpenPool:
+    """The open ``IndexedDataset`` of each recently read source, least recently used closed first.
+
+    A closed dataset's maps (and their descriptors) go away once no array views them;
+    samples are copied out, so only views in use at that moment keep one alive.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.open: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, prefix: str):
+        with self.lock:
+            ds = self.open.get(prefix)
+            if ds is not None:
+                self.open.move_to_end(prefix)
+                return ds
+        from tokenloom.indexed import IndexedDataset  # the reader lives one stage up
+
+        ds = IndexedDataset(prefix)
+        len(ds)  # open and validate now, outside the lock
+        with self.lock:
+            ds = self.open.setdefault(prefix, ds)
+            self.open.move_to_end(prefix)
+            while len(self.open) > self.capacity:
+                self.open.popitem(last=False)[1].close()
+        return ds
+
+
+def _pool_capacity() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1024 if soft == resource.RLIM_INFINITY else max(4, min(1024, soft // 8))
+
+
+_POOL = _OpenPool(_pool_capacity())
+
+
+class LazySource:
+    """A ``TokenSource`` over ``PREFIX.bin/.idx`` that opens the files on first read.
+
+    ``len()`` comes from ``meta`` (or the ``.idx`` header when none is given), so building a
+    blend's plan and cache keys opens nothing; ``sequence_lengths`` and ``get`` go through
+    the process-wide pool of open datasets. Pickles by path, so DataLoader workers open
+    their own files.
+    """
+
+    def __init__(self, prefix: str, meta: SourceMeta | None = None):
+        self.path_prefix = prefix
+        if meta is None:
+            from tokenloom.indexed.format import read_header
+
+            self._len = read_header(f"{prefix}.idx")[1]
+        else:
+            self._len = meta.sequences
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"LazySource({self.path_prefix!r})"
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return _POOL.get(self.path_prefix).sequence_lengths
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        return _POOL.get(self.path_prefix).get(idx, offset, length)
