@@ -142,3 +142,27 @@ def test_cli_user_errors_are_one_line(tmp_path, args, message):
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_cli_corrupt_parquet_is_one_line(tmp_path, damage):
+    """pyarrow's ArrowInvalid becomes one line naming the file; nothing is published."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"text": [f"document {i}" for i in range(5000)]}), good)
+    data = good.read_bytes()
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1" + bytes(range(256)) * 4 if damage == "garbage" else data[: len(data) // 2])
+    cmd = [sys.executable, str(REPO / "cli.py"), "preprocess", "--no-progress", "--input", str(good),
+           "--input", str(bad), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "byte"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bad}: not a readable parquet input ("), out.stderr
+    assert _published(tmp_path) == []

@@ -152,3 +152,22 @@ def test_cli_forced_gigatoken_that_cannot_load_is_one_line(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "gigatoken does not encode the byte kind" in proc.stderr
     assert not (tmp_path / "out.bin").exists()
+
+
+@pytest.mark.parametrize("path", ["qwen2"])  # HF tokenizers with NFC (gpt2 runs on tiktoken: nothing to escape)
+def test_characters_of_newer_unicode_are_escaped(monkeypatch, path):
+    """Combining marks newer than HF tokenizers' NFC tables (U+089B, U+1AC5) and letters newer than
+    Qwen2's split regex (CJK Extension J): found on load, such texts go to the reference engine
+    with the same ids; with nothing escaped the self-check fails on them."""
+    from tokenloom.tokenizers import gigatoken_engine
+
+    texts = ["plain", "\u089b\u0cbc \u1ac5\u0650 a\u1ae0\u0e48", "x", "\U00032a23/V \U00033021[j", ""]
+    ref = load_shared(path, num_threads=1, backend="reference")
+    tok = load_shared(path, num_threads=1)
+    assert tok.backend == "gigatoken" and "characters its Unicode tables treat differently" in tok.backend_reason
+    for got, want in zip(tok.encode_batch(texts), ref.encode_batch(texts), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    monkeypatch.setattr(gigatoken_engine, "unstable_chars", lambda reference, engine: "")
+    unescaped = load_tokenizer(TOK / path)
+    assert unescaped.backend == "reference" and "self-check failed" in unescaped.backend_reason

@@ -425,27 +425,31 @@ def _arrow_batches(inp: Input, keys: list[str]):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if inp.format == "parquet":
-        pf = pq.ParquetFile(inp.path)
-        missing = [k for k in keys if k not in pf.schema_arrow.names]
-        if missing:
-            raise TokenloomError(f"{inp.path}: no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names)})")
-        per_row = inp.size / max(1, pf.metadata.num_rows)
-        for batch in pf.iter_batches(batch_size=1024, columns=keys):
-            yield batch, int(batch.num_rows * per_row)
-        return
-    state = json.loads((Path(inp.path) / "state.json").read_text())
-    files = [Path(inp.path) / f["filename"] for f in state.get("_data_files", [])]
-    total_rows = 0
-    for path in files:
-        with pa.memory_map(str(path)) as source:
-            reader = pa.ipc.open_stream(source)
-            missing = [k for k in keys if k not in reader.schema.names]
+    try:
+        if inp.format == "parquet":
+            pf = pq.ParquetFile(inp.path)
+            missing = [k for k in keys if k not in pf.schema_arrow.names]
             if missing:
-                raise TokenloomError(f"{inp.path}: no column {missing[0]!r} (columns: {', '.join(reader.schema.names)})")
-            size = path.stat().st_size
-            batches = list(reader)
-            rows = sum(b.num_rows for b in batches) or 1
-            for batch in batches:
-                total_rows += batch.num_rows
-                yield batch.select(keys), int(size * batch.num_rows / rows)
+                raise TokenloomError(f"{inp.path}: no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names)})")
+            per_row = inp.size / max(1, pf.metadata.num_rows)
+            for batch in pf.iter_batches(batch_size=1024, columns=keys):
+                yield batch, int(batch.num_rows * per_row)
+            return
+        state = json.loads((Path(inp.path) / "state.json").read_text())
+        files = [Path(inp.path) / f["filename"] for f in state.get("_data_files", [])]
+        total_rows = 0
+        for path in files:
+            with pa.memory_map(str(path)) as source:
+                reader = pa.ipc.open_stream(source)
+                missing = [k for k in keys if k not in reader.schema.names]
+                if missing:
+                    raise TokenloomError(f"{inp.path}: no column {missing[0]!r} (columns: {', '.join(reader.schema.names)})")
+                size = path.stat().st_size
+                batches = list(reader)
+                rows = sum(b.num_rows for b in batches) or 1
+                for batch in batches:
+                    total_rows += batch.num_rows
+                    yield batch.select(keys), int(size * batch.num_rows / rows)
+    except (pa.ArrowException, OSError) as exc:  # a corrupt or truncated file: one line naming it
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TokenloomError(f"{inp.path}: not a readable {inp.format} input ({first})") from None
