@@ -1,6 +1,6 @@
 """tp x pp x dp training through the one loop (tokenloom.train.loop) against its one-process
-run: 20-step losses, grad norms, validation loss and final parameters for eight layouts,
-a llama-flavour tp forward (RoPE, SwiGLU, GQA, biases),
+run: 20-step losses, grad norms, validation loss and final parameters for nine layouts,
+a llama-flavour tp forward with and without sequence parallelism (RoPE, SwiGLU, GQA, biases),
 and checkpoint resharding from (dp, tp, pp) = (1, 2, 2) into (2, 1, 1) and (1, 1, 1).
 
 Three launches (4, 2 and 1 gloo ranks, oversubscribed on small machines), so the whole
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
 LAYOUTS = {
     "dp1_tp2_pp1": (2, dict(tp=2)),
+    "dp1_tp2_pp1_sp": (2, dict(tp=2, sp=True)),
     "dp1_tp1_pp2": (2, dict(pp=2)),
     "dp1_tp1_pp2_vpp2": (2, dict(pp=2, vpp=2)),
     "dp1_tp2_pp2": (4, dict(tp=2, pp=2)),
@@ -55,13 +56,14 @@ def runs(tmp):
     w2 = _scenarios(2, tmp) + [
         ("train", dict(out=str(tmp / "cont_211"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_211"))),
         ("forward_llama", {}),
+        ("forward_llama", {"sp": True}),
     ]
     w1 = [
         ("train", dict(out=str(tmp / "cont_111"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_111"))),
         ("forward_llama", {}),
     ]
     names = {4: [n for n, (w, _) in LAYOUTS.items() if w == 4] + ["save_122", "cont_122"],
-             2: [n for n, (w, _) in LAYOUTS.items() if w == 2] + ["cont_211", "llama_tp2"],
+             2: [n for n, (w, _) in LAYOUTS.items() if w == 2] + ["cont_211", "llama_tp2", "llama_tp2_sp"],
              1: ["cont_111", "llama_tp1"]}
     out = {}
     for world, scen in ((4, w4), (2, w2), (1, w1)):
@@ -107,7 +109,7 @@ def test_resharded_resume_continues_exactly(runs, ref, name):
     assert max(abs(a - b) for a, b in zip(logged_losses(runs[name]), same, strict=True)) < TOL
 
 
-@pytest.mark.parametrize("name", ["llama_tp1", "llama_tp2"])
+@pytest.mark.parametrize("name", ["llama_tp1", "llama_tp2", "llama_tp2_sp"])
 def test_llama_tp_forward_backward(runs, name):
     for r in runs[name]:
         assert r["same_names"]
