@@ -95,16 +95,18 @@ def gathered_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def forward_llama(rank: int, sp: bool = False) -> dict[str, Any]:
-    """llama flavour (RMSNorm, SwiGLU, RoPE, GQA 4 query / 2 kv heads, biases) split over the
-    whole world as tp (with sequence parallelism when ``sp``): initial weights, loss and a
-    norm weight's grad vs the one-process model."""
+def forward_tp(rank: int, arch: str = "llama", sp: bool = False, kernels: str = "reference") -> dict[str, Any]:
+    """A GPT with biases (llama flavour: RMSNorm, SwiGLU, RoPE, GQA 4 query / 2 kv heads,
+    untied) split over the whole world as tp (with sequence parallelism when ``sp``, the
+    fused kernels and loss of ``kernels``): initial weights, loss and a norm weight's grad vs
+    the one-process model with the reference kernels."""
     from tokenloom.train.model import GPT
     from tokenloom.train.parallel.layers import TensorParallel, sync_sequence_parallel_grads
 
-    cfg = GPTConfig(arch="llama", bias=True, vocab_size=60, make_vocab_size_divisible_by=64, seq_len=16,
-                    n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, tie_embeddings=False)
-    model = GPT(cfg)
+    shape = dict(arch=arch, bias=True, vocab_size=60, make_vocab_size_divisible_by=64, seq_len=16, n_layers=2,
+                 n_heads=4, n_kv_heads=2 if arch == "llama" else None, d_model=32, tie_embeddings=arch != "llama")
+    model = GPT(GPTConfig(**shape))
+    cfg = GPTConfig(**shape, kernels=kernels)
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, 60, (2, 17), generator=g)
     batch = {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": (x[:, 1:] % 7 != 0).float()}
@@ -167,7 +169,7 @@ def dropout_masks(rank: int, *, out: str, sp: bool = False) -> list[list[torch.T
     return runs
 
 
-SCENARIOS = {"train": train, "forward_llama": forward_llama, "train_on_meta": train_on_meta,
+SCENARIOS = {"train": train, "forward_tp": forward_tp, "train_on_meta": train_on_meta,
              "dropout_masks": dropout_masks}
 
 
