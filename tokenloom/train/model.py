@@ -213,20 +213,6 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-def check_tp_config(cfg: GPTConfig, tp: int) -> None:
-    """Refuse shapes that cannot be split over ``tp`` ranks, with the fix in the message."""
-    problems = []
-    if cfg.n_heads % tp or cfg.kv_heads % tp:
-        problems.append(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.kv_heads} must be divisible by tp={tp}")
-    if cfg.ffn_size % tp:
-        problems.append(f"ffn size {cfg.ffn_size} must be divisible by tp={tp}")
-    if cfg.padded_vocab_size % tp:
-        problems.append(f"padded vocab {cfg.padded_vocab_size} must be divisible by tp={tp} "
-                        "(raise make_vocab_size_divisible_by)")
-    if problems:
-        raise TokenloomError("tensor parallelism: " + "; ".join(problems))
-
-
 def _matmul_and_bias(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``layer(x)`` without its bias, and the bias, so that a kernel can fuse the bias into
     the op that follows (``bias_gelu``, ``bias_dropout_add``)."""
@@ -435,7 +421,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, tp or TensorParallel()
         self.pre, self.post = pre, post
-        check_tp_config(cfg, self.tp.size)
+        if cfg.n_heads % self.tp.size or cfg.kv_heads % self.tp.size:  # the layers check the other splits
+            raise TokenloomError(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.kv_heads} must be divisible by "
+                                 f"tp={self.tp.size}")
         layers = range(cfg.n_layers) if layers is None else layers
         if pre:
             self.tok_emb = self.tp.embedding(cfg.padded_vocab_size, cfg.d_model)

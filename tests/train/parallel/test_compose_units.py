@@ -7,7 +7,7 @@ import torch
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.model import GPT, GPTConfig, check_tp_config, pipeline_stage
+from tokenloom.train.model import GPT, GPTConfig, pipeline_stage
 from tokenloom.train.optim import param_groups
 from tokenloom.train.strategy import counts_in_grad_norm
 
@@ -42,9 +42,9 @@ def test_meta_model_has_shapes_only_and_counts_like_the_real_one():
 
 
 def test_config_checks():
-    with pytest.raises(TokenloomError, match="divisible by tp"):
-        check_tp_config(GPTConfig(n_heads=6, d_model=48, n_layers=1, vocab_size=64), 4)
-    check_tp_config(GPTConfig(dropout=0.1, n_layers=1, vocab_size=64), 2)  # dropout at tp > 1 is supported
+    with pytest.raises(TokenloomError, match="divisible by pipeline size"):
+        pipeline_stage(GPTConfig(n_layers=3, vocab_size=64, d_model=16, n_heads=2), pp_size=2)
+    TrainConfig(tp=2, model=GPTConfig(dropout=0.1, n_layers=1, vocab_size=64))  # dropout at tp > 1 is supported
     cfg = TrainConfig()
     assert (cfg.tp, cfg.pp, cfg.vpp, cfg.sp, cfg.zero1) == (1, 1, None, False, False)
 
