@@ -30,11 +30,11 @@ STEPS = 20
 
 
 def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zero1: bool = False,
-             weight_decay: float = 0.1, dropout: float = 0.0, **kw: Any) -> TrainConfig:
+             weight_decay: float = 0.1, dropout: float = 0.0, recompute: bool = False, **kw: Any) -> TrainConfig:
     """4 layers, d_model 32, seq 16, vocab 64; no biases (see pp_helpers' note on the key
     bias); global batch 8 of micro-batches of 2; clipping (0.5) active in early steps."""
     model = GPTConfig(bias=False, vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=4,
-                      n_heads=4, d_model=32, dropout=dropout)
+                      n_heads=4, d_model=32, dropout=dropout, recompute_layers=(0, 1, 2, 3) if recompute else ())
     data = DataConfig(mock=MockDataConfig(num_sequences=400, max_length=40, content="random"))
     optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay, grad_clip=0.5)
     base = dict(model=model, data=data, optim=optim, micro_batch_size=2, global_batch_size=8,

@@ -1,5 +1,6 @@
 """Dropout at tp = 2 through the tensor-parallel RNG tracker (issue 15, acceptance 2), and
-exact resume of a dropout run (the tracker's stream is in the checkpoint).
+exact resume of a dropout run (the tracker's stream is in the checkpoint), and activation
+recompute that replays the stream.
 
 Masks are read as the ``bernoulli_`` draws of one training forward of the tiny GPT (4
 layers), in call order: per layer one attention-probability mask ``[b, heads/tp, s, s]``
@@ -29,9 +30,10 @@ def runs(tmp_path_factory):
         ("train", dict(out=str(tmp / "save"), exit_interval=HALF, checkpoint_dir=str(ckpt), **common)),
         ("train", dict(out=str(tmp / "resumed"), resume=str(ckpt / f"iter_{HALF:07d}"),
                        checkpoint_dir=str(tmp / "ckpt2"), **common)),
+        ("train", dict(out=str(tmp / "recompute"), recompute=True, **common)),
     ]
     results = launch(scenarios, 2, tmp)
-    names = ["masks", "masks_sp", "full", "save", "resumed"]
+    names = ["masks", "masks_sp", "full", "save", "resumed", "recompute"]
     return {name: [r[i] for r in results] for i, name in enumerate(names)}
 
 
@@ -54,3 +56,9 @@ def test_dropout_run_resumes_exactly(runs):
     assert len(full) == STEPS
     assert logged_losses(runs["save"]) == full[:HALF]
     assert logged_losses(runs["resumed"]) == full[HALF:]  # the same masks after the restart
+
+
+def test_recompute_replays_the_tp_dropout_stream(runs):
+    """Activation recompute of every block redraws the same masks in backward (tracker
+    states replayed), so the run is the run without recompute."""
+    assert logged_losses(runs["recompute"]) == logged_losses(runs["full"])
