@@ -485,26 +485,22 @@ class GPT(nn.Module):
         """
         cfg, tp = self.cfg, self.tp
         mine = dict(self.named_parameters(remove_duplicate=False))
-        owners = {f"{name}.{pname}": m for name, m in self.named_modules() for pname, _ in m.named_parameters(
-            prefix="", recurse=False)}
+        split_sizes = {f"{name}.weight": getattr(m, "split_sizes", None) for name, m in self.named_modules()}
         gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
         std, resid_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        full_model = GPT(cfg, device="meta")
-        for name, module in full_model.named_modules():
+        for name, module in GPT(cfg, device="meta").named_modules():  # the one-process order
             if not isinstance(module, (nn.Linear, nn.Embedding)) or (name == "lm_head" and cfg.tie_embeddings):
                 continue
             s = resid_std if getattr(module, "residual_scaled_init", False) else std
+            # drawn on every rank, held or not: the generator must advance as in one process
             full = torch.empty(module.weight.shape, dtype=torch.float32, device="cpu").normal_(0.0, s, generator=gen)
             targets = [f"{name}.weight"] + (["lm_head.weight"] if name == "tok_emb" and cfg.tie_embeddings else [])
-            for target in targets:
-                if target in mine:
-                    p = mine[target]
-                    if getattr(p, "tensor_model_parallel", False):
-                        full_local = shard(full, p.partition_dim, tp.rank, tp.size,
-                                           getattr(owners[target], "split_sizes", None))
-                    else:
-                        full_local = full
-                    p.copy_(full_local)
+            for target in filter(mine.__contains__, targets):
+                p = mine[target]
+                if getattr(p, "tensor_model_parallel", False):
+                    p.copy_(shard(full, p.partition_dim, tp.rank, tp.size, split_sizes[target]))
+                else:
+                    p.copy_(full)
         for module in self.modules():
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
                 module.weight.fill_(1.0)
