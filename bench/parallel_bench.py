@@ -15,7 +15,7 @@ Every layout of ``--world`` ranks (2 or 4) trains the same GPT with
   ``(p - 1) / (v M + p - 1)``. On an oversubscribed CPU box stages are not equal and
   p2p is slow, so the ratio reads above 1; the schedule tests measure it on stages of
   known cost;
-* with ``--rss-model`` (on by default; ``--no-rss`` skips it): the peak resident memory
+* unless ``--no-rss`` (``--rss-only``: nothing else): the peak resident memory
   (``ru_maxrss``) of the largest rank after a warmup and one training step of a
   GPT-2-small shape (124 M parameters, vocab 50304, seq 128, micro-batch 1) at dp 2,
   tp 2 and pp 2 on 2 ranks, against dp 2 (tp 1): parameters, gradients and AdamW state
@@ -147,8 +147,13 @@ def main() -> None:
                         help="micro-batches per step at dp = world (global batch = 2 x world x this)")
     parser.add_argument("--no-rss", dest="with_rss", action="store_false",
                         help="skip the peak-memory rows (a 124 M-parameter model on 2 ranks)")
+    parser.add_argument("--rss-only", action="store_true", help="only the peak-memory rows")
     args = parser.parse_args()
     args.rss = False
+    if args.rss_only:
+        print_table("peak RSS per rank, GPT-2 small (124 M parameters), 2 gloo ranks (baseline: dp2, tp1)",
+                    rss_rows(args))
+        return
     w = args.world
     layouts = [(w, 1, 1, None), (1, w, 1, None), (1, 1, w, None), (1, 1, w, 2)]
     if w == 4:

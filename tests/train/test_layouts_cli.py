@@ -29,6 +29,7 @@ LAYOUTS = {
     "dp1_tp1_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
     "dp2_tp1_pp1_zero1": (2, ["--zero1"]),
     "dp2_tp2_pp1": (4, ["--tp", "2"]),
+    "dp1_tp2_pp1_sp": (2, ["--tp", "2", "--set", "sp=true"]),  # no --sp flag yet: the config field
 }
 
 

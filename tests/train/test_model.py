@@ -40,8 +40,8 @@ def test_init_is_deterministic_and_seeded():
 
 def test_residual_projections_use_scaled_init():
     model = GPT(cfg(n_layers=8, d_model=64, init_std=0.02))
-    resid = torch.cat([b.mlp.proj.weight.flatten() for b in model.blocks])
-    plain = torch.cat([b.mlp.fc.weight.flatten() for b in model.blocks])
+    resid = torch.cat([b.mlp.proj.weight.flatten() for b in model.blocks.values()])
+    plain = torch.cat([b.mlp.fc.weight.flatten() for b in model.blocks.values()])
     assert resid.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
     assert plain.std().item() == pytest.approx(0.02, rel=0.05)
 
@@ -56,9 +56,9 @@ def test_tied_embeddings_share_storage():
 
 def test_gqa_shapes():
     model = GPT(cfg(**LLAMA))
-    qkv = model.blocks[0].attn.qkv.weight
+    qkv = model.blocks["0"].attn.qkv.weight
     assert qkv.shape == ((4 + 2 * 2) * 8, 32)  # 4 query heads + 2 K + 2 V heads of dim 8
-    assert GPT(cfg(arch="llama")).blocks[0].attn.qkv.bias is None  # llama: no biases by default
+    assert GPT(cfg(arch="llama")).blocks["0"].attn.qkv.bias is None  # llama: no biases by default
     with pytest.raises(TokenloomError, match="n_kv_heads"):
         cfg(arch="llama", n_kv_heads=3)
 

@@ -1,4 +1,28 @@
-"""A small, readable GPT in one file (in the spirit of nanoGPT).
+"""A small, readable GPT in one file (in the spirit of nanoGPT), for every parallel layout.
+
+One model serves every layout (in the spirit of megatron-core's ``GPTModel``):
+
+* **Tensor parallelism**: the linears and the token embedding come from a
+  :class:`~tokenloom.train.parallel.layers.TensorParallel` context. With one rank they
+  are plain ``nn.Linear`` / ``nn.Embedding`` (the numerics, names and state dict of a
+  model that knows nothing of tp); with more, ``qkv`` and ``fc`` are column-parallel
+  (heads, and SwiGLU's gate/up halves, split over tp), the output projections
+  row-parallel, the embedding and LM head vocab-parallel, and the loss is the
+  vocab-parallel cross entropy on ``[.., V/tp]`` logits (full logits never exist).
+  Sequence parallelism keeps ``[s/tp, b, h]`` activations between the tp regions.
+* **Pipeline parallelism**: a stage is a range of the same model's blocks
+  (``layers``), with the embeddings (``pre``) and/or the head and loss (``post``);
+  :func:`pipeline_stage` picks Megatron's layer ranges. Names stay global
+  (``blocks.7.mlp.fc.weight``), so checkpoints reshard by name.
+* **Initialisation** is rank-local: parameters are created on ``meta``, materialised on
+  the run's device, and :meth:`GPT.init_weights` fills each rank's shards with the
+  values the one-process model gets (every full weight is drawn in turn on the host and
+  sliced), so every layout starts from the same weights and no rank ever builds the
+  whole model.
+* **Dropout** at tp > 1 draws inside tensor-parallel regions (attention probabilities;
+  everything under sequence parallelism) from the tracker's per-tp-rank stream
+  (:mod:`tokenloom.train.parallel.random`) and elsewhere from the default generator,
+  equal on every tp rank.
 
 Two flavours share one code path, picked by :attr:`GPTConfig.arch`:
 
@@ -25,7 +49,8 @@ Choices and their costs:
 * Initialisation is deterministic from ``seed`` using a private generator (the global
   RNG is untouched): normal(0, ``init_std``) for all weights, and residual output
   projections scaled by ``1/sqrt(2 * n_layers)`` (GPT-2 paper); biases zero, norm
-  weights one.
+  weights one. The price of equal values in every layout: every rank draws the whole
+  model's numbers (about a second per 100 M parameters on one core).
 
 Kernels (:attr:`GPTConfig.kernels`, see :mod:`tokenloom.train.kernels`): the ops are
 looked up with :func:`~tokenloom.train.kernels.select_kernels` on the first forward
@@ -47,7 +72,10 @@ and checkpoints are the same in every mode and load across modes.
   reference semantics: softmax over the *padded* vocabulary (Megatron's), per-token
   losses reduced exactly as the reference does (``mean`` over all tokens, or over
   ``loss_mask``). Numerics differ from ``reference`` by float rounding (fp32 norms and
-  a different log-sum-exp order), ~1e-6 relative on the loss.
+  a different log-sum-exp order), ~1e-6 relative on the loss. The MLP bias goes into
+  ``bias_gelu`` and the output projections' biases into ``bias_dropout_add`` (the
+  residual tail), at every tp size; at tp > 1 the loss is the fused vocab-parallel LM
+  head + cross entropy.
 * Logits (``labels=None``) are always the full padded-vocab tensor.
 """
 
@@ -55,6 +83,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,6 +94,14 @@ from torch.utils.checkpoint import checkpoint
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.kernels import KernelSet, select_kernels
+from tokenloom.train.parallel.layers import TensorParallel, shard
+from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
+from tokenloom.train.parallel.random import checkpoint as tp_checkpoint
+from tokenloom.train.parallel.random import get_rng_tracker
+from tokenloom.train.parallel.tp_cross_entropy import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_lm_head_cross_entropy,
+)
 
 
 @dataclass(kw_only=True)
@@ -159,13 +196,14 @@ def _kernels_for(mode: str, x: torch.Tensor) -> KernelSet | None:
     return None if mode == "reference" else _kernel_set(mode, x.device.type)
 
 
-def rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [seq_len, head_dim] (rotate-half layout)."""
+def rope_tables(cfg: GPTConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [seq_len, head_dim] (rotate-half layout), computed in float64
+    on the host and moved to ``device``."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), inv_freq)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd))
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64, device="cpu"), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -175,49 +213,77 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        qkv_out = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.proj.residual_scaled_init = True
-        self.dropout = cfg.dropout
-        self.kernels = cfg.kernels
+def _matmul_and_bias(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``layer(x)`` without its bias, and the bias, so that a kernel can fuse the bias into
+    the op that follows (``bias_gelu``, ``bias_dropout_add``)."""
+    if isinstance(layer, nn.Linear):
+        return F.linear(x, layer.weight), layer.bias
+    return layer(x, skip_bias_add=True)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = split_qkv(self.qkv(x), self.n_heads, self.n_kv_heads, self.head_dim)
+
+class Attention(nn.Module):
+    """Causal self-attention; ``qkv`` column-parallel and ``proj`` row-parallel at tp > 1
+    (each rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads)."""
+
+    def __init__(self, cfg: GPTConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp.size, cfg.kv_heads // tp.size, hd
+        sizes = [cfg.n_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]
+        self.qkv = tp.column(cfg.d_model, sum(sizes), bias=cfg.bias, split_sizes=sizes)
+        self.proj = tp.row(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj.residual_scaled_init = True
+        self.dropout, self.kernels, self.tp = cfg.dropout, cfg.kernels, tp
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, d] (or [T/tp, B, d] under sequence parallelism). Returns the output
+        projection with its bias added (reference kernels), or without it and the bias."""
+        qkv = self.qkv(x)
+        if self.tp.sp:  # [T, B, ...] after the sequence all-gather
+            qkv = qkv.transpose(0, 1)
+        B, T, _ = qkv.shape
+        q, k, v = split_qkv(qkv, self.n_heads, self.n_kv_heads, self.head_dim)
         p = self.dropout if self.training else 0.0
         ks = _kernels_for(self.kernels, x)
-        if ks is not None:
-            if rope is not None:
-                cos, sin = rope[0][:T], rope[1][:T]
-                q, k = ks.rope(q, cos, sin), ks.rope(k, cos, sin)
-            y = ks.attention(q, k, v, causal=True, dropout_p=p)
-            return self.proj(y.transpose(1, 2).reshape(B, T, -1))
-        y = attend(q, k, v, rope, dropout_p=p)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        with self.tp.fork(p > 0, x.device):  # heads are split over tp: per-rank masks
+            if ks is not None:
+                if rope is not None:
+                    cos, sin = rope[0][:T], rope[1][:T]
+                    q, k = ks.rope(q, cos, sin), ks.rope(k, cos, sin)
+                y = ks.attention(q, k, v, causal=True, dropout_p=p)
+            else:
+                y = attend(q, k, v, rope, dropout_p=p)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        if self.tp.sp:
+            y = y.transpose(0, 1)
+        return (self.proj(y), None) if ks is None else _matmul_and_bias(self.proj, y)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """GELU or SwiGLU MLP; ``fc`` column-parallel (gate/up halves split alike) and ``proj``
+    row-parallel at tp > 1."""
+
+    def __init__(self, cfg: GPTConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.swiglu = cfg.arch == "llama"
         inner = cfg.ffn_size
-        self.fc = nn.Linear(cfg.d_model, 2 * inner if self.swiglu else inner, bias=cfg.bias)
-        self.proj = nn.Linear(inner, cfg.d_model, bias=cfg.bias)
+        self.fc = tp.column(cfg.d_model, 2 * inner if self.swiglu else inner, bias=cfg.bias,
+                            split_sizes=[inner, inner] if self.swiglu else None)
+        self.proj = tp.row(inner, cfg.d_model, bias=cfg.bias)
         self.proj.residual_scaled_init = True
         self.kernels = cfg.kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output projection with its bias (reference kernels), or without it and the bias."""
         ks = _kernels_for(self.kernels, x)
-        if ks is not None:
-            h = ks.swiglu(*h.chunk(2, dim=-1)) if self.swiglu else ks.bias_gelu(h, None, approximate="tanh")
-            return self.proj(h)
-        return self.proj(mlp_activation(h, self.swiglu))
+        if ks is None:
+            return self.proj(mlp_activation(self.fc(x), self.swiglu)), None
+        if self.swiglu:
+            h = ks.swiglu(*self.fc(x).chunk(2, dim=-1))
+        else:
+            h = ks.bias_gelu(*_matmul_and_bias(self.fc, x), approximate="tanh")
+        return _matmul_and_bias(self.proj, h)
 
 
 def attend(
@@ -229,8 +295,7 @@ def attend(
 ) -> torch.Tensor:
     """Reference causal attention: q [B, h, T, d], k/v [B, h_kv, T, d] -> [B, h, T, d].
 
-    RoPE (if ``rope``) on q and k, k/v heads repeated to h for GQA, then SDPA. Shared by
-    the one-process model and its tensor-parallel twin (each rank with its heads).
+    RoPE (if ``rope``) on q and k, k/v heads repeated to h for GQA, then SDPA.
     """
     if rope is not None:
         T = q.shape[2]
@@ -262,7 +327,7 @@ class _LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state dict) whose forward honours ``kernels``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        super().__init__(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias, device="meta")
         self.kernels = cfg.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +341,7 @@ class _RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` (same parameters and state dict) whose forward honours ``kernels``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg.d_model, eps=cfg.norm_eps)
+        super().__init__(cfg.d_model, eps=cfg.norm_eps, device="meta")
         self.kernels = cfg.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,101 +352,223 @@ class _RMSNorm(nn.RMSNorm):
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
+    """The flavour's norm (LayerNorm or RMSNorm), on ``meta`` until the model materialises it."""
     if cfg.arch == "llama":
         return _RMSNorm(cfg)
     return _LayerNorm(cfg)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; ``recompute=True`` checkpoints it (non-reentrant)."""
+    """Pre-norm transformer block; ``recompute=True`` checkpoints it (non-reentrant, replaying
+    the tensor-parallel dropout stream too)."""
 
-    def __init__(self, cfg: GPTConfig, recompute: bool = False) -> None:
+    def __init__(self, cfg: GPTConfig, tp: TensorParallel, recompute: bool = False) -> None:
         super().__init__()
-        self.norm1, self.attn = make_norm(cfg), Attention(cfg)
-        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg, tp)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg, tp)
         self.drop = nn.Dropout(cfg.dropout)
-        self.recompute = recompute
+        self.recompute, self.kernels, self.tp = recompute, cfg.kernels, tp
+
+    def _residual(self, x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """``x + dropout(out + bias)``; under sequence parallelism the activation is split over
+        tp, so its mask comes from the tensor-parallel stream."""
+        y, bias = out
+        p = self.drop.p if self.training else 0.0
+        with self.tp.fork(self.tp.sp and p > 0, x.device):
+            ks = _kernels_for(self.kernels, x)
+            if ks is None:
+                return x + self.drop(y)  # the reference: y has its bias already
+            return ks.bias_dropout_add(y, bias, x, p, self.training)
 
     def _forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), rope))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        x = self._residual(x, self.attn(self.norm1(x), rope))
+        return self._residual(x, self.mlp(self.norm2(x)))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
+            if self.tp.size > 1:
+                return tp_checkpoint(self._forward, x, rope, tracker=get_rng_tracker(x.device))
             return checkpoint(self._forward, x, rope, use_reentrant=False)
         return self._forward(x, rope)
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer. ``forward(tokens)`` gives logits, with ``labels`` the mean loss."""
+    """Decoder-only transformer, or a pipeline stage of one, at any tensor-parallel size.
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    ``GPT(cfg)`` is the whole model on one process. ``tp`` (a
+    :class:`~tokenloom.train.parallel.layers.TensorParallel`) splits its matmuls and
+    vocabulary over a tensor-parallel group; ``layers`` (global block indices), ``pre``
+    (embeddings) and ``post`` (final norm, LM head, loss) make it a pipeline stage. Names
+    are the one-process model's everywhere (``blocks.3.attn.qkv.weight``), so checkpoints
+    reshard by name. With tied embeddings a stage that has the LM head but not the
+    embedding holds its own copy (Megatron's), tagged ``shared_embedding`` and ``shared``.
+
+    Parameters are created on ``meta`` and materialised on ``device`` (the host by
+    default; ``"meta"`` keeps a shape-only model), then :meth:`init_weights` fills this
+    rank's shards with exactly the values the one-process model gets.
+    """
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        tp: TensorParallel | None = None,
+        layers: Sequence[int] | None = None,
+        pre: bool = True,
+        post: bool = True,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
-        self.cfg = cfg
-        V = cfg.padded_vocab_size
-        self.tok_emb = nn.Embedding(V, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i in cfg.recompute_layers) for i in range(cfg.n_layers))
-        self.norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, V, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+        self.cfg, self.tp = cfg, tp or TensorParallel()
+        self.pre, self.post = pre, post
+        if cfg.n_heads % self.tp.size or cfg.kv_heads % self.tp.size:  # the layers check the other splits
+            raise TokenloomError(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.kv_heads} must be divisible by "
+                                 f"tp={self.tp.size}")
+        layers = range(cfg.n_layers) if layers is None else layers
+        if pre:
+            self.tok_emb = self.tp.embedding(cfg.padded_vocab_size, cfg.d_model)
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model, device="meta") if cfg.arch == "gpt2" else None
+            self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.tp, i in cfg.recompute_layers) for i in layers})
+        if post:
+            self.norm = make_norm(cfg)
+            self.lm_head = self.tp.column(cfg.d_model, cfg.padded_vocab_size, bias=False)
         if cfg.arch == "llama":
-            cos, sin = rope_tables(cfg)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+            self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim, device="meta"), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim, device="meta"), persistent=False)
+        device = torch.device("cpu" if device is None else device)
+        if device.type != "meta":
+            self._materialise(device)
+        self._tie_and_tag()
+        if device.type != "meta":
+            self.init_weights()
+
+    def _materialise(self, device: torch.device) -> None:
+        """Uninitialised storage on ``device`` for every parameter and buffer. ``to_empty``
+        makes new parameter objects, so the tags the parallel layers put on them
+        (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``) are carried over."""
+        tags = {name: dict(vars(p)) for name, p in self.named_parameters(remove_duplicate=False)}
+        self.to_empty(device=device)
+        for name, p in self.named_parameters(remove_duplicate=False):
+            vars(p).update(tags[name])
+
+    def _tie_and_tag(self) -> None:
+        """Tie the LM head to the embedding (one stage holding both) and tag parameters for
+        the optimizer, the grad norm and the gradient reductions."""
+        cfg, tp = self.cfg, self.tp
+        if self.pre:
+            self.tok_emb.weight.is_embedding = True
+            self.tok_emb.weight.shared_embedding = cfg.tie_embeddings
+        if self.post and cfg.tie_embeddings:
+            if self.pre:
+                self.lm_head.weight = self.tok_emb.weight
+            self.lm_head.weight.is_embedding = True  # a tied head decays like the table it is
+            self.lm_head.weight.shared_embedding = True
+            self.lm_head.weight.shared = not self.pre  # the last stage's copy: out of the grad norm
+        if tp.sp:  # norms see this rank's tokens only: grads summed over tp after backward
+            for module in self.modules():
+                if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                    for p in module.parameters():
+                        p.sequence_parallel = True
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Deterministic init from ``cfg.seed`` (independent of the global RNG)."""
-        gen = torch.Generator().manual_seed(self.cfg.seed)
-        std, resid_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+    def init_weights(self) -> None:
+        """Deterministic init from ``cfg.seed`` (independent of the global RNG): normal(0,
+        ``init_std``) for matmul weights and embeddings (residual projections scaled by
+        ``1/sqrt(2 n_layers)``), drawn from one private generator in the one-process model's
+        module order, biases zero, norm weights one.
+
+        Every rank draws every full weight in turn (one host tensor at a time) and keeps
+        the shard it holds: the price is the draws of the whole model on every rank
+        (about a second at 124 M parameters), the gain is that every layout starts from
+        the one-process values and no rank holds more than one full weight.
+        """
+        cfg, tp = self.cfg, self.tp
+        mine = dict(self.named_parameters(remove_duplicate=False))
+        split_sizes = {f"{name}.weight": getattr(m, "split_sizes", None) for name, m in self.named_modules()}
+        gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+        std, resid_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, module in GPT(cfg, device="meta").named_modules():  # the one-process order
+            if not isinstance(module, (nn.Linear, nn.Embedding)) or (name == "lm_head" and cfg.tie_embeddings):
+                continue
+            s = resid_std if getattr(module, "residual_scaled_init", False) else std
+            # drawn on every rank, held or not: the generator must advance as in one process
+            full = torch.empty(module.weight.shape, dtype=torch.float32, device="cpu").normal_(0.0, s, generator=gen)
+            targets = [f"{name}.weight"] + (["lm_head.weight"] if name == "tok_emb" and cfg.tie_embeddings else [])
+            for target in filter(mine.__contains__, targets):
+                p = mine[target]
+                if getattr(p, "tensor_model_parallel", False):
+                    p.copy_(shard(full, p.partition_dim, tp.rank, tp.size, split_sizes[target]))
+                else:
+                    p.copy_(full)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                if module is self.lm_head and self.cfg.tie_embeddings:
-                    continue  # shares tok_emb.weight, already initialised
-                s = resid_std if getattr(module, "residual_scaled_init", False) else std
-                w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, s, generator=gen)
-                module.weight.copy_(w)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                if module.weight is not None:
-                    module.weight.fill_(1.0)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
+                module.weight.fill_(1.0)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        if cfg.arch == "llama":
+            cos, sin = rope_tables(cfg, self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def forward(
         self,
-        tokens: torch.Tensor,
+        tokens: torch.Tensor | None,
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
+        *,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens/labels/loss_mask: [batch, seq]. Returns logits [batch, seq, padded_vocab]
         when ``labels`` is None, else the scalar cross-entropy averaged over tokens whose
-        ``loss_mask`` is nonzero (all tokens when ``loss_mask`` is None)."""
+        ``loss_mask`` is nonzero (all tokens when ``loss_mask`` is None).
+
+        A stage without ``pre`` takes the previous stage's activation as ``hidden``
+        (``tokens`` unused); a stage without ``post`` returns its activation ([batch, seq,
+        d], or [seq/tp, batch, d] under sequence parallelism).
+        """
+        x = self.embed(tokens) if self.pre else hidden
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
+        for block in self.blocks.values():
+            x = block(x, rope)
+        if not self.post:
+            return x
+        return self.head(self.norm(x), labels, loss_mask)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         B, T = tokens.shape
         if T > self.cfg.seq_len:
             raise TokenloomError(f"sequence length {T} exceeds the model's seq_len={self.cfg.seq_len}")
         x = self.tok_emb(tokens)
-        rope = None
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(T, device=tokens.device))
-        else:
-            rope = (self.rope_cos, self.rope_sin)
-        x = self.drop(x)
-        for block in self.blocks:
-            x = block(x, rope)
-        h = self.norm(x)
+        if self.tp.sp:  # [T/tp, B, d] from here on: each rank keeps its slice of the sequence
+            x = scatter_to_sequence_parallel_region(x.transpose(0, 1).contiguous(), self.tp.group)
+        with self.tp.fork(self.tp.sp and self.training and self.drop.p > 0, x.device):
+            return self.drop(x)
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None) -> torch.Tensor:
+        """LM head and loss on the final hidden states (see :meth:`forward`)."""
+        tp = self.tp
         ks = _kernels_for(self.cfg.kernels, h)
         if labels is None:
-            return self.lm_head(h)
-        if ks is not None:  # chunked: never holds [B*T, vocab] logits; same reduction as below
-            return ks.cross_entropy(h, self.lm_head.weight, labels, loss_mask, reduction="mean")
-        logits = self.lm_head(h)
-        losses = F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(-1), reduction="none")
+            logits = self.lm_head(h)
+            if tp.size > 1:
+                logits = gather_from_region(logits, tp.group)
+            return logits.transpose(0, 1) if tp.sp else logits
+        if tp.size == 1:
+            if ks is not None:  # chunked: never holds [B*T, vocab] logits; same reduction as below
+                return ks.cross_entropy(h, self.lm_head.weight, labels, loss_mask, reduction="mean")
+            logits = self.lm_head(h)
+            losses = F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
+        else:
+            if tp.sp:  # the sequence-first layout of the activations
+                labels = labels.transpose(0, 1)
+                loss_mask = None if loss_mask is None else loss_mask.transpose(0, 1)
+            if ks is not None:  # fused LM head + vocab-parallel loss, O(chunk x vocab / tp) memory
+                return vocab_parallel_lm_head_cross_entropy(h, self.lm_head.weight, labels, tp.group, loss_mask,
+                                                            reduction="mean", sequence_parallel=tp.sp)
+            losses = vocab_parallel_cross_entropy(self.lm_head(h).float(), labels, tp.group).reshape(-1)
         if loss_mask is None:
             return losses.mean()
         mask = loss_mask.reshape(-1).to(losses.dtype)
@@ -389,18 +576,21 @@ class GPT(nn.Module):
 
     def kernel_set(self, device: torch.device | str | None = None) -> KernelSet:
         """The :class:`KernelSet` ``cfg.kernels`` resolves to on ``device`` (default: the parameters')."""
-        device = self.tok_emb.weight.device if device is None else device
+        device = next(self.parameters()).device if device is None else device
         return select_kernels(self.cfg.kernels, device)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Unique parameters (a tied embedding counts once). ``exclude_embeddings`` drops
+        """Unique parameters (a tied embedding counts once) of the whole model, counted on
+        a ``meta`` copy for a stage or a tensor-parallel shard. ``exclude_embeddings`` drops
         the position table and, when untied, the input token table (lookups, not matmuls)."""
-        n = sum(p.numel() for p in self.parameters())
+        model = self if self.tp.size == 1 and self.pre and self.post and len(self.blocks) == self.cfg.n_layers \
+            else GPT(self.cfg, device="meta")
+        n = sum(p.numel() for p in model.parameters())
         if exclude_embeddings:
-            if self.pos_emb is not None:
-                n -= self.pos_emb.weight.numel()
+            if model.pos_emb is not None:
+                n -= model.pos_emb.weight.numel()
             if not self.cfg.tie_embeddings:
-                n -= self.tok_emb.weight.numel()
+                n -= model.tok_emb.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -419,3 +609,27 @@ class GPT(nn.Module):
         """Model FLOPs utilisation: ``flops_per_token * tokens_per_second / peak_flops``
         (peak of all devices together, e.g. 989e12 per H100 SXM for dense bf16)."""
         return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
+
+
+def stage_layer_ids(n_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 1, chunk: int = 0) -> list[int]:
+    """Blocks held by ``chunk`` of ``pp_rank``: Megatron's offset
+    ``chunk * L / v + pp_rank * L / (p * v)``, ``L / (p * v)`` consecutive layers.
+
+    Example: L = 4, p = 2, v = 2 -> rank 0 holds [0] and [2], rank 1 holds [1] and [3].
+    """
+    per = n_layers // (pp_size * num_chunks)
+    if per * pp_size * num_chunks != n_layers:
+        raise TokenloomError(
+            f"n_layers={n_layers} is not divisible by pipeline size {pp_size} x virtual stages {num_chunks}"
+        )
+    start = chunk * (n_layers // num_chunks) + pp_rank * per
+    return list(range(start, start + per))
+
+
+def pipeline_stage(cfg: GPTConfig, *, tp: TensorParallel | None = None, pp_size: int = 1, pp_rank: int = 0,
+                   num_chunks: int = 1, chunk: int = 0, device: torch.device | str | None = None) -> GPT:
+    """Chunk ``chunk`` of pipeline rank ``pp_rank`` (layers by :func:`stage_layer_ids`; the
+    first virtual stage embeds, the last has the head and loss)."""
+    return GPT(cfg, tp=tp, layers=stage_layer_ids(cfg.n_layers, pp_size, pp_rank, num_chunks, chunk),
+               pre=pp_rank == 0 and chunk == 0, post=pp_rank == pp_size - 1 and chunk == num_chunks - 1,
+               device=device)

@@ -8,9 +8,11 @@ size (dp = world / (tp x pp), Megatron's rank order tp-dp-pp), decides:
 piece                         data parallel only (tp = pp = 1)       tensor / pipeline parallel
 ============================  =====================================  ==========================================
 model chunks                  the whole :class:`GPT`                 this rank's chunk(s) of the same GPT
+                                                                     (tp-sharded layers, a range of its blocks)
 how a step runs               ``no_pipelining`` (accumulation)       ``1f1b``, or ``interleaved`` with vpp
-gradient finalisation         our bucketed DDP, overlapped with      tied-embedding all-reduce (pp > 1), then one
-                              backward (not with ZeRO-1)             flat all-reduce over dp (Megatron overlaps it;
+gradient finalisation         our bucketed DDP, overlapped with      sequence-parallel grads summed over tp,
+                              backward (not with ZeRO-1)             tied-embedding all-reduce (pp > 1), then one
+                                                                     flat all-reduce over dp (Megatron overlaps it;
                                                                      issue 16)
 norm groups for clipping      none                                   the model-parallel group
 optimizer                     fused AdamW, or ZeRO-1 (dp-sharded)    the same two
@@ -44,10 +46,11 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.model import GPT
+from tokenloom.train.model import GPT, pipeline_stage
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
-from tokenloom.train.parallel.gpt import build_tp_gpt_stage, counts_in_grad_norm, tp_gpt_loss
+from tokenloom.train.parallel.layers import TensorParallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.p2p import P2PComm
+from tokenloom.train.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 from tokenloom.train.parallel.schedules import allreduce_tied_embedding_grads, forward_backward, get_schedule
 from tokenloom.train.parallel.state import ParallelState
 from tokenloom.train.parallel.zero import ZeroAdamW
@@ -66,14 +69,20 @@ def parallel_state(cfg: TrainConfig, world: World) -> ParallelState:
                       timeout=timedelta(seconds=cfg.dist_timeout_s))
 
 
+def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
+    """Megatron's rule: count a parameter once per model replica. Shards count on every
+    tp rank, replicated tensors on tp rank 0 only, the tied duplicate never."""
+    if getattr(param, "shared", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
 def refuse_unsupported(cfg: TrainConfig) -> None:
     """Refuse, naming the field, a setting this layout would otherwise ignore."""
     staged = cfg.tp > 1 or cfg.pp > 1
     if cfg.compile and staged:
         raise TokenloomError(f"compile: torch.compile is supported at tp = pp = 1 only (this run has tp={cfg.tp} "
                              f"pp={cfg.pp}); set compile=false")
-    if cfg.sp:
-        raise TokenloomError("sp: sequence parallelism is not wired into the tensor-parallel model yet; set sp=false")
     if cfg.ddp_bucket_cap_mb is not None and (staged or cfg.zero1):
         raise TokenloomError("ddp_bucket_cap_mb sizes the buckets of the data-parallel DDP, which runs at tp = pp = 1 "
                              "without zero1; leave it unset for this layout")
@@ -102,12 +111,15 @@ class Strategy:
         self.staged = cfg.tp > 1 or cfg.pp > 1
         refuse_unsupported(cfg)
         self.autocast = autocast_for(cfg.precision, self.device)
+        self.rng_tracker = self._seed_tp_dropout()
         self.chunks = self._build_chunks()
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
         self.comm = None
         if cfg.pp > 1:
             shape = (cfg.micro_batch_size, cfg.model.seq_len, cfg.model.d_model)
+            if cfg.sp:  # stages exchange their slice of the sequence, sequence first
+                shape = (cfg.model.seq_len // cfg.tp, cfg.micro_batch_size, cfg.model.d_model)
             self.comm = P2PComm.from_group(st.pp_group, shape, compute_dtype(cfg.precision, self.device),
                                            self.device)
         self.net = torch.compile(self.chunks[0]) if cfg.compile else self.chunks[0]
@@ -121,15 +133,23 @@ class Strategy:
 
     # ------------------------------------------------------------------ building
 
-    def _build_chunks(self) -> list[nn.Module]:
+    def _seed_tp_dropout(self) -> RNGStatesTracker | None:
+        """At tp > 1, Megatron's seeding: the default generator gets ``seed + 100 * pp_rank``
+        (equal over tp, so dropout on replicated activations agrees) and the tracker's
+        tensor-parallel stream ``seed + 2718 + 100 * pp_rank + tp_rank`` (per-rank masks
+        inside tensor-parallel regions). None at tp = 1 (the default generator only)."""
+        if self.cfg.tp == 1:
+            return None
+        tracker = get_rng_tracker(self.device)
+        return model_parallel_manual_seed(self.cfg.seed + 100 * self.state.pp_rank, self.state.tp_rank, tracker)
+
+    def _build_chunks(self) -> list[GPT]:
+        """This rank's model chunk(s), built on ``meta`` and materialised shard by shard on
+        the device with the one-process initial values (:meth:`GPT.init_weights`)."""
         cfg, st = self.cfg, self.state
-        if not self.staged:
-            return [GPT(cfg.model).to(self.device)]
-        full = GPT(cfg.model)
-        chunks = [build_tp_gpt_stage(full, st.tp_group, cfg.pp, st.pp_rank, self.num_chunks, c).to(self.device)
-                  for c in range(self.num_chunks)]
-        del full
-        return chunks
+        tp = TensorParallel(st.tp_group if cfg.tp > 1 else None, cfg.sp)
+        return [pipeline_stage(cfg.model, tp=tp, pp_size=cfg.pp, pp_rank=st.pp_rank, num_chunks=self.num_chunks,
+                               chunk=c, device=self.device) for c in range(self.num_chunks)]
 
     def _build_optimizer(self):
         cfg, st, o = self.cfg, self.state, self.cfg.optim
@@ -184,10 +204,14 @@ class Strategy:
     # ------------------------------------------------------------------ steps
 
     def _forward_step(self, module: nn.Module, hidden: torch.Tensor | None, batch: Any, last: bool) -> torch.Tensor:
+        """One chunk on one micro-batch: the first stage reads the tokens (``hidden`` is None
+        there), the last returns the loss, the others their activation."""
         if not self.staged:
             return module(batch["tokens"], batch["labels"], batch["loss_mask"])
-        y = module(hidden, batch)
-        return tp_gpt_loss(y, batch, self.state.tp_group) if last else y
+        tokens = batch["tokens"] if hidden is None else None
+        if not last:
+            return module(tokens, hidden=hidden)
+        return module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden)
 
     def _run(self, modules: list[nn.Module], batches: list, forward_only: bool,
              no_sync: Callable[[], AbstractContextManager] | None = None) -> torch.Tensor:
@@ -216,6 +240,9 @@ class Strategy:
 
     def _finish_grads_and_step(self) -> torch.Tensor:
         cfg, st = self.cfg, self.state
+        if cfg.sp:
+            for chunk in self.chunks:
+                sync_sequence_parallel_grads(chunk, st.tp_group)
         allreduce_tied_embedding_grads(self.chunks, st.embedding_group if cfg.pp > 1 else None)
         if cfg.zero1:
             return self.optimizer.step()
@@ -287,6 +314,5 @@ class Strategy:
     def model_size(self) -> tuple[int, int]:
         """(parameters, training FLOPs per token) of the whole model, counted on a ``meta``
         copy (no memory)."""
-        with torch.device("meta"):
-            model = GPT(self.cfg.model)
+        model = GPT(self.cfg.model, device="meta")
         return model.num_params(), model.flops_per_token()

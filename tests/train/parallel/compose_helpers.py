@@ -16,6 +16,7 @@ from typing import Any
 import rank_launcher
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenloom.train import loop
 from tokenloom.train.config import TrainConfig
@@ -23,17 +24,17 @@ from tokenloom.train.data import DataConfig, MockDataConfig
 from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
 from tokenloom.train.parallel import reshard
-from tokenloom.train.runtime import World
+from tokenloom.train.runtime import World, seed_everything
 
 STEPS = 20
 
 
 def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zero1: bool = False,
-             weight_decay: float = 0.1, **kw: Any) -> TrainConfig:
+             weight_decay: float = 0.1, dropout: float = 0.0, recompute: bool = False, **kw: Any) -> TrainConfig:
     """4 layers, d_model 32, seq 16, vocab 64; no biases (see pp_helpers' note on the key
     bias); global batch 8 of micro-batches of 2; clipping (0.5) active in early steps."""
     model = GPTConfig(bias=False, vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=4,
-                      n_heads=4, d_model=32)
+                      n_heads=4, d_model=32, dropout=dropout, recompute_layers=(0, 1, 2, 3) if recompute else ())
     data = DataConfig(mock=MockDataConfig(num_sequences=400, max_length=40, content="random"))
     optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay, grad_clip=0.5)
     base = dict(model=model, data=data, optim=optim, micro_batch_size=2, global_batch_size=8,
@@ -83,34 +84,93 @@ def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
             "params": checkpoint_params(Path(summary["checkpoint"]))}
 
 
-def forward_llama(rank: int) -> dict[str, Any]:
-    """llama flavour (RMSNorm, SwiGLU, RoPE, GQA 4 query / 2 kv heads, biases) split over the
-    whole world as tp: loss and input-embedding grad vs the one-process model, and the
-    gathered full state dict vs its state dict."""
-    from tokenloom.train.model import GPT
-    from tokenloom.train.parallel.gpt import build_tp_gpt_stage, tp_gpt_loss
+def gathered_state_dict(model) -> dict[str, torch.Tensor]:
+    """Collective over the model's tp group: its full tensors under one-process names."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "full_state_dict"):  # a tensor-parallel layer
+            out.update({f"{name}.{k}": t for k, t in module.full_state_dict().items()})
+    for name, t in model.state_dict().items():
+        out.setdefault(name, t.detach().clone())
+    return out
 
-    cfg = GPTConfig(arch="llama", bias=True, vocab_size=60, make_vocab_size_divisible_by=64, seq_len=16,
-                    n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, tie_embeddings=False)
-    model = GPT(cfg)
+
+def forward_tp(rank: int, arch: str = "llama", sp: bool = False, kernels: str = "reference") -> dict[str, Any]:
+    """A GPT with biases (llama flavour: RMSNorm, SwiGLU, RoPE, GQA 4 query / 2 kv heads,
+    untied) split over the whole world as tp (with sequence parallelism when ``sp``, the
+    fused kernels and loss of ``kernels``): initial weights, loss and a norm weight's grad vs
+    the one-process model with the reference kernels."""
+    from tokenloom.train.model import GPT
+    from tokenloom.train.parallel.layers import TensorParallel, sync_sequence_parallel_grads
+
+    shape = dict(arch=arch, bias=True, vocab_size=60, make_vocab_size_divisible_by=64, seq_len=16, n_layers=2,
+                 n_heads=4, n_kv_heads=2 if arch == "llama" else None, d_model=32, tie_embeddings=arch != "llama")
+    model = GPT(GPTConfig(**shape))
+    cfg = GPTConfig(**shape, kernels=kernels)
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, 60, (2, 17), generator=g)
     batch = {"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": (x[:, 1:] % 7 != 0).float()}
     ref = model(batch["tokens"], batch["labels"], batch["loss_mask"])
     ref.backward()
-    stage = build_tp_gpt_stage(model, None if dist.get_world_size() == 1 else dist.group.WORLD)
-    loss = tp_gpt_loss(stage(None, batch), batch, stage.tp_group)
+    tp = TensorParallel(None if dist.get_world_size() == 1 else dist.group.WORLD, sequence_parallel=sp)
+    stage = GPT(cfg, tp=tp)
+    full = gathered_state_dict(stage)  # the initial weights, built shard by shard
+    loss = stage(batch["tokens"], batch["labels"], batch["loss_mask"])
     loss.backward()
-    full = stage.full_state_dict()
+    sync_sequence_parallel_grads(stage, tp.group)
     return {
         "loss_delta": abs(loss.item() - ref.item()),
         "param_delta": max((full[n] - t).abs().max().item() for n, t in model.state_dict().items()),
         "same_names": sorted(full) == sorted(model.state_dict()),
-        "norm_grad_delta": (stage.blocks["1"].norm2.weight.grad - model.blocks[1].norm2.weight.grad).abs().max().item(),
+        "norm_grad_delta": (stage.blocks["1"].norm2.weight.grad - model.blocks["1"].norm2.weight.grad).abs().max().item(),
     }
 
 
-SCENARIOS = {"train": train, "forward_llama": forward_llama}
+def train_on_meta(rank: int, **kw: Any) -> dict[str, Any]:
+    """:func:`train` with the process default device set to ``meta``: any tensor the run
+    makes without naming its device is a meta tensor, and the run fails (no data, no
+    ``.item()``) or its losses differ from the one-process run's."""
+    torch.set_default_device("meta")
+    try:
+        return train(rank, **kw)
+    finally:
+        torch.set_default_device(None)
+
+
+class _DropoutMasks(TorchDispatchMode):
+    """Records every dropout mask (``aten.bernoulli_`` output) drawn while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.bernoulli_.float:
+            self.masks.append(out.detach().clone())
+        return out
+
+
+def dropout_masks(rank: int, *, out: str, sp: bool = False) -> list[list[torch.Tensor]]:
+    """The dropout masks of one training forward of the tiny GPT at tp = world size, with
+    dropout 0.5 and the trainer's seeding (:class:`~tokenloom.train.strategy.Strategy`),
+    twice: each time from a freshly built strategy (a rerun)."""
+    from tokenloom.train.strategy import Strategy
+
+    runs = []
+    for _ in range(2):
+        cfg = tiny_cfg(Path(out), tp=dist.get_world_size(), sp=sp, dropout=0.5)
+        seed_everything(cfg.seed)
+        strategy = Strategy(cfg, World(rank, dist.get_world_size(), torch.device("cpu"), False))
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+        with _DropoutMasks() as rec:
+            strategy.chunks[0](tokens[:, :-1], tokens[:, 1:])
+        runs.append(rec.masks)
+    return runs
+
+
+SCENARIOS = {"train": train, "forward_tp": forward_tp, "train_on_meta": train_on_meta,
+             "dropout_masks": dropout_masks}
 
 
 def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:

@@ -21,16 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model import GPT, GPTConfig, pipeline_stage
 from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel import p2p
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.schedules import (
     allreduce_tied_embedding_grads,
-    build_gpt_stage,
     forward_backward,
     get_schedule,
-    gpt_loss,
     pipeline_bubble_fraction,
 )
 from tokenloom.train.parallel.zero import ZeroAdamW
@@ -48,6 +46,13 @@ def with_loss(loss_fn):
         return loss_fn(y, batch) if last else y
 
     return forward_step
+
+
+def gpt_step(module, hidden, batch, last):
+    """The schedule ``forward_step`` of a :func:`pipeline_stage` on a ``(tokens, labels)`` batch."""
+    tokens, labels = batch
+    tokens = tokens if hidden is None else None
+    return module(tokens, labels, hidden=hidden) if last else module(tokens, hidden=hidden)
 
 
 def tiny_cfg(n_layers: int) -> GPTConfig:
@@ -174,8 +179,8 @@ def train_pipeline(
     ZeRO-1, else torch AdamW) and return losses, stage parameters by name, norms."""
     pp_group, dp_group, emb_group, pp_rank, dp_rank = _groups(pp, dp)
     torch.manual_seed(0)
-    model = GPT(tiny_cfg(n_layers))
-    stages = [build_gpt_stage(model, pp, pp_rank, chunks, c) for c in range(chunks)]
+    stages = [pipeline_stage(tiny_cfg(n_layers), pp_size=pp, pp_rank=pp_rank, num_chunks=chunks, chunk=c)
+              for c in range(chunks)]
     params = [p for s in stages for p in s.parameters()]
     if dp > 1 or max_grad_norm is not None:
         opt: Any = ZeroAdamW(
@@ -190,7 +195,7 @@ def train_pipeline(
         opt.zero_grad()
         batches = iter([microbatch(step, dp_rank * num_micro + j) for j in range(num_micro)])
         res = forward_backward(
-            schedule, stages if chunks > 1 else stages[0], batches, num_micro, with_loss(gpt_loss), comm=comm
+            schedule, stages if chunks > 1 else stages[0], batches, num_micro, gpt_step, comm=comm
         )
         allreduce_tied_embedding_grads(stages, emb_group)
         norms.append(opt.step())
@@ -200,23 +205,23 @@ def train_pipeline(
     for s in stages:
         named.update({n: t.detach().clone() for n, t in s.state_dict().items()})
     tied = {}
-    if stages[0].first:
+    if stages[0].pre:
         tied["first"] = stages[0].tok_emb.weight.detach().clone()
-    if stages[-1].last:
+    if stages[-1].post:
         tied["last"] = stages[-1].lm_head.weight.detach().clone()
     return {"losses": losses, "params": named, "tied": tied, "norms": norms, "pp_rank": pp_rank}
 
 
 def eval_pipeline(rank: int, *, n_layers: int, chunks: int, num_micro: int) -> dict:
     """``forward_only`` over the whole world as the pipeline: losses, no grads."""
-    model = GPT(tiny_cfg(n_layers))
     pp = dist.get_world_size()
-    stages = [build_gpt_stage(model, pp, rank, chunks, c) for c in range(chunks)]
+    stages = [pipeline_stage(tiny_cfg(n_layers), pp_size=pp, pp_rank=rank, num_chunks=chunks, chunk=c)
+              for c in range(chunks)]
     comm = P2PComm.from_group(None, (MB, SEQ, D_MODEL), torch.float32)
     data = iter([microbatch(0, k) for k in range(num_micro)])
     model_arg = stages if chunks > 1 else stages[0]
     res = forward_backward(
-        get_schedule(pp, chunks), model_arg, data, num_micro, with_loss(gpt_loss), comm=comm, forward_only=True
+        get_schedule(pp, chunks), model_arg, data, num_micro, gpt_step, comm=comm, forward_only=True
     )
     no_grads = all(p.grad is None for s in stages for p in s.parameters())
     return {"losses": [loss.item() for loss in res.losses], "no_grads": no_grads}

@@ -8,19 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pp_helpers import D_MODEL, MB, SEQ, launch, microbatch, reference_train, tiny_cfg, with_loss
+from pp_helpers import D_MODEL, MB, SEQ, gpt_step, launch, microbatch, reference_train, tiny_cfg
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT
+from tokenloom.train.model import GPT, pipeline_stage, stage_layer_ids
 from tokenloom.train.parallel.p2p import P2PComm
-from tokenloom.train.parallel.schedules import (
-    build_gpt_stage,
-    forward_backward,
-    get_schedule,
-    gpt_loss,
-    stage_layer_ids,
-    theoretical_bubble_fraction,
-)
+from tokenloom.train.parallel.schedules import forward_backward, get_schedule, theoretical_bubble_fraction
 
 TOL = 1e-5
 STEPS = 3
@@ -56,17 +49,28 @@ def test_stage_layer_ids_follow_megatron():
 
 def test_single_stage_equals_gpt_exactly():
     model = GPT(tiny_cfg(2))
-    stage = build_gpt_stage(model, 1, 0)
+    stage = pipeline_stage(tiny_cfg(2))
     assert stage.lm_head.weight is stage.tok_emb.weight  # one stage: one tied tensor
     assert set(stage.state_dict()) == set(model.state_dict())
     x, y = microbatch(0, 0)
-    assert torch.equal(gpt_loss(stage(None, (x, y)), (x, y)), model(x, y))
+    assert torch.equal(gpt_step(stage, None, (x, y), True), model(x, y))
+
+
+def test_pipeline_stages_split_the_model_with_its_initial_values():
+    model = GPT(tiny_cfg(4))
+    first, last = (pipeline_stage(tiny_cfg(4), pp_size=2, pp_rank=r) for r in (0, 1))
+    assert list(first.blocks) == ["0", "1"] and list(last.blocks) == ["2", "3"]
+    assert last.lm_head.weight.shared and last.lm_head.weight.shared_embedding
+    full = model.state_dict()
+    for stage in (first, last):
+        for name, t in stage.state_dict().items():
+            assert torch.equal(t, full[name]), name
+    assert torch.equal(last.lm_head.weight, model.tok_emb.weight)  # the tied duplicate starts equal
 
 
 def test_no_pipelining_equals_gradient_accumulation():
-    model = GPT(tiny_cfg(2))
-    stage = build_gpt_stage(model, 1, 0)
-    res = forward_backward("no_pipelining", stage, iter([microbatch(0, k) for k in range(3)]), 3, with_loss(gpt_loss))
+    model, stage = GPT(tiny_cfg(2)), pipeline_stage(tiny_cfg(2))
+    res = forward_backward("no_pipelining", stage, iter([microbatch(0, k) for k in range(3)]), 3, gpt_step)
     for k in range(3):
         (model(*microbatch(0, k)) / 3).backward()
     grads = dict(model.named_parameters())
@@ -77,11 +81,10 @@ def test_no_pipelining_equals_gradient_accumulation():
 
 def test_interleaved_needs_microbatches_divisible_by_pp():
     comm = P2PComm(None, pp_rank=0, pp_size=2, prev_rank=1, next_rank=1, tensor_shape=(MB, SEQ, D_MODEL))
-    model = GPT(tiny_cfg(4))
-    chunks = [build_gpt_stage(model, 2, 0, 2, c) for c in range(2)]
+    chunks = [pipeline_stage(tiny_cfg(4), pp_size=2, num_chunks=2, chunk=c) for c in range(2)]
     with pytest.raises(TokenloomError, match=r"num_microbatches \(3\) divisible by the pipeline size \(2\)"):
         forward_backward(
-            "interleaved", chunks, iter([microbatch(0, k) for k in range(3)]), 3, with_loss(gpt_loss), comm=comm
+            "interleaved", chunks, iter([microbatch(0, k) for k in range(3)]), 3, gpt_step, comm=comm
         )
 
 

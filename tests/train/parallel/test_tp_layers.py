@@ -9,6 +9,8 @@ the full output), so the reference is plain autograd on the full layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,7 +19,7 @@ from torch import nn
 from tp_helpers import assert_close, det_randn, run_ranks
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import MLP, GPTConfig
+from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -40,7 +42,7 @@ def _linear(in_f: int, out_f: int, bias: bool, seed: int) -> nn.Linear:
     return layer
 
 
-def _reference(layer: nn.Module, inp: torch.Tensor, grad_out: torch.Tensor):
+def _reference(layer: Callable[[torch.Tensor], torch.Tensor], inp: torch.Tensor, grad_out: torch.Tensor):
     x = inp.clone().requires_grad_(True)
     out = layer(x)
     out.backward(grad_out)
@@ -166,11 +168,10 @@ def _check_swiglu_mlp(rank: int, world: int, group) -> None:
     cfg = GPTConfig(
         arch="llama", vocab_size=32, seq_len=S, n_layers=1, n_heads=2, d_model=IN, ffn_hidden_size=8
     )
-    torch.manual_seed(31)
-    mlp = MLP(cfg)
+    mlp = GPT(cfg).blocks["0"].mlp
     x_full = det_randn(S, B, IN, seed=32)
     g_full = det_randn(S, B, IN, seed=33)
-    ref_out, ref_dx = _reference(mlp, x_full, g_full)
+    ref_out, ref_dx = _reference(lambda x: mlp(x)[0], x_full, g_full)
     inner = cfg.ffn_size
     fc = ColumnParallelLinear.from_linear(mlp.fc, group=group, split_sizes=[inner, inner])
     proj = RowParallelLinear.from_linear(mlp.proj, group=group, input_is_parallel=True)

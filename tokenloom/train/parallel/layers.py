@@ -25,13 +25,14 @@ backward (:func:`sync_sequence_parallel_grads`; Megatron does it in
 ``finalize_model_grads``). Sharded parameters carry ``tensor_model_parallel = True``
 and ``partition_dim`` as in Megatron.
 
-Initialisation equals the one-process model: every rank builds the *full* fp32
-master weight with ``init_method`` (same shape, distribution and generator calls as
-the one-process layer), casts it and keeps its shard (Megatron's
-``_initialize_affine_weight_cpu``). This costs a full-size temporary per layer on
-every rank and the same RNG draws everywhere, which is fine up to models whose
-largest matrix fits in host memory; Megatron's faster GPU path initialises each shard
-under the model-parallel RNG stream and is *not* equal to the one-process model.
+Initialisation: a layer made on ``device="meta"`` has shapes only (no master weight,
+no draws); :class:`TensorParallel` makes them so, and the GPT fills its shards itself
+(:meth:`tokenloom.train.model.GPT.init_weights`, equal to the one-process model).
+Otherwise every rank builds the *full* fp32 master weight with ``init_method`` (same
+shape, distribution and generator calls as the one-process layer), casts it and keeps
+its shard (Megatron's ``_initialize_affine_weight_cpu``): a full-size temporary per
+layer on every rank. Megatron's faster GPU path initialises each shard under the
+model-parallel RNG stream and is *not* equal to the one-process model.
 ``from_linear`` / ``from_embedding`` build a layer from an existing full layer
 (checkpoint resharding, equality tests) and ``full_state_dict`` gathers it back.
 
@@ -47,6 +48,8 @@ CPU/gloo), ``gradient_accumulation_fusion`` into ``main_grad``, and expert layer
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -65,6 +68,7 @@ from tokenloom.train.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_region,
 )
+from tokenloom.train.parallel.random import get_rng_tracker
 
 InitMethod = Callable[[torch.Tensor], object]
 """Fills a full fp32 master weight in place."""
@@ -137,8 +141,11 @@ def _sharded_param(master: torch.Tensor, dim: int, group: Group, split_sizes, dt
     return param
 
 
-def _master_weight(shape, init_method: InitMethod | None) -> torch.Tensor:
-    master = torch.empty(shape, dtype=torch.float32)
+def _master_weight(shape, init_method: InitMethod | None, device) -> torch.Tensor:
+    """The full fp32 weight, on the host; on ``meta`` (shape only, no init) for a ``meta`` layer."""
+    if device is not None and torch.device(device).type == "meta":
+        return torch.empty(shape, dtype=torch.float32, device="meta")
+    master = torch.empty(shape, dtype=torch.float32, device="cpu")
     (init_method or normal_init())(master)
     return master
 
@@ -202,10 +209,11 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.split_sizes = list(split_sizes) if split_sizes else None
         dtype = dtype or torch.get_default_dtype()
-        master = _master_weight((out_features, in_features), init_method)
+        master = _master_weight((out_features, in_features), init_method, device)
         self.weight = _sharded_param(master, 0, group, self.split_sizes, dtype, device)
         if bias:
-            self.bias = _sharded_param(torch.zeros(out_features), 0, group, self.split_sizes, dtype, device)
+            zeros = torch.zeros(out_features, device=master.device)
+            self.bias = _sharded_param(zeros, 0, group, self.split_sizes, dtype, device)
         else:
             self.register_parameter("bias", None)
 
@@ -228,20 +236,24 @@ class ColumnParallelLinear(nn.Module):
                 layer.bias.copy_(shard(linear.bias.detach(), 0, rank, world, layer.split_sizes))
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, skip_bias_add: bool | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """x: ``[..., in]`` replicated, or ``[s/tp, b, in]`` with sequence_parallel.
 
         Returns ``[..., out/tp]`` (``[s, b, out/tp]`` with SP; ``[..., out]`` with
-        gather_output), plus the bias when ``skip_bias_add``.
+        gather_output), plus the bias when ``skip_bias_add`` (this call's argument, else
+        the layer's setting).
         """
-        bias = None if self.skip_bias_add else self.bias
+        skip = self.skip_bias_add if skip_bias_add is None else skip_bias_add
+        bias = None if skip else self.bias
         if self.sequence_parallel and _rank_world(self.group)[1] > 1:
             out = _SequenceParallelLinear.apply(x, self.weight, bias, self.group)
         else:
             out = F.linear(copy_to_region(x, self.group), self.weight, bias)
         if self.gather_output:
             out = gather_from_region(out, self.group)
-        return (out, self.bias) if self.skip_bias_add else out
+        return (out, self.bias) if skip else out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective over the group: the full ``nn.Linear`` state dict (``weight``, ``bias``)."""
@@ -286,7 +298,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel, self.skip_bias_add = sequence_parallel, skip_bias_add
         self.split_sizes = list(split_sizes) if split_sizes else None
         dtype = dtype or torch.get_default_dtype()
-        master = _master_weight((out_features, in_features), init_method)
+        master = _master_weight((out_features, in_features), init_method, device)
         self.weight = _sharded_param(master, 1, group, self.split_sizes, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
@@ -312,16 +324,19 @@ class RowParallelLinear(nn.Module):
                 layer.bias.copy_(linear.bias.detach())
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, skip_bias_add: bool | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """x: ``[..., in/tp]`` (input_is_parallel) or ``[..., in]``. Returns ``[..., out]``
-        (``[s/tp, b, out]`` with sequence_parallel), plus the bias when ``skip_bias_add``."""
+        (``[s/tp, b, out]`` with sequence_parallel), plus the bias when ``skip_bias_add``
+        (this call's argument, else the layer's setting)."""
         x_parallel = x if self.input_is_parallel else scatter_to_region(x, self.group)
         partial = F.linear(x_parallel, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.group)
         else:
             out = reduce_from_region(partial, self.group)
-        if self.skip_bias_add:
+        if self.skip_bias_add if skip_bias_add is None else skip_bias_add:
             return out, self.bias
         return out if self.bias is None else out + self.bias
 
@@ -365,7 +380,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         per_rank = num_embeddings // world
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        master = _master_weight((num_embeddings, embedding_dim), init_method)
+        master = _master_weight((num_embeddings, embedding_dim), init_method, device)
         self.weight = _sharded_param(master, 0, group, None, dtype or torch.get_default_dtype(), device)
 
     @classmethod
@@ -421,3 +436,60 @@ def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
     summed = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
     for grad, new in zip(grads, summed.split([g.numel() for g in grads]), strict=True):
         grad.copy_(new.view_as(grad))
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The tensor-parallel context a model is built with: its layers and its dropout stream.
+
+    With one rank (``group`` None or of size 1) the factories return the plain
+    ``nn.Linear`` / ``nn.Embedding`` (same parameters, names and numerics as a model that
+    never heard of tensor parallelism); with more, Megatron's column/row/vocab-parallel
+    layers above. Layers are made on ``meta`` (shapes only): the model materialises and
+    initialises its shards itself (:meth:`tokenloom.train.model.GPT.init_weights`), so no
+    rank ever holds a full weight it does not own.
+    """
+
+    group: Group = None
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism: activations outside the tp regions are split along
+    the sequence (``[s/tp, b, h]``); only meaningful with more than one rank."""
+
+    @property
+    def size(self) -> int:
+        return _rank_world(self.group)[1]
+
+    @property
+    def rank(self) -> int:
+        return _rank_world(self.group)[0]
+
+    @property
+    def sp(self) -> bool:
+        """Whether sequence parallelism is on (asked for, with more than one rank)."""
+        return self.sequence_parallel and self.size > 1
+
+    def column(self, in_features: int, out_features: int, *, bias: bool,
+               split_sizes: Sequence[int] | None = None) -> nn.Module:
+        if self.size == 1:
+            return nn.Linear(in_features, out_features, bias=bias, device="meta")
+        return ColumnParallelLinear(in_features, out_features, group=self.group, bias=bias, split_sizes=split_sizes,
+                                    sequence_parallel=self.sp, device="meta")
+
+    def row(self, in_features: int, out_features: int, *, bias: bool) -> nn.Module:
+        if self.size == 1:
+            return nn.Linear(in_features, out_features, bias=bias, device="meta")
+        return RowParallelLinear(in_features, out_features, group=self.group, bias=bias, input_is_parallel=True,
+                                 sequence_parallel=self.sp, device="meta")
+
+    def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module:
+        if self.size == 1:
+            return nn.Embedding(num_embeddings, embedding_dim, device="meta")
+        return VocabParallelEmbedding(num_embeddings, embedding_dim, group=self.group, device="meta")
+
+    def fork(self, active: bool, device: torch.device) -> AbstractContextManager:
+        """Run a block under the tensor-parallel dropout stream (:mod:`.random`) when
+        ``active`` and there is more than one rank (masks then differ across tp ranks);
+        otherwise under the default generator (masks agree across tp ranks)."""
+        if not active or self.size == 1:
+            return nullcontext()
+        return get_rng_tracker(device).fork()

@@ -8,7 +8,7 @@ file as :mod:`tokenloom.train.checkpoint`)::
                             shards and AdamW moments by one-process name, with each
                             tensor's partition dim and split sizes
     zero_rank{r}.pt         ZeRO-1 only: every rank's optimizer shard (per-rank layout)
-    rng_rank{r}.pt          every rank's RNG state
+    rng_rank{r}.pt          every rank's RNG state (with the tensor-parallel dropout stream at tp > 1)
 
 Loading (:func:`load`, Megatron's "dist checkpointing" idea in its simplest form):
 every rank memory-maps the ``shard_*`` files, rebuilds each full tensor *it holds* under
@@ -79,7 +79,10 @@ def save(run, iteration: int, run_state: dict) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    torch.save(checkpoint.capture_rng(), tmp / f"rng_rank{st.rank}.pt")
+    rng = checkpoint.capture_rng()
+    if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
+        rng["tp_tracker"] = run.rng_tracker.get_states()
+    torch.save(rng, tmp / f"rng_rank{st.rank}.pt")
     if st.dp_rank == 0:
         params, meta, optim = {}, {}, {}
         for pname, p in _named_params(run).items():
@@ -174,4 +177,7 @@ def load(run, path: Path, state: dict) -> None:
         run.optimizer.load_state_dict(torch.load(path / f"zero_rank{st.rank}.pt", weights_only=True))
     rng = path / f"rng_rank{st.rank}.pt"
     if same and rng.exists():
-        checkpoint.restore_rng(torch.load(rng, weights_only=True))
+        rng_state = torch.load(rng, weights_only=True)
+        checkpoint.restore_rng(rng_state)
+        if run.rng_tracker is not None and "tp_tracker" in rng_state:
+            run.rng_tracker.set_states(rng_state["tp_tracker"])

@@ -1,4 +1,4 @@
-"""Pipeline schedules (Megatron-core's ``schedules.py``) and GPT pipeline stages.
+"""Pipeline schedules (Megatron-core's ``schedules.py``).
 
 :func:`forward_backward` runs one global batch of ``num_microbatches`` micro-batches
 through this rank's stage module(s) and leaves the accumulated gradients in ``.grad``:
@@ -39,9 +39,8 @@ Differences from Megatron, on purpose:
   ``step()``). Megatron's ``finalize_model_grads`` runs the DP reduction first and the
   embedding all-reduce second; both are sums, so the result is the same up to rounding.
 
-Stage modules are called as ``module(hidden, batch)``: ``hidden`` is None on the
-first stage (which reads ``batch``) and the received activation elsewhere.
-:class:`GPTStage` splits :class:`tokenloom.train.model.GPT` that way.
+Stage modules are whatever ``forward_step`` runs: the trainer's are
+:class:`tokenloom.train.model.GPT` chunks (:func:`tokenloom.train.model.pipeline_stage`).
 """
 
 from __future__ import annotations
@@ -54,11 +53,9 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, Block, GPTConfig, make_norm, rope_tables
 from tokenloom.train.parallel import p2p
 from tokenloom.train.parallel.p2p import P2PComm
 
@@ -376,126 +373,7 @@ class _Runner:
                 output_grads[next_bc].append(dy)
 
 
-# ---------------------------------------------------------------------- GPT stages
-
-
-def stage_layer_ids(
-    n_layers: int, pp_size: int, pp_rank: int, num_chunks: int = 1, chunk: int = 0
-) -> list[int]:
-    """Blocks held by ``chunk`` of ``pp_rank``: Megatron's offset
-    ``chunk * L / v + pp_rank * L / (p * v)``, ``L / (p * v)`` consecutive layers.
-
-    Example: L = 4, p = 2, v = 2 -> rank 0 holds [0] and [2], rank 1 holds [1] and [3].
-    """
-    per = n_layers // (pp_size * num_chunks)
-    if per * pp_size * num_chunks != n_layers:
-        raise TokenloomError(
-            f"n_layers={n_layers} is not divisible by pipeline size {pp_size} x virtual stages {num_chunks}"
-        )
-    start = chunk * (n_layers // num_chunks) + pp_rank * per
-    return list(range(start, start + per))
-
-
-def tag_embeddings_and_rope(stage: nn.Module, cfg: GPTConfig, first: bool, last: bool) -> None:
-    """Stage setup shared by every GPT stage class: tag the tied embedding copies and add RoPE tables.
-
-    With tied embeddings the first stage's table and the last stage's LM head are tagged
-    ``shared_embedding`` (their grads are summed over the embedding group); the last
-    stage's duplicate is also ``shared``, so the grad norm counts it once (Megatron's rule).
-    Llama stages get the non-persistent ``rope_cos``/``rope_sin`` buffers.
-    """
-    if cfg.tie_embeddings:
-        if first:
-            stage.tok_emb.weight.shared_embedding = True
-        if last:
-            stage.lm_head.weight.shared_embedding = True
-            if not first:
-                stage.lm_head.weight.shared = True
-    if cfg.arch == "llama":
-        cos, sin = rope_tables(cfg)
-        stage.register_buffer("rope_cos", cos, persistent=False)
-        stage.register_buffer("rope_sin", sin, persistent=False)
-
-
-class GPTStage(nn.Module):
-    """One pipeline stage (or model chunk) of :class:`~tokenloom.train.model.GPT`.
-
-    The first stage has the token (+ position) embedding, the last the final norm and
-    the LM head; blocks live in ``blocks``, a ``ModuleDict`` keyed by the *global* layer
-    index, so parameter names equal the one-process model's (``blocks.3.attn.qkv.weight``).
-    With tied embeddings and more than one stage, the last stage holds its own copy of
-    the embedding matrix as ``lm_head.weight`` (Megatron's duplicate word embedding),
-    tagged ``shared_embedding = True`` on both stages (the duplicate also ``shared = True``,
-    which keeps it out of the grad norm); keep them equal with
-    :func:`allreduce_tied_embedding_grads`. ``forward(hidden, batch)`` returns the
-    activation, or the logits on the last stage; ``batch`` is ``(tokens, labels)``.
-    """
-
-    def __init__(self, cfg: GPTConfig, layer_ids: Sequence[int], first: bool, last: bool) -> None:
-        super().__init__()
-        self.cfg, self.first, self.last = cfg, first, last
-        if first:
-            self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
-            self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i in cfg.recompute_layers) for i in layer_ids})
-        if last:
-            self.norm = make_norm(cfg)
-            self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
-            if cfg.tie_embeddings and first:
-                self.lm_head.weight = self.tok_emb.weight
-        tag_embeddings_and_rope(self, cfg, first, last)
-
-    def forward(self, hidden: torch.Tensor | None, batch: Any) -> torch.Tensor:
-        return stage_forward(self, hidden, batch[0] if self.first else None, self.drop if self.first else None)
-
-
-def stage_forward(
-    stage: nn.Module, hidden: torch.Tensor | None, tokens: torch.Tensor | None, drop: nn.Module | None = None
-) -> torch.Tensor:
-    """The forward every stage class shares: on the first stage embed ``tokens`` (+ positions,
-    then ``drop``), else take ``hidden``; run the blocks; on the last stage norm and LM head."""
-    if stage.first:
-        x = stage.tok_emb(tokens)
-        if stage.pos_emb is not None:
-            x = x + stage.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
-        if drop is not None:
-            x = drop(x)
-    else:
-        x = hidden
-    rope = (stage.rope_cos, stage.rope_sin) if stage.cfg.arch == "llama" else None
-    for block in stage.blocks.values():
-        x = block(x, rope)
-    if stage.last:
-        return stage.lm_head(stage.norm(x))
-    return x
-
-
-def build_gpt_stage(model: GPT, pp_size: int, pp_rank: int, num_chunks: int = 1, chunk: int = 0) -> GPTStage:
-    """Stage (chunk ``chunk`` of ``pp_rank``) holding exact copies of ``model``'s weights.
-
-    Every rank builds the same one-process model (deterministic init from the seed) and
-    keeps its part, so both tied-embedding copies start equal without Megatron's
-    zero-fill + all-reduce at setup. Fine for small models; for big ones build the
-    stage directly and sync the tied copy once with an all-reduce.
-    """
-    cfg = model.cfg
-    ids = stage_layer_ids(cfg.n_layers, pp_size, pp_rank, num_chunks, chunk)
-    first = pp_rank == 0 and chunk == 0
-    last = pp_rank == pp_size - 1 and chunk == num_chunks - 1
-    stage = GPTStage(cfg, ids, first, last)
-    full = model.state_dict()
-    with torch.no_grad():
-        for name, t in stage.state_dict(keep_vars=True).items():
-            t.copy_(full[name])
-    return stage
-
-
-def gpt_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-    """Mean cross-entropy of one micro-batch, computed exactly as ``GPT.forward`` does."""
-    labels = batch[1]
-    losses = F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
-    return losses.mean()
+# ---------------------------------------------------------------------- gradient finalisation
 
 
 def allreduce_tied_embedding_grads(

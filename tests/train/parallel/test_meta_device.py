@@ -1,0 +1,47 @@
+"""Every layout trains with the process default device set to ``meta`` (issue 15,
+acceptance 3): model and strategy construction, steps, evaluation and a checkpoint save.
+A tensor made anywhere in the run without naming the run's device would be a ``meta``
+tensor, and the run would crash (a collective, ``.item()`` or data on ``meta``) or log
+losses that differ from the plain one-process run's.
+
+Two launches (2 and 4 gloo ranks), so ``slow``."""
+
+from __future__ import annotations
+
+import pytest
+from compose_helpers import launch, logged_losses, reference
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+RUN = dict(train_iters=STEPS, eval_interval=2, save_interval=2)
+
+LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
+    "dp2_tp1_pp1": (2, {}),
+    "dp1_tp2_pp1": (2, dict(tp=2)),
+    "dp1_tp2_pp1_sp": (2, dict(tp=2, sp=True)),
+    "dp1_tp1_pp2": (2, dict(pp=2)),
+    "dp1_tp1_pp2_vpp2": (2, dict(pp=2, vpp=2)),
+    "dp2_tp1_pp1_zero1": (2, dict(zero1=True)),
+    "dp2_tp2_pp1": (4, dict(tp=2)),
+    "dp2_tp1_pp2": (4, dict(pp=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("meta")
+    out = {"reference": reference(tmp / "reference", **RUN)["losses"]}
+    for world in (2, 4):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        scenarios = [("train_on_meta", dict(out=str(tmp / n), **LAYOUTS[n][1], **RUN)) for n in names]
+        (tmp / f"w{world}").mkdir()
+        results = launch(scenarios, world, tmp / f"w{world}")
+        out.update({n: logged_losses([r[i] for r in results]) for i, n in enumerate(names)})
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_runs_with_meta_default_device(runs, name):
+    losses, ref = runs[name], runs["reference"]
+    assert len(losses) == len(ref) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-5
