@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
-from tl_testing import run_cli
+import pytest
+from tl_testing import REPO, run_cli
 
 
 def test_train_prints_its_summary(tmp_path):
@@ -18,3 +24,105 @@ def test_train_prints_its_summary(tmp_path):
     assert summary["iteration"] == 3 and summary["train_loss"] > 0
     assert summary["tokens_per_s"] > 0 and summary["first_step_s"] > 0
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- checks before launch
+
+TINY = ["--seq-length", "32", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--set", "model.vocab_size=96", "--set", "model.make_vocab_size_divisible_by=32",
+        "--set", "progress=false", "--set", "plot=false", "--eval-interval", "0", "--micro-batch-size", "2",
+        "--global-batch-size", "4"]
+MOCK = [*TINY, "--mock-data", "--set", "data.mock.num_sequences=300", "--set", "data.mock.max_length=200"]
+
+
+def one_line_error(done, *fragments: str) -> str:
+    """The command failed with exactly one stderr line holding every fragment, no traceback."""
+    assert done.returncode != 0, done.stdout
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]], ids=["in-process", "torchrun"])
+def test_batch_arithmetic_is_checked_before_launch(tmp_path, launch):
+    out = tmp_path / "run"
+    ranks = 2 if launch else 1
+    done = run_cli("train", *MOCK, "--global-batch-size", "10" if launch else "3", *launch, "--output-dir", out)
+    one_line_error(done, f"--global-batch-size {10 if launch else 3} is not a multiple of --micro-batch-size 2 x "
+                   f"{ranks} data-parallel")
+    assert not (out / "logs").exists() and not (out / "launch_config.json").exists()  # no rank was started
+
+
+def test_layout_not_dividing_the_world_is_checked_before_launch(tmp_path):
+    done = run_cli("train", *MOCK, "--tp", "2", "--pp", "2", "--nproc-per-node", "2", "--output-dir", tmp_path / "r")
+    one_line_error(done, "--tp 2 x --pp 2 = 4 does not divide the 2 rank(s)", "--nproc-per-node 4")
+    done = run_cli("train", *MOCK, "--tensor-model-parallel-size", "2", "--nproc_per_node", "3", "--output-dir",
+                   tmp_path / "r")
+    one_line_error(done, "--tp 2 x --pp 1 = 2 does not divide the 3 rank(s)")
+
+
+def test_missing_prefix_is_checked_before_launch(tmp_path):
+    missing = tmp_path / "nothing_here"
+    done = run_cli("train", *TINY, "--data-path", "0.5", missing, "0.5", missing, "--nproc-per-node", "2",
+                   "--output-dir", tmp_path / "r")
+    one_line_error(done, f"--data: {missing}.idx does not exist")
+
+
+def test_llama2_data_with_the_gpt2_tokenizer_is_refused(tmp_path, shared_data):
+    source = tmp_path / "ts.jsonl"
+    lines = (shared_data / "tinyshakespeare" / "tinyshakespeare.jsonl").read_text().splitlines()[:300]
+    source.write_text("\n".join(lines) + "\n")
+    prefix = tmp_path / "ts_llama2"
+    done = run_cli("preprocess", "--input", source, "--output-prefix", prefix, "--tokenizer",
+                   shared_data / "tokenizers" / "llama2" / "tokenizer.model", "--append-eod", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    gpt2 = shared_data / "tokenizers" / "gpt2"
+    done = run_cli("train", *TINY, "--data", prefix, "--tokenizer", gpt2, "--nproc-per-node", "2", "--output-dir",
+                   tmp_path / "r")
+    line = one_line_error(done, f"--tokenizer {gpt2}", f"{prefix} was tokenized with sentencepiece")
+    assert "vocabulary 32000" in line and "vocabulary 50257" in line, line
+
+
+def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path):
+    done = run_cli("train", *MOCK, "--fp16", "--output-dir", tmp_path / "r")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "Error: --fp16 (Megatron) is not supported by tokenloom train: fp16 with loss scaling is not implemented; "
+        "use --bf16 (or --set precision=bf16)")
+    done = run_cli("train", *MOCK, "--position-embedding-type", "rope", "--output-dir", tmp_path / "r")
+    assert "--position-embedding-type (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- failures in ranks
+
+
+def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
+    """kill -9 of rank 1 mid-run (issue 19): non-zero exit, no traceback on the terminal, the last
+    line names rank 1 and how it died, and the full logs are in the printed folder."""
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(REPO / "cli.py"), "train", *MOCK, "--train-iters", "5000",
+                             "--log-interval", "1", "--nproc-per-node", "2", "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        (pid_file,) = (out / "logs").glob("*/rank1.pid")
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "Traceback" not in stdout + stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1: its process (pid ") and "killed by SIGKILL" in last, last
+    assert last.endswith(f"full logs: {pid_file.parent}"), last
+    assert f"logs: {pid_file.parent}" in stderr.splitlines()[0]
+    assert "ChildFailedError" in (pid_file.parent / "torchrun.log").read_text()  # torchrun's report kept there
