@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,3 +127,64 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
     assert last.endswith(f"full logs: {pid_file.parent}"), last
     assert f"logs: {pid_file.parent}" in stderr.splitlines()[0]
     assert "ChildFailedError" in (pid_file.parent / "torchrun.log").read_text()  # torchrun's report kept there
+
+
+# --------------------------------------------------------------------------- Megatron and torchrun spellings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_with_nnodes_2_form_one_job(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    common = [sys.executable, str(REPO / "cli.py"), "train", *MOCK, "--train-iters", "6", "--nproc_per_node", "1",
+              "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--output-dir",
+              str(out)]
+    agents = [subprocess.Popen([*common, flag, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env) for rank, flag in ((1, "--node_rank"), (0, "--node-rank"))]
+    try:
+        outputs = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    summary = json.loads(outputs[1][0].strip().splitlines()[-1])  # node 0 holds rank 0
+    assert summary["iteration"] == 6
+    state = json.loads((out / "checkpoints" / "iter_0000006" / "state.json").read_text())
+    assert state["world_size"] == 2
+    assert sorted(p.name for p in (out / "logs").glob("*/rank*.log")) == ["rank0.log", "rank1.log"]
+
+
+@pytest.mark.slow
+def test_a_megatron_argument_list_trains(tmp_path, shared_data):
+    """Issue 20's acceptance: pretrain_gpt.py's flags for data, shape, batch and layout, torchrun's
+    --nproc_per_node, on GPT-2 tokenized tinyshakespeare and WikiText-2."""
+    ref = shared_data / "megatron-reference"
+    out = tmp_path / "run"
+    env_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(REPO) + (os.pathsep + env_path if env_path else "")
+    try:
+        done = run_cli("train", "--data-path", "0.7", ref / "tinyshakespeare_gpt2_eod", "0.3", ref / "wikitext-2_gpt2_eod",
+                       "--split", "949,50,1", "--seq-length", "128", "--num-layers", "2", "--hidden-size", "64",
+                       "--num-attention-heads", "4", "--micro-batch-size", "2", "--global-batch-size", "8",
+                       "--train-iters", "10", "--lr", "3e-4", "--tensor-model-parallel-size", "2",
+                       "--nproc_per_node", "2", "--data-cache-path", tmp_path / "cache", "--output-dir", out,
+                       timeout=500)
+    finally:
+        if env_path is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = env_path
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["iteration"] == 10
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["tp"], cfg["model"]["n_layers"], cfg["model"]["d_model"], cfg["model"]["n_heads"]) == (2, 2, 64, 4)
+    assert (cfg["data"]["blend"]["split"], cfg["optim"]["lr"], cfg["global_batch_size"]) == ("949,50,1", 3e-4, 8)
+    assert "layout    2 rank(s) on cpu: dp 1 x tp 2 x pp 1" in done.stdout
