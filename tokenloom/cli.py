@@ -444,18 +444,24 @@ def _tt_help(name: str) -> str:
 @click.option("--vocab-size", type=int, default=32000, show_default=True, help=_tt_help("vocab_size"))
 @click.option("--special-token", "special_tokens", multiple=True, help=_tt_help("special_tokens"))
 @click.option("--min-frequency", type=int, default=2, show_default=True, help=_tt_help("min_frequency"))
-@click.option("--json-key", default="text", show_default=True, help=_tt_help("json_key"))
+@click.option("--json-keys", "--json-key", "json_key", default="text", show_default=True, help=_tt_help("json_key"))
 @click.option("--seed", type=int, default=0, show_default=True, help=_tt_help("seed"))
 def tokenizer_train(**options):
     """Train a byte-level BPE (tokenizers) or unigram (sentencepiece) tokenizer; it loads in preprocess."""
     from tokenloom.tokenizers import TrainTokenizerConfig, train_tokenizer
+    from tokenloom.tokenizers.train import vocabulary_shortfall
 
     options["inputs"] = list(options["inputs"])
     if options["special_tokens"]:
         options["special_tokens"] = list(options["special_tokens"])
     else:
         del options["special_tokens"]
-    click.echo(f"wrote {train_tokenizer(TrainTokenizerConfig(**options))}")
+    cfg = TrainTokenizerConfig(**options)
+    out = train_tokenizer(cfg)
+    shortfall = vocabulary_shortfall(cfg, out)
+    if shortfall:
+        click.echo(f"warning: {shortfall}", err=True)
+    click.echo(f"wrote {out}")
 
 
 @tokenizer.command("inspect")
@@ -482,7 +488,8 @@ def _demo_help(name: str) -> str:
 @click.option("--max-documents", default=600, show_default=True, help=_demo_help("max_documents"))
 @click.option("--vocab-size", default=4096, show_default=True, help=_demo_help("vocab_size"))
 @click.option("--train-iters", default=400, show_default=True, help=_demo_help("train_iters"))
-@click.option("--nproc", default=2, show_default=True, help=_demo_help("nproc"))
+@click.option("--nproc-per-node", "--nproc_per_node", "--nproc", "nproc", default=2, show_default=True,
+              help=_demo_help("nproc"))
 def demo(**options):
     """The embedded default job, no download: tokenizer -> preprocess -> blend -> 2-rank training -> sample."""
     from tokenloom.demo import DemoConfig, run

@@ -45,6 +45,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, sha256_tree
 from tokenloom.indexed.format import IndexedDatasetWriter, optimal_dtype
 from tokenloom.preprocess import manifest
+from tokenloom.preprocess.documents import MISSING_KEY
 from tokenloom.preprocess.readers import ChunkReader, Input, Position, discover, shard_inputs
 from tokenloom.preprocess.worker import (
     EncodedChunk,
@@ -297,8 +298,9 @@ class _Run:
             if self.rejects is None:
                 number, reason, _ = result.bad[0]
                 unit = "line" if inp.format.startswith(("jsonl", "txt")) else "row"
-                raise TokenloomError(f"{inp.path}:{number}: {reason} (bad {unit}; pass --max-bad-fraction F to "
-                                     "quarantine bad records instead)")
+                hint = "" if reason.startswith(MISSING_KEY) else \
+                    f" (bad {unit}; pass --max-bad-fraction F to quarantine bad records instead)"
+                raise TokenloomError(f"{inp.path}:{number}: {reason}{hint}")
             for number, reason, snippet in result.bad:
                 self.rejects.write((json.dumps({"file": inp.path, "line": number, "reason": reason,
                                                 "record": snippet}, ensure_ascii=False) + "\n").encode())
