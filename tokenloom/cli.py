@@ -81,6 +81,12 @@ def info():
         click.echo(f"{key:<{width}}  {value}")
 
 
+def _pair(on: str, default_on: bool, off_flag: str, off: str) -> str:
+    """The help of a ``--x/--no-x`` pair: what each form does, and which one is the default."""
+    on, off = on.rstrip("."), off.rstrip(".")
+    return f"{on}{' (the default)' if default_on else ''}. {off_flag}: {off}{'' if default_on else ' (the default)'}."
+
+
 def _emit(report: dict, as_json: bool) -> None:
     """Print a report as JSON or as aligned ``key  value`` lines."""
     import json
@@ -92,13 +98,14 @@ def _emit(report: dict, as_json: bool) -> None:
 
 @main.command()
 @click.argument("prefix")
-@click.option("--no-hash", is_flag=True, help="Skip the token-stream SHA-256 (reads every token).")
+@click.option("--hash/--no-hash", "with_hash", default=True,
+              help=_pair("Compute the token-stream SHA-256 (reads every token)", True, "--no-hash", "skip it"))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect(prefix, no_hash, as_json):
+def inspect(prefix, with_hash, as_json):
     """Counts, dtype, length distribution and token SHA-256 of PREFIX.bin/.idx."""
     from tokenloom.indexed import inspect as run
 
-    _emit(run(prefix, with_hash=not no_hash), as_json)
+    _emit(run(prefix, with_hash=with_hash), as_json)
 
 
 @main.command()
@@ -139,7 +146,7 @@ def _pp_help(name: str) -> str:
 @main.command()
 @click.option("--input", "inputs", cls=_Greedy, multiple=True, required=True, help=_pp_help("inputs"))
 @click.option("--output-prefix", required=True, help=_pp_help("output_prefix"))
-@click.option("--tokenizer", help=_pp_help("tokenizer"))
+@click.option("--tokenizer", "--tokenizer-model", "tokenizer", help=_pp_help("tokenizer"))
 @click.option("--tokenizer-type", help=_pp_help("tokenizer_type"))
 @click.option("--tokenizer-backend", type=click.Choice(["auto", "reference", "gigatoken"]), default="auto",
               show_default=True, help="Tokenizer engine: auto (gigatoken when its self-check on load finds the "
@@ -159,9 +166,10 @@ def _pp_help(name: str) -> str:
 @click.option("--chunk-bytes", type=int, default=1 << 20, show_default=True, help=_pp_help("chunk_bytes"))
 @click.option("--checkpoint-interval", type=float, default=60.0, show_default=True,
               help=_pp_help("checkpoint_interval"))
-@click.option("--no-space-check", "check_space", is_flag=True, flag_value=False, default=True,
-              help=_pp_help("check_space"))
-@click.option("--no-progress", "progress", is_flag=True, flag_value=False, default=True, help=_pp_help("progress"))
+@click.option("--space-check/--no-space-check", "check_space", default=True,
+              help=_pair(_pp_help("check_space"), True, "--no-space-check", "start without checking"))
+@click.option("--progress/--no-progress", "progress", default=True,
+              help=_pair(_pp_help("progress"), True, "--no-progress", "no progress bar"))
 def preprocess(**options):
     """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
     from tokenloom.preprocess import PreprocessConfig, run
@@ -190,8 +198,8 @@ def _parse_counts(text: str | None) -> tuple:
 
 
 @main.command()
-@click.option("--data", "sources", cls=_Greedy, multiple=True,
-              help="Sources as WEIGHT PREFIX pairs (Megatron's --data-path), or prefixes alone for equal weights.")
+@click.option("--data", "--data-path", "sources", cls=_Greedy, multiple=True,
+              help="Sources as WEIGHT PREFIX pairs (--data-path: Megatron's name), or prefixes alone for equal weights.")
 @click.option("--blend-file", type=click.Path(exists=True, dir_okay=False),
               help="YAML/JSON blend: {data: [[w, prefix], ...]} or per split {train: [...], valid: [...], test: [...]}.")
 @click.option("--split", default="969,30,1", show_default=True, help=_bd_help("split"))
@@ -199,7 +207,7 @@ def _parse_counts(text: str | None) -> tuple:
 @click.option("--num-samples", help=_bd_help("num_samples") + " Format: TRAIN[,VALID,TEST].")
 @click.option("--train-tokens", type=int, help=_bd_help("train_tokens"))
 @click.option("--seed", type=int, default=1234, show_default=True, help=_bd_help("seed"))
-@click.option("--cache-dir", help=_bd_help("cache_dir"))
+@click.option("--cache-dir", "--data-cache-path", "cache_dir", help=_bd_help("cache_dir"))
 @click.option("--mode", type=click.Choice(["megatron", "tokens"]), default="megatron", show_default=True,
               help=_bd_help("mode"))
 @click.option("--max-repeat", type=float, default=4.0, show_default=True, help=_bd_help("max_repeat"))
@@ -349,7 +357,8 @@ def _megatron_refused(fn):
               help="Virtual pipeline stages (model chunks) per pipeline rank (interleaved 1F1B).")
 @click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_virtual_stage", type=int,
               help="Megatron's other way to set --vpp: vpp = num layers / (pp x this).")
-@click.option("--sp/--no-sp", "--sequence-parallel", "sp", default=None, help=_help(_TRAIN, "sp"))
+@click.option("--sp/--no-sp", "--sequence-parallel", "sp", default=None,
+              help=_pair(_help(_TRAIN, "sp"), False, "--no-sp", "plain tensor parallelism"))
 @click.option("--zero1", "--use-distributed-optimizer", "zero1", is_flag=True, default=None,
               help="Shard the optimizer state over data-parallel ranks (ZeRO-1; Megatron's distributed optimizer).")
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
