@@ -188,3 +188,20 @@ def test_a_megatron_argument_list_trains(tmp_path, shared_data):
     assert (cfg["tp"], cfg["model"]["n_layers"], cfg["model"]["d_model"], cfg["model"]["n_heads"]) == (2, 2, 64, 4)
     assert (cfg["data"]["blend"]["split"], cfg["optim"]["lr"], cfg["global_batch_size"]) == ("949,50,1", 3e-4, 8)
     assert "layout    2 rank(s) on cpu: dp 1 x tp 2 x pp 1" in done.stdout
+
+
+def test_megatron_spellings_reach_the_config(tmp_path, shared_data):
+    # --num-layers-per-virtual-pipeline-stage 1 with 4 layers over --pp 2 is --vpp 2: the check names it
+    done = run_cli("train", *MOCK, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                   "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2", "--nproc_per_node", "2",
+                   "--output-dir", tmp_path / "r")
+    one_line_error(done, "the interleaved schedule (--vpp 2) needs the 1 micro-batches per step")
+    done = run_cli("train", *MOCK, "--sequence-parallel", "--output-dir", tmp_path / "r")  # sp=true, tp=1
+    one_line_error(done, "sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
+    # --vocab-file/--merge-file of one folder are --tokenizer FOLDER, checked against the data's manifest
+    gpt2 = shared_data / "tokenizers" / "gpt2"
+    done = run_cli("train", *TINY, "--data", tmp_path / "missing", "--vocab-file", gpt2 / "gpt2-vocab.json",
+                   "--merge-file", gpt2 / "gpt2-merges.txt", "--output-dir", tmp_path / "r")
+    one_line_error(done, f"--data: {tmp_path / 'missing'}.idx does not exist")
+    done = run_cli("train", *MOCK, "--vocab-file", gpt2 / "gpt2-vocab.json", "--output-dir", tmp_path / "r")
+    assert done.returncode != 0 and "--vocab-file and --merge-file go together" in done.stderr
