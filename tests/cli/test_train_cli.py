@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from tl_testing import REPO, run_cli
+from tl_testing import REPO, cli_env, run_cli
 
 
 def test_train_prints_its_summary(tmp_path):
@@ -104,7 +104,7 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
     """kill -9 of rank 1 mid-run (issue 19): non-zero exit, no traceback on the terminal, the last
     line names rank 1 and how it died, and the full logs are in the printed folder."""
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(cli_env(), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(REPO / "cli.py"), "train", *MOCK, "--train-iters", "5000",
                              "--log-interval", "1", "--nproc-per-node", "2", "--output-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -141,7 +141,7 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_two_torchrun_agents_with_nnodes_2_form_one_job(tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(cli_env(), OMP_NUM_THREADS="1")
     common = [sys.executable, str(REPO / "cli.py"), "train", *MOCK, "--train-iters", "6", "--nproc_per_node", "1",
               "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--output-dir",
               str(out)]
@@ -168,20 +168,12 @@ def test_a_megatron_argument_list_trains(tmp_path, shared_data):
     --nproc_per_node, on GPT-2 tokenized tinyshakespeare and WikiText-2."""
     ref = shared_data / "megatron-reference"
     out = tmp_path / "run"
-    env_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(REPO) + (os.pathsep + env_path if env_path else "")
-    try:
-        done = run_cli("train", "--data-path", "0.7", ref / "tinyshakespeare_gpt2_eod", "0.3", ref / "wikitext-2_gpt2_eod",
-                       "--split", "949,50,1", "--seq-length", "128", "--num-layers", "2", "--hidden-size", "64",
-                       "--num-attention-heads", "4", "--micro-batch-size", "2", "--global-batch-size", "8",
-                       "--train-iters", "10", "--lr", "3e-4", "--tensor-model-parallel-size", "2",
-                       "--nproc_per_node", "2", "--data-cache-path", tmp_path / "cache", "--output-dir", out,
-                       timeout=500)
-    finally:
-        if env_path is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = env_path
+    done = run_cli("train", "--data-path", "0.7", ref / "tinyshakespeare_gpt2_eod", "0.3", ref / "wikitext-2_gpt2_eod",
+                   "--split", "949,50,1", "--seq-length", "128", "--num-layers", "2", "--hidden-size", "64",
+                   "--num-attention-heads", "4", "--micro-batch-size", "2", "--global-batch-size", "8",
+                   "--train-iters", "10", "--lr", "3e-4", "--tensor-model-parallel-size", "2",
+                   "--nproc_per_node", "2", "--data-cache-path", tmp_path / "cache", "--output-dir", out,
+                   timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["iteration"] == 10
     cfg = json.loads((out / "config.json").read_text())
