@@ -23,9 +23,16 @@ def shared_data_dir() -> Path:
 
 
 def run_cli(*args, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python cli.py ARGS`` in a subprocess, exactly as a user would."""
+    """Run ``python cli.py ARGS`` in a subprocess, exactly as a user would; this checkout comes
+    first on ``PYTHONPATH``, so processes it starts (torchrun's ranks) import it too."""
     return subprocess.run([sys.executable, str(REPO / "cli.py"), *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, timeout=timeout)
+                          text=True, cwd=cwd, timeout=timeout, env=cli_env())
+
+
+def cli_env() -> dict[str, str]:
+    """This process's environment with the checkout first on ``PYTHONPATH``."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""))
 
 
 def import_megatron(module: str):

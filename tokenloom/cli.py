@@ -6,6 +6,7 @@ stderr with a non-zero exit status; anything else is a bug and keeps its traceba
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -80,6 +81,12 @@ def info():
         click.echo(f"{key:<{width}}  {value}")
 
 
+def _pair(on: str, default_on: bool, off_flag: str, off: str) -> str:
+    """The help of a ``--x/--no-x`` pair: what each form does, and which one is the default."""
+    on, off = on.rstrip("."), off.rstrip(".")
+    return f"{on}{' (the default)' if default_on else ''}. {off_flag}: {off}{'' if default_on else ' (the default)'}."
+
+
 def _emit(report: dict, as_json: bool) -> None:
     """Print a report as JSON or as aligned ``key  value`` lines."""
     import json
@@ -91,13 +98,14 @@ def _emit(report: dict, as_json: bool) -> None:
 
 @main.command()
 @click.argument("prefix")
-@click.option("--no-hash", is_flag=True, help="Skip the token-stream SHA-256 (reads every token).")
+@click.option("--hash/--no-hash", "with_hash", default=True,
+              help=_pair("Compute the token-stream SHA-256 (reads every token)", True, "--no-hash", "skip it"))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect(prefix, no_hash, as_json):
+def inspect(prefix, with_hash, as_json):
     """Counts, dtype, length distribution and token SHA-256 of PREFIX.bin/.idx."""
     from tokenloom.indexed import inspect as run
 
-    _emit(run(prefix, with_hash=not no_hash), as_json)
+    _emit(run(prefix, with_hash=with_hash), as_json)
 
 
 @main.command()
@@ -138,7 +146,7 @@ def _pp_help(name: str) -> str:
 @main.command()
 @click.option("--input", "inputs", cls=_Greedy, multiple=True, required=True, help=_pp_help("inputs"))
 @click.option("--output-prefix", required=True, help=_pp_help("output_prefix"))
-@click.option("--tokenizer", help=_pp_help("tokenizer"))
+@click.option("--tokenizer", "--tokenizer-model", "tokenizer", help=_pp_help("tokenizer"))
 @click.option("--tokenizer-type", help=_pp_help("tokenizer_type"))
 @click.option("--tokenizer-backend", type=click.Choice(["auto", "reference", "gigatoken"]), default="auto",
               show_default=True, help="Tokenizer engine: auto (gigatoken when its self-check on load finds the "
@@ -158,9 +166,10 @@ def _pp_help(name: str) -> str:
 @click.option("--chunk-bytes", type=int, default=1 << 20, show_default=True, help=_pp_help("chunk_bytes"))
 @click.option("--checkpoint-interval", type=float, default=60.0, show_default=True,
               help=_pp_help("checkpoint_interval"))
-@click.option("--no-space-check", "check_space", is_flag=True, flag_value=False, default=True,
-              help=_pp_help("check_space"))
-@click.option("--no-progress", "progress", is_flag=True, flag_value=False, default=True, help=_pp_help("progress"))
+@click.option("--space-check/--no-space-check", "check_space", default=True,
+              help=_pair(_pp_help("check_space"), True, "--no-space-check", "start without checking"))
+@click.option("--progress/--no-progress", "progress", default=True,
+              help=_pair(_pp_help("progress"), True, "--no-progress", "no progress bar"))
 def preprocess(**options):
     """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
     from tokenloom.preprocess import PreprocessConfig, run
@@ -189,8 +198,8 @@ def _parse_counts(text: str | None) -> tuple:
 
 
 @main.command()
-@click.option("--data", "sources", cls=_Greedy, multiple=True,
-              help="Sources as WEIGHT PREFIX pairs (Megatron's --data-path), or prefixes alone for equal weights.")
+@click.option("--data", "--data-path", "sources", cls=_Greedy, multiple=True,
+              help="Sources as WEIGHT PREFIX pairs (--data-path: Megatron's name), or prefixes alone for equal weights.")
 @click.option("--blend-file", type=click.Path(exists=True, dir_okay=False),
               help="YAML/JSON blend: {data: [[w, prefix], ...]} or per split {train: [...], valid: [...], test: [...]}.")
 @click.option("--split", default="969,30,1", show_default=True, help=_bd_help("split"))
@@ -198,7 +207,7 @@ def _parse_counts(text: str | None) -> tuple:
 @click.option("--num-samples", help=_bd_help("num_samples") + " Format: TRAIN[,VALID,TEST].")
 @click.option("--train-tokens", type=int, help=_bd_help("train_tokens"))
 @click.option("--seed", type=int, default=1234, show_default=True, help=_bd_help("seed"))
-@click.option("--cache-dir", help=_bd_help("cache_dir"))
+@click.option("--cache-dir", "--data-cache-path", "cache_dir", help=_bd_help("cache_dir"))
 @click.option("--mode", type=click.Choice(["megatron", "tokens"]), default="megatron", show_default=True,
               help=_bd_help("mode"))
 @click.option("--max-repeat", type=float, default=4.0, show_default=True, help=_bd_help("max_repeat"))
@@ -234,39 +243,179 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
             click.echo(f"plot: {plot}")
 
 
-@main.command()
+def _help(cls_path: str, name: str) -> str:
+    """The ``--help`` text of config field ``name`` of class ``module:Class``."""
+    import importlib
+
+    from tokenloom.config import help_for
+
+    module, cls = cls_path.split(":")
+    return help_for(getattr(importlib.import_module(module), cls), name)
+
+
+_TRAIN, _MODEL, _OPTIM = "tokenloom.train.config:TrainConfig", "tokenloom.train.model:GPTConfig", \
+    "tokenloom.train.optim:OptimConfig"
+_NODES = "tokenloom.train.launch:Nodes"
+
+MEGATRON_REFUSED = {
+    "--fp16": "fp16 with loss scaling is not implemented; use --bf16 (or --set precision=bf16)",
+    "--load": "resume with --resume auto (latest checkpoint under --output-dir) or --resume CHECKPOINT_DIR",
+    "--save": "checkpoints go to OUTPUT_DIR/checkpoints; use --output-dir (or --set checkpoint_dir=DIR)",
+    "--tokenizer-type": "the tokenizer's kind is detected from its files; pass --tokenizer PATH",
+    "--train-samples": "the run is sized in steps; use --train-iters",
+    "--lr-warmup-samples": "warmup is counted in steps; use --lr-warmup-iters",
+    "--lr-warmup-fraction": "warmup is counted in steps; use --lr-warmup-iters",
+    "--lr-decay-samples": "the decay is counted in steps; use --lr-decay-iters",
+    "--lr-decay-style": "the schedule is linear warmup then cosine decay to --min-lr",
+    "--position-embedding-type": "the position encoding follows the architecture: --set model.arch=gpt2 (learned) "
+                                 "or llama (RoPE)",
+    "--normalization": "the norm follows the architecture: --set model.arch=gpt2 (LayerNorm) or llama (RMSNorm)",
+    "--swiglu": "the MLP follows the architecture: --set model.arch=llama (SwiGLU) or gpt2 (GELU)",
+    "--untie-embeddings-and-output-weights": "use --set model.tie_embeddings=false",
+    "--recompute-activations": "use --set 'model.recompute_layers=[0, 1, ...]' (blocks to recompute)",
+    "--recompute-granularity": "use --set 'model.recompute_layers=[0, 1, ...]' (whole blocks)",
+    "--recompute-method": "use --set 'model.recompute_layers=[0, 1, ...]' (whole blocks)",
+    "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks flash kernels itself",
+    "--transformer-impl": "tokenloom has one implementation of its own layers",
+    "--use-mcore-models": "tokenloom has one implementation of its own layers",
+    "--distributed-backend": "nccl on GPUs and gloo on CPU are chosen automatically",
+    "--context-parallel-size": "context parallelism is not implemented",
+    "--expert-model-parallel-size": "mixture-of-experts models are not implemented",
+    "--num-experts": "mixture-of-experts models are not implemented",
+    "--overlap-grad-reduce": "gradient buckets are always reduced while backward runs",
+    "--overlap-param-gather": "ZeRO-1 gathers parameters after the step",
+    "--data-impl": "data is always Megatron's mmap .bin/.idx (removed from Megatron too)",
+    "--mmap-warmup": "removed from Megatron; nothing to warm up",
+    "--exit-duration-in-mins": "use --set exit_interval=N (steps)",
+    "--max-position-embeddings": "the position table has --seq-length rows",
+}
+"""Megatron ``pretrain_gpt.py`` flags ``train`` refuses, each with what to do instead: their
+meaning differs from anything tokenloom has, or the feature does not exist here."""
+
+
+def _refuse(ctx, param, value):
+    if value:
+        raise click.UsageError(f"{param.opts[0]} (Megatron) is not supported by tokenloom train: "
+                               f"{MEGATRON_REFUSED[param.opts[0]]}", ctx=ctx)
+
+
+def _megatron_refused(fn):
+    for flag in MEGATRON_REFUSED:
+        fn = click.option(flag, is_flag=True, hidden=True, expose_value=False, callback=_refuse,
+                          help=f"Refused (Megatron's flag): {MEGATRON_REFUSED[flag]}.")(fn)
+    return fn
+
+
+@main.command(epilog="Megatron (pretrain_gpt.py) and torchrun spellings are accepted where the meaning is the "
+              "same (second names above); Megatron flags that mean something else here are refused one by one "
+              "with what to use instead.")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False),
               help="Train config (YAML or JSON); the flags below and --set override it.")
 @click.option("--set", "overrides", multiple=True, help="Override any config field: --set optim.lr=3e-4 (repeatable).")
-@click.option("--data", cls=_Greedy, multiple=True, help="Train on a blend of WEIGHT PREFIX pairs.")
+@click.option("--data", "--data-path", "data", cls=_Greedy, multiple=True,
+              help="Train on a blend of WEIGHT PREFIX pairs (or prefixes alone for equal weights).")
 @click.option("--mock-data", is_flag=True, help="Train on synthetic data (no files needed).")
-@click.option("--tokenizer", help="Tokenizer path (or 'byte'): stored for generate; sizes model.vocab_size.")
+@click.option("--tokenizer", "--tokenizer-model", "tokenizer",
+              help="Tokenizer path (or 'byte'): checked against the data's manifests, stored for generate; sizes "
+              "model.vocab_size.")
+@click.option("--vocab-file", help="GPT-2 vocab file (Megatron); with --merge-file in the same folder it is "
+              "--tokenizer FOLDER.")
+@click.option("--merge-file", help="GPT-2 merges file (Megatron); see --vocab-file.")
 @click.option("--split", help="Train/valid/test split of the blend's sources, e.g. 969,30,1.")
-@click.option("--cache-dir", help="Directory for the blend's index arrays (built once, shared by ranks).")
+@click.option("--cache-dir", "--data-cache-path", "cache_dir",
+              help="Directory for the blend's index arrays (built once, shared by ranks).")
 @click.option("--seq-length", type=int, help="Tokens per sample (model.seq_len).")
-@click.option("--train-iters", type=int, help="Optimizer steps.")
-@click.option("--micro-batch-size", type=int, help="Samples per rank per forward/backward.")
-@click.option("--global-batch-size", type=int, help="Samples per optimizer step (accumulation fills the gap).")
-@click.option("--lr", type=float, help="Peak learning rate (optim.lr).")
-@click.option("--output-dir", help="Where checkpoints, metrics.jsonl and loss.png go.")
-@click.option("--resume", help="'auto' (latest complete checkpoint in the output dir) or a checkpoint path.")
+@click.option("--num-layers", type=int, help=_help(_MODEL, "n_layers"))
+@click.option("--hidden-size", type=int, help=_help(_MODEL, "d_model"))
+@click.option("--num-attention-heads", type=int, help=_help(_MODEL, "n_heads"))
+@click.option("--num-query-groups", type=int, help=_help(_MODEL, "n_kv_heads"))
+@click.option("--ffn-hidden-size", type=int, help=_help(_MODEL, "ffn_hidden_size"))
+@click.option("--make-vocab-size-divisible-by", type=int, help=_help(_MODEL, "make_vocab_size_divisible_by"))
+@click.option("--train-iters", type=int, help=_help(_TRAIN, "train_iters"))
+@click.option("--micro-batch-size", type=int, help=_help(_TRAIN, "micro_batch_size"))
+@click.option("--global-batch-size", type=int, help=_help(_TRAIN, "global_batch_size"))
+@click.option("--lr", type=float, help=_help(_OPTIM, "lr"))
+@click.option("--min-lr", type=float, help=_help(_OPTIM, "min_lr"))
+@click.option("--lr-warmup-iters", type=int, help=_help(_OPTIM, "warmup_iters"))
+@click.option("--lr-decay-iters", type=int, help=_help(_OPTIM, "lr_decay_iters"))
+@click.option("--weight-decay", type=float, help=_help(_OPTIM, "weight_decay"))
+@click.option("--clip-grad", type=float, help=_help(_OPTIM, "grad_clip"))
+@click.option("--seed", type=int, help=_help(_TRAIN, "seed"))
+@click.option("--eval-interval", type=int, help=_help(_TRAIN, "eval_interval"))
+@click.option("--eval-iters", type=int, help=_help(_TRAIN, "eval_iters"))
+@click.option("--log-interval", type=int, help=_help(_TRAIN, "log_interval"))
+@click.option("--save-interval", type=int, help=_help(_TRAIN, "save_interval"))
+@click.option("--bf16", "precision", flag_value="bf16", default=None, help="bf16 autocast (precision=bf16).")
+@click.option("--output-dir", help=_help(_TRAIN, "output_dir"))
+@click.option("--resume", help=_help(_TRAIN, "resume"))
 @click.option("--kernels", type=click.Choice(["auto", "reference", "compiled", "triton"]),
               help="Fused-kernel implementation (default reference; auto: triton on CUDA, compiled on CPU).")
-@click.option("--tp", type=int, help="Tensor-parallel size (Megatron's layout: tp fastest, then dp, then pp).")
-@click.option("--pp", type=int, help="Pipeline-parallel size (1F1B schedule).")
-@click.option("--vpp", type=int, help="Virtual pipeline stages per rank (interleaved 1F1B).")
-@click.option("--zero1", is_flag=True, default=None, help="Shard the optimizer state over data-parallel ranks (ZeRO-1).")
-@click.option("--nproc-per-node", type=int,
-              help="Start torchrun with N processes here; without it, run in-process (e.g. under torchrun/Slurm).")
-def train(config, overrides, nproc_per_node, **flags):
+@click.option("--tp", "--tensor-model-parallel-size", "tp", type=int,
+              help="Tensor-parallel size (Megatron's layout: tp fastest, then dp, then pp).")
+@click.option("--pp", "--pipeline-model-parallel-size", "pp", type=int, help="Pipeline-parallel size (1F1B schedule).")
+@click.option("--vpp", "--virtual-pipeline-model-parallel-size", "vpp", type=int,
+              help="Virtual pipeline stages (model chunks) per pipeline rank (interleaved 1F1B).")
+@click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_virtual_stage", type=int,
+              help="Megatron's other way to set --vpp: vpp = num layers / (pp x this).")
+@click.option("--sp/--no-sp", "--sequence-parallel", "sp", default=None,
+              help=_pair(_help(_TRAIN, "sp"), False, "--no-sp", "plain tensor parallelism"))
+@click.option("--zero1", "--use-distributed-optimizer", "zero1", is_flag=True, default=None,
+              help="Shard the optimizer state over data-parallel ranks (ZeRO-1; Megatron's distributed optimizer).")
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
+              help="Start torchrun with N processes on this node; without it, run in-process (e.g. under "
+              "torchrun/Slurm).")
+@click.option("--nnodes", type=int, default=1, show_default=True, help=_help(_NODES, "nnodes"))
+@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
+              help=_help(_NODES, "node_rank"))
+@click.option("--master-addr", "--master_addr", "master_addr", help=_help(_NODES, "master_addr"))
+@click.option("--master-port", "--master_port", "master_port", type=int, help=_help(_NODES, "master_port"))
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", help=_help(_NODES, "rdzv_endpoint"))
+@click.option("--rdzv-id", "--rdzv_id", "rdzv_id", help=_help(_NODES, "rdzv_id"))
+@click.option("--verbose", is_flag=True, help="With --nproc-per-node: stream every rank's and torchrun's output "
+              "unchanged instead of rank 0's on the terminal and the rest in OUTPUT_DIR/logs/.")
+@_megatron_refused
+def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
+          verbose, vocab_file, merge_file, layers_per_virtual_stage, **flags):
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
-    the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step) last."""
-    from tokenloom.train.config import load_config
-    from tokenloom.train.launch import flag_overrides, launch
+    the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step) last.
 
-    summary = launch(load_config(config, [*flag_overrides(**flags), *overrides]), nproc_per_node)
+    The config is checked before any rank starts (layout, batch arithmetic, data, tokenizer, resume)."""
+    import dataclasses
+
+    from tokenloom.train.config import load_config
+    from tokenloom.train.launch import Nodes, flag_overrides, launch
+
+    if vocab_file or merge_file:
+        flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])
+    cfg = load_config(config, [*flag_overrides(**flags), *overrides])
+    if layers_per_virtual_stage:
+        stages = cfg.pp * layers_per_virtual_stage
+        if cfg.model.n_layers % stages or cfg.model.n_layers == stages:
+            raise click.UsageError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}: "
+                                   f"{cfg.model.n_layers} layers must be a multiple (> 1) of --pp {cfg.pp} x "
+                                   f"{layers_per_virtual_stage}")
+        cfg = dataclasses.replace(cfg, vpp=cfg.model.n_layers // stages)
+    nodes = Nodes(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                  rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    if nproc_per_node is None and nodes != Nodes():
+        raise click.UsageError("--nnodes/--node-rank/--master-addr/--master-port/--rdzv-endpoint/--rdzv-id need "
+                               "--nproc-per-node (this command then starts torchrun on this node)")
+    echo = functools.partial(click.echo, err=True)
+    summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo)
     if summary is not None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own
         click.echo(json.dumps(summary))
+
+
+def _megatron_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer: str | None) -> str:
+    """Megatron's --vocab-file/--merge-file pair as a --tokenizer folder."""
+    from pathlib import Path
+
+    if tokenizer:
+        raise click.UsageError("give the tokenizer either as --tokenizer or as --vocab-file/--merge-file")
+    if not (vocab_file and merge_file) or Path(vocab_file).resolve().parent != Path(merge_file).resolve().parent:
+        raise click.UsageError("--vocab-file and --merge-file go together and must be in one folder (it is "
+                               "passed as --tokenizer FOLDER); or pass --tokenizer PATH")
+    return str(Path(vocab_file).parent)
 
 
 @main.command()
@@ -304,18 +453,24 @@ def _tt_help(name: str) -> str:
 @click.option("--vocab-size", type=int, default=32000, show_default=True, help=_tt_help("vocab_size"))
 @click.option("--special-token", "special_tokens", multiple=True, help=_tt_help("special_tokens"))
 @click.option("--min-frequency", type=int, default=2, show_default=True, help=_tt_help("min_frequency"))
-@click.option("--json-key", default="text", show_default=True, help=_tt_help("json_key"))
+@click.option("--json-keys", "--json-key", "json_key", default="text", show_default=True, help=_tt_help("json_key"))
 @click.option("--seed", type=int, default=0, show_default=True, help=_tt_help("seed"))
 def tokenizer_train(**options):
     """Train a byte-level BPE (tokenizers) or unigram (sentencepiece) tokenizer; it loads in preprocess."""
     from tokenloom.tokenizers import TrainTokenizerConfig, train_tokenizer
+    from tokenloom.tokenizers.train import vocabulary_shortfall
 
     options["inputs"] = list(options["inputs"])
     if options["special_tokens"]:
         options["special_tokens"] = list(options["special_tokens"])
     else:
         del options["special_tokens"]
-    click.echo(f"wrote {train_tokenizer(TrainTokenizerConfig(**options))}")
+    cfg = TrainTokenizerConfig(**options)
+    out = train_tokenizer(cfg)
+    shortfall = vocabulary_shortfall(cfg, out)
+    if shortfall:
+        click.echo(f"warning: {shortfall}", err=True)
+    click.echo(f"wrote {out}")
 
 
 @tokenizer.command("inspect")
@@ -342,7 +497,8 @@ def _demo_help(name: str) -> str:
 @click.option("--max-documents", default=600, show_default=True, help=_demo_help("max_documents"))
 @click.option("--vocab-size", default=4096, show_default=True, help=_demo_help("vocab_size"))
 @click.option("--train-iters", default=400, show_default=True, help=_demo_help("train_iters"))
-@click.option("--nproc", default=2, show_default=True, help=_demo_help("nproc"))
+@click.option("--nproc-per-node", "--nproc_per_node", "--nproc", "nproc", default=2, show_default=True,
+              help=_demo_help("nproc"))
 def demo(**options):
     """The embedded default job, no download: tokenizer -> preprocess -> blend -> 2-rank training -> sample."""
     from tokenloom.demo import DemoConfig, run

@@ -39,3 +39,27 @@ def test_tokenizer_train_then_preprocess(tmp_path):
                   "--append-eod", "--no-progress")
     assert out.returncode == 0, out.stderr
     assert run_cli("verify", tmp_path / "p", "--vocab-size", fp["vocab_size"], "--eod", fp["eod"]).returncode == 0
+
+
+def test_a_missing_json_key_lists_the_keys_the_record_has(tmp_path):
+    corpus = _jsonl(tmp_path / "c.jsonl", [{"text": "abc", "meta": {"lang": "en"}}])
+    done = run_cli("preprocess", "--input", corpus, "--json-keys", "content", "--output-prefix", tmp_path / "o",
+                   "--tokenizer-type", "byte", "--no-progress")
+    assert done.returncode != 0
+    assert done.stderr.strip() == (f"error: {corpus}:1: missing key 'content' (the record's keys: 'text', 'meta'; "
+                                   "choose with --json-keys)")
+    done = run_cli("tokenizer", "train", "--input", corpus, "--json-keys", "content", "--vocab-size", "300",
+                   "--output", tmp_path / "tok")
+    assert done.returncode != 0 and "missing key 'content' (the record's keys: 'text', 'meta'" in done.stderr
+
+
+def test_tokenizer_train_warns_when_the_vocabulary_falls_short(tmp_path):
+    corpus = _jsonl(tmp_path / "c.jsonl", [{"body": "the same few words, again"}] * 50)
+    done = run_cli("tokenizer", "train", "--input", corpus, "--json-keys", "body", "--vocab-size", "32000",
+                   "--output", tmp_path / "tok")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(run_cli("tokenizer", "inspect", tmp_path / "tok").stdout)["vocab_size"]
+    assert got < 400
+    assert done.stderr.strip() == (f"warning: the trained vocabulary has {got} ids, fewer than --vocab-size 32000: "
+                                   f"after {got} ids no pair of tokens occurs --min-frequency 2 times in the input; "
+                                   "more text (or a lower --min-frequency) gives more ids")

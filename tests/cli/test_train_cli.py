@@ -1,12 +1,18 @@
-"""``tokenloom train`` from the command line: in-process, the summary is the last stdout line,
-and the command trains what the library trains for the config it wrote."""
+"""``tokenloom train`` from the command line: in-process, the summary is the last stdout line."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
-from tl_testing import run_cli
+import pytest
+from tl_testing import REPO, cli_env, run_cli
 
 
 def test_train_prints_its_summary(tmp_path):
@@ -34,3 +40,175 @@ def test_train_prints_its_summary(tmp_path):
     run(cfg)
     lib = [json.loads(line) for line in (tmp_path / "lib" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train_loss"] for r in lib if "train_loss" in r] == losses
+
+
+# --------------------------------------------------------------------------- checks before launch
+
+TINY = ["--seq-length", "32", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--set", "model.vocab_size=96", "--set", "model.make_vocab_size_divisible_by=32",
+        "--set", "progress=false", "--set", "plot=false", "--eval-interval", "0", "--micro-batch-size", "2",
+        "--global-batch-size", "4"]
+MOCK = [*TINY, "--mock-data", "--set", "data.mock.num_sequences=300", "--set", "data.mock.max_length=200"]
+
+
+def one_line_error(done, *fragments: str) -> str:
+    """The command failed with exactly one stderr line holding every fragment, no traceback."""
+    assert done.returncode != 0, done.stdout
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]], ids=["in-process", "torchrun"])
+def test_batch_arithmetic_is_checked_before_launch(tmp_path, launch):
+    out = tmp_path / "run"
+    ranks = 2 if launch else 1
+    done = run_cli("train", *MOCK, "--global-batch-size", "10" if launch else "3", *launch, "--output-dir", out)
+    one_line_error(done, f"--global-batch-size {10 if launch else 3} is not a multiple of --micro-batch-size 2 x "
+                   f"{ranks} data-parallel")
+    assert not (out / "logs").exists() and not (out / "launch_config.json").exists()  # no rank was started
+
+
+def test_layout_not_dividing_the_world_is_checked_before_launch(tmp_path):
+    done = run_cli("train", *MOCK, "--tp", "2", "--pp", "2", "--nproc-per-node", "2", "--output-dir", tmp_path / "r")
+    one_line_error(done, "--tp 2 x --pp 2 = 4 does not divide the 2 rank(s)", "--nproc-per-node 4")
+    done = run_cli("train", *MOCK, "--tensor-model-parallel-size", "2", "--nproc_per_node", "3", "--output-dir",
+                   tmp_path / "r")
+    one_line_error(done, "--tp 2 x --pp 1 = 2 does not divide the 3 rank(s)")
+
+
+def test_missing_prefix_is_checked_before_launch(tmp_path):
+    missing = tmp_path / "nothing_here"
+    done = run_cli("train", *TINY, "--data-path", "0.5", missing, "0.5", missing, "--nproc-per-node", "2",
+                   "--output-dir", tmp_path / "r")
+    one_line_error(done, f"--data: {missing}.idx does not exist")
+
+
+def test_llama2_data_with_the_gpt2_tokenizer_is_refused(tmp_path, shared_data):
+    source = tmp_path / "ts.jsonl"
+    lines = (shared_data / "tinyshakespeare" / "tinyshakespeare.jsonl").read_text().splitlines()[:300]
+    source.write_text("\n".join(lines) + "\n")
+    prefix = tmp_path / "ts_llama2"
+    done = run_cli("preprocess", "--input", source, "--output-prefix", prefix, "--tokenizer",
+                   shared_data / "tokenizers" / "llama2" / "tokenizer.model", "--append-eod", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    gpt2 = shared_data / "tokenizers" / "gpt2"
+    done = run_cli("train", *TINY, "--data", prefix, "--tokenizer", gpt2, "--nproc-per-node", "2", "--output-dir",
+                   tmp_path / "r")
+    line = one_line_error(done, f"--tokenizer {gpt2}", f"{prefix} was tokenized with sentencepiece")
+    assert "vocabulary 32000" in line and "vocabulary 50257" in line, line
+
+
+def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path):
+    done = run_cli("train", *MOCK, "--fp16", "--output-dir", tmp_path / "r")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "Error: --fp16 (Megatron) is not supported by tokenloom train: fp16 with loss scaling is not implemented; "
+        "use --bf16 (or --set precision=bf16)")
+    done = run_cli("train", *MOCK, "--position-embedding-type", "rope", "--output-dir", tmp_path / "r")
+    assert "--position-embedding-type (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- failures in ranks
+
+
+def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
+    """kill -9 of rank 1 mid-run (issue 19): non-zero exit, no traceback on the terminal, the last
+    line names rank 1 and how it died, and the full logs are in the printed folder."""
+    out = tmp_path / "run"
+    env = dict(cli_env(), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(REPO / "cli.py"), "train", *MOCK, "--train-iters", "5000",
+                             "--log-interval", "1", "--nproc-per-node", "2", "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        (pid_file,) = (out / "logs").glob("*/rank1.pid")
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "Traceback" not in stdout + stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1: its process (pid ") and "killed by SIGKILL" in last, last
+    assert last.endswith(f"full logs: {pid_file.parent}"), last
+    assert f"logs: {pid_file.parent}" in stderr.splitlines()[0]
+    assert "ChildFailedError" in (pid_file.parent / "torchrun.log").read_text()  # torchrun's report kept there
+
+
+# --------------------------------------------------------------------------- Megatron and torchrun spellings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_with_nnodes_2_form_one_job(tmp_path):
+    out = tmp_path / "run"
+    env = dict(cli_env(), OMP_NUM_THREADS="1")
+    common = [sys.executable, str(REPO / "cli.py"), "train", *MOCK, "--train-iters", "6", "--nproc_per_node", "1",
+              "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--output-dir",
+              str(out)]
+    agents = [subprocess.Popen([*common, flag, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env) for rank, flag in ((1, "--node_rank"), (0, "--node-rank"))]
+    try:
+        outputs = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    summary = json.loads(outputs[1][0].strip().splitlines()[-1])  # node 0 holds rank 0
+    assert summary["iteration"] == 6
+    state = json.loads((out / "checkpoints" / "iter_0000006" / "state.json").read_text())
+    assert state["world_size"] == 2
+    assert sorted(p.name for p in (out / "logs").glob("*/rank*.log")) == ["rank0.log", "rank1.log"]
+
+
+@pytest.mark.slow
+def test_a_megatron_argument_list_trains(tmp_path, shared_data):
+    """Issue 20's acceptance: pretrain_gpt.py's flags for data, shape, batch and layout, torchrun's
+    --nproc_per_node, on GPT-2 tokenized tinyshakespeare and WikiText-2."""
+    ref = shared_data / "megatron-reference"
+    out = tmp_path / "run"
+    done = run_cli("train", "--data-path", "0.7", ref / "tinyshakespeare_gpt2_eod", "0.3", ref / "wikitext-2_gpt2_eod",
+                   "--split", "949,50,1", "--seq-length", "128", "--num-layers", "2", "--hidden-size", "64",
+                   "--num-attention-heads", "4", "--micro-batch-size", "2", "--global-batch-size", "8",
+                   "--train-iters", "10", "--lr", "3e-4", "--tensor-model-parallel-size", "2",
+                   "--nproc_per_node", "2", "--data-cache-path", tmp_path / "cache", "--output-dir", out,
+                   timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["iteration"] == 10
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["tp"], cfg["model"]["n_layers"], cfg["model"]["d_model"], cfg["model"]["n_heads"]) == (2, 2, 64, 4)
+    assert (cfg["data"]["blend"]["split"], cfg["optim"]["lr"], cfg["global_batch_size"]) == ("949,50,1", 3e-4, 8)
+    assert "layout    2 rank(s) on cpu: dp 1 x tp 2 x pp 1" in done.stdout
+
+
+def test_megatron_spellings_reach_the_config(tmp_path, shared_data):
+    # --num-layers-per-virtual-pipeline-stage 1 with 4 layers over --pp 2 is --vpp 2: the check names it
+    done = run_cli("train", *MOCK, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                   "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2", "--nproc_per_node", "2",
+                   "--output-dir", tmp_path / "r")
+    one_line_error(done, "the interleaved schedule (--vpp 2) needs the 1 micro-batches per step")
+    done = run_cli("train", *MOCK, "--sequence-parallel", "--output-dir", tmp_path / "r")  # sp=true, tp=1
+    one_line_error(done, "sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
+    # --vocab-file/--merge-file of one folder are --tokenizer FOLDER, checked against the data's manifest
+    gpt2 = shared_data / "tokenizers" / "gpt2"
+    done = run_cli("train", *TINY, "--data", tmp_path / "missing", "--vocab-file", gpt2 / "gpt2-vocab.json",
+                   "--merge-file", gpt2 / "gpt2-merges.txt", "--output-dir", tmp_path / "r")
+    one_line_error(done, f"--data: {tmp_path / 'missing'}.idx does not exist")
+    done = run_cli("train", *MOCK, "--vocab-file", gpt2 / "gpt2-vocab.json", "--output-dir", tmp_path / "r")
+    assert done.returncode != 0 and "--vocab-file and --merge-file go together" in done.stderr

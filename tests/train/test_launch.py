@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.launch import launch, torchrun_command
+from tokenloom.train import launch as launch_module
+from tokenloom.train.launch import Nodes, RankWatch, launch, torchrun_command
 from tokenloom.train.metrics import read_metrics
 from tokenloom.train.model import GPT, GPTConfig
 
@@ -39,14 +40,67 @@ def test_torchrun_command_line():
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert cmd[3:] == ["--standalone", "--nproc-per-node", "4", "-m", "tokenloom.train.loop", "--config",
                        "cfg.json"]
+    cmd = torchrun_command("cfg.json", 2, Nodes(nnodes=2, node_rank=1, master_addr="10.0.0.1"), log_dir="L")
+    assert cmd[3:] == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
+                       "--nproc-per-node", "2", "-m", "tokenloom.train.launch", "--config", "cfg.json", "--log-dir",
+                       "L"]
+    cmd = torchrun_command("cfg.json", 8, Nodes(nnodes=4, rdzv_endpoint="h:29400"))
+    assert cmd[3:11] == ["--nnodes", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--rdzv-id",
+                         "tokenloom"]
+    with pytest.raises(TokenloomError, match="--node-rank 2 must be in 0..1"):
+        Nodes(nnodes=2, node_rank=2)
 
 
-def test_failing_ranks_raise_one_error(tmp_path, monkeypatch, capfd):
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
-    # 4 is not a multiple of micro-batch 4 x 2 ranks: every rank fails before training.
+def test_bad_configs_fail_before_torchrun_starts(tmp_path):
     path = write_config(tmp_path / "c.json", tmp_path / "run", micro_batch_size=4)
-    with pytest.raises(TokenloomError, match="torchrun exit status"):
+    with pytest.raises(TokenloomError, match="--global-batch-size 4 is not a multiple of --micro-batch-size 4 x 2"):
         launch(path, nproc_per_node=2)
-    assert "not a multiple of micro_batch_size x data-parallel ranks = 4 x 2" in capfd.readouterr().err
-    with pytest.raises(TokenloomError, match="nproc_per_node"):
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(TokenloomError, match="--nproc-per-node must be >= 1"):
         launch(path, nproc_per_node=0)
+
+
+def rank_files(log_dir: Path, rank: int, log: str, pid: int, done: bool = False) -> None:
+    (log_dir / f"rank{rank}.pid").write_text(str(pid))
+    (log_dir / f"rank{rank}.log").write_text(log)
+    if done:
+        (log_dir / f"rank{rank}.done").write_text("0")
+
+
+def test_the_first_failing_rank_is_named(tmp_path, monkeypatch, capfd):
+    gone = 2**22 + 12345  # above the default pid_max: no such process
+    monkeypatch.setattr(launch_module.time, "monotonic", iter(range(100)).__next__)
+    # rank 1 dies without a word; rank 0 reports the broken collective in the same poll
+    a = tmp_path / "a"
+    a.mkdir()
+    rank_files(a, 0, "progress\rerror: rank 0: all_reduce failed (x); another rank has probably died\n", gone)
+    rank_files(a, 1, "", gone + 1)
+    (a / "torchrun.log").write_text(f"  exitcode  : -9 (pid: {gone + 1})\n")
+    watch = RankWatch(a)
+    watch.poll()
+    assert watch.first_failure(1) == (f"rank 1: its process (pid {gone + 1}) died without an error message (killed "
+                                      "by SIGKILL; a kill, the OOM killer or a crash in native code)")
+    assert capfd.readouterr().err.startswith("progress")  # rank 0's log is relayed
+    # rank 1 fails with an error first; rank 0, stopped by torchrun afterwards, is not a failure
+    b = tmp_path / "b"
+    b.mkdir()
+    rank_files(b, 1, "error: rank 1: data went missing\n", gone)
+    watch = RankWatch(b)
+    watch.poll()
+    rank_files(b, 0, "", gone + 2)
+    (b / "torchrun.log").write_text(f"Sending process {gone + 2} closing signal SIGTERM\n")
+    watch.poll()
+    assert watch.first_failure(1) == "rank 1: data went missing"
+    # a finished rank is no failure; a traceback gives its last line; nothing at all: torchrun's last line
+    c = tmp_path / "c"
+    c.mkdir()
+    rank_files(c, 0, "", gone, done=True)
+    rank_files(c, 1, "Traceback (most recent call last):\n  ...\nValueError: bug\n", gone + 1)
+    watch = RankWatch(c)
+    watch.poll()
+    assert watch.first_failure(1) == "rank 1: ValueError: bug"
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "torchrun.log").write_text("RuntimeError: address already in use\n")
+    assert RankWatch(d).first_failure(1) == ("torchrun failed (exit status 1) before any rank reported an error: "
+                                             "RuntimeError: address already in use")

@@ -8,7 +8,6 @@ launcher reach the same loop."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
 from compose_helpers import checkpoint_params, read_losses, tiny_cfg  # noqa: E402
-from tl_testing import REPO, run_cli  # noqa: E402
+from tl_testing import run_cli  # noqa: E402
 
 from tokenloom.train.config import config_to_dict  # noqa: E402
 
@@ -38,15 +37,7 @@ def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str]):
     out = tmp_path / name
     config.write_text(json.dumps(config_to_dict(tiny_cfg(out, save_interval=None))))
     launch = ["--nproc-per-node", str(ranks)] if ranks else []
-    env_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(REPO) + (os.pathsep + env_path if env_path else "")
-    try:
-        done = run_cli("train", "--config", config, *launch, *flags, timeout=280)
-    finally:
-        if env_path is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = env_path
+    done = run_cli("train", "--config", config, *launch, *flags, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 

@@ -385,7 +385,7 @@ class IndexedDatasetWriter:
         with naming(self._bin_tmp):
             self._bin.flush()
             os.fsync(self._bin.fileno())
-        return {"lengths": self._lengths.view().copy(), "document_indices": self._doc_index.view().copy(),
+        return {"lengths": self._lengths.view(), "document_indices": self._doc_index.view(),
                 "bin_bytes": np.asarray(self._bin.tell(), dtype=np.int64)}
 
     # -- publishing

@@ -46,6 +46,11 @@ def _check_text(value, key: str) -> tuple[list[str] | None, str | None]:
     return texts, None
 
 
+MISSING_KEY = "missing key"
+"""How a record without a ``--json-keys`` key is reported (every record likely lacks it: no
+point quarantining them)."""
+
+
 def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | None]:
     try:
         text = line.decode("utf-8")
@@ -59,7 +64,8 @@ def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | 
         return None, f"a JSON {type(obj).__name__}, not an object"
     for key in keys:
         if key not in obj:
-            return None, f"missing key {key!r}"
+            found = ", ".join(map(repr, obj)) or "none"
+            return None, f"{MISSING_KEY} {key!r} (the record's keys: {found}; choose with --json-keys)"
     return obj, None
 
 

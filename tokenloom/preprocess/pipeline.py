@@ -59,6 +59,7 @@ from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_
 from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
 from tokenloom.preprocess import manifest
 from tokenloom.preprocess.commit import publish_dataset
+from tokenloom.preprocess.documents import MISSING_KEY
 from tokenloom.preprocess.readers import (
     Chunk,
     ChunkReader,
@@ -420,8 +421,9 @@ class _Run:
             if self.rejects is None:
                 number, reason, _ = result.bad[0]
                 unit = "line" if inp.format.startswith(("jsonl", "txt")) else "row"
-                raise TokenloomError(f"{inp.path}:{number}: {reason} (bad {unit}; pass --max-bad-fraction F to "
-                                     "quarantine bad records instead)")
+                hint = "" if reason.startswith(MISSING_KEY) else \
+                    f" (bad {unit}; pass --max-bad-fraction F to quarantine bad records instead)"
+                raise TokenloomError(f"{inp.path}:{number}: {reason}{hint}")
             with naming(self.partial / "rejects.jsonl"):
                 for number, reason, snippet in result.bad:
                     self.rejects.write((json.dumps({"file": inp.path, "line": number, "reason": reason,

@@ -45,7 +45,7 @@ class TrainTokenizerConfig:
     min_frequency: int = 2
     """BPE: minimum pair count for a merge. Unigram: ignored (SentencePiece has no such knob)."""
     json_key: str = "text"
-    """Field holding the text in jsonl / parquet / datasets inputs."""
+    """Field holding the text in jsonl / parquet / datasets inputs (one key)."""
     txt_unit: str = "file"
     """What one document is in a .txt input: file, paragraph or line (as in preprocess)."""
     seed: int = 0
@@ -74,6 +74,20 @@ def train_tokenizer(cfg: TrainTokenizerConfig) -> Path:
     else:
         raise TokenloomError(f"train_tokenizer: kind must be 'bpe' or 'unigram', got {cfg.kind!r}")
     return out
+
+
+def vocabulary_shortfall(cfg: TrainTokenizerConfig, out: Path) -> str | None:
+    """A warning when the tokenizer trained into ``out`` has fewer ids than ``cfg.vocab_size``, with the
+    reason, or None. Only BPE can fall short: its trainer stops when no pair of tokens occurs
+    ``min_frequency`` times any more, while SentencePiece fails instead (an error)."""
+    from tokenloom.tokenizers import load_tokenizer
+
+    got = load_tokenizer(out).vocab_size
+    if got >= cfg.vocab_size:
+        return None
+    return (f"the trained vocabulary has {got} ids, fewer than --vocab-size {cfg.vocab_size}: after {got} ids no pair "
+            f"of tokens occurs --min-frequency {cfg.min_frequency} times in the input; more text (or a lower "
+            "--min-frequency) gives more ids")
 
 
 def _train_bpe(cfg: TrainTokenizerConfig, out: Path) -> None:

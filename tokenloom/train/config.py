@@ -189,7 +189,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
         node = raw
         *parents, leaf = key.strip().split(".")
         for part in parents:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                raise TokenloomError(f"override {item!r}: {part} is {node!r}, not a section")
         node[leaf] = yaml.safe_load(value)
     return config_from_dict(TrainConfig, raw)
 

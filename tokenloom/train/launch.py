@@ -1,60 +1,312 @@
-"""Start training in this process, or under torchrun with N ranks on this node.
+"""Start training in this process, or under torchrun with N ranks per node; checks first.
 
-``launch(cfg)`` runs :func:`tokenloom.train.loop.run` here (which joins a torchrun /
-Slurm job if the environment describes one). ``launch(cfg, nproc_per_node=N)`` writes
-the resolved config to ``OUTPUT_DIR/launch_config.json`` and starts::
+``launch(cfg)`` runs :func:`tokenloom.train.preflight.check` and then
+:func:`tokenloom.train.loop.run` here (which joins a torchrun / Slurm job if the
+environment describes one). ``launch(cfg, nproc_per_node=N)`` checks the config for the
+whole world (``N x nodes.nnodes``) in this process, writes the resolved config to
+``OUTPUT_DIR/launch_config.json`` and starts::
 
     python -m torch.distributed.run --standalone --nproc-per-node N \\
-        -m tokenloom.train.loop --config OUTPUT_DIR/launch_config.json
+        -m tokenloom.train.launch --config OUTPUT_DIR/launch_config.json --log-dir LOGS
 
-``--standalone`` means one node with a local rendezvous on a free port (no
-``MASTER_ADDR`` to set); multi-node jobs should call torchrun or srun themselves with
-the same ``-m tokenloom.train.loop --config`` entry point. Torchrun's output streams
-through unchanged; a failed rank makes torchrun stop the others, and launch raises a
-one-line :class:`TokenloomError` with the exit status. torchrun sets
-``OMP_NUM_THREADS=1`` per rank unless it is set already.
+(``--nnodes/--node-rank/--master-addr/--master-port`` or ``--rdzv-endpoint`` instead of
+``--standalone`` for several nodes). ``torchrun`` sets ``OMP_NUM_THREADS=1`` per rank
+unless it is set already.
+
+Output: each rank (:func:`main`) sends its stdout and stderr to ``LOGS/rank{N}.log`` and
+torchrun's own output goes to ``LOGS/torchrun.log``; rank 0's stdout (the start-up
+summary, the final JSON) stays on the terminal and this process relays its log (progress
+bar, warnings). A failed run ends with one :class:`TokenloomError` line: the first
+failing rank and its error, and the log directory. So a user sees one line instead of a
+traceback per rank plus torchrun's ``ChildFailedError``; the price is that ranks other
+than 0 are silent on the terminal (``verbose=True`` streams everything unchanged, as
+torchrun does, and writes no log files).
+
+Which rank failed first is decided from what this process sees while it polls the
+ranks every 0.1 s: the time a rank's log shows an error, or its process vanished without
+finishing (a kill, the OOM killer). A death without a message outranks an error seen in
+the same poll, since peers report a dead rank within milliseconds; ranks that torchrun
+itself stopped after the failure (its ``closing signal`` lines) are not failures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
-from tokenloom.train.loop import run
+
+POLL_S = 0.1
 
 
-def torchrun_command(config_path: str | os.PathLike, nproc_per_node: int) -> list[str]:
-    """The command line that :func:`launch` runs for ``nproc_per_node`` ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc_per_node), "-m", "tokenloom.train.loop", "--config", str(config_path)]
+@dataclass(frozen=True)
+class Nodes:
+    """How the nodes of a torchrun job meet (torchrun's flags of the same names)."""
+
+    nnodes: int = 1
+    """Nodes in the job (each runs this command with its own node rank)."""
+    node_rank: int = 0
+    """This node's rank, 0 .. nnodes-1 (static rendezvous with master_addr/master_port)."""
+    master_addr: str | None = None
+    """Address of node 0 (static rendezvous); None with one node means a local standalone job."""
+    master_port: int | None = None
+    """Port on node 0 for the rendezvous (default 29500)."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of a c10d rendezvous (instead of master_addr/master_port; node ranks assigned by torchrun)."""
+    rdzv_id: str | None = None
+    """Job id shared by the nodes of a c10d rendezvous (default: tokenloom)."""
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise TokenloomError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise TokenloomError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes "
+                                 f"{self.nnodes})")
+        if self.rdzv_endpoint and (self.master_addr or self.master_port):
+            raise TokenloomError("give either --rdzv-endpoint or --master-addr/--master-port, not both")
+
+    def torchrun_flags(self) -> list[str]:
+        if self.rdzv_endpoint:
+            return ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
+                    "--rdzv-id", self.rdzv_id or "tokenloom"]
+        if self.nnodes == 1 and not self.master_addr and not self.master_port:
+            return ["--standalone"]
+        return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--master-addr",
+                self.master_addr or "127.0.0.1", "--master-port", str(self.master_port or 29500)]
 
 
-def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = None) -> dict | None:
-    """Train from a config object or file; in-process without ``nproc_per_node``, else via torchrun.
+def torchrun_command(config_path: str | os.PathLike, nproc_per_node: int, nodes: Nodes = Nodes(),
+                     log_dir: str | os.PathLike | None = None) -> list[str]:
+    """The command line that :func:`launch` runs; ranks log to ``log_dir`` (None: they print)."""
+    entry = ["tokenloom.train.launch", "--config", str(config_path), "--log-dir", str(log_dir)] if log_dir else \
+        ["tokenloom.train.loop", "--config", str(config_path)]
+    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), "--nproc-per-node",
+            str(nproc_per_node), "-m", *entry]
+
+
+def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = None, nodes: Nodes = Nodes(),
+           verbose: bool = False, echo: typing.Callable[[str], None] | None = None) -> dict | None:
+    """Check, then train from a config object or file; in-process without ``nproc_per_node``,
+    else via torchrun (see the module docstring). ``echo`` gets the log directory's path.
 
     Returns the run summary in-process, None after a successful torchrun launch.
     """
-    if nproc_per_node is None:
-        return run(cfg if isinstance(cfg, TrainConfig) else load_config(cfg))
-    if nproc_per_node < 1:
-        raise TokenloomError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
+    from tokenloom.train import preflight
+
     if not isinstance(cfg, TrainConfig):
         cfg = load_config(cfg)
+    if nproc_per_node is None:
+        from tokenloom.train.loop import run
+
+        from tokenloom.train.dist import launch_env
+
+        preflight.check(cfg, int(launch_env()["WORLD_SIZE"]))  # torchrun's, or an srun step's
+        return run(cfg)
+    if nproc_per_node < 1:
+        raise TokenloomError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    preflight.check(cfg, nproc_per_node * nodes.nnodes)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "launch_config.json"
-    config_path.write_text(json.dumps(config_to_dict(cfg), indent=2))
-    code = subprocess.call(torchrun_command(config_path, nproc_per_node))
-    if code != 0:
-        raise TokenloomError(f"training with {nproc_per_node} ranks failed (torchrun exit status {code}); "
-                             "the failing rank's error is printed above")
+    tmp = out / f".launch_config.json.tmp-{os.getpid()}"  # nodes sharing the output dir write the same bytes
+    tmp.write_text(json.dumps(config_to_dict(cfg), indent=2))
+    os.replace(tmp, config_path)
+    if verbose:
+        code = subprocess.call(torchrun_command(config_path, nproc_per_node, nodes))
+        if code != 0:
+            raise TokenloomError(f"training with {nproc_per_node * nodes.nnodes} ranks failed (torchrun exit "
+                                 f"status {code}); the failing rank's error is printed above")
+        return None
+    log_dir = new_log_dir(out / "logs", nodes)
+    if echo is not None:
+        echo(f"logs: {log_dir} (rank{{N}}.log per rank, torchrun.log)")
+    with open(log_dir / "torchrun.log", "wb") as torchrun_log:  # its stdout is rank 0's: kept
+        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir), stderr=torchrun_log)
+        watch = RankWatch(log_dir)
+        try:
+            while proc.poll() is None:
+                watch.poll()
+                time.sleep(POLL_S)
+        finally:
+            if proc.poll() is None:  # interrupted: torchrun stops its ranks on SIGTERM
+                proc.terminate()
+                proc.wait()
+        watch.poll()
+    if proc.returncode != 0:
+        raise TokenloomError(f"{watch.first_failure(proc.returncode)}; full logs: {log_dir}")
     return None
+
+
+def new_log_dir(root: Path, nodes: Nodes) -> Path:
+    """A fresh ``root/YYYYmmdd-HHMMSS[-nodeK][-n]`` folder for one launch's logs."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + (f"-node{nodes.node_rank}" if nodes.nnodes > 1 else "")
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        path = root / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise TokenloomError(f"cannot make a new log directory under {root}")
+
+
+@dataclasses.dataclass
+class RankState:
+    pid: int
+    offset: int = 0
+    failed_at: float | None = None
+    message: str | None = None
+    died: bool = False
+
+
+class RankWatch:
+    """Follows the ranks of this node through ``LOGS/rank{N}.pid``, ``.log`` and ``.done``
+    (written by :func:`main`): relays rank 0's log to this process's stderr and notes
+    when each rank failed (see the module docstring)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.dir, self.ranks = log_dir, {}
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for pid_file in self.dir.glob("rank*.pid"):
+            rank = int(pid_file.stem.removeprefix("rank"))
+            if rank not in self.ranks:
+                try:
+                    self.ranks[rank] = RankState(int(pid_file.read_text()))
+                except ValueError:  # being written
+                    continue
+            state = self.ranks[rank]
+            if rank == 0:
+                self._relay(state)
+            if state.failed_at is not None:
+                continue
+            error = rank_error(self.dir / f"rank{rank}.log", rank)
+            if error is not None:
+                state.failed_at, state.message = now, error
+            elif not process_alive(state.pid) and not (self.dir / f"rank{rank}.done").exists():
+                state.failed_at, state.died = now, True
+
+    def _relay(self, state: RankState) -> None:
+        try:
+            with open(self.dir / "rank0.log", "rb") as f:
+                f.seek(state.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        if chunk:
+            state.offset += len(chunk)
+            stream = getattr(sys.stderr, "buffer", None)
+            if stream is not None:
+                stream.write(chunk)
+            else:
+                sys.stderr.write(chunk.decode(errors="replace"))
+            sys.stderr.flush()
+
+    def first_failure(self, torchrun_status: int) -> str:
+        """One line: the first failing rank and its error, or torchrun's last words."""
+        torchrun_log = read_text(self.dir / "torchrun.log")
+        stopped = {int(p) for p in re.findall(r"Sending process (\d+) closing signal", torchrun_log)}
+        failed = [(s.failed_at, not s.died, rank, s) for rank, s in self.ranks.items()
+                  if s.failed_at is not None and not (s.died and s.pid in stopped)]
+        if not failed:
+            last = [line for line in torchrun_log.splitlines() if line.strip()]
+            return (f"torchrun failed (exit status {torchrun_status}) before any rank reported an error"
+                    + (f": {last[-1].strip()}" if last else ""))
+        *_, rank, state = min(failed, key=lambda f: f[:3])
+        if not state.died:
+            return state.message
+        code = re.search(rf"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*{state.pid}\)", torchrun_log)
+        how = f"exit code {code.group(1)}" if code else "no exit status seen"
+        if code and int(code.group(1)) < 0:
+            import signal
+
+            how = f"killed by {signal.Signals(-int(code.group(1))).name}"
+        return (f"rank {rank}: its process (pid {state.pid}) died without an error message ({how}; a kill, "
+                "the OOM killer or a crash in native code)")
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def rank_error(log: Path, rank: int) -> str | None:
+    """The rank's one-line error (``error: ...`` as :func:`tokenloom.train.loop.main` prints
+    it), or the last line of a Python traceback, as ``rank N: ...``; None if neither."""
+    text = read_text(log)
+    lines = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    if errors:
+        message = errors[-1]
+    elif "Traceback (most recent call last):" in text:
+        message = lines[-1]
+    else:
+        return None
+    return message if message.startswith(f"rank {rank}") else f"rank {rank}: {message}"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as dead: torchrun has not reaped it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return False
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def main(argv: typing.Sequence[str] | None = None) -> int:
+    """One rank under torchrun: ``python -m tokenloom.train.launch --config F --log-dir LOGS``.
+
+    Writes ``LOGS/rank{RANK}.pid``, sends stderr (and stdout, except on rank 0) to
+    ``LOGS/rank{RANK}.log``, runs :func:`tokenloom.train.loop.main` and writes
+    ``LOGS/rank{RANK}.done`` when it returns (a rank that fails with an error exits inside it).
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tokenloom.train.launch")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--log-dir", required=True)
+    args = parser.parse_args(argv)
+    rank, log_dir = int(os.environ.get("RANK", "0")), Path(args.log_dir)
+    fd = os.open(log_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    if rank != 0:
+        os.dup2(fd, 1)
+    os.close(fd)
+    tmp = log_dir / f".rank{rank}.pid.tmp"
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, log_dir / f"rank{rank}.pid")
+    from tokenloom.train import loop
+
+    code = loop.main(["--config", args.config])
+    sys.stdout.flush()
+    (log_dir / f"rank{rank}.done").write_text(str(code))
+    return code
 
 
 def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, tokenizer: str | None = None,
@@ -63,12 +315,8 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
 
     ``data`` holds WEIGHT PREFIX pairs and replaces the data section with that blend;
     ``tokenizer`` also sizes ``model.vocab_size`` to it (an explicit ``--set`` wins, as
-    it is applied after these). ``fields`` maps flag names to config keys below.
+    it is applied after these). ``fields`` maps flag names to config keys (:data:`FLAG_KEYS`).
     """
-    keys = {"seq_length": "model.seq_len", "train_iters": "train_iters", "micro_batch_size": "micro_batch_size",
-            "global_batch_size": "global_batch_size", "lr": "optim.lr", "output_dir": "output_dir",
-            "resume": "resume", "cache_dir": "data.blend.cache_dir", "split": "data.blend.split",
-            "tp": "tp", "pp": "pp", "vpp": "vpp", "zero1": "zero1", "kernels": "model.kernels"}
     out: list[str] = []
     if data:
         from tokenloom.blending.build import parse_data_args
@@ -83,5 +331,25 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
         out += [f"tokenizer={json.dumps(tokenizer)}", f"model.vocab_size={open_tokenizer(tokenizer).vocab_size}"]
     for name, value in fields.items():
         if value is not None:
-            out.append(f"{keys[name]}={json.dumps(value)}")
+            out.append(f"{FLAG_KEYS[name]}={json.dumps(value)}")
     return out
+
+
+FLAG_KEYS = {
+    "seq_length": "model.seq_len", "num_layers": "model.n_layers", "hidden_size": "model.d_model",
+    "num_attention_heads": "model.n_heads", "num_query_groups": "model.n_kv_heads",
+    "ffn_hidden_size": "model.ffn_hidden_size", "make_vocab_size_divisible_by": "model.make_vocab_size_divisible_by",
+    "kernels": "model.kernels", "train_iters": "train_iters", "micro_batch_size": "micro_batch_size",
+    "global_batch_size": "global_batch_size", "lr": "optim.lr", "min_lr": "optim.min_lr",
+    "lr_warmup_iters": "optim.warmup_iters", "lr_decay_iters": "optim.lr_decay_iters",
+    "weight_decay": "optim.weight_decay", "clip_grad": "optim.grad_clip", "seed": "seed",
+    "eval_interval": "eval_interval", "eval_iters": "eval_iters", "log_interval": "log_interval",
+    "save_interval": "save_interval", "output_dir": "output_dir", "resume": "resume",
+    "cache_dir": "data.blend.cache_dir", "split": "data.blend.split", "precision": "precision",
+    "tp": "tp", "pp": "pp", "vpp": "vpp", "sp": "sp", "zero1": "zero1",
+}
+"""``train`` flag (its Python name) -> the config key it sets."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
