@@ -105,9 +105,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     if not isinstance(cfg, TrainConfig):
         cfg = load_config(cfg)
     if nproc_per_node is None:
-        from tokenloom.train.loop import run
-
         from tokenloom.train.dist import launch_env
+        from tokenloom.train.loop import run
 
         preflight.check(cfg, int(launch_env()["WORLD_SIZE"]))  # torchrun's, or an srun step's
         return run(cfg)
