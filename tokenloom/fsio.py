@@ -30,7 +30,8 @@ def temp_name(final: str | os.PathLike) -> str:
     return f"{os.fspath(final)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is process ``pid`` of this machine alive (whoever owns it)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -51,7 +52,7 @@ def remove_dead_temps(final: str | os.PathLike) -> list[str]:
     removed = []
     for path in glob.glob(glob.escape(os.fspath(final)) + ".tmp-*"):
         pid = path.rsplit(".tmp-", 1)[1].split("-", 1)[0]
-        if not pid.isdigit() or _pid_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         with contextlib.suppress(FileNotFoundError):
             if os.path.isdir(path) and not os.path.islink(path):

@@ -49,7 +49,7 @@ import blake3
 import numpy as np
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import fsync_dir
+from tokenloom.fsio import fsync_dir, pid_alive
 
 Arrays = dict[str, np.ndarray]
 
@@ -68,16 +68,6 @@ class DamagedEntry(Exception):
 
 def _host_tag() -> str:
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
 
 
 class _HashingWriter:
@@ -144,7 +134,7 @@ class ArrayCache:
         removed, host = 0, _host_tag()
         for tmp in self.dir.glob(f"{key}.tmp-*"):
             parts = tmp.name.rsplit(".tmp-", 1)[1].split("-")
-            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or pid_alive(int(parts[1])):
                 continue
             shutil.rmtree(tmp, ignore_errors=True)
             removed += 1
@@ -380,7 +370,7 @@ class SharedBuild:
             if failed is not None:
                 raise TokenloomError(f"rank {leader} failed to build the index cache in {cache_dir}: {failed['error']}")
             owner = _read_json(base.with_suffix(".owner"))
-            if owner and owner["host"] == _host_tag() and not _pid_alive(owner["pid"]):
+            if owner and owner["host"] == _host_tag() and not pid_alive(owner["pid"]):
                 raise TokenloomError(f"rank {leader} (pid {owner['pid']}) died while building the index cache in "
                                      f"{cache_dir}; rerun the job (finished entries are kept)")
             now = time.monotonic()
