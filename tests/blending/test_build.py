@@ -127,8 +127,11 @@ def test_same_tokenizer_files_under_other_names_blend(tmp_path):
     b = make_source(tmp_path / "b", seed=1, tokenizer=hf)
     c = make_source(tmp_path / "c", seed=2, tokenizer=other)
     assert len(build(cfg_for([a, b], tmp_path)).train) > 0
-    with pytest.raises(TokenloomError, match="different tokenizers"):
+    with pytest.raises(TokenloomError, match="different tokenizers") as refused:
         build(cfg_for([a, c], tmp_path))
+    # each side named as people know it (issue 20: fingerprints alone named neither tokenizer)
+    assert "gpt2-bpe (gpt2-merges.txt, gpt2-vocab.json; vocabulary 50257)" in str(refused.value)
+    assert "gpt2-bpe (merges.txt, vocab.json; vocabulary 50257)" in str(refused.value)
 
 
 def test_plan_reports_shares_and_epochs(sources, tmp_path):

@@ -474,7 +474,15 @@ def check_tokenizers(metas: dict[str, SourceMeta]) -> str | None:
         if meta.tokenizer is not None:
             seen.setdefault(meta.tokenizer, []).append(prefix)
     if len(seen) > 1:
-        groups = "; ".join(f"{d[:12]}: {', '.join(ps)}" for d, ps in seen.items())
+        from tokenloom.preprocess import manifest
+
+        def name(prefix: str) -> str:
+            try:
+                return manifest.tokenizer_name(manifest.read(prefix)["tokenizer"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return "an unreadable manifest"
+
+        groups = "; ".join(f"{name(ps[0])}: {', '.join(ps)}" for ps in seen.values())
         raise TokenloomError(
             f"sources were tokenized with different tokenizers ({groups}); their ids do not "
             "mean the same tokens, so they cannot be blended"

@@ -81,3 +81,9 @@ def merged(output_prefix: str, manifests: list[dict], counts: dict) -> dict:
                 {k: v for k, v in first["options"].items() if k not in ("shard",)}, total)
     out["shards"] = [m["options"].get("shard") for m in manifests]
     return out
+
+
+def tokenizer_name(fingerprint: dict) -> str:
+    """A tokenizer as people know it, from its fingerprint: kind, files and vocabulary size."""
+    files = ", ".join(sorted(fingerprint.get("files") or {})) or "no files"
+    return f"{fingerprint.get('kind', '?')} ({files}; vocabulary {fingerprint.get('vocab_size', '?')})"

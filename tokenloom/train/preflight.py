@@ -68,12 +68,6 @@ def check_model_split(cfg: TrainConfig) -> None:
         raise TokenloomError("; ".join(problems))
 
 
-def tokenizer_name(fingerprint: dict) -> str:
-    """A tokenizer as people know it: its kind, files and vocabulary size."""
-    files = ", ".join(sorted(fingerprint.get("files") or {})) or "no files"
-    return f"{fingerprint.get('kind', '?')} ({files}; vocabulary {fingerprint.get('vocab_size', '?')})"
-
-
 def check_sources(cfg: TrainConfig) -> None:
     """Every prefix has its ``.bin``/``.idx``; no split that evaluation reads is empty; the
     ``--tokenizer`` gives the ids every source's manifest was made with."""
@@ -108,8 +102,8 @@ def check_sources(cfg: TrainConfig) -> None:
         saved = manifest.read(prefix)
         if tok is not None and saved is not None and ids_key(saved["tokenizer"]) != ids_key(tok.fingerprint()):
             raise TokenloomError(
-                f"--tokenizer {cfg.tokenizer} is {tokenizer_name(tok.fingerprint())}, but {prefix} was tokenized "
-                f"with {tokenizer_name(saved['tokenizer'])} (its manifest); pass that tokenizer")
+                f"--tokenizer {cfg.tokenizer} is {manifest.tokenizer_name(tok.fingerprint())}, but {prefix} was tokenized "
+                f"with {manifest.tokenizer_name(saved['tokenizer'])} (its manifest); pass that tokenizer")
 
 
 def check_resume(cfg: TrainConfig) -> None:
