@@ -62,6 +62,19 @@ def test_layout_through_the_cli_equals_one_process(tmp_path, reference, name):
     assert all(torch.isfinite(t).all() for t in params.values())
 
 
+@pytest.mark.parametrize("name,ranks,flags", [("pp2", 2, ["--pp", "2"]),
+                                             ("tp2_sp", 2, ["--tp", "2", "--set", "sp=true"])])
+def test_document_masking_through_the_cli_equals_one_process(tmp_path, reference, name, ranks, flags):
+    """data.inter_document_masking in a pipeline and a sequence-parallel layout equals the
+    one-process run with it, and differs from the run without it (the masks are used)."""
+    docs = ["--set", "data.inter_document_masking=true"]
+    one = read_losses(train(tmp_path, "one_docs", None, docs) / "metrics.jsonl")
+    losses = read_losses(train(tmp_path, name, ranks, [*flags, *docs]) / "metrics.jsonl")
+    assert len(losses) == len(one) == 20
+    assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < TOL
+    assert max(abs(a - b) for a, b in zip(one, reference[0], strict=True)) > 1e-3
+
+
 # On CUDA (scripts/gpu-check.sh): every layout on NCCL, one GPU per rank, fp32 (bf16 would
 # hide a wrong reduction inside its rounding), against the one-process run on one GPU.
 GPU_LAYOUTS = {

@@ -125,3 +125,26 @@ def test_flops_per_token_formula():
 def test_too_long_sequence_is_a_user_error():
     with pytest.raises(TokenloomError, match="seq_len"):
         GPT(cfg())(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "compiled"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_documents_attend_alone(arch, kernels):
+    """A sample packed from three documents, with document masking and restarting positions,
+    gives each document the logits it gets when it is the whole input (learned positions and
+    RoPE both restart)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(arch=arch, vocab_size=64, seq_len=16, n_layers=2, n_heads=2, d_model=32,
+                          kernels=kernels)).eval()
+    lengths = [5, 8, 3]
+    docs = [torch.randint(0, 64, (1, n)) for n in lengths]
+    tokens = torch.cat(docs, dim=1)
+    starts = [0, 5, 13]
+    cu_seqlens = torch.tensor([[*starts, 16] + [16] * (16 - len(starts))], dtype=torch.int32)
+    positions = torch.tensor([list(range(5)) + list(range(8)) + list(range(3))])
+    with torch.no_grad():
+        packed = model(tokens, documents=cu_seqlens, positions=positions)
+        alone = torch.cat([model(d) for d in docs], dim=1)
+        plain = model(tokens)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain[:, 5:], alone[:, 5:], atol=1e-3)  # without masking they differ

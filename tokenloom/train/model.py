@@ -93,7 +93,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.kernels import KernelSet, select_kernels
+from tokenloom.train.kernels import KernelSet, attention_sdpa, select_kernels
 from tokenloom.train.parallel.layers import TensorParallel, shard
 from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
 from tokenloom.train.parallel.random import checkpoint as tp_checkpoint
@@ -235,9 +235,10 @@ class Attention(nn.Module):
         self.proj.residual_scaled_init = True
         self.dropout, self.kernels, self.tp = cfg.dropout, cfg.kernels, tp
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [B, T, d] (or [T/tp, B, d] under sequence parallelism). Returns the output
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, d] (or [T/tp, B, d] under sequence parallelism); ``documents``: the
+        batch's ``cu_seqlens`` (attention stays within each document). Returns the output
         projection with its bias added (reference kernels), or without it and the bias."""
         qkv = self.qkv(x)
         if self.tp.sp:  # [T, B, ...] after the sequence all-gather
@@ -249,11 +250,16 @@ class Attention(nn.Module):
         with self.tp.fork(p > 0, x.device):  # heads are split over tp: per-rank masks
             if ks is not None:
                 if rope is not None:
-                    cos, sin = rope[0][:T], rope[1][:T]
-                    q, k = ks.rope(q, cos, sin), ks.rope(k, cos, sin)
-                y = ks.attention(q, k, v, causal=True, dropout_p=p)
+                    cos, sin = rope_at(rope, T)
+                    per_sample = cos.dim() == 4  # positions restart per document: the elementwise form
+                    rotate = _apply_rope if per_sample else ks.rope
+                    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+                if documents is None:
+                    y = ks.attention(q, k, v, causal=True, dropout_p=p)
+                else:
+                    y = ks.attention(q, k, v, causal=True, dropout_p=p, documents=documents)
             else:
-                y = attend(q, k, v, rope, dropout_p=p)
+                y = attend(q, k, v, rope, dropout_p=p, documents=documents)
         y = y.transpose(1, 2).reshape(B, T, -1)
         if self.tp.sp:
             y = y.transpose(0, 1)
@@ -286,21 +292,30 @@ class MLP(nn.Module):
         return _matmul_and_bias(self.proj, h)
 
 
+def rope_at(rope: tuple[torch.Tensor, torch.Tensor], seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin for a sequence of ``seq``: the table's first rows, or the per-sample
+    tables ([B, 1, T, d]) that positions restarting at each document gave."""
+    return rope if rope[0].dim() == 4 else (rope[0][:seq], rope[1][:seq])
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     dropout_p: float = 0.0,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference causal attention: q [B, h, T, d], k/v [B, h_kv, T, d] -> [B, h, T, d].
 
-    RoPE (if ``rope``) on q and k, k/v heads repeated to h for GQA, then SDPA.
+    RoPE (if ``rope``) on q and k, k/v heads repeated to h for GQA, then SDPA (within each
+    document of ``documents``, a ``cu_seqlens`` batch, when given).
     """
     if rope is not None:
-        T = q.shape[2]
-        cos, sin = rope[0][:T], rope[1][:T]
+        cos, sin = rope_at(rope, q.shape[2])
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    if documents is not None:
+        return attention_sdpa(q, k, v, dropout_p=dropout_p, documents=documents)
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -380,16 +395,18 @@ class Block(nn.Module):
                 return x + self.drop(y)  # the reference: y has its bias already
             return ks.bias_dropout_add(y, bias, x, p, self.training)
 
-    def _forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = self._residual(x, self.attn(self.norm1(x), rope))
+    def _forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = self._residual(x, self.attn(self.norm1(x), rope, documents))
         return self._residual(x, self.mlp(self.norm2(x)))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             if self.tp.size > 1:
-                return tp_checkpoint(self._forward, x, rope, tracker=get_rng_tracker(x.device))
-            return checkpoint(self._forward, x, rope, use_reentrant=False)
-        return self._forward(x, rope)
+                return tp_checkpoint(self._forward, x, rope, documents, tracker=get_rng_tracker(x.device))
+            return checkpoint(self._forward, x, rope, documents, use_reentrant=False)
+        return self._forward(x, rope, documents)
 
 
 class GPT(nn.Module):
@@ -518,6 +535,8 @@ class GPT(nn.Module):
         loss_mask: torch.Tensor | None = None,
         *,
         hidden: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens/labels/loss_mask: [batch, seq]. Returns logits [batch, seq, padded_vocab]
         when ``labels`` is None, else the scalar cross-entropy averaged over tokens whose
@@ -526,22 +545,28 @@ class GPT(nn.Module):
         A stage without ``pre`` takes the previous stage's activation as ``hidden``
         (``tokens`` unused); a stage without ``post`` returns its activation ([batch, seq,
         d], or [seq/tp, batch, d] under sequence parallelism).
+
+        Document-isolated attention (``data.inter_document_masking``): ``documents`` is the
+        batch's ``cu_seqlens`` [batch, seq + 1] and ``positions`` its position ids [batch,
+        seq], restarting at each document (learned position embeddings and RoPE use them).
         """
-        x = self.embed(tokens) if self.pre else hidden
+        x = self.embed(tokens, positions) if self.pre else hidden
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
+        if rope is not None and positions is not None:
+            rope = (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))
         for block in self.blocks.values():
-            x = block(x, rope)
+            x = block(x, rope, documents)
         if not self.post:
             return x
         return self.head(self.norm(x), labels, loss_mask)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T = tokens.shape
         if T > self.cfg.seq_len:
             raise TokenloomError(f"sequence length {T} exceeds the model's seq_len={self.cfg.seq_len}")
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=tokens.device))
+            x = x + self.pos_emb(torch.arange(T, device=tokens.device) if positions is None else positions)
         if self.tp.sp:  # [T/tp, B, d] from here on: each rank keeps its slice of the sequence
             x = scatter_to_sequence_parallel_region(x.transpose(0, 1).contiguous(), self.tp.group)
         with self.tp.fork(self.tp.sp and self.training and self.drop.p > 0, x.device):

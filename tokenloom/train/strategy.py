@@ -192,6 +192,7 @@ class Strategy:
             dataset, eod=eod, eod_mask_loss=cfg.data.eod_mask_loss, consumed_samples=consumed,
             micro_batch_size=cfg.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_workers=workers, pin_memory=self.device.type == "cuda", total_samples=total,
+            inter_document_masking=cfg.data.inter_document_masking,
         )
         host = torch.device("cpu")
         with host:
@@ -206,12 +207,14 @@ class Strategy:
     def _forward_step(self, module: nn.Module, hidden: torch.Tensor | None, batch: Any, last: bool) -> torch.Tensor:
         """One chunk on one micro-batch: the first stage reads the tokens (``hidden`` is None
         there), the last returns the loss, the others their activation."""
+        # document-isolated attention: every chunk needs the boundaries, the first the positions
+        docs = {"documents": batch["cu_seqlens"], "positions": batch["position_ids"]} if "cu_seqlens" in batch else {}
         if not self.staged:
-            return module(batch["tokens"], batch["labels"], batch["loss_mask"])
+            return module(batch["tokens"], batch["labels"], batch["loss_mask"], **docs)
         tokens = batch["tokens"] if hidden is None else None
         if not last:
-            return module(tokens, hidden=hidden)
-        return module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden)
+            return module(tokens, hidden=hidden, **docs)
+        return module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden, **docs)
 
     def _run(self, modules: list[nn.Module], batches: list, forward_only: bool,
              no_sync: Callable[[], AbstractContextManager] | None = None) -> torch.Tensor:
