@@ -39,11 +39,9 @@ Policy and its costs:
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import contextlib
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -60,6 +58,7 @@ from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path
 from tokenloom.preprocess import manifest
 from tokenloom.preprocess.commit import publish_dataset
 from tokenloom.preprocess.documents import MISSING_KEY
+from tokenloom.preprocess.pool import OrderedPool, WorkerDied, fork_or_spawn
 from tokenloom.preprocess.readers import (
     Chunk,
     ChunkReader,
@@ -75,7 +74,6 @@ from tokenloom.preprocess.worker import (
     encode_chunk,
     encode_in_worker,
     init,
-    ping,
 )
 
 CHECKPOINT_FORMAT = "tokenloom.preprocess-checkpoint/1"
@@ -516,41 +514,23 @@ class _Run:
                 f"({state['counts']['records']} records done, {_megabytes(kept)} kept there)")
 
 
-class WorkerDied(Exception):
-    """A worker process of the pool exited abruptly (killed, out of memory)."""
-
-
-def start_pool(run: _Run) -> cf.ProcessPoolExecutor | None:
+def start_pool(run: _Run) -> OrderedPool | None:
     """Worker processes, started before any thread exists in this process.
 
-    On Linux they are forked (no re-import, ~10 ms each instead of ~1 s with spawn) and
-    keep the parent's tokenizer, switched to one thread; forking is safe because no thread
-    is running yet (the hasher and the progress bar start later) and nothing has been
-    encoded here. Spawned workers build their tokenizer from the spec.
+    On Linux they are forked and keep the parent's tokenizer, switched to one thread;
+    forking is safe because no thread is running yet (the hasher and the progress bar
+    start later) and nothing has been encoded here. Spawned workers build their tokenizer
+    from the spec.
     """
     if run.workers <= 1:
         return None
-    fork = sys.platform.startswith("linux")
-    before = set(multiprocessing.active_children())
-    pool = cf.ProcessPoolExecutor(run.workers, mp_context=multiprocessing.get_context("fork" if fork else "spawn"),
-                                  initializer=init,
-                                  initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid()))
-    try:
-        pool.submit(ping).result()  # launches every process now, before threads start
-    except BaseException:
-        # A start that failed part-way (too many open files ...) leaves the workers it did
-        # start waiting for work, and exiting would wait for them: stop them here.
-        started = set(multiprocessing.active_children()) - before
-        for process in started:
-            process.kill()
-        for process in started:
-            process.join(5)
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    return pool
+    context = fork_or_spawn()
+    fork = context.get_start_method() == "fork"
+    return OrderedPool(run.workers, context, initializer=init,
+                       initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid()))
 
 
-def _results(run: _Run, chunks, pool: cf.ProcessPoolExecutor | None):
+def _results(run: _Run, chunks, pool: OrderedPool | None):
     """Yield (chunk, EncodedChunk) in input order; at most 2 x workers chunks in flight."""
     if pool is None:
         from tokenloom.preprocess import worker
@@ -562,18 +542,16 @@ def _results(run: _Run, chunks, pool: cf.ProcessPoolExecutor | None):
     inflight: collections.deque = collections.deque()
     try:
         for chunk in chunks:
-            inflight.append((chunk, pool.submit(encode_in_worker, chunk, run.opts)))
+            pool.submit(encode_in_worker, chunk, run.opts)
+            inflight.append(chunk)
             if len(inflight) >= 2 * run.workers:
-                done, fut = inflight.popleft()
-                yield done, fut.result()
+                yield inflight.popleft(), pool.result()
         while inflight:
-            done, fut = inflight.popleft()
-            yield done, fut.result()
-    except cf.process.BrokenProcessPool:
-        raise WorkerDied() from None
-    finally:
-        for _, fut in inflight:
-            fut.cancel()
+            yield inflight.popleft(), pool.result()
+    except GeneratorExit:  # the caller stopped early: take the results it left, keeping the pool in order
+        for _ in inflight:
+            pool.result()
+        raise
 
 
 def run(cfg: PreprocessConfig, echo=print) -> dict:
@@ -650,7 +628,7 @@ def _tokenize(r: _Run) -> None:
         if bar is not None:
             bar.close()
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            pool.close()
 
 
 def _summary(r: _Run, elapsed: float) -> dict:

@@ -14,7 +14,8 @@ last sequence of each non-empty document; ``--prepend-bos`` adds BOS to its firs
 
 Workers die with their parent: on Linux each asks the kernel for SIGKILL when the
 process that forked it exits (``PR_SET_PDEATHSIG``), so a killed preprocess leaves
-no orphan tokenizing for nobody. Elsewhere the executor's own shutdown is all there is.
+no orphan tokenizing for nobody. Elsewhere the pool's own shutdown is all there is
+(:mod:`tokenloom.preprocess.pool`).
 """
 
 from __future__ import annotations
@@ -148,11 +149,6 @@ def _frame(texts: list[str], pieces_per_doc: np.ndarray, opts: EncodeOptions) ->
         bad = int(ids.max()) if int(ids.max()) >= opts.vocab_size else int(ids.min())
         raise ValueError(f"tokenizer emitted id {bad} outside its vocab size {opts.vocab_size}")
     return KeyOutput(ids.astype(opts.dtype), lengths, seqs_per_doc, empty_documents)
-
-
-def ping() -> bool:
-    """A no-op task: submitting it makes the pool start its processes."""
-    return True
 
 
 def encode_in_worker(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:
