@@ -244,13 +244,10 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
 
 
 def _help(cls_path: str, name: str) -> str:
-    """The ``--help`` text of config field ``name`` of class ``module:Class``."""
-    import importlib
+    """The ``--help`` text of config field ``name`` of class ``module:Class`` (read without importing it)."""
+    from tokenloom.config import source_field_docs
 
-    from tokenloom.config import help_for
-
-    module, cls = cls_path.split(":")
-    return help_for(getattr(importlib.import_module(module), cls), name)
+    return source_field_docs(cls_path)[name]
 
 
 _TRAIN, _MODEL, _OPTIM = "tokenloom.train.config:TrainConfig", "tokenloom.train.model:GPTConfig", \

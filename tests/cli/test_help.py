@@ -34,3 +34,32 @@ def test_help_and_every_option_documented(path):
     for param in cmd.params:
         if isinstance(param, click.Option) and param.name != "help":
             assert param.help, f"{' '.join(path)} {param.opts[0]} has no help text"
+
+
+@pytest.mark.parametrize("path", ["tokenloom.train.config:TrainConfig", "tokenloom.train.model:GPTConfig",
+                                  "tokenloom.train.optim:OptimConfig", "tokenloom.train.launch:Nodes"])
+def test_help_read_from_source_equals_the_imported_class(path):
+    import importlib
+
+    from tokenloom.config import field_docs, source_field_docs
+
+    module, name = path.split(":")
+    assert source_field_docs(path) == field_docs(getattr(importlib.import_module(module), name))
+
+
+def test_preprocess_does_not_import_torch(tmp_path):
+    """torch costs ~1.5 s and ~150 MB per process: preprocess, its workers and --help do without it."""
+    import subprocess
+    import sys
+
+    from tl_testing import REPO
+
+    (tmp_path / "c.jsonl").write_text('{"text": "hello world"}\n')
+    probe = (f"import sys, runpy; sys.argv = ['cli.py', 'preprocess', '--input', {str(tmp_path / 'c.jsonl')!r}, "
+             f"'--output-prefix', {str(tmp_path / 'out')!r}, '--tokenizer-type', 'byte', '--workers', '2', "
+             f"'--no-progress']\ntry:\n    runpy.run_path({str(REPO / 'cli.py')!r}, run_name='__main__')\n"
+             "except SystemExit as e:\n    assert not e.code, e.code\n"
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout

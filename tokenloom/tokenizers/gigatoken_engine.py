@@ -156,11 +156,18 @@ def unstable_chars(reference, engine: GigatokenEngine) -> str:
 def per_text_differs(want: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """Boolean per text: do the two ``(ids, lengths)`` encodings differ for it?"""
     (w_ids, w_lens), (g_ids, g_lens) = want, got
+    w_lens, g_lens = np.asarray(w_lens, np.int64), np.asarray(g_lens, np.int64)
     differs = w_lens != g_lens
-    w_ends, g_ends = np.cumsum(w_lens), np.cumsum(g_lens)
-    for k in np.flatnonzero(~differs):
-        differs[k] = not np.array_equal(w_ids[w_ends[k] - w_lens[k]: w_ends[k]],
-                                        g_ids[g_ends[k] - g_lens[k]: g_ends[k]])
+    same = np.flatnonzero(~differs)  # texts of equal length: compare their ids element by element
+    lens = w_lens[same]
+    total = int(lens.sum())
+    if total:
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        w_at = np.repeat((np.cumsum(w_lens) - w_lens)[same], lens) + offsets
+        g_at = np.repeat((np.cumsum(g_lens) - g_lens)[same], lens) + offsets
+        unequal = np.asarray(w_ids)[w_at] != np.asarray(g_ids)[g_at]
+        text_of = np.repeat(np.arange(len(same)), lens)
+        differs[same[np.unique(text_of[unequal])]] = True
     return differs
 
 
