@@ -10,8 +10,10 @@ the bench needs neither real data nor disk space. Rows:
   source's .idx for its content key); the two alternate, best of 5 each - target <= 0.5x.
   Removing the directory matters on a VM: pages the guest touches for the first time
   cost far more than reused ones, so a growing page cache slows whichever side runs later;
-* a warm build from tokenloom's cache (a new process would see the same: digests are
-  memoised in the cache) - target <= 50 ms;
+* a warm build from the cache vs megatron-core's warm build from its own cache (both caches
+  filled by a first build; the two alternate, best of 5) - target <= 50 ms for ours, which
+  is also shown against that constant. A new process sees the same as these repeats: our
+  source digests are memoised in the cache, not in the process;
 * loader samples/s at seq 2048 from the blend: tokenloom's GPTSamples over the blend vs
   megatron-core's BlendedDataset ``__getitem__`` (tokens, labels, masks, positions), the same
   random sample ids, the two alternating, best of 7 each - target >= 2x.
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _table import best_interleaved, best_of, print_table, timed_in_fresh_dir  # noqa: E402
+from _table import best_interleaved, print_table, timed_in_fresh_dir  # noqa: E402
 
 from tokenloom.blending.build import BuildConfig, build  # noqa: E402
 from tokenloom.blending.loader import GPTSamples, SampleConfig  # noqa: E402
@@ -51,6 +53,32 @@ class BenchTokenizer:  # what megatron's GPTDatasetConfig needs from a tokenizer
     vocab_size = 32000
     eod = 0
     unique_identifiers = {"class": "BenchTokenizer"}
+
+
+def timed_call(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def check_equal(ours, theirs) -> int:
+    """Every array of every split: the blend's two indices and each member's document, sample
+    and shuffle indices, against megatron-core's. Returns how many arrays were compared."""
+    checked = 0
+    for split, (mine, other) in enumerate(zip(ours.datasets, theirs, strict=True)):
+        if mine is None or other is None:
+            assert mine is None and other is None, f"split {split}: one side has no dataset"
+            continue
+        pairs = [(mine.dataset_index, other.dataset_index, "dataset_index"),
+                 (mine.dataset_sample_index, other.dataset_sample_index, "dataset_sample_index")]
+        for k, (m, o) in enumerate(zip(mine.datasets, other.datasets, strict=True)):
+            pairs += [(m.indices.document_index, o.document_index, f"member {k} document_index"),
+                      (m.indices.sample_index, o.sample_index, f"member {k} sample_index"),
+                      (m.indices.shuffle_index, o.shuffle_index, f"member {k} shuffle_index")]
+        for a, b, name in pairs:
+            assert np.array_equal(np.asarray(a), np.asarray(b)), f"split {split} {name} differs from megatron-core's"
+            checked += 1
+    return checked
 
 
 def main() -> None:
@@ -94,11 +122,15 @@ def main() -> None:
         warnings.simplefilter("ignore")
         t_ours, t_theirs = best_interleaved([cold(ours), cold(megatron)], repeat=5)
         theirs = megatron()
-    cache = str(tmp / "cache")
-    ours(cache)  # fill the cache
-    t_warm = best_of(lambda: ours(cache), repeat=5)
+    cache, their_cache = str(tmp / "cache"), str(tmp / "megatron-cache")
+    ours(cache)  # fill both caches
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        megatron(their_cache)
+        t_warm, t_their_warm = best_interleaved([lambda: timed_call(ours, cache),
+                                                 lambda: timed_call(megatron, their_cache)], repeat=5)
     result = ours(cache)
-    assert np.array_equal(np.asarray(result.train.dataset_index), theirs[0].dataset_index), "blends differ"
+    checked = check_equal(result, theirs)
 
     ids = np.random.default_rng(0).integers(0, len(result.train), size=args.reads).tolist()
     samples = GPTSamples(result.train, SampleConfig(eod=0))
@@ -121,13 +153,16 @@ def main() -> None:
     rows = [
         ("cold build, 3-source blend (target <= 0.5x)", f"{t_ours:.2f} s", f"{t_theirs:.2f} s",
          f"{t_ours / t_theirs:.2f}x"),
-        ("warm build from cache (target <= 50 ms)", f"{t_warm * 1e3:.1f} ms", "50 ms", f"{t_warm / 0.05:.2f}x"),
+        ("warm build from cache, vs megatron-core's warm build", f"{t_warm * 1e3:.1f} ms",
+         f"{t_their_warm * 1e3:.1f} ms", f"{t_warm / t_their_warm:.2f}x"),
+        ("warm build from cache vs the 50 ms target (a constant)", f"{t_warm * 1e3:.1f} ms", "50 ms",
+         f"{t_warm / 0.05:.2f}x"),
         (f"loader samples/s, seq {args.seq_length} (target >= 2x)", f"{args.reads / r_ours:.0f}",
          f"{args.reads / r_theirs:.0f}", f"{r_theirs / r_ours:.2f}x"),
     ]
     print_table(f"build: 3 sparse sources x {args.sequences} sequences ({tokens / 1e9:.1f} G tokens), "
                 f"{args.samples} train samples of {args.seq_length}; baseline megatron-core 0.16.1 "
-                "(arrays checked equal)", rows)
+                f"({checked} arrays checked equal: every index of every split and member)", rows)
 
 
 if __name__ == "__main__":
