@@ -100,7 +100,7 @@ def machine() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--full", action="store_true", help="each script's default sizes")
-    parser.add_argument("--only", nargs="*", help="bench names (e.g. kernels_bench)")
+    parser.add_argument("--only", nargs="*", help="bench names (e.g. kernels_bench): rewrite only their sections")
     parser.add_argument("--out", default=str(BENCH / "RESULTS.md"))
     parser.add_argument("--gpu", action="store_true", help="run only the GPU rows (needs CUDA) and rewrite only them")
     args = parser.parse_args()
@@ -135,7 +135,8 @@ def main() -> None:
             body = Path(tables.name).read_text()
         os.unlink(tables.name)
         print(output[-4000:], flush=True)
-        head = f"## {script.stem}\n\n`python bench/{script.name} {' '.join(extra)}` ({elapsed:.0f} s)\n\n"
+        when = f", re-run alone on {started:%Y-%m-%d %H:%M} UTC" if args.only else ""
+        head = f"## {script.stem}\n\n`python bench/{script.name} {' '.join(extra)}` ({elapsed:.0f} s{when})\n\n"
         if rc != 0 or not body.strip():
             tail = "\n".join(output.strip().splitlines()[-15:])
             body += f"**failed** (exit {rc}); last lines:\n\n```\n{tail}\n```\n\n"
@@ -150,6 +151,19 @@ def main() -> None:
         text = old.replace(kept_gpu, block) if kept_gpu else old.rstrip() + "\n\n" + block
         out.write_text(text.rstrip() + "\n")
         print(f"wrote the GPU rows of {args.out}")
+        return
+    if args.only and old:  # replace those sections, keep the others
+        text = old
+        for section in sections:
+            title = section.split("\n", 1)[0] + "\n"
+            start = text.find(title, text.find(GPU_END) + 1)  # not a GPU section of the same name
+            if start < 0:
+                text = text.rstrip() + "\n\n" + section
+                continue
+            end = text.find("\n## ", start + len(title))
+            text = text[:start] + section.rstrip() + "\n\n" + (text[end + 1:] if end >= 0 else "")
+        out.write_text(text.rstrip() + "\n")
+        print(f"rewrote {', '.join(s.stem for s in scripts)} in {args.out}")
         return
     sizes = "each script's default sizes (--full)" if args.full else "reduced sizes (bench/run_all.py SMALL_ARGS)"
     gpu_block = kept_gpu or f"{GPU_BEGIN}\nGPU rows: not yet run (`bash scripts/gpu-check.sh` on a CUDA machine)\n{GPU_END}"
