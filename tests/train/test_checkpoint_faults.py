@@ -125,27 +125,39 @@ def test_a_fault_updating_the_latest_pointer_keeps_the_complete_checkpoint(tmp_p
 
 @pytest.fixture(scope="module")
 def reference_two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref2") / "run"
-    done = _train(out, "--nproc-per-node", "2")
-    assert done.returncode == 0, done.stderr
-    return _losses(out)
+    """The losses of an uninterrupted 2-rank run with extra flags (each computed once)."""
+    found = {}
+
+    def losses(*extra) -> dict[int, float]:
+        if extra not in found:
+            out = tmp_path_factory.mktemp("ref2") / "run"
+            done = _train(out, "--nproc-per-node", "2", *extra)
+            assert done.returncode == 0, done.stderr
+            found[extra] = _losses(out)
+        return found[extra]
+
+    return losses
 
 
-@pytest.mark.parametrize("rank, file", [(1, "rng_rank1.pt"), (0, "model.pt")], ids=["every-rank-file", "rank-0-file"])
+@pytest.mark.parametrize("rank, file, extra", [(1, "rng_rank1.pt", ()), (0, "model.pt", ()),
+                                               (1, "zero_rank1.pt", ("--set", "zero1=true"))],
+                         ids=["every-rank-file", "rank-0-file", "zero1-shard"])
 def test_two_ranks_a_disk_full_on_one_rank_ends_in_its_one_line_and_resume_gives_the_same_losses(
-        tmp_path, reference_two_ranks, rank, file):
-    """``--nproc-per-node 2``: every rank writes its RNG file, rank 0 alone the model. The rank that
-    met the fault names it in the one error line (the other rank's broken barrier is its symptom)."""
+        tmp_path, reference_two_ranks, rank, file, extra):
+    """``--nproc-per-node 2``: every rank writes its RNG file (and with ZeRO-1 its optimizer shard,
+    through the layout-aware writer), rank 0 alone the model. The rank that met the fault names it
+    in the one error line (the other rank's broken barrier is its symptom)."""
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    done = _train(out, "--nproc-per-node", "2", env=fault_env("write", errno.ENOSPC, f"{ckpt}/{ITER6}.tmp/{file}", 100))
+    done = _train(out, "--nproc-per-node", "2", *extra,
+                  env=fault_env("write", errno.ENOSPC, f"{ckpt}/{ITER6}.tmp/{file}", 100))
     line = _one_line_error(done, f"error: rank {rank}: no space left on device writing {ckpt / ITER6}",
                            f"the last complete one is {ckpt / ITER3}", "--resume auto", "full logs: ")
     assert "barrier failed" not in line
     assert checkpoint.resolve("auto", ckpt) == ckpt / ITER3, "a partial checkpoint never becomes the latest"
     assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER3
-    again = _train(out, "--nproc-per-node", "2", "--resume", "auto")
+    again = _train(out, "--nproc-per-node", "2", *extra, "--resume", "auto")
     assert again.returncode == 0, again.stderr
     assert f"resumed from {ckpt / ITER3} at iteration 3" in again.stderr
-    assert _losses(out) == reference_two_ranks
+    assert _losses(out) == reference_two_ranks(*extra)
     assert sorted(p.name for p in ckpt.iterdir()) == [ITER3, ITER6, checkpoint.LATEST], "the next save cleans up"

@@ -16,7 +16,9 @@ fsync + rename). A crash at any point leaves either the previous checkpoints int
 ``.tmp`` / marker-less directory that :func:`find_latest` skips. ``resume="auto"`` takes
 the highest-iteration *complete* checkpoint (the ``latest`` pointer is for people and
 tools; a crash between the rename and the pointer update cannot make auto-resume go
-back in time).
+back in time). A disk-full, I/O or permission error while saving ends in one line naming the
+checkpoint and the last complete one (:func:`save_files`); the temporary folder is removed
+then, or by the next save when other ranks may still be writing into it.
 
 Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
 stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
@@ -88,7 +90,8 @@ def restore_rng(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- save
 
 
-def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
+def write_file(path: Path, write: Callable[[Any], None]) -> None:
+    """``write(f)`` into a new file at ``path``, then fsync it; an OS error names ``path``."""
     with naming(path), open(path, "wb") as f:
         try:
             write(f)
@@ -145,14 +148,33 @@ def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, opt
 
     ``model`` is the unwrapped module; ``state`` is JSON-able (iteration, consumed
     samples, fingerprint, config). ``keep_last > 0`` deletes older complete checkpoints.
+    Faults: see :func:`save_files`.
+    """
 
-    An operating-system failure (disk full, I/O or permission error) raises a one-line
+    def write(tmp: Path) -> None:
+        write_file(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(capture_rng(), f))
+        if rank == 0:
+            write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f))
+            write_file(tmp / "optimizer.pt", lambda f: torch.save(optimizer.state_dict(), f))
+
+    return save_files(root, iteration, write, state, rank=rank, barrier=barrier, keep_last=keep_last,
+                      world_size=world_size)
+
+
+def save_files(root: str | os.PathLike, iteration: int, write: Callable[[Path], None], state: dict, *, rank: int,
+               barrier: Callable[[], None], keep_last: int, world_size: int) -> Path:
+    """The save protocol of the module docstring, for any set of files; every rank calls it.
+
+    ``write(tmp)`` writes this rank's files into the temporary folder (with :func:`write_file`);
+    rank 0 then adds ``state.json`` (``state`` and the iteration) and commits. An
+    operating-system failure (disk full, I/O or permission error) raises a one-line
     :class:`TokenloomError` on the rank that met it, naming the checkpoint and the last
-    complete one, which stays untouched; ``world_size`` ranks call this.
+    complete one, which stays untouched and what ``--resume auto`` takes.
     """
     root = Path(root)
     name = checkpoint_name(iteration)
     final, tmp, old = root / name, root / f"{name}.tmp", root / f"{name}.old"
+
     def failing():
         return _failing_save(root, final, tmp, old, remove_tmp=world_size == 1)
 
@@ -163,16 +185,13 @@ def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, opt
             tmp.mkdir()
     barrier()
     with failing():
-        _write_bytes(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(capture_rng(), f))
-        if rank == 0:
-            _write_bytes(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f))
-            _write_bytes(tmp / "optimizer.pt", lambda f: torch.save(optimizer.state_dict(), f))
-            text = json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
-            _write_bytes(tmp / "state.json", lambda f: f.write(text.encode()))
+        write(tmp)
     barrier()
     if rank == 0:
         with failing():
-            _write_bytes(tmp / COMPLETE, lambda f: f.write(f"{iteration}\n".encode()))
+            text = json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
+            write_file(tmp / "state.json", lambda f: f.write(text.encode()))
+            write_file(tmp / COMPLETE, lambda f: f.write(f"{iteration}\n".encode()))
             fsync_dir(tmp / COMPLETE)  # the directory holding the files, before it is renamed
             if final.exists():  # re-saving the same iteration (a rerun into the same directory)
                 shutil.rmtree(old, ignore_errors=True)
