@@ -16,6 +16,8 @@ import pytest
 from test_build import make_source
 from tl_testing import fault_env, run_cli
 
+from tokenloom.blending.sources import MEMO_FILE
+
 KEY = "?" * 64  # a cache key: 64 hex digits
 
 
@@ -68,6 +70,10 @@ FAULTS = {
     "io-error-publishing": ("rename", errno.EIO, KEY, 0, "I/O error on", "check it (dmesg)"),
     "permission-denied": ("open", errno.EACCES, "*/document_index.npy", 0, "permission denied on",
                           "give this user access"),
+    "disk-full-recording-sources": ("write", errno.ENOSPC, MEMO_FILE, 0, "no space left on device writing",
+                                    "free space on that disk"),
+    "permission-denied-recording-sources": ("open", errno.EACCES, MEMO_FILE, 0, "permission denied on",
+                                            "give this user access"),
     "permission-denied-locking": ("open", errno.EACCES, f"{KEY}.lock", 0, "permission denied on",
                                   "give this user access"),
 }
@@ -82,7 +88,7 @@ def test_a_fault_writing_an_entry_ends_in_one_line_and_the_rerun_builds_the_same
     pattern = pattern.format(valid=keys["valid"])
     done = run_cli(*_args(sources, cache), env=fault_env(op, err, f"{cache}/{pattern}", room))
     line = _one_line_error(done, what, advice, "rerun the same command")
-    assert any(f"{what} {cache / key}" in line for key in keys.values()), line  # names the entry
+    assert any(f"{what} {cache / name}" in line for name in [*keys.values(), MEMO_FILE]), line  # names the file
     # Nothing half-written under a final name; temporary folders are gone.
     assert not list(cache.glob("*.tmp-*")), sorted(p.name for p in cache.iterdir())
     left = _entries(cache)

@@ -5,10 +5,12 @@ Tests put this folder on ``PYTHONPATH`` (see ``tl_testing.fault_env``) with
 ``sitecustomize`` at start-up, so torchrun's ranks get the fault too. The fault is raised
 where the kernel would raise it, on files whose path matches the glob ``path``:
 
-- ``open``: opening the file for writing fails (``EACCES`` on a folder this user may not write);
+- ``open``: opening the file for writing fails (``EACCES`` on a folder this user may not write),
+  through ``open`` or ``os.open``;
 - ``write``: the first ``room`` bytes reach the file, then ``write(2)`` fails without a file
   name (a full disk: ``ENOSPC``; a failing device: ``EIO``); the fault sits under a real
   ``BufferedWriter``, so buffered bytes meet it again on flush and close, as on a real disk;
+  ``os.write`` to a matching file fails at once;
 - ``fsync``: ``fsync(2)`` of the file fails (delayed allocation or write-back finding no room);
 - ``rename``: renaming onto a matching name fails (``os.rename``/``os.replace``, pathlib's too).
 
@@ -86,6 +88,7 @@ class _FailingRaw(io.RawIOBase):
 
 def _install() -> None:
     real_open, real_fsync, real_rename, real_replace = builtins.open, os.fsync, os.rename, os.replace
+    real_os_open, real_os_write = os.open, os.write
     op = _FAULT["op"]
 
     def faulty_open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None, closefd=True,
@@ -121,8 +124,26 @@ def _install() -> None:
 
         return faulty
 
-    if op in ("open", "write"):
+    def faulty_os_open(path, flags, *a, **k):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and _matches(path):
+            raise _fail(os.fspath(path))
+        return real_os_open(path, flags, *a, **k)
+
+    def faulty_os_write(fd, data):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = None
+        if path is not None and _matches(path):
+            raise _fail()
+        return real_os_write(fd, data)
+
+    if op == "open":
         builtins.open = io.open = faulty_open
+        os.open = faulty_os_open
+    elif op == "write":
+        builtins.open = io.open = faulty_open
+        os.write = faulty_os_write
     elif op == "fsync":
         os.fsync = faulty_fsync
     elif op == "rename":
