@@ -31,6 +31,17 @@ def run_cli(*args, cwd: Path | None = None, timeout: float = 300, env: dict | No
                           text=True, cwd=cwd, timeout=timeout, env=env or cli_env())
 
 
+def one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> str:
+    """The command failed with exactly one stderr line holding every fragment, no traceback."""
+    assert done.returncode != 0, done.stdout
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
 def cli_env() -> dict[str, str]:
     """This process's environment with the checkout first on ``PYTHONPATH``."""
     path = os.environ.get("PYTHONPATH")

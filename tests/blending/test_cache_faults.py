@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from test_build import make_source
-from tl_testing import fault_env, run_cli
+from tl_testing import fault_env, one_line_error, run_cli
 
 from tokenloom.blending.sources import MEMO_FILE
 
@@ -49,16 +49,6 @@ def reference(sources, tmp_path_factory):
     return keys, entries
 
 
-def _one_line_error(done, *needles: str) -> str:
-    assert done.returncode == 1, done.stdout + done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    assert "Traceback" not in done.stdout + done.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
-
-
 FAULTS = {
     "disk-full-writing": ("write", errno.ENOSPC, "*/shuffle_index.npy", 1000, "no space left on device writing",
                           "free space on that disk"),
@@ -87,7 +77,8 @@ def test_a_fault_writing_an_entry_ends_in_one_line_and_the_rerun_builds_the_same
     cache = tmp_path / "c"
     pattern = pattern.format(valid=keys["valid"])
     done = run_cli(*_args(sources, cache), env=fault_env(op, err, f"{cache}/{pattern}", room))
-    line = _one_line_error(done, what, advice, "rerun the same command")
+    line = one_line_error(done, what, advice, "rerun the same command")
+    assert done.returncode == 1
     assert any(f"{what} {cache / name}" in line for name in [*keys.values(), MEMO_FILE]), line  # names the file
     # Nothing half-written under a final name; temporary folders are gone.
     assert not list(cache.glob("*.tmp-*")), sorted(p.name for p in cache.iterdir())

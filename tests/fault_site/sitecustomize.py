@@ -36,6 +36,13 @@ def _matches(path) -> bool:
         return False
 
 
+def _fd_matches(fd: int) -> bool:
+    try:
+        return _matches(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return False
+
+
 def _fail(*names):
     return OSError(_FAULT["errno"], os.strerror(_FAULT["errno"]), *names)
 
@@ -108,11 +115,7 @@ def _install() -> None:
 
     def faulty_fsync(fd):
         fd = fd if isinstance(fd, int) else fd.fileno()
-        try:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            path = None
-        if path is not None and _matches(path):
+        if _fd_matches(fd):
             raise _fail()
         return real_fsync(fd)
 
@@ -130,11 +133,7 @@ def _install() -> None:
         return real_os_open(path, flags, *a, **k)
 
     def faulty_os_write(fd, data):
-        try:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            path = None
-        if path is not None and _matches(path):
+        if _fd_matches(fd):
             raise _fail()
         return real_os_write(fd, data)
 
