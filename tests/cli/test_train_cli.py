@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from tl_testing import REPO, cli_env, run_cli
+from tl_testing import REPO, cli_env, one_line_error, run_cli
 
 
 def test_train_prints_its_summary(tmp_path):
@@ -49,17 +49,6 @@ TINY = ["--seq-length", "32", "--num-layers", "2", "--hidden-size", "32", "--num
         "--set", "progress=false", "--set", "plot=false", "--eval-interval", "0", "--micro-batch-size", "2",
         "--global-batch-size", "4"]
 MOCK = [*TINY, "--mock-data", "--set", "data.mock.num_sequences=300", "--set", "data.mock.max_length=200"]
-
-
-def one_line_error(done, *fragments: str) -> str:
-    """The command failed with exactly one stderr line holding every fragment, no traceback."""
-    assert done.returncode != 0, done.stdout
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    assert "Traceback" not in done.stdout + done.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 @pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]], ids=["in-process", "torchrun"])

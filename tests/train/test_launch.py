@@ -10,7 +10,7 @@ import pytest
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import launch as launch_module
-from tokenloom.train.launch import Nodes, RankWatch, launch, torchrun_command
+from tokenloom.train.launch import Nodes, RankWatch, launch, torchrun_command, without_error_lines
 from tokenloom.train.metrics import read_metrics
 from tokenloom.train.model import GPT, GPTConfig
 
@@ -65,6 +65,30 @@ def rank_files(log_dir: Path, rank: int, log: str, pid: int, done: bool = False)
     (log_dir / f"rank{rank}.log").write_text(log)
     if done:
         (log_dir / f"rank{rank}.done").write_text("0")
+
+
+def test_a_peers_error_outranks_the_broken_collective_it_caused(tmp_path, monkeypatch, capfd):
+    """rank 1's disk fills while rank 0 waits in a barrier: rank 0's 'barrier failed' is seen first
+    (or in the same poll), but the line names rank 1's error; rank 0's error line is not relayed."""
+    gone = 2**22 + 12345
+    monkeypatch.setattr(launch_module.time, "monotonic", iter(range(100)).__next__)
+    rank_files(tmp_path, 0, "warning: x\nerror: rank 0: checkpoint barrier failed (RuntimeError: reset); another "
+               "rank has probably died or stalled past the collective timeout\n", gone)
+    watch = RankWatch(tmp_path)
+    watch.poll()
+    rank_files(tmp_path, 1, "error: no space left on device writing ckpt\n", gone + 1)
+    watch.poll()
+    assert watch.first_failure(1) == "rank 1: no space left on device writing ckpt"
+    assert capfd.readouterr().err == "warning: x\n"
+
+
+def test_relayed_logs_leave_out_error_lines_and_hold_only_what_may_become_one():
+    assert without_error_lines(b"", b"a\nerror: x\nb\n") == (b"a\nb\n", b"")
+    assert without_error_lines(b"", b" 10%|#\r 20%|##") == (b" 10%|#\r 20%|##", b"")  # a bar shows as drawn
+    assert without_error_lines(b"", b"ok\nerr") == (b"ok\n", b"err")
+    assert without_error_lines(b"err", b"or: gone\nnext\n") == (b"next\n", b"")
+    assert without_error_lines(b"err", b"atic\n") == (b"erratic\n", b"")
+    assert without_error_lines(b"", b"progress\rerror: rank 0: boom\n") == (b"progress\r", b"")
 
 
 def test_the_first_failing_rank_is_named(tmp_path, monkeypatch, capfd):

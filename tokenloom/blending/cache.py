@@ -49,7 +49,7 @@ import blake3
 import numpy as np
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import fsync_dir, pid_alive
+from tokenloom.fsio import fsync_dir, os_error_message, pid_alive
 
 Arrays = dict[str, np.ndarray]
 
@@ -64,6 +64,12 @@ def content_key(description: dict) -> str:
 
 class DamagedEntry(Exception):
     """A finished entry whose files disagree with the sizes or checksums recorded at publish time."""
+
+
+def write_error(exc: OSError, path: str | os.PathLike) -> str:
+    """One line for an operating-system failure writing ``path`` of the cache, and what to do."""
+    return f"{os_error_message(OSError(exc.errno, exc.strerror), path)}; then rerun the same command " \
+           "(cache entries already built are kept)"
 
 
 def _host_tag() -> str:
@@ -201,9 +207,18 @@ class ArrayCache:
         so a later truncation or overwrite is detected on load). One rename publishes
         every array, so an entry costs one fsync per file plus two directory fsyncs, and
         readers never see an entry with some arrays missing. Callers hold :meth:`lock`.
+
+        An operating-system failure (disk full, I/O or permission error) removes the
+        temporary folder and raises a one-line :class:`TokenloomError` naming the entry.
         """
         entry = self.entry(key)
         tmp = self.temp_dir(key)
+        try:
+            self._write_entry(entry, tmp, arrays, description)
+        except OSError as exc:  # named after the entry: the temporary folder is gone
+            raise TokenloomError(write_error(exc, entry)) from None
+
+    def _write_entry(self, entry: Path, tmp: Path, arrays: dict, description: dict | None) -> None:
         tmp.mkdir(parents=True)
         try:
             records = {}
@@ -236,7 +251,12 @@ class ArrayCache:
 
     @contextlib.contextmanager
     def lock(self, key: str):
-        with open(self.dir / f"{key}.lock", "a+") as handle:
+        path = self.dir / f"{key}.lock"
+        try:
+            handle = open(path, "a+")
+        except OSError as exc:
+            raise TokenloomError(write_error(exc, path)) from None
+        with handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -268,7 +288,10 @@ class ArrayCache:
                 found = self.load(key)
             except DamagedEntry as exc:
                 print(f"warning: cache entry {self.entry(key)} is damaged ({exc}); rebuilding it", file=sys.stderr)
-                self._discard(self.entry(key))
+                try:
+                    self._discard(self.entry(key))
+                except OSError as err:
+                    raise TokenloomError(write_error(err, self.entry(key))) from None
             if found is not None:
                 return found, False
             self.store(key, build(), description)

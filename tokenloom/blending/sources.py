@@ -35,6 +35,7 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from tokenloom.blending.cache import write_error
 from tokenloom.errors import TokenloomError
 
 MEMO_FILE = "sources.jsonl"
@@ -145,12 +146,15 @@ def source_metadata(prefixes: list[str], memo_dir: str | os.PathLike | None = No
             _MEMO.update({stamps[p]: m for p, m in computed.items()})
         if memo_file is not None:
             lines = "".join(json.dumps({"stamp": stamps[p], "meta": asdict(m)}) + "\n" for p, m in computed.items())
-            memo_file.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(memo_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, lines.encode())
-            finally:
-                os.close(fd)
+                memo_file.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(memo_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, lines.encode())  # a short write leaves a torn line, which readers skip
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise TokenloomError(write_error(exc, memo_file)) from None
     with _MEMO_LOCK:
         return {p: _MEMO[s] for p, s in stamps.items()}
 

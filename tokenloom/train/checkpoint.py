@@ -16,7 +16,9 @@ fsync + rename). A crash at any point leaves either the previous checkpoints int
 ``.tmp`` / marker-less directory that :func:`find_latest` skips. ``resume="auto"`` takes
 the highest-iteration *complete* checkpoint (the ``latest`` pointer is for people and
 tools; a crash between the rename and the pointer update cannot make auto-resume go
-back in time).
+back in time). A disk-full, I/O or permission error while saving ends in one line naming the
+checkpoint and the last complete one (:func:`save_files`); the temporary folder is removed
+then, or by the next save when other ranks may still be writing into it.
 
 Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
 stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
@@ -28,6 +30,7 @@ runs need ``CKPT_DIR`` on a shared filesystem.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -41,7 +44,7 @@ import numpy as np
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer, fsync_dir
+from tokenloom.fsio import atomic_writer, fsync_dir, naming, os_error_message
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -87,11 +90,49 @@ def restore_rng(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- save
 
 
-def _write_bytes(path: Path, write: Callable[[Any], None]) -> None:
-    with open(path, "wb") as f:
-        write(f)
+def write_file(path: Path, write: Callable[[Any], None]) -> None:
+    """``write(f)`` into a new file at ``path``, then fsync it; an OS error names ``path``."""
+    with naming(path), open(path, "wb") as f:
+        try:
+            write(f)
+        except RuntimeError as exc:  # torch's zip writer reports a failed write as "unexpected pos" on close
+            cause = exc.__context__
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__context__
+            if cause is None:
+                raise
+            raise cause from None
         f.flush()
         os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _failing_save(root: Path, final: Path, tmp: Path, old: Path, remove_tmp: bool):
+    """Turn an operating-system failure while saving ``final`` into one line naming it and what to do.
+
+    The previous checkpoints are left as they were: a re-saved iteration moved aside to
+    ``old`` is moved back, and ``tmp`` is removed when no other rank may still write into it
+    (``remove_tmp``; otherwise the next save removes it).
+    """
+    try:
+        yield
+    except OSError as exc:
+        if old.exists() and not final.exists():
+            with contextlib.suppress(OSError):
+                os.rename(old, final)
+        if remove_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = find_latest(root)
+        then = (f"the last complete one is {last}: then rerun the same command with --resume auto to continue "
+                "from it" if last is not None else "there is no complete checkpoint yet: then rerun the same command")
+        raise TokenloomError(f"{os_error_message(OSError(exc.errno, exc.strerror), final)}; the checkpoint was not "
+                             f"saved and {then}") from None
+
+
+def _remove_unfinished(root: Path) -> None:
+    """Temporary folders of saves that failed or were killed (one job writes a checkpoint root)."""
+    for path in root.glob("iter_*.tmp"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def write_latest(root: Path, name: str) -> None:
@@ -102,38 +143,67 @@ def write_latest(root: Path, name: str) -> None:
 
 def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict, rank: int = 0, barrier: Callable[[], None] = lambda: None,
-         keep_last: int = 0) -> Path:
+         keep_last: int = 0, world_size: int = 1) -> Path:
     """Save a checkpoint of ``iteration`` under ``root``; every rank calls it (collective).
 
     ``model`` is the unwrapped module; ``state`` is JSON-able (iteration, consumed
     samples, fingerprint, config). ``keep_last > 0`` deletes older complete checkpoints.
+    Faults: see :func:`save_files`.
+    """
+
+    def write(tmp: Path) -> None:
+        write_file(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(capture_rng(), f))
+        if rank == 0:
+            write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f))
+            write_file(tmp / "optimizer.pt", lambda f: torch.save(optimizer.state_dict(), f))
+
+    return save_files(root, iteration, write, state, rank=rank, barrier=barrier, keep_last=keep_last,
+                      world_size=world_size)
+
+
+def save_files(root: str | os.PathLike, iteration: int, write: Callable[[Path], None], state: dict, *, rank: int,
+               barrier: Callable[[], None], keep_last: int, world_size: int) -> Path:
+    """The save protocol of the module docstring, for any set of files; every rank calls it.
+
+    ``write(tmp)`` writes this rank's files into the temporary folder (with :func:`write_file`);
+    rank 0 then adds ``state.json`` (``state`` and the iteration) and commits. An
+    operating-system failure (disk full, I/O or permission error) raises a one-line
+    :class:`TokenloomError` on the rank that met it, naming the checkpoint and the last
+    complete one, which stays untouched and what ``--resume auto`` takes.
     """
     root = Path(root)
     name = checkpoint_name(iteration)
-    final, tmp = root / name, root / f"{name}.tmp"
+    final, tmp, old = root / name, root / f"{name}.tmp", root / f"{name}.old"
+
+    def failing():
+        return _failing_save(root, final, tmp, old, remove_tmp=world_size == 1)
+
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crashed save
-        tmp.mkdir()
+        with failing():
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_unfinished(root)  # left over by a failed or killed save
+            tmp.mkdir()
     barrier()
-    _write_bytes(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(capture_rng(), f))
-    if rank == 0:
-        _write_bytes(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f))
-        _write_bytes(tmp / "optimizer.pt", lambda f: torch.save(optimizer.state_dict(), f))
-        text = json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
-        _write_bytes(tmp / "state.json", lambda f: f.write(text.encode()))
+    with failing():
+        write(tmp)
     barrier()
     if rank == 0:
-        _write_bytes(tmp / COMPLETE, lambda f: f.write(f"{iteration}\n".encode()))
-        fsync_dir(tmp / COMPLETE)  # the directory holding the files, before it is renamed
-        old = root / f"{name}.old"
-        if final.exists():  # re-saving the same iteration (a rerun into the same directory)
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
+        with failing():
+            text = json.dumps({**state, "iteration": iteration}, indent=2, sort_keys=True)
+            write_file(tmp / "state.json", lambda f: f.write(text.encode()))
+            write_file(tmp / COMPLETE, lambda f: f.write(f"{iteration}\n".encode()))
+            fsync_dir(tmp / COMPLETE)  # the directory holding the files, before it is renamed
+            if final.exists():  # re-saving the same iteration (a rerun into the same directory)
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(tmp, final)
         fsync_dir(final)
         shutil.rmtree(old, ignore_errors=True)
-        write_latest(root, name)
+        try:
+            write_latest(root, name)
+        except OSError as exc:  # the checkpoint is whole: --resume auto finds it without the pointer
+            raise TokenloomError(f"{os_error_message(exc, root / LATEST)}; checkpoint {final} is complete and "
+                                 "--resume auto continues from it") from None
         if keep_last > 0:
             for _, path in complete_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(path, ignore_errors=True)

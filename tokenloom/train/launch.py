@@ -16,8 +16,8 @@ unless it is set already.
 Output: each rank (:func:`main`) sends its stdout and stderr to ``LOGS/rank{N}.log`` and
 torchrun's own output goes to ``LOGS/torchrun.log``; rank 0's stdout (the start-up
 summary, the final JSON) stays on the terminal and this process relays its log (progress
-bar, warnings). A failed run ends with one :class:`TokenloomError` line: the first
-failing rank and its error, and the log directory. So a user sees one line instead of a
+bar, warnings; its ``error:`` lines stay in the file). A failed run ends with one
+:class:`TokenloomError` line: the first failing rank and its error, and the log directory. So a user sees one line instead of a
 traceback per rank plus torchrun's ``ChildFailedError``; the price is that ranks other
 than 0 are silent on the terminal (``verbose=True`` streams everything unchanged, as
 torchrun does, and writes no log files).
@@ -25,8 +25,11 @@ torchrun does, and writes no log files).
 Which rank failed first is decided from what this process sees while it polls the
 ranks every 0.1 s: the time a rank's log shows an error, or its process vanished without
 finishing (a kill, the OOM killer). A death without a message outranks an error seen in
-the same poll, since peers report a dead rank within milliseconds; ranks that torchrun
-itself stopped after the failure (its ``closing signal`` lines) are not failures.
+the same poll, since peers report a dead rank within milliseconds; an error that only
+reports a failed collective (:data:`PEER_SYMPTOM`) is outranked by any other failure, since
+it is the symptom of one (a peer's disk-full error reaches the terminal within the same poll
+as rank 0's broken barrier); ranks that torchrun itself stopped after the failure (its
+``closing signal`` lines) are not failures.
 """
 
 from __future__ import annotations
@@ -166,6 +169,26 @@ class RankState:
     failed_at: float | None = None
     message: str | None = None
     died: bool = False
+    held: bytes = b""  # the end of the relayed log that may still become an ``error: `` line
+
+
+_ERROR = b"error: "
+PEER_SYMPTOM = "another rank has probably died or stalled"
+"""Part of every error a rank raises when a collective fails because of another rank
+(:func:`tokenloom.train.runtime.collective`, the DDP bucket wait): the symptom, not the cause."""
+
+
+def without_error_lines(held: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+    """(what to show, what to hold) of a log's next ``chunk``: its ``error: `` lines are left out
+    (the launcher ends with the first failure's line itself, so the terminal shows one error line).
+    Lines end at ``\n`` or ``\r`` (progress bars); an unfinished one is held only while it may
+    still become an error line, so a progress bar is shown as it is drawn."""
+    parts = re.split(rb"(?<=[\r\n])", held + chunk)
+    tail = parts.pop()  # after the last line end (empty when the chunk ends one)
+    shown = b"".join(p for p in parts if not p.startswith(_ERROR))
+    if tail.startswith(_ERROR) or _ERROR.startswith(tail):
+        return shown, tail
+    return shown + tail, b""
 
 
 class RankWatch:
@@ -205,6 +228,7 @@ class RankWatch:
             return
         if chunk:
             state.offset += len(chunk)
+            chunk, state.held = without_error_lines(state.held, chunk)
             stream = getattr(sys.stderr, "buffer", None)
             if stream is not None:
                 stream.write(chunk)
@@ -216,13 +240,13 @@ class RankWatch:
         """One line: the first failing rank and its error, or torchrun's last words."""
         torchrun_log = read_text(self.dir / "torchrun.log")
         stopped = {int(p) for p in re.findall(r"Sending process (\d+) closing signal", torchrun_log)}
-        failed = [(s.failed_at, not s.died, rank, s) for rank, s in self.ranks.items()
-                  if s.failed_at is not None and not (s.died and s.pid in stopped)]
+        failed = [(bool(s.message and PEER_SYMPTOM in s.message), s.failed_at, not s.died, rank, s)
+                  for rank, s in self.ranks.items() if s.failed_at is not None and not (s.died and s.pid in stopped)]
         if not failed:
             last = [line for line in torchrun_log.splitlines() if line.strip()]
             return (f"torchrun failed (exit status {torchrun_status}) before any rank reported an error"
                     + (f": {last[-1].strip()}" if last else ""))
-        *_, rank, state = min(failed, key=lambda f: f[:3])
+        *_, rank, state = min(failed, key=lambda f: f[:4])
         if not state.died:
             return state.message
         code = re.search(rf"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*{state.pid}\)", torchrun_log)

@@ -300,7 +300,8 @@ class Strategy:
             return reshard.save(self, iteration, state)
         barrier = (lambda: collective("checkpoint barrier", dist.barrier)) if world.size > 1 else (lambda: None)
         return checkpoint.save(cfg.ckpt_dir, iteration, model=self.chunks[0], optimizer=self.optimizer,
-                               state=state, rank=world.rank, barrier=barrier, keep_last=cfg.keep_last_checkpoints)
+                               state=state, rank=world.rank, barrier=barrier, keep_last=cfg.keep_last_checkpoints,
+                               world_size=world.size)
 
     def load(self, path: Path, saved: dict) -> None:
         """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank."""

@@ -28,8 +28,6 @@ layout is unchanged (dropout streams have no meaning across layouts).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ import torch.distributed as dist
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train.parallel.layers import shard, unshard
+from tokenloom.train.runtime import collective
 
 
 def _layout(run) -> dict[str, Any]:
@@ -69,45 +68,32 @@ def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list
 def save(run, iteration: int, run_state: dict) -> Path:
     """Collective: write ``iteration``'s checkpoint of ``run`` (a
     :class:`~tokenloom.train.strategy.Strategy`); ``run_state`` (consumed samples, data
-    fingerprint, config...) goes into ``state.json`` with the layout. Returns its directory."""
+    fingerprint, config...) goes into ``state.json`` with the layout. Returns its directory.
+    Written, committed and failing as :func:`tokenloom.train.checkpoint.save_files` says."""
     cfg, st = run.cfg, run.state
-    root = cfg.ckpt_dir
-    name = checkpoint.checkpoint_name(iteration)
-    final, tmp = root / name, root / f"{name}.tmp"
-    if st.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
-    rng = checkpoint.capture_rng()
-    if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
-        rng["tp_tracker"] = run.rng_tracker.get_states()
-    torch.save(rng, tmp / f"rng_rank{st.rank}.pt")
-    if st.dp_rank == 0:
-        params, meta, optim = {}, {}, {}
-        for pname, p in _named_params(run).items():
-            params[pname] = p.detach().cpu().clone()
-            meta[pname] = _split_info(run, pname, p)
-            if not cfg.zero1 and p in run.optimizer.state:
-                optim[pname] = {k: v.detach().cpu().clone() for k, v in run.optimizer.state[p].items()}
-        torch.save({"params": params, "meta": meta, "optim": optim, "tp_rank": st.tp_rank},
-                   tmp / f"shard_tp{st.tp_rank}_pp{st.pp_rank}.pt")
-    if cfg.zero1:
-        torch.save(run.optimizer.state_dict(), tmp / f"zero_rank{st.rank}.pt")
-    dist.barrier()
-    if st.rank == 0:
-        state = {**run_state, "iteration": iteration, "layout": _layout(run)}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-        (tmp / checkpoint.COMPLETE).write_text(f"{iteration}\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        checkpoint.write_latest(root, name)
-        if cfg.keep_last_checkpoints > 0:
-            for _, path in checkpoint.complete_checkpoints(root)[:-cfg.keep_last_checkpoints]:
-                shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
-    return final
+
+    def write(tmp: Path) -> None:
+        rng = checkpoint.capture_rng()
+        if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
+            rng["tp_tracker"] = run.rng_tracker.get_states()
+        checkpoint.write_file(tmp / f"rng_rank{st.rank}.pt", lambda f: torch.save(rng, f))
+        if st.dp_rank == 0:
+            params, meta, optim = {}, {}, {}
+            for pname, p in _named_params(run).items():
+                params[pname] = p.detach().cpu().clone()
+                meta[pname] = _split_info(run, pname, p)
+                if not cfg.zero1 and p in run.optimizer.state:
+                    optim[pname] = {k: v.detach().cpu().clone() for k, v in run.optimizer.state[p].items()}
+            shard_state = {"params": params, "meta": meta, "optim": optim, "tp_rank": st.tp_rank}
+            checkpoint.write_file(tmp / f"shard_tp{st.tp_rank}_pp{st.pp_rank}.pt",
+                                  lambda f: torch.save(shard_state, f))
+        if cfg.zero1:
+            checkpoint.write_file(tmp / f"zero_rank{st.rank}.pt", lambda f: torch.save(run.optimizer.state_dict(), f))
+
+    return checkpoint.save_files(
+        cfg.ckpt_dir, iteration, write, {**run_state, "layout": _layout(run)}, rank=st.rank,
+        barrier=lambda: collective("checkpoint barrier", dist.barrier), keep_last=cfg.keep_last_checkpoints,
+        world_size=run.world.size)
 
 
 def full_tensors(path: Path, names: set[str] | None = None

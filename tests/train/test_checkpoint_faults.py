@@ -1,0 +1,163 @@
+"""Faults while ``cli.py train`` writes a checkpoint (issue 19): a full disk, an I/O error and a
+permission error end in one line naming the checkpoint and what to do; the previous complete
+checkpoint stays the one ``--resume auto`` takes (a partial one never becomes latest), no
+temporary folder is left, and resuming gives the losses of an uninterrupted run.
+
+The faults are raised inside the ``train`` subprocess (and its torchrun ranks) where the kernel
+raises them: opening, writing, fsyncing or renaming the checkpoint's files
+(``tests/fault_site/sitecustomize.py``).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+from tl_testing import fault_env, run_cli
+
+from tokenloom.train import checkpoint
+
+RUN = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+       "--set", "model.vocab_size=64", "--set", "progress=false", "--set", "plot=false", "--eval-interval", "0",
+       "--micro-batch-size", "2", "--global-batch-size", "4", "--set", "data.mock.num_sequences=200",
+       "--set", "data.mock.max_length=40", "--train-iters", "6", "--save-interval", "3", "--log-interval", "1"]
+ITER3, ITER6 = checkpoint.checkpoint_name(3), checkpoint.checkpoint_name(6)
+
+
+def _train(out: Path, *extra, env=None):
+    return run_cli("train", *RUN, "--output-dir", out, *extra, env=env, timeout=240)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["iter"]: r["train_loss"] for r in records if "train_loss" in r}
+
+
+def _one_line_error(done, *needles: str) -> str:
+    assert done.returncode != 0, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(("warning: ", "logs: "))
+             and not line.lstrip().startswith(("outputs ", "{"))]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], done.stderr
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    done = _train(out)
+    assert done.returncode == 0, done.stderr
+    losses = _losses(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    return losses
+
+
+FAULTS = {  # the fault hits iteration 6's checkpoint; iteration 3's is complete by then
+    "disk-full-writing-the-model": ("write", errno.ENOSPC, f"{ITER6}.tmp/model.pt", 4096,
+                                    "no space left on device writing", "free space on that disk"),
+    "disk-full-at-fsync": ("fsync", errno.ENOSPC, f"{ITER6}.tmp/optimizer.pt", 0,
+                           "no space left on device writing", "free space on that disk"),
+    "io-error-writing-rng": ("write", errno.EIO, f"{ITER6}.tmp/rng_rank0.pt", 0, "I/O error on",
+                             "check it (dmesg)"),
+    "io-error-publishing": ("rename", errno.EIO, f"{ITER6}", 0, "I/O error on", "check it (dmesg)"),
+    "permission-denied": ("open", errno.EACCES, f"{ITER6}.tmp/state.json", 0, "permission denied on",
+                          "give this user access"),
+}
+
+
+def _check_fault_then_resume(out: Path, done, what: str, advice: str, reference: dict[int, float]) -> str:
+    ckpt = out / "checkpoints"
+    line = _one_line_error(done, f"{what} {ckpt / ITER6}", advice, f"the last complete one is {ckpt / ITER3}",
+                           "--resume auto")
+    assert checkpoint.resolve("auto", ckpt) == ckpt / ITER3, "a partial checkpoint never becomes the latest"
+    assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER3
+    assert sorted(p.name for p in ckpt.iterdir()) == [ITER3, checkpoint.LATEST], "temporary folders are removed"
+    assert checkpoint.read_state(ckpt / ITER3)["iteration"] == 3
+
+    again = _train(out, "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {ckpt / ITER3} at iteration 3" in again.stderr
+    assert _losses(out) == reference, "resuming continues with the losses of an uninterrupted run"
+    assert checkpoint.resolve("auto", ckpt) == ckpt / ITER6
+    return line
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_writing_a_checkpoint_keeps_the_last_one_and_resume_gives_the_same_losses(tmp_path, reference,
+                                                                                           fault):
+    op, err, pattern, room, what, advice = FAULTS[fault]
+    out = tmp_path / "run"
+    done = _train(out, env=fault_env(op, err, f"{out}/checkpoints/{pattern}", room))
+    _check_fault_then_resume(out, done, what, advice, reference)
+
+
+def test_a_fault_before_any_checkpoint_says_the_rerun_starts_over(tmp_path, reference):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    iter3 = ckpt / ITER3
+    done = _train(out, env=fault_env("write", errno.ENOSPC, f"{iter3}.tmp/model.pt", 1000))
+    _one_line_error(done, f"no space left on device writing {iter3}", "there is no complete checkpoint yet",
+                    "rerun the same command")
+    assert checkpoint.resolve("auto", ckpt) is None and list(ckpt.iterdir()) == []
+    again = _train(out, "--resume", "auto")
+    assert again.returncode == 0 and "resumed from" not in again.stderr, again.stderr
+    assert _losses(out) == reference
+
+
+def test_a_fault_updating_the_latest_pointer_keeps_the_complete_checkpoint(tmp_path, reference):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    done = _train(out, env=fault_env("rename", errno.EIO, ckpt / checkpoint.LATEST))
+    _one_line_error(done, f"I/O error on {ckpt / checkpoint.LATEST}", f"checkpoint {ckpt / ITER3} is complete",
+                    "--resume auto continues from it")
+    assert checkpoint.resolve("auto", ckpt) == ckpt / ITER3 and not (ckpt / checkpoint.LATEST).exists()
+    assert not list(ckpt.glob(f"{checkpoint.LATEST}.tmp-*")), "the pointer's temporary file is removed"
+    again = _train(out, "--resume", "auto")
+    assert again.returncode == 0 and f"resumed from {ckpt / ITER3} at iteration 3" in again.stderr, again.stderr
+    assert _losses(out) == reference
+    assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER6
+
+
+@pytest.fixture(scope="module")
+def reference_two_ranks(tmp_path_factory):
+    """The losses of an uninterrupted 2-rank run with extra flags (each computed once)."""
+    found = {}
+
+    def losses(*extra) -> dict[int, float]:
+        if extra not in found:
+            out = tmp_path_factory.mktemp("ref2") / "run"
+            done = _train(out, "--nproc-per-node", "2", *extra)
+            assert done.returncode == 0, done.stderr
+            found[extra] = _losses(out)
+        return found[extra]
+
+    return losses
+
+
+@pytest.mark.parametrize("rank, file, extra", [(1, "rng_rank1.pt", ()), (0, "model.pt", ()),
+                                               (1, "zero_rank1.pt", ("--set", "zero1=true"))],
+                         ids=["every-rank-file", "rank-0-file", "zero1-shard"])
+def test_two_ranks_a_disk_full_on_one_rank_ends_in_its_one_line_and_resume_gives_the_same_losses(
+        tmp_path, reference_two_ranks, rank, file, extra):
+    """``--nproc-per-node 2``: every rank writes its RNG file (and with ZeRO-1 its optimizer shard,
+    through the layout-aware writer), rank 0 alone the model. The rank that met the fault names it
+    in the one error line (the other rank's broken barrier is its symptom)."""
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    done = _train(out, "--nproc-per-node", "2", *extra,
+                  env=fault_env("write", errno.ENOSPC, f"{ckpt}/{ITER6}.tmp/{file}", 100))
+    line = _one_line_error(done, f"error: rank {rank}: no space left on device writing {ckpt / ITER6}",
+                           f"the last complete one is {ckpt / ITER3}", "--resume auto", "full logs: ")
+    assert "barrier failed" not in line
+    assert checkpoint.resolve("auto", ckpt) == ckpt / ITER3, "a partial checkpoint never becomes the latest"
+    assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER3
+    again = _train(out, "--nproc-per-node", "2", *extra, "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {ckpt / ITER3} at iteration 3" in again.stderr
+    assert _losses(out) == reference_two_ranks(*extra)
+    assert sorted(p.name for p in ckpt.iterdir()) == [ITER3, ITER6, checkpoint.LATEST], "the next save cleans up"
