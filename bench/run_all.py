@@ -43,7 +43,7 @@ SMALL_ARGS: dict[str, list[str]] = {
     "indexed_bench": ["--documents", "20000", "--reads", "20000"],
     "kernels_bench": ["--steps", "5", "--rounds", "2"],
 }
-TIMEOUT_S = 420
+TIMEOUT_S = 600  # train_bench: 8 rounds x 4 fresh processes, ~7 min on 2 quiet cores
 # ~1.0 B parameters: 16 layers x d_model 2048 (0.81 B) + 50304 x 2048 tied embedding (0.10 B)
 GPU_ARGS: dict[str, list[str]] = {
     "train_bench": ["--d-model", "2048", "--n-layers", "16", "--n-heads", "16", "--vocab", "50304",
