@@ -41,6 +41,15 @@ def best_interleaved(fns: list[Callable[[], float]], repeat: int = 3) -> list[fl
     return best
 
 
+def timed(fn: Callable[..., object], *args) -> Callable[[], float]:
+    """A self-timing callable for :func:`best_interleaved`: ``fn(*args)``, its wall time in seconds."""
+    def run() -> float:
+        start = time.perf_counter()
+        fn(*args)
+        return time.perf_counter() - start
+    return run
+
+
 def timed_in_fresh_dir(fn: Callable[[str], object], parent: str | os.PathLike,
                        before: Callable[[], object] | None = None) -> Callable[[], float]:
     """A self-timing callable for :func:`best_interleaved`: ``before()``, then ``fn(new directory

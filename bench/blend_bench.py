@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _table import best_interleaved, print_table, timed_in_fresh_dir  # noqa: E402
+from _table import best_interleaved, print_table, timed, timed_in_fresh_dir  # noqa: E402
 
 from tokenloom.blending.build import BuildConfig, build  # noqa: E402
 from tokenloom.blending.loader import GPTSamples, SampleConfig  # noqa: E402
@@ -53,12 +53,6 @@ class BenchTokenizer:  # what megatron's GPTDatasetConfig needs from a tokenizer
     vocab_size = 32000
     eod = 0
     unique_identifiers = {"class": "BenchTokenizer"}
-
-
-def timed_call(fn, *args) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
 
 
 def check_equal(ours, theirs) -> int:
@@ -127,8 +121,7 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         megatron(their_cache)
-        t_warm, t_their_warm = best_interleaved([lambda: timed_call(ours, cache),
-                                                 lambda: timed_call(megatron, their_cache)], repeat=5)
+        t_warm, t_their_warm = best_interleaved([timed(ours, cache), timed(megatron, their_cache)], repeat=5)
     result = ours(cache)
     checked = check_equal(result, theirs)
 

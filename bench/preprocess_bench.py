@@ -50,7 +50,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 from _python_bpe import PythonGPT2BPE  # noqa: E402
-from _table import best_interleaved, print_table  # noqa: E402
+from _table import best_interleaved, print_table, timed  # noqa: E402
 
 SHARED = Path(os.environ.get("TOKENLOOM_SHARED_DATA", REPO.parent / "shared" / "data"))
 GPT2 = SHARED / "tokenizers" / "gpt2"
@@ -224,13 +224,6 @@ def main() -> None:
     if tok.engine != "tiktoken":
         raise SystemExit(f"expected the tiktoken engine for {GPT2}, got {tok.engine}")
     tok.enc.encode_ordinary_batch(texts[:20], num_threads=w)  # warm
-
-    def timed(fn):
-        def run() -> float:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        return run
 
     def ceiling():  # the backend tokenloom picked for these files, texts in memory, all cores
         tok.enc.encode_ordinary_batch(texts, num_threads=w)
