@@ -75,6 +75,10 @@ class OrderedPool:
     def __init__(self, n: int, context, initializer=None, initargs=()):
         self._conns: list = []
         self._procs: list = []
+        self._submitted = 0
+        self._outstanding: collections.deque = collections.deque()  # the worker of each task not yet taken
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None  # started after the last fork
         try:
             for _ in range(n):
                 mine, theirs = context.Pipe(duplex=True)
@@ -86,10 +90,6 @@ class OrderedPool:
         except BaseException:
             self.close(kill=True)
             raise
-        self._submitted = 0
-        self._collected = 0
-        self._outstanding: collections.deque = collections.deque()
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_tasks, name="pool-sender", daemon=True)
         self._sender.start()
 
@@ -103,8 +103,9 @@ class OrderedPool:
 
     def submit(self, fn, *args) -> None:
         """Queue ``fn(*args)`` on the next worker (round robin); never blocks."""
-        self._tasks.put((self._submitted % len(self._conns), (fn, args)))
-        self._outstanding.append(self._submitted % len(self._conns))
+        worker = self._submitted % len(self._conns)
+        self._tasks.put((worker, (fn, args)))
+        self._outstanding.append(worker)
         self._submitted += 1
 
     def pending(self) -> int:
@@ -126,8 +127,8 @@ class OrderedPool:
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers: at once if ``kill`` or tasks are outstanding, else after their last task."""
-        kill = kill or bool(getattr(self, "_outstanding", ()))
-        if hasattr(self, "_tasks"):
+        kill = kill or self.pending() > 0
+        if self._sender is not None:
             self._tasks.put(None)
             self._sender.join(5)
         for conn, proc in zip(self._conns, self._procs, strict=False):
