@@ -48,11 +48,16 @@ def _one_line_error(done, *needles: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "run"
     done = _train(out)
     assert done.returncode == 0, done.stderr
-    losses = _losses(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    losses = _losses(reference_run)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     return losses
 
@@ -67,6 +72,8 @@ FAULTS = {  # the fault hits iteration 6's checkpoint; iteration 3's is complete
     "io-error-publishing": ("rename", errno.EIO, f"{ITER6}", 0, "I/O error on", "check it (dmesg)"),
     "permission-denied": ("open", errno.EACCES, f"{ITER6}.tmp/state.json", 0, "permission denied on",
                           "give this user access"),
+    "too-many-open-files": ("open", errno.EMFILE, f"{ITER6}.tmp/model.pt", 0, "too many open files at",
+                            "raise the open-file limit (ulimit -n)"),
 }
 
 
@@ -161,3 +168,42 @@ def test_two_ranks_a_disk_full_on_one_rank_ends_in_its_one_line_and_resume_gives
     assert f"resumed from {ckpt / ITER3} at iteration 3" in again.stderr
     assert _losses(out) == reference_two_ranks(*extra)
     assert sorted(p.name for p in ckpt.iterdir()) == [ITER3, ITER6, checkpoint.LATEST], "the next save cleans up"
+
+
+# --------------------------------------------------------------------------- the run's own files
+
+
+def test_a_full_disk_appending_metrics_stops_with_one_line_and_resume_completes(tmp_path, reference_run, reference):
+    """The disk fills half-way through iteration 5's metrics record (after checkpoint 3): one line
+    naming metrics.jsonl and the checkpoint to resume from; the torn record is dropped on resume."""
+    lines = (reference_run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    room = sum(len(line) for line in lines[:4]) + len(lines[4]) // 2
+    out = tmp_path / "run"
+    metrics, ckpt = out / "metrics.jsonl", out / "checkpoints"
+    done = _train(out, env=fault_env("write", errno.ENOSPC, str(metrics), room))
+    _one_line_error(done, f"no space left on device writing {metrics}", f"the last complete one is {ckpt / ITER3}",
+                    "--resume auto")
+    assert not metrics.read_text().endswith("\n"), "the fault tore a record, as a full disk does"
+    again = _train(out, "--resume", "auto")
+    assert again.returncode == 0, again.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iter"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert _losses(out) == reference
+
+
+def test_too_many_open_files_writing_the_config_stops_before_training(tmp_path):
+    out = tmp_path / "run"
+    done = _train(out, env=fault_env("open", errno.EMFILE, f"{out}/config.json*"))
+    _one_line_error(done, f"too many open files at {out / 'config.json'}", "ulimit -n",
+                    "there is no complete checkpoint yet")
+    assert list(out.iterdir()) == [], "no config and no temporary file is left"
+
+
+def test_a_full_disk_drawing_the_loss_plot_is_a_warning_after_a_complete_run(tmp_path, reference):
+    out = tmp_path / "run"
+    done = _train(out, "--set", "plot=true", env=fault_env("write", errno.ENOSPC, f"{out}/loss.png*"))
+    assert done.returncode == 0, done.stderr
+    assert f"warning: no loss plot: no space left on device writing {out / 'loss.png'}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not list(out.glob("loss.png*")), "neither a half-written plot nor its temporary file"
+    assert _losses(out) == reference and checkpoint.resolve("auto", out / "checkpoints").name == ITER6

@@ -122,11 +122,16 @@ def _failing_save(root: Path, final: Path, tmp: Path, old: Path, remove_tmp: boo
                 os.rename(old, final)
         if remove_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        last = find_latest(root)
-        then = (f"the last complete one is {last}: then rerun the same command with --resume auto to continue "
-                "from it" if last is not None else "there is no complete checkpoint yet: then rerun the same command")
         raise TokenloomError(f"{os_error_message(OSError(exc.errno, exc.strerror), final)}; the checkpoint was not "
-                             f"saved and {then}") from None
+                             f"saved and {resume_advice(root)}") from None
+
+
+def resume_advice(root: str | os.PathLike) -> str:
+    """What to do after a failed run whose checkpoints are under ``root`` (the end of an error line)."""
+    last = find_latest(root)
+    if last is None:
+        return "there is no complete checkpoint yet: then rerun the same command"
+    return f"the last complete one is {last}: then rerun the same command with --resume auto to continue from it"
 
 
 def _remove_unfinished(root: Path) -> None:

@@ -37,6 +37,7 @@ Choices and their costs:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict, load_config
@@ -114,10 +116,14 @@ class Trainer:
         parameters, self.flops_per_token = self.strategy.model_size()
         self.metrics = None
         if world.rank == 0:
-            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.output_dir) / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
-            self.metrics = MetricsLogger(self.metrics_path, tensorboard_dir=cfg.tensorboard_dir,
-                                         resume_iteration=self.iteration if self.resumed_from else None)
+            config_json = Path(cfg.output_dir) / "config.json"
+            with self._writing(config_json):
+                config_json.parent.mkdir(parents=True, exist_ok=True)
+                with atomic_writer(config_json, "w") as f:
+                    f.write(json.dumps(config_to_dict(cfg), indent=2))
+            with self._writing(self.metrics_path):
+                self.metrics = MetricsLogger(self.metrics_path, tensorboard_dir=cfg.tensorboard_dir,
+                                             resume_iteration=self.iteration if self.resumed_from else None)
             s = self.strategy
             facts = RunFacts(world_size=world.size, dp=s.dp_size, accumulation=s.num_micro, device=world.device.type,
                              precision=str(compute_dtype(cfg.precision, world.device)).removeprefix("torch."),
@@ -128,6 +134,24 @@ class Trainer:
     @property
     def metrics_path(self) -> Path:
         return Path(self.cfg.metrics_path or Path(self.cfg.output_dir) / "metrics.jsonl")
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path) -> Iterator[None]:
+        """A full disk, too many open files, an I/O or permission error writing one of the run's
+        own files (config, metrics) stops the run with one line naming the file and what to do:
+        the checkpoints decide where a rerun continues, and metrics records after the checkpoint
+        it resumes from are dropped then."""
+        try:
+            yield
+        except OSError as exc:
+            raise TokenloomError(f"{os_error_message(OSError(exc.errno, exc.strerror), path)}; "
+                                 f"{checkpoint.resume_advice(self.cfg.ckpt_dir)}") from None
+
+    def _record(self, record: dict) -> None:
+        """One metrics record (rank 0; a no-op elsewhere)."""
+        if self.metrics:
+            with self._writing(self.metrics_path):
+                self.metrics.log(record)
 
     def _check_tokenizer(self) -> int | None:
         if not self.cfg.tokenizer:
@@ -212,8 +236,7 @@ class Trainer:
         if self.iteration == 0 and cfg.eval_interval and has_valid:
             # The starting point of the validation curve (eval mode: no RNG is consumed).
             start = self.evaluate()
-            if self.metrics:
-                self.metrics.log({"iter": 0, "val_loss": start})
+            self._record({"iter": 0, "val_loss": start})
         timer.start()
         while self.iteration < cfg.train_iters:
             lr = lr_at(self.iteration, cfg.optim, cfg.train_iters)
@@ -236,8 +259,7 @@ class Trainer:
                 with timer.paused():
                     if evaluating:
                         last["val_loss"] = self.evaluate()
-                        if self.metrics:
-                            self.metrics.log({"iter": self.iteration, "val_loss": last["val_loss"]})
+                        self._record({"iter": self.iteration, "val_loss": last["val_loss"]})
                     if saving:
                         last["checkpoint"] = str(self._save())
             yield self.iteration
@@ -251,9 +273,15 @@ class Trainer:
         if "checkpoint" not in last and self.resumed_from is not None:
             last["checkpoint"] = str(self.resumed_from)  # resumed a finished run: nothing new to save
         if self.metrics:
-            self.metrics.close()
+            with self._writing(self.metrics_path):
+                self.metrics.close()
             if cfg.plot and not self._exited:
-                plot_loss(self.metrics_path, Path(cfg.output_dir) / "loss.png")
+                png = Path(cfg.output_dir) / "loss.png"
+                try:  # the run is complete and saved: a missing picture is worth a warning, not a failure
+                    plot_loss(self.metrics_path, png)
+                except OSError as exc:
+                    print(f"warning: no loss plot: {os_error_message(OSError(exc.errno, exc.strerror), png)}",
+                          file=sys.stderr, flush=True)
         return {"iteration": self.iteration, "exited": self._exited, **last, **self._timer.summary()}
 
     def _log_train(self, mean_loss: torch.Tensor, norm: torch.Tensor, lr: float, bar) -> float:
@@ -263,9 +291,8 @@ class Trainer:
                                  "check the data")
         timing = self._timer.interval()
         mfu = self.flops_per_token * timing["tokens_per_s"] / self.peak_total if self.peak_total else None
-        if self.metrics:
-            self.metrics.log({"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm),
-                              **timing, "consumed_samples": self.consumed, "mfu": mfu})
+        self._record({"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm), **timing,
+                      "consumed_samples": self.consumed, "mfu": mfu})
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}")
         return loss
 

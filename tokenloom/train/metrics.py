@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from tokenloom.fsio import atomic_writer, naming
+
 PEAK_BF16_FLOPS: list[tuple[str, float]] = [
     ("H200", 989e12),
     ("H100 PCIe", 756e12),
@@ -134,10 +136,11 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_iteration is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("iter", 0) <= resume_iteration]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+            kept = [json.dumps(r) for r in _records(self.path.read_text()) if r.get("iter", 0) <= resume_iteration]
+        with atomic_writer(self.path, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+        with naming(self.path):
+            self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self._tb = None
         if tensorboard_dir:
             try:
@@ -149,21 +152,38 @@ class MetricsLogger:
                 self._tb = SummaryWriter(tensorboard_dir)
 
     def log(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        """Append one record (flushed); an :class:`OSError` names the metrics file."""
+        with naming(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
                 if key != "iter" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, record["iter"])
 
     def close(self) -> None:
-        self._file.close()
+        with naming(self.path):
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 
 
+def _records(text: str) -> list[dict]:
+    """The records of a metrics file; a torn last line (a run killed or out of disk space while
+    appending it) is left out."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+    return records
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return _records(Path(path).read_text())
 
 
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
@@ -189,6 +209,9 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> P
     ax.legend()
     fig.tight_layout()
     png_path = Path(png_path)
-    fig.savefig(png_path)
-    plt.close(fig)
+    try:
+        with atomic_writer(png_path) as f:  # a full disk leaves the old plot or none, never half a PNG
+            fig.savefig(f, format="png")
+    finally:
+        plt.close(fig)
     return png_path
