@@ -66,6 +66,8 @@ FAULTS = {
                                             "give this user access"),
     "permission-denied-locking": ("open", errno.EACCES, f"{KEY}.lock", 0, "permission denied on",
                                   "give this user access"),
+    "too-many-open-files": ("open", errno.EMFILE, "*/sample_index.npy", 0, "too many open files at",
+                            "raise the open-file limit (ulimit -n)"),
 }
 
 
