@@ -1,6 +1,11 @@
 """Step time of our DDP vs torch.nn.parallel.DistributedDataParallel: 2 gloo ranks, same GPT.
 
-    .venv/bin/python bench/ddp_bench.py [--steps 10] [--repeat 8] [--d-model 128]
+    .venv/bin/python bench/ddp_bench.py [--steps 10] [--repeat 8] [--d-model 128] [--layers 4] [--compile]
+
+With ``--compile`` both sides are compiled as their users would: ours block by block
+(``GPT.compile_blocks``, what ``compile: true`` does), torch's as ``torch.compile(DDP(model))``,
+whose DDPOptimizer splits the graph at bucket boundaries so its buckets still overlap.
+Issue 16's setting: ``--d-model 768 --layers 8 --micro 1`` (58 M parameters, 9 buckets).
 
 Each rank runs forward + backward + AdamW step on the same model and batches, once
 wrapped in ours and once in torch's (default settings: 25 MiB buckets), with and without
@@ -35,11 +40,22 @@ from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 
 
 def make(args, wrapper: str):
-    cfg = GPTConfig(vocab_size=2048, make_vocab_size_divisible_by=128, seq_len=args.seq_len, n_layers=4,
+    cfg = GPTConfig(vocab_size=2048, make_vocab_size_divisible_by=128, seq_len=args.seq_len, n_layers=args.layers,
                     n_heads=4, d_model=args.d_model)
     model = GPT(cfg)
-    ddp = DistributedDataParallel(model) if wrapper == "ours" else TorchDDP(model)
+    if wrapper == "ours":
+        if args.compile:
+            model.compile_blocks()
+        ddp = DistributedDataParallel(model)
+    else:
+        ddp = TorchDDP(model)
+        if args.compile:
+            ddp = torch.compile(ddp)
     return model, ddp, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def no_sync(ddp):
+    return (ddp._orig_mod if hasattr(ddp, "_orig_mod") else ddp).no_sync()
 
 
 def steps(model, ddp, opt, batches, accum: int) -> None:
@@ -47,7 +63,7 @@ def steps(model, ddp, opt, batches, accum: int) -> None:
         opt.zero_grad(set_to_none=False)
         for m in range(accum):
             if m < accum - 1:
-                with ddp.no_sync():
+                with no_sync(ddp):
                     (ddp(x, y) / accum).backward()
             else:
                 (ddp(x, y) / accum).backward()
@@ -64,7 +80,7 @@ def worker(rank: int, args, port: int) -> None:
     data = torch.randint(0, 2048, (args.steps, args.micro, args.seq_len + 1), generator=g)
     batches = [(d[:, :-1], d[:, 1:]) for d in data]
     rows = []
-    for accum in (1, 4):
+    for accum in args.accum:
         built = {w: make(args, w) for w in ("ours", "torch")}
         for w in built:
             steps(*built[w], batches[:2], accum)  # warm-up (bucket rebuild, allocator)
@@ -85,8 +101,10 @@ def worker(rank: int, args, port: int) -> None:
                      f"{median['torch'] / median['ours']:.3f}x"))
     if rank == 0:
         params = sum(p.numel() for p in built["ours"][0].parameters())
+        compiled = ", both compiled" if args.compile else ""
         print_table(f"DDP: tokenloom vs torch DDP, 2 gloo ranks x {args.threads} thread(s), GPT {params / 1e6:.2f}M "
-                    f"params, micro {args.micro} x seq {args.seq_len}, median of {args.repeat * args.steps} alternating steps "
+                    f"params in {len(built['ours'][1].bucket_indices)} buckets{compiled}, micro {args.micro} x seq "
+                    f"{args.seq_len}, median of {args.repeat * args.steps} alternating steps "
                     "(time ratio = ours/torch, lower is better)", rows)
     dist.barrier()
     dist.destroy_process_group()
@@ -97,6 +115,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--compile", action="store_true", help="compile both sides (see the module docstring)")
+    parser.add_argument("--accum", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
+                        help="micro-batches per step, comma-separated (default 1,4)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")

@@ -165,3 +165,37 @@ def test_find_unused_sees_through_activation_recompute(group):
     ref(tokens, tokens).backward()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def _backward_nodes(loss: torch.Tensor) -> list[str]:
+    seen, stack, names = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_compiled_blocks_keep_bucket_overlap_and_the_eager_gradients(group):
+    """``compile: true`` compiles block by block (GPT.compile_blocks): the backward keeps one
+    compiled node per block (a whole-model graph has one, and every bucket would wait for its
+    end), so buckets are reduced while earlier blocks are in backward; the gradients are the
+    eager model's."""
+    cfg = GPTConfig(vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=3, n_heads=2, d_model=32)
+    torch.manual_seed(0)
+    eager, model = GPT(cfg), GPT(cfg)
+    model.load_state_dict(eager.state_dict())
+    model.compile_blocks()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, rebuild_buckets=False)
+    x = torch.randint(0, 64, (2, 17))
+    loss = ddp(x[:, :-1], x[:, 1:])
+    compiled = [name for name in _backward_nodes(loss) if "Compiled" in name]
+    assert len(compiled) == cfg.n_layers, compiled
+    assert len(ddp.bucket_indices) > 2
+    loss.backward()
+    eager(x[:, :-1], x[:, 1:]).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)

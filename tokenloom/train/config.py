@@ -75,7 +75,8 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """"auto": bf16 autocast on GPUs that support it, fp32 otherwise (always on CPU)."""
     compile: bool = False
-    """torch.compile the model (first steps are slow while it compiles)."""
+    """torch.compile each transformer block (first steps are slow while it compiles); per block, so
+    data-parallel gradient buckets still overlap with backward. tp = pp = 1 only."""
     ddp_bucket_cap_mb: float | None = None
     """DDP gradient bucket size in MiB; None means 25 with a 1 MiB first bucket."""
     dist_timeout_s: float = 600.0

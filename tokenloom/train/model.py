@@ -560,6 +560,17 @@ class GPT(nn.Module):
             return x
         return self.head(self.norm(x), labels, loss_mask)
 
+    def compile_blocks(self) -> None:
+        """``torch.compile`` each transformer block in place (``compile: true``), torchtitan's
+        choice over compiling the whole model: the backward keeps one autograd node per block,
+        so data-parallel gradient buckets are reduced while earlier blocks are still in
+        backward (a whole-model graph has one backward node and every bucket would wait for
+        its end); identical blocks share one compiled graph, so compile time is one block's.
+        The cost: no fusion across block boundaries, and the embedding and the head run
+        eagerly (their kernels are the ``kernels`` setting's)."""
+        for block in self.blocks.values():
+            block.compile()
+
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T = tokens.shape
         if T > self.cfg.seq_len:

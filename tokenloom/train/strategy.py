@@ -122,12 +122,13 @@ class Strategy:
                 shape = (cfg.model.seq_len // cfg.tp, cfg.micro_batch_size, cfg.model.d_model)
             self.comm = P2PComm.from_group(st.pp_group, shape, compute_dtype(cfg.precision, self.device),
                                            self.device)
-        self.net = torch.compile(self.chunks[0]) if cfg.compile else self.chunks[0]
+        if cfg.compile:
+            self.chunks[0].compile_blocks()
         self.ddp = None
         if self.dp_size > 1 and not self.staged and not cfg.zero1:
             from tokenloom.train.ddp import DistributedDataParallel
 
-            self.ddp = collective("DDP setup", DistributedDataParallel, self.net, bucket_cap_mb=cfg.ddp_bucket_cap_mb)
+            self.ddp = collective("DDP setup", DistributedDataParallel, self.chunks[0], bucket_cap_mb=cfg.ddp_bucket_cap_mb)
         # the loss of the last stage reaches every rank from here (tp 0, dp 0, last pp rank)
         self.loss_src = st.layout.rank_of(0, 0, cfg.pp - 1)
 
@@ -237,7 +238,7 @@ class Strategy:
             total = self._run([self.ddp], batches, False, no_sync=self.ddp.no_sync)
         else:
             self.optimizer.zero_grad()
-            total = self._run(self.chunks if self.staged else [self.net], batches, False)
+            total = self._run(self.chunks, batches, False)
         norm = self._finish_grads_and_step()
         return total / self.num_micro, norm
 
@@ -269,7 +270,7 @@ class Strategy:
     @torch.no_grad()
     def eval_loss_sum(self, batches: list) -> torch.Tensor:
         """Sum of the micro-batch losses of one global batch, forward only (eval mode)."""
-        modules = self.chunks if self.staged else [self.net]
+        modules = self.chunks
         for m in modules:
             m.eval()
         try:
