@@ -23,7 +23,7 @@ warning says so), where Megatron would have built more, differently shuffled, ep
 Worked example (a unit test): sources A, B at 0.5/0.5 for 8 samples interleave as
 ``A0 B0 A1 B1 A2 B2 A3 B3``. Changed at sample 4 to 0.25/0.75, the new segment's interleave
 is ``B A B B`` and continues each source after what it served: ``A0 B0 A1 B1 | B2 A2 B3 B4``.
-Megatron's order for the new weights would serve ``B3 A1 B4 B5`` from sample 4: A1 again,
+Megatron's order for the new weights would serve ``A1 B3 B4 B5`` from sample 4: A1 again,
 B2 never.
 """
 
