@@ -18,9 +18,15 @@ Loaders are plain ``torch.utils.data.DataLoader`` over :class:`GPTSamples` with 
 (resume at any data-parallel size). The data fingerprint stored in checkpoints covers
 what fixes the global train order: the section itself (minus loader knobs), the sample
 shape, the built train sample count and, for blends, a digest of every source's
-``.idx``. Changing ``train_iters`` or the batch size of a *blend* changes the built sample
-count and so the fingerprint (the blend's interleave depends on it), so extending such a
-run needs ``force_data``; mock data only changes when its epoch count changes.
+``.idx``. Mock data refuses a resume on another fingerprint unless ``force_data`` (it only
+changes when its epoch count changes).
+
+A blend's train order is a :class:`~tokenloom.blending.segments.SegmentedBlend`: one
+segment (Megatron's blend itself) until a resume changes the weights, the sources or the
+run length (``train_iters`` x ``global_batch_size``); then the checkpoint's history gets a
+segment that continues each source after the samples it served (:func:`resume_order`).
+The validation set is always this config's blend. Split, seed, sequence length, EOD
+masking and a source's content may not change (``force_data`` takes the new order as is).
 """
 
 from __future__ import annotations
