@@ -102,27 +102,33 @@ class SegmentedBlend:
         self.segments, self.blends = list(segments), list(blends)
         self.starts = [s.start for s in self.segments]
         self.ends = self.starts[1:] + [self.segments[-1].train_samples]
-        self.orders: dict[str, object] = {}  # digest -> the source's GPT dataset
+        self.first: dict[str, tuple[int, int]] = {}  # digest -> (segment, member) holding its order
         self.prefixes: dict[str, str] = {}
         self.digests: list[list[str]] = []
         self.offsets: list[np.ndarray] = []  # per segment, per member: samples taken before the segment
         taken: dict[str, int] = {}
         self.wrapped: list[str] = []
-        for seg, blend, end in zip(self.segments, self.blends, self.ends, strict=True):
+        for k, (seg, blend, end) in enumerate(zip(self.segments, self.blends, self.ends, strict=True)):
             digests = [d for _, _, d in seg.blend]
             if len(set(digests)) != len(digests):
                 raise TokenloomError(f"the blend from sample {seg.start} lists the same content twice "
                                      f"({', '.join(p for _, p, _ in seg.blend)}); give each source once")
-            for (_, prefix, digest), member in zip(seg.blend, blend.datasets, strict=True):
-                self.orders.setdefault(digest, member)
+            for m, (_, prefix, digest) in enumerate(seg.blend):
+                self.first.setdefault(digest, (k, m))
                 self.prefixes[digest] = prefix
             self.digests.append(digests)
             self.offsets.append(np.array([taken.get(d, 0) for d in digests], dtype=np.int64))
             drawn = np.bincount(np.asarray(blend.dataset_index[: end - seg.start]), minlength=len(digests))
             for d, n in zip(digests, drawn.tolist(), strict=True):
                 taken[d] = taken.get(d, 0) + n
-                if taken[d] > len(self.orders[d]) and self.prefixes[d] not in self.wrapped:
+                # segment 0 is Megatron's blend, which never over-draws a member (nor makes one here)
+                if k and n and taken[d] > len(self.order(d)) and self.prefixes[d] not in self.wrapped:
                     self.wrapped.append(self.prefixes[d])
+
+    def order(self, digest: str):
+        """A source's order: its member in the first segment that listed it (made on first use)."""
+        k, m = self.first[digest]
+        return self.blends[k].datasets[m]
 
     def __len__(self) -> int:
         return self.ends[-1]
@@ -133,7 +139,7 @@ class SegmentedBlend:
             raise IndexError(i)
         k = bisect.bisect_right(self.starts, i) - 1
         m, j = self.blends[k].locate(i - self.starts[k])
-        order = self.orders[self.digests[k][m]]
+        order = self.order(self.digests[k][m])
         return order, int(self.offsets[k][m] + j) % len(order)
 
     def __getitem__(self, i: int) -> np.ndarray:
@@ -146,7 +152,7 @@ class SegmentedBlend:
 
     def consumed(self, n: int) -> dict[str, int]:
         """Samples taken from each source (by digest) by the first ``n`` global samples."""
-        out = {d: 0 for d in self.orders}
+        out = {d: 0 for d in self.first}
         for seg, blend, digests, offsets, end in zip(self.segments, self.blends, self.digests, self.offsets,
                                                      self.ends, strict=True):
             if seg.start >= n and seg.start > 0:
