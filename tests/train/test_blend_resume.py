@@ -8,6 +8,7 @@ in-process (which source, which position of that source's own order).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -130,6 +131,13 @@ def test_only_weights_and_sources_may_change(tmp_path, monkeypatch):
 
     with pytest.raises(TokenloomError, match=r"other data settings \(data\.blend\.split '90,9,1' -> '80,19,1'\)"):
         run_ranks(cfg)  # the ranks' own check (a launch that skipped the launcher)
+    # a checkpoint written before data histories existed keeps the old rule
+    state_path = checkpoint.find_latest(run / "checkpoints") / "state.json"
+    text = state_path.read_text()
+    state_path.write_text(json.dumps({k: v for k, v in json.loads(text).items() if k != "data_history"}))
+    with pytest.raises(TokenloomError, match="saved before blends could change on resume"):
+        run_ranks(config(run, [(0.2, src["a"]), (0.8, src["b"])], cache, train_iters=4))
+    state_path.write_text(text)
     # a source whose content changed under its prefix cannot be continued
     shutil.copy(src["c"] + ".idx", src["a"] + ".idx")
     shutil.copy(src["c"] + ".bin", src["a"] + ".bin")
