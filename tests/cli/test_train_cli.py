@@ -201,3 +201,32 @@ def test_megatron_spellings_reach_the_config(tmp_path, shared_data):
     one_line_error(done, f"--data: {tmp_path / 'missing'}.idx does not exist")
     done = run_cli("train", *MOCK, "--vocab-file", gpt2 / "gpt2-vocab.json", "--output-dir", tmp_path / "r")
     assert done.returncode != 0 and "--vocab-file and --merge-file go together" in done.stderr
+
+
+def test_resume_with_new_blend_weights_continues_each_source(tmp_path):
+    """Issue 17: --resume auto with changed --data weights continues each source after what it
+    served (tests/train/test_blend_resume.py checks the samples); other data changes are refused."""
+    import numpy as np
+
+    from tokenloom.indexed import IndexedDatasetWriter
+
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        with IndexedDatasetWriter(tmp_path / name, vocab_size=96) as writer:
+            for _ in range(60):
+                writer.add_document(rng.integers(0, 95, size=int(rng.integers(20, 120))).tolist() + [95])
+    common = [*TINY, "--split", "90,9,1", "--cache-dir", tmp_path / "cache", "--train-iters", "6", "--output-dir",
+              tmp_path / "run", "--resume", "auto"]
+    done = run_cli("train", *common, "--data", "0.5", tmp_path / "a", "0.5", tmp_path / "b", "--set", "exit_interval=3")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("train", *common, "--data", "0.2", tmp_path / "a", "0.8", tmp_path / "b")
+    assert done.returncode == 0, done.stderr
+    assert "the blend changed at sample 12 (segment 2): each source continues after the samples it served" \
+        in done.stderr
+    state = json.loads((tmp_path / "run" / "checkpoints" / "iter_0000006" / "state.json").read_text())
+    # 0.5/0.5 of the first 12 samples, then 0.2/0.8 of 12 (2.4 of a: the greedy interleave serves 3)
+    assert [c["samples"] for c in state["data_consumed"]] == [6 + 3, 6 + 9]
+    one_line_error(run_cli("train", *common, "--split", "80,19,1", "--data", "0.2", tmp_path / "a", "0.8",
+                           tmp_path / "b", "--train-iters", "8"),
+                   "was trained on other data (data.blend {\"split\": \"90,9,1\"} -> {\"split\": \"80,19,1\"})",
+                   "--set force_data=true")

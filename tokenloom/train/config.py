@@ -67,7 +67,9 @@ class TrainConfig:
     resume: str | None = None
     """"auto" (latest complete checkpoint, or start fresh), a checkpoint directory, or None (fresh)."""
     force_data: bool = False
-    """Resume even if the checkpoint was trained on different data (the sample order changes)."""
+    """Resume even if the checkpoint was trained on different data, taking the new data's order as it is
+    (samples may repeat or be skipped). Not needed to change a blend's weights or sources, or train_iters:
+    each source then continues exactly after the samples it served."""
     tokenizer: str | None = None
     """Tokenizer path (or "byte"), stored in checkpoints so generate can decode."""
     seed: int = 1234

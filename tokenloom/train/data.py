@@ -18,13 +18,20 @@ Loaders are plain ``torch.utils.data.DataLoader`` over :class:`GPTSamples` with 
 (resume at any data-parallel size). The data fingerprint stored in checkpoints covers
 what fixes the global train order: the section itself (minus loader knobs), the sample
 shape, the built train sample count and, for blends, a digest of every source's
-``.idx``. Changing ``train_iters`` or the batch size of a *blend* changes the built sample
-count and so the fingerprint (the blend's interleave depends on it), so extending such a
-run needs ``force_data``; mock data only changes when its epoch count changes.
+``.idx``. Mock data refuses a resume on another fingerprint unless ``force_data`` (it only
+changes when its epoch count changes).
+
+A blend's train order is a :class:`~tokenloom.blending.segments.SegmentedBlend`: one
+segment (Megatron's blend itself) until a resume changes the weights, the sources or the
+run length (``train_iters`` x ``global_batch_size``); then the checkpoint's history gets a
+segment that continues each source after the samples it served (:func:`resume_order`).
+The validation set is always this config's blend. Split, seed, sequence length, EOD
+masking and a source's content may not change (``force_data`` takes the new order as is).
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -34,6 +41,7 @@ from torch.utils.data import DataLoader
 
 from tokenloom.blending.gpt import GPTDatasetConfig
 from tokenloom.blending.loader import ConsumedSamplesSampler, GPTSamples, SampleConfig, fingerprint
+from tokenloom.blending.segments import Segment, SegmentedBlend, continue_history, read_history
 from tokenloom.errors import TokenloomError
 
 
@@ -111,6 +119,11 @@ class Datasets:
     plan: str = ""
     """What was built, for people: the blend plan ``build`` prints (per split and source:
     documents, tokens, requested vs realised share, epochs, cache key), or the mock source."""
+    segments: list[Segment] | None = None
+    """Blend data: the train order's history (see :mod:`tokenloom.blending.segments`); one
+    segment, this config's Megatron blend, until a resume changes the blend."""
+    invariants: dict | None = None
+    """Blend data: what a resume may not change (split, sequence length, seed, EOD masking)."""
 
 
 def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, int, int],
@@ -143,7 +156,68 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
                              f"{sizes[0]} needed (train_iters x global_batch_size)")
     description.update(seq_len=seq_len, shuffle_seed=cfg.seed, eod_mask_loss=cfg.eod_mask_loss,
                        train_samples=len(train))
-    return Datasets(train, valid, test, eod, fingerprint(description), description, plan)
+    out = Datasets(train, valid, test, eod, fingerprint(description), description, plan)
+    if cfg.blend is not None:
+        out.segments = [Segment(0, sizes[0], tuple((float(w), str(p), built.sources[str(p)].digest)
+                                                   for w, p in cfg.blend.prefixes))]
+        out.invariants = {"data.blend.split": cfg.blend.split, "model.seq_len": seq_len, "data.seed": cfg.seed,
+                          "data.eod_mask_loss": cfg.eod_mask_loss}
+        out.train = SegmentedBlend(out.segments, [train])  # one segment: Megatron's blend itself
+    return out
+
+
+def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, where: str) -> list[str]:
+    """Continue the train order of a checkpoint (``where``) whose ``data_history`` is ``history``
+    at ``consumed`` samples: ``data.train`` and ``data.segments`` become the history continued
+    with this config's blend (a new segment if it draws differently). Returns notes for people.
+
+    Refuses, naming the setting, a change of anything but the blend's weights and sources and
+    the run length, and a source whose content changed (its consumed samples cannot be found)."""
+    invariants, segments = read_history(history, where)
+    changed = [f"{k} {invariants.get(k)!r} -> {v!r}" for k, v in data.invariants.items() if invariants.get(k) != v]
+    if changed:
+        raise TokenloomError(f"{where} was trained with other data settings ({'; '.join(changed)}); a resume may "
+                             "change only the blend's weights and sources and train_iters: restore them, or pass "
+                             "--set force_data=true to take the new order as it is")
+    current = data.segments[-1]
+    current_train = data.train.blends[-1]
+    changed_blend = not segments[-1].same_blend(current)
+    segments = continue_history(segments, current, consumed)
+    blends = [current_train if seg.same_blend(current) else _segment_blend(seg, cfg, data.invariants, current, where)
+              for seg in segments]
+    data.train, data.segments = SegmentedBlend(segments, blends), segments
+    notes = []
+    if changed_blend and segments[-1].start == consumed and consumed > 0:
+        shares = ", ".join(f"{p} {w:g}" for w, p, _ in segments[-1].blend)
+        notes.append(f"the blend changed at sample {consumed} (segment {len(segments)}): each source continues "
+                     f"after the samples it served ({shares})")
+    notes += [f"warning: {p} is asked for more samples than its built epochs hold; its order starts again"
+              for p in data.train.wrapped]
+    return notes
+
+
+def _segment_blend(seg: Segment, cfg: DataConfig, invariants: dict, current: Segment, where: str):
+    """The train blend of an earlier segment, rebuilt (a cache hit when ``cache_dir`` is kept);
+    a source is looked for where this config has its content, else at its recorded prefix."""
+    from tokenloom.indexed.format import index_path
+
+    moved = {d: p for _, p, d in current.blend}
+    pairs = [(w, moved.get(d, p)) for w, p, d in seg.blend]
+    for (_, prefix), (_, old, _) in zip(pairs, seg.blend, strict=True):
+        if not os.path.isfile(index_path(prefix)):
+            raise TokenloomError(f"{where} drew samples from {old}, which is gone and not in --data under another "
+                                 "name; restore it (its order is needed to continue the others exactly) or pass "
+                                 "--set force_data=true")
+    blend = BlendDataConfig(prefixes=pairs, split=cfg.blend.split, cache_dir=cfg.blend.cache_dir,
+                            build_timeout=cfg.blend.build_timeout)
+    gpt = GPTDatasetConfig(seq_length=invariants["model.seq_len"], seed=cfg.seed, split=cfg.blend.split)
+    built, _ = _build_blend(blend, gpt, (seg.train_samples, 0, 0))
+    for (_, prefix), (_, _, digest) in zip(pairs, seg.blend, strict=True):
+        if built.sources[prefix].digest != digest:
+            raise TokenloomError(f"{prefix} changed since {where} drew samples from it (its .idx/manifest digest "
+                                 "differs), so where it stopped cannot be found; restore it or pass "
+                                 "--set force_data=true")
+    return built.train
 
 
 def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int, int, int]):

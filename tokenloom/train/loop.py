@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tokenloom.blending.segments import history_json
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.train import checkpoint
@@ -172,10 +173,21 @@ class Trainer:
         check_resumable_model(path, self.cfg, saved["config"]["model"])
         from tokenloom.blending.loader import check_fingerprint
 
-        check_fingerprint(saved.get("data_fingerprint"), self.data.fingerprint, self.cfg.force_data)
+        consumed, history = int(saved["consumed_samples"]), saved.get("data_history")
+        notes = []
+        if history is not None and self.data.segments is not None and not self.cfg.force_data:
+            notes = train_data.resume_order(self.data, self.cfg.data, history, consumed, str(path))
+        elif self.data.segments is not None and not self.cfg.force_data and \
+                saved.get("data_fingerprint") != self.data.fingerprint:
+            raise TokenloomError(f"{path} was trained on other data and saved before blends could change on resume "
+                                 "(it has no data history); resume with its data or pass --set force_data=true")
+        else:
+            check_fingerprint(saved.get("data_fingerprint"), self.data.fingerprint, self.cfg.force_data)
         self.strategy.load(path, saved)
-        self.iteration, self.consumed = int(saved["iteration"]), int(saved["consumed_samples"])
+        self.iteration, self.consumed = int(saved["iteration"]), consumed
         if self.world.rank == 0:
+            for note in notes:
+                print(note, file=sys.stderr)
             print(f"resumed from {path} at iteration {self.iteration} ({self.consumed} samples consumed)",
                   file=sys.stderr)
         return path
@@ -188,6 +200,9 @@ class Trainer:
             "world_size": self.world.size,
             "config": config_to_dict(self.cfg),
         }
+        if self.data.segments is not None:  # the train order's history and where each source stands
+            state["data_history"] = history_json(self.data.invariants, self.data.segments)
+            state["data_consumed"] = self.data.train.consumed_json(self.consumed)
         return self.strategy.save(self.iteration, state)
 
     def evaluate(self) -> float:

@@ -108,21 +108,25 @@ def check_sources(cfg: TrainConfig) -> None:
 
 def check_resume(cfg: TrainConfig) -> None:
     """A checkpoint to resume has the same model, and the same data unless ``force_data``
-    (loader-only settings, ``num_workers`` and the cache directory, may change)."""
+    (loader-only settings, ``num_workers`` and the cache directory, may change, and the blend's
+    weights and sources when the checkpoint keeps a data history: see ``blending/segments.py``)."""
     from tokenloom.train import checkpoint
 
     path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
     if path is None:
         return
-    saved = checkpoint.read_state(path)["config"]
+    state = checkpoint.read_state(path)
+    saved = state["config"]
     check_resumable_model(path, cfg, saved["model"])
     if cfg.force_data or saved.get("data") is None:
         return
+    # a checkpoint with a data history continues each source exactly under other weights or sources
+    free = ("cache_dir", "build_timeout") + (("prefixes",) if "data_history" in state else ())
 
     def order_defining(data: dict) -> dict:
         out = {k: v for k, v in data.items() if k != "num_workers"}
         if out.get("blend"):
-            out["blend"] = {k: v for k, v in out["blend"].items() if k not in ("cache_dir", "build_timeout")}
+            out["blend"] = {k: v for k, v in out["blend"].items() if k not in free}
         return out
 
     old, new = order_defining(saved["data"]), order_defining(config_to_dict(cfg)["data"])
