@@ -126,7 +126,9 @@ def _connect(ray, cfg: PreprocessConfig) -> None:
     try:
         ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise TokenloomError(f"{flag} {address}: cannot join the Ray cluster ({exc})") from None
+        hint = "" if os.environ.get("RAY_AUTH_MODE") else \
+            "; a cluster with token authentication needs RAY_AUTH_MODE=token and its token"
+        raise TokenloomError(f"{flag} {address}: cannot join the Ray cluster ({exc}){hint}") from None
 
 
 def _run_tasks(ray, cfg, task_cfg, shards, inputs, num_shards, echo) -> dict[int, dict]:
