@@ -118,7 +118,7 @@ def _connect(ray, cfg: PreprocessConfig) -> None:
             socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT).close()
         except OSError as exc:
             raise TokenloomError(f"{flag} {address}: no Ray cluster answers there "
-                                 f"({exc.strerror or exc}); start one with 'ray start --head' or fix the address"
+                                 f"({exc.strerror or exc}); is the cluster up, and the address its head's?"
                                  ) from None
     options = {"logging_level": logging.WARNING, "log_to_driver": False}
     if not address or address == "local":
