@@ -75,11 +75,11 @@ def single(cluster):
     return inputs, preprocess(work, inputs, name="single", append_eod=True)
 
 
-def _ray_run(address, inputs, out):
+def _ray_run(address, inputs, out, *options):
     # Ray joins a cluster at an explicit address with its token (~/.ray/auth_token, written by
     # the cluster) only when told to.
     return run_cli("preprocess", "--input", *inputs, "--output-prefix", out, "--tokenizer-type", "byte",
-                   "--append-eod", "--no-progress", "--executor", "ray", "--ray-address", address, timeout=240,
+                   "--append-eod", "--no-progress", "--executor", "ray", "--ray-address", address, *options, timeout=240,
                    env=dict(cli_env(), RAY_AUTH_MODE="token"))
 
 
@@ -125,3 +125,19 @@ def test_missing_ray_names_the_extra(tmp_path, monkeypatch):
     cfg = PreprocessConfig(inputs=[str(tmp_path)], output_prefix=str(tmp_path / "out"), executor="ray")
     with pytest.raises(TokenloomError, match=r"pip install 'tokenloom\[ray\]'"):
         run(cfg)
+
+
+def test_bad_records_are_judged_over_the_job(cluster, single):
+    address, work = cluster
+    inputs, _ = single
+    bad = work / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n{"text": "also fine"}\n{"no_text": 1}\n', encoding="utf-8")
+    files = [inputs[0], str(bad), inputs[1]]
+    reference = preprocess(work, files, name="tolerant-single", append_eod=True, max_bad_fraction=0.05)
+    done = _ray_run(address, files, work / "tolerant", "--max-bad-fraction", "0.05")
+    # 2 bad of 68 records: 2.9% of the job, though 50% of the bad file's shard
+    assert done.returncode == 0, done.stderr
+    assert same_bytes(work / "tolerant", reference)
+    assert (work / "tolerant.rejects.jsonl").read_bytes() == (work / "tolerant-single.rejects.jsonl").read_bytes()
+    single_options = {k: v for k, v in manifest.read(reference)["options"].items() if k != "shard"}
+    assert manifest.read(work / "tolerant")["options"] == single_options  # merged outputs list "shards" instead
