@@ -96,6 +96,9 @@ def test_ray_output_equals_single_process_run(cluster, single):
     assert [s["index"] for s in m["shards"]] == list(range(FILES))
     assert not (work / "ray.shards").exists()  # the staging folder goes once the merge is published
     assert not (work / "killed.marker").exists()  # the fault is only for the killed job
+    done = _ray_run(address, inputs, work / "ray3", "--num-shards", "3")  # tasks of several inputs
+    assert done.returncode == 0, done.stderr
+    assert "ray: 3 tasks" in done.stdout and same_bytes(work / "ray3", reference)
 
 
 def test_killed_task_is_retried_and_bytes_match(cluster, single):
