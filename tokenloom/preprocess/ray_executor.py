@@ -54,6 +54,8 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
     ray = _import_ray()
     if cfg.shard_index is not None:
         raise TokenloomError("--shard-index does not apply to --executor ray (the job runs every shard)")
+    if cfg.max_bad_fraction is not None and not 0 <= cfg.max_bad_fraction <= 1:
+        raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
     if cfg.ray_retries < 0:
         raise TokenloomError(f"--ray-retries must be >= 0, got {cfg.ray_retries}")
     inputs = discover(cfg.inputs)
@@ -62,25 +64,20 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
         raise TokenloomError(f"--num-shards must be >= 1, got {num_shards}")
     shards = [i for i in range(num_shards) if shard_inputs(inputs, num_shards, i)]
     staging = Path(f"{cfg.output_prefix}.shards")
-    staging.mkdir(parents=True, exist_ok=True)
     task_cfg = replace(cfg, output_prefix=str(staging / Path(cfg.output_prefix).name), executor="local",
                        ray_address=None, num_shards=num_shards, progress=False, workers=cfg.workers or 1,
                        max_bad_fraction=None if cfg.max_bad_fraction is None else 1.0)
     _connect(ray, cfg)
     try:
+        staging.mkdir(parents=True, exist_ok=True)
         summaries = _run_tasks(ray, cfg, task_cfg, shards, inputs, num_shards, echo)
+    except OSError as exc:
+        raise TokenloomError(os_error_message(exc, staging)) from None
     finally:
         ray.shutdown()
     _check_visible(task_cfg, shards, num_shards)
     _judge_bad_records(cfg, task_cfg, shards, num_shards, summaries)
-    for key, final in output_prefixes(cfg, 1, 0).items():
-        parts = [output_prefixes(task_cfg, num_shards, i)[key] for i in shards]
-        if cfg.max_bad_fraction is not None:  # the tasks ran with the threshold lifted; record the job's
-            for part in parts:
-                m = manifest.read(part)
-                m["options"]["max_bad_fraction"] = cfg.max_bad_fraction
-                manifest.write(part, m)
-        merge(final, parts)
+    _merge_shards(cfg, task_cfg, shards, num_shards)
     shutil.rmtree(staging, ignore_errors=True)
     summary = _summary(cfg, summaries, len(inputs), len(shards), time.perf_counter() - start)
     echo(format_summary(summary))
@@ -110,10 +107,13 @@ def _connect(ray, cfg: PreprocessConfig) -> None:
 
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
     flag = "--ray-address" if cfg.ray_address else "$RAY_ADDRESS"
-    if address and address not in ("auto", "local") and not address.startswith("ray://"):
+    if address and address.startswith("ray://"):
+        raise TokenloomError(f"{flag} {address}: Ray Client (ray://) addresses are not supported; run the "
+                             "command on a node of the cluster, with its head's HOST:PORT")
+    if address and address not in ("auto", "local"):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
-            raise TokenloomError(f"{flag} {address!r}: expected HOST:PORT (or ray://HOST:PORT, auto)")
+            raise TokenloomError(f"{flag} {address!r}: expected HOST:PORT (or auto)")
         try:
             socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT).close()
         except OSError as exc:
@@ -173,6 +173,21 @@ def _result(ray, ref, shard: int, num_shards: int, cfg: PreprocessConfig) -> dic
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TokenloomError(f"shard {shard + 1}/{num_shards} failed after {cfg.ray_retries} retries ({first}); "
                              "rerun the same command to resume") from None
+
+
+def _merge_shards(cfg: PreprocessConfig, task_cfg: PreprocessConfig, shards: list[int], num_shards: int) -> None:
+    """Each output key's shards, in index order, into its final prefix (published atomically by ``merge``)."""
+    for key, final in output_prefixes(cfg, 1, 0).items():
+        parts = [output_prefixes(task_cfg, num_shards, i)[key] for i in shards]
+        if cfg.max_bad_fraction is not None:  # the tasks ran with the threshold lifted; record the job's
+            for part in parts:
+                m = manifest.read(part)
+                m["options"]["max_bad_fraction"] = cfg.max_bad_fraction
+                try:
+                    manifest.write(part, m)
+                except OSError as exc:
+                    raise TokenloomError(os_error_message(exc, part)) from None
+        merge(final, parts)
 
 
 def _check_visible(task_cfg: PreprocessConfig, shards: list[int], num_shards: int) -> None:
