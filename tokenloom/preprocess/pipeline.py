@@ -260,6 +260,16 @@ def _config_digest(cfg: PreprocessConfig, inputs: list[Input], tokenizer_fp: dic
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def check_options(cfg: PreprocessConfig) -> None:
+    """Refuse option values no run can use (before any work, also in a driver of many runs)."""
+    if not cfg.json_keys:
+        raise TokenloomError("--json-keys needs at least one key")
+    if cfg.max_bad_fraction is not None and not 0 <= cfg.max_bad_fraction <= 1:
+        raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
+    if cfg.workers < 0:
+        raise TokenloomError(f"--workers must be >= 0, got {cfg.workers}")
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -309,12 +319,7 @@ class _Run:
         from tokenloom.tokenizers import load_tokenizer
 
         self.cfg, self.echo = cfg, echo
-        if not cfg.json_keys:
-            raise TokenloomError("--json-keys needs at least one key")
-        if cfg.max_bad_fraction is not None and not 0 <= cfg.max_bad_fraction <= 1:
-            raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
-        if cfg.workers < 0:
-            raise TokenloomError(f"--workers must be >= 0, got {cfg.workers}")
+        check_options(cfg)
         all_inputs = discover(cfg.inputs)
         self.num_shards, self.shard_index = resolve_shard(cfg)
         self.inputs = [all_inputs[k] for k in shard_inputs(all_inputs, self.num_shards, self.shard_index)]

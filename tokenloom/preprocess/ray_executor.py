@@ -41,7 +41,13 @@ from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.preprocess import manifest
 from tokenloom.preprocess.merge import merge
-from tokenloom.preprocess.pipeline import PreprocessConfig, format_summary, output_prefixes, run_prefix
+from tokenloom.preprocess.pipeline import (
+    PreprocessConfig,
+    check_options,
+    format_summary,
+    output_prefixes,
+    run_prefix,
+)
 from tokenloom.preprocess.pipeline import run as run_local
 from tokenloom.preprocess.readers import discover, shard_inputs
 
@@ -54,8 +60,7 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
     ray = _import_ray()
     if cfg.shard_index is not None:
         raise TokenloomError("--shard-index does not apply to --executor ray (the job runs every shard)")
-    if cfg.max_bad_fraction is not None and not 0 <= cfg.max_bad_fraction <= 1:
-        raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
+    check_options(cfg)
     if cfg.ray_retries < 0:
         raise TokenloomError(f"--ray-retries must be >= 0, got {cfg.ray_retries}")
     inputs = discover(cfg.inputs)
