@@ -172,8 +172,7 @@ def _result(ray, ref, shard: int, num_shards: int, cfg: PreprocessConfig) -> dic
     except RayTaskError as exc:
         if isinstance(exc.cause, TokenloomError):
             raise TokenloomError(str(exc.cause)) from None
-        raise TokenloomError(f"shard {shard + 1}/{num_shards} failed: {type(exc.cause).__name__}: {exc.cause}; "
-                             "rerun the same command to resume") from None
+        raise  # a bug: keep the task's traceback
     except RayError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TokenloomError(f"shard {shard + 1}/{num_shards} failed after {cfg.ray_retries} retries ({first}); "
