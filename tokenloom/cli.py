@@ -170,6 +170,10 @@ def _pp_help(name: str) -> str:
               help=_pair(_pp_help("check_space"), True, "--no-space-check", "start without checking"))
 @click.option("--progress/--no-progress", "progress", default=True,
               help=_pair(_pp_help("progress"), True, "--no-progress", "no progress bar"))
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help=_pp_help("executor"))
+@click.option("--ray-address", help=_pp_help("ray_address"))
+@click.option("--ray-retries", type=int, default=3, show_default=True, help=_pp_help("ray_retries"))
 def preprocess(**options):
     """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
     from tokenloom.preprocess import PreprocessConfig, run

@@ -12,7 +12,10 @@ where the kernel would raise it, on files whose path matches the glob ``path``:
   ``BufferedWriter``, so buffered bytes meet it again on flush and close, as on a real disk;
   ``os.write`` to a matching file fails at once;
 - ``fsync``: ``fsync(2)`` of the file fails (delayed allocation or write-back finding no room);
-- ``rename``: renaming onto a matching name fails (``os.rename``/``os.replace``, pathlib's too).
+- ``rename``: renaming onto a matching name fails (``os.rename``/``os.replace``, pathlib's too);
+- ``exit``: the process dies (``os._exit(errno)``, like a kill) when it opens a matching file for
+  writing, only the first time across processes: it first creates the file ``marker``, and a
+  process that finds the marker already there goes on (so a retried task succeeds).
 
 Code that writes through anything else (a C library opening files itself) is not reached.
 Without the variable nothing is patched.
@@ -132,6 +135,16 @@ def _install() -> None:
             raise _fail(os.fspath(path))
         return real_os_open(path, flags, *a, **k)
 
+    def dying_open(file, mode="r", *a, **k):
+        if any(c in mode for c in "wax+") and _matches(file):
+            try:
+                os.close(real_os_open(_FAULT["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                os._exit(_FAULT["errno"])
+        return real_open(file, mode, *a, **k)
+
     def faulty_os_write(fd, data):
         if _fd_matches(fd):
             raise _fail()
@@ -147,6 +160,8 @@ def _install() -> None:
         os.fsync = faulty_fsync
     elif op == "rename":
         os.rename, os.replace = renaming(real_rename), renaming(real_replace)
+    elif op == "exit":
+        builtins.open = io.open = dying_open
     else:
         raise ValueError(f"TOKENLOOM_TEST_FAULT: unknown op {op!r}")
 

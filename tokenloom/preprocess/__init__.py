@@ -1,5 +1,18 @@
 """Corpora -> Megatron ``.bin/.idx`` + manifest (``tokenloom preprocess``)."""
 
-from tokenloom.preprocess.pipeline import PreprocessConfig, run
+from tokenloom.errors import TokenloomError
+from tokenloom.preprocess.pipeline import PreprocessConfig
+from tokenloom.preprocess.pipeline import run as run_local
 
 __all__ = ["PreprocessConfig", "run"]
+
+
+def run(cfg: PreprocessConfig, echo=print) -> dict:
+    """Run preprocess with ``cfg.executor``: local processes, or Ray tasks merged into one output."""
+    if cfg.executor == "local":
+        return run_local(cfg, echo)
+    if cfg.executor == "ray":
+        from tokenloom.preprocess.ray_executor import run as run_ray
+
+        return run_ray(cfg, echo)
+    raise TokenloomError(f"--executor {cfg.executor!r}: expected local or ray")

@@ -97,13 +97,13 @@ class PreprocessConfig:
     prepend_bos: bool = False
     """Prepend the tokenizer's BOS id to every non-empty document."""
     workers: int = 0
-    """Tokenizer worker processes (0: one per CPU core)."""
+    """Tokenizer worker processes (0: one per CPU core; with --executor ray: per task, 0 meaning 1)."""
     txt_unit: str = "file"
     """What one document is in a .txt input: file, paragraph (blank-line separated) or line."""
     megatron_names: bool = False
     """Name outputs PREFIX_<key>_document like Megatron's preprocess_data.py."""
     num_shards: int | None = None
-    """Split the inputs into this many shards (default: $WORLD_SIZE or $SLURM_NTASKS, else 1)."""
+    """Split the inputs into this many shards (default: $WORLD_SIZE or $SLURM_NTASKS, else 1; with --executor ray: one per input)."""
     shard_index: int | None = None
     """Which shard this process writes (default: $RANK or $SLURM_PROCID, else 0)."""
     max_bad_fraction: float | None = None
@@ -116,6 +116,12 @@ class PreprocessConfig:
     """Check that the output disk can hold the estimated output before starting; --no-space-check skips it."""
     progress: bool = True
     """Show a progress bar on stderr; --no-progress hides it."""
+    executor: str = "local"
+    """Where the job runs: local (processes on this machine) or ray (one task per shard on a Ray cluster, merged into one output; the [ray] extra)."""
+    ray_address: str | None = None
+    """Ray cluster for --executor ray, HOST:PORT (default: $RAY_ADDRESS, else a local Ray started for the job)."""
+    ray_retries: int = 3
+    """With --executor ray: times a task whose worker process died (killed, out of memory, lost node) is rerun."""
 
 
 @dataclass
@@ -248,9 +254,20 @@ def _megabytes(n: int) -> str:
 def _config_digest(cfg: PreprocessConfig, inputs: list[Input], tokenizer_fp: dict, shard) -> str:
     stats = [(i.path, i.format, i.size, os.stat(i.path).st_mtime_ns) for i in inputs]
     shape = {k: v for k, v in asdict(cfg).items()
-             if k not in ("workers", "chunk_bytes", "checkpoint_interval", "check_space", "progress")}
+             if k not in ("workers", "chunk_bytes", "checkpoint_interval", "check_space", "progress",
+                          "executor", "ray_address", "ray_retries")}
     blob = json.dumps([stats, tokenizer_fp["digest"], shape, shard], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def check_options(cfg: PreprocessConfig) -> None:
+    """Refuse option values no run can use (before any work, also in a driver of many runs)."""
+    if not cfg.json_keys:
+        raise TokenloomError("--json-keys needs at least one key")
+    if cfg.max_bad_fraction is not None and not 0 <= cfg.max_bad_fraction <= 1:
+        raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
+    if cfg.workers < 0:
+        raise TokenloomError(f"--workers must be >= 0, got {cfg.workers}")
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -302,12 +319,7 @@ class _Run:
         from tokenloom.tokenizers import load_tokenizer
 
         self.cfg, self.echo = cfg, echo
-        if not cfg.json_keys:
-            raise TokenloomError("--json-keys needs at least one key")
-        if cfg.max_bad_fraction is not None and not 0 <= cfg.max_bad_fraction <= 1:
-            raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
-        if cfg.workers < 0:
-            raise TokenloomError(f"--workers must be >= 0, got {cfg.workers}")
+        check_options(cfg)
         all_inputs = discover(cfg.inputs)
         self.num_shards, self.shard_index = resolve_shard(cfg)
         self.inputs = [all_inputs[k] for k in shard_inputs(all_inputs, self.num_shards, self.shard_index)]
