@@ -170,6 +170,7 @@ def _pp_help(name: str) -> str:
               help=_pair(_pp_help("check_space"), True, "--no-space-check", "start without checking"))
 @click.option("--progress/--no-progress", "progress", default=True,
               help=_pair(_pp_help("progress"), True, "--no-progress", "no progress bar"))
+@click.option("--staging-dir", help=_pp_help("staging_dir"))
 def preprocess(**options):
     """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
     from tokenloom.preprocess import PreprocessConfig, run
