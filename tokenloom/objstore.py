@@ -101,7 +101,7 @@ def filesystem(url: str):
 
 def expand(pattern: str) -> list[tuple[str, int, str]]:
     """``(url, size, version)`` of the objects a URL or URL glob names, sorted; version: ETag or mtime."""
-    with store_errors(pattern, "listing"):
+    with store_errors(pattern, "lookup"):
         fs, path = filesystem(pattern)
         scheme = pattern.split("://", 1)[0]
         paths = sorted(fs.glob(path)) if any(c in path for c in "*?[") else [path]

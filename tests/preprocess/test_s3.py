@@ -88,11 +88,9 @@ def corpus(s3, shared_data, tmp_path_factory):
         path = local / f"part{n}.jsonl.zst"
         path.write_bytes(zstandard.ZstdCompressor(level=3).compress(b"".join(part)))
         fs.put_file(str(path), f"corpus/in/{path.name}")
-    tokenizer = shared_data / "tokenizers" / "gpt2"
-    args = ["--tokenizer", tokenizer / "gpt2-vocab.json", "--workers", "2", "--no-progress", "--append-eod",
-            "--chunk-bytes", "65536"]
-    ref = preprocess(local, sorted(local.glob("*.jsonl.zst")), name="ref", tokenizer=str(tokenizer / "gpt2-vocab.json"), tokenizer_type=None,
-                     append_eod=True)  # in-process and one worker: the bytes do not depend on either
+    # The byte tokenizer: these tests are about reading and writing, and it loads at once.
+    args = ["--tokenizer-type", "byte", "--workers", "2", "--no-progress", "--append-eod", "--chunk-bytes", "65536"]
+    ref = preprocess(local, sorted(local.glob("*.jsonl.zst")), name="ref", append_eod=True, chunk_bytes=65536)
     return {"args": args, "ref": ref, "input": "s3://corpus/in/*.jsonl.zst"}
 
 
@@ -151,6 +149,7 @@ def test_bad_object_store_paths_are_one_line(s3, corpus, tmp_path, case):
     url, inputs, env, prefix = corpus["input"], None, s3.env(), "s3://out/bad/ds"
     if case == "unreachable":
         env = dict(s3.env(f"http://127.0.0.1:{_closed_port()}"), AWS_MAX_ATTEMPTS="1")  # botocore: no retries
+        prefix = str(tmp_path / "out")  # a local output: the input is what cannot be reached
         fragment = "cannot reach the object store"
     elif case == "no bucket":
         url = inputs = "s3://no-such-bucket/part0.jsonl.zst"

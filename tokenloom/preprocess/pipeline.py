@@ -319,6 +319,8 @@ class _Run:
             raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
         if cfg.workers < 0:
             raise TokenloomError(f"--workers must be >= 0, got {cfg.workers}")
+        if objstore.is_url(cfg.output_prefix):  # before any work
+            objstore.check_output(cfg.output_prefix)
         all_inputs = discover(cfg.inputs)
         self.num_shards, self.shard_index = resolve_shard(cfg)
         self.inputs = [all_inputs[k] for k in shard_inputs(all_inputs, self.num_shards, self.shard_index)]
@@ -336,8 +338,6 @@ class _Run:
         self.outputs = output_prefixes(cfg, self.num_shards, self.shard_index)
         base = run_prefix(cfg, self.num_shards, self.shard_index)
         self.remote = objstore.is_url(base)
-        if self.remote:
-            objstore.check_output(base)
         self.partial = staging_path(base, cfg.staging_dir) if self.remote else Path(f"{base}.partial")
         self.staged_marker = self.partial / "staged.json"
         self.rejects_path = f"{base}.rejects.jsonl"
