@@ -138,6 +138,29 @@ def test_failed_upload_leaves_no_object_and_a_rerun_publishes(s3, corpus, tmp_pa
     _same_as_reference(s3, prefix, corpus["ref"])
 
 
+def test_store_failure_mid_run_keeps_the_staged_checkpoint_and_the_rerun_resumes(s3, corpus, tmp_path):
+    """The second input cannot be read: one line, the checkpoint in the staging dir is kept, and the
+    same command (the store fixed) resumes from it and uploads the same bytes as the local run."""
+    prefix, staging = "s3://out/resume/ds", tmp_path / "staging"
+    # Small chunks: part0 is consumed (and checkpointed) while the reader is still ahead, in part1;
+    # no space check, which would sample part1 first.
+    args = [*corpus["args"], "--checkpoint-interval", "0", "--no-space-check", "--chunk-bytes", "16384"]
+    command = ("preprocess", "--input", corpus["input"], "--output-prefix", prefix, "--staging-dir", staging, *args)
+    rule = ({"GET"}, "/corpus/in/part1", "")
+    s3.deny.append(rule)
+    try:
+        done = run_cli(*command, env=s3.env())
+    finally:
+        s3.deny.remove(rule)
+    one_line_error(done, "s3://corpus/in/part1.jsonl.zst", "access denied", "rerun the same command to resume "
+                   f"from the checkpoint in {staging}")
+    assert not s3.fs().exists("out/resume")
+    again = run_cli(*command, env=s3.env())
+    assert again.returncode == 0, again.stderr
+    assert "resuming from" in again.stdout and "records done" in again.stdout
+    _same_as_reference(s3, prefix, corpus["ref"])
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -223,6 +223,8 @@ def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk
     """
     by_format: dict[str, np.ndarray] = {}
     for inp, result, raw in samples:
+        if raw <= 0:  # nothing decodable in the sample (a corrupt input, reported when it is read)
+            continue
         tokens = sum(int(o.tokens.size) for o in result.outputs.values())
         index = sum(12 * len(o.sequence_lengths) + 8 * len(o.sequences_per_document) for o in result.outputs.values())
         by_format[inp.format] = by_format.get(inp.format, np.zeros(3)) + (tokens * itemsize, index, raw)

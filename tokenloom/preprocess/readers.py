@@ -181,7 +181,7 @@ def shard_inputs(inputs: list[Input], num_shards: int, shard_index: int) -> list
 
 
 class TruncatedInput(Exception):
-    """A compressed stream ended in the middle of a frame/member."""
+    """A compressed stream ended in the middle of a frame/member, or its data is corrupt."""
 
 
 class _ZstdLines(io.RawIOBase):
@@ -193,6 +193,7 @@ class _ZstdLines(io.RawIOBase):
 
         self._raw = raw
         self._dctx = zstandard.ZstdDecompressor()
+        self._error = zstandard.ZstdError
         self._obj = self._dctx.decompressobj()
         self._fed = False  # the current frame has received input
         self._pending = b""
@@ -212,7 +213,10 @@ class _ZstdLines(io.RawIOBase):
             out = []
             while data:
                 self._fed = True
-                out.append(self._obj.decompress(data))
+                try:
+                    out.append(self._obj.decompress(data))
+                except self._error as exc:
+                    raise TruncatedInput(str(exc)) from None
                 if self._obj.eof:
                     data = self._obj.unused_data
                     self._obj = self._dctx.decompressobj()
@@ -309,6 +313,8 @@ class ChunkReader:
                 try:
                     item = next(records, None)
                 except (TruncatedInput, EOFError, OSError) as exc:
+                    if _unreadable(inp, exc):
+                        raise
                     chunk.errors.append((number + 1, f"truncated or corrupt {inp.format} input ({exc}); "
                                                      "the rest of the file is skipped"))
                     item = None
@@ -391,6 +397,8 @@ class ChunkReader:
             try:
                 data = _open_text_stream(inp, raw).read()
             except (TruncatedInput, EOFError, OSError) as exc:
+                if _unreadable(inp, exc):
+                    raise
                 chunk.errors.append((1, f"truncated or corrupt {inp.format} input ({exc})"))
                 data = None
             chunk.raw_bytes = raw.tell()
@@ -434,6 +442,11 @@ class ChunkReader:
         chunk.end = Position(k + 1, 0, 0)
         if len(chunk) or chunk.raw_bytes:
             yield chunk
+
+
+def _unreadable(inp: Input, exc: BaseException) -> bool:
+    """An object store failed to deliver the bytes (raised as such), rather than the bytes being corrupt."""
+    return objstore.is_url(inp.path) and isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile)
 
 
 class _Skip(bytes):
