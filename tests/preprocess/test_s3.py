@@ -8,6 +8,7 @@ runs in a subprocess with the endpoint and credentials in the standard AWS varia
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from pathlib import Path
@@ -74,28 +75,34 @@ def s3():
 
 @pytest.fixture(scope="module")
 def corpus(s3, shared_data, tmp_path_factory):
-    """tinyshakespeare as two .jsonl.zst parts, locally and under s3://corpus/in/; the local run's output."""
+    """tinyshakespeare as two .jsonl.zst parts and a parquet part, locally and under s3://corpus/in/;
+    the local run's output."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     import zstandard
 
     local = tmp_path_factory.mktemp("corpus")
     lines = (shared_data / "tinyshakespeare" / "tinyshakespeare.jsonl").read_bytes().splitlines(keepends=True)
-    lines = lines[:2000]  # ~340 kB: enough for several chunks, quick to tokenize
-    half = len(lines) // 2
+    lines = lines[:2400]  # ~400 kB: enough for several chunks, quick to tokenize
     fs = s3.fs()
     fs.mkdir("corpus")
     fs.mkdir("out")
-    for n, part in enumerate((lines[:half], lines[half:])):
+    for n, part in enumerate((lines[:1000], lines[1000:2000])):
         path = local / f"part{n}.jsonl.zst"
         path.write_bytes(zstandard.ZstdCompressor(level=3).compress(b"".join(part)))
         fs.put_file(str(path), f"corpus/in/{path.name}")
+    texts = [json.loads(line)["text"] for line in lines[2000:]]
+    pq.write_table(pa.table({"text": texts}), local / "part2.parquet", row_group_size=100)
+    fs.put_file(str(local / "part2.parquet"), "corpus/in/part2.parquet")
     # The byte tokenizer: these tests are about reading and writing, and it loads at once.
     args = ["--tokenizer-type", "byte", "--workers", "2", "--no-progress", "--append-eod", "--chunk-bytes", "65536"]
-    ref = preprocess(local, sorted(local.glob("*.jsonl.zst")), name="ref", append_eod=True, chunk_bytes=65536)
-    return {"args": args, "ref": ref, "input": "s3://corpus/in/*.jsonl.zst"}
+    ref = preprocess(local, [*sorted(local.glob("*.jsonl.zst")), local / "part2.parquet"], name="ref",
+                     append_eod=True, chunk_bytes=65536)
+    return {"args": args, "ref": ref, "inputs": ["s3://corpus/in/*.jsonl.zst", "s3://corpus/in/part2.parquet"]}
 
 
 def _run_s3(s3, corpus, prefix: str, staging: Path, env=None, inputs=None):
-    return run_cli("preprocess", "--input", inputs or corpus["input"], "--output-prefix", prefix,
+    return run_cli("preprocess", "--input", *(inputs or corpus["inputs"]), "--output-prefix", prefix,
                    "--staging-dir", staging, *corpus["args"], env=env or s3.env())
 
 
@@ -145,7 +152,7 @@ def test_store_failure_mid_run_keeps_the_staged_checkpoint_and_the_rerun_resumes
     # Small chunks: part0 is consumed (and checkpointed) while the reader is still ahead, in part1;
     # no space check, which would sample part1 first.
     args = [*corpus["args"], "--checkpoint-interval", "0", "--no-space-check", "--chunk-bytes", "16384"]
-    command = ("preprocess", "--input", corpus["input"], "--output-prefix", prefix, "--staging-dir", staging, *args)
+    command = ("preprocess", "--input", *corpus["inputs"], "--output-prefix", prefix, "--staging-dir", staging, *args)
     rule = ({"GET"}, "/corpus/in/part1", "")
     s3.deny.append(rule)
     try:
@@ -169,16 +176,18 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("case", ["unreachable", "no bucket", "denied read", "denied output"])
 def test_bad_object_store_paths_are_one_line(s3, corpus, tmp_path, case):
-    url, inputs, env, prefix = corpus["input"], None, s3.env(), "s3://out/bad/ds"
+    url, inputs, env, prefix = corpus["inputs"][0], None, s3.env(), "s3://out/bad/ds"
     if case == "unreachable":
         env = dict(s3.env(f"http://127.0.0.1:{_closed_port()}"), AWS_MAX_ATTEMPTS="1")  # botocore: no retries
         prefix = str(tmp_path / "out")  # a local output: the input is what cannot be reached
         fragment = "cannot reach the object store"
     elif case == "no bucket":
-        url = inputs = "s3://no-such-bucket/part0.jsonl.zst"
+        url = "s3://no-such-bucket/part0.jsonl.zst"
+        inputs = [url]
         fragment = "no such object or bucket"
     elif case == "denied read":
-        url = inputs = "s3://corpus/in/part0.jsonl.zst"
+        url = "s3://corpus/in/part0.jsonl.zst"
+        inputs = [url]
         fragment = "access denied"
     else:
         url = prefix = "s3://no-such-bucket/ds"  # found before tokenizing

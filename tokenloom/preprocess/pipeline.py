@@ -92,7 +92,7 @@ STAGED_FORMAT = "tokenloom.preprocess-staged/1"
 @dataclass(kw_only=True)
 class PreprocessConfig:
     inputs: list[str]
-    """Input files, globs or HF datasets directories: jsonl, jsonl.gz, jsonl.zst, parquet, txt (repeatable)."""
+    """Input files, globs or HF datasets directories: jsonl, jsonl.gz, jsonl.zst, parquet, txt; files and globs may be s3:// URLs (repeatable)."""
     output_prefix: str
     """Output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json (a local path or s3://bucket/key)."""
     tokenizer: str | None = None
@@ -552,8 +552,10 @@ def start_pool(run: _Run) -> OrderedPool | None:
     """Worker processes, started before any thread exists in this process.
 
     On Linux they are forked and keep the parent's tokenizer, switched to one thread;
-    forking is safe because no thread is running yet (the hasher and the progress bar
-    start later) and nothing has been encoded here. Spawned workers build their tokenizer
+    forking is safe because no thread of ours is running yet (the hasher and the progress bar
+    start later) and nothing has been encoded here. With ``s3://`` inputs fsspec's I/O
+    thread already runs: the workers never use it, and fsspec resets its loop and locks
+    in a forked child. Spawned workers build their tokenizer
     from the spec.
     """
     if run.workers <= 1:
