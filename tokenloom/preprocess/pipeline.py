@@ -259,7 +259,8 @@ def _megabytes(n: int) -> str:
 
 
 def _config_digest(cfg: PreprocessConfig, inputs: list[Input], tokenizer_fp: dict, shard) -> str:
-    stats = [(i.path, i.format, i.size, i.version or os.stat(i.path).st_mtime_ns) for i in inputs]
+    stats = [(i.path, i.format, i.size, i.version if objstore.is_url(i.path) else os.stat(i.path).st_mtime_ns)
+             for i in inputs]
     shape = {k: v for k, v in asdict(cfg).items()
              if k not in ("workers", "chunk_bytes", "checkpoint_interval", "check_space", "progress", "staging_dir")}
     blob = json.dumps([stats, tokenizer_fp["digest"], shape, shard], sort_keys=True, default=str)
