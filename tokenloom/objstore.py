@@ -146,15 +146,18 @@ def sha256(url: str) -> str:
 
 
 def check_output(url: str) -> None:
-    """Fail early, before any work, when the bucket of an output URL is missing or unreachable.
+    """Fail early, before any work, when the bucket of an ``s3://`` output is missing or unreachable.
 
-    Write permission cannot be checked without writing; a denied upload fails at the end.
+    Write permission cannot be checked without writing, and credentials may be allowed to
+    write but not to look at the bucket: a denied look is let through, and a denied upload
+    fails at the end (nothing is then under the final keys, and the rerun uploads).
     """
+    if not url.startswith("s3://"):
+        return
     with store_errors(url, "checking the output bucket"):
         fs, inner = filesystem(url)
-        bucket = inner.split("/", 1)[0]
-        if not fs.exists(bucket):
-            raise FileNotFoundError(bucket)
+        with contextlib.suppress(PermissionError):
+            fs.call_s3("head_bucket", Bucket=inner.split("/", 1)[0])
 
 
 def upload(local: str | os.PathLike, url: str) -> None:
