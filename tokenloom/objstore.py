@@ -17,9 +17,9 @@ Policy and its costs:
 * Writing is not streamed: an object-store output is completed in a local staging
   directory (its resume state too), then uploaded one object at a time
   (:func:`upload`; multipart above ``2 x UPLOAD_PART``, memory bounded by
-  ``UPLOAD_CONCURRENCY x UPLOAD_PART``). A PUT, and a multipart upload (completed or aborted as one), is
-  atomic per object: a failed upload leaves no object under its key. The staging
-  directory must hold the whole output.
+  ``UPLOAD_CONCURRENCY x UPLOAD_PART``). A PUT, and a multipart upload (completed
+  or aborted as one), is atomic per object: a failed upload leaves no object under
+  its key. The staging directory must hold the whole output.
 * Failures (unreachable endpoint, missing bucket or object, denied access, missing
   credentials) become a :class:`StoreError`: one line naming the URL and what to check.
 """
