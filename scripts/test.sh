@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up (with the dev, interop, kernels and ray extras), then run the whole test suite.
+# Set up (with the dev, interop, kernels, ray and s3 extras), then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=dev,interop,kernels,ray bash scripts/setup.sh
+EXTRAS=dev,interop,kernels,ray,s3 bash scripts/setup.sh
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 "$@"

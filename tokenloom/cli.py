@@ -174,6 +174,7 @@ def _pp_help(name: str) -> str:
               help=_pp_help("executor"))
 @click.option("--ray-address", help=_pp_help("ray_address"))
 @click.option("--ray-retries", type=int, default=3, show_default=True, help=_pp_help("ray_retries"))
+@click.option("--staging-dir", help=_pp_help("staging_dir"))
 def preprocess(**options):
     """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
     from tokenloom.preprocess import PreprocessConfig, run

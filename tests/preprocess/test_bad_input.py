@@ -109,6 +109,21 @@ def test_truncated_zst(tmp_path):
     assert 0 < IndexedDataset(out).num_documents < 20000
 
 
+def test_corrupt_zst_is_a_bad_line_not_a_traceback(tmp_path):
+    """zstandard's ZstdError (damaged frame data) is reported like truncation; the space estimate,
+    which samples the same input first, does not trip over a sample with nothing decodable."""
+    import zstandard
+
+    data = "".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(20000)).encode()
+    comp = bytearray(zstandard.ZstdCompressor().compress(data))
+    comp[zstandard.frame_header_size(bytes(comp))] |= 0b110  # the first block's type: 3, reserved
+    path = tmp_path / "c.jsonl.zst"
+    path.write_bytes(bytes(comp))
+    with pytest.raises(TokenloomError, match=r"c.jsonl.zst:1: truncated or corrupt jsonl.zst input \(zstd decompressor error"):
+        preprocess(tmp_path, [path])
+    assert _published(tmp_path) == []
+
+
 def test_no_space_is_refused_before_work(tmp_path, monkeypatch):
     import shutil
 

@@ -13,6 +13,15 @@ Publishing is restartable: the caller stages the files (preprocess: inside
 earlier, killed publish made it), so calling it again after a kill at any step ends
 with the same files.
 
+On object storage (``s3://`` prefixes) the same order holds with uploads in place
+of renames: the old manifest object is deleted, then the staged ``.bin``, ``.idx``
+and manifest are uploaded one after another, each staged file removed once its
+object is complete. A PUT or multipart upload is atomic per object, so a failed
+upload leaves no object under its key, an ``.idx`` object appears only after its
+``.bin`` object is complete, and the manifest object only after both. A rerun
+uploads what is still staged. Unlike a rename, an upload costs the transfer time
+of the object.
+
 Trade-off: readers (``build``, ``train``) still accept pairs without a manifest,
 because Megatron-made datasets have none; only the stages that own an output
 (``preprocess``, ``merge``) treat such a pair as unfinished.
@@ -23,13 +32,17 @@ from __future__ import annotations
 import contextlib
 import os
 
+from tokenloom import objstore
 from tokenloom.fsio import fsync_dir
 from tokenloom.indexed.format import data_path, index_path
-from tokenloom.preprocess.manifest import manifest_path
+from tokenloom.preprocess.manifest import manifest_path, manifest_url
 
 
 def uncommit(prefix: str | os.PathLike) -> None:
     """Remove ``prefix``'s manifest: what is under its other final names is no longer finished."""
+    if objstore.is_url(prefix):
+        objstore.remove(manifest_url(prefix))
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(manifest_path(prefix))
         fsync_dir(manifest_path(prefix))
@@ -40,8 +53,14 @@ def publish_dataset(prefix: str | os.PathLike, staged_bin: str | os.PathLike, st
     """Move a staged dataset onto its final names in commit order; idempotent after a kill."""
     if os.path.exists(staged_bin) or os.path.exists(staged_idx):
         uncommit(prefix)
+    remote = objstore.is_url(prefix)
     for staged, final in ((staged_bin, data_path(prefix)), (staged_idx, index_path(prefix)),
-                          (staged_manifest, manifest_path(prefix))):
-        if os.path.exists(staged):
+                          (staged_manifest, manifest_url(prefix) if remote else manifest_path(prefix))):
+        if not os.path.exists(staged):
+            continue
+        if remote:
+            objstore.upload(staged, final)
+            os.unlink(staged)
+        else:
             os.replace(staged, final)
             fsync_dir(final)

@@ -28,8 +28,16 @@ from tokenloom.fsio import atomic_writer
 FORMAT = "tokenloom.manifest/1"
 
 
+SUFFIX = ".manifest.json"
+
+
 def manifest_path(prefix: str | os.PathLike) -> Path:
-    return Path(f"{os.fspath(prefix)}.manifest.json")
+    return Path(f"{os.fspath(prefix)}{SUFFIX}")
+
+
+def manifest_url(prefix: str) -> str:
+    """The manifest of an object-store prefix (``Path`` would fold the ``//`` of ``s3://``)."""
+    return f"{prefix}{SUFFIX}"
 
 
 def build(prefix: str, key: str, dtype: str, inputs: list[dict], tokenizer: dict, options: dict,

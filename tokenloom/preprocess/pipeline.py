@@ -32,6 +32,13 @@ Policy and its costs:
   With ``max_bad_fraction`` they go to ``OUTPUT.rejects.jsonl`` and the run fails
   only if their share of records exceeds it. On failure nothing is published
   under a final name (the rejects file is, to explain the failure).
+* Object storage: inputs and the output prefix may be ``s3://`` URLs
+  (:mod:`tokenloom.objstore`). Inputs are streamed. An object-store output is
+  completed in a local staging directory (``--staging-dir``, default the system temp
+  dir, one folder per output URL), which holds the ``.partial`` state above, so
+  resume works the same; then it is uploaded ``.bin``, ``.idx``, manifest. Costs: the
+  staging disk must hold the whole output, and the upload starts only when
+  tokenizing ends.
 * Input digests (sha256) are computed by a background thread reading the files
   a second time; this costs disk bandwidth, not tokenizer time.
 """
@@ -45,6 +52,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenloom import objstore
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps, sha256_tree
 from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
@@ -83,9 +92,9 @@ STAGED_FORMAT = "tokenloom.preprocess-staged/1"
 @dataclass(kw_only=True)
 class PreprocessConfig:
     inputs: list[str]
-    """Input files, globs or HF datasets directories: jsonl, jsonl.gz, jsonl.zst, parquet, txt (repeatable)."""
+    """Input files, globs or HF datasets directories: jsonl, jsonl.gz, jsonl.zst, parquet, txt; files and globs may be s3:// URLs (repeatable)."""
     output_prefix: str
-    """Output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json."""
+    """Output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json (a local path or s3://bucket/key)."""
     tokenizer: str | None = None
     """Tokenizer file or directory (tokenizer.json, vocab.json+merges.txt, vocab.txt, .model, .tiktoken)."""
     tokenizer_type: str | None = None
@@ -122,6 +131,8 @@ class PreprocessConfig:
     """Ray cluster for --executor ray, HOST:PORT (default: $RAY_ADDRESS, else a local Ray started for the job)."""
     ray_retries: int = 3
     """With --executor ray: times a task whose worker process died (killed, out of memory, lost node) is rerun."""
+    staging_dir: str | None = None
+    """Local directory where an s3:// output is completed (and resumed) before upload; it must hold the whole output (default: the system temp dir)."""
 
 
 @dataclass
@@ -218,6 +229,8 @@ def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk
     """
     by_format: dict[str, np.ndarray] = {}
     for inp, result, raw in samples:
+        if raw <= 0:  # nothing decodable in the sample (a corrupt input, reported when it is read)
+            continue
         tokens = sum(int(o.tokens.size) for o in result.outputs.values())
         index = sum(12 * len(o.sequence_lengths) + 8 * len(o.sequences_per_document) for o in result.outputs.values())
         by_format[inp.format] = by_format.get(inp.format, np.zeros(3)) + (tokens * itemsize, index, raw)
@@ -238,8 +251,8 @@ def _stored_bytes(inp: Input, chunk: Chunk) -> float:
     return text / max(text_expansion(inp), 1e-9)
 
 
-def _check_space(prefix: str, estimate: SpaceEstimate) -> None:
-    directory = os.path.dirname(os.path.abspath(prefix))
+def _check_space(partial: Path, estimate: SpaceEstimate) -> None:
+    directory = os.path.dirname(os.path.abspath(partial))
     free = shutil.disk_usage(directory).free
     if estimate.peak > free:
         raise TokenloomError(f"not enough disk space in {directory}: the output is estimated at "
@@ -252,10 +265,11 @@ def _megabytes(n: int) -> str:
 
 
 def _config_digest(cfg: PreprocessConfig, inputs: list[Input], tokenizer_fp: dict, shard) -> str:
-    stats = [(i.path, i.format, i.size, os.stat(i.path).st_mtime_ns) for i in inputs]
+    stats = [(i.path, i.format, i.size, i.version if objstore.is_url(i.path) else os.stat(i.path).st_mtime_ns)
+             for i in inputs]
     shape = {k: v for k, v in asdict(cfg).items()
              if k not in ("workers", "chunk_bytes", "checkpoint_interval", "check_space", "progress",
-                          "executor", "ray_address", "ray_retries")}
+                          "executor", "ray_address", "ray_retries", "staging_dir")}
     blob = json.dumps([stats, tokenizer_fp["digest"], shape, shard], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -320,6 +334,8 @@ class _Run:
 
         self.cfg, self.echo = cfg, echo
         check_options(cfg)
+        if objstore.is_url(cfg.output_prefix):  # before any work
+            objstore.check_output(cfg.output_prefix)
         all_inputs = discover(cfg.inputs)
         self.num_shards, self.shard_index = resolve_shard(cfg)
         self.inputs = [all_inputs[k] for k in shard_inputs(all_inputs, self.num_shards, self.shard_index)]
@@ -336,9 +352,10 @@ class _Run:
                                   cfg.prepend_bos, tok.eod, tok.bos)
         self.outputs = output_prefixes(cfg, self.num_shards, self.shard_index)
         base = run_prefix(cfg, self.num_shards, self.shard_index)
-        self.partial = Path(f"{base}.partial")
+        self.remote = objstore.is_url(base)
+        self.partial = staging_path(base, cfg.staging_dir) if self.remote else Path(f"{base}.partial")
         self.staged_marker = self.partial / "staged.json"
-        self.rejects_path = Path(f"{base}.rejects.jsonl")
+        self.rejects_path = f"{base}.rejects.jsonl"
         self.digest = _config_digest(cfg, self.inputs, self.fingerprint, [self.num_shards, self.shard_index])
         self.workers = cfg.workers or os.cpu_count() or 1
         self.counts = Counts(per_key={k: {"documents": 0, "empty_documents": 0, "sequences": 0, "tokens": 0}
@@ -353,9 +370,11 @@ class _Run:
 
     def remove_dead_temps(self) -> None:
         """Temporary files of dead runs of these outputs (this run's own are named by its pid)."""
-        finals = [self.rejects_path, self.partial / "checkpoint.npz", self.staged_marker]
-        for prefix in self.outputs.values():
-            finals += [data_path(prefix), index_path(prefix), manifest.manifest_path(prefix)]
+        finals = [self.partial / "checkpoint.npz", self.staged_marker]
+        if not self.remote:  # an upload leaves no temporary object
+            finals.append(self.rejects_path)
+            for prefix in self.outputs.values():
+                finals += [data_path(prefix), index_path(prefix), manifest.manifest_path(prefix)]
         for final in finals:
             for path in remove_dead_temps(final):
                 self.echo(f"note: removed {path}, left by a killed run")
@@ -408,6 +427,8 @@ class _Run:
         return Position()
 
     def writer(self, n: int, prefix: str, resume: dict | None = None) -> IndexedDatasetWriter:
+        if self.remote:  # the writer's prefix only places its files: keep them in the staging dir
+            prefix = str(self.partial / str(n))
         return IndexedDatasetWriter(prefix, dtype=self.dtype, vocab_size=self.tokenizer.vocab_size,
                                     bin_tmp=self.staged(n, "bin"), idx_tmp=self.staged(n, "idx"), resume=resume)
 
@@ -458,7 +479,7 @@ class _Run:
         if self.rejects is not None:
             self.rejects.close()
             if cfg.max_bad_fraction is not None and bad_share > cfg.max_bad_fraction:
-                os.replace(self.partial / "rejects.jsonl", self.rejects_path)
+                self.move_rejects()
                 raise TokenloomError(f"{c.bad_records} of {c.records} records were bad ({bad_share:.2%} > "
                                      f"--max-bad-fraction {cfg.max_bad_fraction:.2%}); see {self.rejects_path}; "
                                      "nothing was written")
@@ -480,11 +501,19 @@ class _Run:
     def publish(self) -> None:
         """Commit the staged outputs in order (each ``.bin``, ``.idx``, manifest); a rerun may repeat it."""
         if (self.partial / "rejects.jsonl").exists():
-            os.replace(self.partial / "rejects.jsonl", self.rejects_path)
+            self.move_rejects()
         for n, prefix in enumerate(self.outputs.values()):
             publish_dataset(prefix, self.staged(n, "bin"), self.staged(n, "idx"), self.staged(n, "manifest.json"))
         self.checkpoint_path.unlink(missing_ok=True)  # first, so a half-removed folder never resumes
-        shutil.rmtree(self.partial, ignore_errors=True)
+        self.remove_partial()
+
+    def move_rejects(self) -> None:
+        """Put the staged rejects file under its final name (uploaded for an object-store output)."""
+        if self.remote:
+            objstore.upload(self.partial / "rejects.jsonl", self.rejects_path)
+            os.unlink(self.partial / "rejects.jsonl")
+        else:
+            os.replace(self.partial / "rejects.jsonl", self.rejects_path)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -502,7 +531,13 @@ class _Run:
         for writer in self.writers.values():
             writer.abort()
         self.close_files()
+        self.remove_partial()
+
+    def remove_partial(self) -> None:
         shutil.rmtree(self.partial, ignore_errors=True)
+        if self.remote:  # the staging folder of this output URL, if nothing else is in it
+            with contextlib.suppress(OSError):
+                self.partial.parent.rmdir()
 
     def suspend(self) -> str:
         """Keep what a rerun resumes from, drop the rest; return what the rerun will do.
@@ -530,8 +565,10 @@ def start_pool(run: _Run) -> OrderedPool | None:
     """Worker processes, started before any thread exists in this process.
 
     On Linux they are forked and keep the parent's tokenizer, switched to one thread;
-    forking is safe because no thread is running yet (the hasher and the progress bar
-    start later) and nothing has been encoded here. Spawned workers build their tokenizer
+    forking is safe because no thread of ours is running yet (the hasher and the progress bar
+    start later) and nothing has been encoded here. With ``s3://`` inputs fsspec's I/O
+    thread already runs: the workers never use it, and fsspec resets its loop and locks
+    in a forked child. Spawned workers build their tokenizer
     from the spec.
     """
     if run.workers <= 1:
@@ -578,9 +615,9 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
         _tokenize(r)
     try:
         r.publish()
-    except OSError as exc:
-        raise TokenloomError(f"{os_error_message(exc, r.partial)}; then rerun the same command to finish publishing "
-                             f"from {r.partial}") from None
+    except (OSError, objstore.StoreError) as exc:
+        what = exc if isinstance(exc, objstore.StoreError) else os_error_message(exc, r.partial)
+        raise TokenloomError(f"{what}; then rerun the same command to finish publishing from {r.partial}") from None
     elapsed = time.perf_counter() - start
     summary = _summary(r, elapsed)
     echo(format_summary(summary))
@@ -601,10 +638,10 @@ def _tokenize(r: _Run) -> None:
         tokens_at_start = sum(c["tokens"] for c in r.counts.per_key.values())
         pool = start_pool(r)
         if fresh and cfg.check_space:
-            _check_space(next(iter(r.outputs.values())), r.estimate(pool))
+            _check_space(r.partial, r.estimate(pool))
         digests: dict[str, str] = {}
-        hasher = threading.Thread(target=lambda: digests.update({i.path: sha256_tree(i.path) for i in r.inputs}),
-                                  daemon=True)
+        hash_failures: list[BaseException] = []
+        hasher = threading.Thread(target=_hash_inputs, args=(r.inputs, digests, hash_failures), daemon=True)
         hasher.start()
         reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)
         last_ckpt = time.monotonic()
@@ -621,6 +658,8 @@ def _tokenize(r: _Run) -> None:
             bar.set_postfix_str(f"{tokens / elapsed / 1e3:.0f}k tok/s", refresh=False)
         bar.close()
         hasher.join()
+        if hash_failures:
+            raise hash_failures[0]
         r.stage(digests)
     except WorkerDied:
         # Everything consumed so far is whole in the writers: checkpoint it before stopping.
@@ -629,6 +668,8 @@ def _tokenize(r: _Run) -> None:
         raise TokenloomError(f"a tokenizer worker process died (killed, or out of memory?); {r.suspend()}") from None
     except OSError as exc:
         raise TokenloomError(f"{os_error_message(exc, r.partial)}; then {r.suspend()}") from None
+    except objstore.StoreError as exc:  # the store failed, not the input: keep the checkpoint
+        raise TokenloomError(f"{exc}; then {r.suspend()}") from None
     except TokenloomError:
         r.abort()
         raise
@@ -641,6 +682,22 @@ def _tokenize(r: _Run) -> None:
             bar.close()
         if pool is not None:
             pool.close()
+
+
+def staging_path(prefix: str, staging_dir: str | None) -> Path:
+    """The local ``.partial`` folder of an object-store output: one folder per output URL."""
+    root = Path(staging_dir or tempfile.gettempdir())
+    key = hashlib.sha256(prefix.encode()).hexdigest()[:16]
+    return root / f"tokenloom-staging-{key}" / f"{prefix.rstrip('/').rsplit('/', 1)[-1]}.partial"
+
+
+def _hash_inputs(inputs: list[Input], digests: dict[str, str], failures: list[BaseException]) -> None:
+    """sha256 of every input into ``digests`` (in the hasher thread); a failure goes to ``failures``."""
+    try:
+        for i in inputs:
+            digests[i.path] = objstore.sha256(i.path) if objstore.is_url(i.path) else sha256_tree(i.path)
+    except (OSError, TokenloomError) as exc:
+        failures.append(exc)
 
 
 def _summary(r: _Run, elapsed: float) -> dict:

@@ -13,6 +13,9 @@ about ``chunk_bytes`` of text. The main process only reads and cuts; parsing
 * ``txt``: one document per file (``--txt-unit file``), per paragraph (blocks
   separated by a blank line, whitespace-only blocks dropped) or per line.
 
+Inputs may be object-store URLs (``s3://bucket/key``, globs too): they are
+streamed (see :mod:`tokenloom.objstore`); HF datasets directories must be local.
+
 Resume needs a position to restart from: ``(input index, records consumed)``
 plus a byte offset for plain files, which are re-opened with a seek; compressed
 and columnar inputs skip the consumed records instead (re-reading, not
@@ -30,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenloom import objstore
 from tokenloom.errors import TokenloomError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -44,6 +48,7 @@ class Input:
     path: str
     format: str
     size: int
+    version: str = ""  # object-store inputs: the ETag (local files: their mtime, read when needed)
 
     @property
     def compressed(self) -> bool:
@@ -97,7 +102,12 @@ def detect_format(path: Path) -> str:
                                  f"({', '.join(str(path / s) for s in splits)})")
         raise TokenloomError(f"{path}: a directory that is not an HF datasets save_to_disk directory "
                              "(use a glob like DIR/*.jsonl for files)")
-    name = path.name.lower()
+    return format_of_name(str(path))
+
+
+def format_of_name(path: str) -> str:
+    """The format of a file from its name (``path`` is named in the error)."""
+    name = path.rsplit("/", 1)[-1].lower()
     for suffix, comp in ((".zst", ".zst"), (".zstd", ".zst"), (".gz", ".gz")):
         if name.endswith(suffix):
             stem = name[: -len(suffix)]
@@ -119,6 +129,15 @@ def discover(patterns: list[str]) -> list[Input]:
     """Expand files, globs and directories in the order given (each glob sorted); no duplicates."""
     inputs, seen = [], set()
     for pattern in patterns:
+        if objstore.is_url(pattern):
+            found = objstore.expand(pattern)
+            if not found:
+                raise TokenloomError(f"--input {pattern}: no object matches")
+            for url, size, version in found:
+                if url not in seen:
+                    seen.add(url)
+                    inputs.append(Input(url, format_of_name(url), size, version))
+            continue
         matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise TokenloomError(f"--input {pattern}: no file matches")
@@ -162,7 +181,7 @@ def shard_inputs(inputs: list[Input], num_shards: int, shard_index: int) -> list
 
 
 class TruncatedInput(Exception):
-    """A compressed stream ended in the middle of a frame/member."""
+    """A compressed stream ended in the middle of a frame/member, or its data is corrupt."""
 
 
 class _ZstdLines(io.RawIOBase):
@@ -174,6 +193,7 @@ class _ZstdLines(io.RawIOBase):
 
         self._raw = raw
         self._dctx = zstandard.ZstdDecompressor()
+        self._error = zstandard.ZstdError
         self._obj = self._dctx.decompressobj()
         self._fed = False  # the current frame has received input
         self._pending = b""
@@ -193,7 +213,10 @@ class _ZstdLines(io.RawIOBase):
             out = []
             while data:
                 self._fed = True
-                out.append(self._obj.decompress(data))
+                try:
+                    out.append(self._obj.decompress(data))
+                except self._error as exc:
+                    raise TruncatedInput(str(exc)) from None
                 if self._obj.eof:
                     data = self._obj.unused_data
                     self._obj = self._dctx.decompressobj()
@@ -223,7 +246,7 @@ def text_expansion(inp: Input, sample_bytes: int = 4 << 20) -> float:
     """
     if not inp.compressed:
         return 1.0
-    with open(inp.path, "rb") as raw:
+    with objstore.reading(inp.path), objstore.open_input(inp.path) as raw:
         head = raw.read(sample_bytes)
     stream, text = _open_text_stream(inp, io.BytesIO(head)), 0
     try:
@@ -256,15 +279,16 @@ class ChunkReader:
         for k in range(start.input, len(self.inputs)):
             pos = start if k == start.input else Position(k, 0, 0)
             inp = self.inputs[k]
-            if inp.format.startswith("jsonl"):
-                yield from self._line_chunks(k, pos, "json")
-            elif inp.format.startswith("txt"):
-                if self.txt_unit == "file":
-                    yield from self._file_chunk(k, pos)
+            with objstore.reading(inp.path):  # a network failure mid-object: one line naming it
+                if inp.format.startswith("jsonl"):
+                    yield from self._line_chunks(k, pos, "json")
+                elif inp.format.startswith("txt"):
+                    if self.txt_unit == "file":
+                        yield from self._file_chunk(k, pos)
+                    else:
+                        yield from self._line_chunks(k, pos, self.txt_unit)
                 else:
-                    yield from self._line_chunks(k, pos, self.txt_unit)
-            else:
-                yield from self._columnar_chunks(k, pos)
+                    yield from self._columnar_chunks(k, pos)
 
     def _new_chunk(self, k: int, kind: str) -> Chunk:
         chunk = Chunk(self._seq, k, kind, [])
@@ -277,7 +301,7 @@ class ChunkReader:
     def _line_chunks(self, k: int, pos: Position, unit: str) -> Iterator[Chunk]:
         inp = self.inputs[k]
         kind = "json" if unit == "json" else "values"
-        with open(inp.path, "rb") as raw:
+        with objstore.open_input(inp.path) as raw:
             number, offset = 0, None if inp.compressed else 0
             if not inp.compressed and pos.offset:
                 raw.seek(pos.offset)  # plain file: jump straight to the resume point
@@ -289,6 +313,8 @@ class ChunkReader:
                 try:
                     item = next(records, None)
                 except (TruncatedInput, EOFError, OSError) as exc:
+                    if _unreadable(inp, exc):
+                        raise
                     chunk.errors.append((number + 1, f"truncated or corrupt {inp.format} input ({exc}); "
                                                      "the rest of the file is skipped"))
                     item = None
@@ -367,10 +393,12 @@ class ChunkReader:
             return
         inp = self.inputs[k]
         chunk = self._new_chunk(k, "values")
-        with open(inp.path, "rb") as raw:
+        with objstore.open_input(inp.path) as raw:
             try:
                 data = _open_text_stream(inp, raw).read()
             except (TruncatedInput, EOFError, OSError) as exc:
+                if _unreadable(inp, exc):
+                    raise
                 chunk.errors.append((1, f"truncated or corrupt {inp.format} input ({exc})"))
                 data = None
             chunk.raw_bytes = raw.tell()
@@ -416,6 +444,11 @@ class ChunkReader:
             yield chunk
 
 
+def _unreadable(inp: Input, exc: BaseException) -> bool:
+    """An object store failed to deliver the bytes (raised as such), rather than the bytes being corrupt."""
+    return objstore.is_url(inp.path) and isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile)
+
+
 class _Skip(bytes):
     """A blank jsonl line: consumed, but not a record."""
 
@@ -427,13 +460,20 @@ def _arrow_batches(inp: Input, keys: list[str]):
 
     try:
         if inp.format == "parquet":
-            pf = pq.ParquetFile(inp.path)
-            missing = [k for k in keys if k not in pf.schema_arrow.names]
-            if missing:
-                raise TokenloomError(f"{inp.path}: no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names)})")
-            per_row = inp.size / max(1, pf.metadata.num_rows)
-            for batch in pf.iter_batches(batch_size=1024, columns=keys):
-                yield batch, int(batch.num_rows * per_row)
+            # A local file by path (pyarrow's own reader); an object through its streaming file.
+            handle = objstore.open_input(inp.path) if objstore.is_url(inp.path) else None
+            try:
+                pf = pq.ParquetFile(inp.path if handle is None else handle)
+                missing = [k for k in keys if k not in pf.schema_arrow.names]
+                if missing:
+                    raise TokenloomError(f"{inp.path}: no column {missing[0]!r} "
+                                         f"(columns: {', '.join(pf.schema_arrow.names)})")
+                per_row = inp.size / max(1, pf.metadata.num_rows)
+                for batch in pf.iter_batches(batch_size=1024, columns=keys):
+                    yield batch, int(batch.num_rows * per_row)
+            finally:
+                if handle is not None:
+                    handle.close()
             return
         state = json.loads((Path(inp.path) / "state.json").read_text())
         files = [Path(inp.path) / f["filename"] for f in state.get("_data_files", [])]
