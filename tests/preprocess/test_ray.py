@@ -144,3 +144,11 @@ def test_bad_records_are_judged_over_the_job(cluster, single):
     assert (work / "tolerant.rejects.jsonl").read_bytes() == (work / "tolerant-single.rejects.jsonl").read_bytes()
     single_options = {k: v for k, v in manifest.read(reference)["options"].items() if k != "shard"}
     assert manifest.read(work / "tolerant")["options"] == single_options  # merged outputs list "shards" instead
+
+
+def test_an_object_store_output_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "hello"}\n')
+    done = run_cli("preprocess", "--input", path, "--output-prefix", "s3://bucket/out", "--tokenizer-type", "byte",
+                   "--executor", "ray", timeout=60)
+    one_line_error(done, "--output-prefix s3://bucket/out", "shared filesystem")

@@ -37,6 +37,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from tokenloom import objstore
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.preprocess import manifest
@@ -60,6 +61,9 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
     ray = _import_ray()
     if cfg.shard_index is not None:
         raise TokenloomError("--shard-index does not apply to --executor ray (the job runs every shard)")
+    if objstore.is_url(cfg.output_prefix):  # shards are staged and merged on a filesystem every node sees
+        raise TokenloomError(f"--output-prefix {cfg.output_prefix}: --executor ray writes to a shared filesystem, "
+                             "not object storage; give a local or shared path (s3:// inputs are fine)")
     check_options(cfg)
     if cfg.ray_retries < 0:
         raise TokenloomError(f"--ray-retries must be >= 0, got {cfg.ray_retries}")
