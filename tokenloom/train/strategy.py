@@ -17,7 +17,8 @@ gradient finalisation         our bucketed DDP, overlapped with      sequence-pa
 norm groups for clipping      none                                   the model-parallel group
 optimizer                     fused AdamW, or ZeRO-1 (dp-sharded)    the same two
 checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
-                              (one model file)                       (per-shard files, loadable in any layout)
+                              (one model file); with ZeRO-1 the      (per-shard files, loadable in any layout)
+                              other column's (ZeRO-1 also at dp 1)
 ============================  =====================================  ==========================================
 
 Every tensor it makes names the run's device (buffers, p2p receive buffers, loss and
@@ -99,9 +100,6 @@ class Strategy:
         self.cfg, self.world, self.device = cfg, world, world.device
         self.state = st = parallel_state(cfg, world)
         self.dp_size, self.dp_rank = st.dp_size, st.dp_rank
-        if cfg.zero1 and world.size == 1:
-            raise TokenloomError("zero1 shards the optimizer state over data-parallel ranks and this run has one "
-                                 "rank; launch several (--nproc-per-node) or leave zero1 off")
         if cfg.global_batch_size % (cfg.micro_batch_size * self.dp_size):
             raise TokenloomError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
                                  f"micro_batch_size x data-parallel ranks = {cfg.micro_batch_size} x {self.dp_size}")
@@ -314,6 +312,14 @@ class Strategy:
                         device=self.device)
 
     # ------------------------------------------------------------------ model facts
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (AdamW moments and steps; ZeRO-1: its
+        shard of them, :meth:`ZeroAdamW.state_bytes`); zero before the first step."""
+        if self.cfg.zero1:
+            return self.optimizer.state_bytes()
+        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor))
 
     def model_size(self) -> tuple[int, int]:
         """(parameters, training FLOPs per token) of the whole model, counted on a ``meta``

@@ -73,15 +73,20 @@ def reference(out: Path, **kw: Any) -> dict[str, Any]:
 
 
 def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
-    """Train the tiny config in this layout through the one loop (``loop.run``); rank 0
-    returns the logged losses and grad norms and the final checkpoint's full parameters."""
+    """Train the tiny config in this layout through the one loop (``loop.run``'s
+    ``start_run(cfg).train()``); every rank returns its optimizer-state bytes and trainable
+    parameter count, rank 0 also the logged losses and grad norms and the final
+    checkpoint's full parameters."""
     cfg = tiny_cfg(Path(out), **kw)
-    summary = loop.run(cfg)
+    trainer = loop.start_run(cfg)
+    summary = trainer.train()
+    sizes = {"state_bytes": trainer.strategy.optimizer_state_bytes(),
+             "numel": sum(p.numel() for p in trainer.strategy.params)}
     if rank != 0:
-        return {"losses": [], "norms": [], "params": {}, "summary": summary}
+        return {"losses": [], "norms": [], "params": {}, "summary": summary, **sizes}
     metrics = Path(out) / "metrics.jsonl"
     return {"losses": read_losses(metrics), "norms": read_norms(metrics), "summary": summary,
-            "params": checkpoint_params(Path(summary["checkpoint"]))}
+            "params": checkpoint_params(Path(summary["checkpoint"])), **sizes}
 
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:
