@@ -80,8 +80,10 @@ def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
     cfg = tiny_cfg(Path(out), **kw)
     trainer = loop.start_run(cfg)
     summary = trainer.train()
+    opt = trainer.strategy.optimizer
     sizes = {"state_bytes": trainer.strategy.optimizer_state_bytes(),
-             "numel": sum(p.numel() for p in trainer.strategy.params)}
+             "numel": sum(p.numel() for p in trainer.strategy.params),
+             "zero_shard": (opt.shard_size, len(opt.main_shards)) if cfg.zero1 else None}
     if rank != 0:
         return {"losses": [], "norms": [], "params": {}, "summary": summary, **sizes}
     metrics = Path(out) / "metrics.jsonl"

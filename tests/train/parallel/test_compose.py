@@ -18,6 +18,7 @@ from compose_helpers import STEPS, launch, logged_losses, merged_params, referen
 
 TOL = 1e-5
 HALF = STEPS // 2
+ZERO_BUCKET_MB = 0.02
 pytestmark = pytest.mark.slow
 
 # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
@@ -29,14 +30,17 @@ LAYOUTS = {
     "dp1_tp2_pp2": (4, dict(tp=2, pp=2)),
     "dp2_tp2_pp1": (4, dict(tp=2)),
     "dp2_tp1_pp2": (4, dict(pp=2)),
-    # weight decay per group, as optim.py's; its checkpoint at HALF is resumed in other layouts
-    "dp2_tp1_pp1_zero1": (2, dict(zero1=True, save_interval=HALF)),
+    # weight decay per group, as optim.py's; ~10 buckets of 20 KB reduce-scattered during backward
+    # (overlap_grad_reduce's default); its checkpoint at HALF is resumed in other layouts
+    "dp2_tp1_pp1_zero1": (2, dict(zero1=True, save_interval=HALF, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
+    "dp2_tp1_pp1_zero1_no_overlap": (2, dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB, overlap_grad_reduce=False)),
     "dp1_tp2_pp1_zero1": (2, dict(tp=2, zero1=True)),
-    "dp4_tp1_pp1_zero1": (4, dict(zero1=True)),
+    "dp4_tp1_pp1_zero1": (4, dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
 }
 ZERO_SAVED = "dp2_tp1_pp1_zero1"
 # resumed from ZERO_SAVED's checkpoint (dp 2, ZeRO-1) or the one-process reference's, both at HALF
-ZERO_RESUMES = {"z2_at_dp4_zero1": (4, "z2", dict(zero1=True)), "z2_at_dp1_zero1": (1, "z2", dict(zero1=True)),
+ZERO_RESUMES = {"z2_at_dp4_zero1": (4, "z2", dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB, overlap_grad_reduce=False)),
+                "z2_at_dp1_zero1": (1, "z2", dict(zero1=True)),
                 "z2_at_dp1": (1, "z2", {}), "one_at_dp1_zero1": (1, "ref", dict(zero1=True))}
 
 
@@ -144,13 +148,17 @@ def test_zero1_checkpoint_resumes_at_any_dp(runs, ref, name):
     assert dl < TOL and dp < TOL and dc < TOL
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.endswith("zero1")])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "zero1" in n])
 def test_zero1_optimizer_state_per_rank_is_one_dp_shard(runs, name):
-    """Each rank holds ceil(N / dp) elements of each AdamW moment (N: its trainable numel;
-    the rest of the division is padding) and one step: 1/dp of plain AdamW's 2 N."""
+    """Each rank holds its piece of every bucket of each AdamW moment, ceil(N_k / dp) of a
+    bucket's N_k elements (the rest is padding, < dp per bucket), and one step per bucket:
+    1/dp of plain AdamW's 2 N (N: the rank's trainable numel)."""
     dp = int(name[2])
     for r in runs[name]:
-        assert r["state_bytes"] == 2 * 4 * math.ceil(r["numel"] / dp) + 4, (r["state_bytes"], r["numel"])
+        shard, buckets = r["zero_shard"]
+        assert (buckets > 5) == ("tp1" in name)  # tp = pp = 1: small buckets; tp/pp: one
+        assert math.ceil(r["numel"] / dp) <= shard < r["numel"] / dp + buckets
+        assert r["state_bytes"] == 2 * 4 * shard + 4 * buckets, (r["state_bytes"], r["numel"])
 
 
 def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(runs):

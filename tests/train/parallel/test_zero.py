@@ -49,11 +49,18 @@ def test_ranks_hold_identical_params_after_all_gather(dp2):
 
 
 def test_optimizer_state_is_sharded(dp2):
+    """Per bucket ceil(N_k / 2) elements of each moment: padding only."""
     for res in dp2:
-        assert res["shard_numel"] == -(-res["numel"] // 2)
+        assert res["buckets"] > 5 and sum(res["bucket_numels"]) == res["numel"]
+        assert res["shard_numel"] == sum(-(-n // 2) for n in res["bucket_numels"])
         assert res["exp_avg_numel"] == res["shard_numel"]
-        assert res["state_bytes"] == 2 * 4 * res["shard_numel"] + 4  # two fp32 moments and the step
+        assert res["state_bytes"] == 2 * 4 * res["shard_numel"] + 4 * res["buckets"]  # moments and steps
         assert res["grads_are_views"]
+
+
+def test_every_bucket_is_reduce_scattered_during_backward(dp2):
+    for res in dp2:
+        assert res["launched_in_backward"] == [res["buckets"]] * STEPS
 
 
 def test_state_dict_round_trip_resumes_exactly(dp2):
@@ -114,8 +121,8 @@ def test_bf16_parameters_save_their_fp32_master_weights():
     again = copy.deepcopy(model)
     fresh = ZeroAdamW(again.parameters(), lr=1e-2)
     fresh.load_param_states(states)
-    assert fresh.main_shard.equal(opt.main_shard)
-    assert not fresh.main_shard.equal(fresh.param_buffer.float())  # the low bits bf16 drops are kept
+    assert fresh.main_shards[0].equal(opt.main_shards[0])
+    assert not fresh.main_shards[0].equal(fresh.param_buffer.float())  # the low bits bf16 drops are kept
 
 
 def test_state_that_does_not_fit_is_a_clear_error():
