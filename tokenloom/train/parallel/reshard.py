@@ -94,7 +94,10 @@ def save(run, iteration: int, run_state: dict) -> Path:
             for pname, p in _named_params(run).items():
                 params[pname] = p.detach().cpu().clone()
                 meta[pname] = _split_info(run, pname, p)
-                found = zero_states[zero_index[id(p)]] if cfg.zero1 else run.optimizer.state.get(p)
+                if cfg.zero1:  # ZeRO-1 holds the trainable parameters only
+                    found = zero_states[zero_index[id(p)]] if id(p) in zero_index else None
+                else:
+                    found = run.optimizer.state.get(p)
                 if found:
                     optim[pname] = {k: v.detach().cpu().clone() for k, v in found.items()}
             shard_state = {"params": params, "meta": meta, "optim": optim, "tp_rank": st.tp_rank}
@@ -194,7 +197,8 @@ def load(run, path: Path, state: dict) -> None:
         if name not in optim:
             continue
         if cfg.zero1:
-            zero_states[zero_index[id(p)]] = {k: local(v) for k, v in optim[name].items()}
+            if id(p) in zero_index:  # a trainable parameter (the only ones ZeRO-1 holds)
+                zero_states[zero_index[id(p)]] = {k: local(v) for k, v in optim[name].items()}
         else:  # the parameter is the plain AdamW's master copy: a ZeRO-1 master_param is not kept
             run.optimizer.state[p] = {k: local(v).to(p.device).clone() for k, v in optim[name].items()
                                       if k != "master_param"}
