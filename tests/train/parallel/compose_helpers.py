@@ -60,10 +60,17 @@ def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
 
 
 def reference(out: Path, **kw: Any) -> dict[str, Any]:
-    """The one-process run of the loop: per-step losses and grad norms, final parameters."""
+    """The one-process run of the loop: per-step losses and grad norms, final parameters.
+    On one thread, as the launched ranks run (torch's default, a thread per core, made it
+    5x slower on a loaded 2-core box)."""
     cfg = tiny_cfg(out, **kw)
-    run = loop.start_run(cfg, World(0, 1, torch.device("cpu"), False))
-    summary = run.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = loop.start_run(cfg, World(0, 1, torch.device("cpu"), False))
+        summary = run.train()
+    finally:
+        torch.set_num_threads(threads)
     metrics = Path(out) / "metrics.jsonl"
     return {"losses": read_losses(metrics), "summary": summary, "norms": read_norms(metrics),
             "params": {n: t.detach().clone() for n, t in run.strategy.chunks[0].state_dict().items()}}
