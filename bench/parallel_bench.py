@@ -1,8 +1,9 @@
-"""Step time, communication volume and pipeline bubble per (dp, tp, pp) layout (gloo ranks).
+"""Step time, communication volume, optimizer state and pipeline bubble per (dp, tp, pp) layout (gloo ranks).
 
     .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
 
-Every layout of ``--world`` ranks (2 or 4) trains the same GPT with
+Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-1
+(``zero1``), trains the same GPT with
 :class:`tokenloom.train.strategy.Strategy` of the training loop on mock data: one warmup step, then
 ``--steps`` timed steps (best step kept: the box is shared). Reported per layout:
 
@@ -10,6 +11,10 @@ Every layout of ``--world`` ranks (2 or 4) trains the same GPT with
   --micro-batches`` sequences), against pure data parallelism on the same ranks;
 * payload bytes handed to collectives and p2p sends per rank per step (all-reduce
   counted once per call, not the ring's 2(n-1)/n traffic), against the baseline;
+* optimizer-state bytes of the largest rank
+  (:meth:`~tokenloom.train.strategy.Strategy.optimizer_state_bytes`: AdamW moments and
+  steps), against plain AdamW at dp = world: 1/dp with ZeRO-1, 1/(tp pp) with model
+  parallelism (plus padding and the per-parameter step scalars);
 * for pp > 1 the measured pipeline-wide bubble
   (:func:`~tokenloom.train.parallel.schedules.pipeline_bubble_fraction`) against
   ``(p - 1) / (v M + p - 1)``. On an oversubscribed CPU box stages are not equal and
@@ -75,7 +80,7 @@ class _Counter:
         return wrapped
 
 
-def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None) -> TrainConfig:
+def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, zero1: bool) -> TrainConfig:
     if args.rss:  # GPT-2 small (124 M parameters)
         model = GPTConfig(vocab_size=50257, seq_len=128, n_layers=12, n_heads=12, d_model=768)
         micro, gbs = 1, 2
@@ -87,7 +92,7 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None) -> Train
                        optim=OptimConfig(warmup_iters=1), micro_batch_size=micro,
                        global_batch_size=gbs, train_iters=args.steps + 1,
                        eval_interval=0, save_interval=None, plot=False, progress=False, output_dir=str(out),
-                       tp=tp, pp=pp, vpp=vpp, dist_timeout_s=120.0)
+                       tp=tp, pp=pp, vpp=vpp, zero1=zero1, dist_timeout_s=120.0)
 
 
 def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
@@ -97,8 +102,8 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     counter = _Counter()
-    dp, tp, pp, vpp = layout
-    trainer = start_run(config(args, Path(out) / "run", dp, tp, pp, vpp))
+    dp, tp, pp, vpp, zero1 = layout
+    trainer = start_run(config(args, Path(out) / "run", dp, tp, pp, vpp, zero1))
     run = trainer.strategy
     batches = run.global_batches(trainer.data.train, eod=trainer.data.eod, consumed=0,
                                  total=(args.steps + 1) * run.cfg.global_batch_size)
@@ -113,17 +118,18 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
             bubbles.append(pipeline_bubble_fraction(run.last_stats, run.state.pp_group))
     comm = (counter.bytes - start_bytes) / args.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    t = torch.tensor([min(times), comm, rss], dtype=torch.float64)
+    t = torch.tensor([min(times), comm, rss, run.optimizer_state_bytes()], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         theory = theoretical_bubble_fraction(pp, run.num_micro, vpp or 1) if pp > 1 else 0.0
         torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubble": min(bubbles) if bubbles else 0.0,
-                    "theory": theory, "peak_rss": float(t[2])}, Path(out) / "result.pt")
+                    "theory": theory, "peak_rss": float(t[2]), "state_bytes": float(t[3])},
+                   Path(out) / "result.pt")
     dist.destroy_process_group()
 
 
 def measure(args, layout) -> dict:
-    dp, tp, pp, _ = layout
+    dp, tp, pp = layout[:3]
     world = dp * tp * pp
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
@@ -155,18 +161,21 @@ def main() -> None:
                     rss_rows(args))
         return
     w = args.world
-    layouts = [(w, 1, 1, None), (1, w, 1, None), (1, 1, w, None), (1, 1, w, 2)]
+    layouts = [(w, 1, 1, None, False), (w, 1, 1, None, True), (1, w, 1, None, False), (1, 1, w, None, False),
+               (1, 1, w, 2, False)]
     if w == 4:
-        layouts += [(1, 2, 2, None), (2, 2, 1, None), (2, 1, 2, None)]
+        layouts += [(1, 2, 2, None, False), (2, 2, 1, None, False), (2, 1, 2, None, False)]
     results = {lay: measure(args, lay) for lay in layouts}
     base = results[layouts[0]]
     rows = []
-    for (dp, tp, pp, vpp), r in results.items():
-        name = f"dp{dp} tp{tp} pp{pp}" + (f" vpp{vpp}" if vpp else "")
+    for (dp, tp, pp, vpp, zero1), r in results.items():
+        name = f"dp{dp} tp{tp} pp{pp}" + (f" vpp{vpp}" if vpp else "") + (" zero1" if zero1 else "")
         rows.append((f"step s ({name})", f"{r['step_s']:.3f}", f"{base['step_s']:.3f}",
                      f"{r['step_s'] / base['step_s']:.2f}x"))
         rows.append((f"comm MB/rank/step ({name})", f"{r['comm_bytes'] / 1e6:.2f}",
                      f"{base['comm_bytes'] / 1e6:.2f}", f"{r['comm_bytes'] / max(base['comm_bytes'], 1):.2f}x"))
+        rows.append((f"optimizer state bytes/rank ({name})", f"{r['state_bytes']:.0f}", f"{base['state_bytes']:.0f}",
+                     f"{r['state_bytes'] / base['state_bytes']:.3f}x"))
         if pp > 1:
             rows.append((f"bubble measured vs (p-1)/(vM+p-1) ({name})", f"{r['bubble']:.3f}",
                          f"{r['theory']:.3f}", f"{r['bubble'] / r['theory']:.2f}x"))
@@ -179,11 +188,11 @@ def main() -> None:
 def rss_rows(args) -> list[tuple[str, str, str, str]]:
     """Peak RSS of the largest rank after a warmup and one step, per 2-rank layout, vs dp2."""
     args = argparse.Namespace(**{**vars(args), "rss": True, "steps": 1})
-    layouts = [(2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, None)]
+    layouts = [(2, 1, 1, None, False), (1, 2, 1, None, False), (1, 1, 2, None, False)]
     results = {lay: measure(args, lay) for lay in layouts}
     base = results[layouts[0]]["peak_rss"]
     return [(f"peak RSS MB (dp{dp} tp{tp} pp{pp})", f"{r['peak_rss'] / 1e6:.0f}", f"{base / 1e6:.0f}",
-             f"{r['peak_rss'] / base:.2f}x") for (dp, tp, pp, _), r in results.items()]
+             f"{r['peak_rss'] / base:.2f}x") for (dp, tp, pp, _, _), r in results.items()]
 
 
 if __name__ == "__main__":

@@ -147,13 +147,14 @@ def reference_two_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rank, file, extra", [(1, "rng_rank1.pt", ()), (0, "model.pt", ()),
-                                               (1, "zero_rank1.pt", ("--set", "zero1=true"))],
+                                               (0, "shard_tp0_pp0.pt", ("--set", "zero1=true"))],
                          ids=["every-rank-file", "rank-0-file", "zero1-shard"])
 def test_two_ranks_a_disk_full_on_one_rank_ends_in_its_one_line_and_resume_gives_the_same_losses(
         tmp_path, reference_two_ranks, rank, file, extra):
-    """``--nproc-per-node 2``: every rank writes its RNG file (and with ZeRO-1 its optimizer shard,
-    through the layout-aware writer), rank 0 alone the model. The rank that met the fault names it
-    in the one error line (the other rank's broken barrier is its symptom)."""
+    """``--nproc-per-node 2``: every rank writes its RNG file, rank 0 alone the model (with ZeRO-1
+    through the layout-aware writer, with the optimizer state gathered from both ranks). The rank
+    that met the fault names it in the one error line (the other rank's broken barrier is its
+    symptom)."""
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
     done = _train(out, "--nproc-per-node", "2", *extra,

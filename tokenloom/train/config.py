@@ -80,7 +80,8 @@ class TrainConfig:
     """torch.compile each transformer block (first steps are slow while it compiles); per block, so
     data-parallel gradient buckets still overlap with backward. tp = pp = 1 only."""
     ddp_bucket_cap_mb: float | None = None
-    """DDP gradient bucket size in MiB; None means 25 with a 1 MiB first bucket."""
+    """Gradient bucket size in MiB of DDP (None: 25 with a 1 MiB first bucket) and of ZeRO-1 at
+    tp = pp = 1 (None: 25)."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a dead or stalled rank makes the others fail after at most this."""
     metrics_path: str | None = None
@@ -105,6 +106,11 @@ class TrainConfig:
     instead of all-reduce around each tensor-parallel layer pair."""
     zero1: bool = False
     """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW)."""
+    overlap_grad_reduce: bool | None = None
+    """ZeRO-1 at tp = pp = 1: reduce-scatter each gradient bucket (ddp_bucket_cap_mb) during the
+    last micro-batch's backward, as soon as its grads are ready (Megatron's overlap_grad_reduce);
+    false: all buckets after backward. None: on where supported (tp/pp layouts reduce after
+    backward; DDP always overlaps)."""
 
     def __post_init__(self) -> None:
         positive = ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_iters")

@@ -11,13 +11,14 @@ model chunks                  the whole :class:`GPT`                 this rank's
                                                                      (tp-sharded layers, a range of its blocks)
 how a step runs               ``no_pipelining`` (accumulation)       ``1f1b``, or ``interleaved`` with vpp
 gradient finalisation         our bucketed DDP, overlapped with      sequence-parallel grads summed over tp,
-                              backward (not with ZeRO-1)             tied-embedding all-reduce (pp > 1), then one
-                                                                     flat all-reduce over dp (Megatron overlaps it;
-                                                                     issue 16)
+                              backward (ZeRO-1: bucketed reduce-     tied-embedding all-reduce (pp > 1), then one
+                              scatter, overlapped too)               flat all-reduce (ZeRO-1: reduce-scatter) over
+                                                                     dp (Megatron overlaps it; issue 16)
 norm groups for clipping      none                                   the model-parallel group
 optimizer                     fused AdamW, or ZeRO-1 (dp-sharded)    the same two
 checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
-                              (one model file)                       (per-shard files, loadable in any layout)
+                              (one model file); with ZeRO-1 the      (per-shard files, loadable in any layout)
+                              other column's (ZeRO-1 also at dp 1)
 ============================  =====================================  ==========================================
 
 Every tensor it makes names the run's device (buffers, p2p receive buffers, loss and
@@ -46,6 +47,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig
+from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB
 from tokenloom.train.model import GPT, pipeline_stage
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
 from tokenloom.train.parallel.layers import TensorParallel, sync_sequence_parallel_grads
@@ -83,9 +85,12 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
     if cfg.compile and staged:
         raise TokenloomError(f"compile: torch.compile is supported at tp = pp = 1 only (this run has tp={cfg.tp} "
                              f"pp={cfg.pp}); set compile=false")
-    if cfg.ddp_bucket_cap_mb is not None and (staged or cfg.zero1):
-        raise TokenloomError("ddp_bucket_cap_mb sizes the buckets of the data-parallel DDP, which runs at tp = pp = 1 "
-                             "without zero1; leave it unset for this layout")
+    if cfg.ddp_bucket_cap_mb is not None and staged:
+        raise TokenloomError("ddp_bucket_cap_mb sizes the gradient buckets of DDP and ZeRO-1 at tp = pp = 1; leave it "
+                             "unset for this layout")
+    if cfg.overlap_grad_reduce is not None and (staged or not cfg.zero1):
+        raise TokenloomError("overlap_grad_reduce applies to zero1 at tp = pp = 1 (DDP always overlaps, tp/pp layouts "
+                             "reduce after backward); leave it unset for this layout")
 
 
 class Strategy:
@@ -99,9 +104,6 @@ class Strategy:
         self.cfg, self.world, self.device = cfg, world, world.device
         self.state = st = parallel_state(cfg, world)
         self.dp_size, self.dp_rank = st.dp_size, st.dp_rank
-        if cfg.zero1 and world.size == 1:
-            raise TokenloomError("zero1 shards the optimizer state over data-parallel ranks and this run has one "
-                                 "rank; launch several (--nproc-per-node) or leave zero1 off")
         if cfg.global_batch_size % (cfg.micro_batch_size * self.dp_size):
             raise TokenloomError(f"global_batch_size={cfg.global_batch_size} is not a multiple of "
                                  f"micro_batch_size x data-parallel ranks = {cfg.micro_batch_size} x {self.dp_size}")
@@ -160,10 +162,15 @@ class Strategy:
         # one group per parameter keeps ZeRO's flat buffer in self.params order (the layout its
         # checkpoints are saved in) while each parameter keeps its group's decay
         decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+        # tp = pp = 1: buckets (DDP's size), reduce-scattered during backward unless overlap is off;
+        # tp/pp: one bucket after backward (sequence-parallel and tied-embedding grads are summed first)
+        cap = DEFAULT_BUCKET_CAP_MB if cfg.ddp_bucket_cap_mb is None else cfg.ddp_bucket_cap_mb
         return ZeroAdamW([{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_group,
                          lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, max_grad_norm=o.grad_clip,
                          norm_group=st.model_parallel_group if self.staged else None,
-                         counts_in_norm=self._counts_in_norm)
+                         counts_in_norm=self._counts_in_norm,
+                         bucket_bytes=None if self.staged else int(cap * 2**20),
+                         overlap_grad_reduce=not self.staged and cfg.overlap_grad_reduce is not False)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         return counts_in_grad_norm(p, self.state.tp_rank)
@@ -238,7 +245,8 @@ class Strategy:
             total = self._run([self.ddp], batches, False, no_sync=self.ddp.no_sync)
         else:
             self.optimizer.zero_grad()
-            total = self._run(self.chunks, batches, False)
+            overlap = self.cfg.zero1 and self.optimizer.overlap  # launches its buckets from the last backward
+            total = self._run(self.chunks, batches, False, no_sync=self.optimizer.no_sync if overlap else None)
         norm = self._finish_grads_and_step()
         return total / self.num_micro, norm
 
@@ -315,6 +323,14 @@ class Strategy:
                         device=self.device)
 
     # ------------------------------------------------------------------ model facts
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (AdamW moments and steps; ZeRO-1: its
+        shard of them, :meth:`ZeroAdamW.state_bytes`); zero before the first step."""
+        if self.cfg.zero1:
+            return self.optimizer.state_bytes()
+        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor))
 
     def model_size(self) -> tuple[int, int]:
         """(parameters, training FLOPs per token) of the whole model, counted on a ``meta``

@@ -60,10 +60,17 @@ def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
 
 
 def reference(out: Path, **kw: Any) -> dict[str, Any]:
-    """The one-process run of the loop: per-step losses and grad norms, final parameters."""
+    """The one-process run of the loop: per-step losses and grad norms, final parameters.
+    On one thread, as the launched ranks run (torch's default, a thread per core, made it
+    5x slower on a loaded 2-core box)."""
     cfg = tiny_cfg(out, **kw)
-    run = loop.start_run(cfg, World(0, 1, torch.device("cpu"), False))
-    summary = run.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = loop.start_run(cfg, World(0, 1, torch.device("cpu"), False))
+        summary = run.train()
+    finally:
+        torch.set_num_threads(threads)
     metrics = Path(out) / "metrics.jsonl"
     return {"losses": read_losses(metrics), "summary": summary, "norms": read_norms(metrics),
             "params": {n: t.detach().clone() for n, t in run.strategy.chunks[0].state_dict().items()}}
@@ -73,15 +80,22 @@ def reference(out: Path, **kw: Any) -> dict[str, Any]:
 
 
 def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
-    """Train the tiny config in this layout through the one loop (``loop.run``); rank 0
-    returns the logged losses and grad norms and the final checkpoint's full parameters."""
+    """Train the tiny config in this layout through the one loop (``loop.run``'s
+    ``start_run(cfg).train()``); every rank returns its optimizer-state bytes and trainable
+    parameter count, rank 0 also the logged losses and grad norms and the final
+    checkpoint's full parameters."""
     cfg = tiny_cfg(Path(out), **kw)
-    summary = loop.run(cfg)
+    trainer = loop.start_run(cfg)
+    summary = trainer.train()
+    opt = trainer.strategy.optimizer
+    sizes = {"state_bytes": trainer.strategy.optimizer_state_bytes(),
+             "numel": sum(p.numel() for p in trainer.strategy.params),
+             "zero_shard": (opt.shard_size, len(opt.main_shards)) if cfg.zero1 else None}
     if rank != 0:
-        return {"losses": [], "norms": [], "params": {}, "summary": summary}
+        return {"losses": [], "norms": [], "params": {}, "summary": summary, **sizes}
     metrics = Path(out) / "metrics.jsonl"
     return {"losses": read_losses(metrics), "norms": read_norms(metrics), "summary": summary,
-            "params": checkpoint_params(Path(summary["checkpoint"]))}
+            "params": checkpoint_params(Path(summary["checkpoint"])), **sizes}
 
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:

@@ -1,18 +1,24 @@
 """tp x pp x dp training through the one loop (tokenloom.train.loop) against its one-process
-run: 20-step losses, grad norms, validation loss and final parameters for nine layouts,
+run: 20-step losses, grad norms, validation loss and final parameters for ten layouts,
 tp forwards with and without sequence parallelism and fused kernels (llama: RoPE, SwiGLU, GQA;
-gpt2; biases),
-and checkpoint resharding from (dp, tp, pp) = (1, 2, 2) into (2, 1, 1) and (1, 1, 1).
+gpt2; biases), checkpoint resharding from (dp, tp, pp) = (1, 2, 2) into (4, 1, 1) and
+(1, 1, 1), a ZeRO-1 checkpoint of dp 2 resumed at dp 4 and dp 1 (with and without ZeRO-1),
+a one-process checkpoint resumed with ZeRO-1, and ZeRO-1's optimizer state per rank.
 
-Three launches (4, 2 and 1 gloo ranks, oversubscribed on small machines), so the whole
-module is ``slow``."""
+Three launches (2, 4 and 1 gloo ranks, in that order: the 4-rank launch resumes the
+2-rank ZeRO-1 checkpoint; oversubscribed on small machines), so the whole module is
+``slow``."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from compose_helpers import STEPS, launch, logged_losses, merged_params, reference
 
 TOL = 1e-5
+HALF = STEPS // 2
+ZERO_BUCKET_MB = 0.02
 pytestmark = pytest.mark.slow
 
 # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
@@ -24,10 +30,18 @@ LAYOUTS = {
     "dp1_tp2_pp2": (4, dict(tp=2, pp=2)),
     "dp2_tp2_pp1": (4, dict(tp=2)),
     "dp2_tp1_pp2": (4, dict(pp=2)),
-    "dp2_tp1_pp1_zero1": (2, dict(zero1=True)),  # weight decay per group, as optim.py's
+    # weight decay per group, as optim.py's; ~10 buckets of 20 KB reduce-scattered during backward
+    # (overlap_grad_reduce's default); its checkpoint at HALF is resumed in other layouts
+    "dp2_tp1_pp1_zero1": (2, dict(zero1=True, save_interval=HALF, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
+    "dp2_tp1_pp1_zero1_no_overlap": (2, dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB, overlap_grad_reduce=False)),
     "dp1_tp2_pp1_zero1": (2, dict(tp=2, zero1=True)),
+    "dp4_tp1_pp1_zero1": (4, dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
 }
-HALF = STEPS // 2
+ZERO_SAVED = "dp2_tp1_pp1_zero1"
+# resumed from ZERO_SAVED's checkpoint (dp 2, ZeRO-1) or the one-process reference's, both at HALF
+ZERO_RESUMES = {"z2_at_dp4_zero1": (4, "z2", dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB, overlap_grad_reduce=False)),
+                "z2_at_dp1_zero1": (1, "z2", dict(zero1=True)),
+                "z2_at_dp1": (1, "z2", {}), "one_at_dp1_zero1": (1, "ref", dict(zero1=True))}
 
 
 @pytest.fixture(scope="module")
@@ -37,40 +51,48 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(tmp):
-    return reference(tmp / "ref")
+    return reference(tmp / "ref", save_interval=HALF)
 
 
 def _scenarios(world: int, tmp) -> list[tuple[str, dict]]:
     return [("train", dict(out=str(tmp / name), **kw)) for name, (w, kw) in LAYOUTS.items() if w == world]
 
 
+def _zero_resumes(world: int, tmp) -> list[tuple[str, dict]]:
+    saved = {"z2": tmp / ZERO_SAVED / "checkpoints" / f"iter_{HALF:07d}", "ref": tmp / "ref" / "checkpoints"
+             / f"iter_{HALF:07d}"}
+    return [("train", dict(out=str(tmp / name), resume=str(saved[src]), checkpoint_dir=str(tmp / f"ckpt_{name}"),
+                           **kw)) for name, (w, src, kw) in ZERO_RESUMES.items() if w == world]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp):
-    """Every launch once: layout runs, then the (1, 2, 2) checkpoint and its continuations."""
+def runs(tmp, ref):
+    """Every launch once: layout runs, then the (1, 2, 2) and ZeRO-1 checkpoints' continuations."""
     ckpt = tmp / "ckpt_122"
     saved = ckpt / f"iter_{HALF:07d}"
-    w4 = _scenarios(4, tmp) + [
-        ("train", dict(out=str(tmp / "save_122"), tp=2, pp=2, exit_interval=HALF, checkpoint_dir=str(ckpt))),
-        ("train", dict(out=str(tmp / "cont_122"), tp=2, pp=2, resume=str(saved),
-                       checkpoint_dir=str(tmp / "ckpt_cont_122"))),
-    ]
     w2 = _scenarios(2, tmp) + [
-        ("train", dict(out=str(tmp / "cont_211"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_211"))),
         ("forward_tp", {}),
         ("forward_tp", {"sp": True}),
         ("forward_tp", {"arch": "gpt2", "kernels": "compiled"}),
         ("forward_tp", {"sp": True, "kernels": "compiled"}),
     ]
+    w4 = _scenarios(4, tmp) + [
+        ("train", dict(out=str(tmp / "save_122"), tp=2, pp=2, exit_interval=HALF, checkpoint_dir=str(ckpt))),
+        ("train", dict(out=str(tmp / "cont_122"), tp=2, pp=2, resume=str(saved),
+                       checkpoint_dir=str(tmp / "ckpt_cont_122"))),
+        ("train", dict(out=str(tmp / "cont_411"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_411"))),
+    ] + _zero_resumes(4, tmp)
     w1 = [
         ("train", dict(out=str(tmp / "cont_111"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_111"))),
         ("forward_tp", {}),
-    ]
-    names = {4: [n for n, (w, _) in LAYOUTS.items() if w == 4] + ["save_122", "cont_122"],
-             2: [n for n, (w, _) in LAYOUTS.items() if w == 2] + ["cont_211", "llama_tp2", "llama_tp2_sp",
-                                                                         "gpt2_tp2_compiled", "llama_tp2_sp_compiled"],
-             1: ["cont_111", "llama_tp1"]}
+    ] + _zero_resumes(1, tmp)
+    names = {4: [n for n, (w, _) in LAYOUTS.items() if w == 4] + ["save_122", "cont_122", "cont_411"]
+             + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 4],
+             2: [n for n, (w, _) in LAYOUTS.items() if w == 2] + ["llama_tp2", "llama_tp2_sp",
+                                                                  "gpt2_tp2_compiled", "llama_tp2_sp_compiled"],
+             1: ["cont_111", "llama_tp1"] + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 1]}
     out = {}
-    for world, scen in ((4, w4), (2, w2), (1, w1)):
+    for world, scen in ((2, w2), (4, w4), (1, w1)):
         (tmp / f"w{world}").mkdir()
         results = launch(scen, world, tmp / f"w{world}")
         for i, name in enumerate(names[world]):
@@ -101,7 +123,7 @@ def test_layout_matches_one_process(runs, ref, name):
     assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
 
 
-@pytest.mark.parametrize("name", ["cont_122", "cont_211", "cont_111"])
+@pytest.mark.parametrize("name", ["cont_122", "cont_411", "cont_111"])
 def test_resharded_resume_continues_exactly(runs, ref, name):
     save_losses = logged_losses(runs["save_122"])
     assert max(abs(a - b) for a, b in zip(save_losses, ref["losses"][:HALF], strict=True)) < TOL
@@ -111,6 +133,32 @@ def test_resharded_resume_continues_exactly(runs, ref, name):
     assert dl < TOL and dp < TOL
     same = logged_losses(runs["cont_122"])
     assert max(abs(a - b) for a, b in zip(logged_losses(runs[name]), same, strict=True)) < TOL
+
+
+@pytest.mark.parametrize("name", list(ZERO_RESUMES))
+def test_zero1_checkpoint_resumes_at_any_dp(runs, ref, name):
+    """Optimizer state is saved per parameter, layout-free: ZeRO-1 at dp 2 resumes at dp 4 and
+    dp 1 with and without ZeRO-1, and a one-process checkpoint with ZeRO-1, equal to the run
+    that went on (ZeRO-1 at dp 2, or the one-process run) and to the one-process run."""
+    n, dl, dp = _deltas(runs[name], ref, first=HALF)
+    went_on = logged_losses(runs[ZERO_SAVED] if ZERO_RESUMES[name][1] == "z2" else [{"losses": ref["losses"]}])
+    dc = max(abs(a - b) for a, b in zip(logged_losses(runs[name]), went_on[HALF:], strict=True))
+    print(f"{name}: max loss delta vs one process {dl:.2e} (params {dp:.2e}), vs the run that went on {dc:.2e}")
+    assert n == STEPS - HALF
+    assert dl < TOL and dp < TOL and dc < TOL
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "zero1" in n])
+def test_zero1_optimizer_state_per_rank_is_one_dp_shard(runs, name):
+    """Each rank holds its piece of every bucket of each AdamW moment, ceil(N_k / dp) of a
+    bucket's N_k elements (the rest is padding, < dp per bucket), and one step per bucket:
+    1/dp of plain AdamW's 2 N (N: the rank's trainable numel)."""
+    dp = int(name[2])
+    for r in runs[name]:
+        shard, buckets = r["zero_shard"]
+        assert (buckets > 5) == ("tp1" in name)  # tp = pp = 1: small buckets; tp/pp: one
+        assert math.ceil(r["numel"] / dp) <= shard < r["numel"] / dp + buckets
+        assert r["state_bytes"] == 2 * 4 * shard + 4 * buckets, (r["state_bytes"], r["numel"])
 
 
 def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(runs):

@@ -1,13 +1,18 @@
 """ZeRO-1 (:class:`ZeroAdamW`) at dp = 2 against one process on the full global batch, both
-with optim.py's decay / no-decay parameter groups."""
+with optim.py's decay / no-decay parameter groups; at dp = 1 (no process group) against
+torch's AdamW, and its layout-free optimizer state in both directions."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from pp_helpers import launch, reference_train
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel.zero import ZeroAdamW
 
 TOL = 1e-5
@@ -44,10 +49,18 @@ def test_ranks_hold_identical_params_after_all_gather(dp2):
 
 
 def test_optimizer_state_is_sharded(dp2):
+    """Per bucket ceil(N_k / 2) elements of each moment: padding only."""
     for res in dp2:
-        assert res["shard_numel"] == -(-res["numel"] // 2)
+        assert res["buckets"] > 5 and sum(res["bucket_numels"]) == res["numel"]
+        assert res["shard_numel"] == sum(-(-n // 2) for n in res["bucket_numels"])
         assert res["exp_avg_numel"] == res["shard_numel"]
+        assert res["state_bytes"] == 2 * 4 * res["shard_numel"] + 4 * res["buckets"]  # moments and steps
         assert res["grads_are_views"]
+
+
+def test_every_bucket_is_reduce_scattered_during_backward(dp2):
+    for res in dp2:
+        assert res["launched_in_backward"] == [res["buckets"]] * STEPS
 
 
 def test_state_dict_round_trip_resumes_exactly(dp2):
@@ -57,9 +70,68 @@ def test_state_dict_round_trip_resumes_exactly(dp2):
             assert (t == res["resumed_params"][name]).all(), name
 
 
-def test_state_dict_layout_mismatch_is_a_clear_error(dp2):
-    msg = dp2[0]["load_error"]
-    assert "same data-parallel size" in msg and "(0, 3," in msg
+def _tiny(dtype=torch.float32) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(bias=True, vocab_size=64, make_vocab_size_divisible_by=64, seq_len=8, n_layers=1, n_heads=2,
+                    d_model=16)
+    return GPT(cfg).to(dtype)
+
+
+def _steps(model, opt, n: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randint(0, 64, (2, 9), generator=g)
+        opt.zero_grad()
+        model(x[:, :-1], x[:, 1:]).float().backward()
+        opt.step()
+
+
+def test_dp1_is_adamw_and_plain_state_loads_into_it():
+    """One rank, no process group: ZeroAdamW steps as torch's AdamW with the same groups, its
+    gathered state is AdamW's, and AdamW's state loaded into a fresh ZeroAdamW continues it."""
+    plain_model, zero_model = _tiny(), _tiny()
+    plain = torch.optim.AdamW(param_groups(plain_model, 0.1), lr=1e-2)
+    zero = ZeroAdamW(param_groups(zero_model, 0.1), lr=1e-2)
+    assert zero.dp_size == 1 and zero.state_bytes() == 0
+    _steps(plain_model, plain, 3)
+    _steps(zero_model, zero, 3)
+    names = dict(plain_model.named_parameters())
+    zero_names = {id(p): n for n, p in zero_model.named_parameters()}
+    for p, state in zip(zero.params, zero.gathered_param_states(), strict=True):  # in ZeRO's (group) order
+        name = zero_names[id(p)]
+        assert (p - names[name]).abs().max() < 1e-6, name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert (state[key] - plain.state[names[name]][key]).abs().max() < 1e-6, (name, key)
+    resumed_model = copy.deepcopy(plain_model)
+    resumed = ZeroAdamW(param_groups(resumed_model, 0.1), lr=1e-2)
+    resumed.load_param_states([plain.state[p] for g in plain.param_groups for p in g["params"]])
+    _steps(plain_model, plain, 2, seed=1)
+    _steps(resumed_model, resumed, 2, seed=1)
+    for (name, p), q in zip(resumed_model.named_parameters(), plain_model.parameters(), strict=True):
+        assert (p - q).abs().max() < 1e-6, name
+
+
+def test_bf16_parameters_save_their_fp32_master_weights():
+    model = _tiny(torch.bfloat16)
+    opt = ZeroAdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, 2)
+    states = opt.gathered_param_states()
+    assert all(s["master_param"].dtype == torch.float32 for s in states)
+    assert opt.state_bytes() == (2 + 1) * 4 * opt.shard_size + 4  # moments, master shard, step
+    again = copy.deepcopy(model)
+    fresh = ZeroAdamW(again.parameters(), lr=1e-2)
+    fresh.load_param_states(states)
+    assert fresh.main_shards[0].equal(opt.main_shards[0])
+    assert not fresh.main_shards[0].equal(fresh.param_buffer.float())  # the low bits bf16 drops are kept
+
+
+def test_state_that_does_not_fit_is_a_clear_error():
+    opt = ZeroAdamW(_tiny().parameters())
+    with pytest.raises(TokenloomError, match="states for 1 parameters, it has"):
+        opt.load_param_states([{}])
+    bad = [{"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3), "step": torch.tensor(1.0)}] * len(opt.params)
+    with pytest.raises(TokenloomError, match="exp_avg has 3 elements, its parameter"):
+        opt.load_param_states(bad)
 
 
 def test_groups_with_other_hyperparameters_are_refused():

@@ -5,9 +5,10 @@ file as :mod:`tokenloom.train.checkpoint`)::
 
     state.json              iteration, consumed samples, data fingerprint, config, layout
     shard_tp{t}_pp{p}.pt    written by the dp-rank-0 rank at (t, p): its local parameter
-                            shards and AdamW moments by one-process name, with each
-                            tensor's partition dim and split sizes
-    zero_rank{r}.pt         ZeRO-1 only: every rank's optimizer shard (per-rank layout)
+                            shards and AdamW states (step, moments) by one-process name,
+                            with each tensor's partition dim and split sizes; with ZeRO-1
+                            the same AdamW states, gathered from the dp ranks' shards
+                            (:meth:`ZeroAdamW.gathered_param_states`)
     rng_rank{r}.pt          every rank's RNG state (with the tensor-parallel dropout stream at tp > 1)
 
 Loading (:func:`load`, Megatron's "dist checkpointing" idea in its simplest form):
@@ -15,15 +16,20 @@ every rank memory-maps the ``shard_*`` files, rebuilds each full tensor *it hold
 its one-process name (:func:`~tokenloom.train.parallel.layers.unshard` over the saved tp ranks, a
 replicated tensor from tp rank 0) and re-splits it for its own ``(tp, pp, vpp)`` layout
 and stage. AdamW moments are elementwise, so they are resharded exactly like their
-parameters. The data position is the consumed-samples count, valid at any dp size.
+parameters; a ZeRO-1 rank then cuts its dp shard out of them
+(:meth:`ZeroAdamW.load_param_states`). So a checkpoint of any layout, ZeRO-1 or not,
+loads into any other, and so does a one-process checkpoint (``model.pt`` +
+``optimizer.pt`` of :mod:`tokenloom.train.checkpoint`, the format of runs at tp = pp = 1
+without ZeRO-1: its optimizer's parameter order is rebuilt from a ``meta`` copy of the
+model). The data position is the consumed-samples count, valid at any dp size.
 
 Trade-offs: a rank reads the full tensors of the parameters it holds (host memory of
 those, not of the model; Megatron reads only the slices it needs, which saves the
-other tp ranks' bytes of the same tensors). dp replicas are identical so only dp rank 0 writes parameters.
-ZeRO-1 optimizer shards are not resharded (:class:`ZeroAdamW`'s per-rank flat
-layout): resuming with ``zero1`` needs the same layout; resuming a ZeRO-1 checkpoint
-into a non-ZeRO run (or the reverse) is refused. RNG states are restored only when the
-layout is unchanged (dropout streams have no meaning across layouts).
+other tp ranks' bytes of the same tensors). dp replicas are identical so only dp rank 0 writes parameters; with ZeRO-1 it also
+gathers the optimizer shards (the full AdamW state of its model-parallel part in its
+memory while saving, Megatron's ``dp_reshardable`` format does the same). RNG states are
+restored only when the layout is unchanged (dropout streams have no meaning across
+layouts). The per-rank ``zero_rank{r}.pt`` files of earlier versions are refused.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
+from tokenloom.train.model import GPT
+from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel.layers import shard, unshard
 from tokenloom.train.runtime import collective
 
@@ -71,6 +79,10 @@ def save(run, iteration: int, run_state: dict) -> Path:
     fingerprint, config...) goes into ``state.json`` with the layout. Returns its directory.
     Written, committed and failing as :func:`tokenloom.train.checkpoint.save_files` says."""
     cfg, st = run.cfg, run.state
+    zero_states, zero_index = None, {}
+    if cfg.zero1:  # a collective over dp, before any file is written
+        zero_states = collective("ZeRO-1 optimizer state gather", run.optimizer.gathered_param_states)
+        zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)}
 
     def write(tmp: Path) -> None:
         rng = checkpoint.capture_rng()
@@ -82,18 +94,23 @@ def save(run, iteration: int, run_state: dict) -> Path:
             for pname, p in _named_params(run).items():
                 params[pname] = p.detach().cpu().clone()
                 meta[pname] = _split_info(run, pname, p)
-                if not cfg.zero1 and p in run.optimizer.state:
-                    optim[pname] = {k: v.detach().cpu().clone() for k, v in run.optimizer.state[p].items()}
+                if cfg.zero1:  # ZeRO-1 holds the trainable parameters only
+                    found = zero_states[zero_index[id(p)]] if id(p) in zero_index else None
+                else:
+                    found = run.optimizer.state.get(p)
+                if found:
+                    optim[pname] = {k: v.detach().cpu().clone() for k, v in found.items()}
             shard_state = {"params": params, "meta": meta, "optim": optim, "tp_rank": st.tp_rank}
             checkpoint.write_file(tmp / f"shard_tp{st.tp_rank}_pp{st.pp_rank}.pt",
                                   lambda f: torch.save(shard_state, f))
-        if cfg.zero1:
-            checkpoint.write_file(tmp / f"zero_rank{st.rank}.pt", lambda f: torch.save(run.optimizer.state_dict(), f))
+
+    def barrier() -> None:
+        if run.world.size > 1:  # zero1 runs on one rank too, without a process group
+            collective("checkpoint barrier", dist.barrier)
 
     return checkpoint.save_files(
         cfg.ckpt_dir, iteration, write, {**run_state, "layout": _layout(run)}, rank=st.rank,
-        barrier=lambda: collective("checkpoint barrier", dist.barrier), keep_last=cfg.keep_last_checkpoints,
-        world_size=run.world.size)
+        barrier=barrier, keep_last=cfg.keep_last_checkpoints, world_size=run.world.size)
 
 
 def full_tensors(path: Path, names: set[str] | None = None
@@ -129,20 +146,40 @@ def full_tensors(path: Path, names: set[str] | None = None
     return params, optim
 
 
+def one_process_tensors(path: Path, run) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """:func:`full_tensors` of a one-process checkpoint (``model.pt``, ``optimizer.pt``):
+    the optimizer's states are keyed by position in :func:`~tokenloom.train.optim.param_groups`
+    order, which a ``meta`` copy of ``run``'s model gives back as names."""
+    params = checkpoint.load_tensors(path, "model.pt")
+    saved = checkpoint.load_tensors(path, "optimizer.pt")
+    model = GPT(run.cfg.model, device="meta")
+    order = [p for g in param_groups(model, 0.0) for p in g["params"]]
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    if sum(len(g["params"]) for g in saved["param_groups"]) != len(order):
+        raise TokenloomError(f"{path}: the optimizer state has {sum(len(g['params']) for g in saved['param_groups'])} "
+                             f"parameters, the configured model {len(order)}; was it trained with another model?")
+    optim = {name: state for i, state in saved["state"].items() for name in names[id(order[int(i)])]}
+    return params, optim
+
+
 @torch.no_grad()
 def load(run, path: Path, state: dict) -> None:
     """Load the checkpoint at ``path`` (``state``: its ``state.json``) into ``run``, a
     :class:`~tokenloom.train.strategy.Strategy` of any layout."""
     cfg, st = run.cfg, run.state
     saved = state.get("layout")
-    if saved is None:
-        raise TokenloomError(f"{path} is a one-process checkpoint; tp/pp/ZeRO-1 resume needs one saved with "
-                             "tp, pp or zero1 set (resume it with tp=pp=1 and zero1=false)")
+    if saved is not None and (path / "zero_rank0.pt").exists():
+        raise TokenloomError(f"{path} holds ZeRO-1 optimizer state in the per-rank zero_rank*.pt files of an earlier "
+                             "tokenloom, which this version does not read; resume it with the version that wrote it")
     same = saved == _layout(run)
-    if (saved["zero1"] or cfg.zero1) and not same:
-        raise TokenloomError(f"{path} has layout {saved}, this run {_layout(run)}: ZeRO-1 optimizer state "
-                             "is per rank and cannot be resharded; resume with the same layout")
-    params, optim = full_tensors(path, set(_named_params(run)))
+    if saved is None:
+        params, optim = one_process_tensors(path, run)
+    else:
+        params, optim = full_tensors(path, set(_named_params(run)))
+    zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if cfg.zero1 else {}
+    zero_states: list[dict[str, torch.Tensor] | None] = [None] * len(zero_index)
     tp_rank, tp = st.tp_rank, st.tp_size
     done = set()
     for name, p in _named_params(run).items():
@@ -157,10 +194,16 @@ def load(run, path: Path, state: dict) -> None:
             return full if dim is None or full.dim() == 0 else shard(full, dim, tp_rank, tp, sizes)
 
         p.copy_(local(params[name]))
-        if not cfg.zero1 and name in optim:
-            run.optimizer.state[p] = {k: local(v).to(p.device).clone() for k, v in optim[name].items()}
+        if name not in optim:
+            continue
+        if cfg.zero1:
+            if id(p) in zero_index:  # a trainable parameter (the only ones ZeRO-1 holds)
+                zero_states[zero_index[id(p)]] = {k: local(v) for k, v in optim[name].items()}
+        else:  # the parameter is the plain AdamW's master copy: a ZeRO-1 master_param is not kept
+            run.optimizer.state[p] = {k: local(v).to(p.device).clone() for k, v in optim[name].items()
+                                      if k != "master_param"}
     if cfg.zero1:
-        run.optimizer.load_state_dict(torch.load(path / f"zero_rank{st.rank}.pt", weights_only=True))
+        run.optimizer.load_param_states(zero_states)
     rng = path / f"rng_rank{st.rank}.pt"
     if same and rng.exists():
         rng_state = torch.load(rng, weights_only=True)

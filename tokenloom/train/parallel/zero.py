@@ -3,14 +3,23 @@
 Mirrors Megatron-core's distributed optimizer (``distrib_optimizer.py``) for one
 buffer. Layout: all parameters, in the order given, are packed into one flat
 ``param_buffer`` (the parameters' ``.data`` are re-pointed into it) and one flat
-``grad_buffer`` (each ``.grad`` is a view into it); both are padded with zeros up to a
-multiple of the DP size and cut into DP equal contiguous shards. Rank ``r`` owns shard
-``r``; shards ignore parameter boundaries, so a parameter can be split across ranks.
+``grad_buffer`` (each ``.grad`` is a view into it), cut into buckets (contiguous runs of
+whole parameters, ``bucket_bytes``; one bucket by default); each bucket is padded with
+zeros up to a multiple of the DP size and cut into DP equal contiguous pieces. Rank ``r``
+owns piece ``r`` of every bucket (its shard); pieces ignore parameter boundaries, so a
+parameter can be split across ranks.
 
-One :meth:`ZeroAdamW.step`::
+One step::
 
-    grads -> grad_buffer      (no copy when .grad is still the buffer view)
-    grad_buffer /= dp_size; reduce_scatter(SUM) -> this rank's grad shard (the average)
+    backward                  with overlap_grad_reduce: a post-accumulate-grad hook per
+                              parameter; once every grad of a bucket has arrived (in the
+                              last micro-batch's backward; earlier ones run in no_sync),
+                              the bucket is launched (below, async), buckets strictly
+                              from the last to the first, so every rank issues the same
+                              collectives in the same order
+    step(): grads -> grad_buffer (no copy when .grad is still the buffer view)
+    per bucket not launched   bucket /= dp_size; reduce_scatter(SUM) -> this rank's piece
+                              of the grad (the average); then wait for the launched ones
     global grad norm          sum of squares of the shard (duplicate tied copies
                               excluded), all-reduced over DP and then over
                               ``norm_group`` (the pipeline / model-parallel group);
@@ -18,18 +27,25 @@ One :meth:`ZeroAdamW.step`::
                               torch.nn.utils.clip_grad_norm_ does
     weight decay              p *= 1 - lr * wd on the shard's slices of each group's
                               parameters (decoupled, as AdamW applies it first)
-    AdamW on the fp32 shard   (torch.optim.AdamW on one flat fp32 tensor, no decay)
-    shard -> param_buffer; all_gather (equal sizes, flat output: works on gloo)
+    AdamW on the fp32 shard   (torch.optim.AdamW on one fp32 tensor per bucket piece, no decay)
+    per bucket               piece -> param_buffer; all_gather (equal sizes, flat output: works on gloo)
 
 Choices and their costs:
 
-* **Memory** per fp32 parameter: 8 bytes (param + grad) + 12/d (fp32 master shard +
-  two moments). Megatron's fp32 case is 8 + 8/d: it steps the fp32 param slice in
-  place; we always keep a separate master shard (4/d more, same code path for bf16).
-* **One buffer, no buckets**: a single reduce-scatter and a single all-gather per step,
-  nothing overlapped with backward or the next forward (Megatron buckets and overlaps
-  both). Parameters must share one dtype. No 64-element alignment of parameter starts
-  (Megatron's, for kernels that read whole params); padding is only at the end.
+* **Memory** per fp32 parameter: 8 bytes (param + grad) + 8/d (two moments), as
+  Megatron's fp32 case: the fp32 parameters' own shard of the flat buffer is the master
+  copy, stepped in place, so the optimizer state per rank is 1/d of plain AdamW's
+  (:meth:`ZeroAdamW.state_bytes`; the only extra is the padding, < d elements).
+  Lower-precision parameters get a separate fp32 master shard (4/d more).
+* **Buckets and overlap**: the reduce-scatter of a bucket runs while backward computes
+  the earlier layers' grads (Megatron's ``overlap_grad_reduce``); the bucket assignment is
+  :func:`~tokenloom.train.ddp.compute_bucket_assignment_by_size` (DDP's, in parameter
+  order). Not done: the parameter all-gather runs per bucket at the end of :meth:`step`,
+  not overlapped with the next forward (Megatron's ``overlap_param_gather``). Each bucket
+  costs one more collective launch and up to dp - 1 padding elements per rank. A bucket
+  whose grads never all arrive (a parameter unused in the last micro-batch) is reduced in
+  :meth:`step`, and so are the buckets after it in launch order. Parameters must share one dtype. No 64-element
+  alignment of parameter starts (Megatron's, for kernels that read whole params).
 * **Pre-divide then SUM** (Megatron's default ``average_in_collective=False``): for
   power-of-two DP sizes the average is exact.
 * **Weight decay per parameter group**: ``params`` may be torch-style groups
@@ -40,15 +56,26 @@ Choices and their costs:
   decayed parameters: ``p *= 1 - lr * wd`` before the Adam update, which is where
   ``torch.optim.AdamW`` applies it. No per-element mask is stored. Other
   hyperparameters (lr, betas, eps) are shared by all groups.
-* **State dict is per rank** (this shard's master weights and moments, Megatron's
-  non-reshardable per-rank layout): it can only be loaded with the same DP size and
-  parameter list. Loading all-gathers the master weights back into the parameters,
-  so it is a collective.
+* **Checkpoints are layout-free** (Megatron's ``dp_reshardable`` idea, not its per-rank
+  ``fully_sharded`` one): :meth:`gathered_param_states` gathers the shards to dp rank 0
+  and cuts them into one full ``exp_avg`` / ``exp_avg_sq`` / ``step`` per parameter, the
+  form ``torch.optim.AdamW`` keeps, so :mod:`~tokenloom.train.parallel.reshard` writes
+  them exactly as it writes the plain optimizer's state and any dp size, with or without
+  ZeRO-1, reads them back (:meth:`load_param_states` cuts this rank's shard out of the
+  full tensors). The cost: dp rank 0 holds the full moments (2 x 4 bytes per parameter of
+  its model-parallel part) while saving. fp32 parameters are their own master copy (the
+  all-gather copies the master shard bit for bit); with lower-precision parameters the
+  fp32 master weights are saved too, as ``master_param``. A parameter without state
+  loads zeros; states with different step counts load the largest (one flat AdamW has
+  one step).
+* **dp = 1** is allowed (one shard, the whole buffer; no collective, no process group
+  needed), as Megatron allows it: the same code path and checkpoints as at dp > 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -56,6 +83,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.ddp import compute_bucket_assignment_by_size
 from tokenloom.train.optim import clip_coefficient, global_grad_norm
 
 
@@ -68,7 +96,8 @@ class ZeroAdamW:
             Duplicates by identity are dropped (the first group wins). Their ``.data``
             are moved into a flat buffer at construction; they must be equal on every
             DP rank (same init).
-        dp_group: data-parallel group (None: the default group).
+        dp_group: data-parallel group (None: the default group, or a single rank when
+            ``torch.distributed`` is not initialised).
         lr, betas, eps: as ``torch.optim.AdamW``.
         weight_decay: decoupled weight decay for parameters (or groups) that do not set
             their own.
@@ -78,6 +107,12 @@ class ZeroAdamW:
         counts_in_norm: which parameters this rank counts in the norm (Megatron's rule:
             each once per replica). Default: all but those tagged ``shared = True`` (the
             last stage's copy of a tied embedding).
+        bucket_bytes: cut the flat buffers into buckets of about this many bytes
+            (:func:`~tokenloom.train.ddp.compute_bucket_assignment_by_size`; None: one
+            bucket), each reduce-scattered and all-gathered on its own.
+        overlap_grad_reduce: launch each bucket's reduce-scatter from gradient hooks as
+            soon as its grads are ready in backward (run every micro-batch backward but the
+            last inside :meth:`no_sync`); False: all of them in :meth:`step`.
     """
 
     def __init__(
@@ -92,6 +127,8 @@ class ZeroAdamW:
         max_grad_norm: float | None = None,
         norm_group: dist.ProcessGroup | None = None,
         counts_in_norm: Callable[[nn.Parameter], bool] | None = None,
+        bucket_bytes: int | None = None,
+        overlap_grad_reduce: bool = False,
     ) -> None:
         if counts_in_norm is None:
             def counts_in_norm(p: nn.Parameter) -> bool:
@@ -108,48 +145,80 @@ class ZeroAdamW:
         if len(dtypes) != 1:
             raise TokenloomError(f"ZeroAdamW needs parameters of one dtype, got {sorted(map(str, dtypes))}")
         self.dp_group, self.norm_group = dp_group, norm_group
-        self.dp_size = dist.get_world_size(dp_group)
-        self.dp_rank = dist.get_rank(dp_group)
+        distributed = dp_group is not None or dist.is_initialized()
+        self.dp_size = dist.get_world_size(dp_group) if distributed else 1
+        self.dp_rank = dist.get_rank(dp_group) if distributed else 0
         self.max_grad_norm = max_grad_norm
-
         self.numel = sum(p.numel() for p in self.params)
-        self.shard_size = -(-self.numel // self.dp_size)
-        padded = self.shard_size * self.dp_size
         dtype, device = self.params[0].dtype, self.params[0].device
         if any(p.device != device for p in self.params):
             raise TokenloomError("ZeroAdamW needs every parameter on one device")
-        self.param_buffer = torch.zeros(padded, dtype=dtype, device=device)
-        self.grad_buffer = torch.zeros(padded, dtype=dtype, device=device)
-        self._grad_views: list[torch.Tensor] = []
-        norm_weight = torch.ones(padded, dtype=torch.float32, device=device)
-        runs: list[tuple[int, int, float]] = []  # (start, end, weight decay) over the flat buffer
+
+        # buckets: contiguous runs of parameters (one dtype and device: ddp.py's assignment
+        # gives runs in order), each padded to a multiple of dp and cut into dp equal pieces
+        dp = self.dp_size
+        assignment = [list(range(len(self.params)))] if bucket_bytes is None else \
+            compute_bucket_assignment_by_size(self.params, [bucket_bytes])[0]
+        self._bucket_of = [0] * len(self.params)
+        self._offsets: list[tuple[int, int]] = []  # each parameter's [start, end) in the flat buffers
+        self._buckets: list[tuple[int, int]] = []  # each bucket's [start, end) in the flat buffers
         offset = 0
+        for k, indices in enumerate(assignment):
+            start = offset
+            for i in indices:
+                self._bucket_of[i] = k
+                self._offsets.append((offset, offset + self.params[i].numel()))
+                offset += self.params[i].numel()
+            offset = start + -(-(offset - start) // dp) * dp
+            self._buckets.append((start, offset))
+        self._pieces = [slice(a + self.dp_rank * (b - a) // dp, a + (self.dp_rank + 1) * (b - a) // dp)
+                        for a, b in self._buckets]  # this rank's piece of each bucket
+        self.shard_size = sum(pc.stop - pc.start for pc in self._pieces)
+        """Elements of the flat buffers this rank owns: ceil(numel / dp) per bucket."""
+
+        self.param_buffer = torch.zeros(offset, dtype=dtype, device=device)
+        self.grad_buffer = torch.zeros(offset, dtype=dtype, device=device)
+        self._grad_views: list[torch.Tensor] = []
+        norm_weight = torch.ones(offset, dtype=torch.float32, device=device)
+        runs: list[tuple[int, int, float]] = []  # (start, end, weight decay) over the flat buffer
         with torch.no_grad():
-            for p, wd in zip(self.params, decays, strict=True):
-                n = p.numel()
-                self.param_buffer[offset : offset + n].copy_(p.reshape(-1))
-                p.data = self.param_buffer[offset : offset + n].view(p.shape)
-                view = self.grad_buffer[offset : offset + n].view(p.shape)
+            for p, wd, (a, b) in zip(self.params, decays, self._offsets, strict=True):
+                self.param_buffer[a:b].copy_(p.reshape(-1))
+                p.data = self.param_buffer[a:b].view(p.shape)
+                view = self.grad_buffer[a:b].view(p.shape)
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
                 self._grad_views.append(view)
                 if not counts_in_norm(p):
-                    norm_weight[offset : offset + n] = 0.0
-                if runs and runs[-1][1] == offset and runs[-1][2] == wd:
-                    runs[-1] = (runs[-1][0], offset + n, wd)
-                else:
-                    runs.append((offset, offset + n, wd))
-                offset += n
+                    norm_weight[a:b] = 0.0
+                if wd != 0.0:
+                    runs.append((a, b, wd))
 
-        lo, hi = self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
-        self._shard = slice(lo, hi)
-        self._decay_runs = [(max(a, lo) - lo, min(b, hi) - lo, wd) for a, b, wd in runs
-                            if wd != 0.0 and a < hi and b > lo]
-        self._norm_weight = norm_weight[lo:hi]
+        # this rank's shard: the pieces, back to back (grads, norm weights), and one master
+        # tensor per piece for the inner AdamW: fp32 parameters' own piece of the buffer
+        # (stepped in place), else an fp32 copy
         self._grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
-        self.main_shard = nn.Parameter(self.param_buffer[lo:hi].float().clone())
-        self.optimizer = torch.optim.AdamW([self.main_shard], lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+        self._norm_weight = torch.cat([norm_weight[pc] for pc in self._pieces])
+        self._grad_pieces, self.main_shards, self._decay_runs = [], [], []
+        at = 0
+        for k, pc in enumerate(self._pieces):
+            size = pc.stop - pc.start
+            self._grad_pieces.append(self._grad_shard[at : at + size])
+            own = self.param_buffer[pc]
+            self.main_shards.append(nn.Parameter(own if dtype == torch.float32 else own.float()))
+            self._decay_runs += [(k, max(a, pc.start) - pc.start, min(b, pc.stop) - pc.start, wd)
+                                 for a, b, wd in runs if a < pc.stop and b > pc.start]
+            at += size
+        self.optimizer = torch.optim.AdamW(self.main_shards, lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+
+        # overlap: a hook per parameter launches its bucket's reduce-scatter once the bucket is
+        # complete, buckets strictly from the last to the first (the same order on every rank)
+        self.overlap = overlap_grad_reduce and dp > 1
+        self._sync = True  # flipped by no_sync()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self.params)] if self.overlap else []
+        self._reset_reduction()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -161,70 +230,179 @@ class ZeroAdamW:
         self.grad_buffer.zero_()
         for p, view in zip(self.params, self._grad_views, strict=True):
             p.grad = view
+        self._reset_reduction()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside only accumulate into the grad buffer (no reduce-scatter is
+        launched): every micro-batch of a step but the last (the schedules' ``no_sync``)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _reset_reduction(self) -> None:
+        self._pending = [0] * len(self._buckets)
+        for k in self._bucket_of:
+            self._pending[k] += 1
+        self._ready = [False] * len(self.params)
+        self._works: list[Any] = [None] * len(self._buckets)
+        self._next = len(self._buckets) - 1  # the next bucket to launch
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            view = self._grad_views[i]
+            if p.grad.data_ptr() != view.data_ptr():  # a fresh .grad (set_to_none): into the buffer
+                view.copy_(p.grad)
+                p.grad = view
+            if not self._sync or self._ready[i]:
+                return
+            self._ready[i] = True
+            self._pending[self._bucket_of[i]] -= 1
+            while self._next >= 0 and self._pending[self._next] == 0:
+                self._launch(self._next, async_op=True)
+
+        return hook
+
+    def _launch(self, k: int, async_op: bool) -> None:
+        """Reduce-scatter bucket ``k`` (the average) into this rank's grad piece."""
+        a, b = self._buckets[k]
+        if self.dp_size == 1:
+            self._grad_pieces[k].copy_(self.grad_buffer[a:b])
+        else:
+            self.grad_buffer[a:b].div_(self.dp_size)
+            self._works[k] = dist.reduce_scatter_single(self._grad_pieces[k], self.grad_buffer[a:b],
+                                                        group=self.dp_group, async_op=async_op)
+        self._next = k - 1
 
     @torch.no_grad()
     def step(self) -> torch.Tensor | None:
-        """Reduce, clip, update this shard, all-gather. Returns the global grad norm
-        (before clipping, a device tensor) when ``max_grad_norm`` is set, else None."""
+        """Reduce (wait for the buckets launched during backward, launch the others),
+        clip, update this shard, all-gather. Returns the global grad norm (before
+        clipping, a device tensor) when ``max_grad_norm`` is set, else None."""
         for p, view in zip(self.params, self._grad_views, strict=True):
             if p.grad is None:
                 view.zero_()
-            elif p.grad is not view:
+            elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
             p.grad = view
-        self.grad_buffer.div_(self.dp_size)
-        dist.reduce_scatter_single(self._grad_shard, self.grad_buffer, group=self.dp_group)
+        while self._next >= 0:  # not launched during backward (no overlap, or a grad never came)
+            self._launch(self._next, async_op=False)
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._reset_reduction()
         grad = self._grad_shard.float()
         norm = None
         if self.max_grad_norm is not None:
             norm = self.grad_norm(grad)
             grad.mul_(clip_coefficient(norm, self.max_grad_norm))
-        self.main_shard.grad = grad
+        at = 0
+        for master in self.main_shards:
+            master.grad = grad[at : at + master.numel()]
+            at += master.numel()
         lr = self.optimizer.param_groups[0]["lr"]
-        for a, b, wd in self._decay_runs:
-            self.main_shard[a:b].mul_(1 - lr * wd)
+        for k, a, b, wd in self._decay_runs:
+            self.main_shards[k][a:b].mul_(1 - lr * wd)
         self.optimizer.step()
-        self.main_shard.grad = None
+        for master in self.main_shards:
+            master.grad = None
         self._all_gather_params()
         return norm
 
     def grad_norm(self, grad_shard: torch.Tensor) -> torch.Tensor:
         """L2 norm of the full gradient from this rank's (reduced) shard (a device tensor)."""
-        groups = [self.dp_group] + ([self.norm_group] if self.norm_group is not None else [])
+        groups = ([self.dp_group] if self.dp_size > 1 else []) + ([self.norm_group] if self.norm_group is not None else [])
         return global_grad_norm([grad_shard * self._norm_weight], groups, device=grad_shard.device)
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: its pieces of the two AdamW moments and
+        their steps, plus the fp32 master pieces when the parameters are not fp32."""
+        tensors = [t for m in self.main_shards for t in self.optimizer.state.get(m, {}).values()]
+        tensors += [m for m, pc in zip(self.main_shards, self._pieces, strict=True)
+                    if m.data_ptr() != self.param_buffer[pc].data_ptr()]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
     def _all_gather_params(self) -> None:
-        shard = self.main_shard.detach().to(self.param_buffer.dtype)
-        dist.all_gather_single(self.param_buffer, shard, group=self.dp_group)
+        for (a, b), pc, master in zip(self._buckets, self._pieces, self.main_shards, strict=True):
+            own = self.param_buffer[pc]
+            if self.dp_size == 1:
+                if master.data_ptr() != own.data_ptr():
+                    own.copy_(master.detach())
+                continue
+            # an fp32 master piece is a view of the output: send a copy (transient, one piece)
+            piece = master.detach().clone() if master.dtype == own.dtype else master.detach().to(own.dtype)
+            dist.all_gather_single(self.param_buffer[a:b], piece, group=self.dp_group)
 
     # ------------------------------------------------------------------ checkpoint
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard: master weights, AdamW moments and step, plus the layout."""
-        return {
-            "dp_rank": self.dp_rank,
-            "dp_size": self.dp_size,
-            "numel": self.numel,
-            "main_shard": self.main_shard.detach().clone(),
-            "optimizer": self.optimizer.state_dict(),
-        }
+    @torch.no_grad()
+    def gathered_param_states(self) -> list[dict[str, torch.Tensor]] | None:
+        """Collective over ``dp_group``: the full AdamW state of every parameter, in
+        :attr:`params` order, on dp rank 0 (None on the others). An entry holds
+        ``exp_avg``, ``exp_avg_sq`` (fp32, the parameter's shape; views into one gathered
+        tensor, clone them to save them alone) and ``step``, as ``torch.optim.AdamW``
+        keeps them, plus ``master_param`` when the parameters are not fp32. Entries are
+        empty before the first step."""
+        inner = [self.optimizer.state.get(m) for m in self.main_shards]
+        if not all(inner):
+            return [{} for _ in self.params] if self.dp_rank == 0 else None
+        pieces = {"exp_avg": [st["exp_avg"] for st in inner], "exp_avg_sq": [st["exp_avg_sq"] for st in inner]}
+        if self.param_buffer.dtype != torch.float32:
+            pieces["master_param"] = [m.detach() for m in self.main_shards]
+        flats = {key: self._gather_to_first(values) for key, values in pieces.items()}
+        if self.dp_rank != 0:
+            return None
+        out = []
+        for p, (a, b) in zip(self.params, self._offsets, strict=True):
+            state = {key: flat[a:b].view(p.shape) for key, flat in flats.items()}
+            state["step"] = inner[0]["step"].detach().clone()
+            out.append(state)
+        return out
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a shard saved by :meth:`state_dict` on the same DP rank and layout,
-        then all-gather the master weights into the parameters (collective)."""
-        found = (state["dp_rank"], state["dp_size"], state["numel"])
-        expected = (self.dp_rank, self.dp_size, self.numel)
-        if found != expected:
-            raise TokenloomError(
-                f"ZeRO-1 optimizer state is for (dp_rank, dp_size, numel) = {found}, this run has "
-                f"{expected}; load it with the same data-parallel size and model"
-            )
-        self.main_shard.copy_(state["main_shard"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group in self.optimizer.param_groups:  # decay is applied by step(), never by the inner AdamW
-            group["weight_decay"] = 0.0
-        self._all_gather_params()
+    def load_param_states(self, states: list[dict[str, torch.Tensor] | None]) -> None:
+        """Set this rank's shard from full per-parameter states (the form of
+        :meth:`gathered_param_states`, in :attr:`params` order, saved at any dp size or by
+        the plain AdamW); None or ``{}`` for a parameter without state (zero moments).
+        The parameters must already hold the loaded values: the master shard is cut from
+        them (or from ``master_param`` where given). Not a collective: every rank reads
+        the full tensors and keeps its pieces."""
+        if len(states) != len(self.params):
+            raise TokenloomError(f"ZeRO-1 got optimizer states for {len(states)} parameters, it has "
+                                 f"{len(self.params)}")
+        given = [s for s in states if s]
+        master = self.param_buffer.float().clone()  # fp32 parameters hold the master values already
+        moments = {key: torch.zeros_like(master) for key in ("exp_avg", "exp_avg_sq")}
+        for p, (a, b), state in zip(self.params, self._offsets, states, strict=True):
+            for key, flat in (*moments.items(), ("master_param", master)):
+                if state and key in state:
+                    if state[key].numel() != p.numel():
+                        raise TokenloomError(f"ZeRO-1 optimizer state {key} has {state[key].numel()} elements, "
+                                             f"its parameter {tuple(p.shape)}")
+                    flat[a:b].copy_(state[key].reshape(-1))
+        for m, pc in zip(self.main_shards, self._pieces, strict=True):
+            m.copy_(master[pc])
+        if not given:  # a checkpoint written before the first step: nothing but the parameters
+            self.optimizer.state.clear()
+            return
+        step = max(float(s["step"]) for s in given)
+        inner = self.optimizer.state_dict()
+        inner["state"] = {k: {"step": torch.tensor(step), **{key: flat[pc].clone() for key, flat in moments.items()}}
+                          for k, pc in enumerate(self._pieces)}
+        self.optimizer.load_state_dict(inner)  # casts to the master pieces' device, as torch resumes
+
+    def _gather_to_first(self, pieces: list[torch.Tensor]) -> torch.Tensor | None:
+        """The flat (padded) buffer whose pieces the ranks hold, on dp rank 0 (None elsewhere)."""
+        if self.dp_size == 1:
+            return torch.cat(pieces)  # one piece per bucket: the whole bucket
+        first = self.dp_rank == 0
+        full = torch.empty(len(self.param_buffer), dtype=pieces[0].dtype, device=pieces[0].device) if first else None
+        for (a, b), piece in zip(self._buckets, pieces, strict=True):
+            dist.gather(piece.contiguous(), list(full[a:b].chunk(self.dp_size)) if first else None,
+                        group=self.dp_group, group_dst=0)
+        return full
 
 
 def _flatten_groups(params: Iterable[Any], default_wd: float) -> list[tuple[nn.Parameter, float]]:

@@ -1,0 +1,46 @@
+"""Strategy choices visible at one rank: ZeRO-1 without a process group, and the settings a
+layout cannot honour (refused naming the field)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_loop import losses, tiny
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train import checkpoint
+from tokenloom.train.loop import run, start_run
+from tokenloom.train.parallel import reshard
+from tokenloom.train.strategy import refuse_unsupported
+
+
+def test_zero1_on_one_rank_checkpoints_layout_free_and_resumes_without_it(tmp_path: Path):
+    """zero1 at dp 1 (one shard, no torch.distributed: what ``cli.py train --zero1`` runs on one
+    rank) writes a layout-free checkpoint (AdamW state per parameter) that a run without zero1
+    continues with the same losses. (ZeRO-1 at dp 1 against AdamW: test_zero.py.)"""
+    kw = dict(train_iters=4, eval_interval=0)
+    run(tiny(tmp_path / "zero", zero1=True, save_interval=2, **kw))
+    saved = tmp_path / "zero" / "checkpoints" / "iter_0000002"
+    _, optim = reshard.full_tensors(saved)
+    assert optim and all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in optim.values())
+    run(tiny(tmp_path / "resumed", resume=str(saved), **kw))
+    zero, resumed = losses(tmp_path / "zero"), losses(tmp_path / "resumed")
+    assert [i for i, _ in resumed] == [3, 4]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(resumed, zero[2:], strict=True)) < 1e-5
+    assert checkpoint.is_complete(checkpoint.find_latest(tmp_path / "resumed" / "checkpoints"))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(tp=2, ddp_bucket_cap_mb=1.0), "ddp_bucket_cap_mb sizes the gradient buckets of DDP and ZeRO-1 at tp = pp = 1"),
+    (dict(overlap_grad_reduce=True), "overlap_grad_reduce applies to zero1 at tp = pp = 1"),
+    (dict(zero1=True, pp=2, overlap_grad_reduce=False), "overlap_grad_reduce applies to zero1 at tp = pp = 1"),
+])
+def test_settings_a_layout_cannot_honour_are_refused(tmp_path: Path, overrides, match):
+    with pytest.raises(TokenloomError, match=match):
+        refuse_unsupported(tiny(tmp_path, **overrides))
+
+
+def test_overlap_and_bucket_size_are_accepted_for_zero1_at_tp_pp_1(tmp_path: Path):
+    r = start_run(tiny(tmp_path, zero1=True, overlap_grad_reduce=False, ddp_bucket_cap_mb=0.01, train_iters=1))
+    assert not r.strategy.optimizer.overlap and len(r.strategy.optimizer.main_shards) > 3
