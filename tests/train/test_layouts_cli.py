@@ -66,7 +66,7 @@ def test_layout_through_the_cli_equals_one_process(tmp_path, reference, name):
     assert all(torch.isfinite(t).all() for t in params.values())
 
 
-@pytest.mark.parametrize("name,ranks,flags", [("pp2", 2, ["--pp", "2"]),
+@pytest.mark.parametrize("name,ranks,flags", [("pp4", 4, ["--pp", "4"]),  # middle stages need boundaries too
                                              ("tp2_sp", 2, ["--tp", "2", "--set", "sp=true"])])
 def test_document_masking_through_the_cli_equals_one_process(tmp_path, reference, name, ranks, flags):
     """data.inter_document_masking in a pipeline and a sequence-parallel layout equals the

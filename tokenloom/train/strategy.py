@@ -179,8 +179,11 @@ class Strategy:
 
     @property
     def has_data(self) -> bool:
-        """Whether this rank reads batches (first and last pipeline stages; middle stages get None)."""
-        return self.state.is_first_stage(ignore_virtual=True) or self.state.is_last_stage(ignore_virtual=True)
+        """Whether this rank reads batches: first and last pipeline stages, and every stage under
+        document-isolated attention (each block needs the boundaries); other middle stages get None."""
+        st = self.state
+        return (st.is_first_stage(ignore_virtual=True) or st.is_last_stage(ignore_virtual=True)
+                or self.cfg.data.inter_document_masking)
 
     @property
     def computes_loss(self) -> bool:
@@ -216,7 +219,9 @@ class Strategy:
         """One chunk on one micro-batch: the first stage reads the tokens (``hidden`` is None
         there), the last returns the loss, the others their activation."""
         # document-isolated attention: every chunk needs the boundaries, the first the positions
-        docs = {"documents": batch["cu_seqlens"], "positions": batch["position_ids"]} if "cu_seqlens" in batch else {}
+        docs = {}
+        if batch is not None and "cu_seqlens" in batch:  # a middle stage without masking reads no batch
+            docs = {"documents": batch["cu_seqlens"], "positions": batch["position_ids"]}
         if not self.staged:
             return module(batch["tokens"], batch["labels"], batch["loss_mask"], **docs)
         tokens = batch["tokens"] if hidden is None else None

@@ -30,6 +30,7 @@ LAYOUTS = {
     "dp1_tp2_pp2": (4, dict(tp=2, pp=2)),
     "dp2_tp2_pp1": (4, dict(tp=2)),
     "dp2_tp1_pp2": (4, dict(pp=2)),
+    "dp1_tp1_pp4": (4, dict(pp=4)),  # middle stages, which read no batch
     # weight decay per group, as optim.py's; ~10 buckets of 20 KB reduce-scattered during backward
     # (overlap_grad_reduce's default); its checkpoint at HALF is resumed in other layouts
     "dp2_tp1_pp1_zero1": (2, dict(zero1=True, save_interval=HALF, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
