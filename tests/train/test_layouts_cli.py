@@ -1,9 +1,10 @@
 """Every layout through ``cli.py train --nproc-per-node N`` (torchrun, gloo, fp32) against
 the one-process ``cli.py train`` of the same config file: per-step losses equal within
 1e-5, one metrics file, and the final checkpoint of each layout holds the one-process
-parameters, for the eight layouts of issue 15. The in-process twin of this check, with
-resharded resume, is ``parallel/test_compose.py``; this one proves the command's flags and
-the launcher reach the same loop."""
+parameters, for six of the eight layouts of issue 15 (every flag spelling; dp2 x tp2 and dp2 x pp2,
+4-rank launches, run only in ``parallel/test_compose.py`` to keep CI within its time). That
+in-process twin of this check, with resharded resume, covers every layout; this one proves the
+command's flags and the launcher reach the same loop."""
 
 from __future__ import annotations
 
@@ -30,8 +31,6 @@ LAYOUTS = {
     "dp1_tp2_pp1_sp": (2, ["--tp", "2", "--sp"]),
     "dp1_tp1_pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "dp1_tp1_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
-    "dp2_tp2_pp1": (4, ["--tp", "2"]),
-    "dp2_tp1_pp2": (4, ["--pp", "2"]),
     "dp2_tp1_pp1_zero1": (2, ["--zero1"]),
 }
 
