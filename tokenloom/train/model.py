@@ -154,6 +154,9 @@ class GPTConfig:
             raise TokenloomError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}")
         if self.arch not in ("gpt2", "llama"):
             raise TokenloomError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise TokenloomError(f"RoPE needs an even head dimension; d_model={self.d_model} / "
+                                 f"n_heads={self.n_heads} = {self.head_dim}")
         if self.bias is None:
             self.bias = self.arch == "gpt2"
         if self.kernels not in ("reference", "compiled", "triton", "auto"):

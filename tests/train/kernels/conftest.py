@@ -29,10 +29,10 @@ from tokenloom.train.kernels import (  # noqa: E402  (after TRITON_INTERPRET)
     bias_gelu_reference,
     layer_norm_reference,
     rms_norm_reference,
-    rope_cache,
     rope_reference,
     swiglu_reference,
 )
+from tokenloom.train.model import GPTConfig, rope_tables  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _gelu(x, b, approximate):
 
 
 def _rope_args(dtype, device):
-    cos, sin = rope_cache(7, 16, device=device)
+    cos, sin = rope_tables(GPTConfig(arch="llama", seq_len=7, d_model=16, n_heads=1), device)
     return [_t(2, 3, 7, 16, dtype=dtype, device=device), cos, sin]
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import gradcheck
 
+from tokenloom.errors import TokenloomError
 from tokenloom.train.kernels import (
     attention_reference,
     attention_sdpa,
@@ -20,10 +21,14 @@ from tokenloom.train.kernels import (
     bias_gelu_reference,
     layer_norm_reference,
     rms_norm_reference,
-    rope_cache,
     rope_reference,
     swiglu_reference,
 )
+from tokenloom.train.model import GPTConfig, rope_tables
+
+
+def _rope(seq, dim, theta=10000.0):
+    return rope_tables(GPTConfig(arch="llama", seq_len=seq, d_model=dim, n_heads=1, rope_theta=theta))
 
 
 def _f64(*shape, seed=0):
@@ -57,7 +62,7 @@ def test_rope_is_a_complex_rotation_of_half_pairs():
     """Pair (x[i], x[i + d/2]) rotates by angle pos * theta^(-2i/d): an independent formulation."""
     batch, heads, seq, dim = 2, 3, 5, 8
     x = _f64(batch, heads, seq, dim)
-    cos, sin = rope_cache(seq, dim, theta=10000.0)
+    cos, sin = _rope(seq, dim, theta=10000.0)
     pairs = torch.complex(x[..., : dim // 2], x[..., dim // 2 :])
     freqs = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = torch.arange(seq, dtype=torch.float64)[:, None] * freqs
@@ -68,9 +73,9 @@ def test_rope_is_a_complex_rotation_of_half_pairs():
     torch.testing.assert_close(rope_reference(x.float(), cos, sin), expected.float(), rtol=1.3e-6, atol=1e-5)
 
 
-def test_rope_cache_rejects_odd_head_dim():
-    with pytest.raises(ValueError, match="even head_dim"):
-        rope_cache(4, 7)
+def test_rope_rejects_odd_head_dim():
+    with pytest.raises(TokenloomError, match="even head dimension"):
+        GPTConfig(arch="llama", d_model=21, n_heads=3)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -109,7 +114,7 @@ GRADCHECK_CASES = {
         (_f64(3, 8), _f64(8, seed=1)),
     ),
     "rope": lambda: (
-        lambda x: rope_reference(x, *(t.double() for t in rope_cache(4, 8))),
+        lambda x: rope_reference(x, *(t.double() for t in _rope(4, 8))),
         (_f64(1, 2, 4, 8),),
     ),
     "attention": lambda: (

@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from tokenloom.train.kernels import OPS, KernelSet, rope_cache, select_kernels, selector
+from tokenloom.train.kernels import OPS, KernelSet, select_kernels, selector
 from tokenloom.train.kernels.compiled import compile_available
+from tokenloom.train.model import GPTConfig, rope_tables
 
 
 def test_reference_mode_exposes_every_op():
@@ -29,7 +30,7 @@ def test_reference_mode_runs_a_tiny_block():
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     w_norm, w_out, targets = torch.rand(16, dtype=torch.float64) + 0.5, torch.randn(10, 16, dtype=torch.float64), \
         torch.randint(0, 10, (2, 6))
-    cos, sin = (t.double() for t in rope_cache(6, 4))
+    cos, sin = (t.double() for t in rope_tables(GPTConfig(arch="llama", seq_len=6, d_model=4, n_heads=1)))
     q = k.rope(x.view(2, 6, 4, 4).transpose(1, 2), cos, sin)
     y = k.attention(q, q, q).transpose(1, 2).reshape(2, 6, 16)
     y = k.bias_dropout_add(y, None, x, 0.0, False)

@@ -74,10 +74,10 @@ def test_triton_norm_backward_with_more_rows_than_programs():
 def test_rope_triton_rejects_untrimmed_tables():
     if not triton_available("cpu") and not torch.cuda.is_available():
         pytest.skip("no device for Triton")
-    from tokenloom.train.kernels.rope import rope_cache
     from tokenloom.train.kernels.triton_ops import rope_triton
+    from tokenloom.train.model import GPTConfig, rope_tables
 
-    cos, sin = rope_cache(16, 8)
+    cos, sin = rope_tables(GPTConfig(arch="llama", seq_len=16, d_model=8, n_heads=1))
     with pytest.raises(ValueError, match="slice the tables"):
         rope_triton(torch.randn(1, 2, 4, 8), cos, sin)
 

@@ -5,7 +5,7 @@ tested against:
 
 * :mod:`.rms_norm`, :mod:`.layer_norm`: norms (fp32 statistics, output in input dtype).
 * :mod:`.swiglu`, :mod:`.bias_gelu`: MLP activations (GELU tanh-approximate or exact).
-* :mod:`.rope`: rotary embedding, rotate-half layout, and its cos/sin cache.
+* :mod:`.rope`: rotary embedding, rotate-half layout (the tables: ``model.rope_tables``).
 * :mod:`.bias_dropout_add`: sublayer tail ``residual + dropout(x + bias)``.
 * :mod:`.attention`: SDPA (flash on GPU), plus a naive oracle.
 * :mod:`.cross_entropy`: LM-head cross entropy chunked over tokens (O(chunk x vocab)
@@ -22,7 +22,7 @@ from .bias_gelu import bias_gelu_reference
 from .cross_entropy import chunked_cross_entropy, cross_entropy_reference
 from .layer_norm import layer_norm_reference
 from .rms_norm import rms_norm_reference
-from .rope import rope_cache, rope_reference
+from .rope import rope_reference
 from .selector import MODES, OPS, KernelSet, select_kernels
 from .swiglu import swiglu_reference
 
@@ -38,7 +38,6 @@ __all__ = [
     "cross_entropy_reference",
     "layer_norm_reference",
     "rms_norm_reference",
-    "rope_cache",
     "rope_reference",
     "select_kernels",
     "swiglu_reference",

@@ -17,18 +17,6 @@ import torch
 from ._common import upcast
 
 
-def rope_cache(
-    seq_len: int, head_dim: int, theta: float = 10000.0, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each fp32 ``[seq_len, head_dim]`` (same as the model's own)."""
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
-
-
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, heads, seq, head_dim]; cos, sin: [seq, head_dim]. Returns like ``x``."""
     x1, x2 = upcast(x).chunk(2, dim=-1)

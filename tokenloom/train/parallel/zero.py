@@ -389,9 +389,11 @@ class ZeroAdamW:
             return
         step = max(float(s["step"]) for s in given)
         inner = self.optimizer.state_dict()
-        inner["state"] = {k: {"step": torch.tensor(step), **{key: flat[pc].clone() for key, flat in moments.items()}}
+        inner["state"] = {k: {"step": torch.tensor(step, dtype=torch.float32, device="cpu"), **{key: flat[pc].clone() for key, flat in moments.items()}}
                           for k, pc in enumerate(self._pieces)}
-        self.optimizer.load_state_dict(inner)  # casts to the master pieces' device, as torch resumes
+        # AdamW keeps a non-fused step on the CPU whatever the parameters' device; load_state_dict
+        # moves the moments to the master pieces' device, as torch's own resume does.
+        self.optimizer.load_state_dict(inner)
 
     def _gather_to_first(self, pieces: list[torch.Tensor]) -> torch.Tensor | None:
         """The flat (padded) buffer whose pieces the ranks hold, on dp rank 0 (None elsewhere)."""
