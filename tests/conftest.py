@@ -58,3 +58,10 @@ def shared_data() -> Path:
     if not (path / "README.md").exists():
         pytest.skip(f"shared third-party data not found at {path} (set TOKENLOOM_SHARED_DATA)")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _own_user_cache(tmp_path_factory, monkeypatch):
+    """Each test its own per-user cache (the tokenizer self-check verdicts): a verdict cached by
+    one test (or by the developer's own runs) never decides another test's backend."""
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path_factory.mktemp("user-cache")))

@@ -3,7 +3,9 @@ every document of the shared corpora, a self-check that fails where gigatoken di
 fingerprint/ids_key that does not depend on the backend."""
 
 import json
+import os
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,7 +157,7 @@ def test_cli_forced_gigatoken_that_cannot_load_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("path", ["qwen2"])  # HF tokenizers with NFC (gpt2 runs on tiktoken: nothing to escape)
-def test_characters_of_newer_unicode_are_escaped(monkeypatch, path):
+def test_characters_of_newer_unicode_are_escaped(monkeypatch, tmp_path, path):
     """Combining marks newer than HF tokenizers' NFC tables (U+089B, U+1AC5) and letters newer than
     Qwen2's split regex (CJK Extension J): found on load, such texts go to the reference engine
     with the same ids; with nothing escaped the self-check fails on them."""
@@ -169,5 +171,44 @@ def test_characters_of_newer_unicode_are_escaped(monkeypatch, path):
         np.testing.assert_array_equal(got, want)
 
     monkeypatch.setattr(gigatoken_engine, "unstable_chars", lambda reference, engine: "")
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "fresh"))  # not the verdict cached above
     unescaped = load_tokenizer(TOK / path)
     assert unescaped.backend == "reference" and "self-check failed" in unescaped.backend_reason
+
+
+def test_the_self_check_verdict_is_cached_per_tokenizer_and_versions(monkeypatch, tmp_path):
+    """The second load of a tokenizer reads the first one's verdict (no probe is encoded) and ends
+    with the same backend, escapes and reason; another library version, a damaged entry or an
+    unwritable cache runs the check again."""
+    from tokenloom.tokenizers import gigatoken_engine
+
+    texts = ["plain", "\u089b\u0cbc \u1ac5\u0650 a\u1ae0\u0e48", "\U00032a23/V \U00033021[j", ""]
+    first = load_tokenizer(TOK / "qwen2", num_threads=1)
+    entries = list(Path(os.environ["TOKENLOOM_CACHE_DIR"]).glob("tokenizer-checks/*.json"))
+    assert first.backend == "gigatoken" and len(entries) == 1
+
+    def no_check(*args, **kwargs):
+        raise AssertionError("the self-check ran although its verdict is cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(gigatoken_engine, "unstable_chars", no_check)
+        m.setattr(gigatoken_engine, "self_check", no_check)
+        again = load_tokenizer(TOK / "qwen2", num_threads=1)
+    assert (again.backend, again.backend_reason) == (first.backend, first.backend_reason)
+    for got, want in zip(again.encode_batch(texts), first.encode_batch(texts), strict=True):
+        np.testing.assert_array_equal(got, want)  # the cached escapes route the same texts
+
+    calls = []
+    real = gigatoken_engine.self_check
+    monkeypatch.setattr(gigatoken_engine, "self_check", lambda *a: calls.append(1) or real(*a))
+    versions = gigatoken_engine._library_versions()
+    monkeypatch.setattr(gigatoken_engine, "_library_versions", lambda: {**versions, "gigatoken": "0.0.0"})
+    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend == "gigatoken" and calls == [1]
+    monkeypatch.setattr(gigatoken_engine, "_library_versions", lambda: versions)
+    entries[0].write_text('{"unstable": "", "probes": 3')  # torn
+    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend_reason == first.backend_reason and calls == [1, 1]
+    assert json.loads(entries[0].read_text())["probes"] > 3  # rewritten whole
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(blocked))
+    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend == "gigatoken" and calls == [1, 1, 1]

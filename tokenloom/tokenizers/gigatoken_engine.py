@@ -44,14 +44,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
+import json
+import logging
+import os
 import random
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from tokenloom.errors import TokenloomError
+
+log = logging.getLogger(__name__)
 
 BACKEND_CHOICES = ("auto", "reference", "gigatoken")
 _DEFAULT_BACKEND = contextvars.ContextVar("tokenloom_tokenizer_backend", default="auto")
@@ -209,6 +216,83 @@ def self_check(reference, engine: GigatokenEngine, probes: list[str]) -> str | N
     return f"probe text {probes[k][:40]!r} encodes to {g}... instead of {w}..."
 
 
+CACHE_ENV = "TOKENLOOM_CACHE_DIR"
+"""Where per-user caches live (default ``$XDG_CACHE_HOME/tokenloom``, else ``~/.cache/tokenloom``)."""
+
+
+def user_cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenloom"
+
+
+@functools.lru_cache(maxsize=1)
+def _checker_digest() -> str:
+    """sha256 of the code that decides a verdict: every module of ``tokenloom.tokenizers`` (the
+    probes, the comparison, each kind's gigatoken source and reference encoder)."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _library_versions() -> dict[str, str]:
+    import unicodedata
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"unicodedata": unicodedata.unidata_version}
+    for name in ("gigatoken", "tokenizers", "tiktoken", "sentencepiece", "regex"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = ""
+    return found
+
+
+class VerdictCache:
+    """The self-check's outcome for one tokenizer, kept per user so a later load skips the check.
+
+    The check costs ~1 s and ~150 MB per load (the Unicode probes encode ~90k texts on both
+    engines), paid by every preprocess run and by each spawned worker. Its outcome depends only
+    on the tokenizer's files and id options (``fingerprint()["digest"]``), the reference engine, the
+    special strings and escapes its gigatoken source declares,
+    the versions of gigatoken, the reference libraries, ``regex`` and Python's Unicode tables, and
+    the code that runs the check (hashed): the key covers all of them, so a changed file, upgrade
+    or probe list runs the check again. Trade-off: a verdict is trusted from disk, so a cache
+    entry edited by hand can select gigatoken for a tokenizer it fails on; ``--tokenizer-backend
+    reference`` or removing ``$TOKENLOOM_CACHE_DIR/tokenizer-checks`` is the way out. An
+    unreadable or unwritable cache is no error: the check runs, as without one.
+    """
+
+    def __init__(self, tok, source: GigatokenSource):
+        key = {"tokenizer": tok.fingerprint()["digest"], "engine": tok.engine,
+               "specials": list(source.specials), "escapes": sorted(source.escapes),
+               "checker": _checker_digest(), "versions": _library_versions()}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        self.path = user_cache_dir() / "tokenizer-checks" / f"{digest}.json"
+
+    def load(self) -> dict | None:
+        try:
+            found = json.loads(self.path.read_text(encoding="utf-8"))
+            if (isinstance(found.get("unstable"), str) and isinstance(found.get("probes"), int)
+                    and (found.get("mismatch") is None or isinstance(found["mismatch"], str))):
+                return found
+        except (OSError, ValueError, AttributeError):
+            pass
+        return None
+
+    def store(self, verdict: dict) -> None:
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(verdict), encoding="utf-8")
+            os.replace(tmp, self.path)  # a reader sees the old entry or the whole new one
+        except OSError as exc:
+            log.debug("tokenizer self-check not cached at %s: %s", self.path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
 def select_backend(tok, requested: str) -> None:
     """Attach gigatoken to ``tok`` when ``requested`` allows it and the self-check passes; record why."""
     requested = check_backend(requested)
@@ -218,10 +302,18 @@ def select_backend(tok, requested: str) -> None:
     reference = tok.single_threaded().encode_batch_reference  # never starts a thread pool before a fork
     try:
         source = tok.gigatoken_source()
-        unstable = unstable_chars(reference, GigatokenEngine(source))
-        engine = GigatokenEngine(source, unstable)
-        probes = probe_texts(source.specials)
-        mismatch = self_check(reference, engine, probes)
+        verdict = VerdictCache(tok, source)
+        known = verdict.load()
+        if known is None:
+            unstable = unstable_chars(reference, GigatokenEngine(source))
+            probes = probe_texts(source.specials)
+            engine = GigatokenEngine(source, unstable)
+            mismatch = self_check(reference, engine, probes)
+            verdict.store({"unstable": unstable, "probes": len(probes), "mismatch": mismatch})
+        else:
+            unstable, mismatch = known["unstable"], known["mismatch"]
+            probes = range(known["probes"])
+            engine = GigatokenEngine(source, unstable)
         reason = None if mismatch is None else f"self-check failed: {mismatch}"
     except Unsupported as exc:
         reason = str(exc)
