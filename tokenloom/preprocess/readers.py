@@ -29,6 +29,7 @@ import gzip
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,7 +282,7 @@ class ChunkReader:
             inp = self.inputs[k]
             with objstore.reading(inp.path):  # a network failure mid-object: one line naming it
                 if inp.format.startswith("jsonl"):
-                    yield from self._line_chunks(k, pos, "json")
+                    yield from self._json_chunks(k, pos)
                 elif inp.format.startswith("txt"):
                     if self.txt_unit == "file":
                         yield from self._file_chunk(k, pos)
@@ -297,10 +298,76 @@ class ChunkReader:
         self._seq += 1
         return chunk
 
-    # -- jsonl and txt (line / paragraph): raw bytes, cut at record boundaries
+    # -- jsonl: raw line bytes, cut at record boundaries
+    def _json_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
+        """The records of a jsonl input, read a block at a time and cut into lines by ``re`` (in C).
+
+        The main process is one of the pipeline's processes on every core, so what it spends per
+        line is taken from the tokenizers: a loop over lines from the file object, as the txt
+        units use, cost ~7 us per line (0.9 s of a 530 MB corpus); this one ~0.5 us. The records,
+        numbers, chunk cuts and end positions are those of the line-by-line reading, and so is a
+        corrupt or truncated compressed input: each block is one read of the decompressor
+        (``read1``), so every line it decoded before failing is kept, and the record number of the
+        error is the line after the last one kept.
+        """
+        inp = self.inputs[k]
+        with objstore.open_input(inp.path) as raw:
+            number, offset = 0, None if inp.compressed else 0
+            if not inp.compressed and pos.offset:
+                raw.seek(pos.offset)  # plain file: jump straight to the resume point
+                number, offset = pos.records, pos.offset
+            stream = _open_text_stream(inp, raw)
+            read = getattr(stream, "read1", stream.read)
+            chunk, size, last_raw = self._new_chunk(k, "json"), 0, raw.tell()
+            numbers, lines = chunk.numbers, chunk.lines
+            skip_to, limit, max_records = pos.records, self.chunk_bytes, self.max_records
+            carry: list[bytes] = []  # a line's start, until its newline is read
+            while True:
+                try:
+                    block = read(_BLOCK)
+                except (TruncatedInput, EOFError, OSError) as exc:
+                    if _unreadable(inp, exc):
+                        raise
+                    chunk.errors.append((number + 1, f"truncated or corrupt {inp.format} input ({exc}); "
+                                                     "the rest of the file is skipped"))
+                    break
+                if block:
+                    cut = block.rfind(b"\n") + 1
+                    if not cut:
+                        carry.append(block)
+                        continue
+                    found = _LINES.findall(b"".join([*carry, block[:cut]]) if carry else block[:cut])
+                    carry = [block[cut:]] if cut < len(block) else []
+                elif carry:  # the last line, without its newline
+                    found, carry = [b"".join(carry)], []
+                else:
+                    break
+                for line in found:
+                    number += 1
+                    n = len(line)
+                    if offset is not None:
+                        offset += n
+                    if number <= skip_to or not line.strip():  # done before a resume; blank: not a record
+                        continue
+                    numbers.append(number)
+                    lines.append(line)
+                    size += n
+                    if size >= limit or len(numbers) >= max_records:
+                        now = raw.tell() if offset is None else offset  # a block reads ahead of the cut
+                        chunk.raw_bytes, last_raw = now - last_raw, now
+                        chunk.end = Position(k, number, offset)
+                        yield chunk
+                        chunk, size = self._new_chunk(k, "json"), 0
+                        numbers, lines = chunk.numbers, chunk.lines
+            chunk.raw_bytes = (raw.tell() if offset is None else offset) - last_raw
+            chunk.end = Position(k + 1, 0, 0)
+            if len(chunk) or chunk.errors or chunk.raw_bytes:
+                yield chunk
+
+    # -- txt (line / paragraph): raw bytes, cut at record boundaries
     def _line_chunks(self, k: int, pos: Position, unit: str) -> Iterator[Chunk]:
         inp = self.inputs[k]
-        kind = "json" if unit == "json" else "values"
+        kind = "values"
         with objstore.open_input(inp.path) as raw:
             number, offset = 0, None if inp.compressed else 0
             if not inp.compressed and pos.offset:
@@ -343,17 +410,9 @@ class ChunkReader:
     @staticmethod
     def _records(stream, unit: str) -> Iterator[tuple[int, object]]:
         """(physical lines consumed, record) pairs; a record's lines include their newlines."""
-        if unit in ("json", "line"):
-            pending = 0
+        if unit == "line":
             for line in stream:
-                pending += 1
-                if unit == "json" and not line.strip():
-                    # Blank lines are not records, but they still move the offset.
-                    yield pending, _Skip(line)
-                    pending = 0
-                    continue
-                yield pending, line
-                pending = 0
+                yield 1, line
             return
         block: list[bytes] = []
         for line in stream:
@@ -367,13 +426,7 @@ class ChunkReader:
             yield len(block), block
 
     def _add(self, chunk: Chunk, unit: str, number: int, record) -> bool:
-        """Add one record to the chunk; False for what is not a record (blank jsonl line, blank block)."""
-        if isinstance(record, _Skip):
-            return False
-        if unit == "json":
-            chunk.numbers.append(number)
-            chunk.lines.append(record)
-            return True
+        """Add one record to the chunk; False for what is not a record (a blank block)."""
         if unit == "line":
             value = record[:-1] if record.endswith(b"\n") else record
         else:  # paragraph: the block's text, like text.split("\n\n") (blank separator line removed)
@@ -449,8 +502,8 @@ def _unreadable(inp: Input, exc: BaseException) -> bool:
     return objstore.is_url(inp.path) and isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile)
 
 
-class _Skip(bytes):
-    """A blank jsonl line: consumed, but not a record."""
+_BLOCK = 1 << 20
+_LINES = re.compile(rb"[^\n]*\n")
 
 
 def _arrow_batches(inp: Input, keys: list[str]):

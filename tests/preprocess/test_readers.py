@@ -1,0 +1,110 @@
+"""``ChunkReader`` on jsonl: the block reader gives the records, numbers, cuts and positions of
+plain line-by-line reading (written out here as the reference), for plain, gzip and zstd
+inputs, lines longer than a block, resume from every chunk end, and damaged inputs."""
+
+from __future__ import annotations
+
+import gzip
+import random
+
+import pytest
+import zstandard
+
+from tokenloom.preprocess import readers
+from tokenloom.preprocess.readers import ChunkReader, Position, TruncatedInput, discover
+
+
+def _reference_chunks(inp, k, chunk_bytes, max_records, start_records=0):
+    """(numbers, lines, end, errors) per chunk, reading the input a line at a time."""
+    out, numbers, lines, size, number, offset = [], [], [], 0, 0, None if inp.compressed else 0
+    errors = []
+    with open(inp.path, "rb") as raw:
+        stream = readers._open_text_stream(inp, raw)
+        try:
+            for line in stream:
+                number += 1
+                if offset is not None:
+                    offset += len(line)
+                if number <= start_records or not line.strip():
+                    continue
+                numbers.append(number)
+                lines.append(line)
+                size += len(line)
+                if size >= chunk_bytes or len(numbers) >= max_records:
+                    out.append((numbers, lines, Position(k, number, offset), []))
+                    numbers, lines, size = [], [], 0
+        except (TruncatedInput, EOFError, OSError) as exc:
+            errors.append(number + 1)
+            assert "truncated" in str(exc) or "zstd" in str(exc) or "gzip" in str(exc).lower() or exc
+    out.append((numbers, lines, Position(k + 1, 0, 0), errors))
+    return out
+
+
+def _ours(inputs, chunk_bytes, max_records, start=None):
+    return _records_or_errors([(c.numbers, c.lines, c.end, [n for n, _ in c.errors])
+                               for c in ChunkReader(inputs, ["text"], chunk_bytes, max_records).chunks(start)])
+
+
+def _records_or_errors(chunks):
+    """Chunks holding a record or an error (the reader may also end an input with an empty one)."""
+    return [c for c in chunks if c[0] or c[3]]
+
+
+def _corpus(seed: int) -> bytes:
+    rng = random.Random(seed)
+    parts = []
+    for i in range(400):
+        kind = rng.random()
+        if kind < 0.1:
+            parts.append(rng.choice([b"\n", b"   \n", b"\t\r\n", b"\r\n"]))  # blank: not a record
+        elif kind < 0.15:
+            parts.append(b'{"text": "' + b"x" * rng.randint(50, 300) + b'"}\r\n')  # longer than a block
+        else:
+            parts.append(b'{"text": "doc %d %s"}\n' % (i, "\u00e9".encode() * rng.randint(0, 9)))
+    if seed % 2:
+        parts.append(b'{"text": "last, no newline"}')
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("compression", ["", ".gz", ".zst"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_block_reading_equals_line_reading(tmp_path, monkeypatch, compression, seed):
+    monkeypatch.setattr(readers, "_BLOCK", 37)  # many blocks, lines that span several
+    data = _corpus(seed)
+    path = tmp_path / f"c.jsonl{compression}"
+    path.write_bytes({"": data, ".gz": gzip.compress(data),
+                      ".zst": zstandard.ZstdCompressor().compress(data)}[compression])
+    other = tmp_path / "first.jsonl"
+    other.write_bytes(b'{"text": "a"}\n\n{"text": "b"}\n')
+    inputs = discover([str(other), str(path)])
+    for chunk_bytes, max_records in ((1 << 20, 4096), (200, 4096), (1 << 20, 7), (1, 1)):
+        want = _records_or_errors(_reference_chunks(inputs[0], 0, chunk_bytes, max_records)
+                                  + _reference_chunks(inputs[1], 1, chunk_bytes, max_records))
+        assert _ours(inputs, chunk_bytes, max_records) == want
+        for cut, (_, _, end, _) in enumerate(want[:-1]):  # resume from every chunk's end
+            tail = [c for c in want[cut + 1:] if c[2].input >= end.input]
+            if end.input == 1 and end.records:
+                tail = _reference_chunks(inputs[1], 1, chunk_bytes, max_records, end.records)
+            elif end.input == 1:
+                tail = _reference_chunks(inputs[1], 1, chunk_bytes, max_records)
+            assert _ours(inputs, chunk_bytes, max_records, end) == _records_or_errors(tail)
+    if not compression:  # bytes consumed: exact for plain files, also from a resume point
+        nine = sum(len(line) + 1 for line in data.split(b"\n")[:9])
+        for start, skipped in ((None, 0), (Position(1, 9, nine), other.stat().st_size + nine)):
+            chunks = ChunkReader(inputs, ["text"], 200, 4096).chunks(start)
+            assert sum(c.raw_bytes for c in chunks) == other.stat().st_size + path.stat().st_size - skipped
+    assert sum(len(n) for n, *_ in _ours(inputs, 1 << 20, 4096)) == 2 + sum(
+        1 for line in data.split(b"\n") if line.strip())
+
+
+@pytest.mark.parametrize("compression", [".gz", ".zst"])
+def test_a_truncated_input_keeps_what_line_reading_keeps(tmp_path, compression):
+    """At the real block size (several decompressor reads per block would lose decoded lines)."""
+    data = "".join(f'{{"text": "document number {i}"}}\n' for i in range(200_000)).encode()
+    packed = gzip.compress(data) if compression == ".gz" else zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / f"t.jsonl{compression}"
+    path.write_bytes(packed[: len(packed) // 2])
+    inputs = discover([str(path)])
+    want = _records_or_errors(_reference_chunks(inputs[0], 0, 1 << 16, 4096))
+    got = _ours(inputs, 1 << 16, 4096)
+    assert got == want and got[-1][3] and 0 < sum(len(n) for n, *_ in got) < 200_000
