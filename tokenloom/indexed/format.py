@@ -294,7 +294,8 @@ class IndexedDatasetWriter:
             raise TokenloomError(f"{self.prefix}: token ids must be integers, got dtype {arr.dtype}")
         # A same-dtype array with no vocabulary bound is in range by construction.
         if self._max_id is not None and not (arr.dtype == self.dtype and self.vocab_size is None):
-            lo, hi = int(arr.min()), int(arr.max())
+            lo = 0 if arr.dtype.kind in "ub" else int(arr.min())  # unsigned: one pass, not two
+            hi = int(arr.max())
             if lo < self._min_id or hi > self._max_id:
                 bad = lo if lo < self._min_id else hi
                 bound = f" and vocab size {self.vocab_size}" if self.vocab_size is not None else ""
