@@ -103,6 +103,11 @@ class GigatokenSource:
 
 class GigatokenEngine:
     def __init__(self, source: GigatokenSource, escape_chars: str = ""):
+        # gigatoken returns awkward arrays: import it here, in the process that loads the tokenizer,
+        # so forked preprocess workers inherit it (imported in each worker it cost ~0.5 s apiece
+        # at the start of every run, the workers importing at once on the same cores)
+        import awkward  # noqa: F401
+
         self.model = source.model
         # one regex scan per text however many escapes (Mistral v3 has 750 control pieces)
         longest_first = sorted(source.escapes, key=len, reverse=True)
