@@ -26,7 +26,10 @@ def _unpicklable():
     return threading.Lock()
 
 
-def _big(n: int) -> bytes:
+def _big_after_pid(path: str, n: int) -> bytes:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
     return b"x" * n
 
 
@@ -77,17 +80,26 @@ def test_close_lets_idle_workers_exit_and_kills_busy_ones():
     assert time.monotonic() - start < 10
 
 
-def test_a_worker_killed_while_sending_a_large_result_is_reported_not_waited_for():
-    """A message cut short by a death ends in EOF: ProcessPoolExecutor's reader thread waits forever on it."""
+def test_a_worker_killed_while_sending_a_large_result_is_reported_not_waited_for(monkeypatch, tmp_path):
+    """A message cut short by a death ends in EOF: ProcessPoolExecutor's reader thread waits forever on it.
+    The pool's receiver threads are held back until the victim is dead, so it dies blocked in its send."""
+    from tokenloom.preprocess import pool as pool_module
+
+    gate, real_receive = threading.Event(), pool_module._receive
+    monkeypatch.setattr(pool_module, "_receive", lambda conn, inbox: gate.wait() and real_receive(conn, inbox))
+    pid_file = tmp_path / "victim"
     pool = OrderedPool(2, fork_or_spawn())
     try:
-        pool.submit(os.getpid)
-        pool.submit(os.getpid)
-        victim, _ = pool.result(), pool.result()
-        pool.submit(_big, 256 << 20)  # to the victim: far beyond a pipe's buffer, so it blocks part-way
+        pool.submit(_big_after_pid, str(pid_file), 256 << 20)  # far beyond a pipe's buffer: blocks part-way
         pool.submit(_slow_square, 2, 0.0)
-        time.sleep(1.0)  # this process reads nothing yet: the victim is stuck inside its send
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        victim = int(pid_file.read_text())
+        time.sleep(1.0)  # nothing reads yet: the victim is stuck inside its send
         os.kill(victim, signal.SIGKILL)
+        gate.set()
         outcome = []
 
         def take():
@@ -101,5 +113,6 @@ def test_a_worker_killed_while_sending_a_large_result_is_reported_not_waited_for
         reader.join(30)
         assert not reader.is_alive(), "result() hung on a dead worker"
         assert isinstance(outcome[0], WorkerDied) and str(victim) in str(outcome[0])
+        assert pool.result() == 4  # the other worker's result is still delivered
     finally:
         pool.close()
