@@ -212,3 +212,22 @@ def test_the_self_check_verdict_is_cached_per_tokenizer_and_versions(monkeypatch
     blocked.write_text("")
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(blocked))
     assert load_tokenizer(TOK / "qwen2", num_threads=1).backend == "gigatoken" and calls == [1, 1, 1]
+
+
+def test_escaped_equals_a_plain_membership_test():
+    """The split character tests (ASCII / BMP / astral, strings apart) find exactly the texts that hold
+    an escape string or character, on random texts mixing all three planes."""
+    import random
+
+    from tokenloom.tokenizers.gigatoken_engine import GigatokenSource
+
+    rng = random.Random(0)
+    chars = "^-]\\a\u0301\u089b\U00010efa\U0001e4ec"
+    strings = ("<s>", "</s>", "[REF]")
+    engine = GigatokenEngine(GigatokenSource(model=None, escapes=strings), chars)
+    pool = list("xyz <>/s[]REF") + ["\u00e9", "\u4e2d", "\U0001f600", "\U00020000", *chars]
+    for _ in range(3000):
+        text = "".join(rng.choice(pool) for _ in range(rng.randint(0, 12)))
+        want = any(c in text for c in chars) or any(s in text for s in strings)
+        assert engine.escaped(text) == want, repr(text)
+    assert not GigatokenEngine(GigatokenSource(model=None)).escaped("anything \U0001f600")
