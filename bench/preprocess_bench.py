@@ -12,8 +12,13 @@ All rows are measured in one run on the same cores:
                  (for GPT-2 files: tiktoken's ``encode_ordinary_batch(texts, num_threads=cores)``,
                  ids left as tiktoken returns them).
 * gigatoken      the ceiling of issue 21: gigatoken's own ``encode_files`` on the same jsonl (it reads
-                 and tokenizes), all cores, nothing written. tokenloom's ``auto`` backend runs gigatoken
-                 for these files after its self-check.
+                 and tokenizes), all cores, nothing written, in a fresh process each round as tokenloom
+                 runs (a tokenizer object kept across rounds keeps its word cache warm: 3x faster from
+                 the second round on). tokenloom's ``auto`` backend runs gigatoken for these files after
+                 its self-check, whose verdict is cached per user after the first run (a warm-up run of
+                 each tokenizer before timing). GPT-2 and the NeoX-20B tokenizer.json.
+* --large-mb N   the same two rows on the novels repeated to N MB (>= 500: start-up is not what is
+                 measured), with peak memory there against the default corpus.
 * encode only    for information: the texts in memory split into one slice per core, each
                  encoded by its own forked process (``encode_to_numpy``, as tokenloom's workers
                  do), no JSON, no I/O, no start-up. tiktoken's batch API is bound by building
@@ -54,6 +59,14 @@ from _table import best_interleaved, print_table, timed  # noqa: E402
 
 SHARED = Path(os.environ.get("TOKENLOOM_SHARED_DATA", REPO.parent / "shared" / "data"))
 GPT2 = SHARED / "tokenizers" / "gpt2"
+NEOX = SHARED / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
+GIGATOKEN = """
+import sys, gigatoken
+kind, path, corpus = sys.argv[1:]
+tok = (gigatoken.Tokenizer.from_tiktoken(path, pretokenizer="gpt2", special_tokens={}) if kind == "tiktoken"
+       else gigatoken.Tokenizer.from_json(open(path, "rb").read()))
+tok.encode_files(gigatoken.JsonlFileSource([corpus], field="text"), parallel=True)
+"""
 
 
 def novel_documents(doc_bytes: int) -> list[str]:
@@ -199,6 +212,7 @@ def main() -> None:
     ap.add_argument("--doc-bytes", type=int, default=4000, help="~4 KB documents, as the data README suggests")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each row is its best round")
+    ap.add_argument("--large-mb", type=int, default=0, help="also the gigatoken rows on a corpus of this size")
     args = ap.parse_args()
     if not (GPT2 / "gpt2-vocab.json").exists():
         raise SystemExit(f"needs the shared GPT-2 files under {GPT2} (set TOKENLOOM_SHARED_DATA)")
@@ -216,9 +230,9 @@ def main() -> None:
     mb = corpus.stat().st_size / 1e6
     w = args.workers
 
-    def tokenloom_cmd(src, prefix):
+    def tokenloom_cmd(src, prefix, tokenizer=GPT2):
         return [sys.executable, str(REPO / "cli.py"), "preprocess", "--input", str(src), "--output-prefix",
-                str(prefix), "--tokenizer", str(GPT2), "--append-eod", "--workers", str(w), "--no-progress"]
+                str(prefix), "--tokenizer", str(tokenizer), "--append-eod", "--workers", str(w), "--no-progress"]
 
     tok = load_tokenizer(str(GPT2), num_threads=w, backend="reference")
     if tok.engine != "tiktoken":
@@ -228,22 +242,31 @@ def main() -> None:
     def ceiling():  # the backend tokenloom picked for these files, texts in memory, all cores
         tok.enc.encode_ordinary_batch(texts, num_threads=w)
 
-    import gigatoken
-
-    giga = gigatoken.Tokenizer.from_tiktoken(GPT2 / "gpt2.tiktoken", pretokenizer="gpt2", special_tokens={})
-
-    def giga_ceiling():  # reads the jsonl itself, all cores; + 1 per document for the EOD tokenloom writes
-        giga.encode_files(gigatoken.JsonlFileSource([str(corpus)], field="text"), parallel=True)
+    def giga_ceiling(src, tokenizer=GPT2):  # reads the jsonl itself, all cores, a fresh process
+        kind, path = ("tiktoken", GPT2 / "gpt2.tiktoken") if tokenizer == GPT2 else ("json", tokenizer)
+        subprocess.run([sys.executable, "-c", GIGATOKEN, kind, str(path), str(src)], check=True)
 
     runs = iter(range(1_000_000))
 
-    def ours():  # a new prefix each round: an existing output would be a finished run
-        subprocess.run(tokenloom_cmd(corpus, tmp / f"ours{next(runs)}"), check=True, stdout=subprocess.DEVNULL)
+    def ours(src=corpus, tokenizer=GPT2, keep="ours0"):
+        """A new prefix each round (an existing output would be a finished run); only ``keep`` stays."""
+        prefix = tmp / f"ours{next(runs)}"
+        subprocess.run(tokenloom_cmd(src, prefix, tokenizer), check=True, stdout=subprocess.DEVNULL)
+        if prefix.name != keep:
+            for ext in (".bin", ".idx", ".manifest.json"):
+                (tmp / f"{prefix.name}{ext}").unlink()
+
+    for tokenizer in (GPT2, NEOX):  # the self-check's verdict cached, as on every run after a user's first
+        subprocess.run(tokenloom_cmd(texts_head(tmp, texts), tmp / "warm", tokenizer), check=True,
+                       stdout=subprocess.DEVNULL)
+        for ext in (".bin", ".idx", ".manifest.json"):
+            (tmp / f"warm{ext}").unlink()
 
     # Timed runs alternate (the machine's load drifts; best of N each) and run without the
     # memory sampler, whose /proc walks would take CPU from the run being timed.
-    t_ours, t_ceiling, t_giga, t_encode_only, t_hf, t_py = best_interleaved([
-        timed(ours), timed(ceiling), timed(giga_ceiling), lambda: encode_only(tok.enc, texts, w),
+    t_ours, t_ceiling, t_giga, t_ours_neox, t_giga_neox, t_encode_only, t_hf, t_py = best_interleaved([
+        timed(ours), timed(ceiling), timed(giga_ceiling, corpus), timed(ours, corpus, NEOX, ""),
+        timed(giga_ceiling, corpus, NEOX), lambda: encode_only(tok.enc, texts, w),
         lambda: megatron_style(corpus, tmp / "mhf", w, _init_hf),
         lambda: megatron_style(corpus, tmp / "mpy", w, _init_python_bpe),
     ], repeat=args.repeat)
@@ -263,7 +286,9 @@ def main() -> None:
 
     rows = [
         ("tokenloom vs ceiling (target >= 0.9)", tps(t_ours), tps(t_ceiling), f"{t_ceiling / t_ours:.2f}x"),
-        ("tokenloom vs gigatoken encode_files (target >= 0.8)", tps(t_ours), tps(t_giga), f"{t_giga / t_ours:.2f}x"),
+        ("tokenloom vs gigatoken encode_files, GPT-2", tps(t_ours), tps(t_giga), f"{t_giga / t_ours:.2f}x"),
+        ("tokenloom vs gigatoken encode_files, NeoX-20B tokenizer.json", f"{t_ours_neox:.2f} s", f"{t_giga_neox:.2f} s",
+         f"{t_giga_neox / t_ours_neox:.2f}x"),
         ("for information: tokenloom vs encode only, 1 process per core", tps(t_ours), tps(t_encode_only),
          f"{t_encode_only / t_ours:.2f}x"),
         ("tokenloom vs megatron-style, GPT2BPETokenizer (target >= 5)", tps(t_ours), tps(t_py),
@@ -278,6 +303,44 @@ def main() -> None:
     print_table(f"preprocess: {len(texts)} documents, {mb:.1f} MB jsonl, {tokens / 1e6:.2f} M GPT-2 tokens, "
                 f"{w} workers on {os.cpu_count()} cores, best of {args.repeat} alternating rounds "
                 "(outputs byte-identical across rows)", rows)
+    if args.large_mb:
+        large_rows(args, docs, tmp, w, rss1, ours, giga_ceiling, tokenloom_cmd)
+
+
+def texts_head(tmp: Path, texts: list[str]) -> Path:
+    return write_corpus(tmp / "head.jsonl", texts[:50])
+
+
+def large_rows(args, docs, tmp, w, rss_small, ours, giga_ceiling, tokenloom_cmd) -> None:
+    """Issue 21's acceptance 1: the gigatoken rows on a corpus of ``--large-mb``, and memory there."""
+    from tokenloom.indexed import IndexedDataset
+
+    large = tmp / "large.jsonl"
+    with open(large, "w", encoding="utf-8") as f:
+        while f.tell() < args.large_mb * 1e6:
+            for t in docs:
+                f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
+    mb = large.stat().st_size / 1e6
+    t_gpt2, t_giga, t_neox, t_giga_neox = best_interleaved([
+        timed(ours, large, GPT2, ""), timed(giga_ceiling, large), timed(ours, large, NEOX, ""),
+        timed(giga_ceiling, large, NEOX)], repeat=args.repeat)
+    _, rss_large = run_measured(tokenloom_cmd(large, tmp / "memL"))
+    tokens = int(IndexedDataset(str(tmp / "memL")).sequence_lengths.sum(dtype=np.int64))
+
+    def tps(t):
+        return f"{tokens / t / 1e6:.2f} M tok/s"
+
+    rows = [
+        ("tokenloom vs gigatoken encode_files, GPT-2 (target >= 0.8)", tps(t_gpt2), tps(t_giga),
+         f"{t_giga / t_gpt2:.2f}x"),
+        ("tokenloom vs gigatoken encode_files, NeoX-20B tokenizer.json (target >= 0.8)", f"{t_neox:.2f} s",
+         f"{t_giga_neox:.2f} s", f"{t_giga_neox / t_neox:.2f}x"),
+        (f"peak memory (PSS), {mb:.0f} MB corpus vs default corpus (flat = 1.0)", f"{rss_large / 2**20:.0f} MB",
+         f"{rss_small / 2**20:.0f} MB", f"{rss_large / rss_small:.2f}x"),
+    ]
+    print_table(f"preprocess at scale: {mb:.0f} MB jsonl (the novels repeated), {tokens / 1e6:.1f} M GPT-2 tokens, "
+                f"{w} workers on {os.cpu_count()} cores, best of {args.repeat} alternating rounds; gigatoken in a "
+                "fresh process each round, as tokenloom", rows)
 
 
 if __name__ == "__main__":
