@@ -1,6 +1,6 @@
-"""``ChunkReader`` on jsonl: the block reader gives the records, numbers, cuts and positions of
-plain line-by-line reading (written out here as the reference), for plain, gzip and zstd
-inputs, lines longer than a block, resume from every chunk end, and damaged inputs."""
+"""``ChunkReader`` on jsonl: the records, numbers and resume positions of the block reader (compressed
+or from object storage) and of the range chunks (local plain files) are those of plain line-by-line reading
+(written out here as the reference): lines longer than a block, resume from every chunk end, damaged inputs."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import random
 import pytest
 import zstandard
 
+from tokenloom.errors import TokenloomError
 from tokenloom.preprocess import readers
-from tokenloom.preprocess.readers import ChunkReader, Position, TruncatedInput, discover
+from tokenloom.preprocess.readers import ChunkReader, Position, TruncatedInput, discover, json_records
 
 
-def _reference_chunks(inp, k, chunk_bytes, max_records, start_records=0):
+def _reference_chunks(inp, k, chunk_bytes, max_records):
     """(numbers, lines, end, errors) per chunk, reading the input a line at a time."""
     out, numbers, lines, size, number, offset = [], [], [], 0, 0, None if inp.compressed else 0
     errors = []
@@ -25,7 +26,7 @@ def _reference_chunks(inp, k, chunk_bytes, max_records, start_records=0):
                 number += 1
                 if offset is not None:
                     offset += len(line)
-                if number <= start_records or not line.strip():
+                if not line.strip():
                     continue
                 numbers.append(number)
                 lines.append(line)
@@ -41,7 +42,7 @@ def _reference_chunks(inp, k, chunk_bytes, max_records, start_records=0):
 
 
 def _ours(inputs, chunk_bytes, max_records, start=None):
-    return _records_or_errors([(c.numbers, c.lines, c.end, [n for n, _ in c.errors])
+    return _records_or_errors([(*json_records(c), c.end, [n for n, _ in c.errors])
                                for c in ChunkReader(inputs, ["text"], chunk_bytes, max_records).chunks(start)])
 
 
@@ -77,24 +78,26 @@ def test_block_reading_equals_line_reading(tmp_path, monkeypatch, compression, s
     other = tmp_path / "first.jsonl"
     other.write_bytes(b'{"text": "a"}\n\n{"text": "b"}\n')
     inputs = discover([str(other), str(path)])
+    want = [(k, n, line) for k in (0, 1) for n, line in
+            zip(*[sum((c[i] for c in _reference_chunks(inputs[k], k, 1 << 20, 4096)), []) for i in (0, 1)],
+                strict=True)]
     for chunk_bytes, max_records in ((1 << 20, 4096), (200, 4096), (1 << 20, 7), (1, 1)):
-        want = _records_or_errors(_reference_chunks(inputs[0], 0, chunk_bytes, max_records)
-                                  + _reference_chunks(inputs[1], 1, chunk_bytes, max_records))
-        assert _ours(inputs, chunk_bytes, max_records) == want
-        for cut, (_, _, end, _) in enumerate(want[:-1]):  # resume from every chunk's end
-            tail = [c for c in want[cut + 1:] if c[2].input >= end.input]
-            if end.input == 1 and end.records:
-                tail = _reference_chunks(inputs[1], 1, chunk_bytes, max_records, end.records)
-            elif end.input == 1:
-                tail = _reference_chunks(inputs[1], 1, chunk_bytes, max_records)
-            assert _ours(inputs, chunk_bytes, max_records, end) == _records_or_errors(tail)
+        chunks = list(ChunkReader(inputs, ["text"], chunk_bytes, max_records).chunks())
+        assert [c.span is not None for c in chunks if c.input == 1] == [not compression] * sum(
+            c.input == 1 for c in chunks)  # a local plain file: ranges the workers read
+        got = [(c.input, n, line) for c in chunks for n, line in zip(*json_records(c), strict=True)]
+        assert got == want
+        for c in chunks[:-1]:  # resume from every chunk's end: exactly the records after it
+            end = c.end
+            tail = [r for r in want if r[0] > end.input or (r[0] == end.input and r[1] > end.records)]
+            resumed = ChunkReader(inputs, ["text"], chunk_bytes, max_records).chunks(end)
+            assert [(r.input, n, line) for r in resumed for n, line in zip(*json_records(r), strict=True)] == tail
     if not compression:  # bytes consumed: exact for plain files, also from a resume point
         nine = sum(len(line) + 1 for line in data.split(b"\n")[:9])
         for start, skipped in ((None, 0), (Position(1, 9, nine), other.stat().st_size + nine)):
             chunks = ChunkReader(inputs, ["text"], 200, 4096).chunks(start)
             assert sum(c.raw_bytes for c in chunks) == other.stat().st_size + path.stat().st_size - skipped
-    assert sum(len(n) for n, *_ in _ours(inputs, 1 << 20, 4096)) == 2 + sum(
-        1 for line in data.split(b"\n") if line.strip())
+    assert len(want) == 2 + sum(1 for line in data.split(b"\n") if line.strip())
 
 
 @pytest.mark.parametrize("compression", [".gz", ".zst"])
@@ -108,3 +111,13 @@ def test_a_truncated_input_keeps_what_line_reading_keeps(tmp_path, compression):
     want = _records_or_errors(_reference_chunks(inputs[0], 0, 1 << 16, 4096))
     got = _ours(inputs, 1 << 16, 4096)
     assert got == want and got[-1][3] and 0 < sum(len(n) for n, *_ in got) < 200_000
+
+
+def test_a_file_changed_under_the_reader_is_refused(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b"".join(b'{"text": "doc %d"}\n' % i for i in range(100)))
+    chunks = list(ChunkReader(discover([str(path)]), ["text"], 256).chunks())
+    path.write_bytes(b'{"text": "inserted"}\n' + path.read_bytes())
+    with pytest.raises(TokenloomError, match="changed while being read"):
+        for c in chunks:
+            json_records(c)

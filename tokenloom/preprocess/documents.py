@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import orjson
 
 from tokenloom.errors import TokenloomError
-from tokenloom.preprocess.readers import Chunk, ChunkReader, discover
+from tokenloom.preprocess.readers import Chunk, ChunkReader, discover, json_records
 
 
 def _snippet(raw) -> str:
@@ -94,10 +94,11 @@ def decode_chunk(chunk: Chunk, keys: tuple[str, ...]):
     """Validate a chunk's records: ``(good, bad)`` with good = ``[(number, {key: [texts]})]`` and
     bad = ``[(number, reason, snippet)]``, both in input order (reader errors included in ``bad``)."""
     good, bad = [], [(n, reason, "") for n, reason in chunk.errors]
-    for j, number in enumerate(chunk.numbers):
-        if chunk.kind == "json":
-            obj, reason = _parse_line(chunk.lines[j], keys)
-            raw = chunk.lines[j]
+    numbers, lines = json_records(chunk) if chunk.kind == "json" else (chunk.numbers, None)
+    for j, number in enumerate(numbers):
+        if lines is not None:
+            obj, reason = _parse_line(lines[j], keys)
+            raw = lines[j]
         else:
             obj, reason = {k: chunk.columns[k][j] for k in keys}, None
             raw = chunk.columns[keys[0]][j]

@@ -6,7 +6,11 @@ about ``chunk_bytes`` of text. The main process only reads and cuts; parsing
 
 * ``jsonl`` (plain, ``.gz``, ``.zst``): chunks carry raw line bytes; the worker
   decodes and parses them, so a bad line is reported by the worker with its
-  file and line number. Blank lines are skipped and are not records.
+  file and line number. Blank lines are skipped and are not records. A local
+  plain file is cut into byte ranges instead, which the workers read themselves:
+  the main process only counts newlines, so its work does not grow with the
+  number of workers (the design for 64: reading is spread over them, the main
+  process writes).
 * ``parquet`` and HF ``datasets`` directories (``save_to_disk``): read a record
   batch at a time through pyarrow, only the requested columns; chunks carry the
   column values.
@@ -85,6 +89,12 @@ class Chunk:
     raw_bytes: int = 0  # input bytes consumed by this chunk (compressed bytes for .gz/.zst)
     end: Position = field(default_factory=Position)
     errors: list[tuple[int, str]] = field(default_factory=list)  # reader-level problems (truncated file)
+    # A local plain jsonl chunk carries no lines: the worker reads bytes ``span`` of ``path`` itself,
+    # lines ``first + 1`` to ``last`` (see ``ChunkReader._span_chunks`` and ``json_records``).
+    path: str = ""
+    span: tuple[int, int] | None = None
+    first: int = 0
+    last: int = 0
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -281,7 +291,9 @@ class ChunkReader:
             pos = start if k == start.input else Position(k, 0, 0)
             inp = self.inputs[k]
             with objstore.reading(inp.path):  # a network failure mid-object: one line naming it
-                if inp.format.startswith("jsonl"):
+                if inp.format == "jsonl" and not objstore.is_url(inp.path):
+                    yield from self._span_chunks(k, pos)
+                elif inp.format.startswith("jsonl"):
                     yield from self._json_chunks(k, pos)
                 elif inp.format.startswith("txt"):
                     if self.txt_unit == "file":
@@ -299,6 +311,48 @@ class ChunkReader:
         return chunk
 
     # -- jsonl: raw line bytes, cut at record boundaries
+    def _span_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
+        """A local plain jsonl file as byte ranges cut after a newline, one per ~``chunk_bytes``:
+        the main process only counts newlines (``bytes.count``, ~10 GB/s) and each worker reads its
+        range back from the page cache (:func:`json_records`), so no record passes through the main
+        process or a pipe. With 2 workers on 2 cores the main process had spent ~2 s of CPU per
+        530 MB reading, cutting and sending the records, as much as a worker tokenizing; with 64
+        workers it would have been the bottleneck. A read error keeps the lines before it, as
+        :meth:`_json_chunks` does."""
+        inp = self.inputs[k]
+        number, start = (pos.records, pos.offset) if pos.offset else (0, 0)
+        with open(inp.path, "rb", buffering=0) as f:  # unbuffered: read(n) is one read call
+            f.seek(start)
+            first, pending = number, 0  # the first line's number before the cut; bytes read past it
+            while True:
+                try:
+                    block = f.read(self.chunk_bytes)
+                except OSError as exc:
+                    chunk = self._new_chunk(k, "json")
+                    chunk.errors.append((number + 1, f"truncated or corrupt {inp.format} input ({exc}); "
+                                                     "the rest of the file is skipped"))
+                    chunk.end = Position(k + 1, 0, 0)
+                    yield chunk
+                    return
+                if not block:
+                    break
+                cut = block.rfind(b"\n") + 1
+                if not cut:  # inside a line longer than a block
+                    pending += len(block)
+                    continue
+                number += block.count(b"\n", 0, cut)
+                end = start + pending + cut
+                yield self._span_chunk(k, inp, start, end, first, number, Position(k, number, end))
+                start, first, pending = end, number, len(block) - cut
+            if pending:  # the last line, without its newline
+                yield self._span_chunk(k, inp, start, start + pending, first, number + 1, Position(k + 1, 0, 0))
+
+    def _span_chunk(self, k, inp, start, end, first, last, position) -> Chunk:
+        chunk = self._new_chunk(k, "json")
+        chunk.path, chunk.span, chunk.first, chunk.last = inp.path, (start, end), first, last
+        chunk.raw_bytes, chunk.end = end - start, position
+        return chunk
+
     def _json_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
         """The records of a jsonl input, read a block at a time and cut into lines by ``re`` (in C).
 
@@ -504,6 +558,28 @@ def _unreadable(inp: Input, exc: BaseException) -> bool:
 
 _BLOCK = 1 << 20
 _LINES = re.compile(rb"[^\n]*\n")
+
+
+def json_records(chunk: Chunk) -> tuple[list[int], list[bytes]]:
+    """The (line numbers, raw lines) of a jsonl chunk's records (blank lines are not records);
+    a span chunk's are read from its file here, in the worker."""
+    if chunk.span is None:
+        return chunk.numbers, chunk.lines
+    start, end = chunk.span
+    with open(chunk.path, "rb", buffering=0) as f:
+        data = os.pread(f.fileno(), end - start, start)
+    lines = _LINES.findall(data)
+    if data and not data.endswith(b"\n"):
+        lines.append(data[data.rfind(b"\n") + 1:])
+    if len(data) != end - start or len(lines) != chunk.last - chunk.first:
+        raise TokenloomError(f"{chunk.path}: changed while being read (bytes {start}-{end} no longer hold "
+                             f"lines {chunk.first + 1}-{chunk.last}); rerun when it is complete")
+    numbers, kept = [], []
+    for number, line in enumerate(lines, chunk.first + 1):
+        if line.strip():
+            numbers.append(number)
+            kept.append(line)
+    return numbers, kept
 
 
 def _arrow_batches(inp: Input, keys: list[str]):
