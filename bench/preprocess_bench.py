@@ -212,7 +212,8 @@ def main() -> None:
     ap.add_argument("--doc-bytes", type=int, default=4000, help="~4 KB documents, as the data README suggests")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each row is its best round")
-    ap.add_argument("--large-mb", type=int, default=0, help="also the gigatoken rows on a corpus of this size")
+    ap.add_argument("--large-mb", type=int, default=520,
+                    help="the gigatoken rows also on a corpus of about this size (0: not)")
     args = ap.parse_args()
     if not (GPT2 / "gpt2-vocab.json").exists():
         raise SystemExit(f"needs the shared GPT-2 files under {GPT2} (set TOKENLOOM_SHARED_DATA)")
