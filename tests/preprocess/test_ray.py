@@ -152,3 +152,25 @@ def test_an_object_store_output_is_refused_in_one_line(tmp_path):
     done = run_cli("preprocess", "--input", path, "--output-prefix", "s3://bucket/out", "--tokenizer-type", "byte",
                    "--executor", "ray", timeout=60)
     one_line_error(done, "--output-prefix s3://bucket/out", "shared filesystem")
+
+
+def test_a_rerun_keeps_the_shards_a_failed_job_finished(cluster, single):
+    """The merge fails (a directory where the output goes): one line; the rerun does not tokenize the
+    finished shards again (same staged files, same inodes) and, once the way is clear, publishes the
+    single run's bytes."""
+    address, work = cluster
+    inputs, _ = single
+    (work / "again.bin").mkdir()
+    failed = _ray_run(address, inputs[:3], work / "again", "--num-shards", "3")
+    one_line_error(failed, "again.bin", "rerun the same command")
+    staged = sorted((work / "again.shards").glob("*.bin"))
+    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in staged]
+    assert len(staged) == 3 and len(list((work / "again.shards").glob("*.done.json"))) == 3
+    failed = _ray_run(address, inputs[:3], work / "again", "--num-shards", "3")
+    one_line_error(failed, "again.bin", "rerun the same command")
+    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in staged] == before
+    (work / "again.bin").rmdir()
+    done = _ray_run(address, inputs[:3], work / "again", "--num-shards", "3")
+    assert done.returncode == 0, done.stderr
+    three = preprocess(work, inputs[:3], name="three", append_eod=True)
+    assert same_bytes(work / "again", three) and not (work / "again.shards").exists()

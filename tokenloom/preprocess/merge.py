@@ -25,11 +25,12 @@ from tokenloom.preprocess import manifest
 from tokenloom.preprocess.commit import uncommit
 
 
-def merge(output_prefix: str, prefixes: list[str]) -> dict:
+def merge(output_prefix: str, prefixes: list[str], rerun: str = "rerun the merge") -> dict:
+    """``rerun``: what the one-line error of a failed write tells the user to do next."""
     try:
         return _merge(output_prefix, prefixes)
     except OSError as exc:
-        raise TokenloomError(f"{os_error_message(exc, output_prefix)}; then rerun the merge") from None
+        raise TokenloomError(f"{os_error_message(exc, output_prefix)}; then {rerun}") from None
 
 
 def _merge(output_prefix: str, prefixes: list[str]) -> dict:

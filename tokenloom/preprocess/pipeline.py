@@ -363,6 +363,18 @@ class _Run:
         self.writers: dict[str, IndexedDatasetWriter] = {}
         self.rejects = None
 
+    def finished(self, marker: Path) -> dict | None:
+        """The summary ``marker`` records for this run, if it finished and its outputs are published."""
+        try:
+            done = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(done, dict) or done.get("digest") != self.digest:
+            return None
+        if not all(manifest.manifest_path(prefix).exists() for prefix in self.outputs.values()):
+            return None
+        return done.get("summary")
+
     # -- setup: fresh, resumed, or an interrupted publish
     def staged(self, n: int, ext: str) -> Path:
         """Where output ``n``'s ``ext`` file (bin, idx, manifest.json) is completed before publishing."""
@@ -603,10 +615,18 @@ def _results(run: _Run, chunks, pool: OrderedPool | None):
         raise
 
 
-def run(cfg: PreprocessConfig, echo=print) -> dict:
-    """Run preprocess; return the summary (also printed as a table)."""
+def run(cfg: PreprocessConfig, echo=print, done_marker: Path | None = None) -> dict:
+    """Run preprocess; return the summary (also printed as a table).
+
+    ``done_marker``: a file recording that this very run (same inputs, tokenizer, options and
+    shard: the resume digest) finished; when it says so and the outputs are published, the run
+    returns the recorded summary without tokenizing again (a rerun of a job of many runs,
+    ``--executor ray``, redoes only what did not finish). Written after publishing.
+    """
     start = time.perf_counter()
     r = _Run(cfg, echo)
+    if done_marker is not None and (finished := r.finished(done_marker)) is not None:
+        return finished
     try:
         r.remove_dead_temps()
     except OSError as exc:
@@ -620,6 +640,12 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
         raise TokenloomError(f"{what}; then rerun the same command to finish publishing from {r.partial}") from None
     elapsed = time.perf_counter() - start
     summary = _summary(r, elapsed)
+    if done_marker is not None:
+        try:
+            with atomic_writer(done_marker) as f:
+                f.write(json.dumps({"digest": r.digest, "summary": summary}).encode())
+        except OSError as exc:
+            raise TokenloomError(os_error_message(exc, done_marker)) from None
     echo(format_summary(summary))
     return summary
 

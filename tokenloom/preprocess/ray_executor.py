@@ -17,8 +17,10 @@ Policy and its costs:
   checkpoint (the pipeline's own resume). A bad record or another ``TokenloomError``
   is not retried: the job stops with that one line.
 * Staging costs disk: the shards live in ``OUTPUT.shards/`` until the merge has
-  published ``OUTPUT``, so the job needs room for the output twice. A killed job
-  rerun with the same command resumes its shards from there.
+  published ``OUTPUT``, so the job needs room for the output twice. A killed or failed
+  job rerun with the same command resumes its shards from there: finished shards are
+  kept as they are (a marker records each one's run digest), unfinished ones resume
+  from their checkpoints.
 * ``--max-bad-fraction`` is judged over the whole job, as in a single run: tasks
   quarantine every bad record and the driver checks the total before merging.
 * Every Ray node must see the inputs and ``OUTPUT`` at the same paths (a shared
@@ -94,8 +96,12 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
 
 
 def run_shard(cfg: PreprocessConfig) -> dict:
-    """The Ray task: one shard through the single-process pipeline (quiet; the driver reports)."""
-    return run_local(cfg, echo=lambda *a, **k: None)
+    """The Ray task: one shard through the single-process pipeline (quiet; the driver reports).
+
+    A shard that a killed or failed job had finished is not tokenized again on the rerun: its
+    marker beside the staged outputs records the run's digest and summary."""
+    marker = Path(f"{run_prefix(cfg, cfg.num_shards, cfg.shard_index)}.done.json")
+    return run_local(cfg, echo=lambda *a, **k: None, done_marker=marker)
 
 
 def _import_ray():
@@ -195,7 +201,7 @@ def _merge_shards(cfg: PreprocessConfig, task_cfg: PreprocessConfig, shards: lis
                     manifest.write(part, m)
                 except OSError as exc:
                     raise TokenloomError(os_error_message(exc, part)) from None
-        merge(final, parts)
+        merge(final, parts, rerun="rerun the same command (finished shards are kept)")
 
 
 def _check_visible(task_cfg: PreprocessConfig, shards: list[int], num_shards: int) -> None:
