@@ -206,3 +206,25 @@ def test_bad_object_store_paths_are_one_line(s3, corpus, tmp_path, case):
         if rule:
             s3.deny.remove(rule)
     one_line_error(done, url, fragment)
+
+
+def test_a_staging_disk_too_small_is_refused_before_work(s3, tmp_path, monkeypatch):
+    """The local staging folder of an object-store output must hold the whole output: checked up
+    front like a local output's disk, and the message names the staging folder and --staging-dir."""
+    import shutil
+
+    from tokenloom.errors import TokenloomError
+    from tokenloom.preprocess import PreprocessConfig, run
+
+    for key, value in s3.env().items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": "x" * 1000}) + "\n" for _ in range(20)))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=100))
+    cfg = PreprocessConfig(inputs=[str(path)], output_prefix="s3://out/small/ds", tokenizer_type="byte",
+                           staging_dir=str(tmp_path / "staging"), workers=1, progress=False)
+    with pytest.raises(TokenloomError, match=r"staging folder of the object-store output .*--staging-dir"):
+        run(cfg)
+    assert not s3.fs().exists("out/small/ds.bin") and not s3.fs().exists("out/small/ds.manifest.json")

@@ -251,13 +251,17 @@ def _stored_bytes(inp: Input, chunk: Chunk) -> float:
     return text / max(text_expansion(inp), 1e-9)
 
 
-def _check_space(partial: Path, estimate: SpaceEstimate) -> None:
+def _check_space(partial: Path, estimate: SpaceEstimate, staging: bool = False) -> None:
+    """Refuse to start when the disk of ``partial`` cannot hold the run (an object-store output is
+    completed in a local ``staging`` folder first: that disk must hold it all)."""
     directory = os.path.dirname(os.path.abspath(partial))
     free = shutil.disk_usage(directory).free
     if estimate.peak > free:
-        raise TokenloomError(f"not enough disk space in {directory}: the output is estimated at "
+        where = "the local staging folder of the object-store output " if staging else ""
+        elsewhere = "put it elsewhere with --staging-dir, " if staging else ""
+        raise TokenloomError(f"not enough disk space in {where}{directory}: the output is estimated at "
                              f"{_megabytes(estimate.output)} ({_megabytes(estimate.peak)} while running) but only "
-                             f"{_megabytes(free)} are free (free space, or pass --no-space-check)")
+                             f"{_megabytes(free)} are free (free space, {elsewhere}or pass --no-space-check)")
 
 
 def _megabytes(n: int) -> str:
@@ -664,7 +668,7 @@ def _tokenize(r: _Run) -> None:
         tokens_at_start = sum(c["tokens"] for c in r.counts.per_key.values())
         pool = start_pool(r)
         if fresh and cfg.check_space:
-            _check_space(r.partial, r.estimate(pool))
+            _check_space(r.partial, r.estimate(pool), staging=r.remote)
         digests: dict[str, str] = {}
         hash_failures: list[BaseException] = []
         hasher = threading.Thread(target=_hash_inputs, args=(r.inputs, digests, hash_failures), daemon=True)
