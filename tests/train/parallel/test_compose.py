@@ -76,6 +76,12 @@ def runs(tmp, ref):
         ("forward_tp", {"sp": True}),
         ("forward_tp", {"arch": "gpt2", "kernels": "compiled"}),
         ("forward_tp", {"sp": True, "kernels": "compiled"}),
+        # dropout on: a resume in the same layout must restore every rank's RNG state too
+        ("train", dict(out=str(tmp / "drop_tp2"), tp=2, dropout=0.1)),
+        ("train", dict(out=str(tmp / "drop_save"), tp=2, dropout=0.1, exit_interval=HALF,
+                       checkpoint_dir=str(tmp / "ckpt_drop"))),
+        ("train", dict(out=str(tmp / "drop_cont"), tp=2, dropout=0.1, checkpoint_dir=str(tmp / "ckpt_drop_cont"),
+                       resume=str(tmp / "ckpt_drop" / f"iter_{HALF:07d}"))),
     ]
     w4 = _scenarios(4, tmp) + [
         ("train", dict(out=str(tmp / "save_122"), tp=2, pp=2, exit_interval=HALF, checkpoint_dir=str(ckpt))),
@@ -90,7 +96,8 @@ def runs(tmp, ref):
     names = {4: [n for n, (w, _) in LAYOUTS.items() if w == 4] + ["save_122", "cont_122", "cont_411"]
              + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 4],
              2: [n for n, (w, _) in LAYOUTS.items() if w == 2] + ["llama_tp2", "llama_tp2_sp",
-                                                                  "gpt2_tp2_compiled", "llama_tp2_sp_compiled"],
+                                                                  "gpt2_tp2_compiled", "llama_tp2_sp_compiled",
+                                                                  "drop_tp2", "drop_save", "drop_cont"],
              1: ["cont_111", "llama_tp1"] + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 1]}
     out = {}
     for world, scen in ((2, w2), (4, w4), (1, w1)):
@@ -166,6 +173,16 @@ def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(runs):
     """Across layouts only the summation order differs (hence TOL above); saved and resumed in
     the same (1, 2, 2) layout, nothing may differ: every loss and parameter bit for bit."""
     whole, resumed = runs["dp1_tp2_pp2"], runs["cont_122"]
+    assert logged_losses(resumed) == logged_losses(whole)[HALF:]
+    a, b = merged_params(whole), merged_params(resumed)
+    assert sorted(a) == sorted(b) and all(a[n].equal(b[n]) for n in a)
+
+
+def test_resume_with_dropout_in_the_same_tp_layout_is_bitwise_the_uninterrupted_run(runs):
+    """With dropout the masks drawn after the resume must be the uninterrupted run's: each rank's
+    RNG state (tensor-parallel tracker included) comes back from the checkpoint."""
+    whole, resumed = runs["drop_tp2"], runs["drop_cont"]
+    assert logged_losses(whole) != logged_losses(runs["dp1_tp2_pp1"])  # the masks do change the run
     assert logged_losses(resumed) == logged_losses(whole)[HALF:]
     a, b = merged_params(whole), merged_params(resumed)
     assert sorted(a) == sorted(b) and all(a[n].equal(b[n]) for n in a)
