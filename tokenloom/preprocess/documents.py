@@ -41,6 +41,8 @@ def _check_text(value, key: str) -> tuple[list[str] | None, str | None]:
     else:
         return None, f"key {key!r} is a {type(value).__name__}, not a string"
     for text in texts:
+        if text.isascii():  # O(1), and no surrogate is ASCII
+            continue
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:

@@ -136,11 +136,12 @@ class GigatokenEngine:
         return self._astral_chars is not None and max(text) > "\uffff" and self._astral_chars.search(text) is not None
 
     def encode(self, texts: list[str], parallel: bool) -> tuple[np.ndarray, np.ndarray]:
-        import awkward as ak
-
-        rows = self.model.encode_batch(texts, parallel=parallel)
-        return (ak.to_numpy(ak.flatten(rows)).astype(np.int64),
-                ak.to_numpy(ak.num(rows)).astype(np.int64))
+        """Flat int64 ids and lengths, read from the awkward result's two buffers (ids and offsets)
+        directly: ``ak.flatten``/``ak.num`` cost ~0.2 ms per 1 MB chunk, 13% of a warm encode."""
+        rows = self.model.encode_batch(texts, parallel=parallel).layout
+        offsets = np.asarray(rows.offsets.data, dtype=np.int64)
+        ids = np.asarray(rows.content.data)[offsets[0]:offsets[-1]] if len(offsets) else np.empty(0, np.int64)
+        return ids.astype(np.int64), np.diff(offsets)
 
     def encode_batch(self, texts: list[str], parallel: bool, reference) -> tuple[np.ndarray, np.ndarray]:
         """Flat ids and lengths; texts holding an escape string are encoded by ``reference``."""
