@@ -13,7 +13,7 @@ The trade-off: task ``k`` goes to worker ``k mod n`` (round robin) instead of to
 worker is free. Preprocess consumes results in input order anyway and its chunks are of
 similar size, so a free worker could only run ahead by the in-flight bound. Each worker's
 tasks are sent, and its results read as soon as they are written, by threads of its own, so
-neither side ever waits on the other's socket buffer: results wait in memory
+neither side ever waits on the other's pipe: results wait in memory
 (at most the caller's in-flight bound of them) until :meth:`OrderedPool.result` takes them.
 
 Workers ignore SIGINT (Ctrl-C reaches the whole process group): the main process stops
@@ -88,9 +88,9 @@ def _pipe(context):
 
 def _send(conn, outbox: queue.SimpleQueue) -> None:
     """A sender thread: one worker's tasks, in order, until ``None``. One per worker, because a
-    send blocks until that worker has read the task (a 1 MB chunk, a ~200 KB socket buffer):
-    with one sender for all, a busy worker held back the tasks of an idle one (the workers of
-    a 2-worker run waited ~30% of the time for tasks)."""
+    send blocks until that worker has read a task larger than the pipe holds (a chunk of records
+    is ~1 MB): with one sender for all, a busy worker held back the tasks of an idle one (the
+    workers of a 2-worker run waited ~30% of the time for tasks)."""
     while (task := outbox.get()) is not None:
         try:
             conn.send(task)
@@ -101,8 +101,8 @@ def _send(conn, outbox: queue.SimpleQueue) -> None:
 def _receive(conn, inbox: queue.SimpleQueue) -> None:
     """A receiver thread: every message of one worker into ``inbox`` as it arrives, then ``_DIED``
     at end of file. Reading as soon as a worker writes keeps it from blocking in ``send`` while
-    the main process waits on another worker's older result (a result is ~1 MB, a socket buffer
-    ~200 KB): without it the workers of a 2-worker run sat ~20% of the time in ``send``."""
+    the main process waits on another worker's older result (a result can exceed what the pipe
+    holds): without it the workers of a 2-worker run sat ~20% of the time in ``send``."""
     while True:
         try:
             reply = conn.recv()  # a message cut short by the worker's death ends in EOF, not a hang

@@ -315,9 +315,9 @@ class ChunkReader:
         """A local plain jsonl file as byte ranges cut after a newline, one per ~``chunk_bytes``:
         the main process only counts newlines (``bytes.count``, ~10 GB/s) and each worker reads its
         range back from the page cache (:func:`json_records`), so no record passes through the main
-        process or a pipe. With 2 workers on 2 cores the main process had spent ~2 s of CPU per
-        530 MB reading, cutting and sending the records, as much as a worker tokenizing; with 64
-        workers it would have been the bottleneck. A read error keeps the lines before it, as
+        process or a pipe. With 2 workers on 2 cores this took the main process's CPU per 530 MB
+        from ~2.05 s to ~1.6 s (a worker spends ~1.25 s); with 64 workers, reading every record
+        in one process would have been the bottleneck. A read error keeps the lines before it, as
         :meth:`_json_chunks` does."""
         inp = self.inputs[k]
         number, start = (pos.records, pos.offset) if pos.offset else (0, 0)
@@ -359,7 +359,7 @@ class ChunkReader:
         The main process is one of the pipeline's processes on every core, so what it spends per
         line is taken from the tokenizers: a loop over lines from the file object, as the txt
         units use, cost ~7 us per line (0.9 s of a 530 MB corpus); this one ~0.5 us. The records,
-        numbers, chunk cuts and end positions are those of the line-by-line reading, and so is a
+        numbers and end positions are those of the line-by-line reading, and so is a
         corrupt or truncated compressed input: each block is one read of the decompressor
         (``read1``), so every line it decoded before failing is kept, and the record number of the
         error is the line after the last one kept.
