@@ -17,7 +17,8 @@ valid UTF-8), a 5000-letter word, every special/added token of this tokenizer in
 seeded random mixtures of all of these. It is not a proof for every text -- the tests compare
 both engines on every document of the shared corpora and against Megatron's own outputs --
 but it catches a different split regex, normalizer, merge order or special-token policy on
-load, for the exact file being used (about 0.1 s).
+load, for the exact file being used. With the Unicode probes below it costs ~1 s, so its verdict
+is kept per user (:class:`VerdictCache`) and later loads of the same file reuse it.
 
 Unicode versions differ: HF tokenizers' NFC tables predate ~70 combining marks added since
 Unicode 10 (e.g. U+089B, U+1AC5), which gigatoken reorders under NFC and tokenizers does not,
