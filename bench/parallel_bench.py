@@ -15,6 +15,11 @@ Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-
   (:meth:`~tokenloom.train.strategy.Strategy.optimizer_state_bytes`: AdamW moments and
   steps), against plain AdamW at dp = world: 1/dp with ZeRO-1, 1/(tp pp) with model
   parallelism (plus padding and the per-parameter step scalars);
+* exposed communication: the same steps again with every collective and p2p transfer
+  replaced by a local no-op of equal shape (``_Counter.silent``), best step each; the share
+  of the step the communication adds, ``1 - without / with``. Under pipeline parallelism the
+  no-op receives also remove the stages' waiting on one another, so there it counts the
+  bubble's wait too;
 * for pp > 1 the measured pipeline-wide bubble
   (:func:`~tokenloom.train.parallel.schedules.pipeline_bubble_fraction`) against
   ``(p - 1) / (v M + p - 1)``. On an oversubscribed CPU box stages are not equal and
@@ -52,30 +57,64 @@ from tokenloom.train.parallel import mappings  # noqa: E402
 from tokenloom.train.parallel.schedules import pipeline_bubble_fraction, theoretical_bubble_fraction  # noqa: E402
 
 
+class _Done:
+    """A finished communication handle (what the no-op collectives return for ``async_op``)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _gather_locally(output: torch.Tensor, inp: torch.Tensor, *args, **kwargs) -> None:
+    output.view(-1, inp.numel()).copy_(inp.reshape(1, -1))  # this rank's piece into every slot
+
+
+def _scatter_locally(output: torch.Tensor, inp: torch.Tensor, *args, **kwargs) -> None:
+    output.copy_(inp.reshape(-1)[: output.numel()].view_as(output))  # the first piece, unreduced
+
+
 class _Counter:
-    """Wraps the collectives tokenloom.train.parallel calls and counts payload bytes."""
+    """Wraps the collectives tokenloom.train.parallel calls: counts their payload bytes and, while
+    ``silent``, replaces each by a no-op of equal shape (the result buffer written locally, as a
+    copy would: all-reduce/broadcast leave the tensor, all-gather copies this rank's piece into
+    every slot, reduce-scatter its first piece, a p2p receive zero-fills), so the same step can be
+    timed without communication."""
 
     def __init__(self) -> None:
         self.bytes = 0
-        for name in ("all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single"):
+        self.silent = False
+        nothing = lambda *args, **kwargs: None  # noqa: E731
+        for name, arg, fake in (("all_reduce", 0, nothing), ("broadcast", 0, nothing),
+                                ("all_gather_single", 1, _gather_locally),
+                                ("reduce_scatter_single", 0, _scatter_locally)):
             if hasattr(dist, name):
-                setattr(dist, name, self._wrap(getattr(dist, name), arg=0 if name != "all_gather_single" else 1))
-        mappings._all_gather_flat = self._wrap(mappings._all_gather_flat, arg=1)
-        mappings._reduce_scatter_flat = self._wrap(mappings._reduce_scatter_flat, arg=1)
+                setattr(dist, name, self._wrap(getattr(dist, name), arg, fake))
+        mappings._all_gather_flat = self._wrap(mappings._all_gather_flat, 1, _gather_locally)
+        mappings._reduce_scatter_flat = self._wrap(mappings._reduce_scatter_flat, 1, _scatter_locally)
         batch = dist.batch_isend_irecv
 
         def batch_isend_irecv(ops):
             self.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-            return batch(ops)
+            if not self.silent:
+                return batch(ops)
+            for op in ops:
+                if op.op is not dist.isend:
+                    op.tensor.zero_()
+            return [_Done() for _ in ops]
 
         dist.batch_isend_irecv = batch_isend_irecv
 
-    def _wrap(self, fn, arg: int):
+    def _wrap(self, fn, arg: int, fake):
         def wrapped(*args, **kwargs):
             t = args[arg] if len(args) > arg else None
             if isinstance(t, torch.Tensor):
                 self.bytes += t.numel() * t.element_size()
-            return fn(*args, **kwargs)
+            if not self.silent:
+                return fn(*args, **kwargs)
+            fake(*args)
+            return _Done() if kwargs.get("async_op") else None
 
         return wrapped
 
@@ -90,7 +129,7 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, zero1: b
         micro, gbs = 2, 2 * args.world * args.micro_batches
     return TrainConfig(model=model, data=DataConfig(mock=MockDataConfig(num_sequences=2000, max_length=256)),
                        optim=OptimConfig(warmup_iters=1), micro_batch_size=micro,
-                       global_batch_size=gbs, train_iters=args.steps + 1,
+                       global_batch_size=gbs, train_iters=2 * args.steps + 1,
                        eval_interval=0, save_interval=None, plot=False, progress=False, output_dir=str(out),
                        tp=tp, pp=pp, vpp=vpp, zero1=zero1, dist_timeout_s=120.0)
 
@@ -106,7 +145,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     trainer = start_run(config(args, Path(out) / "run", dp, tp, pp, vpp, zero1))
     run = trainer.strategy
     batches = run.global_batches(trainer.data.train, eod=trainer.data.eod, consumed=0,
-                                 total=(args.steps + 1) * run.cfg.global_batch_size)
+                                 total=(2 * args.steps + 1) * run.cfg.global_batch_size)
     run.train_step(next(batches))  # warmup
     times, bubbles, start_bytes = [], [], counter.bytes
     for _ in range(args.steps):
@@ -118,12 +157,23 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
             bubbles.append(pipeline_bubble_fraction(run.last_stats, run.state.pp_group))
     comm = (counter.bytes - start_bytes) / args.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    t = torch.tensor([min(times), comm, rss, run.optimizer_state_bytes()], dtype=torch.float64)
+    silent = []  # the same steps with every collective and p2p a local no-op (the model is spoilt after)
+    if not args.rss:
+        for _ in range(args.steps):
+            dist.barrier()
+            counter.silent = True
+            t0 = time.perf_counter()
+            run.train_step(next(batches))
+            silent.append(time.perf_counter() - t0)
+            counter.silent = False
+    t = torch.tensor([min(times), comm, rss, run.optimizer_state_bytes(), min(silent, default=0.0)],
+                     dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         theory = theoretical_bubble_fraction(pp, run.num_micro, vpp or 1) if pp > 1 else 0.0
         torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubble": min(bubbles) if bubbles else 0.0,
-                    "theory": theory, "peak_rss": float(t[2]), "state_bytes": float(t[3])},
+                    "theory": theory, "peak_rss": float(t[2]), "state_bytes": float(t[3]),
+                    "silent_step_s": float(t[4])},
                    Path(out) / "result.pt")
     dist.destroy_process_group()
 
@@ -176,6 +226,10 @@ def main() -> None:
                      f"{base['comm_bytes'] / 1e6:.2f}", f"{r['comm_bytes'] / max(base['comm_bytes'], 1):.2f}x"))
         rows.append((f"optimizer state bytes/rank ({name})", f"{r['state_bytes']:.0f}", f"{base['state_bytes']:.0f}",
                      f"{r['state_bytes'] / base['state_bytes']:.3f}x"))
+        exposed = 1 - r["silent_step_s"] / r["step_s"]
+        rows.append((f"exposed communication: step s vs without it ({name})",
+                     f"{r['step_s']:.3f} ({exposed:.0%} exposed)", f"{r['silent_step_s']:.3f}",
+                     f"{r['step_s'] / r['silent_step_s']:.2f}x"))
         if pp > 1:
             rows.append((f"bubble measured vs (p-1)/(vM+p-1) ({name})", f"{r['bubble']:.3f}",
                          f"{r['theory']:.3f}", f"{r['bubble'] / r['theory']:.2f}x"))
