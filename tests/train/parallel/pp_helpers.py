@@ -23,7 +23,7 @@ from torch import nn
 from tokenloom.errors import TokenloomError
 from tokenloom.train.model import GPT, GPTConfig, pipeline_stage
 from tokenloom.train.optim import param_groups
-from tokenloom.train.parallel import p2p
+from tokenloom.train.parallel import p2p, schedules
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.schedules import (
     allreduce_tied_embedding_grads,
@@ -191,6 +191,13 @@ def train_pipeline(
     comm = P2PComm.from_group(pp_group, (MB, SEQ, D_MODEL), torch.float32)
     schedule = get_schedule(pp, chunks)
     losses, norms, bubbles = [], [], []
+    released, release = [], schedules.release_output  # count the sent outputs the schedule frees
+
+    def counting_release(y):
+        release(y)
+        released.append(y is not None and y.numel() == 1)
+
+    schedules.release_output = counting_release
     for step in range(steps):
         opt.zero_grad()
         batches = iter([microbatch(step, dp_rank * num_micro + j) for j in range(num_micro)])
@@ -209,7 +216,9 @@ def train_pipeline(
         tied["first"] = stages[0].tok_emb.weight.detach().clone()
     if stages[-1].post:
         tied["last"] = stages[-1].lm_head.weight.detach().clone()
-    return {"losses": losses, "params": named, "tied": tied, "norms": norms, "pp_rank": pp_rank}
+    schedules.release_output = release
+    return {"losses": losses, "params": named, "tied": tied, "norms": norms, "pp_rank": pp_rank,
+            "released": sum(released)}
 
 
 def eval_pipeline(rank: int, *, n_layers: int, chunks: int, num_micro: int) -> dict:

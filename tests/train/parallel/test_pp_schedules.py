@@ -13,7 +13,13 @@ from pp_helpers import D_MODEL, MB, SEQ, gpt_step, launch, microbatch, reference
 from tokenloom.errors import TokenloomError
 from tokenloom.train.model import GPT, pipeline_stage, stage_layer_ids
 from tokenloom.train.parallel.p2p import P2PComm
-from tokenloom.train.parallel.schedules import forward_backward, get_schedule, theoretical_bubble_fraction
+from tokenloom.train.parallel.schedules import (
+    backward_from,
+    forward_backward,
+    get_schedule,
+    release_output,
+    theoretical_bubble_fraction,
+)
 
 TOL = 1e-5
 STEPS = 3
@@ -124,6 +130,10 @@ def test_pipeline_training_matches_one_process(pp2, run):
             assert diff <= TOL, (run, name, diff)
             seen.add(name)
     assert seen == set(ref["params"])  # every parameter lives on some stage
+    # every output sent on and kept for backward was freed after its send: the first stage sends
+    # all its chunks' outputs, the last all but its last chunk's (the loss)
+    chunks, per_step = kw.get("chunks", 1), kw["steps"] * kw["num_micro"]
+    assert [res[run]["released"] for res in pp2] == [per_step * chunks, per_step * (chunks - 1)]
 
 
 @pytest.mark.slow
@@ -155,3 +165,36 @@ def test_forward_only_gives_losses_and_no_grads(pp2, run):
     assert pp2[0][run]["losses"] == []
     assert pp2[1][run]["losses"] == pytest.approx(want, abs=1e-6, rel=0)
     assert pp2[0][run]["no_grads"] and pp2[1][run]["no_grads"]
+
+
+@pytest.mark.parametrize("saves_output", [False, True])
+def test_a_released_output_backpropagates_as_the_kept_one(saves_output):
+    """A stage output freed after its send (one element left) gives the same gradients as the kept
+    one, whether its node saved nothing of it (a residual add) or its own output (tanh)."""
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def stage():
+        h = lin(x)
+        return torch.tanh(h) if saves_output else h.relu() + x
+
+    torch.autograd.backward(stage(), dy)
+    want = (x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone())
+    x.grad, lin.weight.grad, lin.bias.grad = None, None, None
+    y = stage()
+    release_output(y)
+    assert y.numel() == 1 and y.untyped_storage().nbytes() == 4 and y.grad_fn is not None
+    with pytest.raises(RuntimeError, match="[Mm]ismatch in shape"):
+        torch.autograd.backward(y, dy, retain_graph=True)  # why the schedules call backward_from
+    backward_from(y, dy)
+    assert torch.equal(x.grad, want[0]) and torch.equal(lin.weight.grad, want[1]) and torch.equal(lin.bias.grad, want[2])
+
+
+def test_views_and_tensors_without_grad_are_not_released():
+    base = torch.randn(4, 8, requires_grad=True)
+    view = base[1:]
+    release_output(view)
+    plain = torch.randn(4, 8)
+    release_output(plain)
+    assert view.shape == (3, 8) and plain.shape == (4, 8)

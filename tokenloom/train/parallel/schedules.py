@@ -183,6 +183,28 @@ def forward_backward(
     return runner.result
 
 
+def release_output(y: torch.Tensor | None) -> None:
+    """Free a sent stage output's storage, keeping its autograd node (Megatron's
+    ``deallocate_output_tensor``): backward starts from ``y``'s node with the received gradient
+    and never reads ``y``'s values, so between its forward and its backward a kept micro-batch
+    holds one element instead of ``micro x seq x hidden``. The send posted before is unaffected
+    (the wire tensor holds the old storage until it completes), and so is a node that saved its
+    own output (it keeps its own reference). Views are left alone: their storage is their base's.
+    """
+    if y is not None and y.requires_grad and y._base is None and y.numel() > 1:
+        y.data = torch.empty((1,), device=y.device, dtype=y.dtype)
+
+
+def backward_from(y: torch.Tensor, dy: torch.Tensor) -> None:
+    """``torch.autograd.backward(y, dy)`` for a ``y`` whose storage :func:`release_output` freed:
+    the public call refuses a gradient whose shape is not ``y``'s, so this runs the autograd
+    engine directly, as Megatron's ``custom_backward`` does (a private torch entry point: the
+    trade-off for not keeping every in-flight output alive)."""
+    torch.autograd.Variable._execution_engine.run_backward(  # noqa: SLF001
+        tensors=(y,), grad_tensors=(dy,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
 class _Runner:
     """State of one schedule run: micro-batches, kept activations, timings."""
 
@@ -223,7 +245,10 @@ class _Runner:
             x.retain_grad()
         if dy is not None and dy.dtype != y.dtype:  # received in the pipeline dtype
             dy = dy.to(y.dtype)
-        torch.autograd.backward(y, grad_tensors=dy)
+        if dy is not None and y.shape != dy.shape:  # released after it was sent
+            backward_from(y, dy)
+        else:
+            torch.autograd.backward(y, grad_tensors=dy)
         self.result.stats.compute_s += time.perf_counter() - start
         return None if x is None else x.grad
 
@@ -249,12 +274,16 @@ class _Runner:
             y = self.forward_step(0, k, x, last)
             p2p.send_forward(y, comm)
             if not self.forward_only:
+                if not last:
+                    release_output(y)
                 kept.append((x, y))
         x = p2p.recv_forward(comm) if remaining > 0 else None
         for i in range(remaining):
             y = self.forward_step(0, warmup + i, x, last)
             kept.append((x, y))
             dy = p2p.send_forward_recv_backward(y, comm)
+            if not last:
+                release_output(y)
             x0, y0 = kept.pop(0)
             dx = self.backward_step(x0, y0, dy)
             if i == remaining - 1:
@@ -326,6 +355,8 @@ class _Runner:
                 output_grads[v - 1].append(dy)
             else:
                 x = p2p.send_forward_recv_forward(send, recv_prev, comm)
+            if not self.forward_only:
+                release_output(send)
             if recv_prev:
                 inputs[next_c].append(x)
 
@@ -353,6 +384,7 @@ class _Runner:
             if i == remaining - 1:
                 recv_prev = False
             x, dy = p2p.send_forward_backward_recv_forward_backward(send, dx, recv_prev, recv_next, comm)
+            release_output(send)
             if recv_prev:
                 inputs[next_fc].append(x)
             if recv_next:
