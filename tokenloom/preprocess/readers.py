@@ -28,6 +28,7 @@ re-tokenizing).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import io
@@ -329,8 +330,7 @@ class ChunkReader:
                     block = f.read(self.chunk_bytes)
                 except OSError as exc:
                     chunk = self._new_chunk(k, "json")
-                    chunk.errors.append((number + 1, f"truncated or corrupt {inp.format} input ({exc}); "
-                                                     "the rest of the file is skipped"))
+                    chunk.errors.append((number + 1, _rest_skipped(inp, exc)))
                     chunk.end = Position(k + 1, 0, 0)
                     yield chunk
                     return
@@ -365,12 +365,7 @@ class ChunkReader:
         error is the line after the last one kept.
         """
         inp = self.inputs[k]
-        with objstore.open_input(inp.path) as raw:
-            number, offset = 0, None if inp.compressed else 0
-            if not inp.compressed and pos.offset:
-                raw.seek(pos.offset)  # plain file: jump straight to the resume point
-                number, offset = pos.records, pos.offset
-            stream = _open_text_stream(inp, raw)
+        with _opened_at(inp, pos) as (raw, stream, number, offset):
             read = getattr(stream, "read1", stream.read)
             chunk, size, last_raw = self._new_chunk(k, "json"), 0, raw.tell()
             numbers, lines = chunk.numbers, chunk.lines
@@ -382,8 +377,7 @@ class ChunkReader:
                 except (TruncatedInput, EOFError, OSError) as exc:
                     if _unreadable(inp, exc):
                         raise
-                    chunk.errors.append((number + 1, f"truncated or corrupt {inp.format} input ({exc}); "
-                                                     "the rest of the file is skipped"))
+                    chunk.errors.append((number + 1, _rest_skipped(inp, exc)))
                     break
                 if block:
                     cut = block.rfind(b"\n") + 1
@@ -421,14 +415,8 @@ class ChunkReader:
     # -- txt (line / paragraph): raw bytes, cut at record boundaries
     def _line_chunks(self, k: int, pos: Position, unit: str) -> Iterator[Chunk]:
         inp = self.inputs[k]
-        kind = "values"
-        with objstore.open_input(inp.path) as raw:
-            number, offset = 0, None if inp.compressed else 0
-            if not inp.compressed and pos.offset:
-                raw.seek(pos.offset)  # plain file: jump straight to the resume point
-                number, offset = pos.records, pos.offset
-            stream = _open_text_stream(inp, raw)
-            chunk, size, last_raw = self._new_chunk(k, kind), 0, raw.tell()
+        with _opened_at(inp, pos) as (raw, stream, number, offset):
+            chunk, size, last_raw = self._new_chunk(k, "values"), 0, raw.tell()
             records = self._records(stream, unit)
             while True:
                 try:
@@ -436,8 +424,7 @@ class ChunkReader:
                 except (TruncatedInput, EOFError, OSError) as exc:
                     if _unreadable(inp, exc):
                         raise
-                    chunk.errors.append((number + 1, f"truncated or corrupt {inp.format} input ({exc}); "
-                                                     "the rest of the file is skipped"))
+                    chunk.errors.append((number + 1, _rest_skipped(inp, exc)))
                     item = None
                 if item is None:
                     break
@@ -455,7 +442,7 @@ class ChunkReader:
                     chunk.raw_bytes, last_raw = now - last_raw, now
                     chunk.end = Position(k, number, offset)
                     yield chunk
-                    chunk, size = self._new_chunk(k, kind), 0
+                    chunk, size = self._new_chunk(k, "values"), 0
             chunk.raw_bytes = raw.tell() - last_raw
             chunk.end = Position(k + 1, 0, 0)
             if len(chunk) or chunk.errors or chunk.raw_bytes:
@@ -549,6 +536,24 @@ class ChunkReader:
         chunk.end = Position(k + 1, 0, 0)
         if len(chunk) or chunk.raw_bytes:
             yield chunk
+
+
+@contextlib.contextmanager
+def _opened_at(inp: Input, pos: Position) -> Iterator[tuple[object, object, int, int | None]]:
+    """``(raw file, text stream, lines consumed, byte offset)`` of an input opened at ``pos``: a
+    plain file seeks straight to it; a compressed one restarts (offset None), its caller skipping
+    the ``pos.records`` lines already done."""
+    with objstore.open_input(inp.path) as raw:
+        number, offset = 0, None if inp.compressed else 0
+        if not inp.compressed and pos.offset:
+            raw.seek(pos.offset)
+            number, offset = pos.records, pos.offset
+        yield raw, _open_text_stream(inp, raw), number, offset
+
+
+def _rest_skipped(inp: Input, exc: BaseException) -> str:
+    """The bad-record reason of an input that cannot be read past some line."""
+    return f"truncated or corrupt {inp.format} input ({exc}); the rest of the file is skipped"
 
 
 def _unreadable(inp: Input, exc: BaseException) -> bool:
