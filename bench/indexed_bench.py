@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _table import best_interleaved, best_of, print_table  # noqa: E402
+from _table import best_interleaved, best_of, print_table, timed  # noqa: E402
 
 from tokenloom.indexed import IndexedDataset, IndexedDatasetWriter  # noqa: E402
 
@@ -38,13 +37,6 @@ def main() -> None:
     docs = np.split(tokens, np.cumsum(lengths)[:-1])
     total = tokens.size
     tmp = Path(tempfile.mkdtemp(prefix="tl-bench-"))
-
-    def timed(fn):
-        def run():
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        return run
 
     def write_ours():
         with IndexedDatasetWriter(tmp / "ours", dtype=np.uint16) as w:

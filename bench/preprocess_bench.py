@@ -254,14 +254,12 @@ def main() -> None:
         prefix = tmp / f"ours{next(runs)}"
         subprocess.run(tokenloom_cmd(src, prefix, tokenizer), check=True, stdout=subprocess.DEVNULL)
         if prefix.name != keep:
-            for ext in (".bin", ".idx", ".manifest.json"):
-                (tmp / f"{prefix.name}{ext}").unlink()
+            remove_outputs(prefix)
 
+    head = write_corpus(tmp / "head.jsonl", texts[:50])
     for tokenizer in (GPT2, NEOX):  # the self-check's verdict cached, as on every run after a user's first
-        subprocess.run(tokenloom_cmd(texts_head(tmp, texts), tmp / "warm", tokenizer), check=True,
-                       stdout=subprocess.DEVNULL)
-        for ext in (".bin", ".idx", ".manifest.json"):
-            (tmp / f"warm{ext}").unlink()
+        subprocess.run(tokenloom_cmd(head, tmp / "warm", tokenizer), check=True, stdout=subprocess.DEVNULL)
+        remove_outputs(tmp / "warm")
 
     # Timed runs alternate (the machine's load drifts; best of N each) and run without the
     # memory sampler, whose /proc walks would take CPU from the run being timed.
@@ -308,8 +306,9 @@ def main() -> None:
         large_rows(args, docs, tmp, w, rss1, ours, giga_ceiling, tokenloom_cmd)
 
 
-def texts_head(tmp: Path, texts: list[str]) -> Path:
-    return write_corpus(tmp / "head.jsonl", texts[:50])
+def remove_outputs(prefix: Path) -> None:
+    for ext in (".bin", ".idx", ".manifest.json"):
+        Path(f"{prefix}{ext}").unlink()
 
 
 def large_rows(args, docs, tmp, w, rss_small, ours, giga_ceiling, tokenloom_cmd) -> None:
