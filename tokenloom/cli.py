@@ -136,11 +136,15 @@ def merge(output_prefix, prefixes):
     _emit(run(output_prefix, list(prefixes)), False)
 
 
-def _pp_help(name: str) -> str:
-    from tokenloom.config import help_for
-    from tokenloom.preprocess.pipeline import PreprocessConfig
+def _help(cls_path: str, name: str) -> str:
+    """The ``--help`` text of config field ``name`` of class ``module:Class`` (read without importing it)."""
+    from tokenloom.config import source_field_docs
 
-    return help_for(PreprocessConfig, name)
+    return source_field_docs(cls_path)[name]
+
+
+def _pp_help(name: str) -> str:
+    return _help("tokenloom.preprocess.pipeline:PreprocessConfig", name)
 
 
 @main.command()
@@ -187,10 +191,7 @@ def preprocess(**options):
 
 
 def _bd_help(name: str) -> str:
-    from tokenloom.blending.build import BuildConfig
-    from tokenloom.config import help_for
-
-    return help_for(BuildConfig, name)
+    return _help("tokenloom.blending.build:BuildConfig", name)
 
 
 def _parse_counts(text: str | None) -> tuple:
@@ -246,13 +247,6 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
         plot_plan(result, plot)
         if not as_json:
             click.echo(f"plot: {plot}")
-
-
-def _help(cls_path: str, name: str) -> str:
-    """The ``--help`` text of config field ``name`` of class ``module:Class`` (read without importing it)."""
-    from tokenloom.config import source_field_docs
-
-    return source_field_docs(cls_path)[name]
 
 
 _TRAIN, _MODEL, _OPTIM = "tokenloom.train.config:TrainConfig", "tokenloom.train.model:GPTConfig", \
@@ -442,10 +436,7 @@ def tokenizer():
 
 
 def _tt_help(name: str) -> str:
-    from tokenloom.config import help_for
-    from tokenloom.tokenizers import TrainTokenizerConfig
-
-    return help_for(TrainTokenizerConfig, name)
+    return _help("tokenloom.tokenizers.train:TrainTokenizerConfig", name)
 
 
 @tokenizer.command("train")
@@ -488,10 +479,7 @@ def tokenizer_inspect(path, tokenizer_type):
 
 
 def _demo_help(name: str) -> str:
-    from tokenloom.config import help_for
-    from tokenloom.demo import DemoConfig
-
-    return help_for(DemoConfig, name)
+    return _help("tokenloom.demo:DemoConfig", name)
 
 
 @main.command()
