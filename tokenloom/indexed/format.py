@@ -282,7 +282,7 @@ class IndexedDatasetWriter:
         return self._num_tokens
 
     # -- adding data
-    def _checked(self, tokens) -> np.ndarray:
+    def _checked(self, tokens, max_id: int | None = None) -> np.ndarray:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             arr = arr.reshape(-1)
@@ -295,7 +295,7 @@ class IndexedDatasetWriter:
         # A same-dtype array with no vocabulary bound is in range by construction.
         if self._max_id is not None and not (arr.dtype == self.dtype and self.vocab_size is None):
             lo = 0 if arr.dtype.kind in "ub" else int(arr.min())  # unsigned: one pass, not two
-            hi = int(arr.max())
+            hi = int(arr.max()) if max_id is None else max_id
             if lo < self._min_id or hi > self._max_id:
                 bad = lo if lo < self._min_id else hi
                 bound = f" and vocab size {self.vocab_size}" if self.vocab_size is not None else ""
@@ -352,9 +352,13 @@ class IndexedDatasetWriter:
         lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
         self._add(arr, lens, np.asarray([len(lens)], dtype=np.int64))
 
-    def add_documents(self, tokens, sequence_lengths, sequences_per_document) -> None:
-        """Batched :meth:`add_document`: ``sequences_per_document[d]`` sequences make document ``d``."""
-        self._add(self._checked(tokens), np.asarray(sequence_lengths, dtype=np.int64).reshape(-1),
+    def add_documents(self, tokens, sequence_lengths, sequences_per_document, max_id: int | None = None) -> None:
+        """Batched :meth:`add_document`: ``sequences_per_document[d]`` sequences make document ``d``.
+
+        ``max_id``: the largest of ``tokens`` when the caller has it already (a preprocess worker
+        finds it while checking the vocabulary); the range check uses it instead of reading every
+        token again in the writing process (~0.08 s per 500 MB of text there)."""
+        self._add(self._checked(tokens, max_id), np.asarray(sequence_lengths, dtype=np.int64).reshape(-1),
                   np.asarray(sequences_per_document, dtype=np.int64).reshape(-1))
 
     def _add(self, arr: np.ndarray, lens: np.ndarray, per_doc: np.ndarray) -> None:

@@ -480,7 +480,8 @@ class _Run:
         self.counts.documents += result.documents
         self.counts.text_bytes += result.text_bytes
         for key, out in result.outputs.items():
-            self.writers[key].add_documents(out.tokens, out.sequence_lengths, out.sequences_per_document)
+            self.writers[key].add_documents(out.tokens, out.sequence_lengths, out.sequences_per_document,
+                                            out.max_id)
             c = self.counts.per_key[key]
             c["documents"] += len(out.sequences_per_document)
             c["empty_documents"] += out.empty_documents

@@ -54,6 +54,7 @@ class KeyOutput:
     sequence_lengths: np.ndarray
     sequences_per_document: np.ndarray
     empty_documents: int = 0
+    max_id: int | None = None  # the largest of ``tokens`` (None: no tokens)
 
 
 @dataclass
@@ -117,11 +118,22 @@ def encode_chunk(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:
 
 
 def _frame(texts: list[str], pieces_per_doc: np.ndarray, opts: EncodeOptions) -> KeyOutput:
-    """Tokenize the pieces and lay them out as sequences/documents with EOD/BOS."""
+    """Tokenize the pieces and lay them out as sequences/documents with EOD/BOS.
+
+    The ids are range-checked once, as the tokenizer returns them, and cast to the output dtype
+    before EOD/BOS are inserted: three passes over the tokens, where checking and inserting in
+    int64 took five (~0.1 s per 500 MB of text)."""
     if texts:
         ids, lengths = _TOKENIZER.encode_batch(texts)
     else:
         ids, lengths = np.empty(0, np.int64), np.empty(0, np.int64)
+    max_id = None
+    if ids.size:
+        max_id, low = int(ids.max()), (0 if ids.dtype.kind == "u" else int(ids.min()))
+        if max_id >= opts.vocab_size or low < 0:
+            bad = max_id if max_id >= opts.vocab_size else low
+            raise ValueError(f"tokenizer emitted id {bad} outside its vocab size {opts.vocab_size}")
+    ids = ids.astype(opts.dtype)
     doc_of_piece = np.repeat(np.arange(len(pieces_per_doc)), pieces_per_doc)
     keep = lengths > 0  # a sentence that tokenizes to nothing is dropped (Megatron)
     lengths, doc_of_piece = lengths[keep], doc_of_piece[keep]
@@ -139,16 +151,17 @@ def _frame(texts: list[str], pieces_per_doc: np.ndarray, opts: EncodeOptions) ->
         if opts.prepend_bos:
             positions.append(ends[first_piece] - lengths[first_piece])
             values.append(np.full(len(first_piece), opts.bos, dtype=np.int64))
-        ids = np.insert(ids, np.concatenate(positions), np.concatenate(values))
+        for special in ((opts.eod,) if opts.append_eod else ()) + ((opts.bos,) if opts.prepend_bos else ()):
+            if not 0 <= special < opts.vocab_size:
+                raise ValueError(f"tokenizer emitted id {special} outside its vocab size {opts.vocab_size}")
+            max_id = max(max_id, special)
+        ids = np.insert(ids, np.concatenate(positions), np.concatenate(values).astype(ids.dtype))
         lengths = lengths.copy()
         if opts.append_eod:
             lengths[last_piece] += 1
         if opts.prepend_bos:
             lengths[first_piece] += 1
-    if ids.size and (int(ids.max()) >= opts.vocab_size or int(ids.min()) < 0):
-        bad = int(ids.max()) if int(ids.max()) >= opts.vocab_size else int(ids.min())
-        raise ValueError(f"tokenizer emitted id {bad} outside its vocab size {opts.vocab_size}")
-    return KeyOutput(ids.astype(opts.dtype), lengths, seqs_per_doc, empty_documents)
+    return KeyOutput(ids, lengths, seqs_per_doc, empty_documents, max_id)
 
 
 def encode_in_worker(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:
