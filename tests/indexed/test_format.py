@@ -78,6 +78,9 @@ def test_out_of_range_ids_are_rejected_not_wrapped(tmp_path):
     with pytest.raises(TokenloomError, match="-1"):
         with IndexedDatasetWriter(tmp_path / "f", dtype=np.int32, vocab_size=70000) as w:
             w.add_document(np.array([-1], dtype=np.int32))
+    with pytest.raises(TokenloomError, match="token id 100 out of range"):  # the caller's largest id is checked
+        with IndexedDatasetWriter(tmp_path / "h", vocab_size=100) as w:
+            w.add_documents(np.array([1, 2], dtype=np.uint16), [2], [1], max_id=100)
     with pytest.raises(TokenloomError, match="sum to"):
         with IndexedDatasetWriter(tmp_path / "g", vocab_size=100) as w:
             w.add_document([1, 2, 3], lengths=[1, 1])
