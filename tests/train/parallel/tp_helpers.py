@@ -50,10 +50,12 @@ def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
         world_size=world_size,
         timeout=timedelta(seconds=60),
     )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    # every rank is done with the group before any rank tears it down: a rank destroying it while
+    # a peer still waits on a last collective aborted once with gloo (4 ranks on 2 cores); after a
+    # failure the process just exits (the parent reports it), since a barrier could hang there
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def det_randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
