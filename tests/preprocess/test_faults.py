@@ -463,3 +463,22 @@ def test_merge_on_a_full_disk_ends_in_one_line_and_leaves_nothing(tmp_path, monk
     result = _invoke(["merge", "--output-prefix", str(tmp_path / "out"), str(a), str(b)])
     _assert_one_line_error(result, f"no space left on device writing {tmp_path}/out", "rerun the merge")
     assert _left_behind(tmp_path) == []
+
+
+@pytest.mark.parametrize("change", ["append", "rewrite"])
+def test_an_input_changed_during_the_run_is_refused_naming_it(tmp_path, monkeypatch, change):
+    """Ranges are cut by the main process and read by the workers: a file written to meanwhile
+    (a larger file, or the same size rewritten) must not give a dataset mixing both versions."""
+    path = _corpus(tmp_path / "c.jsonl", 200)
+    hash_inputs = pipeline._hash_inputs
+
+    def change_then_hash(inputs, digests, failures):  # the hasher thread runs while chunks are read
+        data = path.read_bytes()
+        path.write_bytes(data + data[:100] if change == "append" else data)
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+        hash_inputs(inputs, digests, failures)
+
+    monkeypatch.setattr(pipeline, "_hash_inputs", change_then_hash)
+    result = _invoke(_args(path, tmp_path / "out"))
+    _assert_one_line_error(result, f"{path}: changed while being read", "rerun")
+    assert _left_behind(tmp_path) == []

@@ -12,7 +12,7 @@ import zstandard
 
 from tokenloom.errors import TokenloomError
 from tokenloom.preprocess import readers
-from tokenloom.preprocess.readers import ChunkReader, Position, TruncatedInput, discover, json_records
+from tokenloom.preprocess.readers import ChunkReader, LineNumbers, Position, TruncatedInput, discover, json_records
 
 
 def _reference_chunks(inp, k, chunk_bytes, max_records):
@@ -41,9 +41,19 @@ def _reference_chunks(inp, k, chunk_bytes, max_records):
     return out
 
 
+def _numbered(chunks, start=None):
+    """(chunk, numbers, lines, errors) with the input's line numbers, as the pipeline places them
+    (a range chunk's worker numbers its lines from 1; ``LineNumbers`` also sets ``chunk.end``)."""
+    numbering = LineNumbers(start)
+    for c in chunks:
+        numbers, lines, read = json_records(c)
+        base = numbering.place(c, read)
+        yield c, [n + base for n in numbers], lines, [n + base for n, _ in c.errors]
+
+
 def _ours(inputs, chunk_bytes, max_records, start=None):
-    return _records_or_errors([(*json_records(c), c.end, [n for n, _ in c.errors])
-                               for c in ChunkReader(inputs, ["text"], chunk_bytes, max_records).chunks(start)])
+    chunks = ChunkReader(inputs, ["text"], chunk_bytes, max_records).chunks(start)
+    return _records_or_errors([(numbers, lines, c.end, errors) for c, numbers, lines, errors in _numbered(chunks, start)])
 
 
 def _records_or_errors(chunks):
@@ -85,13 +95,15 @@ def test_block_reading_equals_line_reading(tmp_path, monkeypatch, compression, s
         chunks = list(ChunkReader(inputs, ["text"], chunk_bytes, max_records).chunks())
         assert [c.span is not None for c in chunks if c.input == 1] == [not compression] * sum(
             c.input == 1 for c in chunks)  # a local plain file: ranges the workers read
-        got = [(c.input, n, line) for c in chunks for n, line in zip(*json_records(c), strict=True)]
+        got = [(c.input, n, line) for c, numbers, lines, _ in _numbered(chunks)
+               for n, line in zip(numbers, lines, strict=True)]
         assert got == want
         for c in chunks[:-1]:  # resume from every chunk's end: exactly the records after it
             end = c.end
             tail = [r for r in want if r[0] > end.input or (r[0] == end.input and r[1] > end.records)]
             resumed = ChunkReader(inputs, ["text"], chunk_bytes, max_records).chunks(end)
-            assert [(r.input, n, line) for r in resumed for n, line in zip(*json_records(r), strict=True)] == tail
+            assert [(r.input, n, line) for r, numbers, lines, _ in _numbered(resumed, end)
+                    for n, line in zip(numbers, lines, strict=True)] == tail
     if not compression:  # bytes consumed: exact for plain files, also from a resume point
         nine = sum(len(line) + 1 for line in data.split(b"\n")[:9])
         for start, skipped in ((None, 0), (Position(1, 9, nine), other.stat().st_size + nine)):

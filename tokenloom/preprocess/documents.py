@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import orjson
 
 from tokenloom.errors import TokenloomError
-from tokenloom.preprocess.readers import Chunk, ChunkReader, discover, json_records
+from tokenloom.preprocess.readers import Chunk, ChunkReader, LineNumbers, discover, json_records
 
 
 def _snippet(raw) -> str:
@@ -97,10 +97,12 @@ def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | 
 
 
 def decode_chunk(chunk: Chunk, keys: tuple[str, ...]):
-    """Validate a chunk's records: ``(good, bad)`` with good = ``[(number, {key: [texts]})]`` and
-    bad = ``[(number, reason, snippet)]``, both in input order (reader errors included in ``bad``)."""
+    """Validate a chunk's records: ``(good, bad, lines)`` with good = ``[(number, {key: [texts]})]``
+    and bad = ``[(number, reason, snippet)]``, both in input order (reader errors included in
+    ``bad``), and the lines a ``relative`` chunk held (its numbers count from 1: see
+    :class:`~tokenloom.preprocess.readers.LineNumbers`)."""
     good, bad = [], [(n, reason, "") for n, reason in chunk.errors]
-    numbers, lines = json_records(chunk) if chunk.kind == "json" else (chunk.numbers, None)
+    numbers, lines, read = json_records(chunk) if chunk.kind == "json" else (chunk.numbers, None, 0)
     for j, number in enumerate(numbers):
         if lines is not None:
             obj, reason, valid_utf8 = _parse_line(lines[j], keys)
@@ -120,7 +122,7 @@ def decode_chunk(chunk: Chunk, keys: tuple[str, ...]):
         else:
             good.append((number, texts_per_key))
     bad.sort(key=lambda b: b[0])
-    return good, bad
+    return good, bad, read
 
 
 def iter_documents(inputs: list[str], key: str = "text", txt_unit: str = "file") -> Iterator[str]:
@@ -129,10 +131,12 @@ def iter_documents(inputs: list[str], key: str = "text", txt_unit: str = "file")
     The first bad record raises :class:`TokenloomError` naming its file and line.
     """
     found = discover(inputs)
+    numbering = LineNumbers()
     for chunk in ChunkReader(found, [key], txt_unit=txt_unit).chunks():
-        good, bad = decode_chunk(chunk, (key,))
+        good, bad, read = decode_chunk(chunk, (key,))
+        base = numbering.place(chunk, read)
         if bad:
             number, reason, _ = bad[0]
-            raise TokenloomError(f"{found[chunk.input].path}:{number}: {reason}")
+            raise TokenloomError(f"{found[chunk.input].path}:{number + base}: {reason}")
         for _, texts in good:
             yield "\n".join(texts[key])

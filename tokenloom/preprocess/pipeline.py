@@ -51,6 +51,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -72,6 +73,7 @@ from tokenloom.preprocess.readers import (
     Chunk,
     ChunkReader,
     Input,
+    LineNumbers,
     Position,
     discover,
     shard_inputs,
@@ -268,9 +270,24 @@ def _megabytes(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def _config_digest(cfg: PreprocessConfig, inputs: list[Input], tokenizer_fp: dict, shard) -> str:
-    stats = [(i.path, i.format, i.size, i.version if objstore.is_url(i.path) else os.stat(i.path).st_mtime_ns)
-             for i in inputs]
+def _input_stats(inputs: list[Input]) -> list[tuple]:
+    """(path, format, size, version) per input: an object's ETag, a local file's mtime."""
+    return [(i.path, i.format, i.size, i.version if objstore.is_url(i.path) else os.stat(i.path).st_mtime_ns)
+            for i in inputs]
+
+
+def check_unchanged(inputs: list[Input], stats: list[tuple]) -> None:
+    """Refuse, naming it, a local input whose size or mtime differs from ``stats`` (taken before
+    reading): its records may mix two versions of the file."""
+    for inp, (_, _, size, mtime) in zip(inputs, stats, strict=True):
+        if objstore.is_url(inp.path):
+            continue  # an object is read at its version (ETag) or fails
+        now = os.stat(inp.path)  # a datasets directory: its own mtime (its size is its files')
+        if now.st_mtime_ns != mtime or (not stat.S_ISDIR(now.st_mode) and now.st_size != size):
+            raise TokenloomError(f"{inp.path}: changed while being read; rerun when it is complete")
+
+
+def _config_digest(cfg: PreprocessConfig, stats: list[tuple], tokenizer_fp: dict, shard) -> str:
     shape = {k: v for k, v in asdict(cfg).items()
              if k not in ("workers", "chunk_bytes", "checkpoint_interval", "check_space", "progress",
                           "executor", "ray_address", "ray_retries", "staging_dir")}
@@ -360,7 +377,8 @@ class _Run:
         self.partial = staging_path(base, cfg.staging_dir) if self.remote else Path(f"{base}.partial")
         self.staged_marker = self.partial / "staged.json"
         self.rejects_path = f"{base}.rejects.jsonl"
-        self.digest = _config_digest(cfg, self.inputs, self.fingerprint, [self.num_shards, self.shard_index])
+        self.input_stats = _input_stats(self.inputs)
+        self.digest = _config_digest(cfg, self.input_stats, self.fingerprint, [self.num_shards, self.shard_index])
         self.workers = cfg.workers or os.cpu_count() or 1
         self.counts = Counts(per_key={k: {"documents": 0, "empty_documents": 0, "sequences": 0, "tokens": 0}
                                       for k in cfg.json_keys})
@@ -675,8 +693,11 @@ def _tokenize(r: _Run) -> None:
         hasher = threading.Thread(target=_hash_inputs, args=(r.inputs, digests, hash_failures), daemon=True)
         hasher.start()
         reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)
+        numbering = LineNumbers(position)
         last_ckpt = time.monotonic()
         for chunk, result in _results(r, reader.chunks(position), pool):
+            if base := numbering.place(chunk, result.lines):
+                result.bad = [(number + base, reason, snippet) for number, reason, snippet in result.bad]
             r.consume(chunk.input, result)
             done = chunk.end
             r.counts.bytes_in += chunk.raw_bytes
@@ -691,6 +712,7 @@ def _tokenize(r: _Run) -> None:
         hasher.join()
         if hash_failures:
             raise hash_failures[0]
+        check_unchanged(r.inputs, r.input_stats)
         r.stage(digests)
     except WorkerDied:
         # Everything consumed so far is whole in the writers: checkpoint it before stopping.

@@ -7,10 +7,13 @@ about ``chunk_bytes`` of text. The main process only reads and cuts; parsing
 * ``jsonl`` (plain, ``.gz``, ``.zst``): chunks carry raw line bytes; the worker
   decodes and parses them, so a bad line is reported by the worker with its
   file and line number. Blank lines are skipped and are not records. A local
-  plain file is cut into byte ranges instead, which the workers read themselves:
-  the main process only counts newlines, so its work does not grow with the
-  number of workers (the design for 64: reading is spread over them, the main
-  process writes).
+  plain file is cut into byte ranges instead, which the workers read and number
+  themselves: the main process reads a small window per range to cut it after a
+  newline, so its work does not grow with the input or the number of workers
+  (the design for 64: reading and parsing are spread over them, the main process
+  writes and, in a thread, hashes the inputs). A file changed while it is read is
+  refused (:func:`json_records` per range, the pipeline's check of size and mtime
+  at the end).
 * ``parquet`` and HF ``datasets`` directories (``save_to_disk``): read a record
   batch at a time through pyarrow, only the requested columns; chunks carry the
   column values.
@@ -90,12 +93,13 @@ class Chunk:
     raw_bytes: int = 0  # input bytes consumed by this chunk (compressed bytes for .gz/.zst)
     end: Position = field(default_factory=Position)
     errors: list[tuple[int, str]] = field(default_factory=list)  # reader-level problems (truncated file)
-    # A local plain jsonl chunk carries no lines: the worker reads bytes ``span`` of ``path`` itself,
-    # lines ``first + 1`` to ``last`` (see ``ChunkReader._span_chunks`` and ``json_records``).
+    # A local plain jsonl chunk carries no lines: the worker reads bytes ``span`` of ``path`` itself
+    # (see ``ChunkReader._span_chunks`` and ``json_records``). Nobody counted its lines before, so
+    # its records (and errors) are numbered from 1 (``relative``) and ``end.records`` is unknown:
+    # :class:`LineNumbers` makes them the input's line numbers as results come back in order.
     path: str = ""
     span: tuple[int, int] | None = None
-    first: int = 0
-    last: int = 0
+    relative: bool = False
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -313,45 +317,32 @@ class ChunkReader:
 
     # -- jsonl: raw line bytes, cut at record boundaries
     def _span_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
-        """A local plain jsonl file as byte ranges cut after a newline, one per ~``chunk_bytes``:
-        the main process only counts newlines (``bytes.count``, ~10 GB/s) and each worker reads its
-        range back from the page cache (:func:`json_records`), so no record passes through the main
-        process or a pipe. With 2 workers on 2 cores this took the main process's CPU per 530 MB
-        from ~2.05 s to ~1.6 s (a worker spends ~1.25 s); with 64 workers, reading every record
-        in one process would have been the bottleneck. A read error keeps the lines before it, as
-        :meth:`_json_chunks` does."""
+        """A local plain jsonl file as byte ranges of ~``chunk_bytes``, each cut just past the first
+        newline at or after its nominal end, found by reading a small window there: the main
+        process reads none of the records and counts no lines (the workers read their ranges
+        back from the page cache and number their lines, :func:`json_records`; the main process
+        places those numbers, :class:`LineNumbers`). Counting newlines in the main process
+        (``bytes.count``, ~4 GB/s with the read) was ~0.2 s of its CPU per 530 MB with 2 workers,
+        and at 64 workers a serial pass over every byte. A read error keeps the lines before it,
+        as :meth:`_json_chunks` does."""
         inp = self.inputs[k]
-        number, start = (pos.records, pos.offset) if pos.offset else (0, 0)
-        with open(inp.path, "rb", buffering=0) as f:  # unbuffered: read(n) is one read call
-            f.seek(start)
-            first, pending = number, 0  # the first line's number before the cut; bytes read past it
-            while True:
+        start, size = pos.offset or 0, inp.size  # bytes written since discovery are not read (refused at the end)
+        with open(inp.path, "rb", buffering=0) as f:
+            while start < size:
                 try:
-                    block = f.read(self.chunk_bytes)
+                    end = _line_end(f.fileno(), start + self.chunk_bytes, size)
                 except OSError as exc:
                     chunk = self._new_chunk(k, "json")
-                    chunk.errors.append((number + 1, _rest_skipped(inp, exc)))
+                    chunk.relative = True
+                    chunk.errors.append((1, _rest_skipped(inp, exc)))  # the line after the ranges before
                     chunk.end = Position(k + 1, 0, 0)
                     yield chunk
                     return
-                if not block:
-                    break
-                cut = block.rfind(b"\n") + 1
-                if not cut:  # inside a line longer than a block
-                    pending += len(block)
-                    continue
-                number += block.count(b"\n", 0, cut)
-                end = start + pending + cut
-                yield self._span_chunk(k, inp, start, end, first, number, Position(k, number, end))
-                start, first, pending = end, number, len(block) - cut
-            if pending:  # the last line, without its newline
-                yield self._span_chunk(k, inp, start, start + pending, first, number + 1, Position(k + 1, 0, 0))
-
-    def _span_chunk(self, k, inp, start, end, first, last, position) -> Chunk:
-        chunk = self._new_chunk(k, "json")
-        chunk.path, chunk.span, chunk.first, chunk.last = inp.path, (start, end), first, last
-        chunk.raw_bytes, chunk.end = end - start, position
-        return chunk
+                chunk = self._new_chunk(k, "json")
+                chunk.path, chunk.span, chunk.relative, chunk.raw_bytes = inp.path, (start, end), True, end - start
+                chunk.end = Position(k + 1, 0, 0) if end >= size else Position(k, -1, end)  # records: LineNumbers
+                yield chunk
+                start = end
 
     def _json_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
         """The records of a jsonl input, read a block at a time and cut into lines by ``re`` (in C).
@@ -565,26 +556,65 @@ _BLOCK = 1 << 20
 _LINES = re.compile(rb"[^\n]*\n")
 
 
-def json_records(chunk: Chunk) -> tuple[list[int], list[bytes]]:
-    """The (line numbers, raw lines) of a jsonl chunk's records (blank lines are not records);
-    a span chunk's are read from its file here, in the worker."""
+def json_records(chunk: Chunk) -> tuple[list[int], list[bytes], int]:
+    """The (line numbers, raw lines) of a jsonl chunk's records (blank lines are not records), and
+    the lines it holds. A span chunk's are read from its file here, in the worker, and numbered
+    from 1 (``chunk.relative``); its length and its newline at the end are checked against the
+    cut the main process made."""
     if chunk.span is None:
-        return chunk.numbers, chunk.lines
+        return chunk.numbers, chunk.lines, 0
     start, end = chunk.span
     with open(chunk.path, "rb", buffering=0) as f:
         data = os.pread(f.fileno(), end - start, start)
+    last = chunk.end.input != chunk.input  # the file's last range may end without a newline
+    if len(data) != end - start or not (last or data.endswith(b"\n")):
+        raise TokenloomError(f"{chunk.path}: changed while being read (bytes {start}-{end} no longer "
+                             f"end a line where they did); rerun when it is complete")
     lines = _LINES.findall(data)
     if data and not data.endswith(b"\n"):
         lines.append(data[data.rfind(b"\n") + 1:])
-    if len(data) != end - start or len(lines) != chunk.last - chunk.first:
-        raise TokenloomError(f"{chunk.path}: changed while being read (bytes {start}-{end} no longer hold "
-                             f"lines {chunk.first + 1}-{chunk.last}); rerun when it is complete")
     numbers, kept = [], []
-    for number, line in enumerate(lines, chunk.first + 1):
+    for number, line in enumerate(lines, 1):
         if not line.isspace():  # stops at the first other byte; ``strip()`` copied every line
             numbers.append(number)
             kept.append(line)
-    return numbers, kept
+    return numbers, kept, len(lines)
+
+
+def _line_end(fd: int, target: int, size: int, window: int = 1 << 16) -> int:
+    """The offset just past the first newline at or after ``target - 1``; ``size`` if none follows."""
+    at = target - 1
+    while at < size:
+        block = os.pread(fd, window, at)
+        if not block:  # the file shrank: the range's reader reports it
+            return size
+        found = block.find(b"\n")
+        if found >= 0:
+            return at + found + 1
+        at += len(block)
+    return size
+
+
+class LineNumbers:
+    """The input's line numbers for chunks numbered from 1 by their worker (``Chunk.relative``).
+
+    Feed it every chunk's line count in input order (as results are consumed): :meth:`place`
+    returns what to add to the chunk's record numbers and sets ``chunk.end.records``, the
+    resume position. ``start`` is where reading started (a resume point)."""
+
+    def __init__(self, start: Position | None = None):
+        start = start or Position()
+        self._input, self._done = start.input, (start.records if start.offset else 0)
+
+    def place(self, chunk: Chunk, lines: int) -> int:
+        if chunk.input != self._input:
+            self._input, self._done = chunk.input, 0
+        if not chunk.relative:
+            return 0
+        base, self._done = self._done, self._done + lines
+        if chunk.end.input == chunk.input:
+            chunk.end = Position(chunk.input, self._done, chunk.end.offset)
+        return base
 
 
 def _arrow_batches(inp: Input, keys: list[str]):

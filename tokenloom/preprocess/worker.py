@@ -64,6 +64,7 @@ class EncodedChunk:
     bad: list[tuple[int, str, str]] = field(default_factory=list)  # (number, reason, snippet)
     documents: int = 0
     text_bytes: int = 0
+    lines: int = 0  # lines of a ``relative`` chunk (its record numbers count from 1)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -107,8 +108,8 @@ def set_tokenizer(tokenizer) -> None:
 
 def encode_chunk(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:
     """Validate, tokenize and frame one chunk; bad records are returned, never raised."""
-    good, bad = decode_chunk(chunk, opts.keys)
-    result = EncodedChunk(chunk.seq, {}, bad, documents=len(good))
+    good, bad, lines = decode_chunk(chunk, opts.keys)
+    result = EncodedChunk(chunk.seq, {}, bad, documents=len(good), lines=lines)
     for key in opts.keys:
         pieces = [t for _, texts in good for t in texts[key]]
         counts = np.fromiter((len(texts[key]) for _, texts in good), dtype=np.int64, count=len(good))
