@@ -12,7 +12,14 @@ import zstandard
 
 from tokenloom.errors import TokenloomError
 from tokenloom.preprocess import readers
-from tokenloom.preprocess.readers import ChunkReader, LineNumbers, Position, TruncatedInput, discover, json_records
+from tokenloom.preprocess.readers import (
+    ChunkReader,
+    LineNumbers,
+    Position,
+    TruncatedInput,
+    discover,
+    json_records,
+)
 
 
 def _reference_chunks(inp, k, chunk_bytes, max_records):
