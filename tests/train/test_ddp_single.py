@@ -1,5 +1,6 @@
 """In-process checks of our DDP on a 1-rank gloo group: launch order, overlap with
-backward, no_sync, grads as bucket views, ignore list, user errors."""
+backward, no_sync, grads as bucket views, ignore list, user errors, completion after an
+engine-direct backward and the deferred finish_grad_sync."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train.ddp import DistributedDataParallel
 from tokenloom.train.dist import init_from_env
 from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.parallel.schedules import backward_from, release_output
 
 
 @pytest.fixture
@@ -199,3 +201,53 @@ def test_compiled_blocks_keep_bucket_overlap_and_the_eager_gradients(group):
     eager(x[:, :-1], x[:, 1:]).backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def with_unused(model: nn.Module) -> nn.Module:
+    model.register_parameter("unused", nn.Parameter(torch.zeros(3)))  # no forward reads it
+    return model
+
+
+def test_completion_callback_runs_after_an_engine_direct_backward(group):
+    """The pipeline schedules backprop a freed stage output through the autograd engine's
+    ``run_backward`` (``backward_from``); the callback DDP queues from its hooks runs at the end
+    of that backward as well: averaged grads on return, and a missing grad raised there."""
+    x, dy = torch.randn(3, 64), torch.randn(3, 64)
+    model, ref = mlp(2), mlp(2)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
+    y = ddp(x)
+    release_output(y)
+    backward_from(y, dy)
+    ref(x).backward(dy)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    ddp = DistributedDataParallel(with_unused(mlp(2)))
+    y = ddp(x)
+    release_output(y)
+    with pytest.raises(TokenloomError, match=r"received no gradient in this backward: \['unused'\]"):
+        backward_from(y, dy)
+
+
+def test_deferred_finish_launches_in_backward_and_waits_in_finish_grad_sync(group, monkeypatch):
+    """finish_in_backward=False (the strategy's tp/pp layouts): buckets launch during backward,
+    which returns without waiting; finish_grad_sync() waits and checks, once; a forward before
+    it is refused."""
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    x = torch.randn(3, 64)
+    model, ref = mlp(3), mlp(3)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.02, finish_in_backward=False)
+    ddp(x).sum().backward()
+    assert len(calls) == len(ddp.bucket_indices) > 1
+    with pytest.raises(TokenloomError, match="call finish_grad_sync"):
+        ddp(x)
+    ddp.finish_grad_sync()
+    ddp.finish_grad_sync()  # nothing left to wait for
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    ddp = DistributedDataParallel(with_unused(mlp(2)), finish_in_backward=False)
+    ddp(x).sum().backward()
+    with pytest.raises(TokenloomError, match=r"received no gradient in this backward: \['unused'\]"):
+        ddp.finish_grad_sync()

@@ -32,7 +32,8 @@ def test_zero1_on_one_rank_checkpoints_layout_free_and_resumes_without_it(tmp_pa
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(tp=2, ddp_bucket_cap_mb=1.0), "ddp_bucket_cap_mb sizes the gradient buckets of DDP and ZeRO-1 at tp = pp = 1"),
+    (dict(tp=2, zero1=True, ddp_bucket_cap_mb=1.0), "ddp_bucket_cap_mb sizes the gradient buckets of DDP, and of "
+                                                    "ZeRO-1 at tp = pp = 1 only"),
     (dict(overlap_grad_reduce=True), "overlap_grad_reduce applies to zero1 at tp = pp = 1"),
     (dict(zero1=True, pp=2, overlap_grad_reduce=False), "overlap_grad_reduce applies to zero1 at tp = pp = 1"),
 ])
@@ -44,3 +45,9 @@ def test_settings_a_layout_cannot_honour_are_refused(tmp_path: Path, overrides, 
 def test_overlap_and_bucket_size_are_accepted_for_zero1_at_tp_pp_1(tmp_path: Path):
     r = start_run(tiny(tmp_path, zero1=True, overlap_grad_reduce=False, ddp_bucket_cap_mb=0.01, train_iters=1))
     assert not r.strategy.optimizer.overlap and len(r.strategy.optimizer.main_shards) > 3
+
+
+@pytest.mark.parametrize("overrides", [dict(tp=2), dict(pp=2), dict(pp=2, vpp=2)])
+def test_bucket_size_is_accepted_for_ddp_in_tp_and_pp_layouts(tmp_path: Path, overrides):
+    """tp/pp layouts reduce over dp in DDP's buckets too (test_staged_ddp.py), so the cap applies."""
+    refuse_unsupported(tiny(tmp_path, ddp_bucket_cap_mb=0.5, **overrides))

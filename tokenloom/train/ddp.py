@@ -50,7 +50,26 @@ Design choices and trade-offs:
   notices a closed socket within milliseconds, a silent peer after the process-group
   timeout given to :func:`tokenloom.train.dist.init_from_env`).
 * ``no_sync()``: forward and backward inside it only accumulate into ``param.grad``;
-  the first synced backward after it reduces the accumulated total.
+  the first synced backward after it reduces the accumulated total. Unlike torch (which
+  decides at forward time only), a backward inside ``no_sync()`` never syncs, even after
+  a synced forward: a pipeline schedule runs the last micro-batch's forward before the
+  backwards of earlier ones, and only the last backward may launch the buckets
+  (:func:`tokenloom.train.parallel.schedules.forward_backward` gates each chunk's
+  forwards and backwards this way).
+* **Pipelined backward** (``finish_in_backward=False``): a pipeline stage sends its
+  input's grad on after each backward; waiting for the reduction at the end of the last
+  one would hold that send back and put every stage's reduction tail on the pipeline's
+  critical path (and under the interleaved schedule keep a later chunk's reduction from
+  overlapping the earlier chunks' cooldown backwards). So the strategy's tp/pp layouts
+  launch buckets from the hooks as usual and wait in :meth:`finish_grad_sync` after the
+  schedule (Megatron's ``finish_grad_sync``); a forward before it raises. The callback
+  itself works under the schedules' backward too: ``torch.autograd.backward`` and the
+  engine's ``run_backward`` (:func:`~tokenloom.train.parallel.schedules.backward_from`,
+  for a freed stage output) both run the hooks inside the engine's graph task.
+* Gradient dtype: one flat buffer per dtype (the bucket assignment keys on it), in the
+  parameters' dtype. The trainer keeps fp32 parameters and runs bf16 as autocast, and
+  autograd returns each grad in its parameter's dtype, so grads accumulate and reduce in
+  fp32 (Megatron's ``grad_reduce_in_fp32``) by construction, at twice bf16's traffic.
 * Sparse gradients (``nn.Embedding(sparse=True)``) are not supported (clear error at
   construction); the assignment function still handles ``expect_sparse_gradient``.
 """
@@ -159,7 +178,10 @@ class DistributedDataParallel(nn.Module):
             synced at init, not reduced); merged with the module attribute
             ``_ddp_params_and_buffers_to_ignore`` when present (torch's convention).
         init_sync: verify parameter shapes across ranks and broadcast rank 0's
-            parameters and buffers at construction.
+            parameters and buffers at construction (rank 0 of ``process_group``).
+        finish_in_backward: wait for the buckets from a callback at the end of the synced
+            backward (torch's way); False: the caller calls :meth:`finish_grad_sync`
+            after it (Megatron's way, for pipeline schedules).
     """
 
     def __init__(
@@ -174,6 +196,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         params_and_buffers_to_ignore: Iterable[str] = (),
         init_sync: bool = True,
+        finish_in_backward: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -185,6 +208,7 @@ class DistributedDataParallel(nn.Module):
         self._src = dist.get_global_rank(self.process_group, 0)
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
+        self.finish_in_backward = finish_in_backward
         cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
         if first_bucket_cap_mb is not None:
             first = int(first_bucket_cap_mb * 1024 * 1024)
@@ -226,6 +250,9 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._backward_started and not self.finish_in_backward:
+            raise TokenloomError("DistributedDataParallel(finish_in_backward=False): call finish_grad_sync() after "
+                                 "the synced backward, before the next forward")
         if self._rebuild_pending:
             self._rebuild()
         sync = self._sync_enabled and torch.is_grad_enabled()
@@ -246,6 +273,15 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """With ``finish_in_backward=False``: wait for the buckets the last synced backward
+        launched (grads are averaged when it returns), and check that every parameter got
+        its grad. A no-op when no synced backward ran since the last call, and with
+        ``finish_in_backward=True`` (backward waited already)."""
+        if self._backward_started and not self.finish_in_backward:
+            self._backward_started = False
+            self._finish_backward()
 
     def remove_hooks(self) -> None:
         """Detach our gradient hooks from the module's parameters (before re-wrapping it)."""
@@ -361,11 +397,12 @@ class DistributedDataParallel(nn.Module):
             view.copy_(p.grad)
             p.grad = view
         self._locally_used[i] = 1
-        if not self._expect_hooks:
+        if not self._expect_hooks or not self._sync_enabled:
             return  # no_sync (or backward without a synced forward): accumulate only
         if not self._backward_started:
             self._backward_started = True
-            Variable._execution_engine.queue_callback(self._finish_backward)
+            if self.finish_in_backward:
+                Variable._execution_engine.queue_callback(self._finish_backward)
             for j in self._unused:
                 self._mark_unused_ready(j)
         if self._ready_order is not None:
@@ -397,7 +434,8 @@ class DistributedDataParallel(nn.Module):
             self._next_bucket += 1
 
     def _finish_backward(self) -> None:
-        """Queued on the autograd engine: runs once, after the whole backward pass."""
+        """Queued on the autograd engine (runs once, after the whole backward pass), or
+        called by :meth:`finish_grad_sync`."""
         self._expect_hooks = False
         if self._next_bucket < len(self._buckets):
             missing = [self.param_names[i] for i in range(len(self._params)) if not self._marked[i]]

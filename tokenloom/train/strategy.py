@@ -10,16 +10,27 @@ piece                         data parallel only (tp = pp = 1)       tensor / pi
 model chunks                  the whole :class:`GPT`                 this rank's chunk(s) of the same GPT
                                                                      (tp-sharded layers, a range of its blocks)
 how a step runs               ``no_pipelining`` (accumulation)       ``1f1b``, or ``interleaved`` with vpp
-gradient finalisation         our bucketed DDP, overlapped with      sequence-parallel grads summed over tp,
-                              backward (ZeRO-1: bucketed reduce-     tied-embedding all-reduce (pp > 1), then one
-                              scatter, overlapped too)               flat all-reduce (ZeRO-1: reduce-scatter) over
-                                                                     dp (Megatron overlaps it; issue 16)
+gradient finalisation         our bucketed DDP, overlapped with      our bucketed DDP over the dp group, one
+                              backward (ZeRO-1: bucketed reduce-     per chunk; its buckets launched during
+                              scatter, overlapped too)               the chunk's last micro-batch backward
+                                                                     (in the cooldown), waited for after the
+                                                                     schedule; then sequence-parallel grads
+                                                                     summed over tp and the tied-embedding
+                                                                     all-reduce (pp > 1). ZeRO-1: those two,
+                                                                     then one reduce-scatter over dp after
+                                                                     backward
 norm groups for clipping      none                                   the model-parallel group
 optimizer                     fused AdamW, or ZeRO-1 (dp-sharded)    the same two
 checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
                               (one model file); with ZeRO-1 the      (per-shard files, loadable in any layout)
                               other column's (ZeRO-1 also at dp 1)
 ============================  =====================================  ==========================================
+
+Gradients are fp32 in every layout: parameters stay fp32 and ``precision`` bf16 is
+autocast (:func:`~tokenloom.train.runtime.autocast_for`), and autograd returns each
+grad in its parameter's dtype, so DDP's buckets (one flat buffer per dtype) accumulate
+and all-reduce in fp32, Megatron's ``grad_reduce_in_fp32``, by construction; the price
+is fp32 traffic (twice bf16's) and fp32 weights in memory.
 
 Every tensor it makes names the run's device (buffers, p2p receive buffers, loss and
 norm scalars), and every collective gets device tensors: NCCL needs that, and a test
@@ -33,8 +44,7 @@ dp and sent from the last pipeline stage to every rank only when the loop logs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -53,7 +63,12 @@ from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad
 from tokenloom.train.parallel.layers import TensorParallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
-from tokenloom.train.parallel.schedules import allreduce_tied_embedding_grads, forward_backward, get_schedule
+from tokenloom.train.parallel.schedules import (
+    NoSync,
+    allreduce_tied_embedding_grads,
+    forward_backward,
+    get_schedule,
+)
 from tokenloom.train.parallel.state import ParallelState
 from tokenloom.train.parallel.zero import ZeroAdamW
 from tokenloom.train.runtime import World, autocast_for, collective, compute_dtype
@@ -85,12 +100,13 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
     if cfg.compile and staged:
         raise TokenloomError(f"compile: torch.compile is supported at tp = pp = 1 only (this run has tp={cfg.tp} "
                              f"pp={cfg.pp}); set compile=false")
-    if cfg.ddp_bucket_cap_mb is not None and staged:
-        raise TokenloomError("ddp_bucket_cap_mb sizes the gradient buckets of DDP and ZeRO-1 at tp = pp = 1; leave it "
-                             "unset for this layout")
+    if cfg.ddp_bucket_cap_mb is not None and staged and cfg.zero1:
+        raise TokenloomError("ddp_bucket_cap_mb sizes the gradient buckets of DDP, and of ZeRO-1 at tp = pp = 1 only "
+                             "(in tp/pp layouts ZeRO-1 reduces one bucket after backward); leave it unset for this "
+                             "layout")
     if cfg.overlap_grad_reduce is not None and (staged or not cfg.zero1):
-        raise TokenloomError("overlap_grad_reduce applies to zero1 at tp = pp = 1 (DDP always overlaps, tp/pp layouts "
-                             "reduce after backward); leave it unset for this layout")
+        raise TokenloomError("overlap_grad_reduce applies to zero1 at tp = pp = 1 (DDP always overlaps, ZeRO-1 in "
+                             "tp/pp layouts reduces after backward); leave it unset for this layout")
 
 
 class Strategy:
@@ -126,11 +142,7 @@ class Strategy:
                                            self.device)
         if cfg.compile:
             self.chunks[0].compile_blocks()
-        self.ddp = None
-        if self.dp_size > 1 and not self.staged and not cfg.zero1:
-            from tokenloom.train.ddp import DistributedDataParallel
-
-            self.ddp = collective("DDP setup", DistributedDataParallel, self.chunks[0], bucket_cap_mb=cfg.ddp_bucket_cap_mb)
+        self.ddps = self._wrap_ddp() if self.dp_size > 1 and not cfg.zero1 else []
         # the loss of the last stage reaches every rank from here (tp 0, dp 0, last pp rank)
         self.loss_src = st.layout.rank_of(0, 0, cfg.pp - 1)
 
@@ -153,6 +165,23 @@ class Strategy:
         tp = TensorParallel(st.tp_group if cfg.tp > 1 else None, cfg.sp)
         return [pipeline_stage(cfg.model, tp=tp, pp_size=cfg.pp, pp_rank=st.pp_rank, num_chunks=self.num_chunks,
                                chunk=c, device=self.device) for c in range(self.num_chunks)]
+
+    def _wrap_ddp(self) -> list[nn.Module]:
+        """One bucketed DDP per model chunk over this rank's dp group (its ranks hold the same
+        shard of the same chunk). Each chunk's buckets launch from its gradient hooks in its
+        own last micro-batch backward (the schedules' per-chunk ``no_sync``). At tp = pp = 1
+        a synced backward returns with the dp-averaged grads (torch's way). In tp/pp layouts
+        they are waited for after the schedule (:meth:`_finish_grads_and_step`), so a stage
+        sends its last input grad on without waiting for its reduction, and buffers (the
+        RoPE tables, computed alike on every rank from the config) are not re-broadcast
+        before each synced forward, which runs mid-pipeline, where a blocking collective
+        would stall the schedule."""
+        from tokenloom.train.ddp import DistributedDataParallel
+
+        return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_group,
+                           bucket_cap_mb=self.cfg.ddp_bucket_cap_mb, broadcast_buffers=not self.staged,
+                           finish_in_backward=not self.staged)
+                for chunk in self.chunks]
 
     def _build_optimizer(self):
         cfg, st, o = self.cfg, self.state, self.cfg.optim
@@ -230,7 +259,7 @@ class Strategy:
         return module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden, **docs)
 
     def _run(self, modules: list[nn.Module], batches: list, forward_only: bool,
-             no_sync: Callable[[], AbstractContextManager] | None = None) -> torch.Tensor:
+             no_sync: NoSync | list[NoSync] | None = None) -> torch.Tensor:
         """Run one global batch; the sum of its micro-batch losses (zero off the last stage)."""
         model = modules if self.num_chunks > 1 else modules[0]
         with self.autocast():
@@ -245,9 +274,9 @@ class Strategy:
     def train_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; (mean micro-batch loss, grad
         norm before clipping), device tensors; the loss is zero on ranks without one."""
-        if self.ddp is not None:
+        if self.ddps:
             self.optimizer.zero_grad(set_to_none=False)  # keep DDP's bucket views
-            total = self._run([self.ddp], batches, False, no_sync=self.ddp.no_sync)
+            total = self._run(self.ddps, batches, False, no_sync=[ddp.no_sync for ddp in self.ddps])
         else:
             self.optimizer.zero_grad()
             overlap = self.cfg.zero1 and self.optimizer.overlap  # launches its buckets from the last backward
@@ -256,22 +285,19 @@ class Strategy:
         return total / self.num_micro, norm
 
     def _finish_grads_and_step(self) -> torch.Tensor:
+        """After the schedule: DDP's dp averages (launched during it, waited for here), the
+        sequence-parallel and tied-embedding sums, then ZeRO-1's step, or clipping and the
+        optimizer step. The sums are linear, so running them after the dp average changes
+        only rounding."""
         cfg, st = self.cfg, self.state
+        for ddp in self.ddps:  # tp/pp: wait for the buckets launched in each chunk's last backward
+            ddp.finish_grad_sync()
         if cfg.sp:
             for chunk in self.chunks:
                 sync_sequence_parallel_grads(chunk, st.tp_group)
         allreduce_tied_embedding_grads(self.chunks, st.embedding_group if cfg.pp > 1 else None)
         if cfg.zero1:
             return self.optimizer.step()
-        if self.ddp is None and self.dp_size > 1:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in self.params]
-            flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp_size)
-            collective("gradient all-reduce", dist.all_reduce, flat, group=st.dp_group)
-            for g, new in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(new.view_as(g))
         grads = [p.grad for p in self.params if p.grad is not None]
         counted = [p.grad for p in self.params if p.grad is not None and self._counts_in_norm(p)]
         groups = [st.model_parallel_group] if self.staged else []

@@ -183,8 +183,101 @@ def dropout_masks(rank: int, *, out: str, sp: bool = False) -> list[list[torch.T
     return runs
 
 
+class _BackwardMark(torch.autograd.Function):
+    """Identity whose backward, the first node of a chunk's backward, appends its tag to a log."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, tag: tuple, log: list) -> torch.Tensor:
+        ctx.tag, ctx.log = tag, log
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.log.append(("backward", *ctx.tag))
+        return grad, None, None
+
+
+def dp_reduction_timeline(rank: int, *, out: str, steps: int = 2, **kw: Any) -> dict[str, Any]:
+    """Train steps of the tiny config through :meth:`Strategy.train_step` (global batch 16:
+    4 micro-batches per dp rank) with every asynchronous all-reduce (a DDP bucket launch)
+    logged between the backwards it falls in: each chunk's output is wrapped so its
+    backward logs ``("backward", chunk, micro-batch)`` when it starts, and each launch logs
+    ``("launch", grad mode on, bytes)`` (autograd runs backward with grad mode off; the
+    schedule and the loop around it run with it on), and each wait for a launch ``("wait",)``.
+    Returns per step and chunk the launches after each micro-batch's backward began (before
+    the next backward), the launches that came after no backward or after the step, per
+    step the waits and those before the step's last backward, each chunk's bucket sizes and whether every
+    grad is a bucket view of the parameter's dtype (fp32 also under bf16), and the last
+    step's order of backwards."""
+    from tokenloom.train.strategy import Strategy
+
+    cfg = tiny_cfg(Path(out), global_batch_size=16, **kw)
+    seed_everything(cfg.seed)
+    strategy = Strategy(cfg, World(rank, dist.get_world_size(), torch.device("cpu"), False))
+    log: list[tuple] = []
+    forwards = [0] * len(strategy.chunks)
+
+    def marked(c: int, forward):
+        def run(*args, **kwargs):
+            y = forward(*args, **kwargs)
+            k, forwards[c] = forwards[c] % strategy.num_micro, forwards[c] + 1
+            return _BackwardMark.apply(y, (c, k), log)
+        return run
+
+    for c, chunk in enumerate(strategy.chunks):
+        chunk.forward = marked(c, chunk.forward)
+    all_reduce = dist.all_reduce
+
+    class LoggedWork:
+        def __init__(self, work) -> None:
+            self.work = work
+
+        def wait(self, *args):
+            log.append(("wait",))
+            return self.work.wait(*args)
+
+    def logged_all_reduce(tensor, *args, async_op: bool = False, **kwargs):
+        if not async_op:
+            return all_reduce(tensor, *args, **kwargs)
+        log.append(("launch", torch.is_grad_enabled(), tensor.numel() * tensor.element_size()))
+        return LoggedWork(all_reduce(tensor, *args, async_op=True, **kwargs))
+
+    g = torch.Generator().manual_seed(rank)
+    per_step, waits, stray = [], [], 0
+    dist.all_reduce = logged_all_reduce
+    try:
+        for _ in range(steps):
+            x = torch.randint(0, 64, (strategy.num_micro, 2, 17), generator=g)
+            batches = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(2, 16)} for t in x]
+            log.clear()
+            strategy.train_step(batches)
+            launches = {c: [[] for _ in range(strategy.num_micro)] for c in range(len(strategy.chunks))}
+            current = None
+            for event in log:
+                if event[0] == "backward":
+                    current = launches[event[1]][event[2]]
+                elif event[0] == "wait":
+                    continue
+                elif current is None or event[1]:
+                    stray += 1
+                else:
+                    current.append(event[2])
+            per_step.append(launches)
+            kinds = [e[0] for e in log]
+            last_backward = max(i for i, kind in enumerate(kinds) if kind == "backward")
+            waits.append((kinds.count("wait"), kinds[:last_backward].count("wait")))
+        order = [(e[1], e[2]) for e in log if e[0] == "backward"]
+    finally:
+        dist.all_reduce = all_reduce
+    return {"launches": per_step, "stray_launches": stray, "backward_order": order, "waits": waits,
+            "bucket_bytes": {c: ddp.bucket_sizes_bytes for c, ddp in enumerate(strategy.ddps)},
+            "chunk_numel": {c: sum(p.numel() for p in chunk.parameters()) for c, chunk in enumerate(strategy.chunks)},
+            "fp32_bucket_views": all(
+                p.grad.dtype == torch.float32 and p.grad._base is not None for p in strategy.params)}
+
+
 SCENARIOS = {"train": train, "forward_tp": forward_tp, "train_on_meta": train_on_meta,
-             "dropout_masks": dropout_masks}
+             "dropout_masks": dropout_masks, "dp_reduction_timeline": dp_reduction_timeline}
 
 
 def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:

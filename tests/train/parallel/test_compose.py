@@ -1,5 +1,5 @@
 """tp x pp x dp training through the one loop (tokenloom.train.loop) against its one-process
-run: 20-step losses, grad norms, validation loss and final parameters for ten layouts,
+run: 20-step losses, grad norms, validation loss and final parameters for fourteen layouts,
 tp forwards with and without sequence parallelism and fused kernels (llama: RoPE, SwiGLU, GQA;
 gpt2; biases), checkpoint resharding from (dp, tp, pp) = (1, 2, 2) into (4, 1, 1) and
 (1, 1, 1), a ZeRO-1 checkpoint of dp 2 resumed at dp 4 and dp 1 (with and without ZeRO-1),
@@ -29,7 +29,11 @@ LAYOUTS = {
     "dp1_tp1_pp2_vpp2": (2, dict(pp=2, vpp=2)),
     "dp1_tp2_pp2": (4, dict(tp=2, pp=2)),
     "dp2_tp2_pp1": (4, dict(tp=2)),
+    # sequence-parallel grads summed over tp after DDP's dp average; blocks recomputed in backward
+    "dp2_tp2_pp1_sp_recompute": (4, dict(tp=2, sp=True, recompute=True)),
     "dp2_tp1_pp2": (4, dict(pp=2)),
+    # one DDP per chunk, each synced in its own last backward; ~20 KB buckets, rebuilt after step 1
+    "dp2_tp1_pp2_vpp2": (4, dict(pp=2, vpp=2, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
     "dp1_tp1_pp4": (4, dict(pp=4)),  # middle stages, which read no batch
     # weight decay per group, as optim.py's; ~10 buckets of 20 KB reduce-scattered during backward
     # (overlap_grad_reduce's default); its checkpoint at HALF is resumed in other layouts

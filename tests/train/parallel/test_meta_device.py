@@ -24,6 +24,7 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     "dp2_tp1_pp1_zero1": (2, dict(zero1=True)),
     "dp2_tp2_pp1": (4, dict(tp=2)),
     "dp2_tp1_pp2": (4, dict(pp=2)),
+    "dp2_tp1_pp2_vpp2": (4, dict(pp=2, vpp=2)),
 }
 
 

@@ -32,12 +32,18 @@ Differences from Megatron, on purpose:
 * The data iterator yields one micro-batch per ``next`` and all ``M`` are fetched up
   front on every rank (token ids are small); the stage that runs micro-batch ``k``
   picks ``batches[k]``. Megatron keeps one iterator per model chunk.
-* Gradient reduction across data-parallel ranks is not done here (Megatron overlaps it
-  with the last backwards; we do not). After the schedule, call
-  :func:`allreduce_tied_embedding_grads`, then the optimizer step
-  (:class:`tokenloom.train.parallel.zero.ZeroAdamW` reduce-scatters over DP inside
-  ``step()``). Megatron's ``finalize_model_grads`` runs the DP reduction first and the
-  embedding all-reduce second; both are sums, so the result is the same up to rounding.
+* Gradient reduction across data-parallel ranks is not done here, only gated: with
+  ``no_sync`` (Megatron's ``no_sync_func``), each model chunk's forwards and backwards
+  run inside its context except those of the chunk's last micro-batch, so a bucketed
+  DDP (:class:`tokenloom.train.ddp.DistributedDataParallel`, one per chunk) launches a
+  chunk's buckets from its gradient hooks during that chunk's last backward: in the
+  cooldown under 1F1B, and earlier for the later chunks of the interleaved schedule
+  (Megatron enables grad sync for the last micro-batch of each chunk the same way).
+  After the schedule, call :func:`allreduce_tied_embedding_grads`, then the optimizer
+  step (:class:`tokenloom.train.parallel.zero.ZeroAdamW` without overlap reduce-scatters
+  over DP inside ``step()``). Megatron's ``finalize_model_grads`` also runs the DP
+  reduction first and the embedding all-reduce second; both are sums, so the order
+  changes nothing beyond rounding.
 
 Stage modules are whatever ``forward_step`` runs: the trainer's are
 :class:`tokenloom.train.model.GPT` chunks (:func:`tokenloom.train.model.pipeline_stage`).
@@ -61,6 +67,7 @@ from tokenloom.train.parallel.p2p import P2PComm
 
 Schedule = Literal["no_pipelining", "1f1b", "interleaved"]
 ForwardStep = Callable[[nn.Module, "torch.Tensor | None", Any, bool], torch.Tensor]
+NoSync = Callable[[], AbstractContextManager]
 
 
 @dataclass
@@ -136,7 +143,7 @@ def forward_backward(
     *,
     comm: P2PComm | None = None,
     forward_only: bool = False,
-    no_sync: Callable[[], AbstractContextManager] | None = None,
+    no_sync: NoSync | Sequence[NoSync] | None = None,
 ) -> PipelineResult:
     """Run one global batch through this rank's stage(s); grads accumulate in ``.grad``.
 
@@ -147,8 +154,9 @@ def forward_backward(
     first stage), and on the last stage it returns the micro-batch's mean loss, elsewhere
     the activation to send on. ``comm`` is required by the pipelined schedules.
     ``forward_only`` skips backward (evaluation). ``no_sync`` (Megatron's
-    ``no_sync_func``): a context in which the backward of every micro-batch but the last
-    runs without pipelining, so a bucketed DDP reduces once per step (pp = 1 only).
+    ``no_sync_func``): a context factory, or one per chunk; a chunk's forward and backward
+    of every micro-batch but the last run inside it, so a bucketed DDP or ZeRO-1 reduces
+    each chunk's grads once per step, during the chunk's own last backward.
     """
     chunks = list(model) if isinstance(model, (Sequence, nn.ModuleList)) else [model]
     if schedule not in ("no_pipelining", "1f1b", "interleaved"):
@@ -166,8 +174,8 @@ def forward_backward(
             f"interleaved schedule needs num_microbatches ({num_microbatches}) divisible by the "
             f"pipeline size ({comm.pp_size}); change the global batch or the micro-batch size"
         )
-    if no_sync is not None and schedule != "no_pipelining":
-        raise TokenloomError("no_sync is only used without pipelining")
+    if no_sync is not None and not callable(no_sync) and len(no_sync) != len(chunks):
+        raise TokenloomError(f"no_sync: one context per model chunk, got {len(no_sync)} for {len(chunks)} chunks")
     runner = _Runner(
         chunks, [next(data_iterator) for _ in range(num_microbatches)], forward_step, comm, forward_only, no_sync
     )
@@ -215,12 +223,20 @@ class _Runner:
         forward: ForwardStep,
         comm: P2PComm | None,
         forward_only: bool,
-        no_sync: Callable[[], AbstractContextManager] | None = None,
+        no_sync: NoSync | Sequence[NoSync] | None = None,
     ) -> None:
         self.chunks, self.batches, self.forward = chunks, batches, forward
-        self.comm, self.forward_only, self.no_sync = comm, forward_only, no_sync
+        self.comm, self.forward_only = comm, forward_only
+        self.no_sync = [no_sync] * len(chunks) if callable(no_sync) else no_sync
         self.num_microbatches = len(batches)
+        self.backwards_done = [0] * len(chunks)  # per chunk: its backwards run in micro-batch order
         self.result = PipelineResult()
+
+    def sync_context(self, chunk: int, microbatch: int) -> AbstractContextManager:
+        """``chunk``'s ``no_sync`` context, except for its last micro-batch (gradients reduce there)."""
+        if self.no_sync is None or microbatch == self.num_microbatches - 1:
+            return nullcontext()
+        return self.no_sync[chunk]()
 
     # ------------------------------------------------------------------ steps
 
@@ -228,7 +244,7 @@ class _Runner:
         """Stage forward; on the last stage the loss divided by M (Megatron's scaling)."""
         start = time.perf_counter()
         batch = self.batches[microbatch]
-        with torch.set_grad_enabled(not self.forward_only):
+        with torch.set_grad_enabled(not self.forward_only), self.sync_context(chunk, microbatch):
             y = self.forward(self.chunks[chunk], x, batch, last)
             if last:
                 self.result.losses.append(y.detach())
@@ -237,18 +253,22 @@ class _Runner:
         return y
 
     def backward_step(
-        self, x: torch.Tensor | None, y: torch.Tensor, dy: torch.Tensor | None
+        self, x: torch.Tensor | None, y: torch.Tensor, dy: torch.Tensor | None, chunk: int = 0
     ) -> torch.Tensor | None:
-        """Backprop ``dy`` (None: ``y`` is the scaled loss) and return the input's grad."""
+        """Backprop ``dy`` (None: ``y`` is the scaled loss) through ``chunk`` and return the
+        input's grad."""
         start = time.perf_counter()
         if x is not None:
             x.retain_grad()
         if dy is not None and dy.dtype != y.dtype:  # received in the pipeline dtype
             dy = dy.to(y.dtype)
-        if dy is not None and y.shape != dy.shape:  # released after it was sent
-            backward_from(y, dy)
-        else:
-            torch.autograd.backward(y, grad_tensors=dy)
+        microbatch = self.backwards_done[chunk]
+        self.backwards_done[chunk] += 1
+        with self.sync_context(chunk, microbatch):
+            if dy is not None and y.shape != dy.shape:  # released after it was sent
+                backward_from(y, dy)
+            else:
+                torch.autograd.backward(y, grad_tensors=dy)
         self.result.stats.compute_s += time.perf_counter() - start
         return None if x is None else x.grad
 
@@ -256,11 +276,9 @@ class _Runner:
 
     def no_pipelining(self) -> None:
         for k in range(self.num_microbatches):
-            syncing = self.no_sync is None or k == self.num_microbatches - 1
-            with nullcontext() if syncing else self.no_sync():
-                y = self.forward_step(0, k, None, last=True)
-                if not self.forward_only:
-                    self.backward_step(None, y, None)
+            y = self.forward_step(0, k, None, last=True)
+            if not self.forward_only:
+                self.backward_step(None, y, None)
 
     def one_f_one_b(self) -> None:
         comm, M, last = self.comm, self.num_microbatches, self.comm.is_last
@@ -340,7 +358,7 @@ class _Runner:
             c = chunk_of(k, forward=False)
             if last_virtual(c) and not output_grads[c]:
                 output_grads[c].append(None)
-            return self.backward_step(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0))
+            return self.backward_step(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0), c)
 
         inputs[0].append(None if comm.is_first else p2p.communicate(comm, recv_prev=True)[0])
         for k in range(warmup):
