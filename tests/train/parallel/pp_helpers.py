@@ -436,6 +436,31 @@ def zero_param_gather(rank: int, *, steps: int) -> dict:
     return out
 
 
+def zero_compiled_blocks(rank: int, *, steps: int) -> dict:
+    """overlap_param_gather on a GPT whose blocks are compiled (``compile: true``): the pre-hook
+    of a compiled block runs outside its graph (no graph break), gathers deferred until waited
+    for (:class:`DeferredGathers`); losses with the compiled model without overlap."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    losses = []
+    with DeferredGathers():
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            model = GPT(tiny_cfg(2))
+            model.compile_blocks()
+            opt = ZeroAdamW(model.parameters(), None, lr=LR, bucket_bytes=4096, overlap_param_gather=overlap,
+                            modules=[model])
+            run = []
+            for step in range(steps):
+                opt.zero_grad()
+                loss = model(*microbatch(step, rank))
+                loss.backward()
+                opt.step()
+                run.append(loss.item())
+            losses.append(run)
+    return {"losses": losses, "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+
+
 class ReadsChildWeight(nn.Module):
     """A parent that reads its last child's weight without calling the child (as GPT.head's
     fused loss reads ``lm_head.weight``), the child in a bucket of its own."""
@@ -510,5 +535,6 @@ SCENARIOS = {
     "zero_train": zero_train,
     "zero_param_gather": zero_param_gather,
     "zero_overlap_checkpoint": zero_overlap_checkpoint,
+    "zero_compiled_blocks": zero_compiled_blocks,
     "eval_pipeline": eval_pipeline,
 }

@@ -25,7 +25,8 @@ def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
     kw = {"steps": STEPS, "max_grad_norm": MAX_NORM, "resume_at": RESUME_AT}
     return launch([("zero_train", kw), ("zero_param_gather", {"steps": 3}),
-                   ("zero_overlap_checkpoint", {"out": str(tmp / "strategy")})], 2, tmp)
+                   ("zero_overlap_checkpoint", {"out": str(tmp / "strategy")}),
+                   ("zero_compiled_blocks", {"steps": 3})], 2, tmp)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,15 @@ def test_checkpoint_load_and_eval_with_param_gathers_pending(strategy):
         assert res["pending_at_save"] and res["saved_is_updated"]
         assert res["pending_at_load"] and res["loaded_kept"]
         assert res["pending_at_eval"] and res["eval"][0] == res["eval"][1]
+
+
+def test_param_gather_hooks_leave_compiled_blocks_whole(launched):
+    """With compiled blocks the hook of a block runs eagerly before its graph: no graph break,
+    and the losses are the compiled run's without overlap, bit for bit."""
+    for r in launched:
+        res = r[3]
+        assert res["graph_breaks"] == 0
+        assert res["losses"][0] == res["losses"][1]
 
 
 def _tiny(dtype=torch.float32) -> GPT:

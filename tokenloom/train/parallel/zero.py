@@ -43,10 +43,10 @@ Choices and their costs:
   the earlier layers' grads (Megatron's ``overlap_grad_reduce``); the bucket assignment is
   :func:`~tokenloom.train.ddp.compute_bucket_assignment_by_size` (DDP's, in parameter
   order). Each bucket costs one more collective launch and up to dp - 1 padding elements
-  per rank. A bucket
-  whose grads never all arrive (a parameter unused in the last micro-batch) is reduced in
-  :meth:`step`, and so are the buckets after it in launch order. Parameters must share one dtype. No 64-element
-  alignment of parameter starts (Megatron's, for kernels that read whole params).
+  per rank. A bucket whose grads never all arrive (a parameter unused in the last
+  micro-batch) is reduced in :meth:`step`, and so are the buckets after it in launch
+  order. Parameters must share one dtype. No 64-element alignment of parameter starts
+  (Megatron's, for kernels that read whole params).
 * **Parameter all-gather overlapped with the next forward** (Megatron's
   ``overlap_param_gather``, ``modules`` given): :meth:`step` launches every bucket's
   all-gather without waiting, in bucket (= parameter) order, the same on every rank, so the
@@ -63,7 +63,9 @@ Choices and their costs:
   checkpoint save or load, the end of training; :meth:`step`,
   :meth:`gathered_param_states` and :meth:`load_param_states` call it themselves), and a
   layer waits for the next layer's bucket too, one layer less overlap at each bucket
-  boundary. Hooks are disabled for ``torch.compile``: a compiled block runs its own hook
+  boundary. Memory: the copy of this rank's pieces that each gather sends (1/d of the
+  parameters) lives until the gather is waited for (gloo cannot gather in place; the
+  synchronous gather holds one bucket's piece at a time). Hooks are disabled for ``torch.compile``: a compiled block runs its own hook
   eagerly, with no graph break inside the block. The gathered values are the bits the
   synchronous gather gives, so losses with and without overlap are equal bit for bit.
 * **Pre-divide then SUM** (Megatron's default ``average_in_collective=False``): for
@@ -250,7 +252,7 @@ class ZeroAdamW:
         # overlap_param_gather: step() leaves the all-gathers in flight; buckets [0, _gathered)
         # of _gathers (work, sent piece) are done, layers' forward pre-hooks wait for the rest
         self.overlap_param_gather = overlap_param_gather and dp > 1
-        self._gathers: list[tuple[Any, torch.Tensor]] = []
+        self._gathers: list[tuple[Any, torch.Tensor | None]] = []
         self._gathered = 0
         self._gather_hooks = self._register_gather_hooks(list(modules)) if self.overlap_param_gather else []
 
@@ -316,7 +318,7 @@ class ZeroAdamW:
         clip, update this shard, all-gather. Returns the global grad norm (before
         clipping, a device tensor) when ``max_grad_norm`` is set, else None. With
         ``overlap_param_gather`` the all-gathers are still running when it returns."""
-        self.finish_param_sync()  # a layer the last forward did not call: its master shard is the gather's output
+        self.finish_param_sync()  # buckets no forward waited for: the gathers write the master shard
         for p, view in zip(self.params, self._grad_views, strict=True):
             if p.grad is None:
                 view.zero_()
@@ -375,7 +377,8 @@ class ZeroAdamW:
             piece = master.detach().clone() if master.dtype == own.dtype else master.detach().to(own.dtype)
             work = dist.all_gather_single(self.param_buffer[a:b], piece, group=self.dp_group,
                                           async_op=self.overlap_param_gather)
-            gathers.append((work, piece))
+            if self.overlap_param_gather:
+                gathers.append((work, piece))
         if self.overlap_param_gather:
             self._gathers, self._gathered = gathers, 0
 
