@@ -65,9 +65,10 @@ Choices and their costs:
   layer waits for the next layer's bucket too, one layer less overlap at each bucket
   boundary. Memory: the copy of this rank's pieces that each gather sends (1/d of the
   parameters) lives until the gather is waited for (gloo cannot gather in place; the
-  synchronous gather holds one bucket's piece at a time). Hooks are disabled for ``torch.compile``: a compiled block runs its own hook
-  eagerly, with no graph break inside the block. The gathered values are the bits the
-  synchronous gather gives, so losses with and without overlap are equal bit for bit.
+  synchronous gather holds one bucket's piece at a time). Hooks are disabled for
+  ``torch.compile``: a compiled block runs its own hook eagerly, with no graph break
+  inside the block. The gathered values are the bits the synchronous gather gives, so
+  losses with and without overlap are equal bit for bit.
 * **Pre-divide then SUM** (Megatron's default ``average_in_collective=False``): for
   power-of-two DP sizes the average is exact.
 * **Weight decay per parameter group**: ``params`` may be torch-style groups
