@@ -15,7 +15,9 @@ gradient finalisation         our bucketed DDP, overlapped with      sequence-pa
                               scatter, overlapped too)               flat all-reduce (ZeRO-1: reduce-scatter) over
                                                                      dp (Megatron overlaps it; issue 16)
 norm groups for clipping      none                                   the model-parallel group
-optimizer                     fused AdamW, or ZeRO-1 (dp-sharded)    the same two
+optimizer                     fused AdamW, or ZeRO-1 (dp-sharded;    the same two (ZeRO-1 gathers the
+                              its parameter all-gather runs into     parameters in the step)
+                              the next forward)
 checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
                               (one model file); with ZeRO-1 the      (per-shard files, loadable in any layout)
                               other column's (ZeRO-1 also at dp 1)
@@ -166,9 +168,9 @@ class Strategy:
         # one group per parameter keeps ZeRO's flat buffer in self.params order (the layout its
         # checkpoints are saved in) while each parameter keeps its group's decay
         decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
-        # tp = pp = 1: buckets (DDP's size), reduce-scattered during backward unless overlap is off;
-        # tp/pp: one bucket after backward (sequence-parallel and tied-embedding grads are summed first);
-        # tp = pp = 1: the parameter all-gathers run into the next forward unless overlap_param_gather is off
+        # tp = pp = 1: buckets (DDP's size), reduce-scattered during backward and all-gathered during the
+        # next forward unless the overlaps are off; tp/pp: one bucket after backward (sequence-parallel and
+        # tied-embedding grads are summed first), gathered in the step
         cap = DEFAULT_BUCKET_CAP_MB if cfg.ddp_bucket_cap_mb is None else cfg.ddp_bucket_cap_mb
         return ZeroAdamW([{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_group,
                          lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, max_grad_norm=o.grad_clip,
