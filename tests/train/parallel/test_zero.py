@@ -1,6 +1,9 @@
 """ZeRO-1 (:class:`ZeroAdamW`) at dp = 2 against one process on the full global batch, both
 with optim.py's decay / no-decay parameter groups; at dp = 1 (no process group) against
-torch's AdamW, and its layout-free optimizer state in both directions."""
+torch's AdamW, and its layout-free optimizer state in both directions. The parameter
+all-gather overlapped with the next forward (overlap_param_gather), with gathers that land
+only when waited for: modules wait before they read, checkpoints, loads and eval with
+gathers pending, a weight read outside its module, compiled blocks."""
 
 from __future__ import annotations
 
