@@ -279,7 +279,6 @@ MEGATRON_REFUSED = {
     "--expert-model-parallel-size": "mixture-of-experts models are not implemented",
     "--num-experts": "mixture-of-experts models are not implemented",
     "--overlap-grad-reduce": "gradient buckets are always reduced while backward runs",
-    "--overlap-param-gather": "ZeRO-1 gathers parameters after the step",
     "--data-impl": "data is always Megatron's mmap .bin/.idx (removed from Megatron too)",
     "--mmap-warmup": "removed from Megatron; nothing to warm up",
     "--exit-duration-in-mins": "use --set exit_interval=N (steps)",
@@ -357,6 +356,8 @@ def _megatron_refused(fn):
               help=_pair(_help(_TRAIN, "sp"), False, "--no-sp", "plain tensor parallelism"))
 @click.option("--zero1", "--use-distributed-optimizer", "zero1", is_flag=True, default=None,
               help="Shard the optimizer state over data-parallel ranks (ZeRO-1; Megatron's distributed optimizer).")
+@click.option("--overlap-param-gather/--no-overlap-param-gather", "overlap_param_gather", default=None,
+              help=_help(_TRAIN, "overlap_param_gather"))
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
               help="Start torchrun with N processes on this node; without it, run in-process (e.g. under "
               "torchrun/Slurm).")

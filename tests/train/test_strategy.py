@@ -36,6 +36,8 @@ def test_zero1_on_one_rank_checkpoints_layout_free_and_resumes_without_it(tmp_pa
                                                     "ZeRO-1 at tp = pp = 1 only"),
     (dict(overlap_grad_reduce=True), "overlap_grad_reduce applies to zero1 at tp = pp = 1"),
     (dict(zero1=True, pp=2, overlap_grad_reduce=False), "overlap_grad_reduce applies to zero1 at tp = pp = 1"),
+    (dict(overlap_param_gather=True), "overlap_param_gather applies to zero1 at tp = pp = 1"),
+    (dict(zero1=True, tp=2, overlap_param_gather=False), "overlap_param_gather applies to zero1 at tp = pp = 1"),
 ])
 def test_settings_a_layout_cannot_honour_are_refused(tmp_path: Path, overrides, match):
     with pytest.raises(TokenloomError, match=match):
@@ -43,7 +45,8 @@ def test_settings_a_layout_cannot_honour_are_refused(tmp_path: Path, overrides, 
 
 
 def test_overlap_and_bucket_size_are_accepted_for_zero1_at_tp_pp_1(tmp_path: Path):
-    r = start_run(tiny(tmp_path, zero1=True, overlap_grad_reduce=False, ddp_bucket_cap_mb=0.01, train_iters=1))
+    r = start_run(tiny(tmp_path, zero1=True, overlap_grad_reduce=False, overlap_param_gather=False,
+                       ddp_bucket_cap_mb=0.01, train_iters=1))
     assert not r.strategy.optimizer.overlap and len(r.strategy.optimizer.main_shards) > 3
 
 

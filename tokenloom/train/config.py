@@ -111,6 +111,11 @@ class TrainConfig:
     last micro-batch's backward, as soon as its grads are ready (Megatron's overlap_grad_reduce);
     false: all buckets after backward. None: on where supported (ZeRO-1 in tp/pp layouts reduces
     after backward; DDP always overlaps, in every layout)."""
+    overlap_param_gather: bool | None = None
+    """ZeRO-1 at tp = pp = 1: the step launches each bucket's parameter all-gather and returns; the
+    next forward waits for a bucket just before the first layer that needs it (Megatron's
+    overlap_param_gather), and saving, loading and the end of training wait for all of them.
+    false: the step waits. None: on where supported (tp/pp layouts gather in the step)."""
 
     def __post_init__(self) -> None:
         positive = ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_iters")

@@ -370,6 +370,7 @@ FLAG_KEYS = {
     "save_interval": "save_interval", "output_dir": "output_dir", "resume": "resume",
     "cache_dir": "data.blend.cache_dir", "split": "data.blend.split", "precision": "precision",
     "tp": "tp", "pp": "pp", "vpp": "vpp", "sp": "sp", "zero1": "zero1",
+    "overlap_param_gather": "overlap_param_gather",
 }
 """``train`` flag (its Python name) -> the config key it sets."""
 

@@ -284,6 +284,7 @@ class Trainer:
     def finish(self) -> dict:
         """Close the progress bar and metrics, draw the loss plot; the run's summary."""
         cfg, last = self.cfg, self._last
+        self.strategy.finish_param_sync()  # the model holds the last step's parameters from here on
         self._bar.close()
         if "checkpoint" not in last and self.resumed_from is not None:
             last["checkpoint"] = str(self.resumed_from)  # resumed a finished run: nothing new to save

@@ -20,7 +20,9 @@ gradient finalisation         our bucketed DDP, overlapped with      our buckete
                                                                      then one reduce-scatter over dp after
                                                                      backward
 norm groups for clipping      none                                   the model-parallel group
-optimizer                     fused AdamW, or ZeRO-1 (dp-sharded)    the same two
+optimizer                     fused AdamW, or ZeRO-1 (dp-sharded;    the same two (ZeRO-1 gathers the
+                              its parameter all-gather runs into     parameters in the step)
+                              the next forward)
 checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
                               (one model file); with ZeRO-1 the      (per-shard files, loadable in any layout)
                               other column's (ZeRO-1 also at dp 1)
@@ -107,6 +109,10 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
     if cfg.overlap_grad_reduce is not None and (staged or not cfg.zero1):
         raise TokenloomError("overlap_grad_reduce applies to zero1 at tp = pp = 1 (DDP always overlaps, ZeRO-1 in "
                              "tp/pp layouts reduces after backward); leave it unset for this layout")
+    if cfg.overlap_param_gather is not None and (staged or not cfg.zero1):
+        raise TokenloomError("overlap_param_gather applies to zero1 at tp = pp = 1 (without zero1 every rank steps its "
+                             "full parameters; tp/pp layouts gather one bucket in the step); leave it unset for this "
+                             "layout")
 
 
 class Strategy:
@@ -191,15 +197,18 @@ class Strategy:
         # one group per parameter keeps ZeRO's flat buffer in self.params order (the layout its
         # checkpoints are saved in) while each parameter keeps its group's decay
         decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
-        # tp = pp = 1: buckets (DDP's size), reduce-scattered during backward unless overlap is off;
-        # tp/pp: one bucket after backward (sequence-parallel and tied-embedding grads are summed first)
+        # tp = pp = 1: buckets (DDP's size), reduce-scattered during backward and all-gathered during the
+        # next forward unless the overlaps are off; tp/pp: one bucket after backward (sequence-parallel and
+        # tied-embedding grads are summed first), gathered in the step
         cap = DEFAULT_BUCKET_CAP_MB if cfg.ddp_bucket_cap_mb is None else cfg.ddp_bucket_cap_mb
         return ZeroAdamW([{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_group,
                          lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, max_grad_norm=o.grad_clip,
                          norm_group=st.model_parallel_group if self.staged else None,
                          counts_in_norm=self._counts_in_norm,
                          bucket_bytes=None if self.staged else int(cap * 2**20),
-                         overlap_grad_reduce=not self.staged and cfg.overlap_grad_reduce is not False)
+                         overlap_grad_reduce=not self.staged and cfg.overlap_grad_reduce is not False,
+                         overlap_param_gather=not self.staged and cfg.overlap_param_gather is not False,
+                         modules=self.chunks)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         return counts_in_grad_norm(p, self.state.tp_rank)
@@ -331,9 +340,17 @@ class Strategy:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def finish_param_sync(self) -> None:
+        """Wait for ZeRO-1's parameter all-gathers still running from the last step
+        (``overlap_param_gather``; a forward waits for them by itself): before the parameters
+        are read or written outside a training or eval forward. A no-op for other optimizers."""
+        if self.cfg.zero1:
+            self.optimizer.finish_param_sync()
+
     def save(self, iteration: int, state: dict) -> Path:
         """Collective: write the checkpoint of ``iteration`` (``state``: JSON-able run state)."""
         cfg, world = self.cfg, self.world
+        self.finish_param_sync()
         if self.staged or cfg.zero1:
             from tokenloom.train.parallel import reshard
 
@@ -345,6 +362,7 @@ class Strategy:
 
     def load(self, path: Path, saved: dict) -> None:
         """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank."""
+        self.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
         if self.staged or self.cfg.zero1 or saved.get("layout") is not None:
             from tokenloom.train.parallel import reshard
 

@@ -341,10 +341,200 @@ def zero_train(rank: int, *, steps: int, max_grad_norm: float | None, resume_at:
     }
 
 
+class DeferredGathers:
+    """While active, an asynchronous ``all_gather_single`` reaches its output only when its
+    work is waited for (the gather itself runs at once, into a side buffer): a reader that
+    does not wait sees the previous values however fast the transport, so a missing wait
+    shows in the losses and parameters, not only by chance. Counts the waits."""
+
+    def __init__(self) -> None:
+        self.real, self.waits, self.launched = dist.all_gather_single, 0, 0
+
+    def __enter__(self) -> DeferredGathers:
+        dist.all_gather_single = self._gather
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_gather_single = self.real
+
+    def _gather(self, out, piece, group=None, async_op=False):
+        if not async_op:
+            return self.real(out, piece, group=group)
+        result = torch.empty_like(out)
+        self.real(result, piece, group=group)
+        self.launched += 1
+        deferred = self
+
+        class Work:
+            def wait(self) -> bool:
+                out.copy_(result)
+                deferred.waits += 1
+                return True
+
+        return Work()
+
+
+def zero_param_gather(rank: int, *, steps: int) -> dict:
+    """ZeRO-1 with ``overlap_param_gather`` (gathers deferred until waited for,
+    :class:`DeferredGathers`) beside the same model and optimizer without it, both at dp =
+    world size on micro-batch ``rank``: after each step the gathers are pending and the
+    parameters stale; in the next forward every module finds its parameters equal to the
+    synchronous run's when it starts (a check hook registered after ZeroAdamW's), and the
+    losses, an eval forward and the final parameters are equal bit for bit."""
+
+    def make(overlap: bool):
+        torch.manual_seed(0)
+        model = GPT(tiny_cfg(2))
+        opt = ZeroAdamW(param_groups(model, WD), None, lr=LR, max_grad_norm=1.0, bucket_bytes=4096,
+                        overlap_grad_reduce=True, overlap_param_gather=overlap, modules=[model])
+        return model, opt
+
+    (model, opt), (plain, plain_opt) = make(True), make(False)
+    expected = dict(plain.named_parameters(remove_duplicate=False))
+    fresh: list[bool] = []  # per module call: its parameters were the gathered ones when it started
+
+    def check(module, args):
+        prefix = module_names[module]
+        fresh.append(all(p.equal(expected[prefix + n]) for n, p in module.named_parameters(recurse=False)))
+
+    module_names = {m: f"{name}." if name else "" for name, m in model.named_modules()}
+    for m in module_names:
+        if any(True for _ in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(check)
+    out: dict[str, Any] = {"losses": [], "plain_losses": [], "fresh": [], "waits_in_forward": [], "after_step": []}
+    with DeferredGathers() as gathers:
+        for step in range(steps):
+            fresh.clear()
+            gathers.launched = gathers.waits = 0
+            opt.zero_grad()
+            loss = model(*microbatch(step, rank))
+            out["fresh"].append(list(fresh))
+            out["waits_in_forward"].append(gathers.waits)
+            loss.backward()
+            opt.step()
+            plain_opt.zero_grad()
+            plain_loss = plain(*microbatch(step, rank))
+            plain_loss.backward()
+            plain_opt.step()
+            stale = any(not p.equal(expected[n]) for n, p in model.named_parameters())
+            waited = gathers.waits - out["waits_in_forward"][-1]
+            # pending, launched, waited for in the step, some parameter stale (not the plain run's)
+            out["after_step"].append((opt.param_sync_pending, gathers.launched, waited, stale))
+            out["losses"].append(loss.item())
+            out["plain_losses"].append(plain_loss.item())
+        fresh.clear()
+        model.eval()
+        plain.eval()
+        with torch.no_grad():  # an eval forward waits for the gathers as a training one does
+            out["eval"] = (model(*microbatch(99, rank)).item(), plain(*microbatch(99, rank)).item())
+        out["eval_fresh"] = list(fresh)
+        opt.finish_param_sync()
+        out["pending_after_finish"] = opt.param_sync_pending
+        out["buckets"] = len(opt.main_shards)
+        out["params_equal"] = all(p.equal(expected[n]) for n, p in model.named_parameters())
+        out["parent_reads_child"] = [_parent_reads_child(rank, steps, overlap) for overlap in (True, False)]
+    return out
+
+
+def zero_compiled_blocks(rank: int, *, steps: int) -> dict:
+    """overlap_param_gather on a GPT whose blocks are compiled (``compile: true``): the pre-hook
+    of a compiled block runs outside its graph (no graph break), gathers deferred until waited
+    for (:class:`DeferredGathers`); losses with the compiled model without overlap."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    losses = []
+    with DeferredGathers():
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            model = GPT(tiny_cfg(2))
+            model.compile_blocks()
+            opt = ZeroAdamW(model.parameters(), None, lr=LR, bucket_bytes=4096, overlap_param_gather=overlap,
+                            modules=[model])
+            run = []
+            for step in range(steps):
+                opt.zero_grad()
+                loss = model(*microbatch(step, rank))
+                loss.backward()
+                opt.step()
+                run.append(loss.item())
+            losses.append(run)
+    return {"losses": losses, "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+
+
+class ReadsChildWeight(nn.Module):
+    """A parent that reads its last child's weight without calling the child (as GPT.head's
+    fused loss reads ``lm_head.weight``), the child in a bucket of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.norm, self.head = nn.Linear(8, 8, bias=False), nn.LayerNorm(8), nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.norm(self.body(x)) @ self.head.weight.T).square().mean()
+
+
+def _parent_reads_child(rank: int, steps: int, overlap: bool) -> tuple[list[float], int]:
+    """Losses of ``steps`` ZeRO-1 steps of :class:`ReadsChildWeight` (and its bucket count)."""
+    torch.manual_seed(0)
+    model = ReadsChildWeight()
+    opt = ZeroAdamW(model.parameters(), None, lr=0.1, bucket_bytes=64, overlap_param_gather=overlap,
+                    modules=[model])
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8, generator=g))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, len(opt.main_shards)
+
+
+def zero_overlap_checkpoint(rank: int, *, out: str) -> dict:
+    """A ZeRO-1 run of the loop's Strategy (dp = world size, small buckets, overlap_param_gather
+    by default, gathers deferred until waited for: :class:`DeferredGathers`): a checkpoint saved
+    right after a step, gathers pending, holds the updated parameters; loaded right after the
+    next step, no late gather overwrites it; an eval forward with gathers pending equals the
+    same eval once they are done."""
+    import compose_helpers
+
+    from tokenloom.train import checkpoint, loop
+    from tokenloom.train.parallel import reshard
+
+    cfg = compose_helpers.tiny_cfg(Path(out), zero1=True, ddp_bucket_cap_mb=0.004, train_iters=3, eval_interval=0)
+    trainer = loop.start_run(cfg)
+    s = trainer.strategy
+    batches = s.global_batches(trainer.data.train, eod=trainer.data.eod, consumed=0,
+                               total=cfg.train_iters * cfg.global_batch_size)
+    res: dict[str, Any] = {"overlap": s.optimizer.overlap_param_gather}
+    with DeferredGathers():
+        s.train_step(next(batches))
+        res["pending_at_save"] = s.optimizer.param_sync_pending
+        path = s.save(1, {"consumed_samples": cfg.global_batch_size})
+        saved = reshard.full_tensors(path)[0]
+        s.finish_param_sync()  # a gather the save did not wait for would land here, after the files
+        res["saved_is_updated"] = all(saved[n].equal(p) for n, p in s.chunks[0].named_parameters())
+        s.train_step(next(batches))
+        res["pending_at_load"] = s.optimizer.param_sync_pending
+        s.load(path, checkpoint.read_state(path))
+        s.finish_param_sync()  # a gather left pending by load would land here
+        res["loaded_kept"] = all(saved[n].equal(p) for n, p in s.chunks[0].named_parameters())
+        batch = next(batches)
+        s.train_step(batch)
+        res["pending_at_eval"] = s.optimizer.param_sync_pending
+        pending = s.eval_loss_sum(batch).item()
+        s.finish_param_sync()
+        res["eval"] = [pending, s.eval_loss_sum(batch).item()]
+    return res
+
+
 SCENARIOS = {
     "p2p_exchange": p2p_exchange,
     "train_pipeline": train_pipeline,
     "bubble": bubble,
     "zero_train": zero_train,
+    "zero_param_gather": zero_param_gather,
+    "zero_overlap_checkpoint": zero_overlap_checkpoint,
+    "zero_compiled_blocks": zero_compiled_blocks,
     "eval_pipeline": eval_pipeline,
 }

@@ -3,7 +3,8 @@ run: 20-step losses, grad norms, validation loss and final parameters for fourte
 tp forwards with and without sequence parallelism and fused kernels (llama: RoPE, SwiGLU, GQA;
 gpt2; biases), checkpoint resharding from (dp, tp, pp) = (1, 2, 2) into (4, 1, 1) and
 (1, 1, 1), a ZeRO-1 checkpoint of dp 2 resumed at dp 4 and dp 1 (with and without ZeRO-1),
-a one-process checkpoint resumed with ZeRO-1, and ZeRO-1's optimizer state per rank.
+a one-process checkpoint resumed with ZeRO-1, ZeRO-1 at dp 2 and 4 with and without its
+overlaps (bit for bit the same at dp 2), and ZeRO-1's optimizer state per rank.
 
 Three launches (2, 4 and 1 gloo ranks, in that order: the 4-rank launch resumes the
 2-rank ZeRO-1 checkpoint; oversubscribed on small machines), so the whole module is
@@ -36,15 +37,19 @@ LAYOUTS = {
     "dp2_tp1_pp2_vpp2": (4, dict(pp=2, vpp=2, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
     "dp1_tp1_pp4": (4, dict(pp=4)),  # middle stages, which read no batch
     # weight decay per group, as optim.py's; ~10 buckets of 20 KB reduce-scattered during backward
-    # (overlap_grad_reduce's default); its checkpoint at HALF is resumed in other layouts
+    # and all-gathered during the next forward (overlap_grad_reduce's and overlap_param_gather's
+    # default); its checkpoint at HALF is resumed in other layouts
     "dp2_tp1_pp1_zero1": (2, dict(zero1=True, save_interval=HALF, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
-    "dp2_tp1_pp1_zero1_no_overlap": (2, dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB, overlap_grad_reduce=False)),
+    "dp2_tp1_pp1_zero1_no_overlap": (2, dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB, overlap_grad_reduce=False,
+                                             overlap_param_gather=False)),
     "dp1_tp2_pp1_zero1": (2, dict(tp=2, zero1=True)),
     "dp4_tp1_pp1_zero1": (4, dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
 }
 ZERO_SAVED = "dp2_tp1_pp1_zero1"
 # resumed from ZERO_SAVED's checkpoint (dp 2, ZeRO-1) or the one-process reference's, both at HALF
-ZERO_RESUMES = {"z2_at_dp4_zero1": (4, "z2", dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB, overlap_grad_reduce=False)),
+# (ZeRO-1 at dp 4 without overlap: z2_at_dp4_zero1; with it: dp4_tp1_pp1_zero1 above)
+ZERO_RESUMES = {"z2_at_dp4_zero1": (4, "z2", dict(zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB, overlap_grad_reduce=False,
+                                                  overlap_param_gather=False)),
                 "z2_at_dp1_zero1": (1, "z2", dict(zero1=True)),
                 "z2_at_dp1": (1, "z2", {}), "one_at_dp1_zero1": (1, "ref", dict(zero1=True))}
 
@@ -171,6 +176,17 @@ def test_zero1_optimizer_state_per_rank_is_one_dp_shard(runs, name):
         assert (buckets > 5) == ("tp1" in name)  # tp = pp = 1: small buckets; tp/pp: one
         assert math.ceil(r["numel"] / dp) <= shard < r["numel"] / dp + buckets
         assert r["state_bytes"] == 2 * 4 * shard + 4 * buckets, (r["state_bytes"], r["numel"])
+
+
+def test_zero1_overlap_changes_no_bit(runs):
+    """ZeRO-1's overlaps only move collectives in time (the reduce-scatters into backward, the
+    parameter all-gathers into the next forward), the same collectives on the same data: the
+    losses, grad norms and parameters with and without them are equal bit for bit."""
+    on, off = runs["dp2_tp1_pp1_zero1"], runs["dp2_tp1_pp1_zero1_no_overlap"]
+    assert logged_losses(on) == logged_losses(off) and on[0]["norms"] == off[0]["norms"]
+    assert on[0]["summary"]["val_loss"] == off[0]["summary"]["val_loss"]
+    a, b = merged_params(on), merged_params(off)
+    assert sorted(a) == sorted(b) and all(a[n].equal(b[n]) for n in a)
 
 
 def test_resume_in_the_same_layout_is_bitwise_the_uninterrupted_run(runs):

@@ -28,7 +28,9 @@ One step::
     weight decay              p *= 1 - lr * wd on the shard's slices of each group's
                               parameters (decoupled, as AdamW applies it first)
     AdamW on the fp32 shard   (torch.optim.AdamW on one fp32 tensor per bucket piece, no decay)
-    per bucket               piece -> param_buffer; all_gather (equal sizes, flat output: works on gloo)
+    per bucket               piece -> param_buffer; all_gather (equal sizes, flat output: works on gloo);
+                              with overlap_param_gather launched async, first bucket first, and
+                              step() returns: the next forward's pre-hooks wait for them
 
 Choices and their costs:
 
@@ -40,12 +42,33 @@ Choices and their costs:
 * **Buckets and overlap**: the reduce-scatter of a bucket runs while backward computes
   the earlier layers' grads (Megatron's ``overlap_grad_reduce``); the bucket assignment is
   :func:`~tokenloom.train.ddp.compute_bucket_assignment_by_size` (DDP's, in parameter
-  order). Not done: the parameter all-gather runs per bucket at the end of :meth:`step`,
-  not overlapped with the next forward (Megatron's ``overlap_param_gather``). Each bucket
-  costs one more collective launch and up to dp - 1 padding elements per rank. A bucket
-  whose grads never all arrive (a parameter unused in the last micro-batch) is reduced in
-  :meth:`step`, and so are the buckets after it in launch order. Parameters must share one dtype. No 64-element
-  alignment of parameter starts (Megatron's, for kernels that read whole params).
+  order). Each bucket costs one more collective launch and up to dp - 1 padding elements
+  per rank. A bucket whose grads never all arrive (a parameter unused in the last
+  micro-batch) is reduced in :meth:`step`, and so are the buckets after it in launch
+  order. Parameters must share one dtype. No 64-element alignment of parameter starts
+  (Megatron's, for kernels that read whole params).
+* **Parameter all-gather overlapped with the next forward** (Megatron's
+  ``overlap_param_gather``, ``modules`` given): :meth:`step` launches every bucket's
+  all-gather without waiting, in bucket (= parameter) order, the same on every rank, so the
+  first layers' parameters arrive first. A forward pre-hook on each layer of the model
+  chunks (the root's own parameters, then every child module, ``ModuleDict`` /
+  ``ModuleList`` containers opened: a transformer block is one layer, as FSDP2 wraps
+  torchtitan's blocks) waits for every bucket up to the last one holding its parameters
+  *or the next layer's*: one layer of look-ahead, because a parent may read a child's
+  weight without calling the child (the fused LM-head loss reads ``lm_head.weight`` in
+  ``GPT.head``, right after the final norm ran). Waiting on a prefix of buckets keeps a
+  layer called out of order correct. The cost: until its layer's pre-hook ran, a bucket's
+  parameters are stale (other ranks' pieces hold the previous step's values), so whatever
+  reads parameters outside a forward must call :meth:`finish_param_sync` first (a
+  checkpoint save or load, the end of training; :meth:`step`,
+  :meth:`gathered_param_states` and :meth:`load_param_states` call it themselves), and a
+  layer waits for the next layer's bucket too, one layer less overlap at each bucket
+  boundary. Memory: the copy of this rank's pieces that each gather sends (1/d of the
+  parameters) lives until the gather is waited for (gloo cannot gather in place; the
+  synchronous gather holds one bucket's piece at a time). Hooks are disabled for
+  ``torch.compile``: a compiled block runs its own hook eagerly, with no graph break
+  inside the block. The gathered values are the bits the synchronous gather gives, so
+  losses with and without overlap are equal bit for bit.
 * **Pre-divide then SUM** (Megatron's default ``average_in_collective=False``): for
   power-of-two DP sizes the average is exact.
 * **Weight decay per parameter group**: ``params`` may be torch-style groups
@@ -113,6 +136,11 @@ class ZeroAdamW:
         overlap_grad_reduce: launch each bucket's reduce-scatter from gradient hooks as
             soon as its grads are ready in backward (run every micro-batch backward but the
             last inside :meth:`no_sync`); False: all of them in :meth:`step`.
+        overlap_param_gather: :meth:`step` launches each bucket's parameter all-gather and
+            returns; forward pre-hooks on the layers of ``modules`` wait for the buckets they
+            read (:meth:`finish_param_sync` waits for all). False: :meth:`step` waits.
+        modules: the model chunk(s) holding the parameters (needed by ``overlap_param_gather``;
+            every parameter must be in them).
     """
 
     def __init__(
@@ -129,6 +157,8 @@ class ZeroAdamW:
         counts_in_norm: Callable[[nn.Parameter], bool] | None = None,
         bucket_bytes: int | None = None,
         overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        modules: Iterable[nn.Module] = (),
     ) -> None:
         if counts_in_norm is None:
             def counts_in_norm(p: nn.Parameter) -> bool:
@@ -220,6 +250,13 @@ class ZeroAdamW:
                        for i, p in enumerate(self.params)] if self.overlap else []
         self._reset_reduction()
 
+        # overlap_param_gather: step() leaves the all-gathers in flight; buckets [0, _gathered)
+        # of _gathers (work, sent piece) are done, layers' forward pre-hooks wait for the rest
+        self.overlap_param_gather = overlap_param_gather and dp > 1
+        self._gathers: list[tuple[Any, torch.Tensor | None]] = []
+        self._gathered = 0
+        self._gather_hooks = self._register_gather_hooks(list(modules)) if self.overlap_param_gather else []
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's groups (set ``lr`` here for a schedule)."""
@@ -280,7 +317,9 @@ class ZeroAdamW:
     def step(self) -> torch.Tensor | None:
         """Reduce (wait for the buckets launched during backward, launch the others),
         clip, update this shard, all-gather. Returns the global grad norm (before
-        clipping, a device tensor) when ``max_grad_norm`` is set, else None."""
+        clipping, a device tensor) when ``max_grad_norm`` is set, else None. With
+        ``overlap_param_gather`` the all-gathers are still running when it returns."""
+        self.finish_param_sync()  # buckets no forward waited for: the gathers write the master shard
         for p, view in zip(self.params, self._grad_views, strict=True):
             if p.grad is None:
                 view.zero_()
@@ -325,15 +364,75 @@ class ZeroAdamW:
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def _all_gather_params(self) -> None:
+        """Every bucket's updated pieces into ``param_buffer``, first bucket first; left in
+        flight with ``overlap_param_gather``."""
+        gathers = []
         for (a, b), pc, master in zip(self._buckets, self._pieces, self.main_shards, strict=True):
             own = self.param_buffer[pc]
             if self.dp_size == 1:
                 if master.data_ptr() != own.data_ptr():
                     own.copy_(master.detach())
                 continue
-            # an fp32 master piece is a view of the output: send a copy (transient, one piece)
+            # an fp32 master piece is a view of the output: send a copy (one piece per bucket,
+            # kept until its gather is waited for)
             piece = master.detach().clone() if master.dtype == own.dtype else master.detach().to(own.dtype)
-            dist.all_gather_single(self.param_buffer[a:b], piece, group=self.dp_group)
+            work = dist.all_gather_single(self.param_buffer[a:b], piece, group=self.dp_group,
+                                          async_op=self.overlap_param_gather)
+            if self.overlap_param_gather:
+                gathers.append((work, piece))
+        if self.overlap_param_gather:
+            self._gathers, self._gathered = gathers, 0
+
+    @property
+    def param_sync_pending(self) -> bool:
+        """Whether some bucket's all-gather has not been waited for (its parameters may be stale)."""
+        return self._gathered < len(self._gathers)
+
+    def finish_param_sync(self) -> None:
+        """Wait for every pending parameter all-gather: call it before reading parameters
+        outside a forward of ``modules`` (saving, loading into them, the end of training)."""
+        self._wait_gathers(len(self._gathers) - 1)
+
+    def _wait_gathers(self, last: int) -> None:
+        """Wait for the all-gathers of buckets ``0..last`` (those not waited for yet)."""
+        last = min(last, len(self._gathers) - 1)
+        while self._gathered <= last:
+            self._gathers[self._gathered][0].wait()
+            self._gathers[self._gathered] = (None, None)  # frees the sent piece
+            self._gathered += 1
+        if self._gathered == len(self._gathers):
+            self._gathers, self._gathered = [], 0
+
+    def _register_gather_hooks(self, modules: list[nn.Module]) -> list[Any]:
+        """A forward pre-hook per layer of ``modules`` (see the module docstring): it waits for
+        every bucket up to the last one holding its parameters or the next layer's."""
+        if not modules:
+            raise TokenloomError("ZeroAdamW: overlap_param_gather needs the model chunk(s) as modules")
+        bucket = {id(p): k for p, k in zip(self.params, self._bucket_of, strict=True)}
+        layers = []  # (layer, last bucket holding its parameters)
+        covered: set[int] = set()
+        for module in modules:
+            for layer, recurse in _layers(module):
+                held = [bucket[id(p)] for p in layer.parameters(recurse=recurse) if id(p) in bucket]
+                covered.update(id(p) for p in layer.parameters(recurse=recurse))
+                if held:
+                    layers.append((layer, max(held)))
+        missing = [tuple(p.shape) for p in self.params if id(p) not in covered]
+        if missing:
+            raise TokenloomError(f"ZeroAdamW: overlap_param_gather needs every parameter in modules; "
+                                 f"{len(missing)} are not, shapes {missing[:3]}")
+        hooks = []
+        for j, (layer, last) in enumerate(layers):
+            ahead = layers[j + 1][1] if j + 1 < len(layers) else last
+            hooks.append(layer.register_forward_pre_hook(self._gather_hook(max(last, ahead))))
+        return hooks
+
+    def _gather_hook(self, last: int) -> Callable[[nn.Module, Any], None]:
+        @torch.compiler.disable  # a compiled block runs it eagerly before its graph, no break inside
+        def hook(module: nn.Module, args: Any) -> None:
+            self._wait_gathers(last)
+
+        return hook
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -344,7 +443,8 @@ class ZeroAdamW:
         ``exp_avg``, ``exp_avg_sq`` (fp32, the parameter's shape; views into one gathered
         tensor, clone them to save them alone) and ``step``, as ``torch.optim.AdamW``
         keeps them, plus ``master_param`` when the parameters are not fp32. Entries are
-        empty before the first step."""
+        empty before the first step. Finishes the pending parameter all-gathers first."""
+        self.finish_param_sync()
         inner = [self.optimizer.state.get(m) for m in self.main_shards]
         if not all(inner):
             return [{} for _ in self.params] if self.dp_rank == 0 else None
@@ -368,7 +468,9 @@ class ZeroAdamW:
         the plain AdamW); None or ``{}`` for a parameter without state (zero moments).
         The parameters must already hold the loaded values: the master shard is cut from
         them (or from ``master_param`` where given). Not a collective: every rank reads
-        the full tensors and keeps its pieces."""
+        the full tensors and keeps its pieces. Pending parameter all-gathers must be finished
+        before the parameters are loaded (:meth:`finish_param_sync`), or they overwrite them."""
+        self.finish_param_sync()
         if len(states) != len(self.params):
             raise TokenloomError(f"ZeRO-1 got optimizer states for {len(states)} parameters, it has "
                                  f"{len(self.params)}")
@@ -405,6 +507,18 @@ class ZeroAdamW:
             dist.gather(piece.contiguous(), list(full[a:b].chunk(self.dp_size)) if first else None,
                         group=self.dp_group, group_dst=0)
         return full
+
+
+def _layers(module: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """(module, recurse) pairs in registration order: the root's own parameters, then each
+    child with its parameters, ``ModuleDict`` / ``ModuleList`` containers (never called) opened."""
+    out = [(module, False)]
+    for child in module.children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            out += [(m, recurse) for m, recurse in _layers(child) if m is not child]
+        else:
+            out.append((child, True))
+    return out
 
 
 def _flatten_groups(params: Iterable[Any], default_wd: float) -> list[tuple[nn.Parameter, float]]:
