@@ -18,10 +18,13 @@ through this rank's stage module(s) and leaves the accumulated gradients in ``.g
   paid for with ``v`` times more p2p messages.
 
 Bubble measurement: :class:`PipelineStats` (per rank: compute vs time inside p2p) and
-:func:`pipeline_bubble_fraction` (pipeline-wide, collective). Measured in the tests on
-2 gloo ranks with stages that sleep 50 ms forward and backward, M = 4: 1F1B 0.21
-(theory 0.20), interleaved v = 2 0.12 (theory 0.11); the excess is p2p latency,
-paid v times more often by the interleaved schedule.
+:func:`pipeline_bubble_fraction` (pipeline-wide, collective); ``bench/parallel_bench.py``
+measures it against the theory. The tests check the order of operations instead of timing
+it: replayed on equal stages with free communication, both schedules' orders idle exactly
+``(p - 1) / (v * M + p - 1)``; with a per-message latency the interleaved schedule (whose
+transfers run under compute, see :meth:`_Runner.interleaved`) only pays it on the first
+micro-batch's trip through the pipeline and back, while 1F1B pays it once per micro-batch:
+at p = 2 a stage needs its neighbour's latest output right after producing its own.
 
 The loss is computed on the last (virtual) stage only, divided by ``num_microbatches``
 before backward (Megatron's non per-token mode), and the unscaled per-micro-batch
