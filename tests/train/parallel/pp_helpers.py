@@ -277,7 +277,7 @@ def schedule_trace(rank: int, *, runs: list[tuple[str, int, int]]) -> dict:
         sends = [(rank, comm.next_rank, "act")] if send_next is not None else []
         sends += [(rank, comm.prev_rank, "grad")] if send_prev is not None else []
         receives = []
-        for incoming, channel in zip(got, [(comm.prev_rank, rank, "act"), (comm.next_rank, rank, "grad")]):
+        for incoming, channel in zip(got, [(comm.prev_rank, rank, "act"), (comm.next_rank, rank, "grad")], strict=True):
             if incoming is not None:
                 incoming.trace_id = len(log)
                 receives.append((len(log), channel))
