@@ -38,7 +38,10 @@ Choices and their costs:
   buffer, then the sender writes), so a receive posted at the exchange itself costs a
   round trip and the wake-ups of both ranks' transport threads with both ranks idle:
   4-10 ms a step on a loaded 2-core box, as much as a chunk's forward. The price: a
-  receive buffer allocated one step earlier.
+  receive buffer allocated one step earlier, and two posts a step instead of one. On that
+  box the gain is within its noise at 256-512 wide: the transfer needs the rank's gloo
+  transport thread, which competes with compute for the same cores, and a post itself
+  then blocks 2-12 ms while that thread holds the connection.
 * **Coalesced works.** On NCCL ``batch_isend_irecv`` returns one work for the whole
   batch (gloo: one per op); then every handle of the batch waits on that one.
 * Time spent inside p2p calls (posting, waiting for receives, final send waits) is
