@@ -11,7 +11,6 @@ every parallel layout is compared with.
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,6 @@ from tokenloom.train.parallel.schedules import (
     allreduce_tied_embedding_grads,
     forward_backward,
     get_schedule,
-    pipeline_bubble_fraction,
 )
 from tokenloom.train.parallel.zero import ZeroAdamW
 
@@ -236,49 +234,73 @@ def eval_pipeline(rank: int, *, n_layers: int, chunks: int, num_micro: int) -> d
     return {"losses": [loss.item() for loss in res.losses], "no_grads": no_grads}
 
 
-class _Sleep(torch.autograd.Function):
-    """Identity that takes ``fwd_s`` seconds forward and ``bwd_s`` backward (a stage of
-    known cost, independent of how loaded the CPUs are)."""
+class _Traced(torch.autograd.Function):
+    """Identity that appends ``("F", name)`` to ``log`` forward and ``("B", name)`` backward."""
 
     @staticmethod
-    def forward(ctx, x, fwd_s, bwd_s):
-        time.sleep(fwd_s)
-        ctx.bwd_s = bwd_s
+    def forward(ctx, x, log, name):
+        log.append(("F", name))
+        ctx.log, ctx.name = log, name
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.bwd_s)
+        ctx.log.append(("B", ctx.name))
         return grad, None, None
 
 
-class SleepStage(nn.Module):
-    def __init__(self, shape: tuple[int, ...], fwd_s: float, bwd_s: float) -> None:
+class TracedStage(nn.Module):
+    """A stage that logs its forwards and backwards (see :func:`schedule_trace`)."""
+
+    def __init__(self, shape: tuple[int, ...], log: list, name: int) -> None:
         super().__init__()
-        self.shape, self.fwd_s, self.bwd_s = shape, fwd_s, bwd_s
+        self.shape, self.log, self.name = shape, log, name
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, hidden, batch):
         x = torch.ones(self.shape) if hidden is None else hidden
-        return _Sleep.apply(x * self.scale, self.fwd_s, self.bwd_s)
+        return _Traced.apply(x * self.scale, self.log, self.name)
 
 
-def bubble(rank: int, *, num_micro: int, stage_s: float) -> dict:
-    """Measured bubble of 1F1B and interleaved (v = 2, each chunk half the work) on
-    stages that sleep ``stage_s`` forward and backward."""
+def schedule_trace(rank: int, *, runs: list[tuple[str, int, int]]) -> dict:
+    """Each run's program order on this rank, for ``(schedule, chunks, micro-batches)``: its
+    forwards and backwards ``("F" | "B", chunk)``, p2p posts ``("post", sends, receives)``
+    (a send is its channel ``(from rank, to rank, "act" | "grad")``, a receive ``(id,
+    channel)``) and the first wait on each receive ``("wait", id)``."""
     shape = (2, 4, 8)
     comm = P2PComm.from_group(None, shape, torch.float32)
+    post, wait = p2p.post, p2p.Incoming.wait
+    log: list = []
+
+    def traced_post(comm, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        got = post(comm, send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next)
+        sends = [(rank, comm.next_rank, "act")] if send_next is not None else []
+        sends += [(rank, comm.prev_rank, "grad")] if send_prev is not None else []
+        receives = []
+        for incoming, channel in zip(got, [(comm.prev_rank, rank, "act"), (comm.next_rank, rank, "grad")], strict=True):
+            if incoming is not None:
+                incoming.trace_id = len(log)
+                receives.append((len(log), channel))
+        if sends or receives:
+            log.append(("post", sends, receives))
+        return got
+
+    def traced_wait(self):
+        if self.work is not None:
+            log.append(("wait", self.trace_id))
+        return wait(self)
+
+    p2p.post, p2p.Incoming.wait = traced_post, traced_wait
     out = {}
-    for name, chunks in (
-        ("1f1b", [SleepStage(shape, stage_s, stage_s)]),
-        ("interleaved", [SleepStage(shape, stage_s / 2, stage_s / 2) for _ in range(2)]),
-    ):
-        data = iter([None] * num_micro)
-        model = chunks if name == "interleaved" else chunks[0]
-        res = forward_backward(name, model, data, num_micro, with_loss(lambda y, b: y.mean()), comm=comm)
-        out[name] = pipeline_bubble_fraction(res.stats, None)
-        out[name + "_rank"] = res.stats.bubble_fraction
-        out[name + "_total_s"] = res.stats.total_s
+    try:
+        for schedule, chunks, num_micro in runs:
+            log.clear()
+            stages = [TracedStage(shape, log, c) for c in range(chunks)]
+            forward_backward(schedule, stages if chunks > 1 else stages[0], iter([None] * num_micro), num_micro,
+                             with_loss(lambda y, b: y.mean()), comm=comm)
+            out[f"{schedule}_m{num_micro}"] = list(log)
+    finally:
+        p2p.post, p2p.Incoming.wait = post, wait
     return out
 
 
@@ -531,7 +553,7 @@ def zero_overlap_checkpoint(rank: int, *, out: str) -> dict:
 SCENARIOS = {
     "p2p_exchange": p2p_exchange,
     "train_pipeline": train_pipeline,
-    "bubble": bubble,
+    "schedule_trace": schedule_trace,
     "zero_train": zero_train,
     "zero_param_gather": zero_param_gather,
     "zero_overlap_checkpoint": zero_overlap_checkpoint,

@@ -3,7 +3,8 @@
 Mirrors Megatron-core's ``p2p_communication.py`` with ``batch_p2p_comm=True``: every
 call builds the list of ``P2POp`` s it needs (send to the previous stage, receive from
 the previous stage, send to the next, receive from the next, in that order) and hands
-them to ``torch.distributed.batch_isend_irecv`` in one go, then waits for the receives.
+them to ``torch.distributed.batch_isend_irecv`` in one go (:func:`post`), then waits for
+the receives (:func:`communicate`, or later through the :class:`Incoming` handles).
 Because each rank posts its paired send and receive together before waiting on either,
 two neighbours that both send first never deadlock, on gloo or NCCL.
 
@@ -21,9 +22,6 @@ Choices and their costs:
   two pipeline ranks both directions connect the same pair of processes, and the tag
   keeps an activation from matching a gradient receive (Megatron instead relies on
   posting order, or sends one direction over the WORLD group).
-* **No output deallocation.** Megatron replaces a sent output's storage by one element
-  to save memory (``deallocate_pipeline_outputs``); we keep it: simpler backward,
-  more activation memory on early stages.
 * **Sends are not waited for** at the call (Megatron waits for all four ops unless
   ``overlap_p2p_comm``): a gloo send only completes once the peer has posted the
   matching receive, so waiting would lock neighbours into step with each other. That
@@ -31,6 +29,21 @@ Choices and their costs:
   theoretical 0.11. Pending sends are kept in :attr:`P2PComm.pending_sends` (the sent
   tensors stay alive until then) and :func:`wait_sends` completes them; the schedules
   call it at the end of every run.
+* **Receives can be waited for later**: :func:`post` returns :class:`Incoming` handles
+  and :func:`communicate` posts and waits at once. The interleaved schedule posts a
+  chunk's send, and the receive for its next step, right after the forward (or backward)
+  that made the sent tensor, and waits only when the received tensor is needed, so the
+  transfer runs under the other half of the step (Megatron's ``overlap_p2p_comm``). On
+  gloo a message only moves once both ends have posted (the receiver announces its
+  buffer, then the sender writes), so a receive posted at the exchange itself costs a
+  round trip and the wake-ups of both ranks' transport threads with both ranks idle:
+  4-10 ms a step on a loaded 2-core box, as much as a chunk's forward. The price: a
+  receive buffer allocated one step earlier, and two posts a step instead of one. On that
+  box the gain is within its noise at 256-512 wide: the transfer needs the rank's gloo
+  transport thread, which competes with compute for the same cores, and a post itself
+  then blocks 2-12 ms while that thread holds the connection.
+* **Coalesced works.** On NCCL ``batch_isend_irecv`` returns one work for the whole
+  batch (gloo: one per op); then every handle of the batch waits on that one.
 * Time spent inside p2p calls (posting, waiting for receives, final send waits) is
   added to :attr:`P2PComm.wait_s`; the schedules use it to measure the pipeline bubble.
 """
@@ -112,20 +125,42 @@ class P2PComm:
         return self.pp_rank == self.pp_size - 1
 
 
-def communicate(
+class Incoming:
+    """A posted receive: ``tensor`` fills in the background; :meth:`wait` returns it once
+    it has arrived (the time blocked counts into :attr:`P2PComm.wait_s`). Waiting twice is
+    free: the work is dropped after the first wait (a gloo receive work waited a second
+    time blocks until its timeout)."""
+
+    def __init__(self, tensor: torch.Tensor, work, comm: P2PComm, activation: bool) -> None:
+        self.tensor, self.work, self.comm, self.activation = tensor, work, comm, activation
+
+    def wait(self) -> torch.Tensor:
+        """The received tensor; an activation comes back with ``requires_grad=True`` so the
+        receiving stage can backpropagate into it."""
+        if self.work is not None:
+            start = time.perf_counter()
+            self.work.wait()
+            self.comm.wait_s += time.perf_counter() - start
+            self.work = None
+            if self.activation:
+                self.tensor.requires_grad_(True)
+        return self.tensor
+
+
+def post(
     comm: P2PComm,
     *,
     send_next: torch.Tensor | None = None,
     send_prev: torch.Tensor | None = None,
     recv_prev: bool = False,
     recv_next: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One batched exchange with the ring neighbours; returns ``(from_prev, from_next)``.
+) -> tuple[Incoming | None, Incoming | None]:
+    """Post one batched exchange with the ring neighbours without waiting; returns the
+    receives ``(from_prev, from_next)`` as :class:`Incoming` handles.
 
     ``send_next`` goes to the next stage (an activation), ``send_prev`` to the previous
-    one (a gradient). Received activations come back with ``requires_grad=True`` so the
-    receiving stage can backpropagate into them. Nothing to do returns ``(None, None)``
-    without touching the network.
+    one (a gradient); the sends join :attr:`P2PComm.pending_sends`. Nothing to do returns
+    ``(None, None)`` without touching the network.
     """
     from_prev = torch.empty(comm.tensor_shape, dtype=comm.dtype, device=comm.device) if recv_prev else None
     from_next = torch.empty(comm.tensor_shape, dtype=comm.dtype, device=comm.device) if recv_next else None
@@ -142,15 +177,39 @@ def communicate(
         return None, None
     start = time.perf_counter()
     comm.pending_sends = [w for w in comm.pending_sends if not w.is_completed()]
-    for op, work in zip(ops, dist.batch_isend_irecv(ops), strict=True):
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == 1:  # NCCL coalesces the batch into one work
+        works = works * len(ops)
+    receives = []
+    for op, work in zip(ops, works, strict=True):
         if op.op is dist.isend:
             comm.pending_sends.append(work)
         else:
-            work.wait()
+            receives.append(work)
     comm.wait_s += time.perf_counter() - start
-    if from_prev is not None:
-        from_prev.requires_grad_(True)
-    return from_prev, from_next
+    receives.reverse()  # from_prev's receive was posted before from_next's
+    return (
+        None if from_prev is None else Incoming(from_prev, receives.pop(), comm, activation=True),
+        None if from_next is None else Incoming(from_next, receives.pop(), comm, activation=False),
+    )
+
+
+def communicate(
+    comm: P2PComm,
+    *,
+    send_next: torch.Tensor | None = None,
+    send_prev: torch.Tensor | None = None,
+    recv_prev: bool = False,
+    recv_next: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:func:`post` and wait for the receives; returns ``(from_prev, from_next)``.
+
+    Received activations come back with ``requires_grad=True`` so the receiving stage can
+    backpropagate into them.
+    """
+    from_prev, from_next = post(comm, send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
+                                recv_next=recv_next)
+    return (None if from_prev is None else from_prev.wait(), None if from_next is None else from_next.wait())
 
 
 def wait_sends(comm: P2PComm) -> None:

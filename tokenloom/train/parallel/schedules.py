@@ -18,10 +18,13 @@ through this rank's stage module(s) and leaves the accumulated gradients in ``.g
   paid for with ``v`` times more p2p messages.
 
 Bubble measurement: :class:`PipelineStats` (per rank: compute vs time inside p2p) and
-:func:`pipeline_bubble_fraction` (pipeline-wide, collective). Measured in the tests on
-2 gloo ranks with stages that sleep 50 ms forward and backward, M = 4: 1F1B 0.21
-(theory 0.20), interleaved v = 2 0.12 (theory 0.11); the excess is p2p latency,
-paid v times more often by the interleaved schedule.
+:func:`pipeline_bubble_fraction` (pipeline-wide, collective); ``bench/parallel_bench.py``
+measures it against the theory. The tests check the order of operations instead of timing
+it: replayed on equal stages with free communication, both schedules' orders idle exactly
+``(p - 1) / (v * M + p - 1)``; with a per-message latency the interleaved schedule (whose
+transfers run under compute, see :meth:`_Runner.interleaved`) only pays it on the first
+micro-batch's trip through the pipeline and back, while 1F1B pays it once per micro-batch:
+at p = 2 a stage needs its neighbour's latest output right after producing its own.
 
 The loss is computed on the last (virtual) stage only, divided by ``num_microbatches``
 before backward (Megatron's non per-token mode), and the unscaled per-micro-batch
@@ -314,7 +317,11 @@ class _Runner:
             p2p.send_backward(self.backward_step(x0, y0, dy), comm)
 
     def interleaved(self) -> None:
-        """Megatron's interleaved 1F1B with ``microbatch_group_size_per_vp_stage == p``."""
+        """Megatron's interleaved 1F1B with ``microbatch_group_size_per_vp_stage == p`` and
+        ``overlap_p2p_comm``: a step's forward half (send the output, post the receive of the
+        next forward's input) is posted right after its forward and its backward half right
+        after its backward; a received tensor is waited for only when a forward or backward
+        needs it, so each transfer runs under the next compute instead of between them."""
         comm, v, p = self.comm, len(self.chunks), self.comm.pp_size
         total = self.num_microbatches * v
         all_warmup = False
@@ -339,15 +346,18 @@ class _Runner:
         def last_virtual(c: int) -> bool:
             return comm.is_last and c == v - 1
 
-        inputs: list[list[torch.Tensor | None]] = [[] for _ in range(v)]
+        # per chunk, in arrival order: received inputs and output grads (a posted receive until
+        # its forward / backward waits for it), outputs kept for backward
+        inputs: list[list[torch.Tensor | p2p.Incoming | None]] = [[] for _ in range(v)]
         outputs: list[list[torch.Tensor]] = [[] for _ in range(v)]
-        output_grads: list[list[torch.Tensor | None]] = [[] for _ in range(v)]
+        output_grads: list[list[torch.Tensor | p2p.Incoming | None]] = [[] for _ in range(v)]
 
         def forward_k(k: int) -> torch.Tensor:
             c = chunk_of(k, forward=True)
             if first_virtual(c) and len(inputs[c]) == len(outputs[c]):
                 inputs[c].append(None)
-            y = self.forward_step(c, microbatch_of(k), inputs[c][-1], last_virtual(c))
+            inputs[c][-1] = x = _arrived(inputs[c][-1])
+            y = self.forward_step(c, microbatch_of(k), x, last_virtual(c))
             outputs[c].append(y)
             if self.forward_only:
                 inputs[c].pop()
@@ -358,69 +368,69 @@ class _Runner:
             c = chunk_of(k, forward=False)
             if last_virtual(c) and not output_grads[c]:
                 output_grads[c].append(None)
-            return self.backward_step(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0), c)
+            dy = _arrived(output_grads[c].pop(0))
+            dx = self.backward_step(inputs[c].pop(0), outputs[c].pop(0), dy, c)
+            return None if first_virtual(c) else dx
 
-        inputs[0].append(None if comm.is_first else p2p.communicate(comm, recv_prev=True)[0])
-        for k in range(warmup):
-            y = forward_k(k)
-            next_c = chunk_of(k + 1, forward=True)
-            recv_prev = not (comm.is_first and next_c == 0) and k != total - 1
+        def post_forward(k: int, y: torch.Tensor, recv_prev: bool, next_c: int) -> None:
+            """Send forward ``k``'s output on; post the receive of chunk ``next_c``'s next input."""
             send = None if last_virtual(chunk_of(k, forward=True)) else y
-            if k == warmup - 1 and not self.forward_only and not all_warmup:
-                x, dy = p2p.send_forward_backward_recv_forward_backward(
-                    send, None, recv_prev, not comm.is_last, comm
-                )
-                output_grads[v - 1].append(dy)
-            else:
-                x = p2p.send_forward_recv_forward(send, recv_prev, comm)
+            x, _ = p2p.post(comm, send_next=send, recv_prev=recv_prev)
             if not self.forward_only:
                 release_output(send)
             if recv_prev:
                 inputs[next_c].append(x)
 
+        def post_backward(dx: torch.Tensor | None, recv_next: bool, next_c: int) -> None:
+            """Send a backward's input grad back; post the receive of chunk ``next_c``'s next
+            output grad."""
+            _, dy = p2p.post(comm, send_prev=dx, recv_next=recv_next)
+            if recv_next:
+                output_grads[next_c].append(dy)
+
+        inputs[0].append(None if comm.is_first else p2p.post(comm, recv_prev=True)[0])
+        for k in range(warmup):
+            y = forward_k(k)
+            next_c = chunk_of(k + 1, forward=True)
+            post_forward(k, y, not (comm.is_first and next_c == 0) and k != total - 1, next_c)
+            if k == warmup - 1 and not self.forward_only and not all_warmup:
+                # the first steady backward's output grad (Megatron posts it with the last warmup send)
+                post_backward(None, not comm.is_last, v - 1)
+
         for i in range(remaining):  # steady state: one forward and one backward
             fk, bk = warmup + i, i
             y = forward_k(fk)
-            dx = backward_k(bk)
-            send = None if last_virtual(chunk_of(fk, forward=True)) else y
-            if first_virtual(chunk_of(bk, forward=False)):
-                dx = None
-            recv_prev = True
-            if comm.is_first:
+            recv_prev = i != remaining - 1
+            if comm.is_first:  # the last rank runs p - 1 forwards behind
                 next_fc = chunk_of(fk - (p - 1), forward=True)
-                recv_prev = next_fc != v - 1
+                recv_prev = recv_prev and next_fc != v - 1
                 next_fc += 1
             else:
                 next_fc = chunk_of(fk + 1, forward=True)
+            post_forward(fk, y, recv_prev, next_fc)
+            dx = backward_k(bk)
             recv_next = True
-            if comm.is_last:
+            if comm.is_last:  # the first rank runs p - 1 backwards behind
                 next_bc = chunk_of(bk - (p - 1), forward=False)
                 recv_next = next_bc != 0
                 next_bc -= 1
             else:
                 next_bc = chunk_of(bk + 1, forward=False)
-            if i == remaining - 1:
-                recv_prev = False
-            x, dy = p2p.send_forward_backward_recv_forward_backward(send, dx, recv_prev, recv_next, comm)
-            release_output(send)
-            if recv_prev:
-                inputs[next_fc].append(x)
-            if recv_next:
-                output_grads[next_bc].append(dy)
+            post_backward(dx, recv_next, next_bc)
 
         if self.forward_only:
             return
         if all_warmup:
-            output_grads[v - 1].append(p2p.communicate(comm, recv_next=not comm.is_last)[1])
+            post_backward(None, not comm.is_last, v - 1)
         for k in range(remaining, total):  # cooldown
             dx = backward_k(k)
-            if first_virtual(chunk_of(k, forward=False)):
-                dx = None
             next_bc = chunk_of(k + 1, forward=False)
-            recv_next = not (comm.is_last and next_bc == v - 1) and k != total - 1
-            dy = p2p.send_backward_recv_backward(dx, recv_next, comm)
-            if recv_next:
-                output_grads[next_bc].append(dy)
+            post_backward(dx, not (comm.is_last and next_bc == v - 1) and k != total - 1, next_bc)
+
+
+def _arrived(t: torch.Tensor | p2p.Incoming | None) -> torch.Tensor | None:
+    """``t``, or once it has arrived the tensor a posted receive fills."""
+    return t.wait() if isinstance(t, p2p.Incoming) else t
 
 
 # ---------------------------------------------------------------------- gradient finalisation
