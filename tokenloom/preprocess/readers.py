@@ -585,7 +585,7 @@ def _line_end(fd: int, target: int, size: int, window: int = 1 << 16) -> int:
     """The offset just past the first newline at or after ``target - 1``; ``size`` if none follows."""
     at = target - 1
     while at < size:
-        block = os.pread(fd, window, at)
+        block = os.pread(fd, min(window, size - at), at)  # bytes appended since discovery stay unread
         if not block:  # the file shrank: the range's reader reports it
             return size
         found = block.find(b"\n")
