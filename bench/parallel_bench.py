@@ -149,7 +149,7 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, zero1: b
         micro, gbs = 2, 2 * dp * args.bubble_micro_batches
     else:
         model = GPTConfig(bias=False, vocab_size=1000, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
-                          n_layers=4, n_heads=4, d_model=args.d_model)
+                          n_layers=2 * args.world, n_heads=4, d_model=args.d_model)  # pp = world x vpp 2 chunks
         micro, gbs = 2, 2 * args.world * args.micro_batches
     return TrainConfig(model=model, data=DataConfig(mock=MockDataConfig(num_sequences=2000, max_length=256)),
                        optim=OptimConfig(warmup_iters=1), micro_batch_size=micro,
