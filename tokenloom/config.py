@@ -23,10 +23,8 @@ import textwrap
 
 
 @functools.cache
-@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Docstrings of the dataclass fields of ``cls`` (and its dataclass bases); read once per
-    class (the CLI asks once per option, and each read parses the class's source)."""
+    """Docstrings of the dataclass fields of ``cls`` (and its dataclass bases)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):

@@ -276,7 +276,7 @@ def _input_stats(inputs: list[Input]) -> list[tuple]:
             for i in inputs]
 
 
-def check_unchanged(inputs: list[Input], stats: list[tuple]) -> None:
+def _check_unchanged(inputs: list[Input], stats: list[tuple]) -> None:
     """Refuse, naming it, a local input whose size or mtime differs from ``stats`` (taken before
     reading): its records may mix two versions of the file."""
     for inp, (_, _, size, mtime) in zip(inputs, stats, strict=True):
@@ -712,7 +712,7 @@ def _tokenize(r: _Run) -> None:
         hasher.join()
         if hash_failures:
             raise hash_failures[0]
-        check_unchanged(r.inputs, r.input_stats)
+        _check_unchanged(r.inputs, r.input_stats)
         r.stage(digests)
     except WorkerDied:
         # Everything consumed so far is whole in the writers: checkpoint it before stopping.

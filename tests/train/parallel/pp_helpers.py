@@ -131,7 +131,7 @@ def p2p_exchange(rank: int, numel: int) -> dict:
     else:
         x = p2p.send_backward_recv_forward(mine, comm)
         got = {"x": x[0].item(), "x_requires_grad": x.requires_grad}
-    x, dy = p2p.send_forward_backward_recv_forward_backward(mine, mine * 10, True, True, comm)
+    x, dy = p2p.communicate(comm, send_next=mine, send_prev=mine * 10, recv_prev=True, recv_next=True)
     got["ring_x"], got["ring_dy"] = x[0].item(), dy[0].item()
     p2p.wait_sends(comm)
     got["wait_s"], got["pending_after_wait"] = comm.wait_s, len(comm.pending_sends)

@@ -265,29 +265,3 @@ def send_forward_recv_backward(output: torch.Tensor, comm: P2PComm) -> torch.Ten
 def send_backward_recv_forward(input_grad: torch.Tensor, comm: P2PComm) -> torch.Tensor | None:
     """Send a gradient back and receive the next activation, in one batch."""
     return None if comm.is_first else communicate(comm, send_prev=input_grad, recv_prev=True)[0]
-
-
-# Ring helpers (interleaved schedule): the caller decides what to send and receive.
-
-
-def send_forward_recv_forward(
-    output: torch.Tensor | None, recv_prev: bool, comm: P2PComm
-) -> torch.Tensor | None:
-    return communicate(comm, send_next=output, recv_prev=recv_prev)[0]
-
-
-def send_backward_recv_backward(
-    input_grad: torch.Tensor | None, recv_next: bool, comm: P2PComm
-) -> torch.Tensor | None:
-    return communicate(comm, send_prev=input_grad, recv_next=recv_next)[1]
-
-
-def send_forward_backward_recv_forward_backward(
-    output: torch.Tensor | None,
-    input_grad: torch.Tensor | None,
-    recv_prev: bool,
-    recv_next: bool,
-    comm: P2PComm,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """All four directions in one batch; returns ``(activation, output_grad)``."""
-    return communicate(comm, send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next)
