@@ -68,6 +68,29 @@ def test_batched_add_documents_equals_one_by_one(tmp_path):
     assert a.document_indices.tolist() == [0, 1, 1, 3]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_the_bin_is_written_back_while_it_grows(tmp_path, monkeypatch):
+    """Every _WRITEBACK bytes the kernel is asked to start writing the .bin (so the final fsync waits
+    for the tail only); both add paths count, and the bytes are those of a writer that never asks."""
+    from tokenloom.indexed import format as fmt
+
+    calls = []
+    real = fmt._sync_file_range()
+    monkeypatch.setattr(fmt, "_sync_file_range", lambda: lambda *a: calls.append(a[1:]) or real(*a))
+    monkeypatch.setattr(fmt, "_WRITEBACK", 1000)
+    docs = [np.arange(i, i + 300, dtype=np.uint16) for i in range(20)]  # 600 bytes each
+    with IndexedDatasetWriter(tmp_path / "a", dtype=np.uint16) as w:
+        for d in docs[:10]:
+            w.add_document(d)  # the no-copy path
+        w.add_documents(np.concatenate(docs[10:]), [300] * 10, [1] * 10)
+    assert calls == [(0, 0, fmt._SYNC_FILE_RANGE_WRITE)] * 5 + [(0, 0, fmt._SYNC_FILE_RANGE_WRITE)]
+    monkeypatch.setattr(fmt, "_WRITEBACK", 1 << 62)
+    with IndexedDatasetWriter(tmp_path / "b", dtype=np.uint16) as w:
+        for d in docs:
+            w.add_document(d)
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+
+
 def test_out_of_range_ids_are_rejected_not_wrapped(tmp_path):
     with pytest.raises(TokenloomError, match="70000"):
         with IndexedDatasetWriter(tmp_path / "d", dtype=np.uint16) as w:

@@ -316,7 +316,9 @@ def _start_two_worker_run(tmp_path, out: Path):
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     part = Path(f"{out}.partial")
     _wait_for(lambda: (part / "checkpoint.npz").exists() and _size(part / "0.bin") > 1 << 20, what="a checkpoint")
-    workers = _wait_for(lambda: len(_descendants(proc.pid)) >= 2 and _descendants(proc.pid), what="workers")
+    # the two live children: the input hasher, a child too, has hashed the corpus and exited by now
+    workers = _wait_for(lambda: len(live := {p for p in _descendants(proc.pid) if _alive(p)}) == 2 and live,
+                        what="workers")
     return path, args, proc, workers
 
 
@@ -470,15 +472,16 @@ def test_an_input_changed_during_the_run_is_refused_naming_it(tmp_path, monkeypa
     """Ranges are cut by the main process and read by the workers: a file written to meanwhile
     (a larger file, or the same size rewritten) must not give a dataset mixing both versions."""
     path = _corpus(tmp_path / "c.jsonl", 200)
-    hash_inputs = pipeline._hash_inputs
+    consume = pipeline._Run.consume
 
-    def change_then_hash(inputs, digests, failures):  # the hasher thread runs while chunks are read
-        data = path.read_bytes()
-        path.write_bytes(data + data[:100] if change == "append" else data)
-        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
-        hash_inputs(inputs, digests, failures)
+    def change_then_consume(run, *args):  # after the first chunk was read
+        if not run.counts.records:
+            data = path.read_bytes()
+            path.write_bytes(data + data[:100] if change == "append" else data)
+            os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+        consume(run, *args)
 
-    monkeypatch.setattr(pipeline, "_hash_inputs", change_then_hash)
+    monkeypatch.setattr(pipeline._Run, "consume", change_then_consume)
     result = _invoke(_args(path, tmp_path / "out"))
     _assert_one_line_error(result, f"{path}: changed while being read", "rerun")
     assert _left_behind(tmp_path) == []

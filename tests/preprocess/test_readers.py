@@ -36,7 +36,7 @@ def _reference_chunks(inp, k, chunk_bytes, max_records):
                 if not line.strip():
                     continue
                 numbers.append(number)
-                lines.append(line)
+                lines.append(line.removesuffix(b"\n"))  # a record: its line without the newline
                 size += len(line)
                 if size >= chunk_bytes or len(numbers) >= max_records:
                     out.append((numbers, lines, Position(k, number, offset), []))

@@ -214,6 +214,40 @@ def test_the_self_check_verdict_is_cached_per_tokenizer_and_versions(monkeypatch
     assert load_tokenizer(TOK / "qwen2", num_threads=1).backend == "gigatoken" and calls == [1, 1, 1]
 
 
+def test_gpt2_rank_file_is_cached_checked_and_rewritten(monkeypatch, tmp_path, corpora):
+    """GPT-2's gigatoken model loads from a rank file kept in the user cache: equal to tiktoken's
+    r50k_base file, used again by the next load, rewritten when damaged, and replaced by a
+    temporary file (removed after loading) when the cache cannot be written; the ids stay the
+    reference's in every case."""
+    import tempfile
+
+    docs = corpora["tinyshakespeare"][:300]
+    want = load_shared("gpt2", num_threads=1, backend="reference").encode_batch(docs)
+
+    def check(tok):
+        assert tok.backend == "gigatoken"
+        for got, ref in zip(tok.encode_batch(docs), want, strict=True):
+            np.testing.assert_array_equal(got, ref)
+
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    check(load_tokenizer(TOK / "gpt2", num_threads=1))
+    (cached,) = (tmp_path / "cache" / "gigatoken").glob("gpt2-*.tiktoken")
+    assert cached.read_bytes() == (TOK / "gpt2" / "gpt2.tiktoken").read_bytes()
+    stamp = cached.stat().st_mtime_ns
+    check(load_tokenizer(TOK / "gpt2", num_threads=1))
+    assert cached.stat().st_mtime_ns == stamp  # read, not written again
+    cached.write_bytes(cached.read_bytes().replace(b" 100\n", b" 101\n", 1))  # a damaged rank
+    check(load_tokenizer(TOK / "gpt2", num_threads=1))
+    assert cached.read_bytes() == (TOK / "gpt2" / "gpt2.tiktoken").read_bytes()
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    check(load_tokenizer(TOK / "gpt2", num_threads=1))
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_escaped_equals_a_plain_membership_test():
     """The split character tests (ASCII / BMP / astral, strings apart) find exactly the texts that hold
     an escape string or character, on random texts mixing all three planes."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import functools
 import mmap
 import os
 import struct
@@ -211,6 +212,37 @@ def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int
 # bench/indexed_bench.py) at 1 MB of memory per open writer.
 _BIN_BUFFER = 1 << 20
 
+# Every _WRITEBACK bytes written, the kernel is asked to start writing the ``.bin``'s dirty pages
+# to disk (Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it starts the I/O and waits for
+# none), so the fsync that stages the file waits for the last _WRITEBACK bytes instead of the
+# whole file (0.06 s per 260 MB of tokens here, at the end of every preprocess run). The pages
+# stay cached. A write error still surfaces at that fsync. Elsewhere it is a no-op.
+_WRITEBACK = 64 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
+
+
+@functools.cache
+def _sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except AttributeError:
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing ``fd``'s dirty pages to disk without waiting (best effort: errors are left
+    to the fsync that follows)."""
+    function = _sync_file_range()
+    if function is not None:
+        function(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
 
 class IndexedDatasetWriter:
     """Streaming writer of ``PREFIX.bin``/``PREFIX.idx``; byte-identical to Megatron's builder.
@@ -266,6 +298,7 @@ class IndexedDatasetWriter:
             self._doc_index = _Growable(np.int64, [])
             self._doc_index.extend(resume["document_indices"])
         self._finalized = self._staged = False
+        self._unsynced = 0  # bytes written since the last start_writeback
         self._native_le = self.dtype.byteorder in "=|<" and sys.byteorder == "little"
 
     # -- properties
@@ -308,7 +341,14 @@ class IndexedDatasetWriter:
             arr = arr.astype(self.dtype.newbyteorder("<"))
         with naming(self._bin_tmp):
             self._bin.write(np.ascontiguousarray(arr).data)  # buffer protocol: no extra copy
-        self._num_tokens += arr.size
+        self._wrote(arr.size)
+
+    def _wrote(self, tokens: int) -> None:
+        self._num_tokens += tokens
+        self._unsynced += tokens * self.dtype.itemsize
+        if self._unsynced >= _WRITEBACK:
+            self._unsynced = 0
+            start_writeback(self._bin.fileno())
 
     def add_item(self, tokens) -> None:
         """Append one sequence without closing the document (Megatron's ``add_item``)."""
@@ -333,7 +373,7 @@ class IndexedDatasetWriter:
                 and tokens.flags.c_contiguous and tokens.size <= _INT32_MAX):  # construction, no copy
             n = tokens.size
             self._bin.write(tokens.data)
-            self._num_tokens += n
+            self._wrote(n)
             lengths_column = self._lengths.data
             if n:
                 lengths_column.append(n)

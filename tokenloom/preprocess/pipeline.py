@@ -39,14 +39,15 @@ Policy and its costs:
   resume works the same; then it is uploaded ``.bin``, ``.idx``, manifest. Costs: the
   staging disk must hold the whole output, and the upload starts only when
   tokenizing ends.
-* Input digests (sha256) are computed by a background thread reading the files
-  a second time; this costs disk bandwidth, not tokenizer time.
+* Input digests (sha256) are computed by a child process started before the tokenizer
+  loads, reading the files a second time (:mod:`tokenloom.preprocess.hashing`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -54,7 +55,6 @@ import shutil
 import stat
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,11 +63,12 @@ import numpy as np
 
 from tokenloom import objstore
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps, sha256_tree
+from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
 from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
 from tokenloom.preprocess import manifest
 from tokenloom.preprocess.commit import publish_dataset
 from tokenloom.preprocess.documents import MISSING_KEY
+from tokenloom.preprocess.hashing import InputHasher
 from tokenloom.preprocess.pool import OrderedPool, WorkerDied, fork_or_spawn
 from tokenloom.preprocess.readers import (
     Chunk,
@@ -124,9 +125,9 @@ class PreprocessConfig:
     checkpoint_interval: float = 60.0
     """Seconds between resume checkpoints."""
     check_space: bool = True
-    """Check that the output disk can hold the estimated output before starting; --no-space-check skips it."""
+    """Check that the output disk can hold the estimated output before starting."""
     progress: bool = True
-    """Show a progress bar on stderr; --no-progress hides it."""
+    """Show a progress bar on stderr."""
     executor: str = "local"
     """Where the job runs: local (processes on this machine) or ray (one task per shard on a Ray cluster, merged into one output; the [ray] extra)."""
     ray_address: str | None = None
@@ -351,8 +352,6 @@ class _Run:
     """State of one preprocess run (kept in one object so ``run`` reads top to bottom)."""
 
     def __init__(self, cfg: PreprocessConfig, echo):
-        from tokenloom.tokenizers import load_tokenizer
-
         self.cfg, self.echo = cfg, echo
         check_options(cfg)
         if objstore.is_url(cfg.output_prefix):  # before any work
@@ -362,6 +361,16 @@ class _Run:
         self.inputs = [all_inputs[k] for k in shard_inputs(all_inputs, self.num_shards, self.shard_index)]
         if cfg.tokenizer is None and cfg.tokenizer_type is None:
             raise TokenloomError("--tokenizer PATH (or --tokenizer-type byte|null) is required")
+        self.hasher = InputHasher([i.path for i in self.inputs])  # before the tokenizer: see hashing
+        try:
+            self._setup(cfg)
+        except BaseException:
+            self.hasher.close()
+            raise
+
+    def _setup(self, cfg: PreprocessConfig) -> None:
+        from tokenloom.tokenizers import load_tokenizer
+
         self.tokenizer = tok = load_tokenizer(cfg.tokenizer, kind=cfg.tokenizer_type)
         if cfg.append_eod and tok.eod is None:
             raise TokenloomError(f"--append-eod: tokenizer {tok!r} has no EOD token")
@@ -600,8 +609,8 @@ def start_pool(run: _Run) -> OrderedPool | None:
     """Worker processes, started before any thread exists in this process.
 
     On Linux they are forked and keep the parent's tokenizer, switched to one thread;
-    forking is safe because no thread of ours is running yet (the hasher and the progress bar
-    start later) and nothing has been encoded here. With ``s3://`` inputs fsspec's I/O
+    forking is safe because no thread of ours that holds a lock is running (the input hasher
+    is a process of its own) and nothing has been encoded here. With ``s3://`` inputs fsspec's I/O
     thread already runs: the workers never use it, and fsspec resets its loop and locks
     in a forked child. Spawned workers build their tokenizer
     from the spec.
@@ -610,6 +619,8 @@ def start_pool(run: _Run) -> OrderedPool | None:
         return None
     context = fork_or_spawn()
     fork = context.get_start_method() == "fork"
+    if fork:  # what start-up built (modules, the tokenizer) is never scanned by a collection again,
+        gc.freeze()  # here or in the workers, whose copy-on-write pages a scan would copy (Python's advice)
     return OrderedPool(run.workers, context, initializer=init,
                        initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid()))
 
@@ -648,14 +659,17 @@ def run(cfg: PreprocessConfig, echo=print, done_marker: Path | None = None) -> d
     """
     start = time.perf_counter()
     r = _Run(cfg, echo)
-    if done_marker is not None and (finished := r.finished(done_marker)) is not None:
-        return finished
     try:
-        r.remove_dead_temps()
-    except OSError as exc:
-        raise TokenloomError(os_error_message(exc, r.partial)) from None
-    if not r.load_staged():
-        _tokenize(r)
+        if done_marker is not None and (finished := r.finished(done_marker)) is not None:
+            return finished
+        try:
+            r.remove_dead_temps()
+        except OSError as exc:
+            raise TokenloomError(os_error_message(exc, r.partial)) from None
+        if not r.load_staged():
+            _tokenize(r)
+    finally:
+        r.hasher.close()
     try:
         r.publish()
     except (OSError, objstore.StoreError) as exc:
@@ -688,10 +702,6 @@ def _tokenize(r: _Run) -> None:
         pool = start_pool(r)
         if fresh and cfg.check_space:
             _check_space(r.partial, r.estimate(pool), staging=r.remote)
-        digests: dict[str, str] = {}
-        hash_failures: list[BaseException] = []
-        hasher = threading.Thread(target=_hash_inputs, args=(r.inputs, digests, hash_failures), daemon=True)
-        hasher.start()
         reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)
         numbering = LineNumbers(position)
         last_ckpt = time.monotonic()
@@ -709,9 +719,7 @@ def _tokenize(r: _Run) -> None:
             tokens = sum(c["tokens"] for c in r.counts.per_key.values()) - tokens_at_start
             bar.set_postfix_str(f"{tokens / elapsed / 1e3:.0f}k tok/s", refresh=False)
         bar.close()
-        hasher.join()
-        if hash_failures:
-            raise hash_failures[0]
+        digests = r.hasher.result()
         _check_unchanged(r.inputs, r.input_stats)
         r.stage(digests)
     except WorkerDied:
@@ -742,15 +750,6 @@ def staging_path(prefix: str, staging_dir: str | None) -> Path:
     root = Path(staging_dir or tempfile.gettempdir())
     key = hashlib.sha256(prefix.encode()).hexdigest()[:16]
     return root / f"tokenloom-staging-{key}" / f"{prefix.rstrip('/').rsplit('/', 1)[-1]}.partial"
-
-
-def _hash_inputs(inputs: list[Input], digests: dict[str, str], failures: list[BaseException]) -> None:
-    """sha256 of every input into ``digests`` (in the hasher thread); a failure goes to ``failures``."""
-    try:
-        for i in inputs:
-            digests[i.path] = objstore.sha256(i.path) if objstore.is_url(i.path) else sha256_tree(i.path)
-    except (OSError, TokenloomError) as exc:
-        failures.append(exc)
 
 
 def _summary(r: _Run, elapsed: float) -> dict:

@@ -37,7 +37,6 @@ import gzip
 import io
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,7 +344,7 @@ class ChunkReader:
                 start = end
 
     def _json_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
-        """The records of a jsonl input, read a block at a time and cut into lines by ``re`` (in C).
+        """The records of a jsonl input, read a block at a time and cut into lines by ``bytes.split``.
 
         The main process is one of the pipeline's processes on every core, so what it spends per
         line is taken from the tokenizers: a loop over lines from the file object, as the txt
@@ -375,18 +374,20 @@ class ChunkReader:
                     if not cut:
                         carry.append(block)
                         continue
-                    found = _LINES.findall(b"".join([*carry, block[:cut]]) if carry else block[:cut])
+                    found = (b"".join([*carry, block[:cut]]) if carry else block[:cut]).split(b"\n")
+                    found.pop()  # the empty piece after the last newline
+                    newline = 1
                     carry = [block[cut:]] if cut < len(block) else []
                 elif carry:  # the last line, without its newline
-                    found, carry = [b"".join(carry)], []
+                    found, carry, newline = [b"".join(carry)], [], 0
                 else:
                     break
                 for line in found:
                     number += 1
-                    n = len(line)
+                    n = len(line) + newline
                     if offset is not None:
                         offset += n
-                    if number <= skip_to or not line.strip():  # done before a resume; blank: not a record
+                    if number <= skip_to or not line or line.isspace():  # done before a resume; blank: not a record
                         continue
                     numbers.append(number)
                     lines.append(line)
@@ -553,14 +554,14 @@ def _unreadable(inp: Input, exc: BaseException) -> bool:
 
 
 _BLOCK = 1 << 20
-_LINES = re.compile(rb"[^\n]*\n")
 
 
-def json_records(chunk: Chunk) -> tuple[list[int], list[bytes], int]:
+def json_records(chunk: Chunk) -> tuple[list[int], list, int]:
     """The (line numbers, raw lines) of a jsonl chunk's records (blank lines are not records), and
     the lines it holds. A span chunk's are read from its file here, in the worker, and numbered
     from 1 (``chunk.relative``); its length and its newline at the end are checked against the
-    cut the main process made."""
+    cut the main process made. Its lines are ``memoryview`` slices of the bytes read (orjson
+    parses those as they are): ``bytes.split`` copied every line, ~0.03 s per 100 MB."""
     if chunk.span is None:
         return chunk.numbers, chunk.lines, 0
     start, end = chunk.span
@@ -570,15 +571,22 @@ def json_records(chunk: Chunk) -> tuple[list[int], list[bytes], int]:
     if len(data) != end - start or not (last or data.endswith(b"\n")):
         raise TokenloomError(f"{chunk.path}: changed while being read (bytes {start}-{end} no longer "
                              f"end a line where they did); rerun when it is complete")
-    lines = _LINES.findall(data)
-    if data and not data.endswith(b"\n"):
-        lines.append(data[data.rfind(b"\n") + 1:])
-    numbers, kept = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.isspace():  # stops at the first other byte; ``strip()`` copied every line
+    view, find, size = memoryview(data), data.find, len(data)
+    numbers, kept, number, at = [], [], 0, 0
+    while at < size:
+        stop = find(b"\n", at)
+        if stop < 0:
+            stop = size
+        number += 1
+        # blank (not a record) only if it starts with whitespace: the full test is rarely run
+        if stop > at and (data[at] not in _WHITESPACE or not data[at:stop].isspace()):
             numbers.append(number)
-            kept.append(line)
-    return numbers, kept, len(lines)
+            kept.append(view[at:stop])
+        at = stop + 1
+    return numbers, kept, number
+
+
+_WHITESPACE = frozenset(b" \t\n\r\x0b\x0c")  # what ``bytes.isspace`` accepts
 
 
 def _line_end(fd: int, target: int, size: int, window: int = 1 << 16) -> int:

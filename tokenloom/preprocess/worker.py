@@ -108,13 +108,12 @@ def set_tokenizer(tokenizer) -> None:
 
 def encode_chunk(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:
     """Validate, tokenize and frame one chunk; bad records are returned, never raised."""
-    good, bad, lines = decode_chunk(chunk, opts.keys)
-    result = EncodedChunk(chunk.seq, {}, bad, documents=len(good), lines=lines)
+    decoded = decode_chunk(chunk, opts.keys)
+    result = EncodedChunk(chunk.seq, {}, decoded.bad, documents=len(decoded.numbers), lines=decoded.lines)
     for key in opts.keys:
-        pieces = [t for _, texts in good for t in texts[key]]
-        counts = np.fromiter((len(texts[key]) for _, texts in good), dtype=np.int64, count=len(good))
-        result.text_bytes += sum(map(len, pieces))
-        result.outputs[key] = _frame(pieces, counts, opts)
+        texts = decoded.texts[key]
+        result.text_bytes += sum(map(len, texts))
+        result.outputs[key] = _frame(texts, np.array(decoded.pieces[key], dtype=np.int64), opts)
     return result
 
 

@@ -1,7 +1,7 @@
 """Tokenizers: one interface over Hugging Face, GPT-2 BPE, WordPiece, SentencePiece, tiktoken, byte, null.
 
     tok = load_tokenizer("/data/tokenizers/gpt2")        # kind auto-detected from the content
-    ids, lengths = tok.encode_batch(["a doc", "another"])  # flat int64 ids + per-text lengths, no specials
+    ids, lengths = tok.encode_batch(["a doc", "another"])  # flat ids + per-text lengths, no specials
     tok.eod, tok.vocab_size, tok.fingerprint()["digest"]
     worker_tok = load_tokenizer(tok.spec.with_options(num_threads=1))  # in a worker process
 

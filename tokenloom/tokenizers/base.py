@@ -110,7 +110,8 @@ class Tokenizer(abc.ABC):
         self._gigatoken = None  # a GigatokenEngine once the self-check has passed
 
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Flat ids of all texts concatenated, and per-text lengths (both np.int64)."""
+        """Flat ids of all texts concatenated (int64; uint32 where gigatoken encoded them all), and
+        per-text lengths (int64)."""
         if self._gigatoken is None:
             return self.encode_batch_reference(texts)
         parallel = getattr(self, "num_threads", None) != 1 and len(texts) > 1

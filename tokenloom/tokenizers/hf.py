@@ -39,8 +39,11 @@ is set by ``RAYON_NUM_THREADS`` before the first batch call in the process.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -50,7 +53,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec, flatten, resolve_threads, sha256_file
-from tokenloom.tokenizers.gigatoken_engine import GigatokenSource
+from tokenloom.tokenizers.gigatoken_engine import GigatokenSource, user_cache_dir
 from tokenloom.tokenizers.tiktoken_bpe import R50K_PATTERN, decode_skipping, encode_ordinary_flat
 
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
@@ -61,6 +64,7 @@ GPT2_VOCAB_SHA = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf6367
 GPT2_MERGES_SHA = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 # bpe_content_digest() of those two files: also matches re-serialised copies (HF vocab.json/merges.txt)
 GPT2_CONTENT_SHA = "0de43c278a8bcab9bf33707fdb5ab279e9e4c9816a21a21e5fc3dc1c0d263a66"
+GPT2_RANKS_SHA = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # as tiktoken's r50k_base file
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -309,15 +313,49 @@ class GPT2BPETokenizer(_HFBase):
                                      f"{tk.token_to_id(tok['content'])}")
 
     def _build_tiktoken(self, vocab: dict[str, int]) -> None:
-        import tiktoken
+        self._vocab, self._enc = vocab, None
 
+    @property
+    def enc(self):
+        """The tiktoken encoding, built on first use (~40 ms): a run whose gigatoken self-check verdict
+        is cached never encodes with it, unless a text holds an escape."""
+        if self._enc is None:
+            import tiktoken
+
+            self._enc = tiktoken.Encoding("gpt2", pat_str=R50K_PATTERN, mergeable_ranks=self._ranks(),
+                                          special_tokens={"<|endoftext|>": self._vocab["<|endoftext|>"]})
+        return self._enc
+
+    def _ranks(self) -> dict[bytes, int]:
         # str.translate maps GPT-2's printable stand-ins back to chr(byte) in C; latin-1 then
         # gives the bytes (5x faster than a per-character generator over 50k tokens)
         to_bytes = {ord(c): b for b, c in bytes_to_unicode().items()}
-        ranks = {tok.translate(to_bytes).encode("latin-1"): i for tok, i in vocab.items() if tok != "<|endoftext|>"}
-        self.enc = tiktoken.Encoding("gpt2", pat_str=R50K_PATTERN, mergeable_ranks=ranks,
-                                     special_tokens={"<|endoftext|>": vocab["<|endoftext|>"]})
-        self._ranks = ranks
+        return {tok.translate(to_bytes).encode("latin-1"): i for tok, i in self._vocab.items()
+                if tok != "<|endoftext|>"}
+
+    def _rank_file(self) -> Path:
+        """OpenAI's GPT-2 ranks as a tiktoken rank file (the files were proven to be GPT-2's), kept in
+        the user cache and checked against its sha256 on every use (~1 ms); written again when
+        missing or different. Writing it took ~30 ms of every run's start."""
+        cached = user_cache_dir() / "gigatoken" / f"gpt2-{GPT2_RANKS_SHA[:16]}.tiktoken"
+        with contextlib.suppress(OSError):
+            if hashlib.sha256(cached.read_bytes()).hexdigest() == GPT2_RANKS_SHA:
+                return cached
+        data = b"".join(b"%s %d\n" % (base64.b64encode(t), r) for t, r in self._ranks().items())
+        if hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA:
+            raise AssertionError("GPT-2's ranks do not give the rank file they were proven to give")
+        tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, cached)  # a concurrent run reads the old file or the whole new one
+            return cached
+        except OSError:  # an unwritable cache: a file of this process's own
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            own = Path(tempfile.mkdtemp(prefix="tokenloom-gpt2-")) / "gpt2.tiktoken"
+            own.write_bytes(data)
+            return own
 
     def id_options(self) -> dict:
         return {**super().id_options(), "pretokenizer": self.pretokenizer}
@@ -325,18 +363,20 @@ class GPT2BPETokenizer(_HFBase):
     def gigatoken_source(self) -> GigatokenSource:
         """The vocab+merges in gigatoken: OpenAI's GPT-2 as the ranks tiktoken encodes with (a rank
         file, no special tokens, as ``encode_ordinary``), any other as the tokenizer.json of the
-        reference model. The rank file takes ~10 ms to write and load; building the ``tokenizers``
-        model and its JSON for gigatoken took ~0.15 s of every run's start."""
+        reference model. Loading the rank file takes ~30 ms; building the ``tokenizers`` model and its
+        JSON for gigatoken took ~0.15 s of every run's start."""
         import gigatoken
 
         if self.engine != "tiktoken":
             return GigatokenSource(gigatoken.Tokenizer.from_json(self.tk.to_str()), ["<|endoftext|>", *self.added_tokens()])
         specials = ["<|endoftext|>"]  # GPT-2's files add no tokens (``_build_model`` adds them for qwen2 only)
-        with tempfile.TemporaryDirectory(prefix="tokenloom-gpt2-") as tmp:
-            path = Path(tmp) / "gpt2.tiktoken"
-            path.write_bytes(b"".join(b"%s %d\n" % (base64.b64encode(t), r) for t, r in self._ranks.items()))
-            return GigatokenSource(gigatoken.Tokenizer.from_tiktoken(path, pretokenizer="gpt2", special_tokens={}),
-                                   specials)
+        path = self._rank_file()
+        try:
+            model = gigatoken.Tokenizer.from_tiktoken(path, pretokenizer="gpt2", special_tokens={})
+        finally:
+            if path.parent.name.startswith("tokenloom-gpt2-"):
+                shutil.rmtree(path.parent, ignore_errors=True)
+        return GigatokenSource(model, specials)
 
     def encode_batch_reference(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if self.engine == "tiktoken":
