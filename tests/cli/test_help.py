@@ -50,6 +50,22 @@ def test_help_read_from_source_equals_the_imported_class(path):
     assert source_field_docs(path) == field_docs(getattr(importlib.import_module(module), name))
 
 
+def test_help_read_from_source_of_a_class_with_a_string_at_column_0(tmp_path, monkeypatch):
+    """Only the class's lines are parsed, up to the next top-level line; a string in the class
+    with a line at column 0 ends that cut early, and the whole module is read instead."""
+    import sys
+
+    from tokenloom.config import source_field_docs
+
+    (tmp_path / "tl_docs_probe.py").write_text(
+        'import dataclasses\n\n\n@dataclasses.dataclass\nclass A:\n    x: int = 1\n    """The x."""\n'
+        '    y: str = """a\nb"""\n    """The y."""\n\n\nclass B:\n    z: int = 2\n    """The z."""\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert source_field_docs("tl_docs_probe:A") == {"x": "The x.", "y": "The y."}
+    assert source_field_docs("tl_docs_probe:B") == {"z": "The z."}
+    sys.modules.pop("tl_docs_probe", None)
+
+
 def test_preprocess_does_not_import_torch(tmp_path):
     """torch costs ~1.5 s and ~150 MB per process: preprocess, its workers and --help do without it."""
     import subprocess

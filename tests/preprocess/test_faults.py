@@ -213,7 +213,9 @@ def _estimate_and_real(tmp_path, inputs, **kw) -> tuple[int, int]:
     cfg = pipeline.PreprocessConfig(inputs=[str(i) for i in inputs], output_prefix=str(tmp_path / "est"),
                                     progress=False, workers=1, **kw)
     r = pipeline._Run(cfg, lambda *a: None)
-    estimate = r.estimate(None).output
+    samples = pipeline.sample_chunks(r.inputs, cfg.json_keys, cfg.txt_unit)
+    estimate = r.estimate(samples, list(pipeline._results(r, iter([c for _, c in samples]), None))).output
+    r.hasher.close()
     out = preprocess(tmp_path, inputs, name="real", **kw)
     return estimate, sum(Path(f"{out}{ext}").stat().st_size for ext in (".bin", ".idx"))
 

@@ -219,6 +219,8 @@ def test_a_staging_disk_too_small_is_refused_before_work(s3, tmp_path, monkeypat
     for key, value in s3.env().items():
         if key.startswith("AWS_"):
             monkeypatch.setenv(key, value)
+    if not s3.fs().exists("out"):  # the bucket, made by the corpus fixture when another test ran first
+        s3.fs().mkdir("out")
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"text": "x" * 1000}) + "\n" for _ in range(20)))
     usage = shutil.disk_usage(tmp_path)

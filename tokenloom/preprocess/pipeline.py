@@ -49,6 +49,7 @@ import collections
 import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -475,10 +476,8 @@ class _Run:
         return IndexedDatasetWriter(prefix, dtype=self.dtype, vocab_size=self.tokenizer.vocab_size,
                                     bin_tmp=self.staged(n, "bin"), idx_tmp=self.staged(n, "idx"), resume=resume)
 
-    def estimate(self, pool) -> SpaceEstimate:
-        """Tokenize a sample of the inputs (in the pool) and extrapolate the output's size."""
-        samples = sample_chunks(self.inputs, self.cfg.json_keys, self.cfg.txt_unit)
-        encoded = _results(self, iter([chunk for _, chunk in samples]), pool)
+    def estimate(self, samples: list[tuple[Input, Chunk]], encoded: list[tuple[Chunk, EncodedChunk]]) -> SpaceEstimate:
+        """Extrapolate the output's size from the tokenized ``samples`` (:func:`sample_chunks`)."""
         return estimate_output(self.inputs, [(inp, result, _stored_bytes(inp, chunk)) for (inp, _), (chunk, result)
                                              in zip(samples, encoded, strict=True)], self.dtype.itemsize,
                                len(self.outputs))
@@ -700,12 +699,14 @@ def _tokenize(r: _Run) -> None:
                    file=sys.stderr, desc="preprocess", mininterval=0.5, initial=r.counts.bytes_in)
         tokens_at_start = sum(c["tokens"] for c in r.counts.per_key.values())
         pool = start_pool(r)
-        if fresh and cfg.check_space:
-            _check_space(r.partial, r.estimate(pool), staging=r.remote)
+        samples = sample_chunks(r.inputs, cfg.json_keys, cfg.txt_unit) if fresh and cfg.check_space else []
         reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)
+        results = _results(r, itertools.chain((chunk for _, chunk in samples), reader.chunks(position)), pool)
+        if samples:  # their results come first; the pool works on the first chunks meanwhile, nothing is written
+            _check_space(r.partial, r.estimate(samples, [next(results) for _ in samples]), staging=r.remote)
         numbering = LineNumbers(position)
         last_ckpt = time.monotonic()
-        for chunk, result in _results(r, reader.chunks(position), pool):
+        for chunk, result in results:
             if base := numbering.place(chunk, result.lines):
                 result.bad = [(number + base, reason, snippet) for number, reason, snippet in result.bad]
             r.consume(chunk.input, result)
