@@ -22,7 +22,6 @@ import hashlib
 import os
 import shutil
 import uuid
-from pathlib import Path
 
 
 def temp_name(final: str | os.PathLike) -> str:
@@ -136,15 +135,4 @@ def sha256_file(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    return h.hexdigest()
-
-
-def sha256_tree(path: str | os.PathLike) -> str:
-    """sha256 of a file, or of a directory as (relative name, file sha256) pairs in name order."""
-    root = Path(path)
-    if not root.is_dir():
-        return sha256_file(root)
-    h = hashlib.sha256()
-    for p in sorted(q for q in root.rglob("*") if q.is_file()):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + bytes.fromhex(sha256_file(p)))
     return h.hexdigest()

@@ -27,7 +27,6 @@ Policy and its costs:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterator
 
@@ -134,15 +133,6 @@ def reading(path: str | os.PathLike) -> Iterator[None]:
         return
     with store_errors(os.fspath(path), "reading"):
         yield
-
-
-def sha256(url: str) -> str:
-    """sha256 of an object's bytes (reads it whole, streaming)."""
-    h = hashlib.sha256()
-    with reading(url), open_input(url) as f:
-        for block in iter(lambda: f.read(READ_BLOCK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_output(url: str) -> None:

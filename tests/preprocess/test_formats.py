@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import blake3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -84,6 +85,6 @@ def test_manifest_contents(tmp_path, docs, workers):
     out = preprocess(tmp_path, [path], append_eod=True, workers=workers)
     m = manifest.read(out)
     assert m["tokenizer"]["kind"] == "byte" and m["tokenizer"]["digest"]
-    assert m["inputs"][0]["size"] == path.stat().st_size and len(m["inputs"][0]["sha256"]) == 64
+    assert m["inputs"][0]["size"] == path.stat().st_size and m["inputs"][0]["blake3"] == blake3.blake3(path.read_bytes()).hexdigest()
     assert m["counts"]["documents"] == len(docs) and m["counts"]["tokens"] == IndexedDataset(out).num_tokens
     assert m["output"]["dtype"] == "uint16"

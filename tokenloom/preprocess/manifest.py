@@ -5,7 +5,8 @@ Layout (JSON object, keys sorted)::
     format        "tokenloom.manifest/1"
     tool          {"name": "tokenloom", "version": ...}
     output        {"prefix": basename, "key": json key, "dtype": "uint16" | "int32"}
-    inputs        [{"path", "format", "size", "sha256"}, ...] in processing order
+    inputs        [{"path", "format", "size", "blake3"}, ...] in processing order (manifests written
+                  before 2026-11-26 have "sha256" there)
     tokenizer     the tokenizer fingerprint (kind, file digests, vocab size, special ids, digest)
     options       the preprocess options that shape the output
     counts        {"documents", "empty_documents", "sequences", "tokens", "bad_records", "bytes_in"}

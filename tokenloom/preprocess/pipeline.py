@@ -39,7 +39,7 @@ Policy and its costs:
   resume works the same; then it is uploaded ``.bin``, ``.idx``, manifest. Costs: the
   staging disk must hold the whole output, and the upload starts only when
   tokenizing ends.
-* Input digests (sha256) are computed by a child process started before the tokenizer
+* Input digests (BLAKE3) are computed by a child process started before the tokenizer
   loads, reading the files a second time (:mod:`tokenloom.preprocess.hashing`).
 """
 
@@ -526,7 +526,7 @@ class _Run:
                 raise TokenloomError(f"{c.bad_records} of {c.records} records were bad ({bad_share:.2%} > "
                                      f"--max-bad-fraction {cfg.max_bad_fraction:.2%}); see {self.rejects_path}; "
                                      "nothing was written")
-        inputs = [{"path": i.path, "format": i.format, "size": i.size, "sha256": digests[i.path]}
+        inputs = [{"path": i.path, "format": i.format, "size": i.size, "blake3": digests[i.path]}
                   for i in self.inputs]
         options = {"json_keys": cfg.json_keys, "append_eod": cfg.append_eod, "prepend_bos": cfg.prepend_bos,
                    "txt_unit": cfg.txt_unit, "max_bad_fraction": cfg.max_bad_fraction,
