@@ -50,10 +50,18 @@ def digest(path: str) -> str:
 
 
 def _file_digest(path: Path) -> str:
+    """Read in blocks into one buffer, not memory-mapped: a mapping of the whole file put every
+    page read into this process's resident memory (615 MB of RSS on a 615 MB input)."""
     h = blake3.blake3(max_threads=THREADS)
-    if path.stat().st_size:
-        h.update_mmap(path)
+    buffer = bytearray(_BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
     return h.hexdigest()
+
+
+_BLOCK = 16 << 20  # large enough for several threads per update
 
 
 def _hash_all(paths: list[str], conn, parent_pid: int) -> None:
