@@ -19,6 +19,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import orjson
+
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec
 from tokenloom.tokenizers.gigatoken_engine import check_backend, default_backend, select_backend
@@ -152,10 +154,14 @@ def detect_kind(path: Path) -> str:
 
 
 def _detect_json(path: Path) -> str:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenloomError(f"{path}: looks like JSON but does not parse: {e}") from None
+        data = orjson.loads(raw)  # ~4x the stdlib's speed on a 2 MB tokenizer.json, read at every start
+    except orjson.JSONDecodeError:
+        try:  # the stdlib's reading decides, and describes what does not parse
+            data = json.loads(raw.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TokenloomError(f"{path}: looks like JSON but does not parse: {e}") from None
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         return "hf"
     if isinstance(data, dict) and data and all(isinstance(v, int) for v in data.values()):
