@@ -18,7 +18,9 @@ All rows are measured in one run on the same cores:
                  its self-check, whose verdict is cached per user after the first run (a warm-up run of
                  each tokenizer before timing). GPT-2 and the NeoX-20B tokenizer.json.
 * --large-mb N   the same two rows on the novels repeated to N MB (>= 500: start-up is not what is
-                 measured), with peak memory there against the default corpus.
+                 measured), with peak memory there against the default corpus, and the scaling from
+                 ``--workers 1`` (tokenized in the main process) to all cores, with the serial fraction
+                 that Amdahl's law gives for it (the input hasher is a process of its own in both runs).
 * encode only    for information: the texts in memory split into one slice per core, each
                  encoded by its own forked process (``encode_to_numpy``, as tokenloom's workers
                  do), no JSON, no I/O, no start-up. tiktoken's batch API is bound by building
@@ -231,9 +233,9 @@ def main() -> None:
     mb = corpus.stat().st_size / 1e6
     w = args.workers
 
-    def tokenloom_cmd(src, prefix, tokenizer=GPT2):
+    def tokenloom_cmd(src, prefix, tokenizer=GPT2, workers=w):
         return [sys.executable, str(REPO / "cli.py"), "preprocess", "--input", str(src), "--output-prefix",
-                str(prefix), "--tokenizer", str(tokenizer), "--append-eod", "--workers", str(w), "--no-progress"]
+                str(prefix), "--tokenizer", str(tokenizer), "--append-eod", "--workers", str(workers), "--no-progress"]
 
     tok = load_tokenizer(str(GPT2), num_threads=w, backend="reference")
     if tok.engine != "tiktoken":
@@ -249,10 +251,10 @@ def main() -> None:
 
     runs = iter(range(1_000_000))
 
-    def ours(src=corpus, tokenizer=GPT2, keep="ours0"):
+    def ours(src=corpus, tokenizer=GPT2, keep="ours0", workers=w):
         """A new prefix each round (an existing output would be a finished run); only ``keep`` stays."""
         prefix = tmp / f"ours{next(runs)}"
-        subprocess.run(tokenloom_cmd(src, prefix, tokenizer), check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(tokenloom_cmd(src, prefix, tokenizer, workers), check=True, stdout=subprocess.DEVNULL)
         if prefix.name != keep:
             remove_outputs(prefix)
 
@@ -321,9 +323,11 @@ def large_rows(args, docs, tmp, w, rss_small, ours, giga_ceiling, tokenloom_cmd)
             for t in docs:
                 f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
     mb = large.stat().st_size / 1e6
-    t_gpt2, t_giga, t_neox, t_giga_neox = best_interleaved([
+    t_gpt2, t_giga, t_neox, t_giga_neox, t_one = best_interleaved([
         timed(ours, large, GPT2, ""), timed(giga_ceiling, large), timed(ours, large, NEOX, ""),
-        timed(giga_ceiling, large, NEOX)], repeat=args.repeat)
+        timed(giga_ceiling, large, NEOX), timed(ours, large, GPT2, "", 1)], repeat=args.repeat)
+    speedup = t_one / t_gpt2
+    serial = (w / speedup - 1) / (w - 1) if w > 1 else 1.0  # Amdahl: speedup = 1 / (f + (1 - f) / w)
     _, rss_large = run_measured(tokenloom_cmd(large, tmp / "memL"))
     tokens = int(IndexedDataset(str(tmp / "memL")).sequence_lengths.sum(dtype=np.int64))
 
@@ -337,6 +341,8 @@ def large_rows(args, docs, tmp, w, rss_small, ours, giga_ceiling, tokenloom_cmd)
          f"{t_giga_neox:.2f} s", f"{t_giga_neox / t_neox:.2f}x"),
         (f"peak memory (PSS), {mb:.0f} MB corpus vs default corpus (flat = 1.0)", f"{rss_large / 2**20:.0f} MB",
          f"{rss_small / 2**20:.0f} MB", f"{rss_large / rss_small:.2f}x"),
+        (f"scaling: {w} workers vs 1 (in-process), GPT-2; Amdahl serial fraction {serial:.2f}", f"{t_gpt2:.2f} s",
+         f"{t_one:.2f} s", f"{speedup:.2f}x"),
     ]
     print_table(f"preprocess at scale: {mb:.0f} MB jsonl (the novels repeated), {tokens / 1e6:.1f} M GPT-2 tokens, "
                 f"{w} workers on {os.cpu_count()} cores, best of {args.repeat} alternating rounds; gigatoken in a "

@@ -1,8 +1,9 @@
 """``tokenloom preprocess``: corpora in, Megatron ``.bin/.idx`` + manifest out.
 
     reader (main process)  ->  N worker processes  ->  writer (main process)
-    cuts inputs into ~1 MiB    parse JSON, validate,    writes chunks in input
-    chunks of raw records      batch-tokenize, frame    order, checkpoints
+    cuts inputs into ~2 MiB    read their range, parse  writes chunks in input
+    chunks of raw records      JSON, validate, batch-   order, checkpoints
+                               tokenize, frame
 
 Policy and its costs:
 
@@ -11,6 +12,17 @@ Policy and its costs:
   ``--workers`` and equal Megatron's ``preprocess_data.py`` output.
 * Bounded memory: at most ``2 x workers`` chunks are in flight (backpressure on
   the reader); index arrays grow by 12 bytes per sequence.
+* Scaling: for a local jsonl the main process reads no input: it cuts byte ranges
+  (one 64 KB read per chunk to find a line end) and the workers read and parse them.
+  What stays in the main process is receiving each chunk's tokens (one pickle over a
+  pipe) and appending them to the ``.bin``: ~0.2 s of CPU per 530 MB of GPT-2 input
+  here, so one main process keeps up with ~2.5 GB/s of input, about 7 workers at
+  gigatoken's GPT-2 speed (~0.35 GB/s per core). Compressed inputs are decompressed
+  and split into lines by the main process (~0.8 GB/s of jsonl per zstd stream).
+  Beyond that, a node runs several shards (``--num-shards``, one main process each,
+  or ``--executor ray``), joined by ``tokenloom merge`` with in-kernel copies. Input
+  digests are computed by a child process (BLAKE3, several threads per file) on the
+  cores that start-up leaves idle.
 * Resumable: every ``checkpoint_interval`` seconds the partial ``.bin`` files are
   fsynced and a checkpoint (index arrays + input position + counters) is written
   atomically into ``OUTPUT.partial/``. Rerunning the same command continues from
