@@ -130,9 +130,18 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
         raise
 
 
+def hash_file(h, path: str | os.PathLike, block: int = 1 << 22):
+    """Feed the file at ``path`` to ``h`` (a ``hashlib`` or ``blake3`` hasher) and return ``h``.
+
+    Read ``block`` bytes at a time into one buffer, sized to the file when it is smaller (hashing
+    many small files allocates no full block each). Read, not memory-mapped: a mapping makes
+    every page read resident in the hashing process (615 MB of RSS for a 615 MB input)."""
+    with open(path, "rb", buffering=0) as f:
+        buffer = memoryview(bytearray(max(1, min(block, os.fstat(f.fileno()).st_size))))
+        while n := f.readinto(buffer):
+            h.update(buffer[:n])
+    return h
+
+
 def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    return hash_file(hashlib.sha256(), path).hexdigest()

@@ -37,6 +37,7 @@ import numpy as np
 
 from tokenloom.blending.cache import write_error
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import hash_file
 
 MEMO_FILE = "sources.jsonl"
 
@@ -91,9 +92,7 @@ def _compute(prefix: str) -> SourceMeta:
         if not path.exists():
             continue
         h.update(path.name.encode())
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(1 << 22):  # sized to the file when smaller: no 4 MiB buffer per source
-                h.update(chunk)
+        hash_file(h, path)
     saved = manifest.read(prefix)
     tokenizer = ids_key(saved["tokenizer"]) if saved is not None else None
     return SourceMeta(h.hexdigest(), sequences, document_indices - 1, tokenizer)

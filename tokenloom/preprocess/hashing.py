@@ -23,6 +23,7 @@ import blake3
 
 from tokenloom import objstore
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import hash_file
 from tokenloom.preprocess.pool import fork_or_spawn
 from tokenloom.preprocess.worker import die_with_parent
 
@@ -50,18 +51,8 @@ def digest(path: str) -> str:
 
 
 def _file_digest(path: Path) -> str:
-    """Read in blocks into one buffer, not memory-mapped: a mapping of the whole file put every
-    page read into this process's resident memory (615 MB of RSS on a 615 MB input)."""
-    h = blake3.blake3(max_threads=THREADS)
-    buffer = bytearray(_BLOCK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-_BLOCK = 16 << 20  # large enough for several threads per update
+    # 16 MB blocks: large enough for several threads per update
+    return hash_file(blake3.blake3(max_threads=THREADS), path, block=16 << 20).hexdigest()
 
 
 def _hash_all(paths: list[str], conn, parent_pid: int) -> None:
