@@ -249,19 +249,20 @@ def test_gpt2_rank_file_is_cached_checked_and_rewritten(monkeypatch, tmp_path, c
 
 
 def test_escaped_equals_a_plain_membership_test():
-    """The split character tests (ASCII / BMP / astral, strings apart) find exactly the texts that hold
-    an escape string or character, on random texts mixing all three planes."""
+    """The split character tests (ASCII / Latin-1 / BMP / astral, strings apart) find exactly the texts
+    that hold an escape string or character, on random texts mixing all planes; with and without
+    escapes below U+0100 (without, a Latin-1 text is not searched), and without astral ones."""
     import random
 
     from tokenloom.tokenizers.gigatoken_engine import GigatokenSource
 
     rng = random.Random(0)
-    chars = "^-]\\a\u0301\u089b\U00010efa\U0001e4ec"
     strings = ("<s>", "</s>", "[REF]")
-    engine = GigatokenEngine(GigatokenSource(model=None, escapes=strings), chars)
-    pool = list("xyz <>/s[]REF") + ["\u00e9", "\u4e2d", "\U0001f600", "\U00020000", *chars]
-    for _ in range(3000):
-        text = "".join(rng.choice(pool) for _ in range(rng.randint(0, 12)))
-        want = any(c in text for c in chars) or any(s in text for s in strings)
-        assert engine.escaped(text) == want, repr(text)
+    for chars in ("^-]\\a\u00e9\u0301\u089b\U00010efa\U0001e4ec", "\u0301\u089b\U00010efa", "a\u089b\u1df6"):
+        engine = GigatokenEngine(GigatokenSource(model=None, escapes=strings), chars)
+        pool = list("xyz <>/s[]REF") + ["\u00e9", "\u00ff", "\u4e2d", "\U0001f600", "\U00020000", *chars]
+        for _ in range(3000):
+            text = "".join(rng.choice(pool) for _ in range(rng.randint(0, 12)))
+            want = any(c in text for c in chars) or any(s in text for s in strings)
+            assert engine.escaped(text) == want, (chars, text)
     assert not GigatokenEngine(GigatokenSource(model=None)).escaped("anything \U0001f600")

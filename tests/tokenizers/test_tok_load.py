@@ -223,3 +223,73 @@ def test_single_threaded_copy(path):
 def test_single_threaded_byte_tokenizer():
     tok = load_tokenizer(None, kind="byte")
     np.testing.assert_array_equal(tok.single_threaded().encode("ab"), tok.encode("ab"))
+
+
+def _hf_view(path) -> dict:
+    """What ``tokenizers`` itself says of a tokenizer.json: vocabulary size, added tokens in id order."""
+    import tokenizers
+
+    tk = tokenizers.Tokenizer.from_file(str(path))
+    return {"vocab_size": max(tk.get_vocab(with_added_tokens=True).values()) + 1,
+            "added": [t.content for _, t in sorted(tk.get_added_tokens_decoder().items())]}
+
+
+def _small_bpe(tmp_path, specials):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from tokenloom.tokenizers.hf import bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    vocab["ab"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)
+    path = tmp_path / "tokenizer.json"
+    tk.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("specials, eod, bos, pad", [
+    (["<pad>", "</s>", "<s>"], 258, 259, 257),
+    (["<|endoftext|>"], 257, None, None),
+    ([], None, None, None),
+])
+def test_a_bpe_tokenizer_json_is_read_without_building_tokenizers(tmp_path, monkeypatch, specials, eod, bos, pad):
+    """The vocabulary size, specials and added tokens read from the JSON equal what ``tokenizers``
+    says; where gigatoken is the engine (self-check verdict cached) the ``tokenizers`` object is
+    never built, where the reference is it is built on load."""
+    import tokenizers
+
+    path = _small_bpe(tmp_path, specials)
+    want = _hf_view(path)
+    built = []
+    from_file = tokenizers.Tokenizer.from_file
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", lambda p: built.append(p) or from_file(p))
+    load_tokenizer(path, backend="gigatoken")  # its first load runs the self-check against tokenizers
+    for backend, builds in (("gigatoken", 0), ("reference", 1)):
+        built.clear()
+        tok = load_tokenizer(path, backend=backend)
+        assert (tok.vocab_size, tok.eod, tok.bos, tok.pad) == (want["vocab_size"], eod, bos, pad)
+        assert tok.added_tokens() == want["added"]
+        assert len(built) == builds, backend
+        assert tok.decode(tok.encode("ab a</s>")) == "ab a" + ("" if "</s>" in specials else "</s>")
+
+
+@needs_shared
+def test_neox_tokenizer_json_read_from_its_json_equals_tokenizers():
+    tok = load_tokenizer(TOK / "gpt-neox-20b" / "tokenizer.json", backend="reference")
+    want = _hf_view(TOK / "gpt-neox-20b" / "tokenizer.json")
+    assert (tok.vocab_size, tok.added_tokens()) == (want["vocab_size"], want["added"])
+    assert tok.fingerprint()["digest"] == load_tokenizer(TOK / "gpt-neox-20b", backend="gigatoken").fingerprint()["digest"]
+
+
+def test_a_bpe_tokenizer_json_tokenizers_refuses_is_refused_on_load(tmp_path):
+    """Valid JSON with a BPE vocabulary but merges no loader can read: one line naming the file at
+    load (``auto`` falls back to the reference, which builds ``tokenizers`` at once)."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}, "merges": 5},
+                                "added_tokens": []}))
+    with pytest.raises(TokenloomError, match="not a valid Hugging Face tokenizer.json") as err:
+        load_tokenizer(path)
+    assert str(path) in str(err.value)

@@ -130,6 +130,8 @@ def detect_kind(path: Path) -> str:
         head = f.read(1 << 16)
     if not head:
         raise TokenloomError(f"{path}: empty file, not a tokenizer")
+    if path.name == "tokenizer.json":  # as for a directory holding one: the HF loader reads (and judges) it
+        return "hf"
     if head.lstrip()[:1] == b"{" or path.suffix == ".json":
         return _detect_json(path)
     if looks_like_rank_file(head):
