@@ -186,7 +186,7 @@ def _pp_help(name: str) -> str:
 @click.option("--num-shards", type=int, help=_pp_help("num_shards"))
 @click.option("--shard-index", type=int, help=_pp_help("shard_index"))
 @click.option("--max-bad-fraction", type=float, help=_pp_help("max_bad_fraction"))
-@click.option("--chunk-bytes", type=int, default=2 << 20, show_default=True, help=_pp_help("chunk_bytes"))
+@click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True, help=_pp_help("chunk_bytes"))
 @click.option("--checkpoint-interval", type=float, default=60.0, show_default=True,
               help=_pp_help("checkpoint_interval"))
 @click.option("--space-check/--no-space-check", "check_space", default=True,

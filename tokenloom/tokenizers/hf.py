@@ -203,7 +203,7 @@ def _bpe_added_tokens(data) -> dict[str, int] | None:
     vocabulary is a plain JSON object (then ``tokenizers`` reads it, and describes what is wrong)."""
     model = data.get("model") if isinstance(data, dict) else None
     if not (isinstance(model, dict) and model.get("type") == "BPE" and isinstance(model.get("vocab"), dict)
-            and all(isinstance(i, int) for i in model["vocab"].values())):
+            and set(map(type, model["vocab"].values())) <= {int}):
         return None
     added = data.get("added_tokens") or []
     if not (isinstance(added, list) and all(isinstance(t, dict) and isinstance(t.get("content"), str)
