@@ -377,7 +377,7 @@ def _megatron_refused(fn):
               help="Shard the optimizer state over data-parallel ranks (ZeRO-1; Megatron's distributed optimizer).")
 @click.option("--overlap-param-gather", "overlap_param_gather", is_flag=True, default=None,
               help="ZeRO-1: all-gather the updated parameters during the next forward (Megatron's flag; already "
-              "the default with --zero1 at tp = pp = 1; --set overlap_param_gather=false gathers them in the step).")
+              "the default with --zero1; --set overlap_param_gather=false gathers them in the step).")
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
               help="Start torchrun with N processes on this node; without it, run in-process (e.g. under "
               "torchrun/Slurm).")

@@ -32,16 +32,21 @@ def test_zero1_on_one_rank_checkpoints_layout_free_and_resumes_without_it(tmp_pa
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(tp=2, zero1=True, ddp_bucket_cap_mb=1.0), "ddp_bucket_cap_mb sizes the gradient buckets of DDP, and of "
-                                                    "ZeRO-1 at tp = pp = 1 only"),
-    (dict(overlap_grad_reduce=True), "overlap_grad_reduce applies to zero1 at tp = pp = 1"),
-    (dict(zero1=True, pp=2, overlap_grad_reduce=False), "overlap_grad_reduce applies to zero1 at tp = pp = 1"),
-    (dict(overlap_param_gather=True), "overlap_param_gather applies to zero1 at tp = pp = 1"),
-    (dict(zero1=True, tp=2, overlap_param_gather=False), "overlap_param_gather applies to zero1 at tp = pp = 1"),
+    (dict(overlap_grad_reduce=True), "overlap_grad_reduce applies to zero1"),
+    (dict(pp=2, overlap_grad_reduce=False), "overlap_grad_reduce applies to zero1"),
+    (dict(overlap_param_gather=True), "overlap_param_gather applies to zero1"),
+    (dict(tp=2, overlap_param_gather=False), "overlap_param_gather applies to zero1"),
 ])
 def test_settings_a_layout_cannot_honour_are_refused(tmp_path: Path, overrides, match):
     with pytest.raises(TokenloomError, match=match):
         refuse_unsupported(tiny(tmp_path, **overrides))
+
+
+@pytest.mark.parametrize("overrides", [dict(tp=2), dict(pp=2), dict(pp=2, vpp=2)])
+def test_zero1_overlap_and_bucket_size_are_accepted_in_tp_and_pp_layouts(tmp_path: Path, overrides):
+    """ZeRO-1 buckets and overlaps its reductions in every layout (test_compose.py's zero1 layouts)."""
+    refuse_unsupported(tiny(tmp_path, zero1=True, ddp_bucket_cap_mb=0.5, overlap_grad_reduce=False,
+                            overlap_param_gather=True, **overrides))
 
 
 def test_overlap_and_bucket_size_are_accepted_for_zero1_at_tp_pp_1(tmp_path: Path):

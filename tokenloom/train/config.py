@@ -80,8 +80,8 @@ class TrainConfig:
     """torch.compile each transformer block (first steps are slow while it compiles); per block, so
     data-parallel gradient buckets still overlap with backward. tp = pp = 1 only."""
     ddp_bucket_cap_mb: float | None = None
-    """Gradient bucket size in MiB of DDP in every layout (None: 25 with a 1 MiB first bucket) and
-    of ZeRO-1 at tp = pp = 1 (None: 25)."""
+    """Gradient bucket size in MiB of DDP (None: 25 with a 1 MiB first bucket) and of ZeRO-1 (None:
+    25), in every layout."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a dead or stalled rank makes the others fail after at most this."""
     metrics_path: str | None = None
@@ -107,15 +107,14 @@ class TrainConfig:
     zero1: bool = False
     """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW)."""
     overlap_grad_reduce: bool | None = None
-    """ZeRO-1 at tp = pp = 1: reduce-scatter each gradient bucket (ddp_bucket_cap_mb) during the
-    last micro-batch's backward, as soon as its grads are ready (Megatron's overlap_grad_reduce);
-    false: all buckets after backward. None: on where supported (ZeRO-1 in tp/pp layouts reduces
-    after backward; DDP always overlaps, in every layout)."""
+    """ZeRO-1: reduce-scatter each gradient bucket (ddp_bucket_cap_mb) during the last micro-batch's
+    backward of its model chunk, as soon as its grads are ready (Megatron's overlap_grad_reduce);
+    false: all buckets after backward. None: on (DDP always overlaps)."""
     overlap_param_gather: bool | None = None
-    """ZeRO-1 at tp = pp = 1: the step launches each bucket's parameter all-gather and returns; the
-    next forward waits for a bucket just before the first layer that needs it (Megatron's
+    """ZeRO-1: the step launches each bucket's parameter all-gather and returns; the next forward
+    waits for a bucket just before the first layer that needs it (Megatron's
     overlap_param_gather), and saving, loading and the end of training wait for all of them.
-    false: the step waits. None: on where supported (tp/pp layouts gather in the step)."""
+    false: the step waits. None: on."""
 
     def __post_init__(self) -> None:
         positive = ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_iters")

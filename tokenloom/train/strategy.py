@@ -16,12 +16,13 @@ gradient finalisation         our bucketed DDP, overlapped with      our buckete
                                                                      (in the cooldown), waited for after the
                                                                      schedule; then sequence-parallel grads
                                                                      summed over tp and the tied-embedding
-                                                                     all-reduce (pp > 1). ZeRO-1: those two,
-                                                                     then one reduce-scatter over dp after
-                                                                     backward
+                                                                     all-reduce (pp > 1). ZeRO-1: its bucketed
+                                                                     reduce-scatter launched the same way, then
+                                                                     those two sums on the reduced shard (the
+                                                                     tied copies in buckets of their own)
 norm groups for clipping      none                                   the model-parallel group
-optimizer                     fused AdamW, or ZeRO-1 (dp-sharded;    the same two (ZeRO-1 gathers the
-                              its parameter all-gather runs into     parameters in the step)
+optimizer                     fused AdamW, or ZeRO-1 (dp-sharded;    the same two
+                              its parameter all-gather runs into
                               the next forward)
 checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
                               (one model file); with ZeRO-1 the      (per-shard files, loadable in any layout)
@@ -102,17 +103,17 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
     if cfg.compile and staged:
         raise TokenloomError(f"compile: torch.compile is supported at tp = pp = 1 only (this run has tp={cfg.tp} "
                              f"pp={cfg.pp}); set compile=false")
-    if cfg.ddp_bucket_cap_mb is not None and staged and cfg.zero1:
-        raise TokenloomError("ddp_bucket_cap_mb sizes the gradient buckets of DDP, and of ZeRO-1 at tp = pp = 1 only "
-                             "(in tp/pp layouts ZeRO-1 reduces one bucket after backward); leave it unset for this "
-                             "layout")
-    if cfg.overlap_grad_reduce is not None and (staged or not cfg.zero1):
-        raise TokenloomError("overlap_grad_reduce applies to zero1 at tp = pp = 1 (DDP always overlaps, ZeRO-1 in "
-                             "tp/pp layouts reduces after backward); leave it unset for this layout")
-    if cfg.overlap_param_gather is not None and (staged or not cfg.zero1):
-        raise TokenloomError("overlap_param_gather applies to zero1 at tp = pp = 1 (without zero1 every rank steps its "
-                             "full parameters; tp/pp layouts gather one bucket in the step); leave it unset for this "
-                             "layout")
+    if cfg.overlap_grad_reduce is not None and not cfg.zero1:
+        raise TokenloomError("overlap_grad_reduce applies to zero1 (DDP always overlaps); leave it unset or set "
+                             "zero1=true")
+    if cfg.overlap_param_gather is not None and not cfg.zero1:
+        raise TokenloomError("overlap_param_gather applies to zero1 (without it every rank steps its full "
+                             "parameters, nothing is gathered); leave it unset or set zero1=true")
+
+
+def _tied_embedding(param: nn.Parameter) -> bool:
+    """A copy of the tied embedding (first stage's table, last stage's head) under pipeline parallelism."""
+    return bool(getattr(param, "shared_embedding", False))
 
 
 class Strategy:
@@ -197,18 +198,20 @@ class Strategy:
         # one group per parameter keeps ZeRO's flat buffer in self.params order (the layout its
         # checkpoints are saved in) while each parameter keeps its group's decay
         decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
-        # tp = pp = 1: buckets (DDP's size), reduce-scattered during backward and all-gathered during the
-        # next forward unless the overlaps are off; tp/pp: one bucket after backward (sequence-parallel and
-        # tied-embedding grads are summed first), gathered in the step
+        # every layout: buckets (DDP's size), reduce-scattered during the last micro-batch's backward
+        # of each chunk and all-gathered during the next forward unless the overlaps are off; the
+        # sequence-parallel and tied-embedding sums run on the reduced shard after (pp > 1: the
+        # tied copies in a bucket of their own, cut alike on the first and last stage)
         cap = DEFAULT_BUCKET_CAP_MB if cfg.ddp_bucket_cap_mb is None else cfg.ddp_bucket_cap_mb
         return ZeroAdamW([{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_group,
                          lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, max_grad_norm=o.grad_clip,
                          norm_group=st.model_parallel_group if self.staged else None,
                          counts_in_norm=self._counts_in_norm,
-                         bucket_bytes=None if self.staged else int(cap * 2**20),
-                         overlap_grad_reduce=not self.staged and cfg.overlap_grad_reduce is not False,
-                         overlap_param_gather=not self.staged and cfg.overlap_param_gather is not False,
-                         modules=self.chunks)
+                         bucket_bytes=int(cap * 2**20),
+                         overlap_grad_reduce=cfg.overlap_grad_reduce is not False,
+                         overlap_param_gather=cfg.overlap_param_gather is not False,
+                         modules=self.chunks,
+                         own_bucket=_tied_embedding if cfg.pp > 1 else None)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         return counts_in_grad_norm(p, self.state.tp_rank)
@@ -299,14 +302,21 @@ class Strategy:
         optimizer step. The sums are linear, so running them after the dp average changes
         only rounding."""
         cfg, st = self.cfg, self.state
+        if cfg.zero1:  # the sums on the reduced shard: each rank sums only the pieces it steps
+            self.optimizer.finish_grad_sync()
+            params = [p for chunk in self.chunks for p in chunk.parameters()]
+            if cfg.sp:
+                self.optimizer.all_reduce_grads([p for p in params if getattr(p, "sequence_parallel", False)],
+                                                st.tp_group)
+            if cfg.pp > 1:
+                self.optimizer.all_reduce_grads([p for p in params if _tied_embedding(p)], st.embedding_group)
+            return self.optimizer.step()
         for ddp in self.ddps:  # tp/pp: wait for the buckets launched in each chunk's last backward
             ddp.finish_grad_sync()
         if cfg.sp:
             for chunk in self.chunks:
                 sync_sequence_parallel_grads(chunk, st.tp_group)
         allreduce_tied_embedding_grads(self.chunks, st.embedding_group if cfg.pp > 1 else None)
-        if cfg.zero1:
-            return self.optimizer.step()
         grads = [p.grad for p in self.params if p.grad is not None]
         counted = [p.grad for p in self.params if p.grad is not None and self._counts_in_norm(p)]
         groups = [st.model_parallel_group] if self.staged else []

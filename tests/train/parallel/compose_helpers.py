@@ -200,13 +200,14 @@ class _BackwardMark(torch.autograd.Function):
 def dp_reduction_timeline(rank: int, *, out: str, steps: int = 2, **kw: Any) -> dict[str, Any]:
     """Train steps of the tiny config through :meth:`Strategy.train_step` (global batch 16:
     4 micro-batches per dp rank) with every asynchronous all-reduce (a DDP bucket launch)
-    logged between the backwards it falls in: each chunk's output is wrapped so its
+    and reduce-scatter (a ZeRO-1 bucket launch) logged between the backwards it falls in: each chunk's output is wrapped so its
     backward logs ``("backward", chunk, micro-batch)`` when it starts, and each launch logs
     ``("launch", grad mode on, bytes)`` (autograd runs backward with grad mode off; the
     schedule and the loop around it run with it on), and each wait for a launch ``("wait",)``.
     Returns per step and chunk the launches after each micro-batch's backward began (before
     the next backward), the launches that came after no backward or after the step, per
-    step the waits and those before the step's last backward, each chunk's bucket sizes and whether every
+    step the waits and those before the step's last backward, each chunk's DDP bucket sizes (ZeRO-1: its
+    number of buckets) and whether every
     grad is a bucket view of the parameter's dtype (fp32 also under bf16), and the last
     step's order of backwards."""
     from tokenloom.train.strategy import Strategy
@@ -242,9 +243,17 @@ def dp_reduction_timeline(rank: int, *, out: str, steps: int = 2, **kw: Any) -> 
         log.append(("launch", torch.is_grad_enabled(), tensor.numel() * tensor.element_size()))
         return LoggedWork(all_reduce(tensor, *args, async_op=True, **kwargs))
 
+    reduce_scatter = dist.reduce_scatter_single  # ZeRO-1's bucket launches
+
+    def logged_reduce_scatter(output, tensor, *args, async_op: bool = False, **kwargs):
+        if not async_op:
+            return reduce_scatter(output, tensor, *args, **kwargs)
+        log.append(("launch", torch.is_grad_enabled(), tensor.numel() * tensor.element_size()))
+        return LoggedWork(reduce_scatter(output, tensor, *args, async_op=True, **kwargs))
+
     g = torch.Generator().manual_seed(rank)
     per_step, waits, stray = [], [], 0
-    dist.all_reduce = logged_all_reduce
+    dist.all_reduce, dist.reduce_scatter_single = logged_all_reduce, logged_reduce_scatter
     try:
         for _ in range(steps):
             x = torch.randint(0, 64, (strategy.num_micro, 2, 17), generator=g)
@@ -268,8 +277,9 @@ def dp_reduction_timeline(rank: int, *, out: str, steps: int = 2, **kw: Any) -> 
             waits.append((kinds.count("wait"), kinds[:last_backward].count("wait")))
         order = [(e[1], e[2]) for e in log if e[0] == "backward"]
     finally:
-        dist.all_reduce = all_reduce
+        dist.all_reduce, dist.reduce_scatter_single = all_reduce, reduce_scatter
     return {"launches": per_step, "stray_launches": stray, "backward_order": order, "waits": waits,
+            "zero_buckets": len(strategy.optimizer.main_shards) if cfg.zero1 else None,
             "bucket_bytes": {c: ddp.bucket_sizes_bytes for c, ddp in enumerate(strategy.ddps)},
             "chunk_numel": {c: sum(p.numel() for p in chunk.parameters()) for c, chunk in enumerate(strategy.chunks)},
             "fp32_bucket_views": all(

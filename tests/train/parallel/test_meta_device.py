@@ -25,6 +25,9 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     "dp2_tp2_pp1": (4, dict(tp=2)),
     "dp2_tp1_pp2": (4, dict(pp=2)),
     "dp2_tp1_pp2_vpp2": (4, dict(pp=2, vpp=2)),
+    # ZeRO-1's bucketed, overlapped reductions and gathers under pp (tied embedding) and tp with sp
+    "dp2_tp1_pp2_vpp2_zero1": (4, dict(pp=2, vpp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
+    "dp2_tp2_pp1_sp_zero1": (4, dict(tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=0.02)),
 }
 
 

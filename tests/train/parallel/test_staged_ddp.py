@@ -3,7 +3,8 @@ bucketed DDP of every model chunk launches its buckets during the chunk's own la
 micro-batch backward (in the pipeline's cooldown), never after the schedule, and waits for
 them only after the last backward, in dp2 x pp2 (1F1B), dp2 x tp2 (no pipelining),
 dp2 x pp2 x vpp2 (interleaved) and dp2 x pp2 under bf16 autocast (grads and buckets stay
-fp32). Equality with one process: test_compose.py (and test_meta_device.py).
+fp32); ZeRO-1's bucketed reduce-scatter the same way under pp, vpp and tp with sequence
+parallelism. Equality with one process: test_compose.py (and test_meta_device.py).
 
 One 4-rank launch (oversubscribed on 2 cores), so ``slow``."""
 
@@ -23,15 +24,21 @@ LAYOUTS = {  # name -> TrainConfig overrides, on 4 ranks: dp 2
     "dp2_tp1_pp2_vpp2": dict(pp=2, vpp=2),
     "dp2_tp1_pp2_bf16": dict(pp=2, precision="bf16"),
 }
+ZERO_LAYOUTS = {  # ZeRO-1's bucketed reduce-scatter, launched the same way
+    "dp2_tp1_pp2_zero1": dict(pp=2, zero1=True),
+    "dp2_tp1_pp2_vpp2_zero1": dict(pp=2, vpp=2, zero1=True),
+    "dp2_tp2_pp1_sp_zero1": dict(tp=2, sp=True, zero1=True),
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("staged_ddp")
+    every = {**LAYOUTS, **ZERO_LAYOUTS}
     scenarios = [("dp_reduction_timeline", dict(out=str(tmp / name), steps=STEPS, ddp_bucket_cap_mb=BUCKET_MB, **kw))
-                 for name, kw in LAYOUTS.items()]
+                 for name, kw in every.items()]
     results = launch(scenarios, 4, tmp)
-    return {name: [r[i] for r in results] for i, name in enumerate(LAYOUTS)}
+    return {name: [r[i] for r in results] for i, name in enumerate(every)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -79,3 +86,19 @@ def test_buckets_are_waited_for_after_the_last_backward(runs, name):
     for res in runs[name]:
         for launches, (waits, early) in zip(res["launches"], res["waits"], strict=True):
             assert waits == sum(len(x[-1]) for x in launches.values()) and early == 0
+
+
+@pytest.mark.parametrize("name", list(ZERO_LAYOUTS))
+def test_zero1_reduce_scatters_every_bucket_during_the_last_backwards(runs, name):
+    """ZeRO-1 under tp/pp: no launch in the backwards of micro-batches 0..M-2, every bucket
+    launched once in a chunk's last backward (under vpp chunk 1's in its own, before chunk 0's
+    last backwards), none outside a backward; all waited for after the step's last backward."""
+    for rank, res in enumerate(runs[name]):
+        assert res["stray_launches"] == 0, rank
+        for launches, (waits, early) in zip(res["launches"], res["waits"], strict=True):
+            assert not any(x for per_micro in launches.values() for x in per_micro[:-1]), rank
+            launched = sum(len(per_micro[-1]) for per_micro in launches.values())
+            assert launched == res["zero_buckets"] >= 4, (rank, launched, res["zero_buckets"])
+            assert waits == launched and early == 0, rank
+            if "vpp2" in name:
+                assert launches[1][M - 1], rank

@@ -69,6 +69,15 @@ Choices and their costs:
   ``torch.compile``: a compiled block runs its own hook eagerly, with no graph break
   inside the block. The gathered values are the bits the synchronous gather gives, so
   losses with and without overlap are equal bit for bit.
+* **Sums over other groups after the dp reduction** (tp/pp layouts, Megatron's
+  ``finalize_model_grads`` order): sequence-parallel norms' grads over tp and the tied
+  embedding's two copies over the first and last stage are summed by
+  :meth:`all_reduce_grads` on the reduced shard, between :meth:`finish_grad_sync` and
+  :meth:`step`, so the reduce-scatters can run in backward. Each rank sums only the pieces
+  it steps; that needs the same cut on both sides: tp ranks have the same layout, and the
+  embedding copies, whose positions differ between the stages, get a bucket of their own
+  (``own_bucket``, Megatron's ``_does_param_require_new_bucket``). The cost: one more bucket
+  boundary on those stages, and the sums move 1/dp of what they moved on full grads.
 * **Pre-divide then SUM** (Megatron's default ``average_in_collective=False``): for
   power-of-two DP sizes the average is exact.
 * **Weight decay per parameter group**: ``params`` may be torch-style groups
@@ -141,6 +150,10 @@ class ZeroAdamW:
             read (:meth:`finish_param_sync` waits for all). False: :meth:`step` waits.
         modules: the model chunk(s) holding the parameters (needed by ``overlap_param_gather``;
             every parameter must be in them).
+        own_bucket: parameters that get a bucket of their own (Megatron's
+            ``_does_param_require_new_bucket``): a tied embedding under pipeline parallelism,
+            so that the first and the last stage cut it into the same dp pieces and
+            :meth:`all_reduce_grads` can sum their reduced pieces.
     """
 
     def __init__(
@@ -159,6 +172,7 @@ class ZeroAdamW:
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         modules: Iterable[nn.Module] = (),
+        own_bucket: Callable[[nn.Parameter], bool] | None = None,
     ) -> None:
         if counts_in_norm is None:
             def counts_in_norm(p: nn.Parameter) -> bool:
@@ -189,6 +203,8 @@ class ZeroAdamW:
         dp = self.dp_size
         assignment = [list(range(len(self.params)))] if bucket_bytes is None else \
             compute_bucket_assignment_by_size(self.params, [bucket_bytes])[0]
+        if own_bucket is not None:
+            assignment = _isolate(assignment, [own_bucket(p) for p in self.params])
         self._bucket_of = [0] * len(self.params)
         self._offsets: list[tuple[int, int]] = []  # each parameter's [start, end) in the flat buffers
         self._buckets: list[tuple[int, int]] = []  # each bucket's [start, end) in the flat buffers
@@ -231,6 +247,7 @@ class ZeroAdamW:
         self._grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
         self._norm_weight = torch.cat([norm_weight[pc] for pc in self._pieces])
         self._grad_pieces, self.main_shards, self._decay_runs = [], [], []
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         at = 0
         for k, pc in enumerate(self._pieces):
             size = pc.stop - pc.start
@@ -280,6 +297,7 @@ class ZeroAdamW:
             self._sync = previous
 
     def _reset_reduction(self) -> None:
+        self._reduced = False
         self._pending = [0] * len(self._buckets)
         for k in self._bucket_of:
             self._pending[k] += 1
@@ -314,11 +332,12 @@ class ZeroAdamW:
         self._next = k - 1
 
     @torch.no_grad()
-    def step(self) -> torch.Tensor | None:
-        """Reduce (wait for the buckets launched during backward, launch the others),
-        clip, update this shard, all-gather. Returns the global grad norm (before
-        clipping, a device tensor) when ``max_grad_norm`` is set, else None. With
-        ``overlap_param_gather`` the all-gathers are still running when it returns."""
+    def finish_grad_sync(self) -> None:
+        """Reduce: wait for the buckets launched during backward, launch (and wait for) the
+        others. This rank's grad shard then holds the dp average; :meth:`step` calls it when
+        it was not called since the last backward."""
+        if self._reduced:
+            return
         self.finish_param_sync()  # buckets no forward waited for: the gathers write the master shard
         for p, view in zip(self.params, self._grad_views, strict=True):
             if p.grad is None:
@@ -332,6 +351,41 @@ class ZeroAdamW:
             if work is not None:
                 work.wait()
         self._reset_reduction()
+        self._reduced = True
+
+    @torch.no_grad()
+    def all_reduce_grads(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        """Sum over ``group`` the reduced grads of ``params`` that this rank's shard holds (one
+        all-reduce; a collective over ``group`` whenever the shard holds any). Between
+        :meth:`finish_grad_sync` and :meth:`step`: Megatron's sequence-parallel and
+        tied-embedding sums after the dp reduction. Each rank of ``group`` must cut these
+        parameters into the same pieces: the same layout (tp ranks), or the parameter in a
+        bucket of its own (``own_bucket``: the first and last stage's embedding copies)."""
+        if not self._reduced:
+            raise TokenloomError("ZeroAdamW.all_reduce_grads: call finish_grad_sync() first")
+        held = []
+        for p in params:
+            i = self._index[id(p)]
+            (a, b), k = self._offsets[i], self._bucket_of[i]
+            pc = self._pieces[k]
+            lo, hi = max(a, pc.start), min(b, pc.stop)
+            if lo < hi:
+                held.append(self._grad_pieces[k][lo - pc.start : hi - pc.start])
+        if not held:
+            return
+        summed = torch.cat(held)
+        dist.all_reduce(summed, group=group)
+        for view, new in zip(held, summed.split([h.numel() for h in held]), strict=True):
+            view.copy_(new)
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor | None:
+        """Reduce (:meth:`finish_grad_sync`, unless called already), clip, update this shard,
+        all-gather. Returns the global grad norm (before clipping, a device tensor) when
+        ``max_grad_norm`` is set, else None. With ``overlap_param_gather`` the all-gathers are
+        still running when it returns."""
+        self.finish_grad_sync()
+        self._reduced = False
         grad = self._grad_shard.float()
         norm = None
         if self.max_grad_norm is not None:
@@ -507,6 +561,22 @@ class ZeroAdamW:
             dist.gather(piece.contiguous(), list(full[a:b].chunk(self.dp_size)) if first else None,
                         group=self.dp_group, group_dst=0)
         return full
+
+
+def _isolate(assignment: list[list[int]], alone: list[bool]) -> list[list[int]]:
+    """``assignment``'s buckets, each parameter flagged in ``alone`` cut out into a bucket of its own."""
+    out: list[list[int]] = []
+    for bucket in assignment:
+        run: list[int] = []
+        for i in bucket:
+            if alone[i]:
+                out += [run, [i]] if run else [[i]]
+                run = []
+            else:
+                run.append(i)
+        if run:
+            out.append(run)
+    return out
 
 
 def _layers(module: nn.Module) -> list[tuple[nn.Module, bool]]:
