@@ -1,7 +1,7 @@
 """Step time, communication volume, optimizer state and pipeline bubble per (dp, tp, pp) layout (gloo ranks).
 
     .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
-        [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 8] [--bubble-micro-batches 8]
+        [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 16] [--bubble-micro-batches 8]
         [--bubble-steps 9] [--no-bubble | --bubble-only] [--no-rss | --rss-only]
 
 Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-1
@@ -30,20 +30,23 @@ oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``t
   ``1 - sum(compute) / (pp x max(total))`` over the pipeline ranks: compute is each rank's
   time inside its stage forwards, losses and backwards, total the wall time of the
   schedule on the slowest rank) against ``(p - 1) / (v M + p - 1)``, with its own model:
-  ``--bubble-d-model`` wide (512), ``--bubble-layers`` (8), ``--bubble-micro-batches``
+  ``--bubble-d-model`` wide (512), ``--bubble-layers`` (16), ``--bubble-micro-batches``
   (``M``, 8: theory 0.111 at pp 2, 0.059 at pp 2 x vpp 2) per pipeline, ``--bubble-steps``
   timed steps, the median step's bubble and every step's reported. The theory holds for stages of
   equal cost and free communication. A micro-batch of the main table's 64-wide model
   computes in about a millisecond, as long as a gloo p2p round trip and the Python around
   it, so there the ratio would measure the transport, not the schedule. At 512 wide a
-  chunk's forward takes 10-20 ms and its p2p transfers (posted early, waited for late: see
-  :mod:`tokenloom.train.parallel.p2p`) run under the next compute. What remains above
-  theory: the last stage's LM head and loss (about 5 ms per micro-batch forward and
-  backward: 2-3% more compute on the last rank with 8 layers, 9% with 4, which alone would
-  put pp 2 x vpp 2 at 1.6x theory), 1F1B's one p2p latency per micro-batch (at p = 2 a
-  stage needs its neighbour's newest output right after making its own), and on a shared
-  box the time other processes take from a rank: it moves single steps both ways, hence
-  the median;
+  layer's forward takes ~10 ms and the p2p transfers (posted early, waited for late: see
+  :mod:`tokenloom.train.parallel.p2p`) run under the next compute. 16 layers, not fewer,
+  because the theory is for equal stages and the last stage also runs the LM head and loss:
+  per micro-batch ~2 ms forward and ~3.5 ms backward (a per-op timeline of one step,
+  2026-11-26), ~10% of a 2-layer chunk at 8 layers (pp 2 x vpp 2: the last rank the
+  bottleneck, measured 1.4-2.0x theory there, 1.2-1.3x for 1F1B) and ~5% of a 4-layer
+  chunk at 16. What remains above theory: that imbalance, ~0.4 ms of Python and p2p
+  posting between ops on the bottleneck rank (12 ms of a 1 s interleaved step), 1F1B's
+  one p2p latency per micro-batch (at p = 2 a stage needs its neighbour's newest output
+  right after making its own), and on a shared box the time other processes take from a
+  rank: it moves single steps both ways (0.066-0.113 within one run), hence the median;
 * unless ``--no-rss`` (``--rss-only``: nothing else): the peak resident memory
   (``ru_maxrss``) of the largest rank after a warmup and one training step of a
   GPT-2-small shape (124 M parameters, vocab 50304, seq 128, micro-batch 1) at dp 2,
@@ -247,7 +250,7 @@ def main() -> None:
                         help="skip the pipeline-bubble table")
     parser.add_argument("--bubble-only", action="store_true", help="only the pipeline-bubble table")
     parser.add_argument("--bubble-d-model", type=int, default=512, help="model width of the bubble table")
-    parser.add_argument("--bubble-layers", type=int, default=8, help="layers of the bubble table's model")
+    parser.add_argument("--bubble-layers", type=int, default=16, help="layers of the bubble table's model")
     parser.add_argument("--bubble-micro-batches", type=int, default=8,
                         help="micro-batches per pipeline (M) in the bubble table")
     parser.add_argument("--bubble-steps", type=int, default=9, help="timed steps per layout in the bubble table")
