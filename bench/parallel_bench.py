@@ -10,7 +10,7 @@ Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-
 ``--steps`` timed steps (best step kept: the box is shared). Every rank runs one torch
 thread (as under torchrun's ``OMP_NUM_THREADS=1``; two ranks on two cores do not
 oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``tp``, ``pp``,
-``vpp``, and at ``--world 4`` ``tp_pp``, ``dp_tp``, ``dp_pp``). Reported per layout:
+``vpp``, and at ``--world 4`` ``tp_pp``, ``dp_tp``, ``dp_pp``, ``dp_pp_zero1``). Reported per layout:
 
 * step time of one global batch (the same for every layout: ``2 x world x
   --micro-batches`` sequences), against pure data parallelism on the same ranks;
@@ -227,7 +227,7 @@ def layouts_of(world: int) -> dict[str, tuple[int, int, int, int | None, bool]]:
                "pp": (1, 1, w, None, False), "vpp": (1, 1, w, 2, False)}
     if w == 4:
         layouts.update({"tp_pp": (1, 2, 2, None, False), "dp_tp": (2, 2, 1, None, False),
-                        "dp_pp": (2, 1, 2, None, False)})
+                        "dp_pp": (2, 1, 2, None, False), "dp_pp_zero1": (2, 1, 2, None, True)})
     return layouts
 
 

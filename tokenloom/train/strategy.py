@@ -297,10 +297,10 @@ class Strategy:
         return total / self.num_micro, norm
 
     def _finish_grads_and_step(self) -> torch.Tensor:
-        """After the schedule: DDP's dp averages (launched during it, waited for here), the
-        sequence-parallel and tied-embedding sums, then ZeRO-1's step, or clipping and the
-        optimizer step. The sums are linear, so running them after the dp average changes
-        only rounding."""
+        """After the schedule: the dp averages (DDP's or ZeRO-1's buckets, launched during it,
+        waited for here), the sequence-parallel and tied-embedding sums (ZeRO-1: on its reduced
+        shard), then clipping and the optimizer step (ZeRO-1 clips in its step). The sums are
+        linear, so running them after the dp average changes only rounding."""
         cfg, st = self.cfg, self.state
         if cfg.zero1:  # the sums on the reduced shard: each rank sums only the pieces it steps
             self.optimizer.finish_grad_sync()

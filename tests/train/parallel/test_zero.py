@@ -206,3 +206,20 @@ def test_groups_with_other_hyperparameters_are_refused():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(TokenloomError, match="only 'params' and 'weight_decay'.*'lr'"):
         ZeroAdamW([{"params": [p], "lr": 0.1}])
+
+
+def test_own_bucket_parameters_are_cut_out_alone_and_all_reduce_grads_needs_a_reduction():
+    """``own_bucket``: each flagged parameter is a bucket of its own, the others stay in order around
+    it (one rank: one piece per bucket, its whole size); ``all_reduce_grads`` only after the reduction."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (10, 20, 30, 40)]
+    alone = {id(params[1]), id(params[3])}
+    opt = ZeroAdamW(params, own_bucket=lambda p: id(p) in alone)
+    assert [m.numel() for m in opt.main_shards] == [10, 20, 30, 40]
+    assert [m.numel() for m in ZeroAdamW([torch.nn.Parameter(p.detach().clone()) for p in params]).main_shards] == [100]
+    with pytest.raises(TokenloomError, match="call finish_grad_sync"):
+        opt.all_reduce_grads(params[1:2], None)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.finish_grad_sync()
+    opt.all_reduce_grads([], None)  # nothing held: no collective (none exists here)
+    opt.step()
