@@ -128,12 +128,12 @@ class GigatokenEngine:
             return re.compile(f"[{re.escape(''.join(sorted(chars)))}{extra}]") if chars or extra else None
 
         chars = set(escape_chars)
-        astral = {c for c in chars if ord(c) > 0xFFFF}
-        self._ascii_chars = char_class({c for c in chars if c.isascii()})
-        self._latin1_chars = char_class({c for c in chars if ord(c) <= 0xFF})
-        self._bmp_chars = char_class({c for c in chars if ord(c) <= 0xFFFF})
-        self._wide_chars = char_class(chars - astral, "\U00010000-\U0010ffff" if astral else "")
-        self._astral_chars = char_class(astral)
+        bmp = {c for c in chars if ord(c) <= 0xFFFF}
+        self._ascii_chars = char_class({c for c in bmp if c.isascii()})
+        self._latin1_chars = char_class({c for c in bmp if ord(c) <= 0xFF})
+        self._bmp_chars = char_class(bmp)
+        self._wide_chars = char_class(bmp, "\U00010000-\U0010ffff" if chars - bmp else "")
+        self._astral_chars = char_class(chars - bmp)
 
     def escaped(self, text: str) -> bool:
         """Does ``text`` hold an escape string or character (then the reference engine encodes it)?"""

@@ -304,12 +304,11 @@ class Strategy:
         cfg, st = self.cfg, self.state
         if cfg.zero1:  # the sums on the reduced shard: each rank sums only the pieces it steps
             self.optimizer.finish_grad_sync()
-            params = [p for chunk in self.chunks for p in chunk.parameters()]
             if cfg.sp:
-                self.optimizer.all_reduce_grads([p for p in params if getattr(p, "sequence_parallel", False)],
+                self.optimizer.all_reduce_grads([p for p in self.params if getattr(p, "sequence_parallel", False)],
                                                 st.tp_group)
             if cfg.pp > 1:
-                self.optimizer.all_reduce_grads([p for p in params if _tied_embedding(p)], st.embedding_group)
+                self.optimizer.all_reduce_grads([p for p in self.params if _tied_embedding(p)], st.embedding_group)
             return self.optimizer.step()
         for ddp in self.ddps:  # tp/pp: wait for the buckets launched in each chunk's last backward
             ddp.finish_grad_sync()

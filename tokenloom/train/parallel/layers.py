@@ -60,7 +60,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train.parallel.mappings import (
     Group,
     all_gather_first_dim,
-    all_reduce,
+    all_reduce_in_place,
     copy_to_region,
     gather_from_region,
     reduce_from_region,
@@ -428,14 +428,8 @@ def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
     only this rank's tokens, so each rank holds a partial gradient. Call after backward,
     before the data-parallel reduction and the optimizer step.
     """
-    grads = [
-        p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None
-    ]
-    if not grads or _rank_world(group)[1] == 1:
-        return
-    summed = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
-    for grad, new in zip(grads, summed.split([g.numel() for g in grads]), strict=True):
-        grad.copy_(new.view_as(grad))
+    all_reduce_in_place([p.grad for p in module.parameters()
+                         if getattr(p, "sequence_parallel", False) and p.grad is not None], group)
 
 
 @dataclass(frozen=True)

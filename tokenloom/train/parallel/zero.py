@@ -117,6 +117,7 @@ from torch import nn
 from tokenloom.errors import TokenloomError
 from tokenloom.train.ddp import compute_bucket_assignment_by_size
 from tokenloom.train.optim import clip_coefficient, global_grad_norm
+from tokenloom.train.parallel.mappings import all_reduce_in_place
 
 
 class ZeroAdamW:
@@ -356,7 +357,7 @@ class ZeroAdamW:
     @torch.no_grad()
     def all_reduce_grads(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
         """Sum over ``group`` the reduced grads of ``params`` that this rank's shard holds (one
-        all-reduce; a collective over ``group`` whenever the shard holds any). Between
+        all-reduce; a collective over ``group`` whenever the shard holds any; None: one rank). Between
         :meth:`finish_grad_sync` and :meth:`step`: Megatron's sequence-parallel and
         tied-embedding sums after the dp reduction. Each rank of ``group`` must cut these
         parameters into the same pieces: the same layout (tp ranks), or the parameter in a
@@ -371,12 +372,7 @@ class ZeroAdamW:
             lo, hi = max(a, pc.start), min(b, pc.stop)
             if lo < hi:
                 held.append(self._grad_pieces[k][lo - pc.start : hi - pc.start])
-        if not held:
-            return
-        summed = torch.cat(held)
-        dist.all_reduce(summed, group=group)
-        for view, new in zip(held, summed.split([h.numel() for h in held]), strict=True):
-            view.copy_(new)
+        all_reduce_in_place(held, group)
 
     @torch.no_grad()
     def step(self) -> torch.Tensor | None:
