@@ -1,7 +1,7 @@
 """Step time, communication volume, optimizer state and pipeline bubble per (dp, tp, pp) layout (gloo ranks).
 
     .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
-        [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 16] [--bubble-micro-batches 8]
+        [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 16] [--bubble-micro-batches 4,8]
         [--bubble-steps 9] [--no-bubble | --bubble-only] [--no-rss | --rss-only]
 
 Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-1
@@ -29,24 +29,28 @@ oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``t
   bubble (:func:`~tokenloom.train.parallel.schedules.pipeline_bubble_fraction`,
   ``1 - sum(compute) / (pp x max(total))`` over the pipeline ranks: compute is each rank's
   time inside its stage forwards, losses and backwards, total the wall time of the
-  schedule on the slowest rank) against ``(p - 1) / (v M + p - 1)``, with its own model:
-  ``--bubble-d-model`` wide (512), ``--bubble-layers`` (16), ``--bubble-micro-batches``
-  (``M``, 8: theory 0.111 at pp 2, 0.059 at pp 2 x vpp 2) per pipeline, ``--bubble-steps``
-  timed steps, the median step's bubble and every step's reported. The theory holds for stages of
-  equal cost and free communication. A micro-batch of the main table's 64-wide model
-  computes in about a millisecond, as long as a gloo p2p round trip and the Python around
-  it, so there the ratio would measure the transport, not the schedule. At 512 wide a
-  layer's forward takes ~10 ms and the p2p transfers (posted early, waited for late: see
+  schedule on the slowest rank) against ``(p - 1) / (v M + p - 1)``, and the busiest rank's
+  idle share (``1 - max(compute) / max(total)``, the same for equal stages), with its own
+  model: ``--bubble-d-model`` wide (512), ``--bubble-layers`` (16), at each
+  ``--bubble-micro-batches`` (``M`` per pipeline, 4 and 8: theory 0.2 and 0.111 at pp 2, 0.111
+  and 0.059 at pp 2 x vpp 2), ``--bubble-steps`` timed steps, the median step's bubbles and
+  every step's pipeline-wide one reported. The theory holds for stages of equal cost and free
+  communication. A micro-batch of the main table's 64-wide model computes in about a
+  millisecond, as long as a gloo p2p round trip and the Python around it, so there the ratio
+  would measure the transport, not the schedule. At 512 wide a 4-layer chunk's forward takes
+  ~37 ms, its backward ~73 ms, and the p2p transfers (posted early, waited for late: see
   :mod:`tokenloom.train.parallel.p2p`) run under the next compute. 16 layers, not fewer,
-  because the theory is for equal stages and the last stage also runs the LM head and loss:
-  per micro-batch ~2 ms forward and ~3.5 ms backward (a per-op timeline of one step,
-  2026-11-26), ~10% of a 2-layer chunk at 8 layers (pp 2 x vpp 2: the last rank the
-  bottleneck, measured 1.4-2.0x theory there, 1.2-1.3x for 1F1B) and ~5% of a 4-layer
-  chunk at 16. What remains above theory: that imbalance, ~0.4 ms of Python and p2p
-  posting between ops on the bottleneck rank (12 ms of a 1 s interleaved step), 1F1B's
-  one p2p latency per micro-batch (at p = 2 a stage needs its neighbour's newest output
-  right after making its own), and on a shared box the time other processes take from a
-  rank: it moves single steps both ways (0.066-0.113 within one run), hence the median;
+  because the theory is for equal stages and the last stage also runs the LM head and loss
+  (~1.5 ms forward and ~3 ms backward per micro-batch, ~4% of a 4-layer chunk; ~10% of a
+  2-layer chunk at 8 layers, where interleaved read 1.4-2.0x theory). What remains above
+  theory at pp 2 x vpp 2 is about 0.02 of the step at M 4 and at M 8 alike (a per-op timeline
+  of the interleaved step, 2026-11-26, each step's measured op times replayed with free
+  communication): ~0.01 is the two ranks' unequal compute, which no schedule removes (the head,
+  and on this shared 2-core box one rank's ops running 1-5% slower than the other's for whole
+  steps), ~0.01 the transport (a message whose send was posted 40 ms earlier still waited
+  for: gloo's transport threads share the two cores with both ranks' compute) and the Python
+  between ops. A fixed excess weighs twice as much against M 8's theory as against M 4's. The
+  time other processes take from a rank moves single steps both ways, hence the median;
 * unless ``--no-rss`` (``--rss-only``: nothing else): the peak resident memory
   (``ru_maxrss``) of the largest rank after a warmup and one training step of a
   GPT-2-small shape (124 M parameters, vocab 50304, seq 128, micro-batch 1) at dp 2,
@@ -174,7 +178,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     batches = run.global_batches(trainer.data.train, eod=trainer.data.eod, consumed=0,
                                  total=(2 * args.steps + 1) * run.cfg.global_batch_size)
     run.train_step(next(batches))  # warmup
-    times, bubbles, start_bytes = [], [], counter.bytes
+    times, bubbles, busiest, start_bytes = [], [], [], counter.bytes
     for _ in range(args.steps):
         dist.barrier()
         t0 = time.perf_counter()
@@ -182,6 +186,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
         times.append(time.perf_counter() - t0)
         if pp > 1:
             bubbles.append(pipeline_bubble_fraction(run.last_stats, run.state.pp_group))
+            busiest.append(pipeline_bubble_fraction(run.last_stats, run.state.pp_group, busiest=True))
     comm = (counter.bytes - start_bytes) / args.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     silent = []  # the same steps with every collective and p2p a local no-op (the model is spoilt after)
@@ -198,7 +203,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         theory = theoretical_bubble_fraction(pp, run.num_micro, vpp or 1) if pp > 1 else 0.0
-        torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubbles": bubbles,
+        torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubbles": bubbles, "busiest": busiest,
                     "theory": theory, "num_micro": run.num_micro, "peak_rss": float(t[2]),
                     "state_bytes": float(t[3]), "silent_step_s": float(t[4])},
                    Path(out) / "result.pt")
@@ -251,8 +256,9 @@ def main() -> None:
     parser.add_argument("--bubble-only", action="store_true", help="only the pipeline-bubble table")
     parser.add_argument("--bubble-d-model", type=int, default=512, help="model width of the bubble table")
     parser.add_argument("--bubble-layers", type=int, default=16, help="layers of the bubble table's model")
-    parser.add_argument("--bubble-micro-batches", type=int, default=8,
-                        help="micro-batches per pipeline (M) in the bubble table")
+    parser.add_argument("--bubble-micro-batches", type=lambda s: [int(m) for m in s.split(",")], default=[4, 8],
+                        help="micro-batches per pipeline (M) in the bubble table, comma-separated: each "
+                             "pipelined layout is measured at each")
     parser.add_argument("--bubble-steps", type=int, default=9, help="timed steps per layout in the bubble table")
     parser.add_argument("--no-rss", dest="with_rss", action="store_false",
                         help="skip the peak-memory rows (a 124 M-parameter model on 2 ranks)")
@@ -276,7 +282,7 @@ def main() -> None:
         print_table(f"pipeline bubble on {args.world} gloo ranks, GPT {args.bubble_layers} layers x "
                     f"{args.bubble_d_model} wide, seq {args.seq_len}, micro-batch 2, median of "
                     f"{args.bubble_steps} steps (baseline: (p-1)/(vM+p-1), lower is better)",
-                    bubble_rows(args, pipelined))
+                    [row for m in args.bubble_micro_batches for row in bubble_rows(args, pipelined, m)])
     if args.with_rss and not args.bubble_only:
         print_table("peak RSS per rank, GPT-2 small (124 M parameters), 2 gloo ranks (baseline: dp2, tp1)",
                     rss_rows(args))
@@ -303,21 +309,25 @@ def main_rows(args, layouts: list[tuple]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def bubble_rows(args, layouts: list[tuple]) -> list[tuple[str, str, str, str]]:
-    """Per pipelined layout: the median step's bubble against theory, and every step's.
+def bubble_rows(args, layouts: list[tuple], micro_batches: int) -> list[tuple[str, str, str, str]]:
+    """Per pipelined layout, at ``micro_batches`` per pipeline: the median step's bubble against
+    theory, pipeline-wide and the busiest rank's, and every step's pipeline-wide bubble.
 
     The median, not the best step: on a shared box time taken from a rank during its compute
     counts as compute, so it can lower a step's bubble as well as raise it (steps read 0.084
     against a theory of 0.111), and the lowest of several steps reads below what the schedule
     gives."""
-    args = argparse.Namespace(**{**vars(args), "bubble": True, "steps": args.bubble_steps})
+    args = argparse.Namespace(**{**vars(args), "bubble": True, "steps": args.bubble_steps,
+                                 "bubble_micro_batches": micro_batches})
     rows = []
     for lay in layouts:
         r = measure(args, lay)
-        name, bubbles = layout_name(*lay), sorted(r["bubbles"])
-        median = statistics.median(bubbles)
-        rows.append((f"bubble, median step, vs (p-1)/(vM+p-1), M {r['num_micro']} ({name})", f"{median:.3f}",
+        name, bubbles = f"{layout_name(*lay)}, M {r['num_micro']}", sorted(r["bubbles"])
+        median, busiest = statistics.median(bubbles), statistics.median(r["busiest"])
+        rows.append((f"bubble, median step, vs (p-1)/(vM+p-1) ({name})", f"{median:.3f}",
                      f"{r['theory']:.3f}", f"{median / r['theory']:.2f}x"))
+        rows.append((f"busiest rank's idle share, median step, vs (p-1)/(vM+p-1) ({name})", f"{busiest:.3f}",
+                     f"{r['theory']:.3f}", f"{busiest / r['theory']:.2f}x"))
         rows.append((f"for information: bubble of each step, lowest to highest ({name})",
                      " ".join(f"{b:.3f}" for b in bubbles), "", ""))
     return rows

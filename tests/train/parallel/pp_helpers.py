@@ -119,6 +119,13 @@ def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, d
 # ---------------------------------------------------------------------- scenarios
 
 
+def bubble_fractions(rank: int) -> dict:
+    """Both bubbles of stats made up per rank: compute 1.0 / 1.2 s, totals 1.5 / 1.4 s."""
+    stats = schedules.PipelineStats(compute_s=[1.0, 1.2][rank], total_s=[1.5, 1.4][rank])
+    return {"pipeline": schedules.pipeline_bubble_fraction(stats, None),
+            "busiest": schedules.pipeline_bubble_fraction(stats, None, busiest=True)}
+
+
 def p2p_exchange(rank: int, numel: int) -> dict:
     """Both ranks send at the same time (each direction, then all four at once) with
     tensors big enough (numel floats) that an unpaired blocking send would stall."""
@@ -272,8 +279,9 @@ def schedule_trace(rank: int, *, runs: list[tuple[str, int, int]]) -> dict:
     post, wait = p2p.post, p2p.Incoming.wait
     log: list = []
 
-    def traced_post(comm, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
-        got = post(comm, send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next)
+    def traced_post(comm, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False, background=True):
+        got = post(comm, send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next,
+                   background=background)
         sends = [(rank, comm.next_rank, "act")] if send_next is not None else []
         sends += [(rank, comm.prev_rank, "grad")] if send_prev is not None else []
         receives = []
@@ -559,4 +567,5 @@ SCENARIOS = {
     "zero_overlap_checkpoint": zero_overlap_checkpoint,
     "zero_compiled_blocks": zero_compiled_blocks,
     "eval_pipeline": eval_pipeline,
+    "bubble_fractions": bubble_fractions,
 }

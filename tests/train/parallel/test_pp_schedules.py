@@ -41,8 +41,9 @@ def pp2(tmp_path_factory):
     scenarios += [("train_pipeline", kw) for kw in RUNS.values()]
     scenarios += [("schedule_trace", {"runs": TRACES})]
     scenarios += [("eval_pipeline", {"n_layers": 4, "chunks": c, "num_micro": 4}) for c in (1, 2)]
+    scenarios += [("bubble_fractions", {})]
     results = launch(scenarios, 2, tmp_path_factory.mktemp("pp2"))
-    names = ["p2p", *RUNS, "trace", "eval_1f1b", "eval_interleaved"]
+    names = ["p2p", *RUNS, "trace", "eval_1f1b", "eval_interleaved", "bubbles"]
     return [dict(zip(names, per_rank, strict=True)) for per_rank in results]
 
 
@@ -219,6 +220,14 @@ def test_interleaved_transfers_run_under_compute(pp2):
         traces = traced(pp2, "interleaved", 2, m)
         extra = simulate(traces, 1.0, 2.0, 2, latency)[0] - simulate(traces, 1.0, 2.0, 2)[0]
         assert extra == pytest.approx(2 * (2 * 2 - 1) * latency), (m, extra)
+
+
+@pytest.mark.slow
+def test_bubble_fractions_pipeline_wide_and_of_the_busiest_rank(pp2):
+    """Pipeline-wide: 1 - (1.0 + 1.2) / (2 x 1.5); the busiest rank's: 1 - 1.2 / 1.5."""
+    for res in pp2:
+        assert res["bubbles"]["pipeline"] == pytest.approx(1 - 2.2 / 3.0)
+        assert res["bubbles"]["busiest"] == pytest.approx(1 - 1.2 / 1.5)
 
 
 @pytest.mark.slow

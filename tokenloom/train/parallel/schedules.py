@@ -104,7 +104,8 @@ def theoretical_bubble_fraction(pp_size: int, num_microbatches: int, num_chunks:
     return (pp_size - 1) / (num_chunks * num_microbatches + pp_size - 1)
 
 
-def pipeline_bubble_fraction(stats: PipelineStats, pp_group: dist.ProcessGroup | None) -> float:
+def pipeline_bubble_fraction(stats: PipelineStats, pp_group: dist.ProcessGroup | None, *,
+                             busiest: bool = False) -> float:
     """Pipeline-wide bubble of one run (collective over ``pp_group``):
     ``1 - sum(compute) / (pp_size * max(total))``.
 
@@ -113,13 +114,20 @@ def pipeline_bubble_fraction(stats: PipelineStats, pp_group: dist.ProcessGroup |
     end: the last stage finishes ``(p - 1)`` backwards earlier than the first and its
     own ``wait / (wait + compute)`` reads low. Equals ``(p - 1) / (v * M + p - 1)``
     for equal stages and free communication.
+
+    ``busiest``: ``1 - max(compute) / max(total)`` instead, the share of the step that the rank
+    with the most compute spends not computing (the Megatron paper's bubble time over the
+    step, with the busiest stage's compute as the ideal step). Equal to the pipeline-wide
+    one for equal stages; for unequal ones (the last stage also runs the head and loss) the
+    pipeline-wide bubble also counts the idle their difference forces on the lighter ranks,
+    which no schedule removes, and this one does not.
     """
     device = stats_device(pp_group)
     compute = torch.tensor([stats.compute_s], dtype=torch.float64, device=device)
     total = torch.tensor([stats.total_s], dtype=torch.float64, device=device)
-    dist.all_reduce(compute, group=pp_group)
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX if busiest else dist.ReduceOp.SUM, group=pp_group)
     dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
-    return 1.0 - compute.item() / (dist.get_world_size(pp_group) * total.item())
+    return 1.0 - compute.item() / ((1 if busiest else dist.get_world_size(pp_group)) * total.item())
 
 
 def stats_device(group: dist.ProcessGroup | None) -> torch.device:
