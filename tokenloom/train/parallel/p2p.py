@@ -51,11 +51,12 @@ Choices and their costs:
   on a loaded 2-core box that thread loses its core to compute and a post then blocked the
   compute thread 2-12 ms, 30-90 ms of a 1.9 s interleaved step on the last rank, whose
   compute is the pipeline's critical path (measured bubble, pp 2 x vpp 2, M 8: median
-  0.075 instead of 0.081-0.097). The price: a thread per pipeline, one hand-off per post (~0.1 ms) and, when a
-  post fails, the error surfaces at the wait for one of its works, not at the post. 1F1B posts
-  inline because it waits at once: the hand-off would only add to each message's latency
-  (1.12x theory against 1.06-1.09x). NCCL posts are inline (they enqueue on a CUDA stream and
-  do not block; the thread would also need the CUDA device and stream set up).
+  0.075 instead of 0.081-0.097). The price: a thread per pipeline, one hand-off per post
+  (~0.1 ms) and, when a post fails, the error surfaces at the wait for one of its works, not
+  at the post. 1F1B posts inline because it waits at once: the hand-off would only add to
+  each message's latency (1.12-1.15x theory against 1.06-1.09x). NCCL posts are inline (they
+  enqueue on a CUDA stream and do not block; the thread would also need the CUDA device and
+  stream set up).
 * **Coalesced works.** On NCCL ``batch_isend_irecv`` returns one work for the whole
   batch (gloo: one per op); then every handle of the batch waits on that one.
 * Time spent inside p2p calls (posting, waiting for receives, final send waits) is
@@ -127,7 +128,7 @@ class P2PComm:
             raise TokenloomError("this process is not a member of the given pipeline group")
         size = len(ranks)
         return cls(
-            poster=None if dist.get_backend(pp_group) == "nccl" else Poster(),
+            poster=None if "nccl" in str(dist.get_backend(pp_group)) else Poster(),
             group=pp_group,
             pp_rank=me,
             pp_size=size,
