@@ -63,7 +63,7 @@ from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB
 from tokenloom.train.model import GPT, pipeline_stage
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
-from tokenloom.train.parallel.layers import TensorParallel, sync_sequence_parallel_grads
+from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 from tokenloom.train.parallel.schedules import (
@@ -71,6 +71,7 @@ from tokenloom.train.parallel.schedules import (
     allreduce_tied_embedding_grads,
     forward_backward,
     get_schedule,
+    is_tied_embedding,
 )
 from tokenloom.train.parallel.state import ParallelState
 from tokenloom.train.parallel.zero import ZeroAdamW
@@ -109,11 +110,6 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
     if cfg.overlap_param_gather is not None and not cfg.zero1:
         raise TokenloomError("overlap_param_gather applies to zero1 (without it every rank steps its full "
                              "parameters, nothing is gathered); leave it unset or set zero1=true")
-
-
-def _tied_embedding(param: nn.Parameter) -> bool:
-    """A copy of the tied embedding (first stage's table, last stage's head) under pipeline parallelism."""
-    return bool(getattr(param, "shared_embedding", False))
 
 
 class Strategy:
@@ -211,7 +207,7 @@ class Strategy:
                          overlap_grad_reduce=cfg.overlap_grad_reduce is not False,
                          overlap_param_gather=cfg.overlap_param_gather is not False,
                          modules=self.chunks,
-                         own_bucket=_tied_embedding if cfg.pp > 1 else None)
+                         own_bucket=is_tied_embedding if cfg.pp > 1 else None)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         return counts_in_grad_norm(p, self.state.tp_rank)
@@ -305,10 +301,9 @@ class Strategy:
         if cfg.zero1:  # the sums on the reduced shard: each rank sums only the pieces it steps
             self.optimizer.finish_grad_sync()
             if cfg.sp:
-                self.optimizer.all_reduce_grads([p for p in self.params if getattr(p, "sequence_parallel", False)],
-                                                st.tp_group)
+                self.optimizer.all_reduce_grads([p for p in self.params if is_sequence_parallel(p)], st.tp_group)
             if cfg.pp > 1:
-                self.optimizer.all_reduce_grads([p for p in self.params if _tied_embedding(p)], st.embedding_group)
+                self.optimizer.all_reduce_grads([p for p in self.params if is_tied_embedding(p)], st.embedding_group)
             return self.optimizer.step()
         for ddp in self.ddps:  # tp/pp: wait for the buckets launched in each chunk's last backward
             ddp.finish_grad_sync()

@@ -421,6 +421,11 @@ class VocabParallelEmbedding(nn.Module):
         )
 
 
+def is_sequence_parallel(param: nn.Parameter) -> bool:
+    """A replicated parameter tagged ``sequence_parallel``: its grad is partial on each tp rank."""
+    return bool(getattr(param, "sequence_parallel", False))
+
+
 def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
     """Sum over tp the grads of replicated params tagged ``sequence_parallel`` (one all-reduce).
 
@@ -428,8 +433,8 @@ def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
     only this rank's tokens, so each rank holds a partial gradient. Call after backward,
     before the data-parallel reduction and the optimizer step.
     """
-    all_reduce_in_place([p.grad for p in module.parameters()
-                         if getattr(p, "sequence_parallel", False) and p.grad is not None], group)
+    all_reduce_in_place([p.grad for p in module.parameters() if is_sequence_parallel(p) and p.grad is not None],
+                        group)
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,7 @@ class _Posted:
         self.batch, self.index = batch, index
 
     def _work(self):
-        works = self.batch.result()
-        return works[0] if len(works) == 1 else works[self.index]
+        return self.batch.result()[self.index]  # gloo: one work per op (NCCL never posts here)
 
     def wait(self) -> bool:
         return self._work().wait()

@@ -444,6 +444,12 @@ def _arrived(t: torch.Tensor | p2p.Incoming | None) -> torch.Tensor | None:
 # ---------------------------------------------------------------------- gradient finalisation
 
 
+def is_tied_embedding(param: nn.Parameter) -> bool:
+    """A copy of the tied embedding tagged ``shared_embedding`` (the first stage's table, the
+    last stage's head) under pipeline parallelism."""
+    return bool(getattr(param, "shared_embedding", False))
+
+
 def allreduce_tied_embedding_grads(
     stages: nn.Module | Sequence[nn.Module], embedding_group: dist.ProcessGroup | None
 ) -> None:
@@ -457,7 +463,7 @@ def allreduce_tied_embedding_grads(
     modules = list(stages) if isinstance(stages, (Sequence, nn.ModuleList)) else [stages]
     for module in modules:
         for param in module.parameters():
-            if getattr(param, "shared_embedding", False):
+            if is_tied_embedding(param):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 dist.all_reduce(param.grad, group=embedding_group)
