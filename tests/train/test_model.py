@@ -148,3 +148,19 @@ def test_documents_attend_alone(arch, kernels):
         plain = model(tokens)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(plain[:, 5:], alone[:, 5:], atol=1e-3)  # without masking they differ
+
+
+def test_the_document_mask_is_built_once_per_forward(monkeypatch):
+    """Every block of one forward takes the mask the model built before them (a mask built
+    per layer would repeat the work in each, and inside compiled blocks)."""
+    import tokenloom.train.kernels.attention as attention_module
+    import tokenloom.train.model as model_module
+
+    built = []
+    real = attention_module.document_attention_mask
+    for module in (model_module, attention_module):  # the model's call and any layer's
+        monkeypatch.setattr(module, "document_attention_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layers=3, n_heads=2, d_model=32))
+    cu_seqlens = torch.tensor([[0, 5, 16] + [16] * 14], dtype=torch.int32)
+    model(torch.zeros(1, 16, dtype=torch.long), documents=cu_seqlens, positions=torch.zeros(1, 16, dtype=torch.long))
+    assert len(built) == 1

@@ -93,7 +93,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.kernels import KernelSet, attention_sdpa, select_kernels
+from tokenloom.train.kernels import (
+    KernelSet,
+    attention_sdpa,
+    document_attention_mask,
+    flex_usable,
+    select_kernels,
+)
 from tokenloom.train.parallel.layers import TensorParallel, shard
 from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
 from tokenloom.train.parallel.random import checkpoint as tp_checkpoint
@@ -241,7 +247,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [B, T, d] (or [T/tp, B, d] under sequence parallelism); ``documents``: the
-        batch's ``cu_seqlens`` (attention stays within each document). Returns the output
+        forward's document mask, or the batch's ``cu_seqlens`` (attention stays within each
+        document; see ``kernels.document_attention_mask``). Returns the output
         projection with its bias added (reference kernels), or without it and the bias."""
         qkv = self.qkv(x)
         if self.tp.sp:  # [T, B, ...] after the sequence all-gather
@@ -552,8 +559,14 @@ class GPT(nn.Module):
         Document-isolated attention (``data.inter_document_masking``): ``documents`` is the
         batch's ``cu_seqlens`` [batch, seq + 1] and ``positions`` its position ids [batch,
         seq], restarting at each document (learned position embeddings and RoPE use them).
+        The attention mask is built from them once per forward, before the (possibly
+        compiled) blocks, which all take it.
         """
         x = self.embed(tokens, positions) if self.pre else hidden
+        seq = positions if positions is not None else tokens
+        if documents is not None and seq is not None:  # one mask for every block of this forward
+            dropout = self.cfg.dropout if self.training else 0.0
+            documents = document_attention_mask(documents, seq.shape[-1], flex=flex_usable(x.device, dropout))
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
         if rope is not None and positions is not None:
             rope = (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))

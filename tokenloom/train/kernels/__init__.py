@@ -16,7 +16,7 @@ only when installed). :func:`select_kernels` picks one per device and returns a
 :class:`KernelSet`; see :mod:`.selector` for the rules.
 """
 
-from .attention import attention_reference, attention_sdpa
+from .attention import attention_reference, attention_sdpa, document_attention_mask, flex_usable
 from .bias_dropout_add import bias_dropout_add_reference
 from .bias_gelu import bias_gelu_reference
 from .cross_entropy import chunked_cross_entropy, cross_entropy_reference
@@ -32,6 +32,8 @@ __all__ = [
     "KernelSet",
     "attention_reference",
     "attention_sdpa",
+    "document_attention_mask",
+    "flex_usable",
     "bias_dropout_add_reference",
     "bias_gelu_reference",
     "chunked_cross_entropy",

@@ -6,13 +6,17 @@ attention: every :class:`~.selector.KernelSet` uses :func:`attention_sdpa`.
 :func:`attention_reference` is the textbook softmax(QK^T / sqrt(d)) V that materialises
 the ``[batch, heads, seq, seq]`` scores; it exists as the test oracle, not for training.
 
-Document-isolated attention (``documents=cu_seqlens``, megatron-core's inter-document
-masking): a query attends to earlier keys of its own document only. Each row of
-``cu_seqlens`` ([batch, seq + 1], int32, padded with ``seq``) becomes a document id per
-position, and SDPA gets the boolean mask ``causal & same document`` ([batch, 1, seq, seq];
-SDPA then uses its memory-efficient or math kernel instead of flash). On CUDA with
-``torch.nn.attention.flex_attention`` the same rule is a block mask instead, which skips
-whole blocks across documents and never materialises ``seq x seq``.
+Document-isolated attention (``documents``, megatron-core's inter-document masking): a
+query attends to earlier keys of its own document only. Each row of ``cu_seqlens``
+([batch, seq + 1], int32, padded with ``seq``) becomes a document id per position, and
+:func:`document_attention_mask` turns them into the mask every layer of one forward
+shares (the model builds it once per micro-batch, outside any compiled block):
+
+* on CUDA without dropout, a flex-attention ``BlockMask`` (:func:`document_block_mask`),
+  run by one ``torch.compile``'d ``flex_attention``: whole 128 x 128 tiles across
+  documents are skipped and ``seq x seq`` is never materialised;
+* elsewhere, the boolean ``causal & same document`` mask ([batch, 1, seq, seq]) for SDPA
+  (which then uses its memory-efficient or math kernel instead of flash).
 
 Grouped-query attention (fewer K/V heads than Q heads) repeats K/V with
 ``repeat_interleave``: this costs ``heads / kv_heads`` copies of K and V but works on
@@ -27,6 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from ._common import upcast
+
+try:  # torch >= 2.5
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # older torch: document masking takes the dense mask everywhere
+    BlockMask = flex_attention = None
 
 
 def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,16 +62,77 @@ def document_mask(cu_seqlens: torch.Tensor, seq: int) -> torch.Tensor:
     return (docs[:, :, None] == docs[:, None, :]).logical_and_(causal).unsqueeze(1)
 
 
-def _flex_documents(q, k, v, cu_seqlens, scale):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+FLEX_BLOCK = 128
+"""Tile edge of :func:`document_block_mask` (flex attention's default block size)."""
 
-    docs = document_ids(cu_seqlens, q.shape[-2])
 
-    def rule(b, h, qi, ki):
-        return (qi >= ki) & (docs[b, qi] == docs[b, ki])
+def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BLOCK):
+    """The ``causal & same document`` rule as a flex-attention ``BlockMask``, built from
+    each tile's first and last document id: O(batch x (seq / block)^2) work and memory.
 
-    mask = create_block_mask(rule, q.shape[0], None, q.shape[-2], k.shape[-2], device=q.device)
-    return flex_attention(q, k, v, block_mask=mask, scale=scale)
+    Document ids never decrease along a row, so for a key tile ``j`` before a query tile
+    ``i`` the two share a document exactly when ``last[j] == first[i]`` (the tile pair is
+    then partial) and every pair attends when ``first[j] == last[i]`` (full: the kernel
+    skips the mask); the diagonal tile is partial (causal), later tiles are empty.
+
+    Written here rather than taken from ``create_block_mask``: that one evaluates the rule
+    on every ``seq x seq`` pair (eagerly: ``batch x seq^2`` booleans per call), and its
+    compiled form, traced inside our compiled blocks, made an illegal memory access on
+    CUDA (torch 2.11, H200, the first evaluation of a ``compile: true`` run). The mask's
+    rule (``mask_mod``) reads ids padded to whole tiles, so no index is ever out of range.
+    """
+    batch, tiles = cu_seqlens.shape[0], -(-seq // block)
+    docs = document_ids(cu_seqlens, seq)
+    padded = torch.full((batch, tiles * block), -1, dtype=docs.dtype, device=docs.device)
+    padded[:, :seq] = docs
+    first = padded[:, ::block]  # [batch, tiles]
+    last = docs[:, torch.clamp(torch.arange(1, tiles + 1, device=docs.device) * block, max=seq) - 1]
+    earlier = torch.ones(tiles, tiles, dtype=torch.bool, device=docs.device).tril(-1)  # key tile j < query tile i
+    shared = earlier & (last[:, None, :] == first[:, :, None])  # [batch, i, j]
+    whole = torch.ones(tiles, dtype=torch.bool, device=docs.device)
+    whole[-1] = seq % block == 0  # a tile cut by the sequence's end is never full
+    full = shared & (first[:, None, :] == last[:, :, None]) & whole[None, :, None]
+    partial = (shared & ~full) | torch.eye(tiles, dtype=torch.bool, device=docs.device)
+
+    def blocks(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = keep.sum(-1, dtype=torch.int32)[:, None]  # [batch, 1 head, tiles]
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
+        return count, order  # kept tiles first, in ascending order
+
+    def rule(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (padded[b, q_idx] == padded[b, kv_idx])
+
+    return BlockMask.from_kv_blocks(*blocks(partial), *blocks(full), BLOCK_SIZE=block, mask_mod=rule,
+                                    seq_lengths=(seq, seq))
+
+
+def flex_usable(device: torch.device, dropout_p: float) -> bool:
+    """Whether document masking runs on flex attention: CUDA (its fused kernel is Triton's),
+    no dropout (flex has none) and a torch that has it."""
+    return device.type == "cuda" and not dropout_p and flex_attention is not None
+
+
+def document_attention_mask(cu_seqlens: torch.Tensor, seq: int, *, flex: bool):
+    """The mask of ``cu_seqlens`` that :func:`attention_sdpa` takes as ``documents``: a
+    ``BlockMask`` when ``flex`` (see :func:`flex_usable`), else the dense boolean mask.
+    Build it once per forward and give it to every layer."""
+    return document_block_mask(cu_seqlens, seq) if flex else document_mask(cu_seqlens, seq)
+
+
+_COMPILED_FLEX = None
+"""``flex_attention`` compiled, made by the first eager call that needs it."""
+
+
+def _compiled_flex_attention():
+    """``flex_attention`` compiled once per process: uncompiled it runs an unfused reference
+    that materialises the scores (torchtitan compiles it the same way). For eager callers
+    only: inside a compiled block :func:`attention_sdpa` calls ``flex_attention`` itself, as
+    torch 2.11 split the block's graph at a nested compiled function (seen on CUDA with
+    ``TORCH_LOGS=recompiles``: flex and two resumed halves of the block compiled apart)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
 
 
 def attention_sdpa(
@@ -75,19 +145,23 @@ def attention_sdpa(
     documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim];
-    ``documents``: optional ``cu_seqlens`` [batch, seq + 1] (causal within each document)."""
+    ``documents``: optional, causal within each document: a :func:`document_attention_mask`
+    (a ``BlockMask`` or the dense boolean mask), or the ``cu_seqlens`` [batch, seq + 1] it
+    is built from here."""
     k, v = _expand_kv(q, k, v)
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
     if not causal:
         raise ValueError("document masking is causal")
-    if q.device.type == "cuda" and not dropout_p:
-        try:
-            return _flex_documents(q, k, v, documents, scale)
-        except ImportError:  # torch without flex_attention: the dense mask below
-            pass
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, q.shape[-2]),
-                                          dropout_p=dropout_p, scale=scale)
+    if isinstance(documents, torch.Tensor) and documents.dtype != torch.bool:  # cu_seqlens
+        documents = document_attention_mask(documents, q.shape[-2], flex=flex_usable(q.device, dropout_p))
+    if isinstance(documents, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=documents, dropout_p=dropout_p, scale=scale)
+    if dropout_p:
+        raise ValueError("flex attention has no dropout: build the documents' dense mask for dropout")
+    if torch.compiler.is_compiling():  # inside a compiled block: dynamo captures flex itself
+        return flex_attention(q, k, v, block_mask=documents, scale=scale)
+    return _compiled_flex_attention()(q, k, v, block_mask=documents, scale=scale)
 
 
 def attention_reference(
