@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU acceptance check (issue 15). On a machine with CUDA it runs, in order:
 #   1. the gpu-marked tests (Triton kernels compiled on the device against their
-#      references, the fused loss, the kernel selector; every layout through cli.py on
-#      NCCL when 2 or more GPUs are visible, 4-rank layouts when 4 are);
+#      references, the fused loss, the kernel selector, flex document attention; one-GPU
+#      cli.py train runs (compile, document masking, a one-rank NCCL ZeRO-1 launch) against
+#      the same run on the CPU; every layout through cli.py on NCCL when 2 or more GPUs are
+#      visible, 4-rank layouts when 4 are);
 #   2. the whole kernels test directory on the device (references vs compiled/Triton);
 #   3. a bf16 run of a ~1B-parameter GPT against the plain eager loop, writing the GPU
 #      rows (tokens/s, MFU) of bench/RESULTS.md (bench/run_all.py --gpu).

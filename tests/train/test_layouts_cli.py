@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
 from compose_helpers import checkpoint_params, read_losses, tiny_cfg  # noqa: E402
-from tl_testing import run_cli  # noqa: E402
+from tl_testing import cli_env, run_cli  # noqa: E402
 
 from tokenloom.train.config import config_to_dict  # noqa: E402
 
@@ -35,13 +35,16 @@ LAYOUTS = {
 }
 
 
-def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str]):
+def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str], env: dict | None = None,
+          device: str | None = None) -> Path:
+    """Run ``cli.py train`` on the tiny config; ``device``: the start-up summary must name it."""
     config = tmp_path / f"{name}.json"
     out = tmp_path / name
     config.write_text(json.dumps(config_to_dict(tiny_cfg(out, save_interval=None))))
     launch = ["--nproc-per-node", str(ranks)] if ranks else []
-    done = run_cli("train", "--config", config, *launch, *flags, timeout=280)
+    done = run_cli("train", "--config", config, *launch, *flags, timeout=280, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert device is None or f"rank(s) on {device}" in done.stdout, done.stdout[:2000]
     return out
 
 
@@ -99,3 +102,30 @@ def test_layout_on_nccl_equals_one_gpu(tmp_path, name):
     losses = read_losses(train(tmp_path, name, ranks, [*flags, *fp32]) / "metrics.jsonl")
     assert len(losses) == len(ref) == 20
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < GPU_TOL
+
+
+# On one GPU (scripts/gpu-check.sh): what a user with one GPU runs, through cli.py, fp32, against
+# the eager one-process run of the same model on the CPU (CUDA hidden); the tiny config
+# evaluates at step 10 and at the end. name -> (ranks, GPU flags, the CPU run's flags)
+COMPILE, DOCS = ["--set", "compile=true"], ["--set", "data.inter_document_masking=true"]
+ONE_GPU_RUNS = {
+    "plain": (None, [], []),
+    "compile": (None, COMPILE, []),
+    "documents": (None, DOCS, DOCS),  # flex attention with the document BlockMask; SDPA's dense mask on CPU
+    "compile_documents": (None, [*COMPILE, *DOCS], DOCS),  # flex captured inside the compiled blocks
+    "torchrun_zero1": (1, ["--zero1"], []),  # a one-rank NCCL group: every collective gets CUDA tensors
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(ONE_GPU_RUNS))
+def test_one_gpu_run_equals_the_cpu_run(tmp_path, name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    ranks, flags, cpu_flags = ONE_GPU_RUNS[name]
+    fp32 = ["--set", "precision=fp32"]
+    cpu = train(tmp_path, "cpu", None, [*cpu_flags, *fp32], env=dict(cli_env(), CUDA_VISIBLE_DEVICES=""), device="cpu")
+    gpu = train(tmp_path, name, ranks, [*flags, *fp32], device="cuda")
+    cpu_losses, gpu_losses = read_losses(cpu / "metrics.jsonl"), read_losses(gpu / "metrics.jsonl")
+    assert len(gpu_losses) == len(cpu_losses) == 20
+    assert max(abs(a - b) for a, b in zip(gpu_losses, cpu_losses, strict=True)) < GPU_TOL
