@@ -80,7 +80,7 @@ def test_compiled_blocks_with_documents_on_cuda_equal_eager():
     cu_seqlens = random_cu_seqlens(4, 256, torch.Generator().manual_seed(2)).cuda()
     tokens = torch.randint(0, 256, (4, 256), device="cuda")
     positions = torch.arange(256, device="cuda") - cu_seqlens[:, :-1].gather(
-        1, (document_ids(cu_seqlens, 256)).clamp(max=cu_seqlens.shape[1] - 2)).to(torch.int64)
+        1, document_ids(cu_seqlens, 256).clamp(max=cu_seqlens.shape[1] - 2)).to(torch.int64)
     for model in (eager, compiled):
         model.eval()
     with torch.no_grad():
