@@ -563,10 +563,10 @@ class GPT(nn.Module):
         compiled) blocks, which all take it.
         """
         x = self.embed(tokens, positions) if self.pre else hidden
-        seq = positions if positions is not None else tokens
-        if documents is not None and seq is not None:  # one mask for every block of this forward
+        per_token = positions if positions is not None else tokens  # [batch, seq]
+        if documents is not None and per_token is not None:  # one mask for every block of this forward
             dropout = self.cfg.dropout if self.training else 0.0
-            documents = document_attention_mask(documents, seq.shape[-1], flex=flex_usable(x.device, dropout))
+            documents = document_attention_mask(documents, per_token.shape[-1], flex=flex_usable(x.device, dropout))
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
         if rope is not None and positions is not None:
             rope = (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))

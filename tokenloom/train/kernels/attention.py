@@ -25,6 +25,7 @@ every torch >= 2.4 (``enable_gqa`` needs 2.5).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -66,7 +67,7 @@ FLEX_BLOCK = 128
 """Tile edge of :func:`document_block_mask` (flex attention's default block size)."""
 
 
-def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BLOCK):
+def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BLOCK) -> BlockMask:
     """The ``causal & same document`` rule as a flex-attention ``BlockMask``, built from
     each tile's first and last document id: O(batch x (seq / block)^2) work and memory.
 
@@ -85,7 +86,7 @@ def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BL
     docs = document_ids(cu_seqlens, seq)
     padded = torch.full((batch, tiles * block), -1, dtype=docs.dtype, device=docs.device)
     padded[:, :seq] = docs
-    first = padded[:, ::block]  # [batch, tiles]
+    first = docs[:, ::block]  # [batch, tiles]
     last = docs[:, torch.clamp(torch.arange(1, tiles + 1, device=docs.device) * block, max=seq) - 1]
     earlier = torch.ones(tiles, tiles, dtype=torch.bool, device=docs.device).tril(-1)  # key tile j < query tile i
     shared = earlier & (last[:, None, :] == first[:, :, None])  # [batch, i, j]
@@ -112,27 +113,21 @@ def flex_usable(device: torch.device, dropout_p: float) -> bool:
     return device.type == "cuda" and not dropout_p and flex_attention is not None
 
 
-def document_attention_mask(cu_seqlens: torch.Tensor, seq: int, *, flex: bool):
+def document_attention_mask(cu_seqlens: torch.Tensor, seq: int, *, flex: bool) -> torch.Tensor | BlockMask:
     """The mask of ``cu_seqlens`` that :func:`attention_sdpa` takes as ``documents``: a
     ``BlockMask`` when ``flex`` (see :func:`flex_usable`), else the dense boolean mask.
     Build it once per forward and give it to every layer."""
     return document_block_mask(cu_seqlens, seq) if flex else document_mask(cu_seqlens, seq)
 
 
-_COMPILED_FLEX = None
-"""``flex_attention`` compiled, made by the first eager call that needs it."""
-
-
+@functools.cache
 def _compiled_flex_attention():
     """``flex_attention`` compiled once per process: uncompiled it runs an unfused reference
     that materialises the scores (torchtitan compiles it the same way). For eager callers
     only: inside a compiled block :func:`attention_sdpa` calls ``flex_attention`` itself, as
     torch 2.11 split the block's graph at a nested compiled function (seen on CUDA with
     ``TORCH_LOGS=recompiles``: flex and two resumed halves of the block compiled apart)."""
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def attention_sdpa(
@@ -142,7 +137,7 @@ def attention_sdpa(
     causal: bool = True,
     dropout_p: float = 0.0,
     scale: float | None = None,
-    documents: torch.Tensor | None = None,
+    documents: torch.Tensor | BlockMask | None = None,
 ) -> torch.Tensor:
     """q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim];
     ``documents``: optional, causal within each document: a :func:`document_attention_mask`
