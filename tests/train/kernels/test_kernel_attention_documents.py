@@ -184,3 +184,18 @@ def test_a_compiled_block_takes_the_block_mask_in_one_graph():
         got = torch.compile(block)(x, None, document_attention_mask(cu_seqlens, 256, flex=True))
         want = block(x, None, document_attention_mask(cu_seqlens, 256, flex=False))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_both_masks_are_made_on_the_device_of_cu_seqlens():
+    """With the default device set to meta, every tensor of both masks is still on
+    ``cu_seqlens``' device (none is made without naming it)."""
+    from tokenloom.train.kernels.attention import document_attention_mask
+
+    cu_seqlens = random_cu_seqlens(2, 200, torch.Generator().manual_seed(4))
+    with torch.device("meta"):
+        dense = document_attention_mask(cu_seqlens, 200, flex=False)
+        block = document_attention_mask(cu_seqlens, 200, flex=True)
+    tensors = [dense, block.kv_num_blocks, block.kv_indices, block.full_kv_num_blocks, block.full_kv_indices,
+               block.q_num_blocks, block.q_indices]
+    assert {t.device.type for t in tensors} == {"cpu"}
+    assert elementwise(block, 200).equal(dense[:, 0])
