@@ -1,7 +1,7 @@
 """Step time, communication volume, optimizer state and pipeline bubble per (dp, tp, pp) layout (gloo ranks).
 
     .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
-        [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 16] [--bubble-micro-batches 4,8]
+        [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 32] [--bubble-micro-batches 4,8]
         [--bubble-steps 9] [--no-bubble | --bubble-only] [--no-rss | --rss-only]
 
 Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-1
@@ -29,28 +29,29 @@ oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``t
   bubble (:func:`~tokenloom.train.parallel.schedules.pipeline_bubble_fraction`,
   ``1 - sum(compute) / (pp x max(total))`` over the pipeline ranks: compute is each rank's
   time inside its stage forwards, losses and backwards, total the wall time of the
-  schedule on the slowest rank) against ``(p - 1) / (v M + p - 1)``, and the busiest rank's
-  idle share (``1 - max(compute) / max(total)``, the same for equal stages), with its own
-  model: ``--bubble-d-model`` wide (512), ``--bubble-layers`` (16), at each
+  schedule on the slowest rank) against ``(p - 1) / (v M + p - 1)``; the busiest rank's
+  idle share (``1 - max(compute) / max(total)``, the same for equal stages); and, for
+  information, how much more the busiest rank computed than the lightest (:func:`compute_spread`),
+  with its own model: ``--bubble-d-model`` wide (512), ``--bubble-layers`` (32), at each
   ``--bubble-micro-batches`` (``M`` per pipeline, 4 and 8: theory 0.2 and 0.111 at pp 2, 0.111
   and 0.059 at pp 2 x vpp 2), ``--bubble-steps`` timed steps, the median step's bubbles and
   every step's pipeline-wide one reported. The theory holds for stages of equal cost and free
   communication. A micro-batch of the main table's 64-wide model computes in about a
   millisecond, as long as a gloo p2p round trip and the Python around it, so there the ratio
-  would measure the transport, not the schedule. At 512 wide a 4-layer chunk's forward takes
-  ~37 ms, its backward ~73 ms, and the p2p transfers (posted early, waited for late: see
-  :mod:`tokenloom.train.parallel.p2p`) run under the next compute. 16 layers, not fewer,
-  because the theory is for equal stages and the last stage also runs the LM head and loss
-  (~1.5 ms forward and ~3 ms backward per micro-batch, ~4% of a 4-layer chunk; ~10% of a
-  2-layer chunk at 8 layers, where interleaved read 1.4-2.0x theory). What remains above
-  theory at pp 2 x vpp 2 is about 0.02 of the step at M 4 and at M 8 alike (a per-op timeline
-  of the interleaved step, 2026-11-26, each step's measured op times replayed with free
-  communication): ~0.01 is the two ranks' unequal compute, which no schedule removes (the head,
-  and on this shared 2-core box one rank's ops running 1-5% slower than the other's for whole
-  steps), ~0.01 the transport (a message whose send was posted 40 ms earlier still waited
-  for: gloo's transport threads share the two cores with both ranks' compute) and the Python
-  between ops. A fixed excess weighs twice as much against M 8's theory as against M 4's. The
-  time other processes take from a rank moves single steps both ways, hence the median;
+  would measure the transport, not the schedule. At 512 wide an 8-layer chunk's forward takes
+  ~75 ms, its backward ~150 ms, and the p2p transfers (posted early, waited for late: see
+  :mod:`tokenloom.train.parallel.p2p`) run under the next compute. What keeps a measured
+  bubble above theory is paid per micro-batch, so its share of the step falls as a chunk's
+  compute grows: the last stage also runs the LM head and loss (~5 ms forward and backward
+  per micro-batch), which no schedule removes and the pipeline-wide bubble counts (the lighter
+  rank idles by the difference; the busiest rank's share does not count it), and each
+  transfer still costs the compute threads some time on this 2-core box (gloo's transport
+  threads share the cores with both ranks' compute) plus the Python between ops. Hence 32
+  layers (8 per chunk at pp 2 x vpp 2). Measured 2026-11-26, interleaved at M 8, median step
+  over theory, pipeline-wide / busiest rank (stages' compute spread): 16 layers 1.24-1.41x /
+  1.14-1.23x (+2.6%), 32 layers 1.17-1.26x / 1.08-1.12x (+0.9%); at 8 layers 1.4-2.0x. A fixed
+  excess weighs twice as much against M 8's theory as against M 4's. The time other processes
+  take from a rank moves single steps both ways, hence the median;
 * unless ``--no-rss`` (``--rss-only``: nothing else): the peak resident memory
   (``ru_maxrss``) of the largest rank after a warmup and one training step of a
   GPT-2-small shape (124 M parameters, vocab 50304, seq 128, micro-batch 1) at dp 2,
@@ -178,7 +179,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     batches = run.global_batches(trainer.data.train, eod=trainer.data.eod, consumed=0,
                                  total=(2 * args.steps + 1) * run.cfg.global_batch_size)
     run.train_step(next(batches))  # warmup
-    times, bubbles, busiest, start_bytes = [], [], [], counter.bytes
+    times, bubbles, busiest, imbalance, start_bytes = [], [], [], [], counter.bytes
     for _ in range(args.steps):
         dist.barrier()
         t0 = time.perf_counter()
@@ -187,6 +188,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
         if pp > 1:
             bubbles.append(pipeline_bubble_fraction(run.last_stats, run.state.pp_group))
             busiest.append(pipeline_bubble_fraction(run.last_stats, run.state.pp_group, busiest=True))
+            imbalance.append(compute_spread(run.last_stats.compute_s, run.state.pp_group))
     comm = (counter.bytes - start_bytes) / args.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     silent = []  # the same steps with every collective and p2p a local no-op (the model is spoilt after)
@@ -203,11 +205,21 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         theory = theoretical_bubble_fraction(pp, run.num_micro, vpp or 1) if pp > 1 else 0.0
-        torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubbles": bubbles, "busiest": busiest,
+        torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubbles": bubbles, "busiest": busiest, "imbalance": imbalance,
                     "theory": theory, "num_micro": run.num_micro, "peak_rss": float(t[2]),
                     "state_bytes": float(t[3]), "silent_step_s": float(t[4])},
                    Path(out) / "result.pt")
     dist.destroy_process_group()
+
+
+def compute_spread(compute_s: float, group) -> float:
+    """``max / min - 1`` of the pipeline ranks' compute seconds in one step (collective): how
+    unequal the stages were, which the theory assumes away."""
+    hi = torch.tensor([compute_s], dtype=torch.float64)
+    lo = hi.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    return float(hi / lo) - 1.0
 
 
 def measure(args, layout) -> dict:
@@ -255,7 +267,7 @@ def main() -> None:
                         help="skip the pipeline-bubble table")
     parser.add_argument("--bubble-only", action="store_true", help="only the pipeline-bubble table")
     parser.add_argument("--bubble-d-model", type=int, default=512, help="model width of the bubble table")
-    parser.add_argument("--bubble-layers", type=int, default=16, help="layers of the bubble table's model")
+    parser.add_argument("--bubble-layers", type=int, default=32, help="layers of the bubble table's model")
     parser.add_argument("--bubble-micro-batches", type=lambda s: [int(m) for m in s.split(",")], default=[4, 8],
                         help="micro-batches per pipeline (M) in the bubble table, comma-separated: each "
                              "pipelined layout is measured at each")
@@ -328,6 +340,8 @@ def bubble_rows(args, layouts: list[tuple], micro_batches: int) -> list[tuple[st
                      f"{r['theory']:.3f}", f"{median / r['theory']:.2f}x"))
         rows.append((f"busiest rank's idle share, median step, vs (p-1)/(vM+p-1) ({name})", f"{busiest:.3f}",
                      f"{r['theory']:.3f}", f"{busiest / r['theory']:.2f}x"))
+        rows.append((f"for information: busiest rank's compute over the lightest's, median step ({name})",
+                     f"+{statistics.median(r['imbalance']):.1%}", "", ""))
         rows.append((f"for information: bubble of each step, lowest to highest ({name})",
                      " ".join(f"{b:.3f}" for b in bubbles), "", ""))
     return rows
