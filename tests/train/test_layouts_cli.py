@@ -1,8 +1,9 @@
 """Every layout through ``cli.py train --nproc-per-node N`` (torchrun, gloo, fp32) against
 the one-process ``cli.py train`` of the same config file: per-step losses equal within
 1e-5, one metrics file, and the final checkpoint of each layout holds the one-process
-parameters, for six of the eight layouts of issue 15 (every flag spelling; dp2 x tp2 and dp2 x pp2,
-4-rank launches, run only in ``parallel/test_compose.py`` to keep CI within its time). That
+parameters, for six of the eight layouts of issue 15 (every flag spelling; dp2 x tp2 and dp2 x
+pp2, 4-rank launches, run only in ``parallel/test_compose.py`` to keep CI within its time) and
+for interleaved pp with ``compile: true``. That
 in-process twin of this check, with resharded resume, covers every layout; this one proves the
 command's flags and the launcher reach the same loop."""
 
@@ -32,6 +33,7 @@ LAYOUTS = {
     "dp1_tp1_pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "dp1_tp1_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
     "dp2_tp1_pp1_zero1": (2, ["--zero1"]),
+    "dp1_tp1_pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"]),  # vs the eager run
 }
 
 
@@ -87,6 +89,9 @@ GPU_LAYOUTS = {
     "dp2": (2, []), "tp2": (2, ["--tp", "2"]), "tp2_sp": (2, ["--tp", "2", "--set", "sp=true"]),
     "pp2": (2, ["--pp", "2"]), "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]), "dp2_zero1": (2, ["--zero1"]),
     "dp2_tp2": (4, ["--tp", "2"]), "dp2_pp2": (4, ["--pp", "2"]),
+    # compiled blocks: tensor-parallel collectives captured in the graphs; pipeline stages of compiled blocks
+    "tp2_sp_compile": (2, ["--tp", "2", "--set", "sp=true", "--set", "compile=true"]),
+    "pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"]),
 }
 GPU_TOL = 1e-4  # NCCL's reduction order differs from one process's sums
 

@@ -77,8 +77,11 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """"auto": bf16 autocast on GPUs that support it, fp32 otherwise (always on CPU)."""
     compile: bool = False
-    """torch.compile each transformer block (first steps are slow while it compiles); per block, so
-    data-parallel gradient buckets still overlap with backward. tp = pp = 1 only."""
+    """torch.compile each transformer block of every model chunk, in every layout (first steps are
+    slow while it compiles); per block, so data-parallel gradient buckets still overlap with
+    backward and pipeline stages send as before. Tensor-parallel collectives are captured in the
+    block's graph; with dropout at tp > 1 the tensor-parallel RNG stream's switch splits each block
+    into several graphs (torch.compile does not capture generator state)."""
     ddp_bucket_cap_mb: float | None = None
     """Gradient bucket size in MiB of DDP (None: 25 with a 1 MiB first bucket) and of ZeRO-1 (None:
     25), in every layout."""

@@ -29,6 +29,9 @@ checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~toke
                               other column's (ZeRO-1 also at dp 1)
 ============================  =====================================  ==========================================
 
+``compile: true`` compiles the transformer blocks of every chunk (:meth:`GPT.compile_blocks`) in
+every layout: a block's backward stays one autograd node, so buckets still launch during backward.
+
 Gradients are fp32 in every layout: parameters stay fp32 and ``precision`` bf16 is
 autocast (:func:`~tokenloom.train.runtime.autocast_for`), and autograd returns each
 grad in its parameter's dtype, so DDP's buckets (one flat buffer per dtype) accumulate
@@ -100,10 +103,6 @@ def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
 
 def refuse_unsupported(cfg: TrainConfig) -> None:
     """Refuse, naming the field, a setting this layout would otherwise ignore."""
-    staged = cfg.tp > 1 or cfg.pp > 1
-    if cfg.compile and staged:
-        raise TokenloomError(f"compile: torch.compile is supported at tp = pp = 1 only (this run has tp={cfg.tp} "
-                             f"pp={cfg.pp}); set compile=false")
     if cfg.overlap_grad_reduce is not None and not cfg.zero1:
         raise TokenloomError("overlap_grad_reduce applies to zero1 (DDP always overlaps); leave it unset or set "
                              "zero1=true")
@@ -144,7 +143,8 @@ class Strategy:
             self.comm = P2PComm.from_group(st.pp_group, shape, compute_dtype(cfg.precision, self.device),
                                            self.device)
         if cfg.compile:
-            self.chunks[0].compile_blocks()
+            for chunk in self.chunks:
+                chunk.compile_blocks()
         self.ddps = self._wrap_ddp() if self.dp_size > 1 and not cfg.zero1 else []
         # the loss of the last stage reaches every rank from here (tp 0, dp 0, last pp rank)
         self.loss_src = st.layout.rank_of(0, 0, cfg.pp - 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import rank_launcher
 import torch
@@ -21,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tokenloom.train import loop
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import OptimConfig
 from tokenloom.train.parallel import reshard
 from tokenloom.train.runtime import World, seed_everything
@@ -85,12 +86,22 @@ def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
     parameter count, rank 0 also the logged losses and grad norms and the final
     checkpoint's full parameters."""
     cfg = tiny_cfg(Path(out), **kw)
-    trainer = loop.start_run(cfg)
+    compiled: list[GPT] = []  # the chunks whose blocks compile: true compiled
+    compile_blocks = GPT.compile_blocks
+
+    def counted(model: GPT) -> None:
+        compiled.append(model)
+        compile_blocks(model)
+
+    with mock.patch.object(GPT, "compile_blocks", counted):
+        trainer = loop.start_run(cfg)
     summary = trainer.train()
     opt = trainer.strategy.optimizer
+    chunks = trainer.strategy.chunks
     sizes = {"state_bytes": trainer.strategy.optimizer_state_bytes(),
              "numel": sum(p.numel() for p in trainer.strategy.params),
-             "zero_shard": (opt.shard_size, len(opt.main_shards)) if cfg.zero1 else None}
+             "zero_shard": (opt.shard_size, len(opt.main_shards)) if cfg.zero1 else None,
+             "chunks_compiled": (sum(any(c is m for m in compiled) for c in chunks), len(chunks))}
     if rank != 0:
         return {"losses": [], "norms": [], "params": {}, "summary": summary, **sizes}
     metrics = Path(out) / "metrics.jsonl"
@@ -114,7 +125,6 @@ def forward_tp(rank: int, arch: str = "llama", sp: bool = False, kernels: str = 
     untied) split over the whole world as tp (with sequence parallelism when ``sp``, the
     fused kernels and loss of ``kernels``): initial weights, loss and a norm weight's grad vs
     the one-process model with the reference kernels."""
-    from tokenloom.train.model import GPT
     from tokenloom.train.parallel.layers import TensorParallel, sync_sequence_parallel_grads
 
     shape = dict(arch=arch, bias=True, vocab_size=60, make_vocab_size_divisible_by=64, seq_len=16, n_layers=2,

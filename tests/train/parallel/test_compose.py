@@ -1,5 +1,6 @@
 """tp x pp x dp training through the one loop (tokenloom.train.loop) against its one-process
-run: 20-step losses, grad norms, validation loss and final parameters for eighteen layouts,
+run: 20-step losses, grad norms, validation loss and final parameters for twenty-two layouts
+(four of them with ``compile: true``),
 tp forwards with and without sequence parallelism and fused kernels (llama: RoPE, SwiGLU, GQA;
 gpt2; biases), checkpoint resharding from (dp, tp, pp) = (1, 2, 2) into (4, 1, 1) and
 (1, 1, 1), a ZeRO-1 checkpoint of dp 2 resumed at dp 4 and dp 1 (with and without ZeRO-1),
@@ -53,6 +54,13 @@ LAYOUTS = {
                                              overlap_grad_reduce=False, overlap_param_gather=False)),
     "dp2_tp1_pp2_vpp2_zero1": (4, dict(pp=2, vpp=2, zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
     "dp2_tp2_pp1_sp_zero1": (4, dict(tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
+    # compile: true in staged layouts: every chunk's blocks compiled (tensor-parallel collectives and
+    # sequence-parallel gathers inside the graphs; released stage outputs of compiled blocks; ZeRO-1's
+    # overlapped gather into compiled blocks), against the eager one-process run
+    "dp1_tp2_pp1_sp_compile": (2, dict(tp=2, sp=True, compile=True)),
+    "dp1_tp1_pp2_vpp2_compile": (2, dict(pp=2, vpp=2, compile=True)),
+    "dp2_tp1_pp2_zero1_compile": (4, dict(pp=2, zero1=True, compile=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
+    "dp2_tp2_pp1_compile": (4, dict(tp=2, compile=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
 }
 ZERO_SAVED = "dp2_tp1_pp1_zero1"
 # resumed from ZERO_SAVED's checkpoint (dp 2, ZeRO-1) or the one-process reference's, both at HALF
@@ -147,6 +155,8 @@ def test_layout_matches_one_process(runs, ref, name):
     norms = runs[name][0]["norms"]
     assert max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)) < TOL
     assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
+    compiled, chunks = zip(*(r["chunks_compiled"] for r in runs[name]), strict=True)
+    assert compiled == (chunks if name.endswith("_compile") else (0,) * len(chunks))  # every chunk on every rank
 
 
 @pytest.mark.parametrize("name", ["cont_122", "cont_411", "cont_111"])
