@@ -63,6 +63,10 @@ def test_layout_through_the_cli_equals_one_process(tmp_path, reference, name):
     losses = read_losses(out / "metrics.jsonl")
     ref_losses, ref_params = reference
     assert len(losses) == len(ref_losses) == 20
+    # with a pipeline, each train record carries the measured bubble of its interval
+    bubbles = [r.get("pipeline_bubble") for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if "train_loss" in r]
+    assert all(0 < b < 1 for b in bubbles) if "pp2" in name else bubbles == [None] * 20, bubbles
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOL
     params = checkpoint_params(out / "checkpoints" / "iter_0000020")
     assert sorted(params) == sorted(ref_params)

@@ -9,6 +9,7 @@ One iteration::
                                             embeddings, dp reduction), global norm,
                                             clip, AdamW or ZeRO-1 step
     every log_interval: loss reduced to every rank, a metrics record on rank 0
+                                            (pp > 1: with the interval's pipeline bubble)
     by eval/save/exit interval (``due``): evaluation, checkpoint, stop
 
 What differs per layout (dp only, tensor/pipeline parallel, ZeRO-1) lives in
@@ -307,8 +308,10 @@ class Trainer:
                                  "check the data")
         timing = self._timer.interval()
         mfu = self.flops_per_token * timing["tokens_per_s"] / self.peak_total if self.peak_total else None
+        bubble = self.strategy.bubble_for_log()
         self._record({"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm), **timing,
-                      "consumed_samples": self.consumed, "mfu": mfu})
+                      "consumed_samples": self.consumed, "mfu": mfu,
+                      **({} if bubble is None else {"pipeline_bubble": bubble})})
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}")
         return loss
 

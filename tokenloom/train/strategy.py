@@ -71,10 +71,12 @@ from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 from tokenloom.train.parallel.schedules import (
     NoSync,
+    PipelineStats,
     allreduce_tied_embedding_grads,
     forward_backward,
     get_schedule,
     is_tied_embedding,
+    pipeline_bubble_fraction,
 )
 from tokenloom.train.parallel.state import ParallelState
 from tokenloom.train.parallel.zero import ZeroAdamW
@@ -136,6 +138,7 @@ class Strategy:
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
         self.comm = None
+        self.train_time = PipelineStats()  # this rank's schedule time over the train steps since bubble_for_log
         if cfg.pp > 1:
             shape = (cfg.micro_batch_size, cfg.model.seq_len, cfg.model.d_model)
             if cfg.sp:  # stages exchange their slice of the sequence, sequence first
@@ -289,6 +292,9 @@ class Strategy:
             self.optimizer.zero_grad()
             overlap = self.cfg.zero1 and self.optimizer.overlap  # launches its buckets from the last backward
             total = self._run(self.chunks, batches, False, no_sync=self.optimizer.no_sync if overlap else None)
+        self.train_time.compute_s += self.last_stats.compute_s
+        self.train_time.wait_s += self.last_stats.wait_s
+        self.train_time.total_s += self.last_stats.total_s
         norm = self._finish_grads_and_step()
         return total / self.num_micro, norm
 
@@ -341,6 +347,18 @@ class Strategy:
         if self.cfg.pp > 1:
             collective(what, dist.broadcast, value, src=self.loss_src)
         return float(value)
+
+    def bubble_for_log(self) -> float | None:
+        """The pipeline-wide bubble of the train steps since the last call, on every rank
+        (collective over the pipeline group; None at pp = 1): ``1 - sum(compute) / (pp x
+        max(total))`` of the schedules' summed times
+        (:func:`~tokenloom.train.parallel.schedules.pipeline_bubble_fraction`), against
+        ``(p - 1) / (v M + p - 1)`` for equal stages. Two tiny all-reduces per call, so the loop
+        asks once per log interval, not per step."""
+        stats, self.train_time = self.train_time, PipelineStats()
+        if self.cfg.pp == 1:
+            return None
+        return collective("pipeline bubble", pipeline_bubble_fraction, stats, self.state.pp_group)
 
     # ------------------------------------------------------------------ checkpoints
 

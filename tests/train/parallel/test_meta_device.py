@@ -21,6 +21,7 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     "dp1_tp2_pp1_sp": (2, dict(tp=2, sp=True)),
     "dp1_tp1_pp2": (2, dict(pp=2)),
     "dp1_tp1_pp2_vpp2": (2, dict(pp=2, vpp=2)),
+    "dp1_tp2_pp1_sp_compile": (2, dict(tp=2, sp=True, compile=True)),  # compiled blocks with tp collectives
     "dp2_tp1_pp1_zero1": (2, dict(zero1=True)),
     "dp2_tp2_pp1": (4, dict(tp=2)),
     "dp2_tp1_pp2": (4, dict(pp=2)),
