@@ -240,7 +240,9 @@ class DistributedDataParallel(nn.Module):
         self._backward_started = False
         self._next_bucket = 0
         self._marked = [False] * len(self._params)
-        self._locally_used = torch.zeros(len(self._params), dtype=torch.int32, device=self._params[0].device)
+        # which parameters got a grad on this rank since the last synced backward (a host list: a
+        # device tensor written from every hook would launch a kernel per parameter per backward)
+        self._locally_used = [0] * len(self._params)
         self._unused: list[int] = []
         self._grad_was_none: set[int] = set()
         self._rebuild_enabled = rebuild_buckets and not find_unused_parameters
@@ -393,7 +395,7 @@ class DistributedDataParallel(nn.Module):
 
     def _on_grad_accumulated(self, i: int, p: torch.Tensor) -> None:
         view = self._views[i]
-        if not _same_tensor(p.grad, view):
+        if p.grad is not view and not _same_tensor(p.grad, view):
             view.copy_(p.grad)
             p.grad = view
         self._locally_used[i] = 1
@@ -453,13 +455,14 @@ class DistributedDataParallel(nn.Module):
                     "another rank has probably died or stalled past the collective timeout"
                 ) from e
         if self.find_unused_parameters:
-            used = self._locally_used.to(self._buckets[0].buffer.device)  # NCCL needs a GPU tensor
+            # on the buckets' device: NCCL needs a GPU tensor
+            used = torch.tensor(self._locally_used, dtype=torch.int32, device=self._buckets[0].buffer.device)
             dist.all_reduce(used, group=self.process_group)
             used = used.cpu()
             for i in self._grad_was_none:
                 if used[i] > 0:
                     self._params[i].grad = self._views[i]
-        self._locally_used.zero_()
+        self._locally_used = [0] * len(self._params)
         if self._ready_order is not None:
             self._rebuild_pending = True
 
