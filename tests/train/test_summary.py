@@ -25,6 +25,8 @@ def test_summary_states_the_run(tmp_path):
     assert "12 layers x 768 wide, 12 heads (12 kv), vocab 50257 (padded 50304), seq 1024; 124.0M parameters" in text
     assert "4 rank(s) on cpu: dp 2 x tp 2 x pp 1; float32" in text
     assert "data      plan line 1\n          plan line 2" in text
+    assert "compiled" not in text and "; blocks compiled (compile: true)" in startup_summary(
+        TrainConfig(tp=2, compile=True, output_dir=str(tmp_path)), facts())
     assert "global 32 = micro 4 x dp 2 x accumulation 4; 32.8k tokens/step, 1000 steps = 32.8M tokens" in text
     assert "linear warmup 100 steps, cosine to 6e-05 at step 1000" in text
     # evaluations at 0, 100, ..., 1000: 11 (the end is a multiple of the interval)

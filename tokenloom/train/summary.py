@@ -49,7 +49,8 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     lines = [
         f"model     {m.arch}: {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads ({m.kv_heads} kv), "
         f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_len}; "
-        f"{_count(facts.parameters)} parameters; kernels {m.kernels}",
+        f"{_count(facts.parameters)} parameters; kernels {m.kernels}"
+        f"{'; blocks compiled (compile: true)' if cfg.compile else ''}",
         f"layout    {facts.world_size} rank(s) on {facts.device}: dp {facts.dp} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' (vpp {cfg.vpp})' if cfg.vpp else ''}{', sequence parallel' if cfg.sp else ''}"
         f"{', ZeRO-1' if cfg.zero1 else ''}; {facts.precision}",
