@@ -292,9 +292,7 @@ class Strategy:
             self.optimizer.zero_grad()
             overlap = self.cfg.zero1 and self.optimizer.overlap  # launches its buckets from the last backward
             total = self._run(self.chunks, batches, False, no_sync=self.optimizer.no_sync if overlap else None)
-        self.train_time.compute_s += self.last_stats.compute_s
-        self.train_time.wait_s += self.last_stats.wait_s
-        self.train_time.total_s += self.last_stats.total_s
+        self.train_time += self.last_stats
         norm = self._finish_grads_and_step()
         return total / self.num_micro, norm
 

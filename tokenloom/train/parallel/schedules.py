@@ -91,6 +91,11 @@ class PipelineStats:
         busy = self.compute_s + self.wait_s
         return self.wait_s / busy if busy > 0 else 0.0
 
+    def __add__(self, other: PipelineStats) -> PipelineStats:
+        """Both runs' times together (the trainer sums the steps of a log interval)."""
+        return PipelineStats(self.compute_s + other.compute_s, self.wait_s + other.wait_s,
+                             self.total_s + other.total_s)
+
 
 @dataclass
 class PipelineResult:
