@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
         [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 32] [--bubble-micro-batches 4,8]
-        [--bubble-steps 9] [--no-bubble | --bubble-only] [--no-rss | --rss-only]
+        [--bubble-steps 9] [--no-bubble | --bubble-only] [--split-last 4] [--no-split | --split-only]
+        [--no-rss | --rss-only]
 
 Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-1
 (``zero1``), trains the same GPT with
@@ -52,6 +53,10 @@ oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``t
   1.14-1.23x (+2.6%), 32 layers 1.17-1.26x / 1.08-1.12x (+0.9%); at 8 layers 1.4-2.0x. A fixed
   excess weighs twice as much against M 8's theory as against M 4's. The time other processes
   take from a rank moves single steps both ways, hence the median;
+* unless ``--no-split`` (``--split-only``: nothing else), an uneven pipeline split against the
+  even one at pp 2 (:func:`split_rows`): a 12-layer GPT-2-shaped model whose last stage also
+  runs the head and loss over a 50257-token vocabulary, with ``--split-last`` layers on the
+  last rank (``num_layers_in_last_pipeline_stage``), step time and the stages' compute spread;
 * unless ``--no-rss`` (``--rss-only``: nothing else): the peak resident memory
   (``ru_maxrss``) of the largest rank after a warmup and one training step of a
   GPT-2-small shape (124 M parameters, vocab 50304, seq 128, micro-batch 1) at dp 2,
@@ -151,6 +156,10 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, zero1: b
     if args.rss:  # GPT-2 small (124 M parameters)
         model = GPTConfig(vocab_size=50257, seq_len=128, n_layers=12, n_heads=12, d_model=768)
         micro, gbs = 1, 2
+    elif args.split:  # GPT-2's vocabulary: the head and loss weigh several blocks
+        model = GPTConfig(vocab_size=50257, seq_len=args.seq_len, n_layers=args.split_layers, n_heads=12,
+                          d_model=args.split_d_model)
+        micro, gbs = 1, args.split_micro_batches
     elif args.bubble:
         model = GPTConfig(bias=False, vocab_size=1000, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
                           n_layers=args.bubble_layers, n_heads=8, d_model=args.bubble_d_model)
@@ -163,7 +172,8 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, zero1: b
                        optim=OptimConfig(warmup_iters=1), micro_batch_size=micro,
                        global_batch_size=gbs, train_iters=2 * args.steps + 1,
                        eval_interval=0, save_interval=None, plot=False, progress=False, output_dir=str(out),
-                       tp=tp, pp=pp, vpp=vpp, zero1=zero1, dist_timeout_s=120.0)
+                       tp=tp, pp=pp, vpp=vpp, zero1=zero1, dist_timeout_s=120.0,
+                       num_layers_in_last_pipeline_stage=args.split_last if args.split else None)
 
 
 def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
@@ -192,7 +202,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     comm = (counter.bytes - start_bytes) / args.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     silent = []  # the same steps with every collective and p2p a local no-op (the model is spoilt after)
-    if not args.rss and not args.bubble:
+    if not args.rss and not args.bubble and not args.split:
         for _ in range(args.steps):
             dist.barrier()
             counter.silent = True
@@ -203,11 +213,14 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     t = torch.tensor([min(times), comm, rss, run.optimizer_state_bytes(), min(silent, default=0.0)],
                      dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    step_times = torch.tensor(times, dtype=torch.float64)  # each step's slowest rank
+    dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
     if rank == 0:
         theory = theoretical_bubble_fraction(pp, run.num_micro, vpp or 1) if pp > 1 else 0.0
         torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubbles": bubbles, "busiest": busiest, "imbalance": imbalance,
                     "theory": theory, "num_micro": run.num_micro, "peak_rss": float(t[2]),
-                    "state_bytes": float(t[3]), "silent_step_s": float(t[4])},
+                    "state_bytes": float(t[3]), "silent_step_s": float(t[4]),
+                    "steps_s": step_times.tolist()},
                    Path(out) / "result.pt")
     dist.destroy_process_group()
 
@@ -272,11 +285,25 @@ def main() -> None:
                         help="micro-batches per pipeline (M) in the bubble table, comma-separated: each "
                              "pipelined layout is measured at each")
     parser.add_argument("--bubble-steps", type=int, default=9, help="timed steps per layout in the bubble table")
+    parser.add_argument("--no-split", dest="with_split", action="store_false",
+                        help="skip the uneven-split table (GPT-2's vocabulary at pp 2)")
+    parser.add_argument("--split-only", action="store_true", help="only the uneven-split table")
+    parser.add_argument("--split-layers", type=int, default=12, help="layers of the split table's model")
+    parser.add_argument("--split-d-model", type=int, default=768, help="model width of the split table")
+    parser.add_argument("--split-last", type=int, default=4,
+                        help="layers on the last of the 2 pipeline ranks in the uneven run")
+    parser.add_argument("--split-micro-batches", type=int, default=8, help="micro-batches per step (M)")
+    parser.add_argument("--split-steps", type=int, default=6, help="timed steps per run in the split table")
+    parser.add_argument("--split-rounds", type=int, default=2,
+                        help="runs of each side, alternating (even, uneven, even, ...)")
     parser.add_argument("--no-rss", dest="with_rss", action="store_false",
                         help="skip the peak-memory rows (a 124 M-parameter model on 2 ranks)")
     parser.add_argument("--rss-only", action="store_true", help="only the peak-memory rows")
     args = parser.parse_args()
-    args.rss = args.bubble = False
+    args.rss = args.bubble = args.split = False
+    if args.split_only:
+        print_table(split_title(args), split_rows(args))
+        return
     if args.rss_only:
         print_table("peak RSS per rank, GPT-2 small (124 M parameters), 2 gloo ranks (baseline: dp2, tp1)",
                     rss_rows(args))
@@ -295,6 +322,8 @@ def main() -> None:
                     f"{args.bubble_d_model} wide, seq {args.seq_len}, micro-batch 2, median of "
                     f"{args.bubble_steps} steps (baseline: (p-1)/(vM+p-1), lower is better)",
                     [row for m in args.bubble_micro_batches for row in bubble_rows(args, pipelined, m)])
+    if args.with_split and not args.bubble_only:
+        print_table(split_title(args), split_rows(args))
     if args.with_rss and not args.bubble_only:
         print_table("peak RSS per rank, GPT-2 small (124 M parameters), 2 gloo ranks (baseline: dp2, tp1)",
                     rss_rows(args))
@@ -345,6 +374,40 @@ def bubble_rows(args, layouts: list[tuple], micro_batches: int) -> list[tuple[st
         rows.append((f"for information: bubble of each step, lowest to highest ({name})",
                      " ".join(f"{b:.3f}" for b in bubbles), "", ""))
     return rows
+
+
+def split_title(args) -> str:
+    return (f"uneven pipeline split, pp 2 (1F1B) on 2 gloo ranks, GPT {args.split_layers} layers x "
+            f"{args.split_d_model} wide, vocab 50257, seq {args.seq_len}, micro-batch 1, M {args.split_micro_batches}: "
+            f"{args.split_layers - args.split_last} + {args.split_last} layers against the even split, median step "
+            f"of {args.split_rounds} alternating runs of {args.split_steps} steps each (lower is better)")
+
+
+def split_rows(args) -> list[tuple[str, str, str, str]]:
+    """Step time and the stages' compute spread with ``--split-last`` layers on the last rank
+    (``num_layers_in_last_pipeline_stage``) against the even split, same model and batch.
+
+    The last stage also runs the LM head and the loss over GPT-2's 50257-token vocabulary
+    (``d x V`` multiply-adds per token, about five 768-wide blocks' worth), so with equal
+    blocks the first rank idles by that much on every micro-batch. Runs alternate sides
+    (the box's load drifts over minutes); each side's step times are pooled, median taken."""
+    steps: dict[bool, list[float]] = {False: [], True: []}
+    spread: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.split_rounds):
+        for uneven in (False, True):
+            run_args = argparse.Namespace(**{**vars(args), "split": True, "steps": args.split_steps,
+                                             "split_last": args.split_last if uneven else None})
+            r = measure(run_args, (1, 1, 2, None, False))
+            steps[uneven] += r["steps_s"]
+            spread[uneven] += r["imbalance"]
+    even, uneven = statistics.median(steps[False]), statistics.median(steps[True])
+    last = args.split_last
+    first = args.split_layers - last
+    half = args.split_layers // 2
+    return [(f"step s ({first} + {last} layers vs {half} + {half})", f"{uneven:.3f}", f"{even:.3f}",
+             f"{uneven / even:.2f}x"),
+            ("busiest rank's compute over the lightest's, median step", f"+{statistics.median(spread[True]):.0%}",
+             f"+{statistics.median(spread[False]):.0%}", "")]
 
 
 def rss_rows(args) -> list[tuple[str, str, str, str]]:

@@ -298,6 +298,9 @@ MEGATRON_REFUSED = {
     "--expert-model-parallel-size": "mixture-of-experts models are not implemented",
     "--num-experts": "mixture-of-experts models are not implemented",
     "--overlap-grad-reduce": "gradient buckets are always reduced while backward runs",
+    "--pipeline-model-parallel-layout": "give the split as --decoder-first-pipeline-num-layers / "
+                                        "--decoder-last-pipeline-num-layers, or --account-for-embedding-in-pipeline-"
+                                        "split / --account-for-loss-in-pipeline-split",
     "--data-impl": "data is always Megatron's mmap .bin/.idx (removed from Megatron too)",
     "--mmap-warmup": "removed from Megatron; nothing to warm up",
     "--exit-duration-in-mins": "use --set exit_interval=N (steps)",
@@ -371,6 +374,14 @@ def _megatron_refused(fn):
               help="Virtual pipeline stages (model chunks) per pipeline rank (interleaved 1F1B).")
 @click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_virtual_stage", type=int,
               help="Megatron's other way to set --vpp: vpp = num layers / (pp x this).")
+@click.option("--decoder-first-pipeline-num-layers", "num_layers_in_first_pipeline_stage", type=int,
+              help=_help(_TRAIN, "num_layers_in_first_pipeline_stage"))
+@click.option("--decoder-last-pipeline-num-layers", "num_layers_in_last_pipeline_stage", type=int,
+              help=_help(_TRAIN, "num_layers_in_last_pipeline_stage"))
+@click.option("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split", is_flag=True,
+              default=None, help=_help(_TRAIN, "account_for_embedding_in_pipeline_split"))
+@click.option("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split", is_flag=True,
+              default=None, help=_help(_TRAIN, "account_for_loss_in_pipeline_split"))
 @click.option("--sp/--no-sp", "--sequence-parallel", "sp", default=None,
               help=_pair(_help(_TRAIN, "sp"), False, "--no-sp", "plain tensor parallelism"))
 @click.option("--zero1", "--use-distributed-optimizer", "zero1", is_flag=True, default=None,
@@ -406,6 +417,9 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
         flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])
     cfg = load_config(config, [*flag_overrides(**flags), *overrides])
     if layers_per_virtual_stage:
+        if not cfg.pipeline_split.is_even:
+            raise click.UsageError("--num-layers-per-virtual-pipeline-stage assumes an even split; with an uneven one "
+                                   "give the chunks per pipeline rank as --vpp")
         stages = cfg.pp * layers_per_virtual_stage
         if cfg.model.n_layers % stages or cfg.model.n_layers == stages:
             raise click.UsageError(f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}: "

@@ -192,6 +192,17 @@ def test_megatron_spellings_reach_the_config(tmp_path, shared_data):
                    "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2", "--nproc_per_node", "2",
                    "--output-dir", tmp_path / "r")
     one_line_error(done, "the interleaved schedule (--vpp 2) needs the 1 micro-batches per step")
+    # uneven pipeline splits: Megatron's flags, checked before launch; its layout string is refused
+    done = run_cli("train", *MOCK, "--num-layers", "4", "--pp", "2", "--decoder-first-pipeline-num-layers", "3",
+                   "--decoder-last-pipeline-num-layers", "2", "--nproc_per_node", "2", "--output-dir", tmp_path / "r")
+    one_line_error(done, "the first and last pipeline stages' layers (3 + 2) leave none of model.n_layers 4")
+    done = run_cli("train", *MOCK, "--account-for-loss-in-pipeline-split", "--output-dir", tmp_path / "r")
+    one_line_error(done, "--account-for-embedding/loss-in-pipeline-split split a pipeline: they need --pp >= 2")
+    done = run_cli("train", *MOCK, "--num-layers", "4", "--pp", "2", "--decoder-last-pipeline-num-layers", "1",
+                   "--num-layers-per-virtual-pipeline-stage", "1", "--output-dir", tmp_path / "r")
+    assert done.returncode != 0 and "--num-layers-per-virtual-pipeline-stage assumes an even split" in done.stderr
+    done = run_cli("train", *MOCK, "--pipeline-model-parallel-layout", "Et|tL", "--output-dir", tmp_path / "r")
+    assert "--pipeline-model-parallel-layout (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
     done = run_cli("train", *MOCK, "--sequence-parallel", "--output-dir", tmp_path / "r")  # sp=true, tp=1
     one_line_error(done, "sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
     done = run_cli("train", *MOCK, "--overlap-param-gather", "--output-dir", tmp_path / "r")  # without --zero1

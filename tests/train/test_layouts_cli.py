@@ -3,7 +3,7 @@ the one-process ``cli.py train`` of the same config file: per-step losses equal 
 1e-5, one metrics file, and the final checkpoint of each layout holds the one-process
 parameters, for six of the eight layouts of issue 15 (every flag spelling; dp2 x tp2 and dp2 x
 pp2, 4-rank launches, run only in ``parallel/test_compose.py`` to keep CI within its time) and
-for interleaved pp with ``compile: true``. That
+for interleaved pp with ``compile: true`` and an uneven pipeline split (Megatron's flag). That
 in-process twin of this check, with resharded resume, covers every layout; this one proves the
 command's flags and the launcher reach the same loop."""
 
@@ -34,6 +34,7 @@ LAYOUTS = {
     "dp1_tp1_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
     "dp2_tp1_pp1_zero1": (2, ["--zero1"]),
     "dp1_tp1_pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"]),  # vs the eager run
+    "dp1_tp1_pp2_first1": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "1"]),  # 1 + 3 layers
 }
 
 
@@ -72,6 +73,8 @@ def test_layout_through_the_cli_equals_one_process(tmp_path, reference, name):
     assert sorted(params) == sorted(ref_params)
     assert max((params[n] - t).abs().max().item() for n, t in ref_params.items()) < TOL
     assert all(torch.isfinite(t).all() for t in params.values())
+    if name.endswith("first1"):
+        assert json.loads((out / "config.json").read_text())["num_layers_in_first_pipeline_stage"] == 1
 
 
 @pytest.mark.parametrize("name,ranks,flags", [("pp4", 4, ["--pp", "4"]),  # middle stages need boundaries too

@@ -27,6 +27,10 @@ def test_summary_states_the_run(tmp_path):
     assert "data      plan line 1\n          plan line 2" in text
     assert "compiled" not in text and "; blocks compiled (compile: true)" in startup_summary(
         TrainConfig(tp=2, compile=True, output_dir=str(tmp_path)), facts())
+    assert "layers per pipeline" not in text
+    uneven = startup_summary(TrainConfig(pp=2, vpp=2, num_layers_in_last_pipeline_stage=4, output_dir=str(tmp_path)),
+                             facts())
+    assert "dp 2 x tp 1 x pp 2 (vpp 2), layers per pipeline rank 4+4/2+2; float32" in uneven
     assert "global 32 = micro 4 x dp 2 x accumulation 4; 32.8k tokens/step, 1000 steps = 32.8M tokens" in text
     assert "linear warmup 100 steps, cosine to 6e-05 at step 1000" in text
     # evaluations at 0, 100, ..., 1000: 11 (the end is a multiple of the interval)

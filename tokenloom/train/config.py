@@ -20,7 +20,7 @@ from typing import Any, Literal
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model import GPTConfig, PipelineSplit
 from tokenloom.train.optim import OptimConfig
 
 
@@ -103,6 +103,16 @@ class TrainConfig:
     """Pipeline-parallel size (1F1B schedule; interleaved with vpp)."""
     vpp: int | None = None
     """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved schedule; None: 1."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Transformer layers on the first pipeline rank (a multiple of vpp); the ranks without a set
+    number share the rest evenly. None: an even split (Megatron's field of the same name)."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Transformer layers on the last pipeline rank, which also runs the LM head and the loss:
+    fewer layers there balance a large vocabulary's head. None: an even split."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer when splitting: the first virtual stage holds one layer fewer."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the LM head and loss as one layer when splitting: the last virtual stage holds one layer fewer."""
     sp: bool = False
     """Sequence parallelism (Megatron's): with tp > 1, norms and dropout run on a 1/tp slice of
     the sequence (activation memory / tp there), at the price of all-gather + reduce-scatter
@@ -135,6 +145,13 @@ class TrainConfig:
                                  "leave vpp unset for pp = 1")
         if self.sp and self.tp < 2:
             raise TokenloomError("sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
+
+    @property
+    def pipeline_split(self) -> PipelineSplit:
+        """Which blocks each pipeline rank's chunks hold (:class:`~tokenloom.train.model.PipelineSplit`)."""
+        return PipelineSplit(self.model.n_layers, self.pp, self.vpp or 1, self.num_layers_in_first_pipeline_stage,
+                             self.num_layers_in_last_pipeline_stage, self.account_for_embedding_in_pipeline_split,
+                             self.account_for_loss_in_pipeline_split)
 
     @property
     def ckpt_dir(self) -> Path:

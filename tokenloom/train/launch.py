@@ -370,6 +370,10 @@ FLAG_KEYS = {
     "save_interval": "save_interval", "output_dir": "output_dir", "resume": "resume",
     "cache_dir": "data.blend.cache_dir", "split": "data.blend.split", "precision": "precision",
     "tp": "tp", "pp": "pp", "vpp": "vpp", "sp": "sp", "zero1": "zero1",
+    "num_layers_in_first_pipeline_stage": "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage": "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
     "overlap_param_gather": "overlap_param_gather",
 }
 """``train`` flag (its Python name) -> the config key it sets."""

@@ -52,8 +52,9 @@ def check_layout(cfg: TrainConfig, world_size: int) -> None:
 
 
 def check_model_split(cfg: TrainConfig) -> None:
-    """The model's heads, MLP, vocabulary and layers split evenly over tp, pp and vpp."""
-    m, tp, stages = cfg.model, cfg.tp, cfg.pp * (cfg.vpp or 1)
+    """The model's heads, MLP and vocabulary split evenly over tp, its layers over pp and vpp
+    (:attr:`TrainConfig.pipeline_split`)."""
+    m, tp = cfg.model, cfg.tp
     problems = []
     if m.n_heads % tp or m.kv_heads % tp:
         problems.append(f"model.n_heads {m.n_heads} and model.n_kv_heads {m.kv_heads} must be divisible by --tp {tp}")
@@ -62,8 +63,10 @@ def check_model_split(cfg: TrainConfig) -> None:
     if m.padded_vocab_size % tp:
         problems.append(f"the padded vocabulary {m.padded_vocab_size} must be divisible by --tp {tp} "
                         "(raise model.make_vocab_size_divisible_by)")
-    if m.n_layers % stages:
-        problems.append(f"model.n_layers {m.n_layers} must be divisible by --pp {cfg.pp} x --vpp {cfg.vpp or 1}")
+    try:
+        cfg.pipeline_split  # noqa: B018 (validates)
+    except TokenloomError as e:
+        problems.append(str(e))
     if problems:
         raise TokenloomError("; ".join(problems))
 

@@ -169,8 +169,9 @@ class Strategy:
         the device with the one-process initial values (:meth:`GPT.init_weights`)."""
         cfg, st = self.cfg, self.state
         tp = TensorParallel(st.tp_group if cfg.tp > 1 else None, cfg.sp)
-        return [pipeline_stage(cfg.model, tp=tp, pp_size=cfg.pp, pp_rank=st.pp_rank, num_chunks=self.num_chunks,
-                               chunk=c, device=self.device) for c in range(self.num_chunks)]
+        split = cfg.pipeline_split
+        return [pipeline_stage(cfg.model, split, st.pp_rank, c, tp=tp, device=self.device)
+                for c in range(self.num_chunks)]
 
     def _wrap_ddp(self) -> list[nn.Module]:
         """One bucketed DDP per model chunk over this rank's dp group (its ranks hold the same

@@ -37,6 +37,16 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
+def _uneven(cfg: TrainConfig) -> str:
+    """", layers per pipeline rank 3/1" for an uneven split (with vpp: each rank's chunks, 1+1/2+1)."""
+    split = cfg.pipeline_split
+    if split.is_even:
+        return ""
+    counts = split.counts()
+    per_rank = ["+".join(str(row[r]) for row in counts) for r in range(cfg.pp)]
+    return f", layers per pipeline rank {'/'.join(per_rank)}"
+
+
 def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     """The summary text (several lines, each starting with its topic)."""
     m, o = cfg.model, cfg.optim
@@ -53,7 +63,7 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
         f"{'; blocks compiled (compile: true)' if cfg.compile else ''}",
         f"layout    {facts.world_size} rank(s) on {facts.device}: dp {facts.dp} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' (vpp {cfg.vpp})' if cfg.vpp else ''}{', sequence parallel' if cfg.sp else ''}"
-        f"{', ZeRO-1' if cfg.zero1 else ''}; {facts.precision}",
+        f"{_uneven(cfg)}{', ZeRO-1' if cfg.zero1 else ''}; {facts.precision}",
         "data      " + facts.data_plan.replace("\n", "\n          "),
         f"batch     global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {facts.dp} x accumulation "
         f"{facts.accumulation}; {_count(tokens_per_step)} tokens/step, {cfg.train_iters} steps = "

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig, pipeline_stage
+from tokenloom.train.model import GPT, GPTConfig, PipelineSplit, pipeline_stage
 from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel import p2p, schedules
 from tokenloom.train.parallel.p2p import P2PComm
@@ -184,7 +184,7 @@ def train_pipeline(
     ZeRO-1, else torch AdamW) and return losses, stage parameters by name, norms."""
     pp_group, dp_group, emb_group, pp_rank, dp_rank = _groups(pp, dp)
     torch.manual_seed(0)
-    stages = [pipeline_stage(tiny_cfg(n_layers), pp_size=pp, pp_rank=pp_rank, num_chunks=chunks, chunk=c)
+    stages = [pipeline_stage(tiny_cfg(n_layers), PipelineSplit(n_layers, pp, chunks), pp_rank, c)
               for c in range(chunks)]
     params = [p for s in stages for p in s.parameters()]
     if dp > 1 or max_grad_norm is not None:
@@ -229,7 +229,7 @@ def train_pipeline(
 def eval_pipeline(rank: int, *, n_layers: int, chunks: int, num_micro: int) -> dict:
     """``forward_only`` over the whole world as the pipeline: losses, no grads."""
     pp = dist.get_world_size()
-    stages = [pipeline_stage(tiny_cfg(n_layers), pp_size=pp, pp_rank=rank, num_chunks=chunks, chunk=c)
+    stages = [pipeline_stage(tiny_cfg(n_layers), PipelineSplit(n_layers, pp, chunks), rank, c)
               for c in range(chunks)]
     comm = P2PComm.from_group(None, (MB, SEQ, D_MODEL), torch.float32)
     data = iter([microbatch(0, k) for k in range(num_micro)])

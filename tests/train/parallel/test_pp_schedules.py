@@ -13,7 +13,7 @@ import torch
 from pp_helpers import D_MODEL, MB, SEQ, gpt_step, launch, microbatch, reference_train, tiny_cfg
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, pipeline_stage, stage_layer_ids
+from tokenloom.train.model import GPT, PipelineSplit, pipeline_stage
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.schedules import (
     backward_from,
@@ -50,13 +50,28 @@ def pp2(tmp_path_factory):
 # ---------------------------------------------------------------------- single process
 
 
-def test_stage_layer_ids_follow_megatron():
-    assert stage_layer_ids(4, 2, 0) == [0, 1] and stage_layer_ids(4, 2, 1) == [2, 3]
+def test_pipeline_split_follows_megatron():
+    even = PipelineSplit(4, 2)
+    assert even.layer_ids(0) == [0, 1] and even.layer_ids(1) == [2, 3] and even.is_even
     # interleaved: chunk c of rank r is virtual stage c * p + r
-    assert [stage_layer_ids(4, 2, r, 2, c) for c in range(2) for r in range(2)] == [[0], [1], [2], [3]]
-    assert stage_layer_ids(8, 2, 1, 2, 1) == [6, 7]
-    with pytest.raises(TokenloomError, match="not divisible"):
-        stage_layer_ids(3, 2, 0)
+    assert [PipelineSplit(4, 2, 2).layer_ids(r, c) for c in range(2) for r in range(2)] == [[0], [1], [2], [3]]
+    assert PipelineSplit(8, 2, 2).layer_ids(1, 1) == [6, 7]
+    # uneven (megatron-core's own arrays: tests/interop/test_pipeline_split_megatron.py)
+    assert PipelineSplit(6, 2, last=2).counts() == [[4, 2]]
+    assert PipelineSplit(8, 4, first=1, last=1).counts() == [[1, 3, 3, 1]]
+    assert PipelineSplit(7, 2, 2, loss_as_layer=True).counts() == [[2, 2], [2, 1]]
+    assert PipelineSplit(2, 2, embedding_as_layer=True, loss_as_layer=True).layer_ids(1) == [1]
+    assert not PipelineSplit(6, 2, last=2).is_even
+    for kwargs, match in [(dict(n_layers=3, pp=2), r"n_layers 3 must be divisible by --pp 2 x --vpp 1"),
+                          (dict(n_layers=4, pp=1, last=2), "need --pp >= 2"),
+                          (dict(n_layers=4, pp=2, last=2, loss_as_layer=True), "do not go together"),
+                          (dict(n_layers=8, pp=2, vpp=2, first=3), "first-pipeline-num-layers 3 must be >= 1 and a "
+                           "multiple of --vpp 2"),
+                          (dict(n_layers=8, pp=4, first=2, last=3), "leave 3 for 2 middle"),
+                          (dict(n_layers=4, pp=2, first=1, last=2), "leave 1 for 0 middle"),
+                          (dict(n_layers=5, pp=2, loss_as_layer=True, embedding_as_layer=True), "embedding \\+ the loss")]:
+        with pytest.raises(TokenloomError, match=match):
+            PipelineSplit(**kwargs)
 
 
 def test_single_stage_equals_gpt_exactly():
@@ -70,7 +85,7 @@ def test_single_stage_equals_gpt_exactly():
 
 def test_pipeline_stages_split_the_model_with_its_initial_values():
     model = GPT(tiny_cfg(4))
-    first, last = (pipeline_stage(tiny_cfg(4), pp_size=2, pp_rank=r) for r in (0, 1))
+    first, last = (pipeline_stage(tiny_cfg(4), PipelineSplit(4, 2), r) for r in (0, 1))
     assert list(first.blocks) == ["0", "1"] and list(last.blocks) == ["2", "3"]
     assert last.lm_head.weight.shared and last.lm_head.weight.shared_embedding
     full = model.state_dict()
@@ -93,7 +108,7 @@ def test_no_pipelining_equals_gradient_accumulation():
 
 def test_interleaved_needs_microbatches_divisible_by_pp():
     comm = P2PComm(None, pp_rank=0, pp_size=2, prev_rank=1, next_rank=1, tensor_shape=(MB, SEQ, D_MODEL))
-    chunks = [pipeline_stage(tiny_cfg(4), pp_size=2, num_chunks=2, chunk=c) for c in range(2)]
+    chunks = [pipeline_stage(tiny_cfg(4), PipelineSplit(4, 2, 2), 0, c) for c in range(2)]
     with pytest.raises(TokenloomError, match=r"num_microbatches \(3\) divisible by the pipeline size \(2\)"):
         forward_backward(
             "interleaved", chunks, iter([microbatch(0, k) for k in range(3)]), 3, gpt_step, comm=comm
