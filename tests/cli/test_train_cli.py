@@ -197,7 +197,7 @@ def test_megatron_spellings_reach_the_config(tmp_path, shared_data):
                    "--decoder-last-pipeline-num-layers", "2", "--nproc_per_node", "2", "--output-dir", tmp_path / "r")
     one_line_error(done, "the first and last pipeline stages' layers (3 + 2) leave none of model.n_layers 4")
     done = run_cli("train", *MOCK, "--account-for-loss-in-pipeline-split", "--output-dir", tmp_path / "r")
-    one_line_error(done, "--account-for-embedding/loss-in-pipeline-split split a pipeline: they need --pp >= 2")
+    one_line_error(done, "--account-for-loss-in-pipeline-split split a pipeline: they need --pp >= 2")
     done = run_cli("train", *MOCK, "--num-layers", "4", "--pp", "2", "--decoder-last-pipeline-num-layers", "1",
                    "--num-layers-per-virtual-pipeline-stage", "1", "--output-dir", tmp_path / "r")
     assert done.returncode != 0 and "--num-layers-per-virtual-pipeline-stage assumes an even split" in done.stderr

@@ -705,17 +705,19 @@ class PipelineSplit:
         uneven = self.first is not None or self.last is not None
         if uneven or self.embedding_as_layer or self.loss_as_layer:
             if p < 2:
-                raise TokenloomError("--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-"
-                                     "pipeline-split split a pipeline: they need --pp >= 2")
+                raise TokenloomError("--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers, "
+                                     "--account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-"
+                                     "split split a pipeline: they need --pp >= 2")
             if uneven and (self.embedding_as_layer or self.loss_as_layer):
-                raise TokenloomError("--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-"
-                                     "pipeline-split do not go together (Megatron's rule): give one or the other")
+                raise TokenloomError("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers and "
+                                     "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split "
+                                     "do not go together (Megatron's rule): give one or the other")
         if uneven:
             ends = {0: self.first, p - 1: self.last}
-            for name, k in (("first", self.first), ("last", self.last)):
+            for flag, k in (("--decoder-first-pipeline-num-layers", self.first),
+                            ("--decoder-last-pipeline-num-layers", self.last)):
                 if k is not None and (k < 1 or k % v):
-                    raise TokenloomError(f"--decoder-{name}-pipeline-num-layers {k} must be >= 1 and a multiple of "
-                                         f"--vpp {v}")
+                    raise TokenloomError(f"{flag} {k} must be >= 1 and a multiple of --vpp {v}")
             middle = [r for r in range(p) if ends.get(r) is None]
             rest = n - (self.first or 0) - (self.last or 0)
             if rest < 0 or (rest == 0 and middle):
