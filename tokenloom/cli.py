@@ -411,7 +411,9 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
     import dataclasses
 
     from tokenloom.train.config import load_config
-    from tokenloom.train.launch import Nodes, flag_overrides, launch
+    from tokenloom.train.launch import Nodes, flag_overrides, launch, stdout_outlives_its_reader
+
+    stdout_outlives_its_reader()
 
     if vocab_file or merge_file:
         flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])

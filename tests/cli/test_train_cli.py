@@ -91,6 +91,21 @@ def test_llama2_data_with_the_gpt2_tokenizer_is_refused(tmp_path, shared_data):
     assert "vocabulary 32000" in line and "vocabulary 50257" in line, line
 
 
+@pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]], ids=["in-process", "torchrun"])
+def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path, launch):
+    """``train ... | head -1``: the run goes on to its last checkpoint and exits 0, no traceback
+    (the final JSON line is written after the reader closed the pipe)."""
+    out = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, str(REPO / "cli.py"), "train", *MOCK, "--train-iters", "6", *launch,
+                             "--output-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=cli_env())
+    assert proc.stdout.readline().startswith("model ")
+    proc.stdout.close()  # the reader goes away
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
+    assert (out / "checkpoints" / "iter_0000006").is_dir()
+
+
 def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path):
     done = run_cli("train", *MOCK, "--fp16", "--output-dir", tmp_path / "r")
     assert done.returncode != 0 and "Traceback" not in done.stderr

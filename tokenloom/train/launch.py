@@ -16,7 +16,8 @@ unless it is set already.
 Output: each rank (:func:`main`) sends its stdout and stderr to ``LOGS/rank{N}.log`` and
 torchrun's own output goes to ``LOGS/torchrun.log``; rank 0's stdout (the start-up
 summary, the final JSON) stays on the terminal and this process relays its log (progress
-bar, warnings; its ``error:`` lines stay in the file). A failed run ends with one
+bar, warnings; its ``error:`` lines stay in the file). If the terminal's reader goes away
+(``train ... | head``), stdout goes to ``/dev/null`` and training goes on. A failed run ends with one
 :class:`TokenloomError` line: the first failing rank and its error, and the log directory. So a user sees one line instead of a
 traceback per rank plus torchrun's ``ChildFailedError``; the price is that ranks other
 than 0 are silent on the terminal (``verbose=True`` streams everything unchanged, as
@@ -94,6 +95,48 @@ def torchrun_command(config_path: str | os.PathLike, nproc_per_node: int, nodes:
         ["tokenloom.train.loop", "--config", str(config_path)]
     return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), "--nproc-per-node",
             str(nproc_per_node), "-m", *entry]
+
+
+class _ReaderOptional:
+    """``sys.stdout`` that outlives its reader: the first write or flush that finds the pipe
+    closed (``train ... | head``) points file descriptor 1 at ``/dev/null`` and goes on.
+
+    The run's product is its checkpoints, metrics and logs; stdout (the start-up summary,
+    the final JSON) is a view of them, and a reader that went away must not end hours of
+    training, or raise a traceback at its end (Python ignores SIGPIPE and raises
+    ``BrokenPipeError`` on the write instead). The price: output written after the
+    reader left is lost, as it would be anyway."""
+
+    def __init__(self, stream: typing.TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> typing.Any:
+        return getattr(self._stream, name)
+
+
+def stdout_outlives_its_reader() -> None:
+    """Make ``sys.stdout`` survive a closed reader (:class:`_ReaderOptional`); for the
+    ``train`` command and rank 0, not for library callers, whose stdout is their own."""
+    if not isinstance(sys.stdout, _ReaderOptional):
+        sys.stdout = _ReaderOptional(sys.stdout)
 
 
 def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = None, nodes: Nodes = Nodes(),
@@ -326,6 +369,8 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     os.replace(tmp, log_dir / f"rank{rank}.pid")
     from tokenloom.train import loop
 
+    if rank == 0:  # on the launching terminal or pipe
+        stdout_outlives_its_reader()
     code = loop.main(["--config", args.config])
     sys.stdout.flush()
     (log_dir / f"rank{rank}.done").write_text(str(code))
