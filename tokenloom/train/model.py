@@ -724,7 +724,7 @@ class PipelineSplit:
                 raise TokenloomError(f"the first and last pipeline stages' layers ({self.first or 0} + "
                                      f"{self.last or 0}) leave none of model.n_layers {n} for the "
                                      f"{len(middle)} other stage(s)")
-            if (rest > 0) != bool(middle) or (middle and rest % (len(middle) * v)):
+            if (rest and not middle) or (middle and rest % (len(middle) * v)):  # rest > 0 here
                 raise TokenloomError(
                     f"model.n_layers {n} minus the first stage's {self.first or 0} and the last's {self.last or 0} leave "
                     f"{rest} for {len(middle)} middle pipeline stage(s): they must split evenly"
