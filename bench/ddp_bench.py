@@ -9,7 +9,11 @@ Issue 16's setting: ``--d-model 768 --layers 8 --micro 1`` (58 M parameters, 9 b
 
 Each rank runs forward + backward + AdamW step on the same model and batches, once
 wrapped in ours and once in torch's (default settings: 25 MiB buckets), with and without
-4-micro-batch accumulation (``no_sync``). The two wrappers alternate step by step (ours,
+4-micro-batch accumulation (``no_sync``). Both sides get the trainer's settings: the
+optimizer's default ``zero_grad()`` (``set_to_none=True``; torch DDP's faster mode, ~2-3%
+over ``set_to_none=False`` at issue 16's size) and, on the process, glibc tuned to keep
+freed memory (``keep_freed_memory``, what ``cli.py train`` does on CPU; ``--malloc-defaults``
+leaves glibc alone). The two wrappers alternate step by step (ours,
 torch, ours, ...), each step timed on its own (barrier before, slowest rank's time), and
 each side reports its median step: on a shared box the load drifts within seconds, and
 step-level alternation gives both sides the same conditions where round-level alternation
@@ -36,6 +40,7 @@ from _table import print_table  # noqa: E402
 
 from tokenloom.train.ddp import DistributedDataParallel  # noqa: E402
 from tokenloom.train.dist import init_from_env  # noqa: E402
+from tokenloom.train.host_alloc import keep_freed_memory  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 
 
@@ -60,7 +65,7 @@ def no_sync(ddp):
 
 def steps(model, ddp, opt, batches, accum: int) -> None:
     for x, y in batches:
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()
         for m in range(accum):
             if m < accum - 1:
                 with no_sync(ddp):
@@ -75,6 +80,8 @@ def worker(rank: int, args, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(args.threads)
+    if not args.malloc_defaults:
+        keep_freed_memory()
     init_from_env(timeout_s=120)
     g = torch.Generator().manual_seed(rank)
     data = torch.randint(0, 2048, (args.steps, args.micro, args.seq_len + 1), generator=g)
@@ -102,6 +109,7 @@ def worker(rank: int, args, port: int) -> None:
     if rank == 0:
         params = sum(p.numel() for p in built["ours"][0].parameters())
         compiled = ", both compiled" if args.compile else ""
+        compiled += ", glibc malloc untuned" if args.malloc_defaults else ""
         print_table(f"DDP: tokenloom vs torch DDP, 2 gloo ranks x {args.threads} thread(s), GPT {params / 1e6:.2f}M "
                     f"params in {len(built['ours'][1].bucket_indices)} buckets{compiled}, micro {args.micro} x seq "
                     f"{args.seq_len}, median of {args.repeat * args.steps} alternating steps "
@@ -122,6 +130,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--malloc-defaults", action="store_true",
+                        help="leave glibc malloc untuned (the trainer tunes it on CPU; see tokenloom.train.host_alloc)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -187,6 +187,15 @@ def unused_params(rank: int) -> dict:
         diffs.append(
             max_diff([p.grad for p in ours_model.parameters()], [p.grad for p in ref_model.parameters()])
         )
+    # accumulation: a no_sync micro-batch uses the branch everywhere, the synced one on rank 0
+    # only, so rank 1 reduces the branch's accumulated grad without a hook (averaged too)
+    for model in (ours_model, ref_model):
+        model.zero_grad(set_to_none=False)
+    for ddp in (ours, ref):
+        with ddp.no_sync():
+            ddp(x, True).backward()
+        ddp(x * 2, rank == 0).backward()
+    diffs.append(max_diff([p.grad for p in ours_model.parameters()], [p.grad for p in ref_model.parameters()]))
     result = {
         "unused_diff": max(diffs),
         "never_grad_is_none": ours_model.never.weight.grad is None,

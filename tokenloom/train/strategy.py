@@ -286,11 +286,10 @@ class Strategy:
     def train_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; (mean micro-batch loss, grad
         norm before clipping), device tensors; the loss is zero on ranks without one."""
+        self.optimizer.zero_grad()  # set_to_none: DDP copies each first grad into its bucket view
         if self.ddps:
-            self.optimizer.zero_grad(set_to_none=False)  # keep DDP's bucket views
             total = self._run(self.ddps, batches, False, no_sync=[ddp.no_sync for ddp in self.ddps])
         else:
-            self.optimizer.zero_grad()
             overlap = self.cfg.zero1 and self.optimizer.overlap  # launches its buckets from the last backward
             total = self._run(self.chunks, batches, False, no_sync=self.optimizer.no_sync if overlap else None)
         self.train_time += self.last_stats
