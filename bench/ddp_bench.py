@@ -108,10 +108,9 @@ def worker(rank: int, args, port: int) -> None:
                      f"{median['torch'] / median['ours']:.3f}x"))
     if rank == 0:
         params = sum(p.numel() for p in built["ours"][0].parameters())
-        compiled = ", both compiled" if args.compile else ""
-        compiled += ", glibc malloc untuned" if args.malloc_defaults else ""
+        setup = (", both compiled" if args.compile else "") + (", glibc malloc untuned" if args.malloc_defaults else "")
         print_table(f"DDP: tokenloom vs torch DDP, 2 gloo ranks x {args.threads} thread(s), GPT {params / 1e6:.2f}M "
-                    f"params in {len(built['ours'][1].bucket_indices)} buckets{compiled}, micro {args.micro} x seq "
+                    f"params in {len(built['ours'][1].bucket_indices)} buckets{setup}, micro {args.micro} x seq "
                     f"{args.seq_len}, median of {args.repeat * args.steps} alternating steps "
                     "(time ratio = ours/torch, lower is better)", rows)
     dist.barrier()
