@@ -4,6 +4,7 @@ engine-direct backward and the deferred finish_grad_sync."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from datetime import timedelta
 
 import pytest
@@ -251,3 +252,73 @@ def test_deferred_finish_launches_in_backward_and_waits_in_finish_grad_sync(grou
     ddp(x).sum().backward()
     with pytest.raises(TokenloomError, match=r"received no gradient in this backward: \['unused'\]"):
         ddp.finish_grad_sync()
+
+
+
+def _trainer_pattern_equals_torch_ddp(device: torch.device, find_unused: bool, compiled: bool) -> None:
+    """Through the trainer's pattern (``zero_grad()`` to None, a ``no_sync`` micro-batch, then a
+    synced one, bf16 autocast, three SGD steps): the buckets live on ``device``, grads are
+    views into them, and every grad and parameter equals torch DDP's."""
+    cfg = GPTConfig(vocab_size=256, make_vocab_size_divisible_by=128, seq_len=64, n_layers=3, n_heads=4, d_model=128)
+    torch.manual_seed(0)
+    ours, ref = GPT(cfg).to(device), GPT(cfg).to(device)
+    ref.load_state_dict(ours.state_dict())
+    if find_unused:
+        ours, ref = with_unused(ours).to(device), with_unused(ref).to(device)
+    if compiled:
+        ours.compile_blocks()
+        ref.compile_blocks()
+    ddp = DistributedDataParallel(ours, bucket_cap_mb=0.25, find_unused_parameters=find_unused)
+    tddp = nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=0.25, find_unused_parameters=find_unused)
+    assert len(ddp.bucket_indices) >= 4
+    assert all(b.buffer.device == device for b in ddp._buckets)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]  # AdamW would amplify ulps of tiny grads
+    g = torch.Generator(device=device).manual_seed(1)
+    for _ in range(3):
+        for opt in opts:
+            opt.zero_grad()
+        for micro in range(2):
+            x = torch.randint(0, 256, (2, 65), device=device, generator=g)
+            for wrapper in (ddp, tddp):
+                with wrapper.no_sync() if micro == 0 else nullcontext():
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        loss = wrapper(x[:, :-1], x[:, 1:])
+                    loss.backward()
+        for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+            if name == "unused":
+                assert p.grad is None and q.grad is None
+                continue
+            start = p.grad.data_ptr()
+            assert any(b.buffer.data_ptr() <= start < b.buffer.data_ptr() + b.buffer.nbytes for b in ddp._buckets), name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        for opt in opts:
+            opt.step()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_trainer_pattern_equals_torch_ddp(group, find_unused):
+    _trainer_pattern_equals_torch_ddp(torch.device("cpu"), find_unused, compiled=False)
+
+
+@pytest.fixture
+def nccl_group(tmp_path):
+    """A one-rank NCCL group on cuda:0: every collective and every bucket on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60),
+                            device_id=torch.device("cuda", 0))
+    yield torch.device("cuda", 0)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("find_unused", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_on_cuda_with_nccl_the_trainer_pattern_equals_torch_ddp(nccl_group, find_unused, compiled):
+    """The same on cuda:0 with NCCL, eager and with compiled blocks: a hook that copied, scaled
+    or accumulated on the wrong device or stream would differ from torch DDP's grads."""
+    _trainer_pattern_equals_torch_ddp(nccl_group, find_unused, compiled)

@@ -119,12 +119,15 @@ def test_layout_on_nccl_equals_one_gpu(tmp_path, name):
 # On one GPU (scripts/gpu-check.sh): what a user with one GPU runs, through cli.py, fp32, against
 # the eager one-process run of the same model on the CPU (CUDA hidden); the tiny config
 # evaluates at step 10 and at the end. name -> (ranks, GPU flags, the CPU run's flags)
-COMPILE, DOCS = ["--set", "compile=true"], ["--set", "data.inter_document_masking=true"]
+COMPILE = ["--set", "compile=true"]
+DOCS = ["--set", "data.inter_document_masking=true", "--set", "model.n_heads=2"]  # head dim 16: flex's least
 ONE_GPU_RUNS = {
     "plain": (None, [], []),
     "compile": (None, COMPILE, []),
     "documents": (None, DOCS, DOCS),  # flex attention with the document BlockMask; SDPA's dense mask on CPU
     "compile_documents": (None, [*COMPILE, *DOCS], DOCS),  # flex captured inside the compiled blocks
+    # head dim 8, below flex's least: SDPA with the dense mask on CUDA too (flex's lowering raised)
+    "documents_narrow_heads": (None, DOCS[:2], DOCS[:2]),
     "torchrun_zero1": (1, ["--zero1"], []),  # a one-rank NCCL group: every collective gets CUDA tensors
 }
 

@@ -566,7 +566,8 @@ class GPT(nn.Module):
         per_token = positions if positions is not None else tokens  # [batch, seq]
         if documents is not None and per_token is not None:  # one mask for every block of this forward
             dropout = self.cfg.dropout if self.training else 0.0
-            documents = document_attention_mask(documents, per_token.shape[-1], flex=flex_usable(x.device, dropout))
+            flex = flex_usable(x.device, dropout, self.cfg.head_dim)
+            documents = document_attention_mask(documents, per_token.shape[-1], flex=flex)
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
         if rope is not None and positions is not None:
             rope = (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))

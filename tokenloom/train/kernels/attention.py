@@ -107,10 +107,19 @@ def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BL
                                     seq_lengths=(seq, seq))
 
 
-def flex_usable(device: torch.device, dropout_p: float) -> bool:
+FLEX_MIN_HEAD_DIM = 16
+"""Smallest head dimension flex attention compiles on CUDA (Triton's ``tl.dot`` needs 16;
+torch 2.11's lowering raises NotImplementedError below it)."""
+
+
+def flex_usable(device: torch.device, dropout_p: float, head_dim: int) -> bool:
     """Whether document masking runs on flex attention: CUDA (its fused kernel is Triton's),
-    no dropout (flex has none) and a torch that has it."""
-    return device.type == "cuda" and not dropout_p and flex_attention is not None
+    no dropout (flex has none), heads of at least :data:`FLEX_MIN_HEAD_DIM` and a torch that
+    has it. Otherwise SDPA takes the dense ``[batch, 1, seq, seq]`` mask: seq^2 booleans per
+    sample, affordable for the small models whose heads are that narrow (seen on an H100:
+    head dim 8 with document masking died in flex's lowering before this check)."""
+    return (device.type == "cuda" and not dropout_p and head_dim >= FLEX_MIN_HEAD_DIM
+            and flex_attention is not None)
 
 
 def document_attention_mask(cu_seqlens: torch.Tensor, seq: int, *, flex: bool) -> torch.Tensor | BlockMask:
@@ -149,7 +158,7 @@ def attention_sdpa(
     if not causal:
         raise ValueError("document masking is causal")
     if isinstance(documents, torch.Tensor) and documents.dtype != torch.bool:  # cu_seqlens
-        documents = document_attention_mask(documents, q.shape[-2], flex=flex_usable(q.device, dropout_p))
+        documents = document_attention_mask(documents, q.shape[-2], flex=flex_usable(q.device, dropout_p, q.shape[-1]))
     if isinstance(documents, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=documents, dropout_p=dropout_p, scale=scale)
     if dropout_p:
