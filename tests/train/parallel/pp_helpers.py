@@ -10,6 +10,7 @@ every parallel layout is compared with.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Any
@@ -558,6 +559,51 @@ def zero_overlap_checkpoint(rank: int, *, out: str) -> dict:
     return res
 
 
+def zero_accumulation(rank: int, *, steps: int = 3) -> dict:
+    """ZeRO-1 at dp = world, two micro-batches per step (the first in ``no_sync``), with and
+    without overlap, against torch's AdamW on the dp-averaged sums of the same local grads:
+    ``a`` has grads in both micro-batches, ``b`` only in the ``no_sync`` one (no hook in the
+    reducing backward), ``c`` only in the reducing one, ``d`` in step 0 only (its view must not
+    keep step 0's grad; the flat buffer gives it zeros, as Megatron's does)."""
+    torch.manual_seed(0)
+    base = nn.ModuleDict({k: nn.Linear(8, 8) for k in "abcd"})
+
+    def losses(model, x, micro, step):
+        if micro == 0:
+            out = model["a"](x).sum() + model["b"](x).pow(2).sum()
+        else:
+            out = 2 * model["a"](x).sum() + model["c"](x).pow(2).sum()
+        return out + (model["d"](x).sum() if step == 0 else 0)
+
+    res: dict[str, Any] = {}
+    for overlap in (True, False):
+        model, ref = copy.deepcopy(base), copy.deepcopy(base)
+        # eps = 1: Adam's update is no longer scale-invariant, so a grad left unaveraged shows
+        opt = ZeroAdamW(model.parameters(), None, lr=0.01, eps=1.0, weight_decay=0.0, bucket_bytes=300,
+                        overlap_grad_reduce=overlap)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1.0, weight_decay=0.0)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(steps):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(2):
+                x = torch.randn(4, 8, generator=g)
+                with opt.no_sync() if micro == 0 else contextlib.nullcontext():
+                    losses(model, x, micro, step).backward()
+                losses(ref, x, micro, step).backward()
+            for p in ref.parameters():  # the dp average, zeros where no micro-batch gave a grad
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            opt.step()
+            ref_opt.step()
+        res[f"overlap={overlap}"] = max((p - q).abs().max().item()
+                                        for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+        res[f"buckets overlap={overlap}"] = len(opt.main_shards)
+    return res
+
+
 SCENARIOS = {
     "p2p_exchange": p2p_exchange,
     "train_pipeline": train_pipeline,
@@ -566,6 +612,7 @@ SCENARIOS = {
     "zero_param_gather": zero_param_gather,
     "zero_overlap_checkpoint": zero_overlap_checkpoint,
     "zero_compiled_blocks": zero_compiled_blocks,
+    "zero_accumulation": zero_accumulation,
     "eval_pipeline": eval_pipeline,
     "bubble_fractions": bubble_fractions,
 }

@@ -29,7 +29,7 @@ def launched(tmp_path_factory):
     kw = {"steps": STEPS, "max_grad_norm": MAX_NORM, "resume_at": RESUME_AT}
     return launch([("zero_train", kw), ("zero_param_gather", {"steps": 3}),
                    ("zero_overlap_checkpoint", {"out": str(tmp / "strategy")}),
-                   ("zero_compiled_blocks", {"steps": 3})], 2, tmp)
+                   ("zero_compiled_blocks", {"steps": 3}), ("zero_accumulation", {})], 2, tmp)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +153,16 @@ def _steps(model, opt, n: int, seed: int = 0) -> None:
         model(x[:, :-1], x[:, 1:]).float().backward()
         opt.step()
 
+
+
+def test_grads_accumulated_under_no_sync_and_missing_ones_are_averaged_as_adamw_sees_them(launched):
+    """Averaging happens per parameter where its grad enters the buffer: grads from both
+    micro-batches, from the no_sync one only, from the reducing one only, and a parameter
+    with no grad after step 0 all step as torch's AdamW on the dp-averaged grads."""
+    for r in launched:
+        res = r[4]
+        assert res["buckets overlap=True"] > 2
+        assert res["overlap=True"] < 1e-6 and res["overlap=False"] < 1e-6, res
 
 def test_dp1_is_adamw_and_plain_state_loads_into_it():
     """One rank, no process group: ZeroAdamW steps as torch's AdamW with the same groups, its

@@ -17,9 +17,10 @@ One step::
                               the bucket is launched (below, async), buckets strictly
                               from the last to the first, so every rank issues the same
                               collectives in the same order
-    step(): grads -> grad_buffer (no copy when .grad is still the buffer view)
-    per bucket not launched   bucket /= dp_size; reduce_scatter(SUM) -> this rank's piece
-                              of the grad (the average); then wait for the launched ones
+    step(): grads -> grad_buffer, each divided by dp_size on the way (in its hook with
+                              overlap, else here; no copy when .grad is already its view)
+    per bucket not launched   reduce_scatter(SUM) -> this rank's piece of the grad (the
+                              average); then wait for the launched ones
     global grad norm          sum of squares of the shard (duplicate tied copies
                               excluded), all-reduced over DP and then over
                               ``norm_group`` (the pipeline / model-parallel group);
@@ -79,7 +80,12 @@ Choices and their costs:
   (``own_bucket``, Megatron's ``_does_param_require_new_bucket``). The cost: one more bucket
   boundary on those stages, and the sums move 1/dp of what they moved on full grads.
 * **Pre-divide then SUM** (Megatron's default ``average_in_collective=False``): for
-  power-of-two DP sizes the average is exact.
+  power-of-two DP sizes the average is exact. The division is per parameter, where its
+  grad enters the buffer (torch DDP's reducer does the same), not a pass over each bucket
+  before its reduce-scatter as Megatron's buckets make (``grad_data *= scaling factor``):
+  with ``zero_grad()``'s default ``set_to_none`` a step's first grad is scaled while it is
+  copied in, and a grad accumulated over micro-batches is divided in its hook, while it
+  is still in cache.
 * **Weight decay per parameter group**: ``params`` may be torch-style groups
   (``{"params": [...], "weight_decay": wd}``), e.g. optim.py's decay / no-decay split, so
   a ZeRO-1 run equals the one-process run with the same groups. One flat AdamW cannot
@@ -280,11 +286,16 @@ class ZeroAdamW:
         """The inner optimizer's groups (set ``lr`` here for a schedule)."""
         return self.optimizer.param_groups
 
-    def zero_grad(self) -> None:
-        """Zero the flat grad buffer and point every ``.grad`` back at its view."""
-        self.grad_buffer.zero_()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a step's gradients. ``set_to_none`` (torch's default, and the trainer's):
+        every ``.grad`` is None and the flat buffer is left as it is; each first grad of the
+        step is copied into its view by its hook (averaged there when that backward
+        reduces), so no memset, no add and no pass over the buffer. False: zero the buffer
+        and point every ``.grad`` back at its view (autograd then adds into the views)."""
         for p, view in zip(self.params, self._grad_views, strict=True):
-            p.grad = view
+            p.grad = None if set_to_none else view
+        if not set_to_none:
+            self.grad_buffer.zero_()
         self._reset_reduction()
 
     @contextmanager
@@ -306,14 +317,31 @@ class ZeroAdamW:
         self._works: list[Any] = [None] * len(self._buckets)
         self._next = len(self._buckets) - 1  # the next bucket to launch
 
+    def _into_view(self, i: int, p: torch.Tensor, *, average: bool) -> None:
+        """Make ``p.grad`` parameter ``i``'s view of the grad buffer; ``average``: divide it by
+        the dp size on the way, as :class:`~tokenloom.train.ddp.DistributedDataParallel`'s
+        hooks do (a fresh grad is scaled while copied, one in the view divided in place while
+        still in cache), so no pass over a whole bucket precedes its reduce-scatter. No grad
+        at all this step (None) zeroes the view."""
+        view = self._grad_views[i]
+        scale = average and self.dp_size > 1
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():  # a fresh grad (set_to_none): into the buffer
+            if scale:
+                torch.mul(p.grad, 1.0 / self.dp_size, out=view)
+            else:
+                view.copy_(p.grad)
+        elif scale:
+            view.div_(self.dp_size)
+        p.grad = view
+
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            view = self._grad_views[i]
-            if p.grad.data_ptr() != view.data_ptr():  # a fresh .grad (set_to_none): into the buffer
-                view.copy_(p.grad)
-                p.grad = view
             if not self._sync or self._ready[i]:
+                self._into_view(i, p, average=False)
                 return
+            self._into_view(i, p, average=True)
             self._ready[i] = True
             self._pending[self._bucket_of[i]] -= 1
             while self._next >= 0 and self._pending[self._next] == 0:
@@ -326,8 +354,7 @@ class ZeroAdamW:
         a, b = self._buckets[k]
         if self.dp_size == 1:
             self._grad_pieces[k].copy_(self.grad_buffer[a:b])
-        else:
-            self.grad_buffer[a:b].div_(self.dp_size)
+        else:  # its parameters' grads were averaged into the buffer (_into_view)
             self._works[k] = dist.reduce_scatter_single(self._grad_pieces[k], self.grad_buffer[a:b],
                                                         group=self.dp_group, async_op=async_op)
         self._next = k - 1
@@ -340,12 +367,9 @@ class ZeroAdamW:
         if self._reduced:
             return
         self.finish_param_sync()  # buckets no forward waited for: the gathers write the master shard
-        for p, view in zip(self.params, self._grad_views, strict=True):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-            p.grad = view
+        for i, p in enumerate(self.params):  # grads no hook averaged (no overlap, or not in this backward)
+            if not self._ready[i]:
+                self._into_view(i, p, average=True)
         while self._next >= 0:  # not launched during backward (no overlap, or a grad never came)
             self._launch(self._next, async_op=False)
         for work in self._works:
