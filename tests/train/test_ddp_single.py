@@ -254,7 +254,6 @@ def test_deferred_finish_launches_in_backward_and_waits_in_finish_grad_sync(grou
         ddp.finish_grad_sync()
 
 
-
 def _trainer_pattern_equals_torch_ddp(device: torch.device, find_unused: bool, compiled: bool) -> None:
     """Through the trainer's pattern (``zero_grad()`` to None, a ``no_sync`` micro-batch, then a
     synced one, bf16 autocast, three SGD steps): the buckets live on ``device``, grads are

@@ -154,7 +154,6 @@ def _steps(model, opt, n: int, seed: int = 0) -> None:
         opt.step()
 
 
-
 def test_grads_accumulated_under_no_sync_and_missing_ones_are_averaged_as_adamw_sees_them(launched):
     """Averaging happens per parameter where its grad enters the buffer: grads from both
     micro-batches, from the no_sync one only, from the reducing one only, and a parameter
@@ -163,6 +162,7 @@ def test_grads_accumulated_under_no_sync_and_missing_ones_are_averaged_as_adamw_
         res = r[4]
         assert res["buckets overlap=True"] > 2
         assert res["overlap=True"] < 1e-6 and res["overlap=False"] < 1e-6, res
+
 
 def test_dp1_is_adamw_and_plain_state_loads_into_it():
     """One rank, no process group: ZeroAdamW steps as torch's AdamW with the same groups, its
