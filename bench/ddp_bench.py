@@ -9,12 +9,14 @@ Issue 16's setting: ``--d-model 768 --layers 8 --micro 1`` (58 M parameters, 9 b
 
 Each rank runs forward + backward + AdamW step on the same model and batches, once
 wrapped in ours and once in torch's (default settings: 25 MiB buckets), with and without
-4-micro-batch accumulation (``no_sync``). Both sides get the trainer's settings: the
+4-micro-batch accumulation (``no_sync``); a third side, torch's with
+``gradient_as_bucket_view=True`` (its opt-in mode whose grads are bucket views, like ours),
+is timed the same way and reported for information. Both sides get the trainer's settings: the
 optimizer's default ``zero_grad()`` (``set_to_none=True``; torch DDP's faster mode, ~2-3%
 over ``set_to_none=False`` at issue 16's size) and, on the process, glibc tuned to keep
 freed memory (``keep_freed_memory``, what ``cli.py train`` does on CPU; ``--malloc-defaults``
-leaves glibc alone). The two wrappers alternate step by step (ours,
-torch, ours, ...), each step timed on its own (barrier before, slowest rank's time), and
+leaves glibc alone). The wrappers alternate step by step (ours,
+torch, torch with bucket views, ours, ...), each step timed on its own (barrier before, slowest rank's time), and
 each side reports its median step: on a shared box the load drifts within seconds, and
 step-level alternation gives both sides the same conditions where round-level alternation
 did not (best-of-rounds ratios moved by +-5% between runs). Target: ours <= 1.05x torch's.
@@ -52,11 +54,16 @@ def make(args, wrapper: str):
         if args.compile:
             model.compile_blocks()
         ddp = DistributedDataParallel(model)
-    else:
-        ddp = TorchDDP(model)
+    else:  # torch's default, and its gradient_as_bucket_view=True (no copy back after the all-reduce)
+        ddp = TorchDDP(model, gradient_as_bucket_view=wrapper == "torch_view")
         if args.compile:
             ddp = torch.compile(ddp)
     return model, ddp, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+SIDES = ("ours", "torch", "torch_view")
+"""Alternated step by step; ``torch_view`` is torch DDP with ``gradient_as_bucket_view=True``
+(grads as views of its buckets, as ours always are), reported for information."""
 
 
 def no_sync(ddp):
@@ -88,12 +95,12 @@ def worker(rank: int, args, port: int) -> None:
     batches = [(d[:, :-1], d[:, 1:]) for d in data]
     rows = []
     for accum in args.accum:
-        built = {w: make(args, w) for w in ("ours", "torch")}
+        built = {w: make(args, w) for w in SIDES}
         for w in built:
             steps(*built[w], batches[:2], accum)  # warm-up (bucket rebuild, allocator)
-        times: dict[str, list[float]] = {"ours": [], "torch": []}
+        times: dict[str, list[float]] = {w: [] for w in SIDES}
         for k in range(args.repeat * args.steps):
-            for w in ("ours", "torch"):
+            for w in SIDES:
                 dist.barrier()
                 start = time.perf_counter()
                 steps(*built[w], batches[k % len(batches) : k % len(batches) + 1], accum)
@@ -106,6 +113,9 @@ def worker(rank: int, args, port: int) -> None:
                      f"{median['ours'] / median['torch']:.3f}x"))
         rows.append((f"tokens/s, accum {accum}", f"{tokens / median['ours']:,.0f}", f"{tokens / median['torch']:,.0f}",
                      f"{median['torch'] / median['ours']:.3f}x"))
+        rows.append((f"for information: vs torch DDP with gradient_as_bucket_view, accum {accum} (ms)",
+                     f"{median['ours'] * 1e3:.1f}", f"{median['torch_view'] * 1e3:.1f}",
+                     f"{median['ours'] / median['torch_view']:.3f}x"))
     if rank == 0:
         params = sum(p.numel() for p in built["ours"][0].parameters())
         setup = (", both compiled" if args.compile else "") + (", glibc malloc untuned" if args.malloc_defaults else "")
