@@ -11,7 +11,7 @@ Each rank runs forward + backward + AdamW step on the same model and batches, on
 wrapped in ours and once in torch's (default settings: 25 MiB buckets), with and without
 4-micro-batch accumulation (``no_sync``); a third side, torch's with
 ``gradient_as_bucket_view=True`` (its opt-in mode whose grads are bucket views, like ours),
-is timed the same way and reported for information. Both sides get the trainer's settings: the
+is timed the same way and reported for information. Every side gets the trainer's settings: the
 optimizer's default ``zero_grad()`` (``set_to_none=True``; torch DDP's faster mode, ~2-3%
 over ``set_to_none=False`` at issue 16's size) and, on the process, glibc tuned to keep
 freed memory (``keep_freed_memory``, what ``cli.py train`` does on CPU; ``--malloc-defaults``

@@ -416,23 +416,9 @@ class DistributedDataParallel(nn.Module):
         self._mark_ready(i)
 
     def _into_bucket(self, i: int, p: torch.Tensor, *, average: bool) -> None:
-        """Make ``p.grad`` its bucket view, divided by the world size when ``average``
-        (the synced backward, just before its bucket may launch), as torch's reducer does:
-        a fresh grad (after ``zero_grad(set_to_none=True)``) is multiplied by ``1/world``
-        while it is copied in, one pass; a grad already accumulated in the view is divided
-        in place while it is still in cache. Either way there is no bucket-wide pass."""
-        view = self._views[i]
-        if p.grad is None:  # a custom autograd.Function returned no grad for it: nothing to add
-            view.zero_()
-        elif p.grad is view or _same_tensor(p.grad, view):
-            if average:
-                view.div_(self.world_size)
-            return
-        elif average:
-            torch.mul(p.grad, 1.0 / self.world_size, out=view)
-        else:
-            view.copy_(p.grad)
-        p.grad = view
+        """Make ``p.grad`` its bucket view, averaged over the world when ``average`` (the
+        synced backward, just before its bucket may launch): :func:`grad_into_view`."""
+        grad_into_view(p, self._views[i], self.world_size if average else 1)
 
     def _mark_unused_ready(self, i: int) -> None:
         p = self._params[i]
@@ -486,6 +472,28 @@ class DistributedDataParallel(nn.Module):
         self._locally_used = [0] * len(self._params)
         if self._ready_order is not None:
             self._rebuild_pending = True
+
+
+def grad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int) -> None:
+    """Make ``param.grad`` ``view`` (its slice of a flat gradient buffer), divided by
+    ``divisor`` on the way, as torch's reducer does without a comm hook: a fresh grad (after
+    ``zero_grad(set_to_none=True)``) is multiplied by ``1/divisor`` while it is copied in, one
+    pass; a grad already accumulated in the view is divided in place while it is still in
+    cache; no grad at all (a custom autograd.Function returned None) zeroes the view. So no
+    pass over a whole bucket precedes its collective. ``divisor`` 1: no scaling. Our DDP and
+    ZeRO-1 (``parallel/zero.py``) both fill their buffers through it."""
+    grad = param.grad
+    if grad is None:
+        view.zero_()
+    elif grad is view or _same_tensor(grad, view):
+        if divisor > 1:
+            view.div_(divisor)
+        return
+    elif divisor > 1:
+        torch.mul(grad, 1.0 / divisor, out=view)
+    else:
+        view.copy_(grad)
+    param.grad = view
 
 
 def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:

@@ -286,7 +286,7 @@ class Strategy:
     def train_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; (mean micro-batch loss, grad
         norm before clipping), device tensors; the loss is zero on ranks without one."""
-        self.optimizer.zero_grad()  # set_to_none: DDP copies each first grad into its bucket view
+        self.optimizer.zero_grad()  # set_to_none: DDP and ZeRO-1 copy each first grad into their buffers
         if self.ddps:
             total = self._run(self.ddps, batches, False, no_sync=[ddp.no_sync for ddp in self.ddps])
         else:

@@ -121,7 +121,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.ddp import compute_bucket_assignment_by_size
+from tokenloom.train.ddp import compute_bucket_assignment_by_size, grad_into_view
 from tokenloom.train.optim import clip_coefficient, global_grad_norm
 from tokenloom.train.parallel.mappings import all_reduce_in_place
 
@@ -318,23 +318,9 @@ class ZeroAdamW:
         self._next = len(self._buckets) - 1  # the next bucket to launch
 
     def _into_view(self, i: int, p: torch.Tensor, *, average: bool) -> None:
-        """Make ``p.grad`` parameter ``i``'s view of the grad buffer; ``average``: divide it by
-        the dp size on the way, as :class:`~tokenloom.train.ddp.DistributedDataParallel`'s
-        hooks do (a fresh grad is scaled while copied, one in the view divided in place while
-        still in cache), so no pass over a whole bucket precedes its reduce-scatter. No grad
-        at all this step (None) zeroes the view."""
-        view = self._grad_views[i]
-        scale = average and self.dp_size > 1
-        if p.grad is None:
-            view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():  # a fresh grad (set_to_none): into the buffer
-            if scale:
-                torch.mul(p.grad, 1.0 / self.dp_size, out=view)
-            else:
-                view.copy_(p.grad)
-        elif scale:
-            view.div_(self.dp_size)
-        p.grad = view
+        """Make ``p.grad`` parameter ``i``'s view of the grad buffer, averaged over dp when
+        ``average`` (DDP's :func:`~tokenloom.train.ddp.grad_into_view`)."""
+        grad_into_view(p, self._grad_views[i], self.dp_size if average else 1)
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
