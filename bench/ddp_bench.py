@@ -50,10 +50,10 @@ def make(args, wrapper: str):
     cfg = GPTConfig(vocab_size=2048, make_vocab_size_divisible_by=128, seq_len=args.seq_len, n_layers=args.layers,
                     n_heads=4, d_model=args.d_model)
     model = GPT(cfg)
-    if wrapper == "ours":
+    if wrapper == "ours":  # as the trainer wraps it: compiled blocks are grad units (no bucket ends inside one)
         if args.compile:
             model.compile_blocks()
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model, grad_units=model.blocks.values() if args.compile else ())
     else:  # torch's default, and its gradient_as_bucket_view=True (no copy back after the all-reduce)
         ddp = TorchDDP(model, gradient_as_bucket_view=wrapper == "torch_view")
         if args.compile:

@@ -122,3 +122,33 @@ def test_documented_examples():
 def test_sparse_tensor_rejected():
     with pytest.raises(ValueError, match="sparse"):
         compute_bucket_assignment_by_size([torch.eye(3).to_sparse()], [MiB])
+
+
+def test_a_bucket_does_not_end_inside_a_unit():
+    """With ``units``, a bucket that reached its limit inside a unit (a compiled block, whose
+    grads all arrive at once) takes the rest of that unit; tensors without a unit (-1) and
+    unit boundaries close as torch does; a unit of another dtype does not hold a bucket open."""
+    t = [torch.empty(MiB // 4, device="meta") for _ in range(6)]  # 1 MiB each
+    limits = [2 * MiB]
+    assert compute_bucket_assignment_by_size(t, limits)[0] == [[0, 1], [2, 3], [4, 5]]
+    assert compute_bucket_assignment_by_size(t, limits, units=[0, 0, 0, 1, 1, 1])[0] == [[0, 1, 2], [3, 4, 5]]
+    assert compute_bucket_assignment_by_size(t, limits, units=[-1, -1, 5, 5, 5, -1])[0] == [[0, 1], [2, 3, 4], [5]]
+    # unit ids only group neighbours of one key: 0 and 1 differ, so the boundary closes as usual
+    assert compute_bucket_assignment_by_size(t, limits, units=[0, 1, 0, 1, 0, 1])[0] == [[0, 1], [2, 3], [4, 5]]
+    # rebuild path: indices in ready order, units given in that order too
+    order = [5, 4, 3, 2, 1, 0]
+    assert compute_bucket_assignment_by_size(t, limits, (), order, [2, 2, 2, -1, -1, -1])[0] == [
+        [5, 4, 3], [2, 1], [0]]
+    # another dtype in between: the unit's next tensor of the same key decides
+    mixed = [t[0], t[1], torch.empty(4, dtype=torch.float64, device="meta"), t[2]]
+    assert compute_bucket_assignment_by_size(mixed, limits, units=[0, 0, 0, 0])[0] == [[0, 1, 3], [2]]
+    with pytest.raises(ValueError, match="units"):
+        compute_bucket_assignment_by_size(t, limits, units=[0])
+
+
+def test_without_units_the_assignment_is_torchs():
+    """``units`` all -1 changes nothing (the torch-equality tests above run without it)."""
+    tensors = gpt_params(True)
+    for limits in LIMITS.values():
+        assert compute_bucket_assignment_by_size(tensors, limits, units=[-1] * len(tensors)) == \
+            compute_bucket_assignment_by_size(tensors, limits)

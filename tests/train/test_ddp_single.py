@@ -204,6 +204,39 @@ def test_compiled_blocks_keep_bucket_overlap_and_the_eager_gradients(group):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_compiled_blocks_as_grad_units_are_never_split_across_buckets(group):
+    """With ``grad_units`` (the strategy passes the compiled blocks), no bucket ends inside a
+    block, before and after the rebuild from the ready order: a bucket that did would wait for
+    the rest of the block's one backward node and hold back the buckets after it. Without
+    them, the same caps split blocks; the gradients are the eager model's either way."""
+    cfg = GPTConfig(vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=3, n_heads=2, d_model=32)
+    torch.manual_seed(0)
+    eager, model = GPT(cfg), GPT(cfg)
+    model.load_state_dict(eager.state_dict())
+    model.compile_blocks()
+    plain = DistributedDataParallel(model, bucket_cap_mb=0.01, init_sync=False)
+    plain.remove_hooks()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, grad_units=model.blocks.values())
+    names = ddp.param_names
+
+    def split_blocks(d):
+        block_of = [n.split(".")[1] if n.startswith("blocks.") else None for n in names]
+        seen = [{block_of[i] for i in b} - {None} for b in d.bucket_indices]
+        return [blk for blk in {b for s in seen for b in s} if sum(blk in s for s in seen) > 1]
+
+    assert split_blocks(plain), "the caps are small enough to split blocks without units"
+    x = torch.randint(0, 64, (2, 17))
+    for step in range(2):  # the second forward rebuilds the buckets from the first's ready order
+        assert split_blocks(ddp) == [], (step, ddp.bucket_indices)
+        for p in model.parameters():
+            p.grad = None
+        ddp(x[:, :-1], x[:, 1:]).backward()
+    assert split_blocks(ddp) == []
+    eager(x[:, :-1], x[:, 1:]).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def with_unused(model: nn.Module) -> nn.Module:
     model.register_parameter("unused", nn.Parameter(torch.zeros(3)))  # no forward reads it
     return model

@@ -26,6 +26,12 @@ Design choices and trade-offs:
   ``find_unused_parameters`` is False, like torch) the layout is recomputed once, at
   the next forward, from the order in which grads actually became ready during the
   first synced backward; rank 0's layout is broadcast so ranks cannot disagree.
+  ``grad_units`` (ours; the strategy passes the blocks ``compile: true`` compiled) keeps
+  every bucket from ending inside such a block: its backward is one autograd node, so all
+  its grads arrive when it ends; cut by size, a bucket holds the end of one block and the
+  start of the next, launches one block late, and holds back every bucket after it (torch's
+  DDPOptimizer gets the same alignment the other way round, splitting its graph at bucket
+  boundaries). Cost: buckets up to one block larger than the cap.
 * **Averaging** happens per parameter in its hook, before the SUM all-reduce, exactly as
   torch's reducer does without a comm hook: a fresh grad is multiplied by
   ``1/world_size`` while it is copied into the bucket (one pass), a grad already
@@ -106,6 +112,7 @@ def compute_bucket_assignment_by_size(
     bucket_size_limits: Sequence[int],
     expect_sparse_gradient: Sequence[bool] = (),
     tensor_indices: Sequence[int] = (),
+    units: Sequence[int] = (),
 ) -> tuple[list[list[int]], list[int]]:
     """Group tensors into buckets by byte size; same result as torch's
     ``dist._compute_bucket_assignment_by_size`` for the same arguments.
@@ -121,6 +128,13 @@ def compute_bucket_assignment_by_size(
     Worked example (fp32 sizes 0.38, 0.76, 11.4, 19.1, 0.004 MiB, limits [1 MiB, 25 MiB])
     -> buckets [[0, 1], [2, 3], [4]], limits [1048576, 26214400, 26214400].
 
+    ``units`` (ours, not torch's; one entry per tensor, in the given order): tensors with
+    the same unit id >= 0 get their grads at one moment, from one autograd node (a module
+    compiled in place: :func:`compiled_units`), so a bucket that crossed its limit stays
+    open until the unit's last tensor of its key is in. A bucket that ended inside a unit
+    would wait for the rest of it anyway, and hold back every bucket after it in launch
+    order; -1 is a tensor on its own. Empty (torch's behaviour): no units.
+
     Only difference from torch: on the rebuild path with several dtypes, leftover
     (not full) buckets come out in first-seen order; torch's order there comes from an
     ``unordered_map`` and is unspecified.
@@ -129,6 +143,16 @@ def compute_bucket_assignment_by_size(
         raise ValueError("bucket_size_limits must not be empty")
     if tensor_indices and len(tensor_indices) != len(tensors):
         raise ValueError("tensor_indices must have one entry per tensor")
+    if units and len(units) != len(tensors):
+        raise ValueError("units must have one entry per tensor")
+    # unit of the next tensor with the same key (-1: none, or no unit), for the closing rule
+    next_unit = [-1] * len(tensors)
+    if units:
+        last_unit: dict[tuple[torch.dtype, torch.device], int] = {}
+        for i in reversed(range(len(tensors))):
+            key = (tensors[i].dtype, tensors[i].device)
+            next_unit[i] = last_unit.get(key, -1)
+            last_unit[key] = units[i]
     result: list[tuple[list[int], int]] = []
     open_buckets: dict[tuple[torch.dtype, torch.device], list] = {}  # key -> [indices, bytes, limit]
     limit_pos: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -145,7 +169,7 @@ def compute_bucket_assignment_by_size(
         bucket[0].append(idx)
         bucket[1] += t.numel() * t.element_size()
         bucket[2] = bucket_size_limits[pos]
-        if bucket[1] >= bucket[2]:
+        if bucket[1] >= bucket[2] and not (units and units[i] >= 0 and next_unit[i] == units[i]):
             result.append((bucket[0], bucket[2]))
             open_buckets[key] = [[], 0, 0]
             limit_pos[key] = min(pos + 1, len(bucket_size_limits) - 1)
@@ -188,6 +212,9 @@ class DistributedDataParallel(nn.Module):
         finish_in_backward: wait for the buckets from a callback at the end of the synced
             backward (torch's way); False: the caller calls :meth:`finish_grad_sync`
             after it (Megatron's way, for pipeline schedules).
+        grad_units: submodules whose backward is one autograd node (compiled in place, as
+            ``GPT.compile_blocks`` does each block): their parameters' grads all arrive when
+            it ends, so no bucket ends inside one (:func:`grad_unit_ids`).
     """
 
     def __init__(
@@ -203,6 +230,7 @@ class DistributedDataParallel(nn.Module):
         params_and_buffers_to_ignore: Iterable[str] = (),
         init_sync: bool = True,
         finish_in_backward: bool = True,
+        grad_units: Iterable[nn.Module] = (),
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -235,7 +263,8 @@ class DistributedDataParallel(nn.Module):
             self._verify_params_across_ranks()
             _broadcast_coalesced(self._params + self._buffers_to_sync, self._src, self.process_group)
 
-        buckets, _ = compute_bucket_assignment_by_size(self._params, self.bucket_size_limits)
+        self._units = grad_unit_ids(self._params, grad_units)
+        buckets, _ = compute_bucket_assignment_by_size(self._params, self.bucket_size_limits, units=self._units)
         self._build_buckets(list(reversed(buckets)))
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)
@@ -373,7 +402,8 @@ class DistributedDataParallel(nn.Module):
         seen = set(order)
         order += [i for i in reversed(range(len(self._params))) if i not in seen]
         tensors = [self._params[i] for i in order]
-        assignment, _ = compute_bucket_assignment_by_size(tensors, self.bucket_size_limits, (), order)
+        assignment, _ = compute_bucket_assignment_by_size(tensors, self.bucket_size_limits, (), order,
+                                                          [self._units[i] for i in order])
         box = [assignment]
         dist.broadcast_object_list(box, src=self._src, group=self.process_group)
         self._build_buckets(box[0])
@@ -472,6 +502,21 @@ class DistributedDataParallel(nn.Module):
         self._locally_used = [0] * len(self._params)
         if self._ready_order is not None:
             self._rebuild_pending = True
+
+
+def grad_unit_ids(params: Sequence[torch.Tensor], units: Iterable[nn.Module]) -> list[int]:
+    """Per parameter of ``params``: the position in ``units`` of the first module holding it,
+    -1 for parameters in none, the ``units`` argument of
+    :func:`compute_bucket_assignment_by_size`. Pass the modules compiled in place: a compiled
+    module's backward is one autograd node, so its parameters' grads all arrive when it ends,
+    while eager layers hand each grad over as its own op finishes. The caller names them
+    (``compile: true`` compiles each transformer block) rather than this reading torch's
+    private marker of a compiled module."""
+    unit_of: dict[int, int] = {}
+    for u, module in enumerate(units):
+        for p in module.parameters():
+            unit_of.setdefault(id(p), u)
+    return [unit_of.get(id(p), -1) for p in params]
 
 
 def grad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int) -> None:
@@ -575,4 +620,5 @@ __all__ = [
     "FIRST_BUCKET_BYTES",
     "DistributedDataParallel",
     "compute_bucket_assignment_by_size",
+    "grad_unit_ids",
 ]

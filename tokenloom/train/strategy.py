@@ -30,7 +30,9 @@ checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~toke
 ============================  =====================================  ==========================================
 
 ``compile: true`` compiles the transformer blocks of every chunk (:meth:`GPT.compile_blocks`) in
-every layout: a block's backward stays one autograd node, so buckets still launch during backward.
+every layout: a block's backward stays one autograd node, so buckets still launch during backward;
+DDP's and ZeRO-1's buckets are cut at block boundaries only (``grad_units``), so each launches
+as soon as the block that completes it ends.
 
 Gradients are fp32 in every layout: parameters stay fp32 and ``precision`` bf16 is
 autocast (:func:`~tokenloom.train.runtime.autocast_for`), and autograd returns each
@@ -187,8 +189,13 @@ class Strategy:
 
         return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_group,
                            bucket_cap_mb=self.cfg.ddp_bucket_cap_mb, broadcast_buffers=not self.staged,
-                           finish_in_backward=not self.staged)
+                           finish_in_backward=not self.staged, grad_units=self._compiled_units(chunk))
                 for chunk in self.chunks]
+
+    def _compiled_units(self, chunk: GPT) -> list[nn.Module]:
+        """The modules of ``chunk`` compiled in place (``compile: true``: its blocks), whose
+        grads arrive together: no DDP or ZeRO-1 bucket ends inside one."""
+        return list(chunk.blocks.values()) if self.cfg.compile else []
 
     def _build_optimizer(self):
         cfg, st, o = self.cfg, self.state, self.cfg.optim
@@ -211,6 +218,7 @@ class Strategy:
                          overlap_grad_reduce=cfg.overlap_grad_reduce is not False,
                          overlap_param_gather=cfg.overlap_param_gather is not False,
                          modules=self.chunks,
+                         grad_units=[m for c in self.chunks for m in self._compiled_units(c)],
                          own_bucket=is_tied_embedding if cfg.pp > 1 else None)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:

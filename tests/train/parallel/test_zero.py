@@ -233,3 +233,19 @@ def test_own_bucket_parameters_are_cut_out_alone_and_all_reduce_grads_needs_a_re
     opt.finish_grad_sync()
     opt.all_reduce_grads([], None)  # nothing held: no collective (none exists here)
     opt.step()
+
+
+def test_grad_units_are_never_cut_into_two_buckets():
+    """``grad_units`` (the strategy passes the compiled blocks under ``compile: true``): a
+    bucket that reached ``bucket_bytes`` inside a unit takes the rest of it, as DDP's do (one
+    rank: one piece per bucket, its whole size)."""
+    torch.manual_seed(0)
+
+    def sizes(units):  # three Linear(8, 8): weight 64 + bias 8 elements each, buckets of 100 bytes
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        opt = ZeroAdamW(model.parameters(), bucket_bytes=100, grad_units=[model[k] for k in units])
+        return [m.numel() for m in opt.main_shards]
+
+    assert sizes([]) == [64, 72, 72, 8]
+    assert sizes([0, 1, 2]) == [72, 72, 72]
+    assert sizes([1]) == [64, 80, 64, 8]

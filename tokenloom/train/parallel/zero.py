@@ -121,7 +121,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.ddp import compute_bucket_assignment_by_size, grad_into_view
+from tokenloom.train.ddp import compute_bucket_assignment_by_size, grad_into_view, grad_unit_ids
 from tokenloom.train.optim import clip_coefficient, global_grad_norm
 from tokenloom.train.parallel.mappings import all_reduce_in_place
 
@@ -161,6 +161,8 @@ class ZeroAdamW:
             ``_does_param_require_new_bucket``): a tied embedding under pipeline parallelism,
             so that the first and the last stage cut it into the same dp pieces and
             :meth:`all_reduce_grads` can sum their reduced pieces.
+        grad_units: submodules compiled in place (one autograd node each): no bucket ends
+            inside one (:func:`~tokenloom.train.ddp.grad_unit_ids`), as in DDP.
     """
 
     def __init__(
@@ -180,6 +182,7 @@ class ZeroAdamW:
         overlap_param_gather: bool = False,
         modules: Iterable[nn.Module] = (),
         own_bucket: Callable[[nn.Parameter], bool] | None = None,
+        grad_units: Iterable[nn.Module] = (),
     ) -> None:
         if counts_in_norm is None:
             def counts_in_norm(p: nn.Parameter) -> bool:
@@ -209,7 +212,8 @@ class ZeroAdamW:
         # gives runs in order), each padded to a multiple of dp and cut into dp equal pieces
         dp = self.dp_size
         assignment = [list(range(len(self.params)))] if bucket_bytes is None else \
-            compute_bucket_assignment_by_size(self.params, [bucket_bytes])[0]
+            compute_bucket_assignment_by_size(self.params, [bucket_bytes],
+                                              units=grad_unit_ids(self.params, grad_units))[0]
         if own_bucket is not None:
             assignment = _isolate(assignment, [own_bucket(p) for p in self.params])
         self._bucket_of = [0] * len(self.params)
