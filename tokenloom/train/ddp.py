@@ -137,7 +137,7 @@ def compute_bucket_assignment_by_size(
 
     ``units`` (ours, not torch's; one entry per tensor, in the given order): tensors with
     the same unit id >= 0 get their grads at one moment, from one autograd node (a module
-    compiled in place: :func:`compiled_units`), so a bucket that crossed its limit stays
+    compiled in place: :func:`grad_unit_ids`), so a bucket that crossed its limit stays
     open until the unit's last tensor of its key is in. A bucket that ended inside a unit
     would wait for the rest of it anyway, and hold back every bucket after it in launch
     order; -1 is a tensor on its own. Empty (torch's behaviour): no units.
