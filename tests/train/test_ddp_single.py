@@ -182,16 +182,29 @@ def _backward_nodes(loss: torch.Tensor) -> list[str]:
     return names
 
 
-def test_compiled_blocks_keep_bucket_overlap_and_the_eager_gradients(group):
-    """``compile: true`` compiles block by block (GPT.compile_blocks): the backward keeps one
-    compiled node per block (a whole-model graph has one, and every bucket would wait for its
-    end), so buckets are reduced while earlier blocks are in backward; the gradients are the
-    eager model's."""
+def _eager_and_compiled() -> tuple[GPTConfig, GPT, GPT]:
+    """A 3-block GPT twice with the same weights, the second with its blocks compiled."""
     cfg = GPTConfig(vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=3, n_heads=2, d_model=32)
     torch.manual_seed(0)
     eager, model = GPT(cfg), GPT(cfg)
     model.load_state_dict(eager.state_dict())
     model.compile_blocks()
+    return cfg, eager, model
+
+
+def _assert_eager_grads(model: GPT, eager: GPT, x: torch.Tensor) -> None:
+    """``model``'s grads (its backward on ``x`` already ran) equal the eager model's on ``x``."""
+    eager(x[:, :-1], x[:, 1:]).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compiled_blocks_keep_bucket_overlap_and_the_eager_gradients(group):
+    """``compile: true`` compiles block by block (GPT.compile_blocks): the backward keeps one
+    compiled node per block (a whole-model graph has one, and every bucket would wait for its
+    end), so buckets are reduced while earlier blocks are in backward; the gradients are the
+    eager model's."""
+    cfg, eager, model = _eager_and_compiled()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, rebuild_buckets=False)
     x = torch.randint(0, 64, (2, 17))
     loss = ddp(x[:, :-1], x[:, 1:])
@@ -199,9 +212,7 @@ def test_compiled_blocks_keep_bucket_overlap_and_the_eager_gradients(group):
     assert len(compiled) == cfg.n_layers, compiled
     assert len(ddp.bucket_indices) > 2
     loss.backward()
-    eager(x[:, :-1], x[:, 1:]).backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_eager_grads(model, eager, x)
 
 
 def test_compiled_blocks_as_grad_units_are_never_split_across_buckets(group):
@@ -209,18 +220,13 @@ def test_compiled_blocks_as_grad_units_are_never_split_across_buckets(group):
     block, before and after the rebuild from the ready order: a bucket that did would wait for
     the rest of the block's one backward node and hold back the buckets after it. Without
     them, the same caps split blocks; the gradients are the eager model's either way."""
-    cfg = GPTConfig(vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=3, n_heads=2, d_model=32)
-    torch.manual_seed(0)
-    eager, model = GPT(cfg), GPT(cfg)
-    model.load_state_dict(eager.state_dict())
-    model.compile_blocks()
+    _, eager, model = _eager_and_compiled()
     plain = DistributedDataParallel(model, bucket_cap_mb=0.01, init_sync=False)
     plain.remove_hooks()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01, grad_units=model.blocks.values())
-    names = ddp.param_names
+    block_of = [n.split(".")[1] if n.startswith("blocks.") else None for n in ddp.param_names]
 
     def split_blocks(d):
-        block_of = [n.split(".")[1] if n.startswith("blocks.") else None for n in names]
         seen = [{block_of[i] for i in b} - {None} for b in d.bucket_indices]
         return [blk for blk in {b for s in seen for b in s} if sum(blk in s for s in seen) > 1]
 
@@ -232,9 +238,7 @@ def test_compiled_blocks_as_grad_units_are_never_split_across_buckets(group):
             p.grad = None
         ddp(x[:, :-1], x[:, 1:]).backward()
     assert split_blocks(ddp) == []
-    eager(x[:, :-1], x[:, 1:]).backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_eager_grads(model, eager, x)
 
 
 def with_unused(model: nn.Module) -> nn.Module:
