@@ -37,6 +37,24 @@ CONFIGS = {
         1,
         False,
     ),
+    # as above with the weight-gradient fusion off: autograd's graph, and so the grad-ready
+    # order that the rebuilt buckets follow, is then torch DDP's (test_rebuilt_buckets_match_torch)
+    "gpt2_tied_sgd_unfused": (
+        dict(arch="gpt2", tie_embeddings=True),
+        dict(bucket_cap_mb=0.02, wgrad_fusion=False),
+        dict(bucket_cap_mb=0.02),
+        "sgd",
+        1,
+        False,
+    ),
+    "llama_gqa_untied_adamw_accum_unfused": (
+        dict(arch="llama", n_kv_heads=2, tie_embeddings=False, bias=False, recompute_layers=(1,)),
+        dict(wgrad_fusion=False),
+        dict(),
+        "adamw",
+        3,
+        False,
+    ),
     "llama_gqa_untied_adamw_accum": (
         dict(arch="llama", n_kv_heads=2, tie_embeddings=False, bias=False, recompute_layers=(1,)),
         dict(),

@@ -4,8 +4,8 @@ One model serves every layout (in the spirit of megatron-core's ``GPTModel``):
 
 * **Tensor parallelism**: the linears and the token embedding come from a
   :class:`~tokenloom.train.parallel.layers.TensorParallel` context. With one rank they
-  are plain ``nn.Linear`` / ``nn.Embedding`` (the numerics, names and state dict of a
-  model that knows nothing of tp); with more, ``qkv`` and ``fc`` are column-parallel
+  are ``nn.Linear`` (:class:`tokenloom.train.wgrad.Linear`) / ``nn.Embedding`` (the
+  numerics, names and state dict of a model that knows nothing of tp); with more, ``qkv`` and ``fc`` are column-parallel
   (heads, and SwiGLU's gate/up halves, split over tp), the output projections
   row-parallel, the embedding and LM head vocab-parallel, and the loss is the
   vocab-parallel cross entropy on ``[.., V/tp]`` logits (full logits never exist).
@@ -108,6 +108,7 @@ from tokenloom.train.parallel.tp_cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_lm_head_cross_entropy,
 )
+from tokenloom.train.wgrad import linear as wgrad_linear
 
 
 @dataclass(kw_only=True)
@@ -224,9 +225,11 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def _matmul_and_bias(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``layer(x)`` without its bias, and the bias, so that a kernel can fuse the bias into
-    the op that follows (``bias_gelu``, ``bias_dropout_add``)."""
+    the op that follows (``bias_gelu``, ``bias_dropout_add``); the weight gradient goes to its
+    sink as in the layer's own forward (:mod:`tokenloom.train.wgrad`)."""
     if isinstance(layer, nn.Linear):
-        return F.linear(x, layer.weight), layer.bias
+        fused = getattr(layer, "wgrad_fusion", False)
+        return (wgrad_linear if fused else F.linear)(x, layer.weight), layer.bias
     return layer(x, skip_bias_add=True)
 
 
@@ -460,6 +463,7 @@ class GPT(nn.Module):
         if post:
             self.norm = make_norm(cfg)
             self.lm_head = self.tp.column(cfg.d_model, cfg.padded_vocab_size, bias=False)
+            self.lm_head.wgrad_fusion = False  # maybe tied: a second consumer of its weight (tokenloom.train.wgrad)
         if cfg.arch == "llama":
             self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim, device="meta"), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim, device="meta"), persistent=False)

@@ -31,6 +31,8 @@ from tokenloom.train.parallel.schedules import (
     get_schedule,
 )
 from tokenloom.train.parallel.zero import ZeroAdamW
+from tokenloom.train.wgrad import linear as wgrad_linear
+from tokenloom.train.wgrad import set_wgrad_sink, wgrad_sink
 
 VOCAB, SEQ, D_MODEL, MB = 64, 16, 32, 2
 LR, WD = 1e-2, 0.1
@@ -564,32 +566,42 @@ def zero_accumulation(rank: int, *, steps: int = 3) -> dict:
     without overlap, against torch's AdamW on the dp-averaged sums of the same local grads:
     ``a`` has grads in both micro-batches, ``b`` only in the ``no_sync`` one (no hook in the
     reducing backward), ``c`` only in the reducing one, ``d`` in step 0 only (its view must not
-    keep step 0's grad; the flat buffer gives it zeros, as Megatron's does)."""
+    keep step 0's grad; the flat buffer gives it zeros, as Megatron's does). ``fused``: the
+    layers run as :func:`tokenloom.train.wgrad.linear`, so with overlap the weight grads are
+    written by their GEMMs (fresh, accumulated, averaged or not) and must step the same."""
     torch.manual_seed(0)
     base = nn.ModuleDict({k: nn.Linear(8, 8) for k in "abcd"})
 
-    def losses(model, x, micro, step):
+    def losses(model, x, micro, step, fused=False):
+        def run(k):
+            return wgrad_linear(x, model[k].weight, model[k].bias) if fused else model[k](x)
+
         if micro == 0:
-            out = model["a"](x).sum() + model["b"](x).pow(2).sum()
+            out = run("a").sum() + run("b").pow(2).sum()
         else:
-            out = 2 * model["a"](x).sum() + model["c"](x).pow(2).sum()
-        return out + (model["d"](x).sum() if step == 0 else 0)
+            out = 2 * run("a").sum() + run("c").pow(2).sum()
+        return out + (run("d").sum() if step == 0 else 0)
 
     res: dict[str, Any] = {}
-    for overlap in (True, False):
+    for overlap, fused in ((True, False), (False, False), (True, True)):
         model, ref = copy.deepcopy(base), copy.deepcopy(base)
         # eps = 1: Adam's update is no longer scale-invariant, so a grad left unaveraged shows
         opt = ZeroAdamW(model.parameters(), None, lr=0.01, eps=1.0, weight_decay=0.0, bucket_bytes=300,
                         overlap_grad_reduce=overlap)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1.0, weight_decay=0.0)
         g = torch.Generator().manual_seed(rank)
+        taken = []
+        for k in "abcd":
+            sink = wgrad_sink(model[k].weight)
+            if sink is not None:
+                set_wgrad_sink(model[k].weight, lambda g_, x_, sink=sink, taken=taken: taken.append(1) or sink(g_, x_))
         for step in range(steps):
             opt.zero_grad()
             ref_opt.zero_grad()
             for micro in range(2):
                 x = torch.randn(4, 8, generator=g)
                 with opt.no_sync() if micro == 0 else contextlib.nullcontext():
-                    losses(model, x, micro, step).backward()
+                    losses(model, x, micro, step, fused).backward()
                 losses(ref, x, micro, step).backward()
             for p in ref.parameters():  # the dp average, zeros where no micro-batch gave a grad
                 if p.grad is None:
@@ -598,9 +610,10 @@ def zero_accumulation(rank: int, *, steps: int = 3) -> dict:
                 p.grad /= dist.get_world_size()
             opt.step()
             ref_opt.step()
-        res[f"overlap={overlap}"] = max((p - q).abs().max().item()
-                                        for p, q in zip(model.parameters(), ref.parameters(), strict=True))
-        res[f"buckets overlap={overlap}"] = len(opt.main_shards)
+        name = f"overlap={overlap}" + (" fused" if fused else "")
+        res[name] = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+        res[f"buckets {name}"] = len(opt.main_shards)
+        res[f"sink calls {name}"] = len(taken)
     return res
 
 

@@ -162,6 +162,10 @@ def test_grads_accumulated_under_no_sync_and_missing_ones_are_averaged_as_adamw_
         res = r[4]
         assert res["buckets overlap=True"] > 2
         assert res["overlap=True"] < 1e-6 and res["overlap=False"] < 1e-6, res
+        # weight grads written by the GEMMs (tokenloom.train.wgrad): 3 steps x (a, b | a, c), d in step 0 twice
+        assert res["overlap=True fused"] < 1e-6, res
+        assert res["sink calls overlap=True fused"] == 3 * 4 + 2, res
+        assert res["sink calls overlap=False"] == 0, res  # no hooks, no sinks: step() copies
 
 
 def test_dp1_is_adamw_and_plain_state_loads_into_it():

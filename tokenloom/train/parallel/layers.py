@@ -8,6 +8,9 @@ Mirrors Megatron-core ``tensor_parallel/layers.py`` (training-stack.md section c
   ``sequence_parallel``, is all-gathered along the sequence inside the GEMM function
   whose backward reduce-scatters the input gradient. ``gather_output`` all-gathers
   the output along the last dim; ``skip_bias_add`` returns the bias for a later fusion.
+  Both linears hand their weight gradient to the weight's sink when it has one
+  (:mod:`tokenloom.train.wgrad`: the GEMM writes into the DDP / ZeRO-1 buffer), unless
+  ``wgrad_fusion`` is off.
 * :class:`RowParallelLinear` (A split by input columns): weight ``[out, in/tp]``. The
   input is already split (``input_is_parallel``) or scattered here; partial outputs
   are all-reduced, or reduce-scattered along the sequence with ``sequence_parallel``;
@@ -69,6 +72,8 @@ from tokenloom.train.parallel.mappings import (
     scatter_to_region,
 )
 from tokenloom.train.parallel.random import get_rng_tracker
+from tokenloom.train.wgrad import Linear, fusion_sink
+from tokenloom.train.wgrad import linear as wgrad_linear
 
 InitMethod = Callable[[torch.Tensor], object]
 """Fills a full fp32 master weight in place."""
@@ -160,9 +165,9 @@ class _SequenceParallelLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, sink):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.sink = group, bias is not None, sink
         return F.linear(all_gather_first_dim(x, group), weight, bias)
 
     @staticmethod
@@ -174,13 +179,19 @@ class _SequenceParallelLinear(torch.autograd.Function):
         grad_w = None
         if need_w:
             total = all_gather_first_dim(x, ctx.group)
-            grad_w = grad_2d.T @ total.reshape(-1, total.shape[-1])
+            total = total.reshape(-1, total.shape[-1])
+            if ctx.sink is None or not ctx.sink(grad_2d, total):  # the sink: tokenloom.train.wgrad
+                grad_w = grad_2d.T @ total
         grad_b = grad_2d.sum(0) if ctx.has_bias and need_b else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class ColumnParallelLinear(nn.Module):
     """Linear with the output features split over the tp group. See the module docstring."""
+
+    wgrad_fusion: bool = True
+    """Hand the weight gradient to the weight's sink (:mod:`tokenloom.train.wgrad`): only for a
+    weight used once per backward (the model turns it off on its LM head, which may be tied)."""
 
     def __init__(
         self,
@@ -248,9 +259,10 @@ class ColumnParallelLinear(nn.Module):
         skip = self.skip_bias_add if skip_bias_add is None else skip_bias_add
         bias = None if skip else self.bias
         if self.sequence_parallel and _rank_world(self.group)[1] > 1:
-            out = _SequenceParallelLinear.apply(x, self.weight, bias, self.group)
+            sink = fusion_sink(x, self.weight) if self.wgrad_fusion else None
+            out = _SequenceParallelLinear.apply(x, self.weight, bias, self.group, sink)
         else:
-            out = F.linear(copy_to_region(x, self.group), self.weight, bias)
+            out = (wgrad_linear if self.wgrad_fusion else F.linear)(copy_to_region(x, self.group), self.weight, bias)
         if self.gather_output:
             out = gather_from_region(out, self.group)
         return (out, self.bias) if skip else out
@@ -272,6 +284,9 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Linear with the input features split over the tp group. See the module docstring."""
+
+    wgrad_fusion: bool = True
+    """As :attr:`ColumnParallelLinear.wgrad_fusion`."""
 
     def __init__(
         self,
@@ -331,7 +346,7 @@ class RowParallelLinear(nn.Module):
         (``[s/tp, b, out]`` with sequence_parallel), plus the bias when ``skip_bias_add``
         (this call's argument, else the layer's setting)."""
         x_parallel = x if self.input_is_parallel else scatter_to_region(x, self.group)
-        partial = F.linear(x_parallel, self.weight)
+        partial = (wgrad_linear if self.wgrad_fusion else F.linear)(x_parallel, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.group)
         else:
@@ -441,9 +456,10 @@ def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
 class TensorParallel:
     """The tensor-parallel context a model is built with: its layers and its dropout stream.
 
-    With one rank (``group`` None or of size 1) the factories return the plain
-    ``nn.Linear`` / ``nn.Embedding`` (same parameters, names and numerics as a model that
-    never heard of tensor parallelism); with more, Megatron's column/row/vocab-parallel
+    With one rank (``group`` None or of size 1) the factories return ``nn.Linear`` (as
+    :class:`tokenloom.train.wgrad.Linear`, whose weight gradient may go straight into a
+    gradient buffer) / ``nn.Embedding`` (same parameters, names and numerics as a model
+    that never heard of tensor parallelism); with more, Megatron's column/row/vocab-parallel
     layers above. Layers are made on ``meta`` (shapes only): the model materialises and
     initialises its shards itself (:meth:`tokenloom.train.model.GPT.init_weights`), so no
     rank ever holds a full weight it does not own.
@@ -470,13 +486,13 @@ class TensorParallel:
     def column(self, in_features: int, out_features: int, *, bias: bool,
                split_sizes: Sequence[int] | None = None) -> nn.Module:
         if self.size == 1:
-            return nn.Linear(in_features, out_features, bias=bias, device="meta")
+            return Linear(in_features, out_features, bias=bias, device="meta")
         return ColumnParallelLinear(in_features, out_features, group=self.group, bias=bias, split_sizes=split_sizes,
                                     sequence_parallel=self.sp, device="meta")
 
     def row(self, in_features: int, out_features: int, *, bias: bool) -> nn.Module:
         if self.size == 1:
-            return nn.Linear(in_features, out_features, bias=bias, device="meta")
+            return Linear(in_features, out_features, bias=bias, device="meta")
         return RowParallelLinear(in_features, out_features, group=self.group, bias=bias, input_is_parallel=True,
                                  sequence_parallel=self.sp, device="meta")
 

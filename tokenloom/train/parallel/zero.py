@@ -121,9 +121,15 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.ddp import compute_bucket_assignment_by_size, grad_into_view, grad_unit_ids
+from tokenloom.train.ddp import (
+    compute_bucket_assignment_by_size,
+    grad_into_view,
+    grad_unit_ids,
+    wgrad_into_view,
+)
 from tokenloom.train.optim import clip_coefficient, global_grad_norm
 from tokenloom.train.parallel.mappings import all_reduce_in_place
+from tokenloom.train.wgrad import WgradSink, set_wgrad_sink
 
 
 class ZeroAdamW:
@@ -276,6 +282,11 @@ class ZeroAdamW:
         self._sync = True  # flipped by no_sync()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self.params)] if self.overlap else []
+        # with the hooks, the model's fused linears write weight grads into their views (as in DDP)
+        self._in_view = [False] * len(self.params)
+        if self.overlap:
+            for i, p in enumerate(self.params):
+                set_wgrad_sink(p, self._make_sink(i))
         self._reset_reduction()
 
         # overlap_param_gather: step() leaves the all-gathers in flight; buckets [0, _gathered)
@@ -326,12 +337,26 @@ class ZeroAdamW:
         ``average`` (DDP's :func:`~tokenloom.train.ddp.grad_into_view`)."""
         grad_into_view(p, self._grad_views[i], self.dp_size if average else 1)
 
+    def _make_sink(self, i: int) -> WgradSink:
+        def sink(grad_out: torch.Tensor, inp: torch.Tensor) -> bool:
+            """Parameter ``i``'s weight grad written by its GEMM into its view, averaged when
+            its hook will launch (DDP's :func:`~tokenloom.train.ddp.wgrad_into_view`)."""
+            synced = self._sync and not self._ready[i]
+            p, view = self.params[i], self._grad_views[i]
+            self._in_view[i] = wgrad_into_view(p, view, self.dp_size if synced else 1, grad_out, inp)
+            return self._in_view[i]
+
+        return sink
+
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            if not self._sync or self._ready[i]:
-                self._into_view(i, p, average=False)
+            synced = self._sync and not self._ready[i]
+            if self._in_view[i]:  # its sink wrote it, averaged as synced says
+                self._in_view[i] = False
+            else:
+                self._into_view(i, p, average=synced)
+            if not synced:
                 return
-            self._into_view(i, p, average=True)
             self._ready[i] = True
             self._pending[self._bucket_of[i]] -= 1
             while self._next >= 0 and self._pending[self._next] == 0:

@@ -1,0 +1,172 @@
+"""Weight-gradient accumulation fusion (:mod:`tokenloom.train.wgrad`): the linear's backward
+against autograd's, the cases where it must fall back, and our DDP's sink on a 1-rank gloo
+group (fresh writes, accumulation under no_sync, a declined write) against a model without DDP.
+The scaled (world > 1) path is checked against torch DDP in test_ddp.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tokenloom.train.ddp import DistributedDataParallel
+from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.wgrad import linear, set_wgrad_sink, wgrad_sink
+
+
+def _inputs(bias: bool = True, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(6, 8, generator=g, dtype=dtype, requires_grad=True)
+    b = torch.randn(6, generator=g, dtype=dtype, requires_grad=True) if bias else None
+    up = torch.randn(3, 5, 6, generator=g, dtype=dtype)
+    return x, w, b, up
+
+
+def _reference(x, w, b, up):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b) if t is not None]
+    out = F.linear(*leaves)
+    out.backward(up)
+    return out.detach(), [t.grad for t in leaves]
+
+
+class _BufferSink:
+    """Writes the weight grad into ``buffer`` (accumulating), like our DDP's sink at world 1."""
+
+    def __init__(self, shape, take: bool = True) -> None:
+        self.buffer, self.take, self.calls = torch.zeros(shape), take, 0
+
+    def __call__(self, grad_out, inp) -> bool:
+        self.calls += 1
+        if self.take:
+            self.buffer.addmm_(grad_out.t(), inp)
+        return self.take
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_sink_gets_the_weight_grad_and_autograd_the_rest(bias):
+    x, w, b, up = _inputs(bias)
+    ref_out, ref_grads = _reference(x, w, b, up)
+    sink = _BufferSink(w.shape)
+    set_wgrad_sink(w, sink)
+    out = linear(x, w, b)
+    out.backward(up)
+    assert sink.calls == 1
+    assert w.grad is None  # taken by the sink
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(sink.buffer, ref_grads[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_grads[0], rtol=1e-6, atol=1e-6)
+    if bias:
+        torch.testing.assert_close(b.grad, ref_grads[2], rtol=1e-6, atol=1e-6)
+
+
+def test_a_declining_sink_leaves_the_grad_to_autograd():
+    x, w, b, up = _inputs()
+    _, ref_grads = _reference(x, w, b, up)
+    sink = _BufferSink(w.shape, take=False)
+    set_wgrad_sink(w, sink)
+    linear(x, w, b).backward(up)
+    assert sink.calls == 1
+    torch.testing.assert_close(w.grad, ref_grads[1], rtol=1e-6, atol=1e-6)
+    assert not sink.buffer.any()
+
+
+def test_falls_back_to_autograd_where_the_fusion_cannot_apply():
+    x, w, b, up = _inputs()
+    sink = _BufferSink(w.shape)
+    set_wgrad_sink(w, sink)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 GEMM cannot write the fp32 buffer
+        linear(x, w, b).float().backward(up)
+    assert sink.calls == 0 and w.grad is not None
+    with torch.no_grad():
+        linear(x, w, b)
+    set_wgrad_sink(w, None)
+    assert wgrad_sink(w) is None
+    w.grad = None
+    linear(x, w, b).backward(up)
+    assert sink.calls == 0 and w.grad is not None
+
+
+@pytest.fixture
+def group(tmp_path):
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+def _gpt() -> GPT:
+    return GPT(GPTConfig(vocab_size=64, make_vocab_size_divisible_by=32, seq_len=8, n_layers=2, n_heads=2,
+                         d_model=16, tie_embeddings=True))
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 64, (n, 2, 9), generator=g)
+    return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+@pytest.mark.parametrize("zero_to_none", [True, False])
+def test_ddp_sink_writes_block_weight_grads_into_the_buckets(group, zero_to_none):
+    """Every block matmul's weight grad comes through the sink, into its bucket view, with
+    the grads of the plain model (fresh and accumulated under no_sync); the tied head and
+    embedding, biases and norms come through autograd."""
+    plain, model = _gpt(), _gpt()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+    calls: dict[str, int] = {}
+    fused = {}
+    for name, p in model.named_parameters():
+        sink = wgrad_sink(p)
+        assert sink is not None
+
+        def counting(grad_out, inp, sink=sink, name=name):
+            calls[name] = calls.get(name, 0) + 1
+            return sink(grad_out, inp)
+
+        set_wgrad_sink(p, counting)
+        fused[name] = name.startswith("blocks.") and name.endswith(("qkv.weight", "proj.weight", "fc.weight"))
+    for step in range(2):
+        batches = _batches(3 * step + 3)[3 * step:]
+        model.zero_grad(set_to_none=zero_to_none)
+        plain.zero_grad()
+        for m, (x, y) in enumerate(batches):
+            plain(x, y).div(3).backward()
+            if m < 2:
+                with ddp.no_sync():
+                    ddp(x, y).div(3).backward()
+            else:
+                ddp(x, y).div(3).backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+            assert p.grad.data_ptr() == ddp._views[list(dict(model.named_parameters())).index(name)].data_ptr()
+    assert {n for n, f in fused.items() if f} == set(calls)
+    assert all(c == 6 for c in calls.values())
+    assert len(calls) == 2 * 4
+
+
+def test_ddp_sink_declines_a_grad_that_is_not_its_view(group):
+    model = _gpt()
+    ddp = DistributedDataParallel(model)
+    w = model.blocks["0"].attn.qkv.weight
+    x, y = _batches(1)[0]
+    w.grad = torch.zeros_like(w)  # a user's own tensor, not the bucket view
+    ddp(x, y).backward()
+    assert w.grad.data_ptr() == ddp._views[[id(p) for p in model.parameters()].index(id(w))].data_ptr()
+    plain = _gpt()
+    plain(x, y).backward()
+    torch.testing.assert_close(w.grad, plain.blocks["0"].attn.qkv.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_remove_hooks_removes_the_sinks(group):
+    model = _gpt()
+    ddp = DistributedDataParallel(model)
+    assert all(wgrad_sink(p) is not None for p in model.parameters())
+    ddp.remove_hooks()
+    assert all(wgrad_sink(p) is None for p in model.parameters())
+    unfused = _gpt()
+    DistributedDataParallel(unfused, wgrad_fusion=False)
+    assert all(wgrad_sink(p) is None for p in unfused.parameters())

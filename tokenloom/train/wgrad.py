@@ -1,0 +1,123 @@
+"""Weight-gradient accumulation fusion: a linear layer's weight gradient written by its GEMM
+straight into a gradient buffer (Megatron's ``gradient_accumulation_fusion``).
+
+Without it, autograd computes each weight gradient into a fresh tensor and the data-parallel
+wrapper then copies it (scaled by ``1 / world``) into its bucket: one more pass over every
+gradient per backward, and a gradient-sized allocation per weight. With it, the backward of
+:func:`linear` hands ``grad_out`` and the input to the weight's *sink* (installed by the
+wrapper that owns the buffer: our DDP), and the sink runs the GEMM with the buffer as its
+output, scaling in the GEMM's ``alpha``/``beta``:
+
+* first contribution since ``zero_grad`` (``param.grad`` is None): ``view = s * g^T x``
+  (``addmm`` with ``beta=0``: the stale buffer is not read);
+* accumulating (``param.grad`` is already the view): ``view = s * view + s * g^T x``.
+
+Either way autograd gets ``None`` for the weight; the weight's post-accumulate-grad hook
+still runs (autograd runs a leaf's accumulation node even for an undefined grad), so the
+wrapper's readiness bookkeeping does not change.
+
+Trade-offs and limits:
+
+* **Only for a weight used once per backward.** The sink scales while it writes; a second
+  consumer of the same weight (a tied embedding) would have its grad added unscaled by
+  autograd after the sink ran. So every layer that uses it (:class:`Linear` and the
+  tensor-parallel linears) has a ``wgrad_fusion`` switch, which the model turns off on its
+  (possibly tied) LM head.
+* **Eager, without autocast.** Under ``torch.compile`` (a custom Function with side effects
+  would break the graph) or under autocast (the GEMM runs in bf16 and would have to write
+  the parameters' fp32 buffer: Megatron uses a CUDA kernel for that, and torch's
+  ``out_dtype`` matmul is CUDA-only), :func:`linear` is plain ``F.linear`` and the wrapper
+  copies the grad in as before. So on a GPU with bf16 autocast, the trainer's usual
+  setting, there is no fusion yet; fp32 runs and bf16 parameters get it.
+* The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor
+  that is not its view; the backward then returns the weight's grad as autograd would.
+* Numerics: the same GEMM, scaled inside it rather than after it; with a power-of-two world
+  size a fresh gradient is bit-identical, otherwise it differs by rounding only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WgradSink = Callable[[torch.Tensor, torch.Tensor], bool]
+"""``sink(grad_out_2d, input_2d) -> taken``: write ``grad_out_2d^T @ input_2d`` (the weight's
+gradient) into the weight's gradient buffer and return True, or return False to leave it
+to autograd."""
+
+_SINK_ATTR = "wgrad_sink"
+
+
+def set_wgrad_sink(weight: torch.Tensor, sink: WgradSink | None) -> None:
+    """Install (or with None remove) the sink that :func:`linear` hands ``weight``'s
+    gradient to."""
+    if sink is None:
+        if hasattr(weight, _SINK_ATTR):
+            delattr(weight, _SINK_ATTR)
+    else:
+        setattr(weight, _SINK_ATTR, sink)
+
+
+def wgrad_sink(weight: torch.Tensor) -> WgradSink | None:
+    """The sink installed on ``weight``, if any."""
+    return getattr(weight, _SINK_ATTR, None)
+
+
+def fusion_sink(x: torch.Tensor, weight: torch.Tensor) -> WgradSink | None:
+    """The sink a matmul of ``x`` by ``weight`` about to run should hand its weight gradient
+    to, or None where the fusion does not apply (no sink, no grad needed, compiling,
+    autocast: see the module docstring). For layers with their own autograd Function (the
+    sequence-parallel linear); others call :func:`linear`."""
+    if torch.compiler.is_compiling():  # first: a traced graph never reads the sink attribute
+        return None
+    sink = wgrad_sink(weight)
+    if sink is None or not (torch.is_grad_enabled() and weight.requires_grad) or torch.is_autocast_enabled(
+            x.device.type):
+        return None
+    return sink
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose backward hands the weight's gradient to the
+    weight's sink when it has one (and the conditions in the module docstring hold)."""
+    sink = fusion_sink(x, weight)
+    if sink is None:
+        return F.linear(x, weight, bias)
+    return _LinearWgradFusion.apply(x, weight, bias, sink)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, names, state dict and forward numerics) whose forward
+    is :func:`linear`: the one-rank layer the model's ``TensorParallel`` factories return."""
+
+    wgrad_fusion: bool = True
+    """Hand the weight gradient to the weight's sink: only for a weight used once per
+    backward (the model turns it off on its LM head, which may be tied)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias) if self.wgrad_fusion else F.linear(x, self.weight, self.bias)
+
+
+class _LinearWgradFusion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, sink):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.sink = sink
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight) if need_x else None
+        grad_w = None
+        if need_w:
+            x2 = x.reshape(-1, x.shape[-1])
+            if not ctx.sink(grad2, x2):
+                grad_w = grad2.t().mm(x2)
+        grad_b = grad2.sum(0) if need_b else None
+        return grad_x, grad_w, grad_b, None
