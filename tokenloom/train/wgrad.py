@@ -5,7 +5,7 @@ Without it, autograd computes each weight gradient into a fresh tensor and the d
 wrapper then copies it (scaled by ``1 / world``) into its bucket: one more pass over every
 gradient per backward, and a gradient-sized allocation per weight. With it, the backward of
 :func:`linear` hands ``grad_out`` and the input to the weight's *sink* (installed by the
-wrapper that owns the buffer: our DDP), and the sink runs the GEMM with the buffer as its
+wrapper that owns the buffer: our DDP, or ZeRO-1 with ``overlap_grad_reduce``), and the sink runs the GEMM with the buffer as its
 output, scaling in the GEMM's ``alpha``/``beta``:
 
 * first contribution since ``zero_grad`` (``param.grad`` is None): ``view = s * g^T x``
@@ -31,8 +31,11 @@ Trade-offs and limits:
   setting, there is no fusion yet; fp32 runs and bf16 parameters get it.
 * The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor
   that is not its view; the backward then returns the weight's grad as autograd would.
-* Numerics: the same GEMM, scaled inside it rather than after it; with a power-of-two world
-  size a fresh gradient is bit-identical, otherwise it differs by rounding only.
+* **``backward()`` only**, as torch DDP: the sink writes whenever the layer's backward runs,
+  so ``torch.autograd.grad`` through a wrapped model (which must not touch ``.grad``) would
+  still write the weight grads into the buffer.
+* Numerics: the same product in one GEMM, the scaling inside it; it may differ from
+  autograd's by rounding (in the tests every layout stays within 1e-6 of one process).
 """
 
 from __future__ import annotations
