@@ -3,6 +3,7 @@
 ``run_world(scenario, world_size)`` starts ``_dist_worker.py`` once per rank as a plain
 subprocess with torchrun-style env vars on 127.0.0.1 and a free port, waits with a hard
 deadline (a hang fails the test, processes are killed), and returns each rank's JSON.
+``group``: a 1-rank gloo process group for in-process checks (DDP, the wgrad sinks).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -80,6 +83,16 @@ def _launch(
                 proc.kill()
                 proc.wait()
             log.close()
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A 1-rank gloo process group for in-process DDP checks (torn down after the test)."""
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -19,15 +19,6 @@ from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.parallel.schedules import backward_from, release_output
 
 
-@pytest.fixture
-def group(tmp_path):
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
 def mlp(n: int = 6) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])

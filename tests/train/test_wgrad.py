@@ -5,11 +5,8 @@ The scaled (world > 1) path is checked against torch DDP in test_ddp.py."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from tokenloom.train.ddp import DistributedDataParallel
@@ -88,15 +85,6 @@ def test_falls_back_to_autograd_where_the_fusion_cannot_apply():
     w.grad = None
     linear(x, w, b).backward(up)
     assert sink.calls == 0 and w.grad is not None
-
-
-@pytest.fixture
-def group(tmp_path):
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 def _gpt() -> GPT:
