@@ -3,7 +3,8 @@
 ``run_world(scenario, world_size)`` starts ``_dist_worker.py`` once per rank as a plain
 subprocess with torchrun-style env vars on 127.0.0.1 and a free port, waits with a hard
 deadline (a hang fails the test, processes are killed), and returns each rank's JSON.
-``group``: a 1-rank gloo process group for in-process checks (DDP, the wgrad sinks).
+``group``: a 1-rank gloo process group for in-process checks (DDP, the wgrad sinks);
+``nccl_group``: the same on cuda:0 with NCCL (skipped without CUDA).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
@@ -92,6 +94,19 @@ def group(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
     yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def nccl_group(tmp_path):
+    """A one-rank NCCL group on cuda:0: every collective and every bucket on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60),
+                            device_id=torch.device("cuda", 0))
+    yield torch.device("cuda", 0)
     dist.destroy_process_group()
 
 

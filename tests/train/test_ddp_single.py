@@ -5,7 +5,6 @@ engine-direct backward and the deferred finish_grad_sync."""
 from __future__ import annotations
 
 from contextlib import nullcontext
-from datetime import timedelta
 
 import pytest
 import torch
@@ -327,19 +326,6 @@ def _trainer_pattern_equals_torch_ddp(device: torch.device, find_unused: bool, c
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_trainer_pattern_equals_torch_ddp(group, find_unused):
     _trainer_pattern_equals_torch_ddp(torch.device("cpu"), find_unused, compiled=False)
-
-
-@pytest.fixture
-def nccl_group(tmp_path):
-    """A one-rank NCCL group on cuda:0: every collective and every bucket on the device."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60),
-                            device_id=torch.device("cuda", 0))
-    yield torch.device("cuda", 0)
-    dist.destroy_process_group()
 
 
 @pytest.mark.gpu

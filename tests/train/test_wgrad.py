@@ -100,11 +100,23 @@ def _batches(n: int):
 
 @pytest.mark.parametrize("zero_to_none", [True, False])
 def test_ddp_sink_writes_block_weight_grads_into_the_buckets(group, zero_to_none):
+    _ddp_sink_writes_block_weight_grads(torch.device("cpu"), zero_to_none)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_to_none", [True, False])
+def test_on_cuda_the_ddp_sink_writes_block_weight_grads_into_the_buckets(nccl_group, zero_to_none):
+    """The same on cuda:0 with NCCL (fp32): the GEMM writes the device bucket views."""
+    _ddp_sink_writes_block_weight_grads(nccl_group, zero_to_none)
+
+
+def _ddp_sink_writes_block_weight_grads(device: torch.device, zero_to_none: bool) -> None:
     """Every block matmul's weight grad comes through the sink, into its bucket view, with
     the grads of the plain model (fresh and accumulated under no_sync); the tied head and
     embedding, biases and norms come through autograd."""
-    plain, model = _gpt(), _gpt()
+    plain, model = _gpt().to(device), _gpt().to(device)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+    assert all(b.buffer.device == device for b in ddp._buckets)
     calls: dict[str, int] = {}
     fused = {}
     for name, p in model.named_parameters():
@@ -122,6 +134,7 @@ def test_ddp_sink_writes_block_weight_grads_into_the_buckets(group, zero_to_none
         model.zero_grad(set_to_none=zero_to_none)
         plain.zero_grad()
         for m, (x, y) in enumerate(batches):
+            x, y = x.to(device), y.to(device)
             plain(x, y).div(3).backward()
             if m < 2:
                 with ddp.no_sync():
