@@ -8,8 +8,8 @@ whose DDPOptimizer splits the graph at bucket boundaries so its buckets still ov
 Issue 16's setting: ``--d-model 768 --layers 8 --micro 1`` (58 M parameters, 9 buckets).
 
 Each rank runs forward + backward + AdamW step on the same model and batches, once
-wrapped in ours (as the trainer wraps it: eager, the blocks' weight-gradient GEMMs write into
-its buckets, ``tokenloom.train.wgrad``) and once in torch's (default settings: 25 MiB
+wrapped in ours (as the trainer wraps it: the blocks' weight-gradient GEMMs write into
+its buckets, eager or compiled, ``tokenloom.train.wgrad``) and once in torch's (default settings: 25 MiB
 buckets), with and without
 4-micro-batch accumulation (``no_sync``); a third side, torch's with
 ``gradient_as_bucket_view=True`` (its opt-in mode whose grads are bucket views, like ours),

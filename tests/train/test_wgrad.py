@@ -103,6 +103,18 @@ def test_ddp_sink_writes_block_weight_grads_into_the_buckets(group, zero_to_none
     _ddp_sink_writes_block_weight_grads(torch.device("cpu"), zero_to_none)
 
 
+@pytest.mark.parametrize("zero_to_none", [True, False])
+def test_compiled_blocks_hand_their_weight_grads_to_the_sinks_too(group, zero_to_none):
+    """With ``compile: true``'s compiled blocks the opaque backward op runs the same sinks:
+    same calls, same grads as the eager plain model, with no graph break."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    _ddp_sink_writes_block_weight_grads(torch.device("cpu"), zero_to_none, compiled=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("zero_to_none", [True, False])
 def test_on_cuda_the_ddp_sink_writes_block_weight_grads_into_the_buckets(nccl_group, zero_to_none):
@@ -110,12 +122,15 @@ def test_on_cuda_the_ddp_sink_writes_block_weight_grads_into_the_buckets(nccl_gr
     _ddp_sink_writes_block_weight_grads(nccl_group, zero_to_none)
 
 
-def _ddp_sink_writes_block_weight_grads(device: torch.device, zero_to_none: bool) -> None:
+def _ddp_sink_writes_block_weight_grads(device: torch.device, zero_to_none: bool, compiled: bool = False) -> None:
     """Every block matmul's weight grad comes through the sink, into its bucket view, with
     the grads of the plain model (fresh and accumulated under no_sync); the tied head and
     embedding, biases and norms come through autograd."""
     plain, model = _gpt().to(device), _gpt().to(device)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
+    if compiled:
+        model.compile_blocks()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01,
+                                  grad_units=model.blocks.values() if compiled else ())
     assert all(b.buffer.device == device for b in ddp._buckets)
     calls: dict[str, int] = {}
     fused = {}

@@ -48,8 +48,8 @@ Design choices and trade-offs:
   ddp_bench's step 0.98x / 0.97x torch DDP's (accum 1 / 4; 1.00x without it). It changes autograd's graph
   (one node per linear instead of torch's matmul, transpose and add), so the grad-ready
   order, and with it the rebuilt bucket layout, differs from torch DDP's on the same model;
-  ``wgrad_fusion=False`` gives torch's. Not under ``torch.compile`` or autocast (see that
-  module).
+  ``wgrad_fusion=False`` gives torch's. Compiled blocks have it too (an opaque op in their
+  backward runs the sink); not under autocast (see that module).
 * **Grads are views into the buckets** (torch's ``gradient_as_bucket_view=True``): no
   second copy of the grads, no copy-back after the all-reduce. Either ``zero_grad`` works.
   ``set_to_none=True`` (torch's default, and the trainer's): autograd hands the first

@@ -23,12 +23,24 @@ Trade-offs and limits:
   autograd after the sink ran. So every layer that uses it (:class:`Linear` and the
   tensor-parallel linears) has a ``wgrad_fusion`` switch, which the model turns off on its
   (possibly tied) LM head.
-* **Eager, without autocast.** Under ``torch.compile`` (a custom Function with side effects
-  would break the graph) or under autocast (the GEMM runs in bf16 and would have to write
-  the parameters' fp32 buffer: Megatron uses a CUDA kernel for that, and torch's
-  ``out_dtype`` matmul is CUDA-only), :func:`linear` is plain ``F.linear`` and the wrapper
-  copies the grad in as before. So on a GPU with bf16 autocast, the trainer's usual
-  setting, there is no fusion yet; fp32 runs and bf16 parameters get it.
+* **Compiled blocks too.** Inside a ``torch.compile`` graph the sink cannot be called from
+  traced code (a Python side effect), so the compiled backward calls one opaque custom op,
+  ``tokenloom::linear_backward_to_sink``, that computes the input grad and runs the sink at
+  run time. The forward stays traced (inductor fuses around the matmul as before); what the
+  backward gives up is inductor's view of the two matmuls, which are library GEMMs either
+  way. A traced graph cannot return a weight grad or not depending on the sink's answer,
+  so there a declining sink (or a weight without one) gets the product accumulated into
+  ``weight.grad`` by the op itself, as autograd's accumulation would. Traced code reads no
+  sink attribute: a graph takes this path while any sink is installed in the process
+  (a guarded flag: installing the first sink or removing the last one recompiles). The
+  sequence-parallel linear, which has its own Function, fuses only when eager.
+* **Not under autocast.** The GEMM runs in bf16 and would have to write the parameters'
+  fp32 buffer: Megatron uses a CUDA kernel for that; torch's ``addmm(..., out_dtype=
+  torch.float32)`` does it on CUDA (seen on an H200: writing and accumulating a strided
+  fp32 bucket view from bf16 operands, 0.350 ms against 0.435 ms for the bf16 GEMM plus a
+  cast-add at 8192 x 4096 x 4096) but not on CPU, so it is not wired until a GPU session
+  can test it. So on a GPU with bf16 autocast, the trainer's usual setting, there is no
+  fusion yet; fp32 runs and bf16 parameters get it.
 * The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor
   that is not its view; the backward then returns the weight's grad as autograd would.
 * **``backward()`` only**, as torch DDP: the sink writes whenever the layer's backward runs,
@@ -52,16 +64,26 @@ gradient) into the weight's gradient buffer and return True, or return False to 
 to autograd."""
 
 _SINK_ATTR = "wgrad_sink"
+_sinks_installed = 0
+_any_sink = False
+"""Whether some weight in this process has a sink: what a traced graph reads (and guards on)
+instead of a sink attribute, so compiled blocks take the fused path only where a wrapper
+installed sinks."""
 
 
 def set_wgrad_sink(weight: torch.Tensor, sink: WgradSink | None) -> None:
     """Install (or with None remove) the sink that :func:`linear` hands ``weight``'s
     gradient to."""
+    global _sinks_installed, _any_sink
+    had = hasattr(weight, _SINK_ATTR)
     if sink is None:
-        if hasattr(weight, _SINK_ATTR):
+        if had:
             delattr(weight, _SINK_ATTR)
+            _sinks_installed -= 1
     else:
         setattr(weight, _SINK_ATTR, sink)
+        _sinks_installed += 0 if had else 1
+    _any_sink = _sinks_installed > 0
 
 
 def wgrad_sink(weight: torch.Tensor) -> WgradSink | None:
@@ -70,26 +92,30 @@ def wgrad_sink(weight: torch.Tensor) -> WgradSink | None:
 
 
 def fusion_sink(x: torch.Tensor, weight: torch.Tensor) -> WgradSink | None:
-    """The sink a matmul of ``x`` by ``weight`` about to run should hand its weight gradient
-    to, or None where the fusion does not apply (no sink, no grad needed, compiling,
+    """The sink a matmul of ``x`` by ``weight`` about to run eagerly should hand its weight
+    gradient to, or None where the fusion does not apply (no sink, no grad needed, compiling,
     autocast: see the module docstring). For layers with their own autograd Function (the
-    sequence-parallel linear); others call :func:`linear`."""
+    sequence-parallel linear, eager only); others call :func:`linear`."""
     if torch.compiler.is_compiling():  # first: a traced graph never reads the sink attribute
         return None
-    sink = wgrad_sink(weight)
-    if sink is None or not (torch.is_grad_enabled() and weight.requires_grad) or torch.is_autocast_enabled(
-            x.device.type):
-        return None
-    return sink
+    return wgrad_sink(weight) if _fusion_applies(x, weight) else None
+
+
+def _fusion_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not (torch.is_grad_enabled() and weight.requires_grad) or torch.is_autocast_enabled(x.device.type):
+        return False
+    if torch.compiler.is_compiling():
+        # the op's input grad must be used, or the graph would drop the op and its sink call
+        return _any_sink and x.requires_grad
+    return wgrad_sink(weight) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward hands the weight's gradient to the
     weight's sink when it has one (and the conditions in the module docstring hold)."""
-    sink = fusion_sink(x, weight)
-    if sink is None:
-        return F.linear(x, weight, bias)
-    return _LinearWgradFusion.apply(x, weight, bias, sink)
+    if _fusion_applies(x, weight):
+        return _LinearWgradFusion.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -106,9 +132,8 @@ class Linear(nn.Linear):
 
 class _LinearWgradFusion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sink):  # type: ignore[override]
+    def forward(ctx, x, weight, bias):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.sink = sink
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -116,11 +141,35 @@ class _LinearWgradFusion(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad2 = grad.reshape(-1, grad.shape[-1])
+        grad_b = grad2.sum(0) if need_b else None
+        if torch.compiler.is_compiling():  # traced: the sink runs inside the opaque op
+            return linear_backward_to_sink(grad, x, weight), None, grad_b
         grad_x = grad.matmul(weight) if need_x else None
         grad_w = None
         if need_w:
             x2 = x.reshape(-1, x.shape[-1])
-            if not ctx.sink(grad2, x2):
+            sink = wgrad_sink(weight)
+            if sink is None or not sink(grad2, x2):
                 grad_w = grad2.t().mm(x2)
-        grad_b = grad2.sum(0) if need_b else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b
+
+
+@torch.library.custom_op("tokenloom::linear_backward_to_sink", mutates_args=())
+def linear_backward_to_sink(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A compiled graph's backward of :func:`linear`: returns ``grad @ weight`` (the input
+    grad) and hands ``grad^T x`` to ``weight``'s sink, or, without one or when it declines,
+    accumulates it into ``weight.grad`` as autograd would (the graph returns no weight grad)."""
+    grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    sink = wgrad_sink(weight)
+    if sink is None or not sink(grad2, x2):
+        grad_w = grad2.t().mm(x2)
+        if weight.grad is None:
+            weight.grad = grad_w
+        else:
+            weight.grad.add_(grad_w)
+    return grad.matmul(weight)
+
+
+@linear_backward_to_sink.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty(*grad.shape[:-1], weight.shape[1])
