@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tokenloom.train.ddp import DistributedDataParallel
 from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.wgrad import linear, set_wgrad_sink, wgrad_sink
+from tokenloom.train.wgrad import Linear, linear, set_wgrad_sink, wgrad_sink
 
 
 def _inputs(bias: bool = True, dtype=torch.float32):
@@ -186,3 +186,25 @@ def test_remove_hooks_removes_the_sinks(group):
     unfused = _gpt()
     DistributedDataParallel(unfused, wgrad_fusion=False)
     assert all(wgrad_sink(p) is None for p in unfused.parameters())
+
+
+def test_compiled_non_leaf_weight_keeps_autograds_grad_while_sinks_exist():
+    """A weight computed in the forward (here weight norm's) has no ``.grad`` of its own: a
+    compiled graph must give its grad to autograd, also while sinks exist in the process."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin, ref = Linear(8, 8), Linear(8, 8)
+    ref.load_state_dict(lin.state_dict())
+    for m in (lin, ref):
+        torch.nn.utils.parametrizations.weight_norm(m)
+    elsewhere = torch.nn.Parameter(torch.zeros(2))
+    set_wgrad_sink(elsewhere, _BufferSink((2,)))
+    try:
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.compile(lin)(x).sum().backward()
+        ref(x.detach()).sum().backward()
+    finally:
+        set_wgrad_sink(elsewhere, None)
+    for (name, p), q in zip(lin.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -30,7 +30,9 @@ Trade-offs and limits:
   backward gives up is inductor's view of the two matmuls, which are library GEMMs either
   way. A traced graph cannot return a weight grad or not depending on the sink's answer,
   so there a declining sink (or a weight without one) gets the product accumulated into
-  ``weight.grad`` by the op itself, as autograd's accumulation would. Traced code reads no
+  ``weight.grad`` by the op itself, as autograd's accumulation would (a hook registered
+  on the weight tensor is called with None, as when a sink takes the grad). Only leaf
+  weights (one computed in the forward keeps autograd's path). Traced code reads no
   sink attribute: a graph takes this path while any sink is installed in the process
   (a guarded flag: installing the first sink or removing the last one recompiles). The
   sequence-parallel linear, which has its own Function, fuses only when eager.
@@ -105,8 +107,9 @@ def _fusion_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (torch.is_grad_enabled() and weight.requires_grad) or torch.is_autocast_enabled(x.device.type):
         return False
     if torch.compiler.is_compiling():
-        # the op's input grad must be used, or the graph would drop the op and its sink call
-        return _any_sink and x.requires_grad
+        # x: the op's input grad must be used, or the graph would drop the op and its sink
+        # call; a leaf: a weight computed in the forward has no .grad for the op to fill
+        return _any_sink and x.requires_grad and weight.is_leaf
     return wgrad_sink(weight) is not None
 
 
