@@ -45,7 +45,8 @@ Design choices and trade-offs:
   into the bucket view, scaled in its ``alpha``/``beta`` (:func:`wgrad_into_view`): no
   scaled copy and no grad-sized allocation per weight. Measured at issue 16's size (58 M
   parameters, 2 gloo ranks, eager): backward about 10 ms (2%) shorter than without it, and
-  ddp_bench's step 0.98x / 0.97x torch DDP's (accum 1 / 4; 1.00x without it). It changes autograd's graph
+  ddp_bench's step 0.98x / 0.97x torch DDP's (accum 1 / 4; 1.00x without it); with both sides
+  compiled 0.97x / 0.97x (1.00x without it). It changes autograd's graph
   (one node per linear instead of torch's matmul, transpose and add), so the grad-ready
   order, and with it the rebuilt bucket layout, differs from torch DDP's on the same model;
   ``wgrad_fusion=False`` gives torch's. Compiled blocks have it too (an opaque op in their
