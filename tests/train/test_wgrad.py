@@ -116,10 +116,14 @@ def test_compiled_blocks_hand_their_weight_grads_to_the_sinks_too(group, zero_to
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("zero_to_none", [True, False])
-def test_on_cuda_the_ddp_sink_writes_block_weight_grads_into_the_buckets(nccl_group, zero_to_none):
-    """The same on cuda:0 with NCCL (fp32): the GEMM writes the device bucket views."""
-    _ddp_sink_writes_block_weight_grads(nccl_group, zero_to_none)
+def test_on_cuda_the_ddp_sink_writes_block_weight_grads_into_the_buckets(nccl_group, zero_to_none, compiled):
+    """The same on cuda:0 with NCCL (fp32): the GEMM writes the device bucket views, eager and
+    from compiled blocks' backward op."""
+    if compiled:
+        torch._dynamo.reset()
+    _ddp_sink_writes_block_weight_grads(nccl_group, zero_to_none, compiled=compiled)
 
 
 def _ddp_sink_writes_block_weight_grads(device: torch.device, zero_to_none: bool, compiled: bool = False) -> None:
