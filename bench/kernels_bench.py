@@ -62,7 +62,7 @@ from tokenloom.train.config import TrainConfig, config_to_dict  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
 from tokenloom.train.host_alloc import keep_freed_memory  # noqa: E402
 from tokenloom.train.kernels import cross_entropy_reference, select_kernels  # noqa: E402
-from tokenloom.train.metrics import peak_flops, read_metrics  # noqa: E402
+from tokenloom.train.metrics import mfu, peak_flops, read_metrics  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -265,9 +265,9 @@ def main() -> None:
     model = _model(args, "gpt2", "reference", torch.device("cpu"))
     fpt = model.flops_per_token()
     peak = peak_flops(device)
-    mfu = f"{model.mfu(fast_tps, peak):.1%}" if peak else "n/a (no GPU in this run)"
+    mfu_cell = f"{mfu(fpt, fast_tps, peak):.1%}" if peak else "n/a (no GPU in this run)"
     rows.append((f"gpt2 FLOPs/token (6N + 12*L*H*Q*T, T={args.seq_len})", f"{fpt / 1e6:.1f} M", "", ""))
-    rows.append((f"gpt2 MFU ({fast}, dense bf16 peak)", mfu, "", ""))
+    rows.append((f"gpt2 MFU ({fast}, dense bf16 peak)", mfu_cell, "", ""))
     if device.type != "cuda":
         rows.append(("triton kernels train tokens/s (GPU, bf16)", NO_GPU, NO_GPU, ""))
         rows.append(("GPU MFU (bf16)", NO_GPU, "", ""))

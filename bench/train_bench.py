@@ -48,7 +48,7 @@ from _table import print_table  # noqa: E402
 from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
 from tokenloom.train.loop import start_run  # noqa: E402
-from tokenloom.train.metrics import peak_flops  # noqa: E402
+from tokenloom.train.metrics import mfu, peak_flops  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 from tokenloom.train.optim import OptimConfig, build_optimizer  # noqa: E402
 from tokenloom.train.runtime import tune_host_memory  # noqa: E402
@@ -185,7 +185,7 @@ def main() -> None:
     peak = peak_flops(device)
     if peak:
         fpt = model.flops_per_token()
-        rows.append(("MFU", f"{fpt * tps['ours'] / peak:.1%}", f"{fpt * tps['base'] / peak:.1%}",
+        rows.append(("MFU", f"{mfu(fpt, tps['ours'], peak):.1%}", f"{mfu(fpt, tps['base'], peak):.1%}",
                      f"{tps['ours'] / tps['base']:.3f}x"))
     else:
         rows.append(("MFU", "n/a", "n/a", f"no known peak FLOP/s for {device.type}"))

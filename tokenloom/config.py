@@ -69,8 +69,3 @@ def source_field_docs(class_path: str) -> dict[str, str]:
         if isinstance(node, ast.ClassDef) and node.name == name:
             return _body_docs(node.body)
     raise LookupError(f"no class {name} in {spec.origin}")
-
-
-def help_for(cls: type, name: str) -> str:
-    """The help text of field ``name``; a missing docstring is a bug caught by the CLI tests."""
-    return field_docs(cls)[name]

@@ -7,10 +7,10 @@ import pytest
 
 from tokenloom.blending.blend import (
     Blend,
+    BlendBuilder,
     BlendConfig,
     BlendedDataset,
     build_blend_indices,
-    build_datasets,
     build_mock_datasets,
     sample_budgets,
 )
@@ -33,7 +33,7 @@ SOURCES = sources()
 
 def build(sizes, **kw):
     gpt = GPTDatasetConfig(seq_length=kw.pop("seq_length", 64), split=kw.pop("split", "90,5,5"))
-    return build_datasets(BlendConfig(gpt=gpt, **kw), sizes, open_source=SOURCES.__getitem__)
+    return BlendBuilder(BlendConfig(gpt=gpt, **kw), open_source=SOURCES.__getitem__).build(sizes)
 
 
 def test_sample_budgets():

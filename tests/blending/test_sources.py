@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tl_testing import REPO
 
-from tokenloom.blending.blend import Blend, BlendConfig, build_datasets
+from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig
 from tokenloom.blending.build import BuildConfig, build
 from tokenloom.blending.gpt import GPTDatasetConfig
 from tokenloom.blending.sources import LazySource, clear_memo, source_metadata
@@ -72,7 +72,7 @@ def test_cached_blend_equals_the_plain_builder(tmp_path):
     cfg = BuildConfig(data=list(zip(weights, prefixes, strict=True)), seq_length=32, num_samples=(3000, 300, 30),
                       split="80,15,5", cache_dir=str(tmp_path / "cache"))
     gpt = GPTDatasetConfig(seq_length=32, split="80,15,5")
-    plain = build_datasets(BlendConfig(gpt=gpt, blend=Blend(tuple(prefixes), tuple(weights))), [3000, 300, 30])
+    plain = BlendBuilder(BlendConfig(gpt=gpt, blend=Blend(tuple(prefixes), tuple(weights)))).build([3000, 300, 30])
     cold, warm = build(cfg), build(cfg)
     assert (cold.builds, warm.hits) == (3, 3)
     for split in range(3):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tl_testing import import_megatron
 
 from tokenloom.blending import reference
-from tokenloom.blending.blend import Blend, BlendConfig, BlendedDataset, build_datasets, build_mock_datasets
+from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig, BlendedDataset, build_mock_datasets
 from tokenloom.blending.gpt import GPTDataset, GPTDatasetConfig, build_gpt_indices
 from tokenloom.blending.megatron_cache import MegatronCacheBuilder, cache_key
 from tokenloom.blending.mock import MockSource
@@ -233,7 +233,7 @@ def build_both(sizes, *, seq_length, split=None, prefixes=None, weights=None, pe
             blend=(list(prefixes), None if weights is None else list(weights)),
             **kw,
         )
-    mine = build_datasets(config, sizes, open_source=OurIndexedDataset)
+    mine = BlendBuilder(config, open_source=OurIndexedDataset).build(sizes)
     return mine, theirs
 
 
@@ -337,7 +337,7 @@ def test_multiple_validation_sets(synthetic):
         multiple_validation_sets=True,
         blend_per_split=tuple(None if b is None else Blend(tuple(b[0]), b[1]) for b in blend_per_split),
     )
-    mine = build_datasets(config, [100, 30, None], open_source=OurIndexedDataset)
+    mine = BlendBuilder(config, open_source=OurIndexedDataset).build([100, 30, None])
     compare(mine, theirs)
     assert [ds.num_samples for ds in mine[1]] == [30, 30]
 

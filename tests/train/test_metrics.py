@@ -1,4 +1,4 @@
-"""StepTimer: the first step is timed alone, pauses are left out, tokens/s covers the rest."""
+"""StepTimer: the first step is timed alone, pauses are left out, tokens/s covers the rest; MFU."""
 
 from __future__ import annotations
 
@@ -59,3 +59,8 @@ def test_interval_of_only_the_first_step_and_pauses(clock):
     timer.step()
     assert timer.interval() == pytest.approx({"tokens_per_s": 10.0, "step_time_s": 1.0})
     assert timer.tokens_per_s == pytest.approx(10.0)
+
+
+def test_mfu_is_model_flops_over_the_total_peak_and_none_without_one():
+    assert metrics.mfu(600.0, 1000.0, 1e6) == pytest.approx(0.6)
+    assert metrics.mfu(600.0, 1000.0, None) is None

@@ -363,13 +363,6 @@ def _require_sizes(sizes: Sizes, splits: Sequence[int]) -> None:
         raise TokenloomError(f"weighted blends need a sample count for every split; none given for {missing}")
 
 
-def build_datasets(
-    config: BlendConfig, sizes: Sizes, open_source: Callable[[str], TokenSource] = _open_indexed
-) -> list[TopLevel | None]:
-    """The train/valid/test datasets of ``config`` (see :class:`BlendBuilder`)."""
-    return BlendBuilder(config, open_source).build(sizes)
-
-
 def build_mock_datasets(
     gpt: GPTDatasetConfig, sizes: Sizes, source: MockSource, builder: BlendBuilder | None = None
 ) -> list[GPTDataset]:

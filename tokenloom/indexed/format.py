@@ -358,10 +358,6 @@ class IndexedDatasetWriter:
         self._write_tokens(arr)
         self._lengths.append(arr.size)
 
-    def end_document(self) -> None:
-        """Close the current document at the current sequence count."""
-        self._doc_index.append(len(self._lengths))
-
     def add_document(self, tokens, lengths: Sequence[int] | np.ndarray | None = None) -> None:
         """Append one document: ``tokens`` concatenated over its sequences of ``lengths``.
 
@@ -545,10 +541,6 @@ class IndexedDataset:
     @property
     def document_indices(self) -> np.ndarray:
         return self._open().doc_index
-
-    @property
-    def sequence_modes(self) -> np.ndarray | None:
-        return self._open().modes
 
     @property
     def num_tokens(self) -> int:

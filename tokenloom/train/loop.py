@@ -56,7 +56,7 @@ from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict, load_config
-from tokenloom.train.metrics import MetricsLogger, StepTimer, peak_flops, plot_loss
+from tokenloom.train.metrics import MetricsLogger, StepTimer, mfu, peak_flops, plot_loss
 from tokenloom.train.optim import lr_at, set_lr
 from tokenloom.train.runtime import (
     ManualGC,
@@ -307,10 +307,10 @@ class Trainer:
             raise TokenloomError(f"training loss is {loss} at iteration {self.iteration}; lower optim.lr or "
                                  "check the data")
         timing = self._timer.interval()
-        mfu = self.flops_per_token * timing["tokens_per_s"] / self.peak_total if self.peak_total else None
         bubble = self.strategy.bubble_for_log()
         self._record({"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm), **timing,
-                      "consumed_samples": self.consumed, "mfu": mfu,
+                      "consumed_samples": self.consumed,
+                      "mfu": mfu(self.flops_per_token, timing["tokens_per_s"], self.peak_total),
                       **({} if bubble is None else {"pipeline_bubble": bubble})})
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}")
         return loss

@@ -51,6 +51,13 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
 
 
+def mfu(flops_per_token: float, tokens_per_s: float, peak_total: float | None) -> float | None:
+    """Model FLOPs utilisation, ``flops_per_token * tokens_per_s / peak_total``; None when the
+    peak of all devices together (``peak_total``) is unknown. The one MFU the loop logs and
+    the benches print."""
+    return flops_per_token * tokens_per_s / peak_total if peak_total else None
+
+
 class StepTimer:
     """Wall time of training steps: each log interval's mean step time and the run's tokens/s.
 

@@ -631,11 +631,6 @@ class GPT(nn.Module):
         mask = loss_mask.reshape(-1).to(losses.dtype)
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
-    def kernel_set(self, device: torch.device | str | None = None) -> KernelSet:
-        """The :class:`KernelSet` ``cfg.kernels`` resolves to on ``device`` (default: the parameters')."""
-        device = next(self.parameters()).device if device is None else device
-        return select_kernels(self.cfg.kernels, device)
-
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied embedding counts once) of the whole model, counted on
         a ``meta`` copy for a stage or a tensor-parallel shard. ``exclude_embeddings`` drops
@@ -661,11 +656,6 @@ class GPT(nn.Module):
         return (
             6 * self.num_params(exclude_embeddings=True) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T
         )
-
-    def mfu(self, tokens_per_second: float, peak_flops: float, seq_len: int | None = None) -> float:
-        """Model FLOPs utilisation: ``flops_per_token * tokens_per_second / peak_flops``
-        (peak of all devices together, e.g. 989e12 per H100 SXM for dense bf16)."""
-        return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
 
 
 @dataclass(frozen=True)

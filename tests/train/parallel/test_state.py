@@ -85,7 +85,7 @@ def _state_worker(rank: int, world: int) -> None:
     assert state.pp_ranks == [rank % 2, rank % 2 + 2]
     assert state.dp_ranks == [rank]
     assert state.model_parallel_ranks == [0, 1, 2, 3]
-    assert state.embedding_ranks == state.pp_ranks and state.is_in_embedding_group()
+    assert state.embedding_ranks == state.pp_ranks and state.rank in state.embedding_ranks
     assert state.is_first_stage() == (rank < 2) and state.is_last_stage() == (rank >= 2)
     assert state.next_rank == state.prev_rank == (rank + 2) % 4
     # The groups really contain those ranks: all-reduce of the global rank sums the members.

@@ -227,11 +227,6 @@ class ParallelState:
         """Global ranks of this rank's embedding group ([] on a middle stage)."""
         return self._ranks["embedding"]
 
-    @property
-    def tp_src_rank(self) -> int:
-        """Global rank of tp rank 0 in this rank's tp group (broadcast source, as Megatron)."""
-        return self.tp_ranks[0]
-
     # ---- pipeline position
 
     def is_first_stage(self, ignore_virtual: bool = False) -> bool:
@@ -245,9 +240,6 @@ class ParallelState:
         if not ignore_virtual and self.vpp_size is not None and self.vpp_rank != self.vpp_size - 1:
             return False
         return self.pp_rank == self.pp_size - 1
-
-    def is_in_embedding_group(self) -> bool:
-        return self.rank in self.embedding_ranks
 
     @property
     def next_rank(self) -> int:
