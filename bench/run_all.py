@@ -17,6 +17,11 @@ The GPU rows (``--gpu``, what ``scripts/gpu-check.sh`` runs) are a bf16 run of a
 ~1B-parameter GPT (``GPU_ARGS``): tokens/s and MFU of our loop against the plain eager
 loop. They live between ``GPU_BEGIN`` and ``GPU_END`` in RESULTS.md; ``--gpu`` rewrites
 only that block and a CPU run keeps the block it finds, so neither erases the other.
+
+The notes (``NOTES_BEGIN`` .. ``NOTES_END``, at the end of RESULTS.md) are written by hand:
+figures that a docstring's trade-off rests on, measured once (under the bench that
+measures them, or where no bench does, with what, where and when). Every run keeps them as
+they are, so code and docstrings can point here instead of quoting numbers that rot.
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ GPU_ARGS: dict[str, list[str]] = {
                     "--seq-len", "2048", "--micro", "4", "--iters", "10", "--skip", "4", "--rounds", "2"],
 }
 GPU_BEGIN, GPU_END = "<!-- gpu-rows -->", "<!-- /gpu-rows -->"
+NOTES_BEGIN, NOTES_END = "## Notes from measurements", "<!-- /notes: hand-written, kept by bench/run_all.py -->"
+
+
+def kept_notes(old: str) -> str:
+    """The hand-written notes block of an old RESULTS.md (heading to end marker), or "" if none."""
+    start = old.find(NOTES_BEGIN)
+    end = old.find(NOTES_END, start)
+    return old[start:end + len(NOTES_END)] if start >= 0 and end >= 0 else ""
 
 
 def _version(dist: str) -> str:
@@ -157,8 +170,9 @@ def main() -> None:
         for section in sections:
             title = section.split("\n", 1)[0] + "\n"
             start = text.find(title, text.find(GPU_END) + 1)  # not a GPU section of the same name
-            if start < 0:
-                text = text.rstrip() + "\n\n" + section
+            if start < 0:  # a new section goes before the notes
+                notes = kept_notes(text)
+                text = text.replace(notes, "").rstrip() + "\n\n" + section + (f"\n\n{notes}" if notes else "")
                 continue
             end = text.find("\n## ", start + len(title))
             text = text[:start] + section.rstrip() + "\n\n" + (text[end + 1:] if end >= 0 else "")
@@ -180,6 +194,7 @@ def main() -> None:
         gpu_block,
         "",
         *sections,
+        kept_notes(old),
     ])
     out.write_text(text.rstrip() + "\n")
     print(f"wrote {args.out}")

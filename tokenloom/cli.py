@@ -16,7 +16,7 @@ def _import_numpy_with_one_blas_thread() -> None:
     """Import numpy with OpenBLAS limited to one thread, then put the environment back.
 
     No command does BLAS work through numpy (torch brings its own BLAS, read from the restored
-    environment), and the threads OpenBLAS starts on import spin for ~0.1 s of CPU: at the start
+    environment), and the threads OpenBLAS starts on import spin for a while on the CPU: at the start
     of a preprocess run that is the core its input hasher runs on. A user's own setting stays.
     """
     if "numpy" in sys.modules or "OPENBLAS_NUM_THREADS" in os.environ:

@@ -48,7 +48,7 @@ def source_field_docs(class_path: str) -> dict[str, str]:
     """:func:`field_docs` of ``"package.module:Class"`` read from the module's file, not imported.
 
     The CLI builds every command's options when it starts; importing the training configs
-    for their help text would import torch (~1.5 s, ~150 MB) for ``preprocess`` too. The
+    for their help text would import torch (seconds, ~150 MB) for ``preprocess`` too. The
     trade-off: only the class's own body is read, not its bases, so this serves classes
     that inherit no fields (a test holds it equal to :func:`field_docs` for each one used).
     """
@@ -59,7 +59,7 @@ def source_field_docs(class_path: str) -> dict[str, str]:
     with open(spec.origin, encoding="utf-8") as f:
         source = f.read()
     # The class's own lines are parsed (up to the next top-level line; the whole module if a string
-    # in the class has a line at column 0): parsing whole modules took ~40 ms of every CLI start
+    # in the class has a line at column 0): parsing whole modules was a visible part of every CLI start
     found = re.search(rf"^class {re.escape(name)}\b.*?(?=^\S|\Z)", source, re.MULTILINE | re.DOTALL)
     try:
         tree = ast.parse(found.group(0) if found else "", spec.origin)

@@ -19,7 +19,7 @@ def _version(dist: str) -> str:
 
 
 def collect() -> dict[str, str]:
-    """Facts as ordered (label, value) pairs; importing torch is the slow part (~1 s)."""
+    """Facts as ordered (label, value) pairs; importing torch is the slow part."""
     import torch
     import torch.distributed as dist
 

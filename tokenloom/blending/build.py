@@ -555,8 +555,9 @@ def build(cfg: BuildConfig, open_source=None, shared=None) -> BuildResult:
 def _collector_paused():
     """CPython's cyclic collector off for the build: a blend of 10,000 sources allocates some
     10^5 small records and views (none of them cyclic garbage), and each allocation burst makes
-    the collector rescan every live object of the process -- a second of a warm start's 1.8 s
-    in a process that has torch loaded. Re-enabled on the way out (if it was on)."""
+    the collector rescan every live object of the process -- most of a warm start in a process
+    that has torch loaded (``bench/sources_bench.py``; see bench/RESULTS.md). Re-enabled on the
+    way out (if it was on)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -28,10 +28,9 @@ _SHUFFLES = {np.dtype(t): native.pick(f"legacy_shuffle_{np.dtype(t).name}", None
 class SeededStream:
     """The shuffles of a fresh ``numpy.random.RandomState(seed)``, without constructing one.
 
-    Seeding a RandomState costs about 0.25 ms; an index of a small source takes less
-    than that to build, and a blend of 10,000 sources builds 20,000 of them from the
-    same seed. The seeded state (2.5 KB) is computed once per seed and copied, and the
-    native legacy shuffle advances it; the draws, and so the arrays, are numpy's.
+    Seeding a RandomState costs more than building an index of a small source, and a blend of
+    10,000 sources builds 20,000 of them from the same seed. The seeded state (2.5 KB) is
+    computed once per seed and copied, and the native legacy shuffle advances it; the draws, and so the arrays, are numpy's.
     """
 
     _seeded: dict[int, tuple] = {}
@@ -61,12 +60,12 @@ Shuffler = np.random.RandomState | SeededStream
 def shuffle(rng: Shuffler, array: np.ndarray) -> None:
     """``rng.shuffle(array)`` with the same result and the same generator state afterwards.
 
-    The native version draws numpy's legacy MT19937 stream itself (3-5x faster on large
-    arrays: it prefetches the swap targets) and releases the GIL, so several indices can
+    The native version draws numpy's legacy MT19937 stream itself (several times faster on
+    large arrays: it prefetches the swap targets; see bench/RESULTS.md, notes) and releases the GIL, so several indices can
     be shuffled on different cores. It takes numpy's state and hands it back, so the next
     draw from ``rng`` is what it would have been. Other dtypes, non-contiguous arrays and
     arrays past 2^32 elements go to numpy, and so do short ones (under 2^14 elements),
-    where handing the generator state over and back (~0.1 ms) costs more than numpy's
+    where handing the generator state over and back costs more than numpy's
     shuffle: a blend of thousands of small sources shuffles tens of thousands of them.
     """
     if isinstance(rng, SeededStream):

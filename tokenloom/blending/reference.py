@@ -4,7 +4,7 @@ Same names, signatures, results and errors as the native functions; used when th
 extension is missing and, in the tests, as the second opinion on random inputs.
 The sample index is vectorised (a ``searchsorted`` over cumulative token counts);
 the two greedy blends are sequential by nature and run as plain Python loops
-(about 0.5 s per million samples here: fine as a fallback, slow for 100 M-sample blends).
+(fine as a fallback, slow for 100 M-sample blends; see bench/RESULTS.md, notes).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Megatron fixes a blend's global order by (sources, weights, seed, sequence length, sample
 count); resuming with other weights builds another order, in which samples a source
-already served come again and others are never reached (Megatron-LM issue #457).
+already served come again and others are never reached (https://github.com/NVIDIA/Megatron-LM/issues/457).
 
 Policy: a source's *order* is the GPT dataset it got in the first segment that listed it
 (Megatron's member dataset, every sample of its built epochs). The run's history is a

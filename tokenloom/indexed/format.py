@@ -68,7 +68,7 @@ DTYPE_CODES: dict[int, type[np.number]] = {
 }
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 
-#: The largest sequence length the int32 length field holds (np.iinfo per call costs ~1 us).
+#: The largest sequence length the int32 length field holds (a constant: np.iinfo per call costs time).
 _INT32_MAX = 2**31 - 1
 
 #: Megatron's writer rule: uint16 strictly below this many ids, else int32.
@@ -139,7 +139,7 @@ def write_index(path: str, dtype: np.dtype, lengths: np.ndarray, document_indice
 
 class _Growable:
     """An append-only int32/int64 column on ``array.array``: a per-document ``append`` is a
-    C-level list-like push (~4x cheaper than storing a numpy scalar), at 4/8 bytes per entry
+    C-level list-like push (several times cheaper than storing a numpy scalar), at 4/8 bytes per entry
     instead of a Python list's 8+28; batches arrive as numpy and are appended as raw bytes."""
 
     def __init__(self, dtype, initial: Iterable[int] = ()):
@@ -208,14 +208,14 @@ def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int
 
 
 # Write buffer of the ``.bin``: documents are ~1 KB each, so Python's default 8 KB buffer makes
-# a write call per few documents; 1 MB makes one per ~thousand (1.6x the write rate in
-# bench/indexed_bench.py) at 1 MB of memory per open writer.
+# a write call per few documents; 1 MB makes one per ~thousand (a higher write rate, measured by
+# bench/indexed_bench.py; see bench/RESULTS.md) at 1 MB of memory per open writer.
 _BIN_BUFFER = 1 << 20
 
 # Every _WRITEBACK bytes written, the kernel is asked to start writing the ``.bin``'s dirty pages
 # to disk (Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it starts the I/O and waits for
 # none), so the fsync that stages the file waits for the last _WRITEBACK bytes instead of the
-# whole file (0.06 s per 260 MB of tokens here, at the end of every preprocess run). The pages
+# whole file (a wait at the end of every preprocess run that grows with the output). The pages
 # stay cached. A write error still surfaces at that fsync. Elsewhere it is a no-op.
 _WRITEBACK = 64 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
@@ -393,7 +393,7 @@ class IndexedDatasetWriter:
 
         ``max_id``: the largest of ``tokens`` when the caller has it already (a preprocess worker
         finds it while checking the vocabulary); the range check uses it instead of reading every
-        token again in the writing process (~0.08 s per 500 MB of text there)."""
+        token again in the writing process (a pass over the tokens on the serial path)."""
         self._add(self._checked(tokens, max_id), np.asarray(sequence_lengths, dtype=np.int64).reshape(-1),
                   np.asarray(sequences_per_document, dtype=np.int64).reshape(-1))
 

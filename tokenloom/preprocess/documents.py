@@ -67,8 +67,8 @@ def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | 
     """The record's object, or why it is bad, and whether orjson read it (then its strings are
     valid UTF-8: orjson refuses unpaired surrogates).
 
-    ``orjson`` parses (3-4x the stdlib's speed on text-heavy records; ~1 s of CPU saved per
-    500 MB); its object is taken only when every key holds a string or a list of strings.
+    ``orjson`` parses (several times the stdlib's speed on text-heavy records; see
+    bench/RESULTS.md, notes); its object is taken only when every key holds a string or a list of strings.
     Everything else -- what orjson refuses (NaN, lone surrogate escapes, invalid UTF-8, bad
     JSON) and what it reads differently (integers past 64 bits become floats) -- is parsed again
     by the stdlib, as Megatron's ``preprocess_data.py`` does, so a record is accepted, and a bad
@@ -104,8 +104,8 @@ class Decoded:
     sentences); ``numbers`` the records' line numbers, ``bad`` ``[(number, reason, snippet)]``;
     ``lines`` the lines a ``relative`` chunk held (its numbers count from 1: see
     :class:`~tokenloom.preprocess.readers.LineNumbers`). Flat lists, not a dict per record: the
-    tokenizer takes one list of strings per key, and a dict and a tuple per record cost ~0.3 us
-    each."""
+    tokenizer takes one list of strings per key, and a dict and a tuple per record cost
+    more than the work done per record."""
 
     numbers: list[int]
     texts: dict[str, list[str]]

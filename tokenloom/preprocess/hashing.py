@@ -5,8 +5,8 @@ the workers) runs on one core, so the child hashes on a core that would otherwis
 Before, a thread in the main process hashed during tokenizing and took its CPU from the
 workers.
 
-BLAKE3, not sha256: ~4 GB/s per core here against sha256's 1.7 GB/s (0.13 s of CPU per 530 MB
-instead of 0.32 s), and a tree hash, so one large file is hashed by several threads
+BLAKE3, not sha256: more than twice sha256's speed per core (see bench/RESULTS.md, notes), and
+a tree hash, so one large file is hashed by several threads
 (:data:`THREADS`) where sha256 reads it start to end on one core: at 64 workers on one huge
 file, a sequential hash would be the slowest stage. The digest is ``b3sum``'s for a file;
 a datasets directory's is the BLAKE3 of its (relative name, file digest) pairs in name order;

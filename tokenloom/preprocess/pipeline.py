@@ -15,10 +15,10 @@ Policy and its costs:
 * Scaling: for a local jsonl the main process reads no input: it cuts byte ranges
   (one 64 KB read per chunk to find a line end) and the workers read and parse them.
   What stays in the main process is receiving each chunk's tokens (one pickle over a
-  pipe) and appending them to the ``.bin``: ~0.2 s of CPU per 530 MB of GPT-2 input
-  here, so one main process keeps up with ~2.5 GB/s of input, about 7 workers at
-  gigatoken's GPT-2 speed (~0.35 GB/s per core). Compressed inputs are decompressed
-  and split into lines by the main process (~0.8 GB/s of jsonl per zstd stream).
+  pipe) and appending them to the ``.bin``, so one main process keeps up with several
+  workers at gigatoken's speed. Compressed inputs are decompressed and split into lines
+  by the main process, which bounds one stream's rate (``bench/preprocess_bench.py``
+  measures the throughput; the per-process rates are in bench/RESULTS.md's notes).
   Beyond that, a node runs several shards (``--num-shards``, one main process each,
   or ``--executor ray``), joined by ``tokenloom merge`` with in-kernel copies. Input
   digests are computed by a child process (BLAKE3, several threads per file) on the
@@ -133,9 +133,8 @@ class PreprocessConfig:
     """Which shard this process writes (default: $RANK or $SLURM_PROCID, else 0)."""
     max_bad_fraction: float | None = None
     """Quarantine bad records into PREFIX.rejects.jsonl and fail only above this fraction (default: stop at the first)."""
-    # 4 MiB: gigatoken builds an awkward array per call (~1 ms, 12% of a 2 MiB chunk's encode); on
-    # 530 MB of novels NeoX-20B ran 1.75 s (median of 6, alternating) against 1.84 s at 2 MiB, GPT-2
-    # the same at both, 8 MiB slower (the last chunks leave a worker idle longer)
+    # 4 MiB: gigatoken builds an awkward array per call, a visible part of a small chunk's encode;
+    # 8 MiB is slower (the last chunks leave a worker idle longer); see bench/RESULTS.md, notes
     chunk_bytes: int = 4 << 20
     """Text bytes per work unit sent to a worker (larger: less per-unit overhead, more memory in flight, two units per worker)."""
     checkpoint_interval: float = 60.0
@@ -244,7 +243,7 @@ def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk
 
     Costs one tokenized chunk per sampled input (~1 MiB of text in all). The sample is
     the start of each file, so a corpus whose documents change character along a file is
-    estimated from its beginning; measured on the shared corpora it lands within 5%.
+    estimated from its beginning (on the shared corpora it lands close; see bench/RESULTS.md).
     """
     by_format: dict[str, np.ndarray] = {}
     for inp, result, raw in samples:

@@ -90,7 +90,7 @@ def _send(conn, outbox: queue.SimpleQueue) -> None:
     """A sender thread: one worker's tasks, in order, until ``None``. One per worker, because a
     send blocks until that worker has read a task larger than the pipe holds (a chunk of records
     is ~1 MB): with one sender for all, a busy worker held back the tasks of an idle one (the
-    workers of a 2-worker run waited ~30% of the time for tasks)."""
+    workers of a 2-worker run waited a large part of the time for tasks)."""
     while (task := outbox.get()) is not None:
         try:
             conn.send(task)
@@ -102,7 +102,7 @@ def _receive(conn, inbox: queue.SimpleQueue) -> None:
     """A receiver thread: every message of one worker into ``inbox`` as it arrives, then ``_DIED``
     at end of file. Reading as soon as a worker writes keeps it from blocking in ``send`` while
     the main process waits on another worker's older result (a result can exceed what the pipe
-    holds): without it the workers of a 2-worker run sat ~20% of the time in ``send``."""
+    holds): without it the workers of a 2-worker run sat a large part of the time in ``send``."""
     while True:
         try:
             reply = conn.recv()  # a message cut short by the worker's death ends in EOF, not a hang
@@ -211,5 +211,5 @@ class OrderedPool:
 
 
 def fork_or_spawn():
-    """``fork`` on Linux (no re-import, ~10 ms per worker instead of ~1 s), else ``spawn``."""
+    """``fork`` on Linux (no re-import of torch and the tokenizer per worker), else ``spawn``."""
     return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")

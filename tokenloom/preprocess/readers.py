@@ -321,8 +321,8 @@ class ChunkReader:
         process reads none of the records and counts no lines (the workers read their ranges
         back from the page cache and number their lines, :func:`json_records`; the main process
         places those numbers, :class:`LineNumbers`). Counting newlines in the main process
-        (``bytes.count``, ~4 GB/s with the read) was ~0.2 s of its CPU per 530 MB with 2 workers,
-        and at 64 workers a serial pass over every byte. A read error keeps the lines before it,
+        (``bytes.count``) was a visible part of its CPU with 2 workers, and at 64 workers a
+        serial pass over every byte. A read error keeps the lines before it,
         as :meth:`_json_chunks` does."""
         inp = self.inputs[k]
         start, size = pos.offset or 0, inp.size  # bytes written since discovery are not read (refused at the end)
@@ -348,7 +348,8 @@ class ChunkReader:
 
         The main process is one of the pipeline's processes on every core, so what it spends per
         line is taken from the tokenizers: a loop over lines from the file object, as the txt
-        units use, cost ~7 us per line (0.9 s of a 530 MB corpus); this one ~0.5 us. The records,
+        units use, cost an order of magnitude more per line than this one (see bench/RESULTS.md,
+        notes). The records,
         numbers and end positions are those of the line-by-line reading, and so is a
         corrupt or truncated compressed input: each block is one read of the decompressor
         (``read1``), so every line it decoded before failing is kept, and the record number of the
@@ -561,7 +562,7 @@ def json_records(chunk: Chunk) -> tuple[list[int], list, int]:
     the lines it holds. A span chunk's are read from its file here, in the worker, and numbered
     from 1 (``chunk.relative``); its length and its newline at the end are checked against the
     cut the main process made. Its lines are ``memoryview`` slices of the bytes read (orjson
-    parses those as they are): ``bytes.split`` copied every line, ~0.03 s per 100 MB."""
+    parses those as they are): ``bytes.split`` copied every line."""
     if chunk.span is None:
         return chunk.numbers, chunk.lines, 0
     start, end = chunk.span

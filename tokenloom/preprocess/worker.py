@@ -82,7 +82,7 @@ def init(spec, inherited=None, parent_pid: int | None = None) -> None:
 
     ``inherited`` is the parent's tokenizer when the worker was forked: the child already
     holds a copy, so it only switches it to one thread instead of rebuilding it from the
-    spec (building GPT-2's BPE takes ~0.2 s per process). A failure is kept and raised by
+    spec (building a BPE is a visible start-up cost per process). A failure is kept and raised by
     the first task, so the parent sees the real error instead of a broken pool.
     ``parent_pid`` ties the worker's life to that process (:func:`die_with_parent`).
     """
@@ -122,7 +122,7 @@ def _frame(texts: list[str], pieces_per_doc: np.ndarray, opts: EncodeOptions) ->
 
     The ids are range-checked once, as the tokenizer returns them, and cast to the output dtype
     before EOD/BOS are inserted: three passes over the tokens, where checking and inserting in
-    int64 took five (~0.1 s per 500 MB of text)."""
+    int64 took five."""
     if texts:
         ids, lengths = _TOKENIZER.encode_batch(texts)
     else:

@@ -3,8 +3,8 @@
 A :class:`Tokenizer` is built from a :class:`TokenizerSpec` (kind + file path +
 options). The spec is what crosses process boundaries: preprocess workers each
 call ``load_tokenizer(spec)`` instead of pickling a live backend object (Rust and
-C++ handles do not pickle, and rebuilding is cheap: 0.01-1 s for the shared
-tokenizers, Qwen2's 151k merges being the slowest). Pickling a Tokenizer pickles
+C++ handles do not pickle, and rebuilding is cheap next to a run, Qwen2's 151k merges
+being the slowest of the shared tokenizers). Pickling a Tokenizer pickles
 just its spec, so a tokenizer can also be passed to a worker directly.
 
 Fingerprint policy: ``fingerprint()["digest"]`` is a sha256 over the kind, the
@@ -155,7 +155,7 @@ class Tokenizer(abc.ABC):
         """A shallow copy that encodes on the calling thread (``num_threads=1``).
 
         For forked preprocess workers: they hold the parent's tokenizer already, and this
-        costs nothing where rebuilding from the spec costs up to 0.3 s per process. Safe
+        costs nothing where rebuilding from the spec costs a noticeable start-up per process. Safe
         after fork only if the parent never ran the backend's own thread pool.
         (Not ``copy.copy``: that goes through ``__reduce__``, which rebuilds.)
         """

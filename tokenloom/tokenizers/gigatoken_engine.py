@@ -3,9 +3,9 @@
 Backends (``--tokenizer-backend``, ``load_tokenizer(..., backend=)``, ``TokenizerSpec.backend``):
 
 * ``reference``: the library each kind is defined by (tokenizers, tiktoken, sentencepiece).
-* ``gigatoken``: gigatoken (a Rust byte-level BPE / SentencePiece-BPE encoder, ~4x tiktoken and
-  ~9x HF tokenizers on one core here) or a one-line error when it cannot load the file or its
-  self-check fails.
+* ``gigatoken``: gigatoken (a Rust byte-level BPE / SentencePiece-BPE encoder, several times
+  faster than tiktoken and HF tokenizers on one core; ``bench/preprocess_bench.py``) or a
+  one-line error when it cannot load the file or its self-check fails.
 * ``auto`` (default): gigatoken when it loads and passes the self-check, else the reference;
   the choice and its reason go into ``fingerprint()["backend"]``/``["backend_reason"]`` and
   so into every manifest. Neither is part of the digest or ``ids_key``: same ids, same key.
@@ -17,8 +17,8 @@ valid UTF-8), a 5000-letter word, every special/added token of this tokenizer in
 seeded random mixtures of all of these. It is not a proof for every text -- the tests compare
 both engines on every document of the shared corpora and against Megatron's own outputs --
 but it catches a different split regex, normalizer, merge order or special-token policy on
-load, for the exact file being used. With the Unicode probes below it costs ~1 s, so its verdict
-is kept per user (:class:`VerdictCache`) and later loads of the same file reuse it.
+load, for the exact file being used. With the Unicode probes below it costs about a second, so
+its verdict is kept per user (:class:`VerdictCache`) and later loads of the same file reuse it.
 
 Unicode versions differ: HF tokenizers' NFC tables predate ~70 combining marks added since
 Unicode 10 (e.g. U+089B, U+1AC5), which gigatoken reorders under NFC and tokenizers does not,
@@ -105,8 +105,8 @@ class GigatokenSource:
 class GigatokenEngine:
     def __init__(self, source: GigatokenSource, escape_chars: str = ""):
         # gigatoken returns awkward arrays: import it here, in the process that loads the tokenizer,
-        # so forked preprocess workers inherit it (imported in each worker it cost ~0.5 s apiece
-        # at the start of every run, the workers importing at once on the same cores)
+        # so forked preprocess workers inherit it (imported in each worker it cost every worker a
+        # start-up at the start of every run, the workers importing at once on the same cores)
         import awkward  # noqa: F401
 
         self.model = source.model
@@ -116,11 +116,10 @@ class GigatokenEngine:
         # ``encode("latin-1")``: a copy for those, an early exception for wider ones) against those
         # up to U+00FF, any other against one class of the BMP ones plus the whole astral range:
         # a class listing characters past U+FFFF makes ``re`` test them one by one at every position
-        # (2.2 s per 51 MB, 7x the encoding, for NeoX's 69), a range is one test, and only when it
-        # finds an astral character are the astral ones looked for. Measured on the novels (NeoX's
-        # 28 BMP + 41 astral escapes): 0.030 -> 0.006 s per 110 MB against a BMP search and an
-        # astral-range search on every non-ASCII text, most of which (3.9 of 5.3 M characters) are
-        # Latin-1. ``max(text)`` would say the same as the encode but builds a string per character.
+        # (several times the encoding for NeoX's 69), a range is one test, and only when it finds an
+        # astral character are the astral ones looked for: most non-ASCII texts of a corpus are
+        # Latin-1 (see bench/RESULTS.md, notes). ``max(text)``
+        # would say the same as the encode but builds a string per character.
         longest_first = sorted(source.escapes, key=len, reverse=True)
         self._strings = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
 
@@ -157,8 +156,8 @@ class GigatokenEngine:
     def encode(self, texts: list[str], parallel: bool) -> tuple[np.ndarray, np.ndarray]:
         """Flat uint32 ids (gigatoken's dtype: the output dtype's cast reads them once, where a cast to
         int64 first cost a pass over 8 bytes a token) and int64 lengths, read from the awkward
-        result's two buffers (ids and offsets) directly: ``ak.flatten``/``ak.num`` cost ~0.2 ms
-        per 1 MB chunk, 13% of a warm encode."""
+        result's two buffers (ids and offsets) directly: ``ak.flatten``/``ak.num`` cost a tenth of a
+        warm encode (see bench/RESULTS.md, notes)."""
         rows = self.model.encode_batch(texts, parallel=parallel).layout
         offsets = np.asarray(rows.offsets.data, dtype=np.int64)
         ids = np.asarray(rows.content.data)[offsets[0]:offsets[-1]] if len(offsets) else np.empty(0, np.uint32)
@@ -299,7 +298,7 @@ def _library_versions() -> dict[str, str]:
 class VerdictCache:
     """The self-check's outcome for one tokenizer, kept per user so a later load skips the check.
 
-    The check costs ~1 s and ~150 MB per load (the Unicode probes encode ~90k texts on both
+    The check costs about a second and ~150 MB per load (the Unicode probes encode ~90k texts on both
     engines), paid by every preprocess run and by each spawned worker. Its outcome depends only
     on the tokenizer's files and id options (``fingerprint()["digest"]``), the reference engine, the
     special strings and escapes its gigatoken source declares,

@@ -17,8 +17,9 @@ without its own regex, added tokens from ``added_tokens_decoder``); any other
 Speed by proven equivalence: when the vocab and merges are OpenAI's GPT-2
 ``encoder.json``/``vocab.bpe`` -- byte-identical (sha256), or with identical
 content after parsing (same token->id map, same merges in the same order; so HF's
-re-serialised copies qualify) -- encoding runs on tiktoken, about 3-5x faster
-single-threaded. The tests prove that these files give the same ids on tiktoken
+re-serialised copies qualify) -- encoding runs on tiktoken, several times faster
+single-threaded (measured by ``bench/preprocess_bench.py``; see bench/RESULTS.md). The
+tests prove that these files give the same ids on tiktoken
 as on the reference engine for every document of both shared corpora, and that
 the ranks derived from the vocab equal r50k_base's. Any other vocab (even one
 differing by a single merge) stays on the reference engine: we do not attempt a
@@ -144,8 +145,8 @@ class HFTokenizer(_HFBase):
 
     For a BPE model the vocabulary size and the special ids are read from the file's JSON, and the
     ``tokenizers`` object is built on first use: where gigatoken is the engine (its self-check
-    verdict cached) nothing needs it, and building it cost 0.07 s of a run's serial start (NeoX-20B),
-    against 0.016 s for the JSON. It is built at once when gigatoken is not the engine, so a file
+    verdict cached) nothing needs it, and building it costs several times reading the JSON in a
+    run's serial start. It is built at once when gigatoken is not the engine, so a file
     that only ``tokenizers`` refuses is refused on load, not in a worker. Other models build it at
     load, their specials read from it."""
 
@@ -364,8 +365,9 @@ class GPT2BPETokenizer(_HFBase):
 
     @property
     def enc(self):
-        """The tiktoken encoding, built on first use (~40 ms): a run whose gigatoken self-check verdict
-        is cached never encodes with it, unless a text holds an escape."""
+        """The tiktoken encoding, built on first use (a visible part of a start): a run whose
+        gigatoken self-check verdict is cached never encodes with it, unless a text holds an
+        escape."""
         if self._enc is None:
             import tiktoken
 
@@ -375,15 +377,15 @@ class GPT2BPETokenizer(_HFBase):
 
     def _ranks(self) -> dict[bytes, int]:
         # str.translate maps GPT-2's printable stand-ins back to chr(byte) in C; latin-1 then
-        # gives the bytes (5x faster than a per-character generator over 50k tokens)
+        # gives the bytes (several times faster than a per-character generator)
         to_bytes = {ord(c): b for b, c in bytes_to_unicode().items()}
         return {tok.translate(to_bytes).encode("latin-1"): i for tok, i in self._vocab.items()
                 if tok != "<|endoftext|>"}
 
     def _rank_file(self) -> Path:
         """OpenAI's GPT-2 ranks as a tiktoken rank file (the files were proven to be GPT-2's), kept in
-        the user cache and checked against its sha256 on every use (~1 ms); written again when
-        missing or different. Writing it took ~30 ms of every run's start."""
+        the user cache and checked against its sha256 on every use (far cheaper than writing it at
+        every run's start); written again when missing or different."""
         cached = user_cache_dir() / "gigatoken" / f"gpt2-{GPT2_RANKS_SHA[:16]}.tiktoken"
         with contextlib.suppress(OSError):
             if hashlib.sha256(cached.read_bytes()).hexdigest() == GPT2_RANKS_SHA:
@@ -410,8 +412,8 @@ class GPT2BPETokenizer(_HFBase):
     def gigatoken_source(self) -> GigatokenSource:
         """The vocab+merges in gigatoken: OpenAI's GPT-2 as the ranks tiktoken encodes with (a rank
         file, no special tokens, as ``encode_ordinary``), any other as the tokenizer.json of the
-        reference model. Loading the rank file takes ~30 ms; building the ``tokenizers`` model and its
-        JSON for gigatoken took ~0.15 s of every run's start."""
+        reference model. Loading the rank file is cheaper than building the ``tokenizers`` model and
+        its JSON for gigatoken at every run's start."""
         import gigatoken
 
         if self.engine != "tiktoken":

@@ -2,8 +2,8 @@
 
 ``byte`` layout: ids 0..255 are the UTF-8 bytes of the text, then the specials:
 256 = eod (``<|endoftext|>``), 257 = bos, 258 = pad; vocab_size = 259, so ids fit
-uint16. No vocabulary file and no merges: 1 token per byte (about 4x the tokens of
-GPT-2 on English), useful for char-level models and tests. ``decode`` skips the
+uint16. No vocabulary file and no merges: 1 token per byte (several times the
+tokens of GPT-2 on English), useful for char-level models and tests. ``decode`` skips the
 specials and replaces invalid UTF-8 with U+FFFD.
 
 ``null`` follows Megatron's NullTokenizer: the text is whitespace-separated

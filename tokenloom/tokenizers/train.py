@@ -4,7 +4,7 @@ Both are deterministic for the same inputs and config: the BPE trainer has no
 randomness (ties are broken by pair order), and the unigram trainer runs with
 fixed input order (no sentence sampling or shuffling) and ``seed`` as its random
 seed. Unigram training uses one thread, so float sums are in a fixed order; it is
-slower (a few seconds per MB) but repeatable.
+slower but repeatable.
 
 * ``bpe`` writes ``tokenizer.json``: ByteLevel pre-tokeniser with the GPT-2 regex,
   the 256-byte initial alphabet (every text is encodable, decode(encode(x)) == x),

@@ -22,10 +22,14 @@ then, or by the next save when other ranks may still be writing into it.
 
 Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
 stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
-Trade-offs: the model and optimizer are written whole by rank 0 (plain DDP replicas are
-identical), which is simple and exact but does not shard; a distributed optimizer
-would need per-rank optimizer files. All ranks write into one directory, so multi-node
-runs need ``CKPT_DIR`` on a shared filesystem.
+Trade-offs: this is the one-process format (tp = pp = 1 without ZeRO-1): the model and
+optimizer are written whole by rank 0 (plain DDP replicas are identical), which is simple
+and exact but does not shard. Layouts that shard (tp, pp, and ZeRO-1's distributed
+optimizer) write per-(tp, pp) shard files instead, with ZeRO-1's optimizer state gathered
+to dp rank 0 into the full per-parameter AdamW form, not per-rank optimizer files
+(:mod:`tokenloom.train.parallel.reshard`, which also loads this format into any layout).
+All ranks write into one directory, so multi-node runs need ``CKPT_DIR`` on a shared
+filesystem.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ class TrainConfig:
     0 keeps automatic collection."""
     keep_freed_memory: bool = True
     """On CPU with glibc: malloc keeps freed activation memory for the next step instead of
-    unmapping it and faulting it in again (CPU steps 5-10% faster, peak RSS ~5% higher, measured;
-    the process keeps its peak heap). See tokenloom.train.host_alloc. Off: malloc's defaults."""
+    unmapping it and faulting it in again (faster CPU steps, a slightly higher peak RSS: the
+    process keeps its peak heap). See tokenloom.train.host_alloc. Off: malloc's defaults."""
     save_interval: int | None = 500
     """Checkpoint every this many steps; a checkpoint is always written at the end."""
     keep_last_checkpoints: int = 0

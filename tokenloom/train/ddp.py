@@ -1,4 +1,4 @@
-"""Our own bucketed DistributedDataParallel, built like PyTorch's (torch 2.13).
+"""Our own bucketed DistributedDataParallel, built on PyTorch's design.
 
 How one synced iteration runs::
 
@@ -43,10 +43,8 @@ Design choices and trade-offs:
   ``gradient_accumulation_fusion``): for the weights of the model's transformer-block
   matmuls (:func:`tokenloom.train.wgrad.linear`), the weight-gradient GEMM itself writes
   into the bucket view, scaled in its ``alpha``/``beta`` (:func:`wgrad_into_view`): no
-  scaled copy and no grad-sized allocation per weight. Measured at issue 16's size (58 M
-  parameters, 2 gloo ranks, eager): backward about 10 ms (2%) shorter than without it, and
-  ddp_bench's step 0.98x / 0.97x torch DDP's (accum 1 / 4; 1.00x without it); with both sides
-  compiled 0.97x / 0.97x (1.00x without it). It changes autograd's graph
+  scaled copy and no grad-sized allocation per weight; what that saves per step, eager and
+  compiled, is measured by ``bench/ddp_bench.py`` (see bench/RESULTS.md). It changes autograd's graph
   (one node per linear instead of torch's matmul, transpose and add), so the grad-ready
   order, and with it the rebuilt bucket layout, differs from torch DDP's on the same model;
   ``wgrad_fusion=False`` gives torch's. Compiled blocks have it too (an opaque op in their
@@ -56,17 +54,17 @@ Design choices and trade-offs:
   ``set_to_none=True`` (torch's default, and the trainer's): autograd hands the first
   micro-batch's grad over without a zero-fill or an add, and the hook copies it into its
   view, scaled when that backward syncs. ``set_to_none=False``: a memset of every bucket
-  and an in-place add per grad instead. At the issue-16 size (58 M parameters, 2 gloo
-  ranks) True was 4% faster per step with glibc tuned (``host_alloc.keep_freed_memory``,
-  as the trainer runs) and on par without it: each fresh grad is freed in the hook, and
-  an untuned glibc hands that memory back and faults it in again.
+  and an in-place add per grad instead. True is the faster with glibc tuned
+  (``host_alloc.keep_freed_memory``, as the trainer runs) and on par without it: each fresh
+  grad is freed in the hook, and an untuned glibc hands that memory back and faults it in
+  again (``bench/ddp_bench.py``; see bench/RESULTS.md).
   Under ``no_sync()`` the first micro-batch's grad is copied into its view as well and
   later ones accumulate there, so accumulation needs no second set of grads; torch leaves
   autograd's grads outside its buckets until the synced backward (one more grad-sized
   buffer while accumulating) and scales them on their way in, where we divide the
-  accumulated view in place: one more pass over the grads per step, measured 0.7% of a
-  compiled step at issue 16's size (58 M parameters, accum 4) against torch's
-  ``gradient_as_bucket_view=True``.
+  accumulated view in place: one more pass over the grads per step, a small part of a step
+  against torch's ``gradient_as_bucket_view=True`` (``bench/ddp_bench.py``; see
+  bench/RESULTS.md).
   Do not ``detach_()`` or replace ``param.grad`` with a tensor you still need.
 * **Completion** uses ``Variable._execution_engine.queue_callback`` (torch's choice)
   rather than an explicit ``finish_grad_sync()`` call: the training loop cannot forget

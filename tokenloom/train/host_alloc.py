@@ -5,16 +5,16 @@ threshold (dynamic, 128 KiB up to 32 MiB) with a fresh ``mmap`` and gives them b
 with ``munmap`` on free, and it trims the top of the heap once more than the trim
 threshold is free. A training step frees and re-allocates the same activations and
 gradients every step, so every step faults all of them in again and the kernel zeroes
-each page. Measured on the 2-core dev box, GPT 4.3M parameters, micro 8 x seq 256:
-~35,000 minor page faults (~140 MB) per step, and steps 5-10% faster once they are
-gone (separate processes taking steps in turn). :func:`keep_freed_memory` raises both
+each page: tens of thousands of minor page faults per step for a small GPT, whose steps
+are measurably faster once they are gone (``bench/train_bench.py``, whose malloc-default
+rows compare; see bench/RESULTS.md). :func:`keep_freed_memory` raises both
 thresholds with ``mallopt``, so freed blocks stay in the heap and the next step reuses
 them: after the first step the faults drop to about zero.
 
 Trade-off: the process keeps its peak heap instead of handing memory back to the OS
 between steps (the next step needs it again anyway), and memory freed after, say, an
-evaluation pass is kept as well; reuse also fragments a little: peak RSS 760 MiB vs
-724 MiB for the model above (+5%). Blocks of 1 GiB and more are still mmapped. PyTorch's
+evaluation pass is kept as well; reuse also fragments a little (a slightly higher peak
+RSS). Blocks of 1 GiB and more are still mmapped. PyTorch's
 own CPU launcher (``python -m torch.backends.xeon.run_cpu``) gets the same effect by
 preloading jemalloc or tcmalloc; this needs no extra library and no relaunch. Only
 glibc is tuned: under another allocator (musl, or jemalloc/tcmalloc in ``LD_PRELOAD``)

@@ -24,7 +24,7 @@ than 0 are silent on the terminal (``verbose=True`` streams everything unchanged
 torchrun does, and writes no log files).
 
 Which rank failed first is decided from what this process sees while it polls the
-ranks every 0.1 s: the time a rank's log shows an error, or its process vanished without
+ranks every :data:`POLL_S`: the time a rank's log shows an error, or its process vanished without
 finishing (a kill, the OOM killer). A death without a message outranks an error seen in
 the same poll, since peers report a dead rank within milliseconds; an error that only
 reports a failed collective (:data:`PEER_SYMPTOM`) is outranked by any other failure, since

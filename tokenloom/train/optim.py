@@ -14,8 +14,8 @@ Choices and their costs:
   zero learning rate), then cosine from ``lr`` to ``min_lr`` at ``lr_decay_iters``,
   constant ``min_lr`` after.
 * **Fused AdamW by default** where torch has the kernel for the parameters' device (CPU
-  and CUDA): one kernel over every parameter instead of a loop of ops per tensor, 5-6x
-  faster on CPU for a 4M-parameter GPT (2.2 ms vs 10.5 ms for-loop, 13.9 ms foreach),
+  and CUDA): one kernel over every parameter instead of a loop of ops per tensor, several
+  times faster than the for-loop and foreach ones on CPU (see bench/RESULTS.md, notes),
   and torchtitan's default on GPU. It is the same update but not bit-identical to torch's
   default implementation, so a comparison against a plain ``torch.optim.AdamW`` sets
   ``fused=False``. Every tokenloom path builds its optimizer here, so single-process,

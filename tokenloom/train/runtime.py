@@ -99,8 +99,8 @@ class ManualGC:
     off inside, a young-generation collection every ``n`` steps (n = 0: left automatic).
 
     Automatic GC walks every tracked object whenever allocations pile up, and the data
-    pipeline allocates many small objects per step: measured at 1.5-2% of a CPU training
-    step. Collecting at fixed steps costs less and happens on every rank at the same step,
+    pipeline allocates many small objects per step: a measurable part of a CPU training
+    step (see bench/RESULTS.md, notes). Collecting at fixed steps costs less and happens on every rank at the same step,
     so no rank stalls the others at random (torchtitan's gc_freq, Megatron's --manual-gc).
     """
 

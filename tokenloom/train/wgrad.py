@@ -38,9 +38,9 @@ Trade-offs and limits:
   sequence-parallel linear, which has its own Function, fuses only when eager.
 * **Not under autocast.** The GEMM runs in bf16 and would have to write the parameters'
   fp32 buffer: Megatron uses a CUDA kernel for that; torch's ``addmm(..., out_dtype=
-  torch.float32)`` does it on CUDA (seen on an H200: writing and accumulating a strided
-  fp32 bucket view from bf16 operands, 0.350 ms against 0.435 ms for the bf16 GEMM plus a
-  cast-add at 8192 x 4096 x 4096) but not on CPU, so it is not wired until a GPU session
+  torch.float32)`` does it on CUDA (seen on a GPU: writing and accumulating a strided
+  fp32 bucket view from bf16 operands, faster than the bf16 GEMM plus a cast-add; see
+  bench/RESULTS.md, notes) but not on CPU, so it is not wired until a GPU session
   can test it. So on a GPU with bf16 autocast, the trainer's usual setting, there is no
   fusion yet; fp32 runs and bf16 parameters get it.
 * The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor

@@ -79,7 +79,7 @@ def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BL
     Written here rather than taken from ``create_block_mask``: that one evaluates the rule
     on every ``seq x seq`` pair (eagerly: ``batch x seq^2`` booleans per call), and its
     compiled form, traced inside our compiled blocks, made an illegal memory access on
-    CUDA (torch 2.11, H200, the first evaluation of a ``compile: true`` run). The mask's
+    CUDA (the first evaluation of a ``compile: true`` run; see bench/RESULTS.md, notes). The mask's
     rule (``mask_mod``) reads ids padded to whole tiles, so no index is ever out of range.
     """
     batch, tiles = cu_seqlens.shape[0], -(-seq // block)
@@ -109,7 +109,7 @@ def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BL
 
 FLEX_MIN_HEAD_DIM = 16
 """Smallest head dimension flex attention compiles on CUDA (Triton's ``tl.dot`` needs 16;
-torch 2.11's lowering raises NotImplementedError below it)."""
+torch's lowering raised NotImplementedError below it)."""
 
 
 def flex_usable(device: torch.device, dropout_p: float, head_dim: int) -> bool:
@@ -134,7 +134,7 @@ def _compiled_flex_attention():
     """``flex_attention`` compiled once per process: uncompiled it runs an unfused reference
     that materialises the scores (torchtitan compiles it the same way). For eager callers
     only: inside a compiled block :func:`attention_sdpa` calls ``flex_attention`` itself, as
-    torch 2.11 split the block's graph at a nested compiled function (seen on CUDA with
+    torch split the block's graph at a nested compiled function (seen on CUDA with
     ``TORCH_LOGS=recompiles``: flex and two resumed halves of the block compiled apart)."""
     return torch.compile(flex_attention, dynamic=False)
 

@@ -5,8 +5,9 @@ With ``training=False`` (or ``p == 0``) dropout is the identity. The random mask
 from the implementation's RNG: eager uses the global torch generator, ``torch.compile``
 uses inductor's Philox stream, so the compiled and eager masks differ for the same seed
 (the drop rate and ``1/(1-p)`` scaling are the same). Fusing saves two full passes over
-the activations in eager-vs-compiled terms; it is a small win on CPU (measured 0.7-1.4x,
-training-stack.md section f) and matters on GPUs, where the op is bandwidth bound.
+the activations in eager-vs-compiled terms; on CPU it wins only at some sizes (see
+bench/RESULTS.md, notes; training-stack.md section f), and it matters on GPUs, where the
+op is bandwidth bound.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def bias_gelu_reference(
 def bias_gelu_with(fused: Callable) -> Callable:
     """``bias_gelu`` that calls ``fused`` when there is a bias to fuse and ATen's GELU when
     there is none: ``F.gelu`` is one kernel already (fp32 math for bf16 inputs, one rounding),
-    and compiling it alone measured 0.85-0.94x on CPU (forward + backward)."""
+    and compiling it alone is slower on CPU (see bench/RESULTS.md, notes)."""
 
     def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: Approximate = "tanh"):
         if bias is None:

@@ -10,35 +10,17 @@ would give slightly tighter kernels but recompile for every new shape, and past
 (measured), so we keep neither. Without ``fullgraph``, a graph break or the limit
 falls back to eager with a warning instead of failing the step.
 
-Cost: the first compile in a process takes 10-30 s on the 2-core dev box (inductor
-start-up), later graphs 1-3 s each, a warm on-disk cache < 2 s. ``torch.compile`` itself
-imports inductor (~2 s in torch 2.13), so wrappers are made at their first use.
+Cost: the first compile in a process takes tens of seconds on a small CPU box (inductor
+start-up), later graphs seconds each, less from a warm on-disk cache. ``torch.compile``
+itself imports inductor (seconds), so wrappers are made at their first use.
 
 Small CPU tensors run the eager reference (:func:`compiled_above`): a compiled call has a
-fixed cost (guard checks, the AOTAutograd and autograd.Function wrappers: ~50-100 us
-forward + backward), which on CPU exceeds what fusing saves until a tensor is large.
-Crossovers, forward + backward, fp32, 2-core AMD EPYC, torch 2.13, glibc malloc tuned
-as in training (compiled vs eager reference, >1 = compiled faster):
-
-=============  ======  ======  ======  ======  ======  ======
-elements       2^12    2^14    2^16    2^18    2^20    2^22
-=============  ======  ======  ======  ======  ======  ======
-rms_norm       0.73    0.85    1.05    1.31    1.92    2.49
-swiglu         0.45    0.50    0.65    0.79    0.99    1.30
-rope           0.62    0.58    0.67    0.81    1.01    0.99
-bias + gelu    0.45    0.57    0.64    0.72    0.88    0.95
-bias-drop-add  0.41    0.55    0.61    0.64    0.52    0.56
-LN, bf16       1.06    1.15    1.41    1.81    3.01    4.81
-CE stats       1.14    1.12    1.38    1.72    1.97    2.03
-CE grad        0.83    0.78    1.02    1.35    1.49    1.33
-=============  ======  ======  ======  ======  ======  ======
-
-(Rows of 128; bias-dropout-add at p = 0.1, training; CE: logits per chunk, vocab 1024,
-no autograd (the chunk math runs inside the loss's own autograd function); "stats" is
-the in-place ``exp(logits - max)`` and its row sums every training step runs, "grad" the
-gradient rebuilt from the saved log-sum-exp, which only a recomputing backward runs.
-Their switch sits at 2^18, above both crossovers, so a small model pays no compile for
-microseconds.)
+fixed cost (guard checks, the AOTAutograd and autograd.Function wrappers), which on CPU
+exceeds what fusing saves until a tensor is large. Each op's switch sits at or above its
+measured crossover (compiled vs eager, forward + backward, per op and size: the table is in
+bench/RESULTS.md's notes; ``bench/kernels_bench.py`` measures the model they add up to);
+the chunked cross entropy's "stats" and "grad" math share one switch above both their
+crossovers, so a small model pays no compile for microseconds.
 Hence :data:`CPU_MIN_NUMEL`. Like Megatron's fused softmax, which runs only for shapes
 its kernel handles and falls back to torch's otherwise, the switch is a pure function of
 the input's size and device, so a run is deterministic. CUDA inputs always take the compiled path (no measurements here: the

@@ -8,11 +8,9 @@ gradients. So:
 
 * peak memory is O(chunk x vocab) instead of O(tokens x vocab): one fp32 chunk buffer
   at a time (the logits become ``exp(logits - max)`` and then the gradient in place),
-  plus the weight gradient. Measured (CPU, fp32, vocab 50304, 1024 tokens, peak-RSS
-  growth during forward+backward, default chunk: 2 x 512 rows): hidden 64, reference
-  620 MB, chunked 118 MB, 41 MB at 128 rows (tests/train/kernels/test_kernel_cross_entropy.py);
-  hidden 768, reference 623 MB, chunked 269 MB (0.43x), of which 154 MB is the weight
-  gradient any implementation needs;
+  plus the weight gradient any implementation needs (measured by
+  ``bench/kernels_bench.py``, bounded by tests/train/kernels/test_kernel_cross_entropy.py;
+  see bench/RESULTS.md);
 * with ``reduction="mean"`` or ``"sum"`` and gradients wanted (training), each chunk's
   ``softmax - onehot`` is turned into the hidden and weight gradients right in forward,
   while the chunk's logits are at hand, and backward only scales them: 3 LM-head GEMMs,
@@ -25,12 +23,9 @@ gradients. So:
   the reduction makes the per-token gradient weights known, so evaluation never pays
   for gradients;
 * each chunk streams the whole weight through its three GEMMs, so chunks are few and
-  large (:func:`default_chunk_size`: at least two, at most 2^26 logits each). LM-head
-  loss forward + backward, time vs full logits, fp32, 2-core CPU, compiled chunk math
-  (eager in parentheses), tokens x hidden x vocab: 1024 x 128 x 8192 0.88x (0.93x),
-  1024 x 128 x 50304 0.79x (0.88x), 2048 x 384 x 50304 1.00x (1.06x), 1024 x 768 x
-  50304 1.04x (1.04x). With 2^24-logit chunks (333 rows at 50304) the last two took
-  1.17x and 1.13x (eager).
+  large (:func:`default_chunk_size`: at least two, at most 2^26 logits each); at those
+  sizes the time is that of full logits (timings per shape in bench/RESULTS.md's notes;
+  ``bench/kernels_bench.py`` measures the model's loss).
 
 Logits and softmax are computed in fp32 (fp64 for fp64 inputs) whatever the input
 dtype; the weight gradient is accumulated in fp32 across chunks for bf16/fp16 weights.
@@ -69,10 +64,9 @@ def default_chunk_size(tokens: int, vocab: int) -> int:
 
     Two chunks at least, so the full logits never exist, whatever the batch. Few, large
     chunks otherwise, because every chunk streams the whole LM-head weight through each of
-    its three GEMMs: on the 2-core CPU dev box, at 50304 x 384 and 2048 tokens, 333-row
-    chunks made the loss 1.17x slower than full logits and 1024-row chunks 1.06x (eager
-    chunk math; 1.00x compiled). On a GPU, 256 MB is small next to a large model's
-    activations, and its bandwidth makes the extra weight reads cheap.
+    its three GEMMs: smaller chunks make the loss measurably slower than full logits on CPU
+    (see bench/RESULTS.md, notes). On a GPU, 256 MB is small next to a
+    large model's activations, and its bandwidth makes the extra weight reads cheap.
     """
     chunks = max(2, -(-tokens * vocab // CHUNK_LOGITS))
     half = -(-tokens // 2)
@@ -148,7 +142,7 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
 def _chunk_losses(logits, t_rows, group, stats_fn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-sum-exp, loss, sum exp(logits - row max)) per row of one chunk's logits (this shard's,
     all-reduced over ``group``). Leaves ``exp(logits - row max)`` in ``logits``."""
-    row_max = logits.amax(dim=1)  # not max(): its argmax costs ~7x the reduction (CPU, measured)
+    row_max = logits.amax(dim=1)  # not max(): its argmax costs several reductions' time
     if group is not None:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     shifted_target, sum_exp = stats_fn(logits, row_max, t_rows)
@@ -380,11 +374,9 @@ def full_logits_below(chunked: Callable) -> Callable:
     chunking takes :func:`cross_entropy_reference`'s full logits.
 
     Chunking bounds memory, which is not at stake below 16 MB of logits, and costs a fixed
-    amount per chunk (an autograd function, a dozen small ops): LM-head loss forward +
-    backward, chunked (compiled chunk math) vs full logits, speed ratio on the 2-core CPU dev
-    box: at 2^17 logits 0.53-0.58x, at 2^20 0.41-0.88x, at 2^22 0.82-1.19x, at 2^23
-    0.93-1.05x (hidden 64-128, vocab 512-50304). A vocab-parallel ``group`` or an explicit
-    ``chunk_size`` always goes to ``chunked``.
+    amount per chunk (an autograd function, a dozen small ops) that makes small losses slower
+    than full logits, up to about this size (see bench/RESULTS.md, notes). A vocab-parallel ``group`` or an explicit ``chunk_size`` always goes
+    to ``chunked``.
     """
 
     @functools.wraps(chunked)

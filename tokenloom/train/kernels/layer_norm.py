@@ -32,11 +32,10 @@ def layer_norm_with(fused: Callable) -> Callable:
     """``layer_norm`` that calls ATen's ``F.layer_norm`` on fp32 inputs and ``fused`` otherwise.
 
     On fp32, ATen's LayerNorm is already one fused kernel forward and one backward (CPU and
-    CUDA), so compiling the reference can only rebuild it, and the rebuilt one measured
-    slower on CPU (0.5-0.8x forward + backward at 4 x 64..512 x 384, torch 2.13) plus a
-    compiled call's fixed cost. On bf16/fp16, ATen's backward rounds the weight gradient
-    differently from this module's policy (off by 0.04 where a bf16 ulp is 0.002,
-    measured), and ``fused`` keeps the fp32 upcast out of memory there.
+    CUDA), so compiling the reference can only rebuild it, and the rebuilt one is slower on
+    CPU (see bench/RESULTS.md, notes) plus a compiled call's fixed cost. On bf16/fp16,
+    ATen's backward rounds the weight gradient differently from this module's policy (off by
+    many bf16 ulps), and ``fused`` keeps the fp32 upcast out of memory there.
     """
 
     def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5):

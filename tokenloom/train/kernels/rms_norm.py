@@ -4,8 +4,9 @@ Precision policy (as Transformer Engine and Megatron's fused norms): the statist
 the affine step run in fp32 and the result is cast once to ``x.dtype``. This costs an
 fp32 copy of ``x`` in eager mode (the compiled and Triton versions keep it in
 registers). It is bit-identical to ``F.rms_norm`` (the model's ``nn.RMSNorm``) on bf16
-inputs (measured, 4096 x 1024), and differs from Hugging Face Llama, which casts back
-to ``x.dtype`` before multiplying by the weight: 25% of bf16 outputs differ, by <= 2 ulp.
+inputs, and differs from Hugging Face Llama, which casts back to ``x.dtype`` before
+multiplying by the weight: a part of the bf16 outputs differ, by at most 2 ulp (see
+bench/RESULTS.md, notes).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Takes ``gate`` and ``up`` as two tensors (our MLP has two input projections). Me
 instead runs one GEMM into ``[..., 2 * ffn]`` and chunks it; pass
 ``*h.chunk(2, dim=-1)`` for that layout. Computed in fp32 and rounded once to
 ``gate.dtype``: eager mode pays fp32 temporaries, the fused versions none. The plain
-bf16 ``F.silu(gate) * up`` rounds twice, so ~27% of its bf16 outputs differ from this
-one in the last bit (measured, 4096 x 1024).
+bf16 ``F.silu(gate) * up`` rounds twice, so a good part of its bf16 outputs differ from
+this one in the last bit (see bench/RESULTS.md, notes).
 """
 
 from __future__ import annotations

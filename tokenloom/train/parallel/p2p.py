@@ -24,9 +24,9 @@ Choices and their costs:
   posting order, or sends one direction over the WORLD group).
 * **Sends are not waited for** at the call (Megatron waits for all four ops unless
   ``overlap_p2p_comm``): a gloo send only completes once the peer has posted the
-  matching receive, so waiting would lock neighbours into step with each other. That
-  measured bubble of interleaved 1F1B at p = 2, v = 2, M = 4 was 0.34 instead of the
-  theoretical 0.11. Pending sends are kept in :attr:`P2PComm.pending_sends` (the sent
+  matching receive, so waiting would lock neighbours into step with each other and the
+  interleaved schedule's bubble grows to several times the theoretical one
+  (``bench/parallel_bench.py``; see bench/RESULTS.md). Pending sends are kept in :attr:`P2PComm.pending_sends` (the sent
   tensors stay alive until then) and :func:`wait_sends` completes them; the schedules
   call it at the end of every run.
 * **Receives can be waited for later**: :func:`post` returns :class:`Incoming` handles
@@ -36,12 +36,12 @@ Choices and their costs:
   transfer runs under the other half of the step (Megatron's ``overlap_p2p_comm``). On
   gloo a message only moves once both ends have posted (the receiver announces its
   buffer, then the sender writes), so a receive posted at the exchange itself costs a
-  round trip and the wake-ups of both ranks' transport threads with both ranks idle:
-  4-10 ms a step on a loaded 2-core box, as much as a chunk's forward. The price: a
-  receive buffer allocated one step earlier, and two posts a step instead of one. On that
-  box the gain is within its noise at 256-512 wide: the transfer needs the rank's gloo
-  transport thread, which competes with compute for the same cores, and a post itself
-  then blocks 2-12 ms while that thread holds the connection.
+  round trip and the wake-ups of both ranks' transport threads with both ranks idle: on a
+  loaded 2-core box as much as a chunk's forward. The price: a receive buffer allocated
+  one step earlier, and two posts a step instead of one. On that box the gain is within
+  its noise for small models: the transfer needs the rank's gloo transport thread, which
+  competes with compute for the same cores, and a post itself then blocks while that
+  thread holds the connection (``bench/parallel_bench.py``; see bench/RESULTS.md).
 * **Posting off the compute thread on gloo.** :func:`post` (the interleaved schedule's
   early posts) hands the batch to one background thread (:class:`Poster`) and returns at
   once; :func:`communicate` (posted and waited for at once: 1F1B) posts inline, after the
@@ -49,12 +49,12 @@ Choices and their costs:
   way (gloo matches messages of one peer and tag in posting order). Why: a gloo post takes the
   connection's lock, which that connection's transport thread holds while it moves a message;
   on a loaded 2-core box that thread loses its core to compute and a post then blocked the
-  compute thread 2-12 ms, 30-90 ms of a 1.9 s interleaved step on the last rank, whose
-  compute is the pipeline's critical path (measured bubble, pp 2 x vpp 2, M 8: median
-  0.075 instead of 0.081-0.097). The price: a thread per pipeline, one hand-off per post
-  (~0.1 ms) and, when a post fails, the error surfaces at the wait for one of its works, not
-  at the post. 1F1B posts inline because it waits at once: the hand-off would only add to
-  each message's latency (1.12-1.15x theory against 1.06-1.09x). NCCL posts are inline (they
+  compute thread on the last rank, whose compute is the pipeline's critical path, and the
+  interleaved schedule's bubble grew (measured by ``bench/parallel_bench.py``'s bubble
+  table; see bench/RESULTS.md). The price: a thread per pipeline, one hand-off per post
+  and, when a post fails, the error surfaces at the wait for one of its works, not at the
+  post. 1F1B posts inline because it waits at once: the hand-off would only add to each
+  message's latency (its bubble grew further from theory). NCCL posts are inline (they
   enqueue on a CUDA stream and do not block; the thread would also need the CUDA device and
   stream set up).
 * **Coalesced works.** On NCCL ``batch_isend_irecv`` returns one work for the whole
