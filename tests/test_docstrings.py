@@ -1,0 +1,79 @@
+"""No measurements in ``tokenloom/``: ratio and time literals, torch versions and issue numbers
+live in bench/RESULTS.md, under the bench that measures them, and code points there by name.
+
+The scan reads every ``tokenloom/**/*.py`` whole (code, comments and docstrings). Its patterns
+are tuned so that ordinary code passes: hex (``0x1F``), products (``2 * x``), shapes written with
+spaces (``4 x 64``), dtype names (``np.int64``) and sizes (``1 << 20``, ``4 MiB``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tokenloom"
+
+PATTERNS: dict[str, re.Pattern[str]] = {
+    # 0.97x, 1.6x, 4x, (0.43x), 0.97 x, 2 × the; not 0x1F (a word character follows), 4 x 64 or
+    # pp 2 x vpp (an integer, a spaced letter x: a product) nor 2 × 64 (a number follows)
+    "ratio": re.compile(r"(?<![\w.])\d+(?:\.\d+)?[x×](?!\w)|(?<![\w.])\d+\.\d+ [x×]|(?<![\w.])\d+ ×(?! *\d)"),
+    # 3 ms, 0.350 ms, ~1 s, 50-100 us, 2 µs, 10s
+    "time": re.compile(r"(?<![\w.])\d+(?:\.\d+)? ?(?:ms|µs|us|ns|s)\b"),
+    "torch version": re.compile(r"\b(?:py)?torch \d+\.\d+", re.IGNORECASE),
+    # issue 16, issue #16, Issue16, #457 in prose; not a URL's issues/457
+    "issue number": re.compile(r"\bissues? ?#?\d+|(?<![\w&/])#\d+\b", re.IGNORECASE),
+}
+
+
+def offences(path: Path) -> list[str]:
+    """``path:line: kind: 'match'`` for every measurement literal in the file."""
+    found = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for kind, pattern in PATTERNS.items():
+            found += [f"{path}:{number}: {kind}: {m.group(0)!r}" for m in pattern.finditer(line)]
+    return found
+
+
+def test_tokenloom_holds_no_ratio_time_version_or_issue_literals():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 50  # the package itself, not an empty glob
+    found = [o for f in files for o in offences(f)]
+    assert not found, "move these measurements to bench/RESULTS.md and name the bench:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line, kind", [
+    ('"""Step time 0.97x torch DDP\'s."""', "ratio"),
+    ("# the rebuilt one measured (0.43x) here", "ratio"),
+    ("x = 1  # about 4x faster", "ratio"),
+    ("# 2 × the tokens", "ratio"),
+    ("# ours 0.97 x torch's", "ratio"),
+    ('"""Backward takes 3 ms less."""', "time"),
+    ("# 0.350 ms against 0.435 ms", "time"),
+    ("# a fixed cost of ~50-100 us", "time"),
+    ("# start-up ~1 s per worker", "time"),
+    ('"""Built like PyTorch\'s (torch 2.13)."""', "torch version"),
+    ("# seen on PyTorch 2.11", "torch version"),
+    ("# at issue 16's size", "issue number"),
+    ("# see Megatron-LM #457", "issue number"),
+])
+def test_a_planted_literal_fails_the_scan(tmp_path, line, kind):
+    planted = tmp_path / "planted.py"
+    planted.write_text(f"def f():\n    pass\n{line}\n")
+    found = offences(planted)
+    assert found and all(f": {kind}: " in o for o in found), found
+
+
+def test_ordinary_code_passes_the_scan(tmp_path):
+    clean = tmp_path / "clean.py"
+    clean.write_text("\n".join([
+        "MASK = 0x1F  # hex, 0xFF too",
+        "y = 2 * x + x1",
+        "h = np.zeros((4, 64), dtype=np.int64)  # a 4 x 64 int64 table, uint16 tokens",
+        "CHUNK = 1 << 20  # 1 MB, 4 MiB at most; 2 x workers chunks in flight",
+        "shape = '[tokens x hidden]'  # 128 x 128 tiles, pp 2 x vpp 2, 2 × 64",
+        "timeout_s = 600  # seconds; see https://github.com/NVIDIA/Megatron-LM/issues/457",
+        "fmt = f'{ratio:.2f}x {share:.1%}'",
+    ]) + "\n")
+    assert offences(clean) == []
