@@ -1,11 +1,12 @@
-"""Every layout through ``cli.py train --nproc-per-node N`` (torchrun, gloo, fp32) against
-the one-process ``cli.py train`` of the same config file: per-step losses equal within
-1e-5, one metrics file, and the final checkpoint of each layout holds the one-process
-parameters, for six of the eight layouts of issue 15 (every flag spelling; dp2 x tp2 and dp2 x
-pp2, 4-rank launches, run only in ``parallel/test_compose.py`` to keep CI within its time) and
-for interleaved pp with ``compile: true`` and an uneven pipeline split (Megatron's flag). That
-in-process twin of this check, with resharded resume, covers every layout; this one proves the
-command's flags and the launcher reach the same loop."""
+"""``cli.py train``'s layout flags against the one-process run.
+
+The numbers of every layout are proven in-process by ``parallel/test_compose.py`` (losses, grad
+norms, validation loss, checkpoint parameters and pipeline bubbles against the one-process run);
+what is left for the command is that each flag spelling (Megatron's and ours) reaches that same
+config and launch size, checked here without launching, and that a launch through torchrun
+reaches the loop: the document-masking runs below launch ranks for real (pp 4 and tp 2 with
+sequence parallelism) and must equal the one-process run with masking, as the GPU checks do
+on NCCL."""
 
 from __future__ import annotations
 
@@ -15,35 +16,60 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
-from compose_helpers import checkpoint_params, read_losses, tiny_cfg  # noqa: E402
+from compose_helpers import read_bubbles, read_losses, tiny_cfg  # noqa: E402
 from tl_testing import cli_env, run_cli  # noqa: E402
 
+from tokenloom import cli  # noqa: E402
+from tokenloom.train import launch as launch_module  # noqa: E402
 from tokenloom.train.config import config_to_dict  # noqa: E402
 
-pytestmark = pytest.mark.slow
 TOL = 1e-5
 
-# name -> (ranks, extra CLI flags)
+# name -> (ranks, CLI flags, the config fields they set); each is a layout of test_compose.py
+# (dp2 alone: test_loop_dist.py), every flag spelling at least once
 LAYOUTS = {
-    "dp2_tp1_pp1": (2, []),
-    "dp1_tp2_pp1": (2, ["--tensor-model-parallel-size", "2"]),  # the Megatron spelling of --tp
-    "dp1_tp2_pp1_sp": (2, ["--tp", "2", "--sp"]),
-    "dp1_tp1_pp2": (2, ["--pipeline-model-parallel-size", "2"]),
-    "dp1_tp1_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]),
-    "dp2_tp1_pp1_zero1": (2, ["--zero1"]),
-    "dp1_tp1_pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"]),  # vs the eager run
-    "dp1_tp1_pp2_first1": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "1"]),  # 1 + 3 layers
+    "dp2_tp1_pp1": (2, [], {}),
+    "dp1_tp2_pp1": (2, ["--tensor-model-parallel-size", "2"], dict(tp=2)),  # the Megatron spelling of --tp
+    "dp1_tp2_pp1_sp": (2, ["--tp", "2", "--sp"], dict(tp=2, sp=True)),
+    "dp1_tp1_pp2": (2, ["--pipeline-model-parallel-size", "2"], dict(pp=2)),
+    "dp1_tp1_pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"], dict(pp=2, vpp=2)),
+    "dp1_tp1_pp2_vpp2_megatron": (2, ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                                  dict(pp=2, vpp=2)),
+    "dp2_tp1_pp1_zero1": (2, ["--use-distributed-optimizer"], dict(zero1=True)),
+    "dp1_tp1_pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"],
+                                 dict(pp=2, vpp=2, compile=True)),
+    "dp1_tp1_pp2_first1": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "1"],
+                           dict(pp=2, num_layers_in_first_pipeline_stage=1)),  # 1 + 3 layers
 }
+
+
+def write_config(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    config, out = tmp_path / f"{name}.json", tmp_path / name
+    config.write_text(json.dumps(config_to_dict(tiny_cfg(out, save_interval=None))))
+    return config, out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_flags_reach_the_config_and_the_launch(tmp_path, monkeypatch, name):
+    ranks, flags, fields = LAYOUTS[name]
+    config, out = write_config(tmp_path, name)
+    launched = []
+    monkeypatch.setattr(launch_module, "launch", lambda cfg, nproc, **kw: launched.append((cfg, nproc)))
+    monkeypatch.setattr(launch_module, "stdout_outlives_its_reader", lambda: None)
+    done = CliRunner().invoke(cli.main, ["train", "--config", str(config), "--nproc-per-node", str(ranks), *flags])
+    assert done.exit_code == 0, done.output
+    [(cfg, nproc)] = launched
+    assert nproc == ranks
+    assert config_to_dict(cfg) == config_to_dict(tiny_cfg(out, save_interval=None, **fields))
 
 
 def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str], env: dict | None = None,
           device: str | None = None) -> Path:
     """Run ``cli.py train`` on the tiny config; ``device``: the start-up summary must name it."""
-    config = tmp_path / f"{name}.json"
-    out = tmp_path / name
-    config.write_text(json.dumps(config_to_dict(tiny_cfg(out, save_interval=None))))
+    config, out = write_config(tmp_path, name)
     launch = ["--nproc-per-node", str(ranks)] if ranks else []
     done = run_cli("train", "--config", config, *launch, *flags, timeout=280, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -51,43 +77,32 @@ def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str], env: d
     return out
 
 
+DOCS = ["--set", "data.inter_document_masking=true"]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = train(tmp_path_factory.mktemp("ref"), "ref", None, [])
-    return read_losses(out / "metrics.jsonl"), checkpoint_params(out / "checkpoints" / "iter_0000020")
+def one_process(tmp_path_factory):
+    """The one-process runs' losses, without and with document masking (each once)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    return (read_losses(train(tmp, "ref", None, []) / "metrics.jsonl"),
+            read_losses(train(tmp, "ref_docs", None, DOCS) / "metrics.jsonl"))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_through_the_cli_equals_one_process(tmp_path, reference, name):
-    ranks, flags = LAYOUTS[name]
-    out = train(tmp_path, name, ranks, flags)
-    losses = read_losses(out / "metrics.jsonl")
-    ref_losses, ref_params = reference
-    assert len(losses) == len(ref_losses) == 20
-    # with a pipeline, each train record carries the measured bubble of its interval
-    bubbles = [r.get("pipeline_bubble") for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-               if "train_loss" in r]
-    assert all(0 < b < 1 for b in bubbles) if "pp2" in name else bubbles == [None] * 20, bubbles
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOL
-    params = checkpoint_params(out / "checkpoints" / "iter_0000020")
-    assert sorted(params) == sorted(ref_params)
-    assert max((params[n] - t).abs().max().item() for n, t in ref_params.items()) < TOL
-    assert all(torch.isfinite(t).all() for t in params.values())
-    if name.endswith("first1"):
-        assert json.loads((out / "config.json").read_text())["num_layers_in_first_pipeline_stage"] == 1
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("name,ranks,flags", [("pp4", 4, ["--pp", "4"]),  # middle stages need boundaries too
                                              ("tp2_sp", 2, ["--tp", "2", "--set", "sp=true"])])
-def test_document_masking_through_the_cli_equals_one_process(tmp_path, reference, name, ranks, flags):
-    """data.inter_document_masking in a pipeline and a sequence-parallel layout equals the
-    one-process run with it, and differs from the run without it (the masks are used)."""
-    docs = ["--set", "data.inter_document_masking=true"]
-    one = read_losses(train(tmp_path, "one_docs", None, docs) / "metrics.jsonl")
-    losses = read_losses(train(tmp_path, name, ranks, [*flags, *docs]) / "metrics.jsonl")
+def test_document_masking_through_the_cli_equals_one_process(tmp_path, one_process, name, ranks, flags):
+    """data.inter_document_masking in a pipeline and a sequence-parallel layout, launched through
+    torchrun, equals the one-process run with it, and differs from the run without it (the masks
+    are used)."""
+    plain, one = one_process
+    out = train(tmp_path, name, ranks, [*flags, *DOCS])
+    losses = read_losses(out / "metrics.jsonl")
     assert len(losses) == len(one) == 20
     assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < TOL
-    assert max(abs(a - b) for a, b in zip(one, reference[0], strict=True)) > 1e-3
+    assert max(abs(a - b) for a, b in zip(one, plain, strict=True)) > 1e-3
+    bubbles = read_bubbles(out / "metrics.jsonl")
+    assert all(0 < b < 1 for b in bubbles) if name == "pp4" else bubbles == [None] * 20, bubbles
 
 
 # On CUDA (scripts/gpu-check.sh): every layout on NCCL, one GPU per rank, fp32 (bf16 would

@@ -53,6 +53,11 @@ def read_norms(metrics: Path) -> list[float]:
     return [r["grad_norm"] for r in map(json.loads, metrics.read_text().splitlines()) if "grad_norm" in r]
 
 
+def read_bubbles(metrics: Path) -> list[float | None]:
+    """Each train record's measured pipeline bubble (None without a pipeline)."""
+    return [r.get("pipeline_bubble") for r in map(json.loads, metrics.read_text().splitlines()) if "train_loss" in r]
+
+
 def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
     """Full parameters by one-process name from a checkpoint of any layout."""
     if (path / "model.pt").exists():
@@ -105,8 +110,8 @@ def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
     if rank != 0:
         return {"losses": [], "norms": [], "params": {}, "summary": summary, **sizes}
     metrics = Path(out) / "metrics.jsonl"
-    return {"losses": read_losses(metrics), "norms": read_norms(metrics), "summary": summary,
-            "params": checkpoint_params(Path(summary["checkpoint"])), **sizes}
+    return {"losses": read_losses(metrics), "norms": read_norms(metrics), "bubbles": read_bubbles(metrics),
+            "summary": summary, "params": checkpoint_params(Path(summary["checkpoint"])), **sizes}
 
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:

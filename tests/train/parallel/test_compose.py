@@ -162,6 +162,9 @@ def test_layout_matches_one_process(runs, ref, name):
     norms = runs[name][0]["norms"]
     assert max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)) < TOL
     assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
+    # with a pipeline, each train record of metrics.jsonl carries the measured bubble of its interval
+    bubbles = runs[name][0]["bubbles"]
+    assert all(0 < b < 1 for b in bubbles) if LAYOUTS[name][1].get("pp", 1) > 1 else bubbles == [None] * STEPS, bubbles
     compiled, chunks = zip(*(r["chunks_compiled"] for r in runs[name]), strict=True)
     assert compiled == (chunks if name.endswith("_compile") else (0,) * len(chunks))  # every chunk on every rank
 
