@@ -1,14 +1,12 @@
 """The inputs' BLAKE3 digests for the manifest, computed by a child process while the run goes on.
 
-The child is started before the tokenizer loads. Start-up (imports, the tokenizer, forking
-the workers) runs on one core, so the child hashes on a core that would otherwise sit idle.
-Before, a thread in the main process hashed during tokenizing and took its CPU from the
-workers.
+The child is started before the tokenizer loads: start-up (imports, the tokenizer, forking
+the workers) runs on one core, so the child hashes on cores that would otherwise sit idle, and
+never takes CPU from the workers while they tokenize.
 
-BLAKE3, not sha256: more than twice sha256's speed per core (see bench/RESULTS.md, notes), and
-a tree hash, so one large file is hashed by several threads
-(:data:`THREADS`) where sha256 reads it start to end on one core: at 64 workers on one huge
-file, a sequential hash would be the slowest stage. The digest is ``b3sum``'s for a file;
+BLAKE3, not sha256: faster per core (bench/RESULTS.md's notes), and a tree hash, so one large
+file is hashed by several threads (:data:`THREADS`) where sha256 reads it start to end on one
+core and, with many workers on one huge file, would be the slowest stage. The digest is ``b3sum``'s for a file;
 a datasets directory's is the BLAKE3 of its (relative name, file digest) pairs in name order;
 an object's is streamed from the store. The index caches of ``build`` use BLAKE3 too.
 """

@@ -1,43 +1,36 @@
 """gigatoken as the encoding engine, used only where a self-check on load proves it gives the reference ids.
 
 Backends (``--tokenizer-backend``, ``load_tokenizer(..., backend=)``, ``TokenizerSpec.backend``):
+``reference`` is the library each kind is defined by (tokenizers, tiktoken, sentencepiece);
+``gigatoken`` is the Rust byte-level BPE / SentencePiece-BPE encoder (faster on one core;
+``bench/preprocess_bench.py``), or a one-line error when it cannot load the file or fails the
+self-check; ``auto`` (default) takes gigatoken when it loads and passes, else the reference.
+The choice and its reason go into ``fingerprint()["backend"]`` / ``["backend_reason"]`` and
+every manifest, but not into the digest or ``ids_key``: same ids, same key.
 
-* ``reference``: the library each kind is defined by (tokenizers, tiktoken, sentencepiece).
-* ``gigatoken``: gigatoken (a Rust byte-level BPE / SentencePiece-BPE encoder, several times
-  faster than tiktoken and HF tokenizers on one core; ``bench/preprocess_bench.py``) or a
-  one-line error when it cannot load the file or its self-check fails.
-* ``auto`` (default): gigatoken when it loads and passes the self-check, else the reference;
-  the choice and its reason go into ``fingerprint()["backend"]``/``["backend_reason"]`` and
-  so into every manifest. Neither is part of the digest or ``ids_key``: same ids, same key.
+Contract: the self-check encodes probe texts on both engines and requires identical ids
+(whitespace runs, CJK, emoji and ZWJ sequences, combining marks, digits, control characters,
+byte-fallback pieces, a very long word, every special/added token in context, seeded mixtures
+of these). It is not a proof for every text (the tests compare both engines on the shared
+corpora and Megatron's outputs) but it catches a different split regex, normalizer, merge
+order or special-token policy for the exact file loaded. Its verdict is cached per user
+(:class:`VerdictCache`) because it costs noticeable start-up time.
 
-The self-check encodes a few hundred probe texts on both engines and requires identical ids:
-whitespace runs, CJK, emoji and ZWJ sequences, combining marks, digits, control characters,
-rare characters that SentencePiece spells as byte-fallback pieces (each piece alone is not
-valid UTF-8), a 5000-letter word, every special/added token of this tokenizer in context, and
-seeded random mixtures of all of these. It is not a proof for every text -- the tests compare
-both engines on every document of the shared corpora and against Megatron's own outputs --
-but it catches a different split regex, normalizer, merge order or special-token policy on
-load, for the exact file being used. With the Unicode probes below it costs about a second, so
-its verdict is kept per user (:class:`VerdictCache`) and later loads of the same file reuse it.
+Unicode versions differ between the engines (HF tokenizers' NFC tables and older split
+regexes miss characters assigned since), so on load every suspect character (non-zero
+canonical combining class, or assigned after this Python's Unicode) is encoded in three
+contexts on both engines; those that differ become escapes, and texts holding one go to the
+reference engine.
 
-Unicode versions differ: HF tokenizers' NFC tables predate ~70 combining marks added since
-Unicode 10 (e.g. U+089B, U+1AC5), which gigatoken reorders under NFC and tokenizers does not,
-and a split regex built on older tables does not see newer letters (CJK Extension J under
-Qwen2) as letters. On load, every suspect character (non-zero canonical combining class, or
-assigned after this Python's Unicode; ~30k) is encoded in three contexts on both engines; those
-that differ become escapes (below), so texts holding one go to the reference engine.
-
-One policy difference is handled instead of refused: gigatoken matches a SentencePiece model's
-*control* pieces (Llama 2's ``<s>``, ``</s>``) written in the text as those tokens, while
-sentencepiece (and Megatron) spell them as text. Texts containing one (rare) are encoded by the
-reference engine, the rest by gigatoken; the self-check covers both paths. Differences that are
-not understood are refused, e.g. Mistral v3's user-defined ``[REFERENCE_DOC_n]`` pieces (at the
-start of a text sentencepiece keeps the dummy-prefix piece before them, gigatoken drops it): the
-self-check fails and ``auto`` keeps sentencepiece for that model.
+One policy difference is routed instead of refused: gigatoken matches a SentencePiece model's
+*control* pieces (Llama 2's ``<s>``, ``</s>``) written in the text, where sentencepiece and
+Megatron spell them as text, so texts containing one go to the reference engine (the
+self-check covers both paths). Differences not understood are refused, e.g. Mistral v3's
+``[REFERENCE_DOC_n]`` pieces: the self-check fails and ``auto`` keeps sentencepiece.
 
 Threads: one thread when the tokenizer has ``num_threads=1`` (preprocess workers) or a single
-text, so a parent process never starts gigatoken's pool before forking; otherwise gigatoken's
-process-wide pool (all cores, or ``RAYON_NUM_THREADS``).
+text, so a parent never starts gigatoken's pool before forking; otherwise its process-wide
+pool (all cores, or ``RAYON_NUM_THREADS``).
 """
 
 from __future__ import annotations

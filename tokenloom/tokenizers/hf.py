@@ -15,18 +15,14 @@ without its own regex, added tokens from ``added_tokens_decoder``); any other
 ``tokenizer_class`` except GPT-2's is refused instead of silently mis-tokenised.
 
 Speed by proven equivalence: when the vocab and merges are OpenAI's GPT-2
-``encoder.json``/``vocab.bpe`` -- byte-identical (sha256), or with identical
-content after parsing (same token->id map, same merges in the same order; so HF's
-re-serialised copies qualify) -- encoding runs on tiktoken, several times faster
-single-threaded (measured by ``bench/preprocess_bench.py``; see bench/RESULTS.md). The
-tests prove that these files give the same ids on tiktoken
-as on the reference engine for every document of both shared corpora, and that
-the ranks derived from the vocab equal r50k_base's. Any other vocab (even one
-differing by a single merge) stays on the reference engine: we do not attempt a
-general structural proof, because tiktoken merges any adjacent pair whose bytes
-form a token while BPE only applies listed merges, and the two agree only for
-merge tables with special properties. ``fast=False`` forces the reference
-engine. The engine shows in ``fingerprint()["engine"]`` only.
+``encoder.json`` / ``vocab.bpe`` (byte-identical, or the same token->id map and merge order
+after parsing, so HF's re-serialised copies qualify), encoding runs on tiktoken, faster on
+one thread (``bench/preprocess_bench.py``). The tests prove these files give the reference
+engine's ids on every document of both shared corpora. Any other vocab, even one merge
+apart, stays on the reference engine: tiktoken merges any adjacent pair whose bytes form a
+token, BPE only listed merges, and they agree only for special merge tables, so no general
+proof is attempted. ``fast=False`` forces the reference engine; the engine shows in
+``fingerprint()["engine"]`` only.
 
 ``wordpiece``: BERT ``vocab.txt``; ``lowercase`` defaults to "no upper-case letter
 in any non-[BRACKET] token of the vocab" (uncased BERT vocabs have none).

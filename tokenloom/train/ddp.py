@@ -1,108 +1,57 @@
-"""Our own bucketed DistributedDataParallel, built on PyTorch's design.
+"""Bucketed DistributedDataParallel, built on PyTorch's reducer design.
 
-How one synced iteration runs::
+One synced iteration: ``forward()`` rebuilds the buckets once (after iteration 0),
+broadcasts buffers from rank 0 and runs the module (with ``find_unused_parameters``, then
+walks the graph for parameters it cannot reach). In backward, the fused linears
+(:mod:`tokenloom.train.wgrad`) write their weight grads into their bucket views; a
+post-accumulate-grad hook per parameter makes ``param.grad`` its bucket view, divided by the
+world size, and marks it ready; complete buckets launch as async all_reduce(SUM), strictly in
+bucket order. A callback queued on the autograd engine waits for every bucket, so
+``loss.backward()`` returns with averaged grads.
 
-    forward()   maybe rebuild buckets (once, after iteration 0); broadcast buffers from
-                rank 0; run the module; with find_unused_parameters walk the autograd
-                graph from the outputs to find parameters it cannot reach.
-    backward    the model's fused linears (tokenloom.train.wgrad) write their weight
-                grads straight into their bucket views; then, for every parameter, a
-                post-accumulate-grad hook: make sure ``param.grad`` is the parameter's view
-                into its bucket's flat buffer (copy once if it is not), divided by the
-                world size, and mark the parameter ready; when a bucket has all its grads
-                it is ready, and ready buckets are launched strictly in bucket order as an
-                async all_reduce(SUM).
-    end of bw   a callback queued on the autograd engine (as torch does) waits on every
-                bucket's work, so ``loss.backward()`` returns with averaged grads.
+Invariants and trade-offs:
 
-Design choices and trade-offs:
+* **Buckets**: :func:`compute_bucket_assignment_by_size` is a Python twin of torch's
+  ``_compute_bucket_assignment_by_size`` (tests check equality), in definition order with
+  limits ``[first_bucket_cap, bucket_cap]``, reversed. Unlike torch we bucket from
+  iteration 0: launches go by bucket index, identical on every rank. ``rebuild_buckets``
+  (only without ``find_unused_parameters``, as torch) recomputes the layout once from the
+  first synced backward's grad-ready order, broadcast from rank 0. ``grad_units`` (compiled
+  blocks, one autograd node each) never end inside a bucket, or a bucket would launch one
+  block late and hold back the ones after it; the cost is buckets up to one block over the cap.
+* **Grads are bucket views** (torch's ``gradient_as_bucket_view=True``): no second copy, no
+  copy-back; averaging happens per grad in its hook, as torch's reducer does, not as a pass
+  over buckets. Under ``no_sync()`` grads accumulate in their views too, so accumulation
+  needs no second set of grads (torch keeps one); the price is dividing the accumulated view
+  once per step. Either ``zero_grad`` works; ``set_to_none=True`` (the trainer's) is faster
+  when glibc keeps freed memory (:func:`~tokenloom.train.host_alloc.keep_freed_memory`). Do
+  not ``detach_()`` or replace ``param.grad`` with a tensor you still need.
+* **Weight-gradient fusion** (``wgrad_fusion``, Megatron's ``gradient_accumulation_fusion``):
+  the block matmuls' weight-gradient GEMM writes into the bucket view, scaled in its
+  ``alpha``/``beta`` (:func:`wgrad_into_view`), with no grad-sized allocation. It changes the
+  autograd graph and so the rebuilt layout; ``wgrad_fusion=False`` gives torch's. Compiled
+  blocks have it too; autocast does not (see :mod:`tokenloom.train.wgrad`).
+* **Completion in backward** (torch's ``queue_callback``): the loop cannot forget to wait;
+  the cost is exactly one backward per synced forward. ``finish_in_backward=False`` (the
+  tp/pp layouts) waits in :meth:`finish_grad_sync` after the schedule instead (Megatron's),
+  so a stage's reduction tail stays off the pipeline's critical path; a forward before it raises.
+  The hooks and the callback also run under the schedules' ``run_backward``
+  (:func:`~tokenloom.train.parallel.schedules.backward_from`): both run in the engine's graph task.
+* **no_sync()**: a backward inside it never syncs, even after a synced forward (torch
+  decides at forward time), because a pipeline schedule runs the last forward before earlier
+  backwards (:func:`~tokenloom.train.parallel.schedules.forward_backward`).
+* **Unused parameters**: ``find_unused_parameters=True`` costs a graph walk and one small
+  all-reduce per iteration; a parameter used on some ranks gets the average with zeros (as
+  torch). With False, a parameter without a grad raises :class:`TokenloomError` naming it at
+  the end of that backward; if only some ranks skip it, the others fail at the timeout.
+* A dead or silent peer surfaces as :class:`TokenloomError` from ``backward()`` (a silent
+  one after the timeout given to :func:`tokenloom.train.dist.init_from_env`).
+* **Dtype**: one flat buffer per dtype, in the parameters' dtype; the trainer keeps fp32
+  parameters under bf16 autocast, so grads reduce in fp32 (Megatron's
+  ``grad_reduce_in_fp32``) at twice bf16's traffic. Sparse gradients are refused.
 
-* **Bucket layout** is :func:`compute_bucket_assignment_by_size`, a Python twin of
-  torch's C++ ``_compute_bucket_assignment_by_size`` (tests check equality). The initial
-  layout is computed in definition order with limits ``[first_bucket_cap, bucket_cap]``
-  and the bucket list reversed (grads arrive roughly in reverse definition order).
-  Torch instead uses *one* bucket for iteration 0 when ``find_unused_parameters`` is
-  False, to avoid mismatched collectives if a model runs its own collectives in
-  backward; we bucket from iteration 0 because our launches are ordered by bucket index,
-  which is identical on every rank. With ``rebuild_buckets`` (default, and only when
-  ``find_unused_parameters`` is False, like torch) the layout is recomputed once, at
-  the next forward, from the order in which grads actually became ready during the
-  first synced backward; rank 0's layout is broadcast so ranks cannot disagree.
-  ``grad_units`` (ours; the strategy passes the blocks ``compile: true`` compiled) keeps
-  every bucket from ending inside such a block: its backward is one autograd node, so all
-  its grads arrive when it ends; cut by size, a bucket holds the end of one block and the
-  start of the next, launches one block late, and holds back every bucket after it (torch's
-  DDPOptimizer gets the same alignment the other way round, splitting its graph at bucket
-  boundaries). Cost: buckets up to one block larger than the cap.
-* **Averaging** happens per parameter in its hook, before the SUM all-reduce, exactly as
-  torch's reducer does without a comm hook: a fresh grad is multiplied by
-  ``1/world_size`` while it is copied into the bucket (one pass), a grad already
-  accumulated in its view is divided in place while it is still in cache. No pass over
-  whole buckets.
-* **Weight-gradient fusion** (``wgrad_fusion``, default on; Megatron's
-  ``gradient_accumulation_fusion``): for the weights of the model's transformer-block
-  matmuls (:func:`tokenloom.train.wgrad.linear`), the weight-gradient GEMM itself writes
-  into the bucket view, scaled in its ``alpha``/``beta`` (:func:`wgrad_into_view`): no
-  scaled copy and no grad-sized allocation per weight; what that saves per step, eager and
-  compiled, is measured by ``bench/ddp_bench.py`` (see bench/RESULTS.md). It changes autograd's graph
-  (one node per linear instead of torch's matmul, transpose and add), so the grad-ready
-  order, and with it the rebuilt bucket layout, differs from torch DDP's on the same model;
-  ``wgrad_fusion=False`` gives torch's. Compiled blocks have it too (an opaque op in their
-  backward runs the sink); not under autocast (see that module).
-* **Grads are views into the buckets** (torch's ``gradient_as_bucket_view=True``): no
-  second copy of the grads, no copy-back after the all-reduce. Either ``zero_grad`` works.
-  ``set_to_none=True`` (torch's default, and the trainer's): autograd hands the first
-  micro-batch's grad over without a zero-fill or an add, and the hook copies it into its
-  view, scaled when that backward syncs. ``set_to_none=False``: a memset of every bucket
-  and an in-place add per grad instead. True is the faster with glibc tuned
-  (``host_alloc.keep_freed_memory``, as the trainer runs) and on par without it: each fresh
-  grad is freed in the hook, and an untuned glibc hands that memory back and faults it in
-  again (``bench/ddp_bench.py``; see bench/RESULTS.md).
-  Under ``no_sync()`` the first micro-batch's grad is copied into its view as well and
-  later ones accumulate there, so accumulation needs no second set of grads; torch leaves
-  autograd's grads outside its buckets until the synced backward (one more grad-sized
-  buffer while accumulating) and scales them on their way in, where we divide the
-  accumulated view in place: one more pass over the grads per step, a small part of a step
-  against torch's ``gradient_as_bucket_view=True`` (``bench/ddp_bench.py``; see
-  bench/RESULTS.md).
-  Do not ``detach_()`` or replace ``param.grad`` with a tensor you still need.
-* **Completion** uses ``Variable._execution_engine.queue_callback`` (torch's choice)
-  rather than an explicit ``finish_grad_sync()`` call: the training loop cannot forget
-  it, and grads are final when ``backward()`` returns. Cost: exactly one backward per
-  synced forward (no double backward / ``retain_graph`` loops over one forward).
-* **find_unused_parameters=True** walks the graph after every synced forward (time per
-  iteration) and all-reduces a "used" bitmap once per iteration (one tiny extra
-  collective). A parameter used on no rank keeps its ``.grad`` untouched; one used on
-  some ranks gets the average with zeros from the others (as in torch). With False, a
-  parameter that got no grad raises :class:`TokenloomError` naming it at the end of
-  that backward (torch only notices at the next iteration). If only some ranks skip a
-  parameter, the other ranks wait for its bucket and fail at the collective timeout.
-* A dead or silent peer surfaces as :class:`TokenloomError` from ``backward()`` (gloo
-  notices a closed socket within milliseconds, a silent peer after the process-group
-  timeout given to :func:`tokenloom.train.dist.init_from_env`).
-* ``no_sync()``: forward and backward inside it only accumulate into ``param.grad``;
-  the first synced backward after it reduces the accumulated total. Unlike torch (which
-  decides at forward time only), a backward inside ``no_sync()`` never syncs, even after
-  a synced forward: a pipeline schedule runs the last micro-batch's forward before the
-  backwards of earlier ones, and only the last backward may launch the buckets
-  (:func:`tokenloom.train.parallel.schedules.forward_backward` gates each chunk's
-  forwards and backwards this way).
-* **Pipelined backward** (``finish_in_backward=False``): a pipeline stage sends its
-  input's grad on after each backward; waiting for the reduction at the end of the last
-  one would hold that send back and put every stage's reduction tail on the pipeline's
-  critical path (and under the interleaved schedule keep a later chunk's reduction from
-  overlapping the earlier chunks' cooldown backwards). So the strategy's tp/pp layouts
-  launch buckets from the hooks as usual and wait in :meth:`finish_grad_sync` after the
-  schedule (Megatron's ``finish_grad_sync``); a forward before it raises. The callback
-  itself works under the schedules' backward too: ``torch.autograd.backward`` and the
-  engine's ``run_backward`` (:func:`~tokenloom.train.parallel.schedules.backward_from`,
-  for a freed stage output) both run the hooks inside the engine's graph task.
-* Gradient dtype: one flat buffer per dtype (the bucket assignment keys on it), in the
-  parameters' dtype. The trainer keeps fp32 parameters and runs bf16 as autocast, and
-  autograd returns each grad in its parameter's dtype, so grads accumulate and reduce in
-  fp32 (Megatron's ``grad_reduce_in_fp32``) by construction, at twice bf16's traffic.
-* Sparse gradients (``nn.Embedding(sparse=True)``) are not supported (clear error at
-  construction); the assignment function still handles ``expect_sparse_gradient``.
+``bench/ddp_bench.py`` measures step time against torch DDP, eager and compiled, with and
+without accumulation (``no_sync``).
 """
 
 from __future__ import annotations

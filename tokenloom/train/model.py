@@ -1,82 +1,53 @@
-"""A small, readable GPT in one file (in the spirit of nanoGPT), for every parallel layout.
+"""A small, readable GPT in one file (in the spirit of nanoGPT) that serves every parallel
+layout (in the spirit of megatron-core's ``GPTModel``).
 
-One model serves every layout (in the spirit of megatron-core's ``GPTModel``):
+Two flavours share one code path, picked by :attr:`GPTConfig.arch`: ``"gpt2"`` (LayerNorm,
+tanh-GELU MLP, learned positions) and ``"llama"`` (RMSNorm, SwiGLU, rotate-half RoPE as in
+GPT-NeoX / Hugging Face, grouped-query attention via ``n_kv_heads``).
 
-* **Tensor parallelism**: the linears and the token embedding come from a
-  :class:`~tokenloom.train.parallel.layers.TensorParallel` context. With one rank they
-  are ``nn.Linear`` (:class:`tokenloom.train.wgrad.Linear`) / ``nn.Embedding`` (the
-  numerics, names and state dict of a model that knows nothing of tp); with more, ``qkv`` and ``fc`` are column-parallel
-  (heads, and SwiGLU's gate/up halves, split over tp), the output projections
-  row-parallel, the embedding and LM head vocab-parallel, and the loss is the
-  vocab-parallel cross entropy on ``[.., V/tp]`` logits (full logits never exist).
+Layouts and their invariants:
+
+* **Tensor parallelism**: linears and the token embedding come from a
+  :class:`~tokenloom.train.parallel.layers.TensorParallel` context. At tp = 1 they are
+  ``nn.Linear`` (:class:`tokenloom.train.wgrad.Linear`) / ``nn.Embedding``, with the numerics,
+  names and state dict of a model that knows nothing of tp; above, ``qkv`` and ``fc`` are
+  column-parallel, the output projections row-parallel, embedding and LM head
+  vocab-parallel, and the loss is taken on ``[.., V/tp]`` logits (full logits never exist).
   Sequence parallelism keeps ``[s/tp, b, h]`` activations between the tp regions.
-* **Pipeline parallelism**: a stage is a range of the same model's blocks
-  (``layers``), with the embeddings (``pre``) and/or the head and loss (``post``);
-  :class:`PipelineSplit` picks Megatron's layer ranges (even, or uneven for the head). Names stay global
-  (``blocks.7.mlp.fc.weight``), so checkpoints reshard by name.
-* **Initialisation** is rank-local: parameters are created on ``meta``, materialised on
-  the run's device, and :meth:`GPT.init_weights` fills each rank's shards with the
-  values the one-process model gets (every full weight is drawn in turn on the host and
-  sliced), so every layout starts from the same weights and no rank ever builds the
-  whole model.
-* **Dropout** at tp > 1 draws inside tensor-parallel regions (attention probabilities;
-  everything under sequence parallelism) from the tracker's per-tp-rank stream
-  (:mod:`tokenloom.train.parallel.random`) and elsewhere from the default generator,
-  equal on every tp rank.
+* **Pipeline parallelism**: a stage is a range of blocks (``layers``) plus the embeddings
+  (``pre``) and/or head and loss (``post``); :class:`PipelineSplit` picks Megatron's ranges.
+  Parameter names stay global (``blocks.7.mlp.fc.weight``), so checkpoints reshard by name.
+* **Initialisation** is rank-local and layout-free: parameters are created on ``meta`` and
+  :meth:`GPT.init_weights` fills each rank's shards with the one-process model's values
+  (every full weight drawn in turn from a private generator seeded by ``seed``, then
+  sliced): normal(0, ``init_std``), residual projections scaled by ``1/sqrt(2 * n_layers)``
+  (GPT-2), biases zero, norm weights one. The price of equal starts in every layout: every
+  rank draws the whole model's numbers.
+* **Dropout** at tp > 1 draws inside tensor-parallel regions from the per-tp-rank stream of
+  :mod:`tokenloom.train.parallel.random`, elsewhere from the default generator.
 
-Two flavours share one code path, picked by :attr:`GPTConfig.arch`:
+Trade-offs:
 
-* ``"gpt2"``: LayerNorm, GELU (tanh approximation) MLP, learned position embeddings.
-* ``"llama"``: RMSNorm, SwiGLU MLP, rotary position embeddings (RoPE, "rotate half"
-  layout as in GPT-NeoX / Hugging Face), optional grouped-query attention (GQA) via
-  ``n_kv_heads``.
+* GQA repeats K/V heads before ``F.scaled_dot_product_attention(is_causal=True)``: memory
+  for ``n_heads/n_kv_heads`` copies of K and V, but no dependence on ``enable_gqa``.
+* The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` (Megatron's)
+  for the LM-head GEMM's shapes; logits and the softmax cover the padded vocabulary. No
+  label is a padded id. Slice ``logits[..., :vocab_size]`` for sampling.
+* Activation recompute is per layer (``Block.recompute``), non-reentrant, so the autograd
+  graph stays visible to ``find_unused_parameters`` (:mod:`tokenloom.train.ddp`).
 
-Choices and their costs:
-
-* Attention is ``F.scaled_dot_product_attention(is_causal=True)`` so the fused (flash /
-  memory-efficient, or the CPU flash) kernel is used; GQA repeats K/V heads with
-  ``repeat_interleave`` before the call (costs memory of ``n_heads/n_kv_heads`` copies
-  of K and V, but works on every torch >= 2.4 without ``enable_gqa``).
-* The vocabulary is padded up to a multiple of ``make_vocab_size_divisible_by`` (as
-  Megatron does) so the LM-head GEMM has friendly shapes. Logits are returned for the
-  padded vocabulary and the loss is taken over it too (Megatron behaviour): no label
-  is ever a padded id, so the loss only pushes those logits down.
-  Slice ``logits[..., :vocab_size]`` for sampling.
-* Activation recompute is per layer (``Block.recompute``) with non-reentrant
-  ``torch.utils.checkpoint``: it saves the layer's activations at the price of one more
-  forward of that layer in backward, and keeps the autograd graph visible (needed by
-  ``find_unused_parameters`` in :mod:`tokenloom.train.ddp`).
-* Initialisation is deterministic from ``seed`` using a private generator (the global
-  RNG is untouched): normal(0, ``init_std``) for all weights, and residual output
-  projections scaled by ``1/sqrt(2 * n_layers)`` (GPT-2 paper); biases zero, norm
-  weights one. The price of equal values in every layout: every rank draws the whole
-  model's numbers (about a second per 100 M parameters on one core).
-
-Kernels (:attr:`GPTConfig.kernels`, see :mod:`tokenloom.train.kernels`): the ops are
-looked up with :func:`~tokenloom.train.kernels.select_kernels` on the first forward
-(the device is known then) and memoised per (mode, device type) in this module, never
-stored on the modules: no parameters or buffers are added, so the state dict, pickling
-and checkpoints are the same in every mode and load across modes.
-
-* ``reference`` (default) runs the eager code below exactly as before the kernel
-  library existed, bit for bit: ``nn.LayerNorm``/``nn.RMSNorm``, ``F.gelu``,
-  ``F.silu(gate) * up``, rotate-half RoPE, SDPA, and the loss from full padded-vocab
-  logits. It is the numerical baseline every distributed test compares against.
-  The price: the loss materialises ``[tokens, padded_vocab]`` fp32 logits (620 MB at
-  1024 tokens x 50k vocab).
-* ``compiled`` / ``triton`` / ``auto`` route norms, activation, RoPE and attention
-  through the :class:`~tokenloom.train.kernels.KernelSet`, and the loss through its
-  chunked cross entropy straight from the final hidden states and the LM-head weight
-  (O(chunk x vocab) memory, the same three LM-head GEMMs when training; full logits
-  below 2^22 of them, where chunking only costs time). The loss keeps the
-  reference semantics: softmax over the *padded* vocabulary (Megatron's), per-token
-  losses reduced exactly as the reference does (``mean`` over all tokens, or over
-  ``loss_mask``). Numerics differ from ``reference`` by float rounding (fp32 norms and
-  a different log-sum-exp order), ~1e-6 relative on the loss. The MLP bias goes into
-  ``bias_gelu`` and the output projections' biases into ``bias_dropout_add`` (the
-  residual tail), at every tp size; at tp > 1 the loss is the fused vocab-parallel LM
-  head + cross entropy.
-* Logits (``labels=None``) are always the full padded-vocab tensor.
+Kernels (:attr:`GPTConfig.kernels`, :mod:`tokenloom.train.kernels`) are selected on the first
+forward and memoised per (mode, device type) in this module, never stored on the modules,
+so state dicts and checkpoints are the same in every mode. ``reference`` (the default) is
+the eager code below and the numerical baseline every distributed test compares against; its
+loss materialises ``[tokens, padded_vocab]`` fp32 logits. ``compiled`` / ``triton`` /
+``auto`` route norms, activations, RoPE and attention through the
+:class:`~tokenloom.train.kernels.KernelSet` and take the loss chunked from the final hidden
+states and the LM-head weight (O(chunk x vocab) memory; full logits when small), with the
+reference's semantics (padded-vocab softmax, ``mean`` over tokens or ``loss_mask``) and its
+numerics up to float rounding; biases go into ``bias_gelu`` and ``bias_dropout_add`` at every
+tp size. Logits (``labels=None``) are always the full padded tensor. ``bench/kernels_bench.py``
+measures the modes' throughput and the chunked loss's memory.
 """
 
 from __future__ import annotations

@@ -1,53 +1,39 @@
 """What differs per parallel layout, behind one small object the training loop calls.
 
-The loop (:mod:`tokenloom.train.loop`) is the same for every layout; a
-:class:`Strategy`, built on every rank from ``(tp, pp, vpp, sp, zero1)`` and the world
-size (dp = world / (tp x pp), Megatron's rank order tp-dp-pp), decides:
+The loop (:mod:`tokenloom.train.loop`) is the same for every layout; a :class:`Strategy`,
+built on every rank from ``(tp, pp, vpp, sp, zero1)`` and the world size (dp = world /
+(tp x pp), Megatron's rank order tp-dp-pp), decides:
 
-============================  =====================================  ==========================================
-piece                         data parallel only (tp = pp = 1)       tensor / pipeline parallel
-============================  =====================================  ==========================================
-model chunks                  the whole :class:`GPT`                 this rank's chunk(s) of the same GPT
-                                                                     (tp-sharded layers, a range of its blocks)
-how a step runs               ``no_pipelining`` (accumulation)       ``1f1b``, or ``interleaved`` with vpp
-gradient finalisation         our bucketed DDP, overlapped with      our bucketed DDP over the dp group, one
-                              backward (ZeRO-1: bucketed reduce-     per chunk; its buckets launched during
-                              scatter, overlapped too)               the chunk's last micro-batch backward
-                                                                     (in the cooldown), waited for after the
-                                                                     schedule; then sequence-parallel grads
-                                                                     summed over tp and the tied-embedding
-                                                                     all-reduce (pp > 1). ZeRO-1: its bucketed
-                                                                     reduce-scatter launched the same way, then
-                                                                     those two sums on the reduced shard (the
-                                                                     tied copies in buckets of their own)
-norm groups for clipping      none                                   the model-parallel group
-optimizer                     fused AdamW, or ZeRO-1 (dp-sharded;    the same two
-                              its parameter all-gather runs into
-                              the next forward)
-checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
-                              (one model file); with ZeRO-1 the      (per-shard files, loadable in any layout)
-                              other column's (ZeRO-1 also at dp 1)
-============================  =====================================  ==========================================
+======================  ===================================  =======================================
+piece                   data parallel only (tp = pp = 1)     tensor / pipeline parallel
+======================  ===================================  =======================================
+model chunks            the whole :class:`GPT`               this rank's chunk(s) of the same GPT
+how a step runs         ``no_pipelining`` (accumulation)     ``1f1b``, or ``interleaved`` with vpp
+gradient finalisation   bucketed DDP (ZeRO-1: bucketed       the same over dp, one per chunk, waited
+                        reduce-scatter), overlapped with     for after the schedule; then sequence-
+                        backward                             parallel grads summed over tp and the
+                                                             tied embedding over pp (on the reduced
+                                                             shard with ZeRO-1)
+norm groups (clipping)  none                                 the model-parallel group
+optimizer               fused AdamW, or ZeRO-1               the same two
+checkpoint I/O          :mod:`~tokenloom.train.checkpoint`   :mod:`~tokenloom.train.parallel.reshard`
+                        (one model file; ZeRO-1: the other   (per-shard files, loadable in any
+                        column's, at dp 1 too)               layout)
+======================  ===================================  =======================================
 
-``compile: true`` compiles the transformer blocks of every chunk (:meth:`GPT.compile_blocks`) in
-every layout: a block's backward stays one autograd node, so buckets still launch during backward;
-DDP's and ZeRO-1's buckets are cut at block boundaries only (``grad_units``), so each launches
-as soon as the block that completes it ends.
+Invariants:
 
-Gradients are fp32 in every layout: parameters stay fp32 and ``precision`` bf16 is
-autocast (:func:`~tokenloom.train.runtime.autocast_for`), and autograd returns each
-grad in its parameter's dtype, so DDP's buckets (one flat buffer per dtype) accumulate
-and all-reduce in fp32, Megatron's ``grad_reduce_in_fp32``, by construction; the price
-is fp32 traffic (twice bf16's) and fp32 weights in memory.
-
-Every tensor it makes names the run's device (buffers, p2p receive buffers, loss and
-norm scalars), and every collective gets device tensors: NCCL needs that, and a test
-runs every layout with the default device set to ``meta`` to prove it on a CPU.
-
-Losses stay on the device: :meth:`Strategy.train_step` returns the step's mean
-micro-batch loss as a tensor (zero on ranks that compute no loss); it is reduced over
-dp and sent from the last pipeline stage to every rank only when the loop logs
-(:meth:`Strategy.loss_for_log`), so a step has no host sync.
+* ``compile: true`` compiles every chunk's blocks (:meth:`GPT.compile_blocks`) in every
+  layout; a block's backward is one autograd node, so DDP's and ZeRO-1's buckets are cut at
+  block boundaries only (``grad_units``) and still launch during backward.
+* Gradients are fp32 in every layout: parameters stay fp32 and bf16 is autocast
+  (:func:`~tokenloom.train.runtime.autocast_for`), so buckets reduce in fp32 (Megatron's
+  ``grad_reduce_in_fp32``) by construction, at twice bf16's traffic and fp32 weights in memory.
+* Every tensor it makes names the run's device and every collective gets device tensors
+  (NCCL needs that); a test runs every layout with the default device set to ``meta``.
+* No host sync per step: :meth:`Strategy.train_step` returns the mean micro-batch loss as a
+  device tensor (zero on ranks that compute none); it is reduced over dp and sent from the
+  last stage only when the loop logs (:meth:`Strategy.loss_for_log`).
 """
 
 from __future__ import annotations

@@ -1,40 +1,32 @@
 """Weight-gradient accumulation fusion: a linear layer's weight gradient written by its GEMM
 straight into a gradient buffer (Megatron's ``gradient_accumulation_fusion``).
 
-Without it, autograd computes each weight gradient into a fresh tensor and the data-parallel
-wrapper then copies it (scaled by ``1 / world``) into its bucket: one more pass over every
-gradient per backward, and a gradient-sized allocation per weight. With it, the backward of
-:func:`linear` hands ``grad_out`` and the input to the weight's *sink* (installed by the
-wrapper that owns the buffer: our DDP, or ZeRO-1 with ``overlap_grad_reduce``), and the sink runs the GEMM with the buffer as its
-output, scaling in the GEMM's ``alpha``/``beta``:
+Why: without it autograd computes each weight gradient into a fresh tensor, which the
+data-parallel wrapper copies (scaled by ``1 / world``) into its bucket: one more pass over
+every gradient and a gradient-sized allocation per weight. ``bench/ddp_bench.py`` measures it.
 
-* first contribution since ``zero_grad`` (``param.grad`` is None): ``view = s * g^T x``
-  (``addmm`` with ``beta=0``: the stale buffer is not read);
-* accumulating (``param.grad`` is already the view): ``view = s * view + s * g^T x``.
+Contract: the backward of :func:`linear` hands ``grad_out`` and the input to the weight's
+*sink* (installed by the wrapper that owns the buffer: our DDP, or ZeRO-1 with
+``overlap_grad_reduce``), which runs the GEMM into the buffer, scaling in ``alpha``/``beta``:
+``view = s * g^T x`` for the first contribution since ``zero_grad`` (``param.grad`` is None;
+``beta=0``, the stale buffer is not read), ``view = s * view + s * g^T x`` when accumulating.
+Autograd then gets ``None`` for the weight; the weight's post-accumulate-grad hook still runs,
+so the wrapper's readiness bookkeeping is unchanged.
 
-Either way autograd gets ``None`` for the weight; the weight's post-accumulate-grad hook
-still runs (autograd runs a leaf's accumulation node even for an undefined grad), so the
-wrapper's readiness bookkeeping does not change.
+Invariants and limits:
 
-Trade-offs and limits:
-
-* **Only for a weight used once per backward.** The sink scales while it writes; a second
-  consumer of the same weight (a tied embedding) would have its grad added unscaled by
-  autograd after the sink ran. So every layer that uses it (:class:`Linear` and the
-  tensor-parallel linears) has a ``wgrad_fusion`` switch, which the model turns off on its
-  (possibly tied) LM head.
-* **Compiled blocks too.** Inside a ``torch.compile`` graph the sink cannot be called from
-  traced code (a Python side effect), so the compiled backward calls one opaque custom op,
-  ``tokenloom::linear_backward_to_sink``, that computes the input grad and runs the sink at
-  run time. The forward stays traced (inductor fuses around the matmul as before); what the
-  backward gives up is inductor's view of the two matmuls, which are library GEMMs either
-  way. A traced graph cannot return a weight grad or not depending on the sink's answer,
-  so there a declining sink (or a weight without one) gets the product accumulated into
-  ``weight.grad`` by the op itself, as autograd's accumulation would (a hook registered
-  on the weight tensor is called with None, as when a sink takes the grad). Only leaf
-  weights (one computed in the forward keeps autograd's path). Traced code reads no
-  sink attribute: a graph takes this path while any sink is installed in the process
-  (a guarded flag: installing the first sink or removing the last one recompiles). The
+* **Only for a weight used once per backward**: the sink scales while it writes, so a
+  second consumer (a tied embedding) would add its grad unscaled. Every layer that uses it
+  (:class:`Linear`, the tensor-parallel linears) has a ``wgrad_fusion`` switch, which the
+  model turns off on its (possibly tied) LM head.
+* **Compiled blocks too**: traced code cannot call the sink (a Python side effect), so the
+  compiled backward calls one opaque custom op, ``tokenloom::linear_backward_to_sink``, which
+  computes the input grad and runs the sink at run time; the forward stays traced, the
+  backward's two library GEMMs are hidden from inductor. A traced graph cannot decide at run
+  time whether to return a weight grad, so for a declining sink (or none) the op itself
+  accumulates into ``weight.grad`` as autograd would (a hook on the weight sees None). Leaf
+  weights only. A graph takes this path while any sink is installed in the process (a
+  guarded flag: the first install or last removal recompiles). The
   sequence-parallel linear, which has its own Function, fuses only when eager.
 * **Not under autocast.** The GEMM runs in bf16 and would have to write the parameters'
   fp32 buffer: Megatron uses a CUDA kernel for that; torch's ``addmm(..., out_dtype=
@@ -45,11 +37,10 @@ Trade-offs and limits:
   fusion yet; fp32 runs and bf16 parameters get it.
 * The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor
   that is not its view; the backward then returns the weight's grad as autograd would.
-* **``backward()`` only**, as torch DDP: the sink writes whenever the layer's backward runs,
-  so ``torch.autograd.grad`` through a wrapped model (which must not touch ``.grad``) would
-  still write the weight grads into the buffer.
-* Numerics: the same product in one GEMM, the scaling inside it; it may differ from
-  autograd's by rounding (in the tests every layout stays within 1e-6 of one process).
+* **``backward()`` only**, as torch DDP: ``torch.autograd.grad`` through a wrapped model
+  would still write the weight grads into the buffer.
+* Numerics: the same product in one GEMM with the scaling inside it; it may differ from
+  autograd's by rounding (the layout tests hold every layout within 1e-6 of one process).
 """
 
 from __future__ import annotations

@@ -1,30 +1,26 @@
 """``torch.compile`` wrappers, created once per function and shared by every caller.
 
-Shapes: torch's default "automatic dynamic" (``dynamic=None``). The first call compiles
-a graph specialised to its shapes; the first call with a different shape recompiles
-once with symbolic sizes, and that graph then serves every later shape. So a training
-run pays one compile per op (two for the chunked cross entropy: full chunk and tail),
-and evaluation at other lengths costs one more, never one per length. ``dynamic=False``
-would give slightly tighter kernels but recompile for every new shape, and past
-``torch._dynamo.config.recompile_limit`` (8) a ``fullgraph=True`` function raises
-(measured), so we keep neither. Without ``fullgraph``, a graph break or the limit
-falls back to eager with a warning instead of failing the step.
+Shapes: torch's default "automatic dynamic" (``dynamic=None``): the first call compiles a
+graph for its shapes, the first call with another shape recompiles once with symbolic sizes,
+and that graph serves every later shape. A training run thus pays one compile per op (two
+for the chunked cross entropy: full chunk and tail) and evaluation at other lengths one
+more. ``dynamic=False`` would recompile for every new shape, and a ``fullgraph=True``
+function raises past ``torch._dynamo.config.recompile_limit``, so neither is used: a graph
+break or the limit falls back to eager with a warning instead of failing the step.
 
-Cost: the first compile in a process takes tens of seconds on a small CPU box (inductor
-start-up), later graphs seconds each, less from a warm on-disk cache. ``torch.compile``
-itself imports inductor (seconds), so wrappers are made at their first use.
+Cost: compiling is slow the first time in a process (inductor start-up) and importing
+inductor is too, so wrappers are made at their first use.
 
 Small CPU tensors run the eager reference (:func:`compiled_above`): a compiled call has a
-fixed cost (guard checks, the AOTAutograd and autograd.Function wrappers), which on CPU
-exceeds what fusing saves until a tensor is large. Each op's switch sits at or above its
-measured crossover (compiled vs eager, forward + backward, per op and size: the table is in
-bench/RESULTS.md's notes; ``bench/kernels_bench.py`` measures the model they add up to);
-the chunked cross entropy's "stats" and "grad" math share one switch above both their
-crossovers, so a small model pays no compile for microseconds.
-Hence :data:`CPU_MIN_NUMEL`. Like Megatron's fused softmax, which runs only for shapes
-its kernel handles and falls back to torch's otherwise, the switch is a pure function of
-the input's size and device, so a run is deterministic. CUDA inputs always take the compiled path (no measurements here: the
-dev box has no GPU). :func:`force_compiled` turns the switch off (tests, benches).
+fixed cost (guards, the AOTAutograd and autograd.Function wrappers) that on CPU exceeds what
+fusing saves until a tensor is large. Each op's switch (:data:`CPU_MIN_NUMEL`) sits at or
+above its measured crossover (the per-op table is in bench/RESULTS.md's notes;
+``bench/kernels_bench.py`` measures the model they add up to); the chunked cross entropy's
+"stats" and "grad" math share one switch above both. Like Megatron's fused softmax, which
+falls back to torch for shapes its kernel does not handle, the switch is a pure function of
+the input's size and device, so a run is deterministic. CUDA inputs always take the
+compiled path (no crossover has been measured on a GPU). :func:`force_compiled` turns the
+switch off (tests, benches).
 """
 
 from __future__ import annotations

@@ -1,43 +1,34 @@
 """LM-head cross entropy that never materialises the full ``[tokens, vocab]`` logits.
 
-``chunked_cross_entropy(hidden, weight, targets)`` equals
-``F.cross_entropy(hidden @ weight.T, targets)`` but computes the logits
-``chunk_size`` tokens at a time inside one autograd function, turning each chunk's
-logits straight into ``softmax - onehot`` and then into the hidden and weight
-gradients. So:
+Contract: ``chunked_cross_entropy(hidden, weight, targets)`` equals
+``F.cross_entropy(hidden @ weight.T, targets)``, computing the logits ``chunk_size`` tokens
+at a time inside one autograd function. Logits and softmax are fp32 (fp64 for fp64 inputs)
+whatever the input dtype; the weight gradient accumulates in fp32 across chunks.
 
-* peak memory is O(chunk x vocab) instead of O(tokens x vocab): one fp32 chunk buffer
-  at a time (the logits become ``exp(logits - max)`` and then the gradient in place),
-  plus the weight gradient any implementation needs (measured by
-  ``bench/kernels_bench.py``, bounded by tests/train/kernels/test_kernel_cross_entropy.py;
-  see bench/RESULTS.md);
-* with ``reduction="mean"`` or ``"sum"`` and gradients wanted (training), each chunk's
-  ``softmax - onehot`` is turned into the hidden and weight gradients right in forward,
-  while the chunk's logits are at hand, and backward only scales them: 3 LM-head GEMMs,
-  as with full logits, and the two gradients are held from forward to backward. The
-  per-row factor (``coef / sum exp``) is applied to the GEMMs' ``[rows, hidden]`` sides,
-  not to the ``[rows, vocab]`` chunk. Otherwise (``reduction="none"``, or a forward that
-  may not be followed by backward) forward keeps only the per-token log-sum-exp and
-  backward recomputes each chunk's logits: 4/3 of the LM-head compute. Liger's fused
-  linear cross entropy also computes gradients in forward; here that is done only where
-  the reduction makes the per-token gradient weights known, so evaluation never pays
-  for gradients;
-* each chunk streams the whole weight through its three GEMMs, so chunks are few and
-  large (:func:`default_chunk_size`: at least two, at most 2^26 logits each); at those
-  sizes the time is that of full logits (timings per shape in bench/RESULTS.md's notes;
-  ``bench/kernels_bench.py`` measures the model's loss).
+Trade-offs:
 
-Logits and softmax are computed in fp32 (fp64 for fp64 inputs) whatever the input
-dtype; the weight gradient is accumulated in fp32 across chunks for bf16/fp16 weights.
+* **Memory** is O(chunk x vocab): one fp32 chunk buffer at a time, turned into
+  ``exp(logits - max)`` and then the gradient in place, plus the weight gradient any
+  implementation needs (``bench/kernels_bench.py`` measures it;
+  tests/train/kernels/test_kernel_cross_entropy.py bounds it).
+* **Gradients in forward when the reduction fixes them** (``"mean"`` / ``"sum"`` with
+  grad wanted, as Liger's fused linear cross entropy): each chunk's ``softmax - onehot``
+  becomes the hidden and weight gradients while its logits are at hand, and backward only
+  scales them: three LM-head GEMMs, as with full logits, with both gradients held until
+  backward. The per-row factor goes on the GEMMs' ``[rows, hidden]`` sides, not the
+  ``[rows, vocab]`` chunk. Otherwise (``"none"``, or evaluation) forward keeps only the
+  per-token log-sum-exp and backward recomputes the logits (4/3 of the compute), so
+  evaluation never pays for gradients.
+* **Few, large chunks** (:func:`default_chunk_size`: at least two, at most 2^26 logits
+  each), because each chunk streams the whole weight through its GEMMs; at those sizes the
+  time is that of full logits (``bench/kernels_bench.py``).
 
-Vocab parallelism: with ``group`` set, ``weight`` is this rank's shard of a vocabulary
-split evenly over the group (rank r owns ids ``[r * V_r, (r + 1) * V_r)``) and
-``hidden``/``targets`` are replicated. Per chunk, forward does the stable
-Megatron math (training-stack.md section c): all-reduce MAX of the row max, the target
-logit by a masked gather plus all-reduce SUM, and all-reduce SUM of the shifted
-sum-exp. Backward needs no communication for the logits; because the LM-head GEMM is
-inside this function, the hidden gradient is all-reduced (SUM) over the group here.
-``group=None`` is the single-process case with no collectives.
+Vocab parallelism: with ``group`` set, ``weight`` is this rank's even shard of the vocabulary
+(rank r owns ids ``[r * V_r, (r + 1) * V_r)``) and ``hidden`` / ``targets`` are replicated. Per
+chunk the forward does Megatron's stable math (training-stack.md section c): all-reduce MAX of
+the row max, SUM of the masked target logit, SUM of the shifted sum-exp. Backward needs no
+communication for the logits, but the hidden gradient is all-reduced (SUM) here because the
+LM-head GEMM is inside this function. ``group=None`` runs no collectives.
 """
 
 from __future__ import annotations

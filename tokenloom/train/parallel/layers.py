@@ -1,51 +1,42 @@
 """Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
 
-Mirrors Megatron-core ``tensor_parallel/layers.py`` (training-stack.md section c):
+Follow Megatron-core's ``tensor_parallel/layers.py`` (training-stack.md section c):
 
-* :class:`ColumnParallelLinear` (``Y = X A^T``, A split by output rows): weight
-  ``[out/tp, in]``, bias ``[out/tp]``. The replicated input enters through
-  :func:`copy_to_region` (all-reduce of the input gradient in backward), or, with
-  ``sequence_parallel``, is all-gathered along the sequence inside the GEMM function
-  whose backward reduce-scatters the input gradient. ``gather_output`` all-gathers
-  the output along the last dim; ``skip_bias_add`` returns the bias for a later fusion.
-  Both linears hand their weight gradient to the weight's sink when it has one
-  (:mod:`tokenloom.train.wgrad`: the GEMM writes into the DDP / ZeRO-1 buffer), unless
-  ``wgrad_fusion`` is off.
-* :class:`RowParallelLinear` (A split by input columns): weight ``[out, in/tp]``. The
-  input is already split (``input_is_parallel``) or scattered here; partial outputs
-  are all-reduced, or reduce-scattered along the sequence with ``sequence_parallel``;
+* :class:`ColumnParallelLinear` (A split by output rows): weight ``[out/tp, in]``, bias
+  ``[out/tp]``. The replicated input enters through :func:`copy_to_region` (input grad
+  all-reduced in backward) or, with ``sequence_parallel``, is all-gathered along the sequence
+  inside the GEMM function, whose backward reduce-scatters the input grad.
+  ``gather_output`` all-gathers the output; ``skip_bias_add`` returns the bias for a later fusion.
+* :class:`RowParallelLinear` (A split by input columns): weight ``[out, in/tp]``; partial
+  outputs are all-reduced, or reduce-scattered along the sequence with ``sequence_parallel``;
   the replicated bias is added after the reduction.
 * :class:`VocabParallelEmbedding`: weight ``[V/tp, h]``, rank r owns ids
-  ``[r V/tp, (r+1) V/tp)``. Ids outside the shard look up row 0 and their rows are
-  zeroed, then all-reduce (or, with ``sequence_parallel``, transpose ``[b, s, h] ->
-  [s, b, h]`` and reduce-scatter along s, Megatron's ``reduce_scatter_embeddings``).
+  ``[r V/tp, (r+1) V/tp)``; foreign ids look up row 0, zeroed, then all-reduce (or transpose
+  to ``[s, b, h]`` and reduce-scatter, Megatron's ``reduce_scatter_embeddings``).
 
-Sequence-parallel activations are ``[seq, batch, hidden]`` with seq split over tp.
-Parameters that stay replicated but see only this rank's tokens (the row-parallel
-bias under sequence parallelism, and the LayerNorms around these layers) are tagged
-``param.sequence_parallel = True``; their gradients must be summed over tp after
-backward (:func:`sync_sequence_parallel_grads`; Megatron does it in
-``finalize_model_grads``). Sharded parameters carry ``tensor_model_parallel = True``
-and ``partition_dim`` as in Megatron.
+Both linears hand their weight gradient to the weight's sink when it has one
+(:mod:`tokenloom.train.wgrad`, our ``gradient_accumulation_fusion``: the GEMM writes into the
+DDP / ZeRO-1 buffer rather than ``main_grad``), unless ``wgrad_fusion`` is off.
 
-Initialisation: a layer made on ``device="meta"`` has shapes only (no master weight,
-no draws); :class:`TensorParallel` makes them so, and the GPT fills its shards itself
-(:meth:`tokenloom.train.model.GPT.init_weights`, equal to the one-process model).
-Otherwise every rank builds the *full* fp32 master weight with ``init_method`` (same
-shape, distribution and generator calls as the one-process layer), casts it and keeps
-its shard (Megatron's ``_initialize_affine_weight_cpu``): a full-size temporary per
-layer on every rank. Megatron's faster GPU path initialises each shard under the
-model-parallel RNG stream and is *not* equal to the one-process model.
-``from_linear`` / ``from_embedding`` build a layer from an existing full layer
-(checkpoint resharding, equality tests) and ``full_state_dict`` gathers it back.
+Invariants:
 
-Fused layouts: ``split_sizes`` says the partitioned dim is a concatenation of blocks
-(e.g. ``[q, k, v]`` of a fused QKV, or ``[gate, up]`` of SwiGLU) that are each split
-evenly, so every rank gets its slice of every block; Megatron's ``stride`` covers the
-equal-block case only. Blocks must split on head boundaries; that is the caller's job.
+* Sequence-parallel activations are ``[seq, batch, hidden]`` with seq split over tp.
+  Replicated parameters that see only this rank's tokens (the row-parallel bias and the
+  norms under sequence parallelism) carry ``param.sequence_parallel = True``; their grads
+  must be summed over tp after backward (:func:`sync_sequence_parallel_grads`, Megatron's
+  ``finalize_model_grads``). Sharded parameters carry ``tensor_model_parallel = True`` and
+  ``partition_dim`` as in Megatron.
+* ``split_sizes`` marks a partitioned dim that concatenates blocks (``[q, k, v]``,
+  ``[gate, up]``), each split evenly so every rank gets a slice of each; Megatron's ``stride``
+  covers equal blocks only. Blocks must split on head boundaries (the caller's job).
+* Initialisation equals the one-process layer's: on ``device="meta"`` a layer has shapes only
+  and the GPT fills its shards (:meth:`tokenloom.train.model.GPT.init_weights`); otherwise
+  every rank draws the full fp32 weight with ``init_method`` and keeps its shard (Megatron's
+  ``_initialize_affine_weight_cpu``), at a full-size temporary per layer. Megatron's GPU path
+  draws each shard under the model-parallel RNG and does not equal the one-process model.
+  ``from_linear`` / ``from_embedding`` shard a full layer; ``full_state_dict`` gathers it back.
 
-Not mirrored: the async dgrad all-reduce overlapped with the wgrad GEMM (small gain on
-CPU/gloo), ``gradient_accumulation_fusion`` into ``main_grad``, and expert layers.
+Not mirrored: the async dgrad all-reduce overlapped with the wgrad GEMM, and expert layers.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ Choices:
   place, which is safe for a fresh GEMM output but not for an arbitrary input, and in
   backward autograd may hand the same gradient tensor to several consumers (e.g. both
   inputs of an ``add``). The clone costs one activation-sized copy per call.
-* No async overlap of the collectives with compute (the measured gain on CPU/gloo is
-  small; see ``ColumnParallelLinear`` for where Megatron overlaps).
+* No async overlap of the collectives with compute: on CPU/gloo the gain is small;
+  ``bench/parallel_bench.py``'s exposed-communication share bounds what it could win
+  (``ColumnParallelLinear`` says where Megatron overlaps).
 """
 
 from __future__ import annotations

@@ -1,66 +1,48 @@
 """Point-to-point exchange of activations and gradients between pipeline stages.
 
-Mirrors Megatron-core's ``p2p_communication.py`` with ``batch_p2p_comm=True``: every
-call builds the list of ``P2POp`` s it needs (send to the previous stage, receive from
-the previous stage, send to the next, receive from the next, in that order) and hands
-them to ``torch.distributed.batch_isend_irecv`` in one go (:func:`post`), then waits for
-the receives (:func:`communicate`, or later through the :class:`Incoming` handles).
-Because each rank posts its paired send and receive together before waiting on either,
-two neighbours that both send first never deadlock, on gloo or NCCL.
+Follows Megatron-core's ``p2p_communication.py`` with ``batch_p2p_comm=True``: a call builds
+the ``P2POp`` s it needs (send to previous, receive from previous, send to next, receive from
+next) and posts them in one ``torch.distributed.batch_isend_irecv`` (:func:`post`), then waits
+for the receives (:func:`communicate`, or later through :class:`Incoming` handles). Each rank
+posts its paired send and receive before waiting on either, so two neighbours that both send
+first never deadlock, on gloo or NCCL.
 
-Choices and their costs:
+Invariants and trade-offs:
 
-* **Fixed shapes.** Every boundary tensor has the same shape (``[micro_batch, seq,
-  hidden]``), dtype and device, known up front, so receive buffers are allocated on the
-  run's device without a shape handshake (Megatron's ``variable_seq_lengths`` costs one extra tiny exchange per
-  message; we do not support it).
-* **Peers are global ranks** on a ring (``prev_rank`` of the first stage is the last
-  stage and vice versa), as in Megatron; the interleaved schedule uses the wrap-around
-  to move activations from the last rank's chunk ``c`` to the first rank's chunk
-  ``c + 1``. The stage-aware helpers (``recv_forward`` ...) never use it.
-* **Tags per direction.** Activations travel with tag 0, gradients with tag 1. With
-  two pipeline ranks both directions connect the same pair of processes, and the tag
-  keeps an activation from matching a gradient receive (Megatron instead relies on
-  posting order, or sends one direction over the WORLD group).
-* **Sends are not waited for** at the call (Megatron waits for all four ops unless
-  ``overlap_p2p_comm``): a gloo send only completes once the peer has posted the
-  matching receive, so waiting would lock neighbours into step with each other and the
-  interleaved schedule's bubble grows to several times the theoretical one
-  (``bench/parallel_bench.py``; see bench/RESULTS.md). Pending sends are kept in :attr:`P2PComm.pending_sends` (the sent
-  tensors stay alive until then) and :func:`wait_sends` completes them; the schedules
-  call it at the end of every run.
-* **Receives can be waited for later**: :func:`post` returns :class:`Incoming` handles
-  and :func:`communicate` posts and waits at once. The interleaved schedule posts a
-  chunk's send, and the receive for its next step, right after the forward (or backward)
-  that made the sent tensor, and waits only when the received tensor is needed, so the
-  transfer runs under the other half of the step (Megatron's ``overlap_p2p_comm``). On
-  gloo a message only moves once both ends have posted (the receiver announces its
-  buffer, then the sender writes), so a receive posted at the exchange itself costs a
-  round trip and the wake-ups of both ranks' transport threads with both ranks idle: on a
-  loaded 2-core box as much as a chunk's forward. The price: a receive buffer allocated
-  one step earlier, and two posts a step instead of one. On that box the gain is within
-  its noise for small models: the transfer needs the rank's gloo transport thread, which
-  competes with compute for the same cores, and a post itself then blocks while that
-  thread holds the connection (``bench/parallel_bench.py``; see bench/RESULTS.md).
-* **Posting off the compute thread on gloo.** :func:`post` (the interleaved schedule's
-  early posts) hands the batch to one background thread (:class:`Poster`) and returns at
-  once; :func:`communicate` (posted and waited for at once: 1F1B) posts inline, after the
-  thread has posted everything queued before it, so every rank posts in program order either
-  way (gloo matches messages of one peer and tag in posting order). Why: a gloo post takes the
-  connection's lock, which that connection's transport thread holds while it moves a message;
-  on a loaded 2-core box that thread loses its core to compute and a post then blocked the
-  compute thread on the last rank, whose compute is the pipeline's critical path, and the
-  interleaved schedule's bubble grew (measured by ``bench/parallel_bench.py``'s bubble
-  table; see bench/RESULTS.md). The price: a thread per pipeline, one hand-off per post
-  and, when a post fails, the error surfaces at the wait for one of its works, not at the
-  post. 1F1B posts inline because it waits at once: the hand-off would only add to each
-  message's latency (its bubble grew further from theory). NCCL posts are inline (they
-  enqueue on a CUDA stream and do not block; the thread would also need the CUDA device and
-  stream set up).
-* **Coalesced works.** On NCCL ``batch_isend_irecv`` returns one work for the whole
-  batch (gloo: one per op); then every handle of the batch waits on that one.
-* Time spent inside p2p calls (posting, waiting for receives, final send waits) is
-  added to :attr:`P2PComm.wait_s`; the schedules use it to measure the pipeline bubble.
+* **Fixed shapes**: every boundary tensor is ``[micro_batch, seq, hidden]`` of one dtype and
+  device, so receive buffers need no shape handshake (Megatron's ``variable_seq_lengths``
+  is not supported).
+* **Peers are global ranks on a ring**, as in Megatron: the interleaved schedule uses the
+  wrap-around to move the last rank's chunk ``c`` to the first rank's chunk ``c + 1``; the
+  stage-aware helpers (``recv_forward`` ...) never do.
+* **Tags per direction** (activations 0, gradients 1): with two pipeline ranks both
+  directions join the same pair of processes, and the tag keeps an activation from matching
+  a gradient receive.
+* **Every rank posts in program order**: gloo matches messages of one peer and tag in
+  posting order.
+* **Sends are not waited for** at the call (Megatron waits unless ``overlap_p2p_comm``): a
+  gloo send completes only once the peer posted its receive, so waiting locks neighbours
+  into step and grows the interleaved bubble. Sent tensors stay alive in
+  :attr:`P2PComm.pending_sends` until :func:`wait_sends`, which the schedules call at the
+  end of every run.
+* **Receives can be waited for later** (Megatron's ``overlap_p2p_comm``): the interleaved
+  schedule posts a chunk's send and the receive for its next step right after the compute
+  that made the sent tensor, and waits only when it needs the tensor, so the gloo round trip
+  (the receiver announces its buffer, then the sender writes) runs under compute. The price:
+  a receive buffer allocated one step earlier, two posts a step instead of one.
+* **Posting off the compute thread on gloo**: :func:`post` hands the batch to one
+  background :class:`Poster` thread, because a gloo post takes the connection's lock, which
+  its transport thread holds while moving a message, and a blocked post on the last rank
+  stalls the pipeline's critical path. :func:`communicate` (1F1B, which waits at once)
+  posts inline after the thread drained its queue; a hand-off would only add latency. The
+  price: a thread per pipeline, a hand-off per post, and a failed post surfaces at the wait.
+  NCCL posts inline (they enqueue on a stream and do not block).
+* **Coalesced works**: on NCCL ``batch_isend_irecv`` returns one work per batch (gloo one
+  per op); every handle of the batch then waits on it.
+* Time inside p2p calls is added to :attr:`P2PComm.wait_s`, from which the schedules
+  measure the pipeline bubble.
+
+``bench/parallel_bench.py``'s bubble table measures what each choice costs or saves.
 """
 
 from __future__ import annotations

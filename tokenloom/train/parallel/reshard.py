@@ -23,13 +23,12 @@ loads into any other, and so does a one-process checkpoint (``model.pt`` +
 without ZeRO-1: its optimizer's parameter order is rebuilt from a ``meta`` copy of the
 model). The data position is the consumed-samples count, valid at any dp size.
 
-Trade-offs: a rank reads the full tensors of the parameters it holds (host memory of
-those, not of the model; Megatron reads only the slices it needs, which saves the
-other tp ranks' bytes of the same tensors). dp replicas are identical so only dp rank 0 writes parameters; with ZeRO-1 it also
-gathers the optimizer shards (the full AdamW state of its model-parallel part in its
-memory while saving, Megatron's ``dp_reshardable`` format does the same). RNG states are
-restored only when the layout is unchanged (dropout streams have no meaning across
-layouts). The per-rank ``zero_rank{r}.pt`` files of earlier versions are refused.
+Trade-offs: a rank reads the full tensors of the parameters it holds (host memory of those,
+not of the model), where Megatron reads only its slices. dp replicas are identical, so only dp
+rank 0 writes parameters; with ZeRO-1 it also gathers the optimizer shards and holds the full
+AdamW state of its model-parallel part while saving (as Megatron's ``dp_reshardable``). RNG
+states are restored only when the layout is unchanged (dropout streams have no meaning across
+layouts). Per-rank ``zero_rank{r}.pt`` optimizer files are not a format this reads: they are refused.
 """
 
 from __future__ import annotations

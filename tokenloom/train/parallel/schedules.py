@@ -1,55 +1,41 @@
 """Pipeline schedules (Megatron-core's ``schedules.py``).
 
-:func:`forward_backward` runs one global batch of ``num_microbatches`` micro-batches
+:func:`forward_backward` runs one global batch of ``M = num_microbatches`` micro-batches
 through this rank's stage module(s) and leaves the accumulated gradients in ``.grad``:
 
-* ``"no_pipelining"`` (pp = 1): forward + backward of each micro-batch in turn
-  (gradient accumulation).
+* ``"no_pipelining"`` (pp = 1): forward + backward per micro-batch (gradient accumulation).
 * ``"1f1b"`` (Megatron's ``forward_backward_pipelining_without_interleaving``):
-  ``W = min(pp_size - pp_rank - 1, M)`` warmup forwards, then one-forward-one-backward,
-  then ``W`` cooldown backwards. Rank ``r`` keeps at most ``pp_size - r`` micro-batches
-  of activations. Bubble: ``(p - 1) / (M + p - 1)`` of the step time.
-* ``"interleaved"`` (``forward_backward_pipelining_with_interleaving``): each rank holds
-  ``v`` model chunks; chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``.
-  Micro-batches go through the chunks in groups of ``p`` (Megatron's default
-  ``microbatch_group_size_per_vp_stage``): micro-batches ``0..p-1`` through chunk 0,
-  then chunk 1, ... Warmup ``(p - r - 1) * 2 + (v - 1) * p`` (all ``v * M`` when
-  ``M == p``). ``M`` must be a multiple of ``p``. Bubble: ``(p - 1) / (v * M + p - 1)``,
-  paid for with ``v`` times more p2p messages.
+  ``W = min(p - r - 1, M)`` warmup forwards on rank ``r``, one-forward-one-backward, ``W``
+  cooldown backwards; rank ``r`` keeps at most ``p - r`` micro-batches of activations.
+* ``"interleaved"`` (``forward_backward_pipelining_with_interleaving``): ``v`` chunks per rank,
+  chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``; micro-batches go through the chunks
+  in groups of ``p`` (Megatron's ``microbatch_group_size_per_vp_stage``), so ``M`` must be a
+  multiple of ``p``. Warmup ``(p - r - 1) * 2 + (v - 1) * p`` (all ``v * M`` when ``M == p``).
+  The bubble shrinks from ``(p - 1) / (M + p - 1)`` to ``(p - 1) / (v * M + p - 1)`` at the
+  price of ``v`` times more p2p messages.
 
-Bubble measurement: :class:`PipelineStats` (per rank: compute vs time inside p2p) and
-:func:`pipeline_bubble_fraction` (pipeline-wide, collective); ``bench/parallel_bench.py``
-measures it against the theory. The tests check the order of operations instead of timing
-it: replayed on equal stages with free communication, both schedules' orders idle exactly
-``(p - 1) / (v * M + p - 1)``; with a per-message latency the interleaved schedule (whose
-transfers run under compute, see :meth:`_Runner.interleaved`) only pays it on the first
-micro-batch's trip through the pipeline and back, while 1F1B pays it once per micro-batch:
-at p = 2 a stage needs its neighbour's latest output right after producing its own.
+Contract: the loss is computed on the last (virtual) stage only, divided by ``M`` before
+backward (Megatron's non per-token mode); that rank gets the unscaled per-micro-batch losses,
+the others an empty list. Stage modules are whatever ``forward_step`` runs (the trainer's
+:func:`tokenloom.train.model.pipeline_stage` chunks).
 
-The loss is computed on the last (virtual) stage only, divided by ``num_microbatches``
-before backward (Megatron's non per-token mode), and the unscaled per-micro-batch
-losses are returned there; other ranks get an empty list.
+Data-parallel reduction is gated here, not done: each chunk's forwards and backwards run
+inside its ``no_sync`` (Megatron's ``no_sync_func``) except the chunk's last micro-batch, so a
+bucketed DDP per chunk (:class:`tokenloom.train.ddp.DistributedDataParallel`) launches its
+buckets during that last backward. After the schedule call
+:func:`allreduce_tied_embedding_grads`, then the optimizer step; Megatron's
+``finalize_model_grads`` takes the same order (both are sums).
 
-Differences from Megatron, on purpose:
+Differs from Megatron on purpose: all ``M`` micro-batches are fetched up front on every rank
+(token ids are small) and the stage running micro-batch ``k`` takes ``batches[k]``, where
+Megatron keeps one iterator per chunk.
 
-* The data iterator yields one micro-batch per ``next`` and all ``M`` are fetched up
-  front on every rank (token ids are small); the stage that runs micro-batch ``k``
-  picks ``batches[k]``. Megatron keeps one iterator per model chunk.
-* Gradient reduction across data-parallel ranks is not done here, only gated: with
-  ``no_sync`` (Megatron's ``no_sync_func``), each model chunk's forwards and backwards
-  run inside its context except those of the chunk's last micro-batch, so a bucketed
-  DDP (:class:`tokenloom.train.ddp.DistributedDataParallel`, one per chunk) launches a
-  chunk's buckets from its gradient hooks during that chunk's last backward: in the
-  cooldown under 1F1B, and earlier for the later chunks of the interleaved schedule
-  (Megatron enables grad sync for the last micro-batch of each chunk the same way).
-  After the schedule, call :func:`allreduce_tied_embedding_grads`, then the optimizer
-  step (:class:`tokenloom.train.parallel.zero.ZeroAdamW` without overlap reduce-scatters
-  over DP inside ``step()``). Megatron's ``finalize_model_grads`` also runs the DP
-  reduction first and the embedding all-reduce second; both are sums, so the order
-  changes nothing beyond rounding.
-
-Stage modules are whatever ``forward_step`` runs: the trainer's are
-:class:`tokenloom.train.model.GPT` chunks (:func:`tokenloom.train.model.pipeline_stage`).
+Bubble: :class:`PipelineStats` (per rank: compute against time in p2p) and
+:func:`pipeline_bubble_fraction` (pipeline-wide); ``bench/parallel_bench.py`` measures it
+against :func:`theoretical_bubble_fraction`. The tests replay the order of operations
+instead of timing it: with free communication both schedules idle exactly the theoretical
+share, and with a per-message latency the interleaved schedule pays it only on the first
+micro-batch's round trip, 1F1B once per micro-batch.
 """
 
 from __future__ import annotations

@@ -1,113 +1,61 @@
 """ZeRO-1: AdamW whose fp32 master weights and moments are sharded over data parallel.
 
-Mirrors Megatron-core's distributed optimizer (``distrib_optimizer.py``) for one
-buffer. Layout: all parameters, in the order given, are packed into one flat
-``param_buffer`` (the parameters' ``.data`` are re-pointed into it) and one flat
-``grad_buffer`` (each ``.grad`` is a view into it), cut into buckets (contiguous runs of
-whole parameters, ``bucket_bytes``; one bucket by default); each bucket is padded with
-zeros up to a multiple of the DP size and cut into DP equal contiguous pieces. Rank ``r``
-owns piece ``r`` of every bucket (its shard); pieces ignore parameter boundaries, so a
-parameter can be split across ranks.
+Follows Megatron-core's distributed optimizer (``distrib_optimizer.py``).
 
-One step::
+Layout: the parameters, in the order given, live in one flat ``param_buffer`` (their
+``.data`` re-pointed into it) and one flat ``grad_buffer`` (each ``.grad`` a view into it),
+cut into buckets of whole parameters (``bucket_bytes``;
+:func:`~tokenloom.train.ddp.compute_bucket_assignment_by_size`). Each bucket is padded to a
+multiple of dp and cut into dp equal pieces; rank ``r`` owns piece ``r`` of every bucket, across
+parameter boundaries. Parameters share one dtype; there is no 64-element alignment of starts.
 
-    backward                  with overlap_grad_reduce: a post-accumulate-grad hook per
-                              parameter; once every grad of a bucket has arrived (in the
-                              last micro-batch's backward; earlier ones run in no_sync),
-                              the bucket is launched (below, async), buckets strictly
-                              from the last to the first, so every rank issues the same
-                              collectives in the same order
-    step(): grads -> grad_buffer, each divided by dp_size on the way (in its hook with
-                              overlap, else here; no copy when .grad is already its view)
-    per bucket not launched   reduce_scatter(SUM) -> this rank's piece of the grad (the
-                              average); then wait for the launched ones
-    global grad norm          sum of squares of the shard (duplicate tied copies
-                              excluded), all-reduced over DP and then over
-                              ``norm_group`` (the pipeline / model-parallel group);
-                              grads scaled by min(1, max_norm / (norm + 1e-6)) as
-                              torch.nn.utils.clip_grad_norm_ does
-    weight decay              p *= 1 - lr * wd on the shard's slices of each group's
-                              parameters (decoupled, as AdamW applies it first)
-    AdamW on the fp32 shard   (torch.optim.AdamW on one fp32 tensor per bucket piece, no decay)
-    per bucket               piece -> param_buffer; all_gather (equal sizes, flat output: works on gloo);
-                              with overlap_param_gather launched async, first bucket first, and
-                              step() returns: the next forward's pre-hooks wait for them
+One step: backward writes grads into the buffer, each divided by dp as it enters (torch
+DDP's reducer; Megatron's default ``average_in_collective=False``, exact for power-of-two dp);
+each bucket is reduce-scattered (SUM) into this rank's piece, launched from its grads' hooks
+with ``overlap_grad_reduce``, last bucket first, on every rank in the same order; a bucket
+whose grads never all arrive, and those after it, are reduced in :meth:`step`. Then the
+global grad norm (over dp, then ``norm_group``; clipping as ``clip_grad_norm_``), decoupled
+weight decay per parameter group on the shard's runs of decayed parameters, AdamW on the
+fp32 shard, and one all-gather per bucket back into ``param_buffer``.
 
-Choices and their costs:
+Invariants and trade-offs:
 
-* **Memory** per fp32 parameter: 8 bytes (param + grad) + 8/d (two moments), as
-  Megatron's fp32 case: the fp32 parameters' own shard of the flat buffer is the master
-  copy, stepped in place, so the optimizer state per rank is 1/d of plain AdamW's
-  (:meth:`ZeroAdamW.state_bytes`; the only extra is the padding, < d elements).
-  Lower-precision parameters get a separate fp32 master shard (4/d more).
-* **Buckets and overlap**: the reduce-scatter of a bucket runs while backward computes
-  the earlier layers' grads (Megatron's ``overlap_grad_reduce``); the bucket assignment is
-  :func:`~tokenloom.train.ddp.compute_bucket_assignment_by_size` (DDP's, in parameter
-  order). Each bucket costs one more collective launch and up to dp - 1 padding elements
-  per rank. A bucket whose grads never all arrive (a parameter unused in the last
-  micro-batch) is reduced in :meth:`step`, and so are the buckets after it in launch
-  order. Parameters must share one dtype. No 64-element alignment of parameter starts
-  (Megatron's, for kernels that read whole params).
+* **Memory**: an fp32 parameter's shard of the buffer is its own master copy, stepped in
+  place, so a rank holds 1/dp of AdamW's moments (:meth:`ZeroAdamW.state_bytes`) plus < dp
+  padding elements per bucket; lower-precision parameters add an fp32 master shard.
+* **Every rank issues the same collectives in the same order**; each bucket costs one launch.
 * **Parameter all-gather overlapped with the next forward** (Megatron's
-  ``overlap_param_gather``, ``modules`` given): :meth:`step` launches every bucket's
-  all-gather without waiting, in bucket (= parameter) order, the same on every rank, so the
-  first layers' parameters arrive first. A forward pre-hook on each layer of the model
-  chunks (the root's own parameters, then every child module, ``ModuleDict`` /
-  ``ModuleList`` containers opened: a transformer block is one layer, as FSDP2 wraps
-  torchtitan's blocks) waits for every bucket up to the last one holding its parameters
-  *or the next layer's*: one layer of look-ahead, because a parent may read a child's
-  weight without calling the child (the fused LM-head loss reads ``lm_head.weight`` in
-  ``GPT.head``, right after the final norm ran). Waiting on a prefix of buckets keeps a
-  layer called out of order correct. The cost: until its layer's pre-hook ran, a bucket's
-  parameters are stale (other ranks' pieces hold the previous step's values), so whatever
-  reads parameters outside a forward must call :meth:`finish_param_sync` first (a
-  checkpoint save or load, the end of training; :meth:`step`,
-  :meth:`gathered_param_states` and :meth:`load_param_states` call it themselves), and a
-  layer waits for the next layer's bucket too, one layer less overlap at each bucket
-  boundary. Memory: the copy of this rank's pieces that each gather sends (1/d of the
-  parameters) lives until the gather is waited for (gloo cannot gather in place; the
-  synchronous gather holds one bucket's piece at a time). Hooks are disabled for
-  ``torch.compile``: a compiled block runs its own hook eagerly, with no graph break
-  inside the block. The gathered values are the bits the synchronous gather gives, so
-  losses with and without overlap are equal bit for bit.
-* **Sums over other groups after the dp reduction** (tp/pp layouts, Megatron's
-  ``finalize_model_grads`` order): sequence-parallel norms' grads over tp and the tied
-  embedding's two copies over the first and last stage are summed by
-  :meth:`all_reduce_grads` on the reduced shard, between :meth:`finish_grad_sync` and
-  :meth:`step`, so the reduce-scatters can run in backward. Each rank sums only the pieces
-  it steps; that needs the same cut on both sides: tp ranks have the same layout, and the
-  embedding copies, whose positions differ between the stages, get a bucket of their own
-  (``own_bucket``, Megatron's ``_does_param_require_new_bucket``). The cost: one more bucket
-  boundary on those stages, and the sums move 1/dp of what they moved on full grads.
-* **Pre-divide then SUM** (Megatron's default ``average_in_collective=False``): for
-  power-of-two DP sizes the average is exact. The division is per parameter, where its
-  grad enters the buffer (torch DDP's reducer does the same), not a pass over each bucket
-  before its reduce-scatter as Megatron's buckets make (``grad_data *= scaling factor``):
-  with ``zero_grad()``'s default ``set_to_none`` a step's first grad is scaled while it is
-  copied in, and a grad accumulated over micro-batches is divided in its hook, while it
-  is still in cache.
-* **Weight decay per parameter group**: ``params`` may be torch-style groups
-  (``{"params": [...], "weight_decay": wd}``), e.g. optim.py's decay / no-decay split, so
-  a ZeRO-1 run equals the one-process run with the same groups. One flat AdamW cannot
-  hold per-element hyperparameters, so the inner AdamW has ``weight_decay=0`` and the
-  decay is applied here, on the (few, merged) contiguous runs of the shard that belong to
-  decayed parameters: ``p *= 1 - lr * wd`` before the Adam update, which is where
-  ``torch.optim.AdamW`` applies it. No per-element mask is stored. Other
-  hyperparameters (lr, betas, eps) are shared by all groups.
-* **Checkpoints are layout-free** (Megatron's ``dp_reshardable`` idea, not its per-rank
-  ``fully_sharded`` one): :meth:`gathered_param_states` gathers the shards to dp rank 0
-  and cuts them into one full ``exp_avg`` / ``exp_avg_sq`` / ``step`` per parameter, the
-  form ``torch.optim.AdamW`` keeps, so :mod:`~tokenloom.train.parallel.reshard` writes
-  them exactly as it writes the plain optimizer's state and any dp size, with or without
-  ZeRO-1, reads them back (:meth:`load_param_states` cuts this rank's shard out of the
-  full tensors). The cost: dp rank 0 holds the full moments (2 x 4 bytes per parameter of
-  its model-parallel part) while saving. fp32 parameters are their own master copy (the
-  all-gather copies the master shard bit for bit); with lower-precision parameters the
-  fp32 master weights are saved too, as ``master_param``. A parameter without state
-  loads zeros; states with different step counts load the largest (one flat AdamW has
-  one step).
-* **dp = 1** is allowed (one shard, the whole buffer; no collective, no process group
-  needed), as Megatron allows it: the same code path and checkpoints as at dp > 1.
+  ``overlap_param_gather``, ``modules`` given): :meth:`step` returns with the gathers in
+  flight, first bucket first; a forward pre-hook per layer (a transformer block is one
+  layer, as FSDP2 wraps torchtitan's blocks) waits for every bucket up to the last one
+  holding its parameters *or the next layer's*, because a parent may read a child's weight
+  without calling it (``GPT.head`` reads ``lm_head.weight``). Until then parameters are
+  stale: code reading them outside a forward calls :meth:`finish_param_sync` first
+  (:meth:`step`, :meth:`gathered_param_states`, :meth:`load_param_states` do). The gathered
+  bits equal the synchronous gather's, so losses match with and without overlap. The cost:
+  one layer less overlap at each bucket boundary, and each gather's send copy (1/dp of the
+  parameters; gloo cannot gather in place) lives until it is waited for. Hooks are disabled
+  under ``torch.compile`` (a compiled block runs its own hook eagerly, without a graph break).
+* **Sums over other groups follow the dp reduction** (Megatron's ``finalize_model_grads``):
+  :meth:`all_reduce_grads` sums sequence-parallel norms' grads over tp and the tied
+  embedding's copies over the first and last stage on the reduced shard, which needs the
+  same cut on both sides; the embedding copies therefore get a bucket of their own
+  (``own_bucket``, Megatron's ``_does_param_require_new_bucket``).
+* **Weight decay per group, other hyperparameters shared**: one flat AdamW cannot hold
+  per-element decay, so the inner AdamW has ``weight_decay=0`` and ``p *= 1 - lr * wd`` is
+  applied here before the update, where ``torch.optim.AdamW`` applies it. A ZeRO-1 run thus
+  equals the one-process run with the same groups.
+* **Checkpoints are layout-free** (Megatron's ``dp_reshardable``): :meth:`gathered_param_states`
+  gathers the full per-parameter ``exp_avg`` / ``exp_avg_sq`` / ``step`` (plus
+  ``master_param`` for lower-precision parameters) to dp rank 0, the form
+  ``torch.optim.AdamW`` keeps, so any dp size, with or without ZeRO-1, loads them. The cost:
+  dp rank 0 holds the full moments of its model-parallel part while saving. One flat AdamW
+  has one step count: states saved with different counts load the largest.
+* **dp = 1** runs the same code and writes the same checkpoints, with no collective.
+* **dp = 1** runs the same code and writes the same checkpoints, with no collective.
+
+``bench/parallel_bench.py`` measures the step time, communication and optimizer state
+of the ``zero1`` layouts against plain data parallelism.
 """
 
 from __future__ import annotations
