@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=dev,interop,kernels,ray,s3 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 "$@"
+# Two workers (TEST_WORKERS) take whole modules each (--dist loadscope: a module's shared process
+# groups and one-process baselines are computed once, on one worker); the 15 slowest tests are
+# printed so the CI budget stays visible.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadscope --durations=15 "$@"

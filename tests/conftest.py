@@ -65,3 +65,11 @@ def _own_user_cache(tmp_path_factory, monkeypatch):
     """Each test its own per-user cache (the tokenizer self-check verdicts): a verdict cached by
     one test (or by the developer's own runs) never decides another test's backend."""
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path_factory.mktemp("user-cache")))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a ``slow`` test run first, in their order; the rest keep theirs. Under
+    pytest-xdist (``scripts/test.sh`` runs whole modules on two workers) the long multi-process
+    modules then start early instead of keeping one worker busy after the other has finished."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)

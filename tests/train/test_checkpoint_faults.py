@@ -23,6 +23,7 @@ RUN = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size"
        "--set", "model.vocab_size=64", "--set", "progress=false", "--set", "plot=false", "--eval-interval", "0",
        "--micro-batch-size", "2", "--global-batch-size", "4", "--set", "data.mock.num_sequences=200",
        "--set", "data.mock.max_length=40", "--train-iters", "6", "--save-interval", "3", "--log-interval", "1"]
+pytestmark = pytest.mark.slow
 ITER3, ITER6 = checkpoint.checkpoint_name(3), checkpoint.checkpoint_name(6)
 
 
@@ -77,30 +78,30 @@ FAULTS = {  # the fault hits iteration 6's checkpoint; iteration 3's is complete
 }
 
 
-def _check_fault_then_resume(out: Path, done, what: str, advice: str, reference: dict[int, float]) -> str:
+def test_faults_writing_a_checkpoint_keep_the_last_one_and_resume_gives_the_same_losses(tmp_path, reference):
+    """Each fault of FAULTS in turn hits iteration 6's checkpoint of one output directory: the first
+    in a fresh run, each next one in the ``--resume auto`` run after the previous fault (so every
+    resume starts from what a fault left behind); the last resume, fault-free, completes with the
+    losses of an uninterrupted run."""
+    out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    line = _one_line_error(done, f"{what} {ckpt / ITER6}", advice, f"the last complete one is {ckpt / ITER3}",
-                           "--resume auto")
-    assert checkpoint.resolve("auto", ckpt) == ckpt / ITER3, "a partial checkpoint never becomes the latest"
-    assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER3
-    assert sorted(p.name for p in ckpt.iterdir()) == [ITER3, checkpoint.LATEST], "temporary folders are removed"
-    assert checkpoint.read_state(ckpt / ITER3)["iteration"] == 3
+    resume: tuple[str, ...] = ()
+    for fault, (op, err, pattern, room, what, advice) in FAULTS.items():
+        done = _train(out, *resume, env=fault_env(op, err, f"{ckpt}/{pattern}", room))
+        assert not resume or f"resumed from {ckpt / ITER3} at iteration 3" in done.stderr, (fault, done.stderr)
+        _one_line_error(done, f"{what} {ckpt / ITER6}", advice, f"the last complete one is {ckpt / ITER3}",
+                        "--resume auto")
+        assert checkpoint.resolve("auto", ckpt) == ckpt / ITER3, f"{fault}: a partial checkpoint became the latest"
+        assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER3
+        assert sorted(p.name for p in ckpt.iterdir()) == [ITER3, checkpoint.LATEST], f"{fault}: temporary folders"
+        assert checkpoint.read_state(ckpt / ITER3)["iteration"] == 3
+        resume = ("--resume", "auto")
 
-    again = _train(out, "--resume", "auto")
+    again = _train(out, *resume)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {ckpt / ITER3} at iteration 3" in again.stderr
     assert _losses(out) == reference, "resuming continues with the losses of an uninterrupted run"
     assert checkpoint.resolve("auto", ckpt) == ckpt / ITER6
-    return line
-
-
-@pytest.mark.parametrize("fault", FAULTS)
-def test_a_fault_writing_a_checkpoint_keeps_the_last_one_and_resume_gives_the_same_losses(tmp_path, reference,
-                                                                                           fault):
-    op, err, pattern, room, what, advice = FAULTS[fault]
-    out = tmp_path / "run"
-    done = _train(out, env=fault_env(op, err, f"{out}/checkpoints/{pattern}", room))
-    _check_fault_then_resume(out, done, what, advice, reference)
 
 
 def test_a_fault_before_any_checkpoint_says_the_rerun_starts_over(tmp_path, reference):
@@ -130,44 +131,38 @@ def test_a_fault_updating_the_latest_pointer_keeps_the_complete_checkpoint(tmp_p
     assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER6
 
 
-@pytest.fixture(scope="module")
-def reference_two_ranks(tmp_path_factory):
-    """The losses of an uninterrupted 2-rank run with extra flags (each computed once)."""
-    found = {}
-
-    def losses(*extra) -> dict[int, float]:
-        if extra not in found:
-            out = tmp_path_factory.mktemp("ref2") / "run"
-            done = _train(out, "--nproc-per-node", "2", *extra)
-            assert done.returncode == 0, done.stderr
-            found[extra] = _losses(out)
-        return found[extra]
-
-    return losses
+# (rank that meets the fault, its file) in turn, the second in the resume after the first; extra flags
+TWO_RANK_FAULTS = {"plain": ([(1, "rng_rank1.pt"), (0, "model.pt")], ()),
+                   "zero1": ([(0, "shard_tp0_pp0.pt")], ("--set", "zero1=true"))}
 
 
-@pytest.mark.parametrize("rank, file, extra", [(1, "rng_rank1.pt", ()), (0, "model.pt", ()),
-                                               (0, "shard_tp0_pp0.pt", ("--set", "zero1=true"))],
-                         ids=["every-rank-file", "rank-0-file", "zero1-shard"])
-def test_two_ranks_a_disk_full_on_one_rank_ends_in_its_one_line_and_resume_gives_the_same_losses(
-        tmp_path, reference_two_ranks, rank, file, extra):
+@pytest.mark.parametrize("name", TWO_RANK_FAULTS)
+def test_two_ranks_a_disk_full_on_one_rank_ends_in_its_one_line_and_resume_gives_the_same_losses(tmp_path, name):
     """``--nproc-per-node 2``: every rank writes its RNG file, rank 0 alone the model (with ZeRO-1
     through the layout-aware writer, with the optimizer state gathered from both ranks). The rank
     that met the fault names it in the one error line (the other rank's broken barrier is its
-    symptom)."""
+    symptom); a fault in a file of every rank, then in one of rank 0 alone (in the resumed run),
+    and the final resume gives the losses of an uninterrupted 2-rank run."""
+    faults, extra = TWO_RANK_FAULTS[name]
+    reference = tmp_path / "reference"
+    done = _train(reference, "--nproc-per-node", "2", *extra)
+    assert done.returncode == 0, done.stderr
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
-    done = _train(out, "--nproc-per-node", "2", *extra,
-                  env=fault_env("write", errno.ENOSPC, f"{ckpt}/{ITER6}.tmp/{file}", 100))
-    line = _one_line_error(done, f"error: rank {rank}: no space left on device writing {ckpt / ITER6}",
-                           f"the last complete one is {ckpt / ITER3}", "--resume auto", "full logs: ")
-    assert "barrier failed" not in line
-    assert checkpoint.resolve("auto", ckpt) == ckpt / ITER3, "a partial checkpoint never becomes the latest"
-    assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER3
-    again = _train(out, "--nproc-per-node", "2", *extra, "--resume", "auto")
+    resume: tuple[str, ...] = ()
+    for rank, file in faults:
+        done = _train(out, "--nproc-per-node", "2", *extra, *resume,
+                      env=fault_env("write", errno.ENOSPC, f"{ckpt}/{ITER6}.tmp/{file}", 100))
+        line = _one_line_error(done, f"error: rank {rank}: no space left on device writing {ckpt / ITER6}",
+                               f"the last complete one is {ckpt / ITER3}", "--resume auto", "full logs: ")
+        assert "barrier failed" not in line
+        assert checkpoint.resolve("auto", ckpt) == ckpt / ITER3, "a partial checkpoint never becomes the latest"
+        assert (ckpt / checkpoint.LATEST).read_text().strip() == ITER3
+        resume = ("--resume", "auto")
+    again = _train(out, "--nproc-per-node", "2", *extra, *resume)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {ckpt / ITER3} at iteration 3" in again.stderr
-    assert _losses(out) == reference_two_ranks(*extra)
+    assert _losses(out) == _losses(reference)
     assert sorted(p.name for p in ckpt.iterdir()) == [ITER3, ITER6, checkpoint.LATEST], "the next save cleans up"
 
 
