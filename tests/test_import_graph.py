@@ -104,7 +104,7 @@ def test_cycle_finder_sees_a_cycle(tmp_path):
 
 def test_each_side_imports_first_in_a_fresh_interpreter():
     """Either package's entry into the other works as the very first import of a process."""
-    for module in ("tokenloom.preprocess.documents", "tokenloom.tokenizers.train", "tokenloom.preprocess.worker"):
+    for module in ("tokenloom.corpus.documents", "tokenloom.tokenizers.train", "tokenloom.preprocess.worker"):
         code = f"import {module}"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
         assert proc.returncode == 0, proc.stderr

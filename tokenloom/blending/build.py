@@ -467,14 +467,14 @@ def _blend(pairs: list[tuple[float, str]], exhaustive: bool) -> Blend:
 
 def check_tokenizers(metas: dict[str, SourceMeta]) -> str | None:
     """Refuse sources made with tokenizers that give different ids (compared by
-    :func:`~tokenloom.tokenizers.base.ids_key`, so file names do not matter); the common
+    :func:`~tokenloom.indexed.manifest.ids_key`, so file names do not matter); the common
     key (None if no source has a manifest)."""
     seen: dict[str, list[str]] = {}
     for prefix, meta in metas.items():
         if meta.tokenizer is not None:
             seen.setdefault(meta.tokenizer, []).append(prefix)
     if len(seen) > 1:
-        from tokenloom.preprocess import manifest
+        from tokenloom.indexed import manifest
 
         def name(prefix: str) -> str:
             try:

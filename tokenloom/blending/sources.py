@@ -82,9 +82,9 @@ def _stamp(prefix: str) -> str:
 
 
 def _compute(prefix: str) -> SourceMeta:
+    from tokenloom.indexed import manifest
     from tokenloom.indexed.format import read_header
-    from tokenloom.preprocess import manifest
-    from tokenloom.tokenizers.base import ids_key
+    from tokenloom.indexed.manifest import ids_key
 
     _, sequences, document_indices = read_header(f"{prefix}.idx")
     h = blake3.blake3()

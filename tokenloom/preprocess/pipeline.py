@@ -75,15 +75,8 @@ from pathlib import Path
 import numpy as np
 
 from tokenloom import objstore
-from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
-from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
-from tokenloom.preprocess import manifest
-from tokenloom.preprocess.commit import publish_dataset
-from tokenloom.preprocess.documents import MISSING_KEY
-from tokenloom.preprocess.hashing import InputHasher
-from tokenloom.preprocess.pool import OrderedPool, WorkerDied, fork_or_spawn
-from tokenloom.preprocess.readers import (
+from tokenloom.corpus.documents import MISSING_KEY
+from tokenloom.corpus.readers import (
     Chunk,
     ChunkReader,
     Input,
@@ -93,6 +86,13 @@ from tokenloom.preprocess.readers import (
     shard_inputs,
     text_expansion,
 )
+from tokenloom.errors import TokenloomError
+from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
+from tokenloom.indexed import manifest
+from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
+from tokenloom.preprocess.commit import publish_dataset
+from tokenloom.preprocess.hashing import InputHasher
+from tokenloom.preprocess.pool import OrderedPool, WorkerDied, fork_or_spawn
 from tokenloom.preprocess.worker import (
     EncodedChunk,
     EncodeOptions,

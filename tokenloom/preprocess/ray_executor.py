@@ -7,7 +7,7 @@
 Policy and its costs:
 
 * Same bytes as a single-process run: shards are contiguous runs of inputs
-  (:func:`~tokenloom.preprocess.readers.shard_inputs`) and are merged in index order,
+  (:func:`~tokenloom.corpus.readers.shard_inputs`) and are merged in index order,
   which is the single run's document order. The merged manifest lists the shards.
 * One task per input file by default (``--num-shards`` sets another count). Small
   tasks balance load and make a retry cheap; each task loads the tokenizer once, which
@@ -40,9 +40,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from tokenloom import objstore
+from tokenloom.corpus.readers import discover, shard_inputs
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
-from tokenloom.preprocess import manifest
+from tokenloom.indexed import manifest
 from tokenloom.preprocess.merge import merge
 from tokenloom.preprocess.pipeline import (
     PreprocessConfig,
@@ -52,7 +53,6 @@ from tokenloom.preprocess.pipeline import (
     run_prefix,
 )
 from tokenloom.preprocess.pipeline import run as run_local
-from tokenloom.preprocess.readers import discover, shard_inputs
 
 CONNECT_TIMEOUT = 10.0
 

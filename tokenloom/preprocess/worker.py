@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenloom.preprocess.documents import decode_chunk
-from tokenloom.preprocess.readers import Chunk
+from tokenloom.corpus.documents import decode_chunk
+from tokenloom.corpus.readers import Chunk
 
 _TOKENIZER = None
 _INIT_ERROR: BaseException | None = None

@@ -15,7 +15,7 @@ slower (a few seconds per MB) but repeatable.
   fallback on, so text is not silently changed. Documents are fed line by line
   (SentencePiece skips "sentences" longer than ``max_sentence_length``).
 
-Inputs are read through preprocess's readers (``tokenloom.preprocess.documents``),
+Inputs are read through the corpus readers (``tokenloom.corpus.documents``),
 so training accepts exactly the formats and globs preprocess does, with the same
 ``file:line`` errors.
 """
@@ -54,7 +54,7 @@ class TrainTokenizerConfig:
 
 def _iter_all(cfg: TrainTokenizerConfig) -> Iterator[str]:
     # Imported here: preprocess readers are only needed for training, not in tokenizer workers.
-    from tokenloom.preprocess.documents import iter_documents
+    from tokenloom.corpus.documents import iter_documents
 
     yield from iter_documents(cfg.inputs, key=cfg.json_key, txt_unit=cfg.txt_unit)
 

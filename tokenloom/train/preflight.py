@@ -75,9 +75,9 @@ def check_sources(cfg: TrainConfig) -> None:
     """Every prefix has its ``.bin``/``.idx``; no split that evaluation reads is empty; the
     ``--tokenizer`` gives the ids every source's manifest was made with."""
     from tokenloom.blending.split import Split, split_documents, split_matrix
+    from tokenloom.indexed import manifest
     from tokenloom.indexed.format import data_path, index_path, read_header
-    from tokenloom.preprocess import manifest
-    from tokenloom.tokenizers.base import ids_key
+    from tokenloom.indexed.manifest import ids_key
 
     blend = cfg.data.blend
     if not blend.prefixes:

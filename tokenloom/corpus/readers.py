@@ -1,4 +1,4 @@
-"""Input discovery and streaming readers for preprocess.
+"""Input discovery and streaming readers (preprocess and tokenizer training read through them).
 
 Every input is read as a stream of *records* cut into :class:`Chunk` objects of
 about ``chunk_bytes`` of text. The main process only reads and cuts; parsing
