@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig, BlendedDataset, sample_budgets
 from tokenloom.blending.cache import ArrayCache, content_key
@@ -49,6 +51,7 @@ from tokenloom.blending.split import (
     split_matrix,
 )
 from tokenloom.errors import TokenloomError
+from tokenloom.indexed import manifest
 
 INDEX_FORMAT = 2  # bump when the arrays for a given key would change
 
@@ -394,8 +397,6 @@ def _bundle(ds: BlendedDataset) -> dict:
 
 
 def _array_digest(arr) -> str:
-    import hashlib
-
     return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
 
 
@@ -433,8 +434,6 @@ def load_blend_file(path: str) -> dict:
         doc = json.loads(text)  # JSON first: a YAML parser takes seconds on a blend of 10,000 sources
     except ValueError:
         try:
-            import yaml
-
             doc = yaml.safe_load(text)
         except Exception as exc:  # noqa: BLE001 - yaml's errors have many types
             raise TokenloomError(f"{path}: not valid YAML/JSON ({exc})") from None
@@ -474,8 +473,6 @@ def check_tokenizers(metas: dict[str, SourceMeta]) -> str | None:
         if meta.tokenizer is not None:
             seen.setdefault(meta.tokenizer, []).append(prefix)
     if len(seen) > 1:
-        from tokenloom.indexed import manifest
-
         def name(prefix: str) -> str:
             try:
                 return manifest.tokenizer_name(manifest.read(prefix)["tokenizer"])
@@ -698,10 +695,10 @@ def format_plan(result: BuildResult, cfg: BuildConfig) -> str:
 
 def plot_plan(result: BuildResult, path: str) -> None:
     """Bar chart of requested vs realised share per source and split."""
-    import matplotlib
+    import matplotlib  # lazy: start-up time, matplotlib loads only when a plot is asked for
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: start-up time, matplotlib loads only when a plot is asked for
 
     splits = sorted({r.split for r in result.plan}, key=lambda s: Split[s])
     fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)

@@ -73,6 +73,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from tokenloom import objstore
 from tokenloom.corpus.documents import MISSING_KEY
@@ -90,6 +91,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
 from tokenloom.indexed import manifest
 from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
+from tokenloom.preprocess import worker
 from tokenloom.preprocess.commit import publish_dataset
 from tokenloom.preprocess.hashing import InputHasher
 from tokenloom.preprocess.pool import OrderedPool, WorkerDied, fork_or_spawn
@@ -385,7 +387,7 @@ class _Run:
             raise
 
     def _setup(self, cfg: PreprocessConfig) -> None:
-        from tokenloom.tokenizers import load_tokenizer
+        from tokenloom.tokenizers import load_tokenizer  # lazy: start-up time (merge loads no tokenizer)
 
         self.tokenizer = tok = load_tokenizer(cfg.tokenizer, kind=cfg.tokenizer_type)
         if cfg.append_eod and tok.eod is None:
@@ -642,8 +644,6 @@ def start_pool(run: _Run) -> OrderedPool | None:
 def _results(run: _Run, chunks, pool: OrderedPool | None):
     """Yield (chunk, EncodedChunk) in input order; at most 2 x workers chunks in flight."""
     if pool is None:
-        from tokenloom.preprocess import worker
-
         worker.set_tokenizer(run.tokenizer)
         for chunk in chunks:
             yield chunk, encode_chunk(chunk, run.opts)
@@ -703,8 +703,6 @@ def run(cfg: PreprocessConfig, echo=print, done_marker: Path | None = None) -> d
 
 def _tokenize(r: _Run) -> None:
     """Read, encode and write every input, then stage the outputs (see the module docstring for faults)."""
-    from tqdm import tqdm
-
     cfg, start = r.cfg, time.perf_counter()
     pool, bar = None, None
     try:

@@ -31,6 +31,7 @@ Policy and its costs:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -38,6 +39,8 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from tqdm import tqdm
 
 from tokenloom import objstore
 from tokenloom.corpus.readers import discover, shard_inputs
@@ -106,7 +109,7 @@ def run_shard(cfg: PreprocessConfig) -> dict:
 
 def _import_ray():
     try:
-        import ray
+        import ray  # lazy: optional dependency, the [ray] extra
     except ImportError:
         raise TokenloomError("--executor ray needs Ray: pip install 'tokenloom[ray]'") from None
     return ray
@@ -118,8 +121,6 @@ def _connect(ray, cfg: PreprocessConfig) -> None:
     A host:port address is probed first: Ray itself keeps retrying an unreachable
     address for minutes before it gives up.
     """
-    import logging
-
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
     flag = "--ray-address" if cfg.ray_address else "$RAY_ADDRESS"
     if address and address.startswith("ray://"):
@@ -148,8 +149,6 @@ def _connect(ray, cfg: PreprocessConfig) -> None:
 
 def _run_tasks(ray, cfg, task_cfg, shards, inputs, num_shards, echo) -> dict[int, dict]:
     """Submit one task per shard and wait for all, with a progress bar over input bytes."""
-    from tqdm import tqdm
-
     task = ray.remote(run_shard).options(num_cpus=task_cfg.workers, max_retries=cfg.ray_retries,
                                          retry_exceptions=False)
     pending = {task.remote(replace(task_cfg, shard_index=i)): i for i in shards}
@@ -175,7 +174,7 @@ def _run_tasks(ray, cfg, task_cfg, shards, inputs, num_shards, echo) -> dict[int
 
 
 def _result(ray, ref, shard: int, num_shards: int, cfg: PreprocessConfig) -> dict:
-    from ray.exceptions import RayError, RayTaskError
+    from ray.exceptions import RayError, RayTaskError  # lazy: optional dependency, the [ray] extra
 
     try:
         return ray.get(ref)
