@@ -163,7 +163,7 @@ def _help(cls_path: str, name: str) -> str:
 
 
 def _pp_help(name: str) -> str:
-    return _help("tokenloom.preprocess.pipeline:PreprocessConfig", name)
+    return _help("tokenloom.preprocess.config:PreprocessConfig", name)
 
 
 @main.command()

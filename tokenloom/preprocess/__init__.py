@@ -1,7 +1,7 @@
 """Corpora -> Megatron ``.bin/.idx`` + manifest (``tokenloom preprocess``)."""
 
 from tokenloom.errors import TokenloomError
-from tokenloom.preprocess.pipeline import PreprocessConfig
+from tokenloom.preprocess.config import PreprocessConfig
 from tokenloom.preprocess.pipeline import run as run_local
 from tokenloom.preprocess.ray_executor import run as run_ray
 

@@ -47,15 +47,10 @@ from tokenloom.corpus.readers import discover, shard_inputs
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.indexed import manifest
+from tokenloom.preprocess.config import PreprocessConfig, check_options, output_prefixes, run_prefix
 from tokenloom.preprocess.merge import merge
-from tokenloom.preprocess.pipeline import (
-    PreprocessConfig,
-    check_options,
-    format_summary,
-    output_prefixes,
-    run_prefix,
-)
 from tokenloom.preprocess.pipeline import run as run_local
+from tokenloom.preprocess.summary import format_summary
 
 CONNECT_TIMEOUT = 10.0
 
