@@ -245,15 +245,11 @@ def _parse_counts(text: str | None) -> tuple:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def build(sources, blend_file, num_samples, plot, as_json, **options):
     """Build GPT train/valid/test sample indices for a blend: build --data W1 PREFIX1 W2 PREFIX2 ..."""
-    from tokenloom.blending.build import (  # lazy: start-up time
-        BuildConfig,
-        format_plan,
-        load_blend_file,
-        parse_data_args,
-        plan_json,
-        plot_plan,
-    )
+    from tokenloom.blending.args import load_blend_file, parse_data_args  # lazy: start-up time
+    from tokenloom.blending.build import BuildConfig  # lazy: start-up time
     from tokenloom.blending.build import build as run  # lazy: start-up time
+    from tokenloom.blending.plan import format_plan, plan_json  # lazy: start-up time
+    from tokenloom.blending.plot import plot_plan  # lazy: start-up time
 
     if blend_file and sources:
         raise click.UsageError("give the sources either with --data or with --blend-file, not both")

@@ -22,7 +22,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenloom.blending.build import BuildConfig, build, format_plan
+from tokenloom.blending.build import BuildConfig, build
+from tokenloom.blending.plan import format_plan
 from tokenloom.indexed import inspect, verify
 from tokenloom.indexed.tools import format_report
 from tokenloom.preprocess import PreprocessConfig

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from tl_testing import run_cli
 
-from tokenloom.blending.build import BuildConfig, build, load_blend_file, parse_data_args
+from tokenloom.blending.args import load_blend_file, parse_data_args
+from tokenloom.blending.build import BuildConfig, build
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDatasetWriter, manifest
 

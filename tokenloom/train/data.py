@@ -41,12 +41,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from tokenloom.blending.blend import build_mock_datasets
-from tokenloom.blending.build import BuildConfig, format_plan
+from tokenloom.blending.build import BuildConfig
 from tokenloom.blending.build import build as build_blend
 from tokenloom.blending.cache import SharedBuild
 from tokenloom.blending.gpt import GPTDatasetConfig
 from tokenloom.blending.loader import ConsumedSamplesSampler, GPTSamples, SampleConfig, fingerprint
 from tokenloom.blending.mock import MockSource
+from tokenloom.blending.plan import format_plan
 from tokenloom.blending.segments import Segment, SegmentedBlend, continue_history, read_history
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed.format import index_path

@@ -48,7 +48,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenloom.blending.build import parse_data_args
+from tokenloom.blending.args import parse_data_args
 from tokenloom.errors import TokenloomError
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.data import open_tokenizer
