@@ -239,6 +239,15 @@ def test_every_module_has_a_layer():
     assert not bad, f"modules in no layer of LAYERS: {bad}"
 
 
+def test_architecture_page_names_every_layer_and_package():
+    """ARCHITECTURE.md describes the layers this test enforces and every package of ``tokenloom/``."""
+    page = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    packages = sorted(p.parent.name for p in (REPO / "tokenloom").glob("*/__init__.py"))
+    missing = [f"{name}/" for name in packages if f"`{name}/`" not in page]
+    missing += [f"layer {name}" for name, _ in LAYERS if f"| {name} |" not in page]
+    assert not missing, f"ARCHITECTURE.md does not mention {missing}"
+
+
 FIRST_IMPORTS = {
     # the manifest is a contract: reading one must not load the preprocess pipeline or any tokenizer
     "tokenloom.indexed.manifest": ("tokenloom.preprocess", "tokenloom.tokenizers", "tokenloom.corpus"),
