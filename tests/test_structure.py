@@ -254,6 +254,8 @@ FIRST_IMPORTS = {
     "tokenloom.corpus.documents": ("tokenloom.preprocess", "tokenloom.tokenizers"),
     "tokenloom.tokenizers.train": ("tokenloom.preprocess",),
     "tokenloom.preprocess.worker": ("tokenloom.blending", "tokenloom.train"),
+    # the reason of preprocess's lazy tokenizer imports: merging outputs loads no tokenizer library
+    "tokenloom.preprocess.merge": ("tokenloom.tokenizers", "tokenizers", "sentencepiece", "torch"),
     "tokenloom.blending.sources": ("tokenloom.preprocess", "tokenloom.train"),
 }
 
