@@ -6,10 +6,12 @@ stderr with a non-zero exit status; anything else is a bug and keeps its traceba
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def _import_numpy_with_one_blas_thread() -> None:
@@ -23,7 +25,7 @@ def _import_numpy_with_one_blas_thread() -> None:
         return
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     try:
-        import numpy  # noqa: F401
+        import numpy  # lazy: must load after OPENBLAS_NUM_THREADS is set above  # noqa: F401
     finally:
         del os.environ["OPENBLAS_NUM_THREADS"]
 
@@ -92,7 +94,7 @@ def main():
 @main.command()
 def info():
     """Print versions, the native extension's state and the torch devices/backends."""
-    from tokenloom.info import collect
+    from tokenloom.info import collect  # lazy: start-up time
 
     facts = collect()
     width = max(map(len, facts))
@@ -108,9 +110,7 @@ def _pair(on: str, default_on: bool, off_flag: str, off: str) -> str:
 
 def _emit(report: dict, as_json: bool) -> None:
     """Print a report as JSON or as aligned ``key  value`` lines."""
-    import json
-
-    from tokenloom.indexed.tools import format_report
+    from tokenloom.indexed.tools import format_report  # lazy: start-up time
 
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
@@ -122,7 +122,7 @@ def _emit(report: dict, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect(prefix, with_hash, as_json):
     """Counts, dtype, length distribution and token SHA-256 of PREFIX.bin/.idx."""
-    from tokenloom.indexed import inspect as run
+    from tokenloom.indexed import inspect as run  # lazy: start-up time
 
     _emit(run(prefix, with_hash=with_hash), as_json)
 
@@ -134,7 +134,7 @@ def inspect(prefix, with_hash, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(prefix, vocab_size, eod, as_json):
     """Check PREFIX.bin/.idx completely; exit non-zero naming the first problem."""
-    from tokenloom.indexed import verify as run
+    from tokenloom.indexed import verify as run  # lazy: start-up time
 
     report = run(prefix, vocab_size=vocab_size, eod=eod)
     if as_json:
@@ -150,20 +150,20 @@ def verify(prefix, vocab_size, eod, as_json):
 @click.argument("prefixes", nargs=-1, required=True)
 def merge(output_prefix, prefixes):
     """Concatenate datasets PREFIXES (in order) into one, manifests too; dtypes and tokenizers must agree."""
-    from tokenloom.preprocess.merge import merge as run
+    from tokenloom.preprocess.merge import merge as run  # lazy: start-up time
 
     _emit(run(output_prefix, list(prefixes)), False)
 
 
 def _help(cls_path: str, name: str) -> str:
     """The ``--help`` text of config field ``name`` of class ``module:Class`` (read without importing it)."""
-    from tokenloom.config import source_field_docs
+    from tokenloom.config import source_field_docs  # lazy: start-up time
 
     return source_field_docs(cls_path)[name]
 
 
 def _pp_help(name: str) -> str:
-    return _help("tokenloom.preprocess.pipeline:PreprocessConfig", name)
+    return _help("tokenloom.preprocess.config:PreprocessConfig", name)
 
 
 @main.command()
@@ -200,8 +200,11 @@ def _pp_help(name: str) -> str:
 @click.option("--staging-dir", help=_pp_help("staging_dir"))
 def preprocess(**options):
     """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
-    from tokenloom.preprocess import PreprocessConfig, run
-    from tokenloom.tokenizers import use_backend
+    from tokenloom.preprocess import (  # lazy: start-up time
+        PreprocessConfig,
+        run,
+    )
+    from tokenloom.tokenizers import use_backend  # lazy: start-up time
 
     options["inputs"] = list(options["inputs"])
     options["json_keys"] = [k for item in options["json_keys"] for k in item.split()]
@@ -242,15 +245,11 @@ def _parse_counts(text: str | None) -> tuple:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def build(sources, blend_file, num_samples, plot, as_json, **options):
     """Build GPT train/valid/test sample indices for a blend: build --data W1 PREFIX1 W2 PREFIX2 ..."""
-    from tokenloom.blending.build import (
-        BuildConfig,
-        format_plan,
-        load_blend_file,
-        parse_data_args,
-        plan_json,
-        plot_plan,
-    )
-    from tokenloom.blending.build import build as run
+    from tokenloom.blending.args import load_blend_file, parse_data_args  # lazy: start-up time
+    from tokenloom.blending.build import BuildConfig  # lazy: start-up time
+    from tokenloom.blending.build import build as run  # lazy: start-up time
+    from tokenloom.blending.plan import format_plan, plan_json  # lazy: start-up time
+    from tokenloom.blending.plot import plot_plan  # lazy: start-up time
 
     if blend_file and sources:
         raise click.UsageError("give the sources either with --data or with --blend-file, not both")
@@ -408,10 +407,13 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step) last.
 
     The config is checked before any rank starts (layout, batch arithmetic, data, tokenizer, resume)."""
-    import dataclasses
-
-    from tokenloom.train.config import load_config
-    from tokenloom.train.launch import Nodes, flag_overrides, launch, stdout_outlives_its_reader
+    from tokenloom.train.config import load_config  # lazy: start-up time
+    from tokenloom.train.launch import (  # lazy: start-up time
+        Nodes,
+        flag_overrides,
+        launch,
+        stdout_outlives_its_reader,
+    )
 
     stdout_outlives_its_reader()
 
@@ -441,8 +443,6 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
 
 def _megatron_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer: str | None) -> str:
     """Megatron's --vocab-file/--merge-file pair as a --tokenizer folder."""
-    from pathlib import Path
-
     if tokenizer:
         raise click.UsageError("give the tokenizer either as --tokenizer or as --vocab-file/--merge-file")
     if not (vocab_file and merge_file) or Path(vocab_file).resolve().parent != Path(merge_file).resolve().parent:
@@ -461,8 +461,8 @@ def _megatron_tokenizer(vocab_file: str | None, merge_file: str | None, tokenize
 @click.option("--tokenizer", help="Tokenizer path (or 'byte') to decode with; default: the one the run stored.")
 def generate(**options):
     """Sample text from a checkpoint with its own tokenizer."""
-    from tokenloom.train.generate import GenerateConfig
-    from tokenloom.train.generate import generate as run
+    from tokenloom.train.generate import GenerateConfig  # lazy: start-up time
+    from tokenloom.train.generate import generate as run  # lazy: start-up time
 
     click.echo(run(GenerateConfig(**options)))
 
@@ -487,8 +487,11 @@ def _tt_help(name: str) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help=_tt_help("seed"))
 def tokenizer_train(**options):
     """Train a byte-level BPE (tokenizers) or unigram (sentencepiece) tokenizer; it loads in preprocess."""
-    from tokenloom.tokenizers import TrainTokenizerConfig, train_tokenizer
-    from tokenloom.tokenizers.train import vocabulary_shortfall
+    from tokenloom.tokenizers import (  # lazy: start-up time
+        TrainTokenizerConfig,
+        train_tokenizer,
+    )
+    from tokenloom.tokenizers.train import vocabulary_shortfall  # lazy: start-up time
 
     options["inputs"] = list(options["inputs"])
     if options["special_tokens"]:
@@ -508,9 +511,7 @@ def tokenizer_train(**options):
 @click.option("--tokenizer-type", help="Force the tokenizer kind instead of detecting it.")
 def tokenizer_inspect(path, tokenizer_type):
     """Kind, vocabulary size, special ids and fingerprint of a tokenizer."""
-    import json
-
-    from tokenloom.tokenizers import load_tokenizer
+    from tokenloom.tokenizers import load_tokenizer  # lazy: start-up time
 
     click.echo(json.dumps(load_tokenizer(path, kind=tokenizer_type).fingerprint(), indent=2))
 
@@ -528,7 +529,7 @@ def _demo_help(name: str) -> str:
               help=_demo_help("nproc"))
 def demo(**options):
     """The embedded default job, no download: tokenizer -> preprocess -> blend -> 2-rank training -> sample."""
-    from tokenloom.demo import DemoConfig, run
+    from tokenloom.demo import DemoConfig, run  # lazy: start-up time
 
     run(DemoConfig(**options), echo=click.echo)
 

@@ -22,10 +22,20 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenloom.blending.build import BuildConfig, build
+from tokenloom.blending.plan import format_plan
 from tokenloom.indexed import inspect, verify
+from tokenloom.indexed.tools import format_report
 from tokenloom.preprocess import PreprocessConfig
 from tokenloom.preprocess import run as preprocess
 from tokenloom.tokenizers import TrainTokenizerConfig, load_tokenizer, train_tokenizer
+from tokenloom.train.config import TrainConfig
+from tokenloom.train.data import BlendDataConfig, DataConfig
+from tokenloom.train.generate import GenerateConfig, generate
+from tokenloom.train.launch import launch
+from tokenloom.train.metrics import read_metrics
+from tokenloom.train.model import GPTConfig
+from tokenloom.train.optim import OptimConfig
 
 # Tests, vendored packages and the codec tables of encodings/ (hex dumps, not code anyone writes).
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__",
@@ -76,7 +86,7 @@ def stdlib_documents(max_documents: int) -> tuple[list[dict], list[dict]]:
         if prose:
             docs.append({"text": prose, "path": name})
     try:
-        from pydoc_data.topics import topics
+        from pydoc_data.topics import topics  # lazy: optional module, some distributions strip pydoc_data
     except ImportError:  # some distributions strip pydoc_data
         topics = {}
     docs.extend({"text": text, "path": f"pydoc:{key}"} for key, text in sorted(topics.items()))
@@ -92,11 +102,6 @@ def write_corpus(path: Path, records: list[dict]) -> Path:
 
 
 def _train_config(cfg: DemoConfig, out: Path, tok, prefixes: list[tuple[float, str]]):
-    from tokenloom.train.config import TrainConfig
-    from tokenloom.train.data import BlendDataConfig, DataConfig
-    from tokenloom.train.model import GPTConfig
-    from tokenloom.train.optim import OptimConfig
-
     return TrainConfig(
         model=GPTConfig(arch="gpt2", vocab_size=tok.vocab_size, seq_len=128, n_layers=4, n_heads=4, d_model=128),
         data=DataConfig(blend=BlendDataConfig(prefixes=prefixes, split="95,5,0", cache_dir=str(out / "cache"))),
@@ -108,12 +113,6 @@ def _train_config(cfg: DemoConfig, out: Path, tok, prefixes: list[tuple[float, s
 
 
 def run(cfg: DemoConfig, echo=print) -> dict:
-    from tokenloom.blending.build import BuildConfig, build, format_plan
-    from tokenloom.indexed.tools import format_report
-    from tokenloom.train.generate import GenerateConfig, generate
-    from tokenloom.train.launch import launch
-    from tokenloom.train.metrics import read_metrics
-
     out = Path(cfg.output_dir)
     code, docs = stdlib_documents(cfg.max_documents)
     corpora = {"code": write_corpus(out / "corpus" / "code.jsonl", code),

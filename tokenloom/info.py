@@ -20,8 +20,8 @@ def _version(dist: str) -> str:
 
 def collect() -> dict[str, str]:
     """Facts as ordered (label, value) pairs; importing torch is the slow part."""
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: start-up time, torch loads only when the facts are collected
+    import torch.distributed as dist  # lazy: start-up time, torch loads only when the facts are collected
 
     facts = {"tokenloom": __version__, "python": platform.python_version(),
              "platform": platform.platform()}

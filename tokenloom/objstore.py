@@ -55,7 +55,10 @@ def is_url(path: str | os.PathLike) -> bool:
 def _store_failures() -> tuple[type[BaseException], ...]:
     failures: tuple[type[BaseException], ...] = (OSError,)
     with contextlib.suppress(ImportError):
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import (  # lazy: optional dependency, the [s3] extra
+            BotoCoreError,
+            ClientError,
+        )
 
         failures += (BotoCoreError, ClientError)
     return failures
@@ -88,7 +91,7 @@ def store_errors(url: str, action: str) -> Iterator[None]:
 
 def filesystem(url: str):
     """The fsspec file system of ``url`` and the path inside it."""
-    import fsspec
+    import fsspec  # lazy: optional dependency, the [s3] extra
 
     try:
         return fsspec.core.url_to_fs(url)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from tl_testing import run_cli
 
-from tokenloom.blending.build import BuildConfig, build, load_blend_file, parse_data_args
+from tokenloom.blending.args import load_blend_file, parse_data_args
+from tokenloom.blending.build import BuildConfig, build
 from tokenloom.errors import TokenloomError
-from tokenloom.indexed import IndexedDatasetWriter
-from tokenloom.preprocess import manifest
+from tokenloom.indexed import IndexedDatasetWriter, manifest
 
 
 def make_source(path, n_docs=300, seed=0, vocab=1000, tokenizer_digest="t" * 64, tokenizer=None):

@@ -38,7 +38,7 @@ def test_help_and_every_option_documented(path):
 
 @pytest.mark.parametrize("path", ["tokenloom.train.config:TrainConfig", "tokenloom.train.model:GPTConfig",
                                   "tokenloom.train.optim:OptimConfig", "tokenloom.train.launch:Nodes",
-                                  "tokenloom.preprocess.pipeline:PreprocessConfig",
+                                  "tokenloom.preprocess.config:PreprocessConfig",
                                   "tokenloom.blending.build:BuildConfig",
                                   "tokenloom.tokenizers.train:TrainTokenizerConfig", "tokenloom.demo:DemoConfig"])
 def test_help_read_from_source_equals_the_imported_class(path):

@@ -9,8 +9,7 @@ import pytest
 from preprocess_helpers import REPO, preprocess, write_jsonl
 
 from tokenloom.errors import TokenloomError
-from tokenloom.indexed import IndexedDataset
-from tokenloom.preprocess import manifest
+from tokenloom.indexed import IndexedDataset, manifest
 
 Case = namedtuple("Case", "line reason")
 

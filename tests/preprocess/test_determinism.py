@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from preprocess_helpers import REPO, preprocess, same_bytes, write_jsonl
 
-from tokenloom.preprocess import manifest
+from tokenloom.indexed import manifest
 from tokenloom.preprocess.merge import merge
 
 

@@ -27,7 +27,7 @@ from tl_testing import shared_data_dir
 
 from tokenloom.cli import main
 from tokenloom.indexed import format as indexed_format
-from tokenloom.preprocess import pipeline
+from tokenloom.preprocess import checkpoint, pipeline, space
 
 
 def _corpus(path: Path, n: int, seed: int = 0, words: int = 300) -> Path:
@@ -127,7 +127,7 @@ def test_disk_full_mid_run_ends_in_one_line_keeps_the_checkpoint_and_resumes(tmp
     line = _assert_one_line_error(result, f"no space left on device writing {out}.partial/0.bin",
                                   "free space on that disk", f"resume from the checkpoint in {out}.partial")
     assert _left_behind(tmp_path) == [], "nothing under final or temporary names"
-    state, arrays = pipeline._Checkpoint(Path(f"{out}.partial")).load()
+    state, arrays = checkpoint.Checkpoint(Path(f"{out}.partial")).load()
     kept = (tmp_path / "out.partial" / "0.bin").stat().st_size
     assert kept == int(arrays[0]["bin_bytes"]) < full // 2, "bytes after the checkpoint are cut away"
     assert f"({state['counts']['records']} records done, " in line and state["counts"]["records"] > 0
@@ -170,7 +170,7 @@ def test_an_unwritable_checkpoint_names_its_file(tmp_path, monkeypatch):
     def denied(*a, **k):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
-    monkeypatch.setattr(pipeline.np, "savez", denied)
+    monkeypatch.setattr(checkpoint.np, "savez", denied)
     result = _invoke(_args(path, out, "--checkpoint-interval", "0"))
     _assert_one_line_error(result, f"permission denied on {out}.partial/checkpoint.npz", "give this user access")
     assert _left_behind(tmp_path) == [] and not Path(f"{out}.partial").exists()
@@ -202,7 +202,7 @@ def test_too_many_open_files_while_starting_workers_stops_the_started_ones(tmp_p
 
 def test_space_check_refuses_in_one_line(tmp_path, monkeypatch):
     path = _corpus(tmp_path / "c.jsonl", 100)
-    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda d: type("U", (), {"free": 1000})())
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda d: type("U", (), {"free": 1000})())
     result = _invoke(_args(path, tmp_path / "out"))
     _assert_one_line_error(result, f"not enough disk space in {tmp_path}", "--no-space-check")
     assert _left_behind(tmp_path) == [] and not (tmp_path / "out.partial").exists()
@@ -213,7 +213,7 @@ def _estimate_and_real(tmp_path, inputs, **kw) -> tuple[int, int]:
     cfg = pipeline.PreprocessConfig(inputs=[str(i) for i in inputs], output_prefix=str(tmp_path / "est"),
                                     progress=False, workers=1, **kw)
     r = pipeline._Run(cfg, lambda *a: None)
-    samples = pipeline.sample_chunks(r.inputs, cfg.json_keys, cfg.txt_unit)
+    samples = space.sample_chunks(r.inputs, cfg.json_keys, cfg.txt_unit)
     estimate = r.estimate(samples, list(pipeline._results(r, iter([c for _, c in samples]), None))).output
     r.hasher.close()
     out = preprocess(tmp_path, inputs, name="real", **kw)

@@ -8,8 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from preprocess_helpers import preprocess, same_bytes, write_jsonl
 
-from tokenloom.indexed import IndexedDataset
-from tokenloom.preprocess import manifest
+from tokenloom.indexed import IndexedDataset, manifest
 
 
 def test_all_formats_identical(tmp_path, docs):

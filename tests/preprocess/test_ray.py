@@ -21,7 +21,8 @@ from preprocess_helpers import preprocess, same_bytes
 from tl_testing import REPO, cli_env, one_line_error, run_cli
 
 from tokenloom.errors import TokenloomError
-from tokenloom.preprocess import PreprocessConfig, manifest, run
+from tokenloom.indexed import manifest
+from tokenloom.preprocess import PreprocessConfig, run
 
 pytest.importorskip("ray", reason="Ray not installed (pip install -e '.[ray]')")
 

@@ -8,8 +8,8 @@ import shutil
 import pytest
 from tok_helpers import TOK, load_shared, needs_shared
 
+from tokenloom.indexed.manifest import ids_key
 from tokenloom.tokenizers import TokenizerSpec, load_tokenizer
-from tokenloom.tokenizers.base import ids_key
 
 SAMPLE = "Fingerprints should travel: héllo wörld 123!"
 

@@ -12,8 +12,8 @@ import pytest
 from tok_helpers import TOK, load_shared, needs_shared
 
 from tokenloom.errors import TokenloomError
+from tokenloom.indexed.manifest import ids_key
 from tokenloom.tokenizers import load_tokenizer, use_backend
-from tokenloom.tokenizers.base import ids_key
 from tokenloom.tokenizers.gigatoken_engine import GigatokenEngine, probe_texts
 from tokenloom.tokenizers.sp import SentencePieceTokenizer
 

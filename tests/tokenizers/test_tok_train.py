@@ -10,8 +10,8 @@ import pytest
 import zstandard
 from tok_helpers import CORPORA
 
+from tokenloom.corpus.documents import iter_documents
 from tokenloom.errors import TokenloomError
-from tokenloom.preprocess.documents import iter_documents
 from tokenloom.tokenizers import TrainTokenizerConfig, load_tokenizer, train_tokenizer
 
 SHAKESPEARE = CORPORA["tinyshakespeare"]

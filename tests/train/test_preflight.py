@@ -7,8 +7,8 @@ import pytest
 from test_loop import tiny
 
 from tokenloom.errors import TokenloomError
+from tokenloom.indexed import manifest
 from tokenloom.indexed.format import IndexedDatasetWriter
-from tokenloom.preprocess import manifest
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig
 from tokenloom.train.loop import run
 from tokenloom.train.model import GPTConfig

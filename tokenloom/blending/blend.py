@@ -32,6 +32,7 @@ import numpy as np
 from tokenloom.blending import helpers
 from tokenloom.blending.gpt import GPTDataset, GPTDatasetConfig, GPTIndices, TokenSource, build_gpt_indices
 from tokenloom.blending.mock import MockSource
+from tokenloom.blending.sources import LazySource
 from tokenloom.blending.split import Bookend, Split, normalize, split_documents, split_matrix
 from tokenloom.errors import TokenloomError
 
@@ -211,8 +212,6 @@ def _name(ds: GPTDataset) -> str:
 
 
 def _open_indexed(prefix: str) -> TokenSource:
-    from tokenloom.blending.sources import LazySource
-
     return LazySource(prefix)
 
 

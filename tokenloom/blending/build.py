@@ -26,13 +26,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
+import hashlib
 import math
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -49,6 +48,7 @@ from tokenloom.blending.split import (
     split_matrix,
 )
 from tokenloom.errors import TokenloomError
+from tokenloom.indexed import manifest
 
 INDEX_FORMAT = 2  # bump when the arrays for a given key would change
 
@@ -394,70 +394,7 @@ def _bundle(ds: BlendedDataset) -> dict:
 
 
 def _array_digest(arr) -> str:
-    import hashlib
-
     return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
-
-
-# --------------------------------------------------------------------------- config -> blend
-
-
-def parse_data_args(values: list[str]) -> list[tuple[float, str]]:
-    """``["0.3", "a", "0.7", "b"]`` or ``["a", "b"]`` (equal weights) -> [(w, prefix), ...]."""
-    if not values:
-        return []
-    try:
-        float(values[0])
-        weighted = True
-    except ValueError:
-        weighted = False
-    if not weighted:
-        return [(1.0, v) for v in values]
-    if len(values) % 2:
-        raise TokenloomError(
-            f"--data takes WEIGHT PREFIX pairs; got an odd number of values: {' '.join(values)}"
-        )
-    pairs = []
-    for w, p in zip(values[::2], values[1::2], strict=True):
-        try:
-            pairs.append((float(w), p))
-        except ValueError:
-            raise TokenloomError(f"--data: {w!r} is not a weight (expected WEIGHT PREFIX pairs)") from None
-    return pairs
-
-
-def load_blend_file(path: str) -> dict:
-    """A YAML or JSON blend file: {"data": [[w, prefix], ...]} or {"train": [...], "valid": [...], ...}."""
-    text = Path(path).read_text(encoding="utf-8")
-    try:
-        doc = json.loads(text)  # JSON first: a YAML parser takes seconds on a blend of 10,000 sources
-    except ValueError:
-        try:
-            import yaml
-
-            doc = yaml.safe_load(text)
-        except Exception as exc:  # noqa: BLE001 - yaml's errors have many types
-            raise TokenloomError(f"{path}: not valid YAML/JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise TokenloomError(f"{path}: expected a mapping with 'data' or per-split keys")
-
-    def pairs(entries, where):
-        out = []
-        for e in entries or []:
-            if isinstance(e, dict) and "prefix" in e:
-                out.append((float(e.get("weight", 1.0)), str(e["prefix"])))
-            elif isinstance(e, (list, tuple)) and len(e) == 2:
-                out.append((float(e[0]), str(e[1])))
-            else:
-                raise TokenloomError(f"{path}: {where}: each entry is [weight, prefix] or {{weight, prefix}}")
-        return out
-
-    if "data" in doc:
-        return {"data": pairs(doc["data"], "data")}
-    unknown = set(doc) - {"train", "valid", "test"}
-    if unknown:
-        raise TokenloomError(f"{path}: unknown keys {sorted(unknown)} (use 'data' or train/valid/test)")
-    return {"data_per_split": {k: pairs(v, k) for k, v in doc.items()}}
 
 
 def _blend(pairs: list[tuple[float, str]], exhaustive: bool) -> Blend:
@@ -467,15 +404,13 @@ def _blend(pairs: list[tuple[float, str]], exhaustive: bool) -> Blend:
 
 def check_tokenizers(metas: dict[str, SourceMeta]) -> str | None:
     """Refuse sources made with tokenizers that give different ids (compared by
-    :func:`~tokenloom.tokenizers.base.ids_key`, so file names do not matter); the common
+    :func:`~tokenloom.indexed.manifest.ids_key`, so file names do not matter); the common
     key (None if no source has a manifest)."""
     seen: dict[str, list[str]] = {}
     for prefix, meta in metas.items():
         if meta.tokenizer is not None:
             seen.setdefault(meta.tokenizer, []).append(prefix)
     if len(seen) > 1:
-        from tokenloom.preprocess import manifest
-
         def name(prefix: str) -> str:
             try:
                 return manifest.tokenizer_name(manifest.read(prefix)["tokenizer"])
@@ -659,75 +594,3 @@ def _plan_rows(builder, split: Split, ds) -> list[SourceRow]:
     ]
 
 
-def format_plan(result: BuildResult, cfg: BuildConfig) -> str:
-    head = (
-        "split",
-        "source",
-        "documents",
-        "tokens",
-        "requested",
-        "realised",
-        "samples",
-        "epochs",
-        "cache key",
-    )
-    rows = [head] + [
-        (
-            r.split,
-            r.prefix,
-            str(r.documents),
-            str(r.tokens),
-            f"{r.requested:.4f}",
-            f"{r.realised:.4f}",
-            str(r.samples),
-            str(r.epochs),
-            r.cache_key,
-        )
-        for r in result.plan
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    totals = ", ".join(
-        f"{s.name} {len(d)}" for s, d in zip(Split, result.datasets, strict=True) if d is not None
-    )
-    lines.append(
-        f"samples of {cfg.seq_length}+1 tokens: {totals}; mode {cfg.mode}; "
-        f"cache {cfg.cache_dir or 'off'} ({result.builds} built, {result.hits} loaded)"
-    )
-    return "\n".join(lines)
-
-
-def plot_plan(result: BuildResult, path: str) -> None:
-    """Bar chart of requested vs realised share per source and split."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    splits = sorted({r.split for r in result.plan}, key=lambda s: Split[s])
-    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)
-    for ax, split in zip(axes[0], splits, strict=True):
-        rows = [r for r in result.plan if r.split == split]
-        x = np.arange(len(rows))
-        ax.bar(x - 0.2, [r.requested for r in rows], 0.4, label="requested")
-        ax.bar(x + 0.2, [r.realised for r in rows], 0.4, label="realised")
-        ax.set_xticks(x, [Path(r.prefix).name for r in rows], rotation=30, ha="right")
-        ax.set_title(f"{split} (epochs: {', '.join(str(r.epochs) for r in rows)})")
-        ax.set_ylabel("share of samples")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plan_json(result: BuildResult) -> str:
-    return json.dumps(
-        {
-            "plan": [dict(vars(r)) for r in result.plan],  # flat rows: asdict's deep copy takes seconds at 10k
-            "keys": result.keys,
-            "fingerprint": result.fingerprint,
-            "builds": result.builds,
-            "hits": result.hits,
-        },
-        indent=2,
-    )

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import blake3
 import numpy as np
+from numpy.lib import format as npy
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import fsync_dir, os_error_message, pid_alive
@@ -91,8 +92,6 @@ class _HashingWriter:
 
 def _save_parts(f, parts: list[np.ndarray]) -> None:
     """One ``.npy`` holding ``np.concatenate(parts)`` (as ``np.save`` would write it), streamed."""
-    from numpy.lib import format as npy
-
     first = parts[0]
     shape = (sum(len(p) for p in parts), *first.shape[1:])
     npy.write_array_header_1_0(f, {"descr": npy.dtype_to_descr(first.dtype), "fortran_order": False, "shape": shape})

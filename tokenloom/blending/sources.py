@@ -38,6 +38,12 @@ import numpy as np
 from tokenloom.blending.cache import write_error
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import hash_file
+from tokenloom.indexed import (
+    IndexedDataset,  # the reader lives one stage up
+    manifest,
+)
+from tokenloom.indexed.format import read_header
+from tokenloom.indexed.manifest import ids_key
 
 MEMO_FILE = "sources.jsonl"
 
@@ -82,10 +88,6 @@ def _stamp(prefix: str) -> str:
 
 
 def _compute(prefix: str) -> SourceMeta:
-    from tokenloom.indexed.format import read_header
-    from tokenloom.preprocess import manifest
-    from tokenloom.tokenizers.base import ids_key
-
     _, sequences, document_indices = read_header(f"{prefix}.idx")
     h = blake3.blake3()
     for path in (Path(f"{prefix}.idx"), Path(f"{prefix}.manifest.json")):
@@ -179,8 +181,6 @@ class _OpenPool:
             if ds is not None:
                 self.open.move_to_end(prefix)
                 return ds
-        from tokenloom.indexed import IndexedDataset  # the reader lives one stage up
-
         ds = IndexedDataset(prefix)
         len(ds)  # open and validate now, outside the lock
         with self.lock:
@@ -211,8 +211,6 @@ class LazySource:
     def __init__(self, prefix: str, meta: SourceMeta | None = None):
         self.path_prefix = prefix
         if meta is None:
-            from tokenloom.indexed.format import read_header
-
             self._len = read_header(f"{prefix}.idx")[1]
         else:
             self._len = meta.sequences

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import functools
 import mmap
 import os
@@ -225,8 +226,6 @@ _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
 def _sync_file_range():
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
-
     try:
         function = ctypes.CDLL(None, use_errno=True).sync_file_range
     except AttributeError:

@@ -35,7 +35,7 @@ import os
 from tokenloom import objstore
 from tokenloom.fsio import fsync_dir
 from tokenloom.indexed.format import data_path, index_path
-from tokenloom.preprocess.manifest import manifest_path, manifest_url
+from tokenloom.indexed.manifest import manifest_path, manifest_url
 
 
 def uncommit(prefix: str | os.PathLike) -> None:

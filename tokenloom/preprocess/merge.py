@@ -19,9 +19,9 @@ import os
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import os_error_message, remove_dead_temps
+from tokenloom.indexed import manifest
 from tokenloom.indexed import merge as merge_indexed
 from tokenloom.indexed.format import data_path, index_path, normalize_prefix
-from tokenloom.preprocess import manifest
 from tokenloom.preprocess.commit import uncommit
 
 

@@ -60,30 +60,21 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import hashlib
 import itertools
 import json
 import os
 import shutil
 import stat
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
+from tqdm import tqdm
 
 from tokenloom import objstore
-from tokenloom.errors import TokenloomError
-from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
-from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
-from tokenloom.preprocess import manifest
-from tokenloom.preprocess.commit import publish_dataset
-from tokenloom.preprocess.documents import MISSING_KEY
-from tokenloom.preprocess.hashing import InputHasher
-from tokenloom.preprocess.pool import OrderedPool, WorkerDied, fork_or_spawn
-from tokenloom.preprocess.readers import (
+from tokenloom.corpus.documents import MISSING_KEY
+from tokenloom.corpus.readers import (
     Chunk,
     ChunkReader,
     Input,
@@ -91,8 +82,40 @@ from tokenloom.preprocess.readers import (
     Position,
     discover,
     shard_inputs,
-    text_expansion,
 )
+from tokenloom.errors import TokenloomError
+from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
+from tokenloom.indexed import manifest
+from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
+from tokenloom.preprocess import worker
+from tokenloom.preprocess.checkpoint import (
+    CHECKPOINT_FORMAT,
+    STAGED_FORMAT,
+    Checkpoint,
+    config_digest,
+    input_stats,
+)
+from tokenloom.preprocess.commit import publish_dataset
+from tokenloom.preprocess.config import (
+    Counts,
+    PreprocessConfig,
+    check_options,
+    output_prefixes,
+    resolve_shard,
+    run_prefix,
+    staging_path,
+)
+from tokenloom.preprocess.hashing import InputHasher
+from tokenloom.preprocess.pool import OrderedPool, WorkerDied, fork_or_spawn
+from tokenloom.preprocess.space import (
+    SpaceEstimate,
+    check_space,
+    estimate_output,
+    megabytes,
+    sample_chunks,
+    stored_bytes,
+)
+from tokenloom.preprocess.summary import format_summary, summarize
 from tokenloom.preprocess.worker import (
     EncodedChunk,
     EncodeOptions,
@@ -100,196 +123,6 @@ from tokenloom.preprocess.worker import (
     encode_in_worker,
     init,
 )
-
-CHECKPOINT_FORMAT = "tokenloom.preprocess-checkpoint/1"
-STAGED_FORMAT = "tokenloom.preprocess-staged/1"
-
-
-@dataclass(kw_only=True)
-class PreprocessConfig:
-    inputs: list[str]
-    """Input files, globs or HF datasets directories: jsonl, jsonl.gz, jsonl.zst, parquet, txt; files and globs may be s3:// URLs (repeatable)."""
-    output_prefix: str
-    """Output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.manifest.json (a local path or s3://bucket/key)."""
-    tokenizer: str | None = None
-    """Tokenizer file or directory (tokenizer.json, vocab.json+merges.txt, vocab.txt, .model, .tiktoken)."""
-    tokenizer_type: str | None = None
-    """Force the tokenizer kind instead of detecting it from the files (e.g. byte, null, hf, tiktoken)."""
-    json_keys: list[str] = field(default_factory=lambda: ["text"])
-    """Keys (columns) to tokenize; several keys give one output per key."""
-    append_eod: bool = False
-    """Append the tokenizer's EOD id to every non-empty document."""
-    prepend_bos: bool = False
-    """Prepend the tokenizer's BOS id to every non-empty document."""
-    workers: int = 0
-    """Tokenizer worker processes (0: one per CPU core; with --executor ray: per task, 0 meaning 1)."""
-    txt_unit: str = "file"
-    """What one document is in a .txt input: file, paragraph (blank-line separated) or line."""
-    megatron_names: bool = False
-    """Name outputs PREFIX_<key>_document like Megatron's preprocess_data.py."""
-    num_shards: int | None = None
-    """Split the inputs into this many shards (default: $WORLD_SIZE or $SLURM_NTASKS, else 1; with --executor ray: one per input)."""
-    shard_index: int | None = None
-    """Which shard this process writes (default: $RANK or $SLURM_PROCID, else 0)."""
-    max_bad_fraction: float | None = None
-    """Quarantine bad records into PREFIX.rejects.jsonl and fail only above this fraction (default: stop at the first)."""
-    # 4 MiB: gigatoken builds an awkward array per call, a visible part of a small chunk's encode;
-    # 8 MiB is slower (the last chunks leave a worker idle longer); see bench/RESULTS.md, notes
-    chunk_bytes: int = 4 << 20
-    """Text bytes per work unit sent to a worker (larger: less per-unit overhead, more memory in flight, two units per worker)."""
-    checkpoint_interval: float = 60.0
-    """Seconds between resume checkpoints."""
-    check_space: bool = True
-    """Check that the output disk can hold the estimated output before starting."""
-    progress: bool = True
-    """Show a progress bar on stderr."""
-    executor: str = "local"
-    """Where the job runs: local (processes on this machine) or ray (one task per shard on a Ray cluster, merged into one output; the [ray] extra)."""
-    ray_address: str | None = None
-    """Ray cluster for --executor ray, HOST:PORT (default: $RAY_ADDRESS, else a local Ray started for the job)."""
-    ray_retries: int = 3
-    """With --executor ray: times a task whose worker process died (killed, out of memory, lost node) is rerun."""
-    staging_dir: str | None = None
-    """Local directory where an s3:// output is completed (and resumed) before upload; it must hold the whole output (default: the system temp dir)."""
-
-
-@dataclass
-class Counts:
-    records: int = 0
-    documents: int = 0
-    bad_records: int = 0
-    bytes_in: int = 0
-    text_bytes: int = 0
-    per_key: dict = field(default_factory=dict)  # key -> {documents, empty_documents, sequences, tokens}
-
-
-# --------------------------------------------------------------------------- planning
-
-
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                raise TokenloomError(f"${name}={value!r} is not an integer") from None
-    return None
-
-
-def resolve_shard(cfg: PreprocessConfig) -> tuple[int, int]:
-    n = cfg.num_shards if cfg.num_shards is not None else (_env_int("WORLD_SIZE", "SLURM_NTASKS") or 1)
-    i = cfg.shard_index if cfg.shard_index is not None else (_env_int("RANK", "SLURM_PROCID") or 0)
-    if n < 1:
-        raise TokenloomError(f"--num-shards must be >= 1, got {n}")
-    return n, i
-
-
-def run_prefix(cfg: PreprocessConfig, num_shards: int, shard_index: int) -> str:
-    """The prefix of this run's own files (rejects, partial state): the output prefix, per shard."""
-    if num_shards > 1:
-        return f"{cfg.output_prefix}-shard{shard_index:05d}-of-{num_shards:05d}"
-    return cfg.output_prefix
-
-
-def output_prefixes(cfg: PreprocessConfig, num_shards: int, shard_index: int) -> dict[str, str]:
-    base = run_prefix(cfg, num_shards, shard_index)
-    if cfg.megatron_names:
-        return {k: f"{base}_{k}_document" for k in cfg.json_keys}
-    if len(cfg.json_keys) == 1:
-        return {cfg.json_keys[0]: base}
-    return {k: f"{base}_{k}" for k in cfg.json_keys}
-
-
-SAMPLE_INPUTS = 8
-SAMPLE_BYTES = 1 << 20
-
-
-@dataclass
-class SpaceEstimate:
-    """Output size extrapolated from tokenizing a sample: bytes of ``.bin`` and of ``.idx`` files."""
-
-    bin_bytes: int
-    idx_bytes: int
-
-    @property
-    def output(self) -> int:
-        return self.bin_bytes + self.idx_bytes
-
-    @property
-    def peak(self) -> int:
-        """What the run holds at most: the output plus the checkpoint's copy of the index."""
-        return self.bin_bytes + 2 * self.idx_bytes
-
-
-def sample_chunks(inputs: list[Input], keys: list[str], txt_unit: str) -> list[tuple[Input, Chunk]]:
-    """The first chunk of up to ``SAMPLE_INPUTS`` inputs spread over the list (~``SAMPLE_BYTES`` of text)."""
-    if not inputs:
-        return []
-    picks = sorted({round(x) for x in np.linspace(0, len(inputs) - 1, min(SAMPLE_INPUTS, len(inputs)))})
-    samples = []
-    for k in picks:
-        chunks = ChunkReader([inputs[k]], keys, max(1 << 16, SAMPLE_BYTES // len(picks)), txt_unit=txt_unit).chunks()
-        first = next(chunks, None)
-        chunks.close()
-        if first is not None and first.raw_bytes:
-            samples.append((inputs[k], first))
-    return samples
-
-
-def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk, int]], itemsize: int,
-                    num_keys: int) -> SpaceEstimate:
-    """Extrapolate sampled (input, encoded chunk, raw bytes read) to every input, per input format.
-
-    Costs one tokenized chunk per sampled input (~1 MiB of text in all). The sample is
-    the start of each file, so a corpus whose documents change character along a file is
-    estimated from its beginning (on the shared corpora it lands close; see bench/RESULTS.md).
-    """
-    by_format: dict[str, np.ndarray] = {}
-    for inp, result, raw in samples:
-        if raw <= 0:  # nothing decodable in the sample (a corrupt input, reported when it is read)
-            continue
-        tokens = sum(int(o.tokens.size) for o in result.outputs.values())
-        index = sum(12 * len(o.sequence_lengths) + 8 * len(o.sequences_per_document) for o in result.outputs.values())
-        by_format[inp.format] = by_format.get(inp.format, np.zeros(3)) + (tokens * itemsize, index, raw)
-    total = sum(by_format.values()) if by_format else np.array([0.0, 0.0, 1.0])
-    bin_bytes, idx_bytes = 0.0, float((34 + 8) * num_keys)
-    for inp in inputs:
-        b, i, raw = by_format.get(inp.format, total)
-        bin_bytes += inp.size * b / raw
-        idx_bytes += inp.size * i / raw
-    return SpaceEstimate(int(bin_bytes), int(idx_bytes))
-
-
-def _stored_bytes(inp: Input, chunk: Chunk) -> float:
-    """The input bytes a chunk's records take on disk (compressed inputs: their text over the expansion)."""
-    if not inp.compressed:
-        return chunk.raw_bytes
-    text = sum(map(len, chunk.lines)) + sum(len(v) for values in chunk.columns.values() for v in values)
-    return text / max(text_expansion(inp), 1e-9)
-
-
-def _check_space(partial: Path, estimate: SpaceEstimate, staging: bool = False) -> None:
-    """Refuse to start when the disk of ``partial`` cannot hold the run (an object-store output is
-    completed in a local ``staging`` folder first: that disk must hold it all)."""
-    directory = os.path.dirname(os.path.abspath(partial))
-    free = shutil.disk_usage(directory).free
-    if estimate.peak > free:
-        where = "the local staging folder of the object-store output " if staging else ""
-        elsewhere = "put it elsewhere with --staging-dir, " if staging else ""
-        raise TokenloomError(f"not enough disk space in {where}{directory}: the output is estimated at "
-                             f"{_megabytes(estimate.output)} ({_megabytes(estimate.peak)} while running) but only "
-                             f"{_megabytes(free)} are free (free space, {elsewhere}or pass --no-space-check)")
-
-
-def _megabytes(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
-
-
-def _input_stats(inputs: list[Input]) -> list[tuple]:
-    """(path, format, size, version) per input: an object's ETag, a local file's mtime."""
-    return [(i.path, i.format, i.size, i.version if objstore.is_url(i.path) else os.stat(i.path).st_mtime_ns)
-            for i in inputs]
 
 
 def _check_unchanged(inputs: list[Input], stats: list[tuple]) -> None:
@@ -301,63 +134,6 @@ def _check_unchanged(inputs: list[Input], stats: list[tuple]) -> None:
         now = os.stat(inp.path)  # a datasets directory: its own mtime (its size is its files')
         if now.st_mtime_ns != mtime or (not stat.S_ISDIR(now.st_mode) and now.st_size != size):
             raise TokenloomError(f"{inp.path}: changed while being read; rerun when it is complete")
-
-
-def _config_digest(cfg: PreprocessConfig, stats: list[tuple], tokenizer_fp: dict, shard) -> str:
-    shape = {k: v for k, v in asdict(cfg).items()
-             if k not in ("workers", "chunk_bytes", "checkpoint_interval", "check_space", "progress",
-                          "executor", "ray_address", "ray_retries", "staging_dir")}
-    blob = json.dumps([stats, tokenizer_fp["digest"], shape, shard], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def check_options(cfg: PreprocessConfig) -> None:
-    """Refuse option values no run can use (before any work, also in a driver of many runs)."""
-    if not cfg.json_keys:
-        raise TokenloomError("--json-keys needs at least one key")
-    if cfg.max_bad_fraction is not None and not 0 <= cfg.max_bad_fraction <= 1:
-        raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
-    if cfg.workers < 0:
-        raise TokenloomError(f"--workers must be >= 0, got {cfg.workers}")
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-class _Checkpoint:
-    """One atomic ``checkpoint.npz`` in the partial directory: writer arrays + JSON state."""
-
-    def __init__(self, directory: Path):
-        self.dir = directory
-        self.path = directory / "checkpoint.npz"
-
-    def save(self, state: dict, writers: dict[str, IndexedDatasetWriter], rejects) -> None:
-        arrays = {}
-        for n, writer in enumerate(writers.values()):
-            for name, arr in writer.checkpoint().items():
-                arrays[f"w{n}_{name}"] = arr
-        if rejects is not None:
-            rejects.flush()
-            os.fsync(rejects.fileno())
-            state["rejects_bytes"] = rejects.tell()
-        arrays["state"] = np.frombuffer(json.dumps(state).encode(), dtype=np.uint8)
-        with atomic_writer(self.path) as f:
-            np.savez(f, **arrays)
-
-    def load(self) -> tuple[dict, list[dict]] | None:
-        if not self.path.exists():
-            return None
-        try:
-            with np.load(self.path, allow_pickle=False) as data:
-                state = json.loads(bytes(data["state"]).decode())
-                writers = [{name: data[f"w{n}_{name}"] for name in ("lengths", "document_indices", "bin_bytes")}
-                           for n in range(len(state["keys"]))]
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"warning: ignoring unreadable checkpoint {self.path} ({exc})", file=sys.stderr)
-            return None
-        if state.get("format") != CHECKPOINT_FORMAT:
-            return None
-        return state, writers
 
 
 # --------------------------------------------------------------------------- the run
@@ -384,7 +160,7 @@ class _Run:
             raise
 
     def _setup(self, cfg: PreprocessConfig) -> None:
-        from tokenloom.tokenizers import load_tokenizer
+        from tokenloom.tokenizers import load_tokenizer  # lazy: start-up time (merge loads no tokenizer)
 
         self.tokenizer = tok = load_tokenizer(cfg.tokenizer, kind=cfg.tokenizer_type)
         if cfg.append_eod and tok.eod is None:
@@ -401,8 +177,8 @@ class _Run:
         self.partial = staging_path(base, cfg.staging_dir) if self.remote else Path(f"{base}.partial")
         self.staged_marker = self.partial / "staged.json"
         self.rejects_path = f"{base}.rejects.jsonl"
-        self.input_stats = _input_stats(self.inputs)
-        self.digest = _config_digest(cfg, self.input_stats, self.fingerprint, [self.num_shards, self.shard_index])
+        self.input_stats = input_stats(self.inputs)
+        self.digest = config_digest(cfg, self.input_stats, self.fingerprint, [self.num_shards, self.shard_index])
         self.workers = cfg.workers or os.cpu_count() or 1
         self.counts = Counts(per_key={k: {"documents": 0, "empty_documents": 0, "sequences": 0, "tokens": 0}
                                       for k in cfg.json_keys})
@@ -450,7 +226,7 @@ class _Run:
         return True
 
     def open_outputs(self) -> Position:
-        ckpt = _Checkpoint(self.partial)
+        ckpt = Checkpoint(self.partial)
         loaded = ckpt.load() if self.partial.exists() else None
         if loaded and loaded[0].get("digest") != self.digest:
             self.echo(f"note: {self.partial} belongs to a different command; starting afresh")
@@ -492,7 +268,7 @@ class _Run:
 
     def estimate(self, samples: list[tuple[Input, Chunk]], encoded: list[tuple[Chunk, EncodedChunk]]) -> SpaceEstimate:
         """Extrapolate the output's size from the tokenized ``samples`` (:func:`sample_chunks`)."""
-        return estimate_output(self.inputs, [(inp, result, _stored_bytes(inp, chunk)) for (inp, _), (chunk, result)
+        return estimate_output(self.inputs, [(inp, result, stored_bytes(inp, chunk)) for (inp, _), (chunk, result)
                                              in zip(samples, encoded, strict=True)], self.dtype.itemsize,
                                len(self.outputs))
 
@@ -603,7 +379,7 @@ class _Run:
         and may be what filled the disk. Staged index and manifest files go too.
         """
         self.close_files()
-        loaded = _Checkpoint(self.partial).load() if self.partial.exists() else None
+        loaded = Checkpoint(self.partial).load() if self.partial.exists() else None
         if loaded is None:
             shutil.rmtree(self.partial, ignore_errors=True)
             return "rerun the same command (no checkpoint was saved yet, so it starts over)"
@@ -615,7 +391,7 @@ class _Run:
             self.staged(n, "manifest.json").unlink(missing_ok=True)
         kept = sum(f.stat().st_size for f in self.partial.iterdir() if f.is_file())
         return (f"rerun the same command to resume from the checkpoint in {self.partial} "
-                f"({state['counts']['records']} records done, {_megabytes(kept)} kept there)")
+                f"({state['counts']['records']} records done, {megabytes(kept)} kept there)")
 
 
 def start_pool(run: _Run) -> OrderedPool | None:
@@ -641,8 +417,6 @@ def start_pool(run: _Run) -> OrderedPool | None:
 def _results(run: _Run, chunks, pool: OrderedPool | None):
     """Yield (chunk, EncodedChunk) in input order; at most 2 x workers chunks in flight."""
     if pool is None:
-        from tokenloom.preprocess import worker
-
         worker.set_tokenizer(run.tokenizer)
         for chunk in chunks:
             yield chunk, encode_chunk(chunk, run.opts)
@@ -689,7 +463,9 @@ def run(cfg: PreprocessConfig, echo=print, done_marker: Path | None = None) -> d
         what = exc if isinstance(exc, objstore.StoreError) else os_error_message(exc, r.partial)
         raise TokenloomError(f"{what}; then rerun the same command to finish publishing from {r.partial}") from None
     elapsed = time.perf_counter() - start
-    summary = _summary(r, elapsed)
+    summary = summarize(outputs=r.outputs, inputs=len(r.inputs), shard=(r.shard_index, r.num_shards),
+                        tokenizer=r.tokenizer, fingerprint=r.fingerprint, dtype=r.dtype, counts=r.counts,
+                        elapsed=elapsed)
     if done_marker is not None:
         try:
             with atomic_writer(done_marker) as f:
@@ -702,8 +478,6 @@ def run(cfg: PreprocessConfig, echo=print, done_marker: Path | None = None) -> d
 
 def _tokenize(r: _Run) -> None:
     """Read, encode and write every input, then stage the outputs (see the module docstring for faults)."""
-    from tqdm import tqdm
-
     cfg, start = r.cfg, time.perf_counter()
     pool, bar = None, None
     try:
@@ -717,7 +491,7 @@ def _tokenize(r: _Run) -> None:
         reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)
         results = _results(r, itertools.chain((chunk for _, chunk in samples), reader.chunks(position)), pool)
         if samples:  # their results come first; the pool works on the first chunks meanwhile, nothing is written
-            _check_space(r.partial, r.estimate(samples, [next(results) for _ in samples]), staging=r.remote)
+            check_space(r.partial, r.estimate(samples, [next(results) for _ in samples]), staging=r.remote)
         numbering = LineNumbers(position)
         last_ckpt = time.monotonic()
         for chunk, result in results:
@@ -760,41 +534,3 @@ def _tokenize(r: _Run) -> None:
             pool.close()
 
 
-def staging_path(prefix: str, staging_dir: str | None) -> Path:
-    """The local ``.partial`` folder of an object-store output: one folder per output URL."""
-    root = Path(staging_dir or tempfile.gettempdir())
-    key = hashlib.sha256(prefix.encode()).hexdigest()[:16]
-    return root / f"tokenloom-staging-{key}" / f"{prefix.rstrip('/').rsplit('/', 1)[-1]}.partial"
-
-
-def _summary(r: _Run, elapsed: float) -> dict:
-    c = r.counts
-    tokens = sum(k["tokens"] for k in c.per_key.values())
-    return {
-        "outputs": {k: r.outputs[k] for k in r.outputs},
-        "inputs": len(r.inputs),
-        "shard": f"{r.shard_index + 1}/{r.num_shards}",
-        "tokenizer": f"{r.tokenizer.kind} (vocab {r.tokenizer.vocab_size}, {r.fingerprint['digest'][:12]})",
-        "dtype": str(r.dtype),
-        "records": c.records,
-        "bad_records": c.bad_records,
-        "per_key": c.per_key,
-        "tokens": tokens,
-        "bytes_in": c.bytes_in,
-        "seconds": round(elapsed, 3),
-        "tokens_per_second": round(tokens / max(elapsed, 1e-9)),
-        "input_mb_per_second": round(c.bytes_in / 1e6 / max(elapsed, 1e-9), 2),
-    }
-
-
-def format_summary(summary: dict) -> str:
-    rows = [("output", ", ".join(f"{k}: {v}" for k, v in summary["outputs"].items()))]
-    rows += [(k, str(summary[k])) for k in ("inputs", "shard", "tokenizer", "dtype", "records", "bad_records")]
-    for key, c in summary["per_key"].items():
-        rows.append((f"[{key}] documents", f"{c['documents']} ({c['empty_documents']} empty)"))
-        rows.append((f"[{key}] sequences / tokens", f"{c['sequences']} / {c['tokens']}"))
-    rows += [("input", f"{summary['bytes_in'] / 1e6:.2f} MB"), ("time", f"{summary['seconds']:.2f} s"),
-             ("throughput", f"{summary['tokens_per_second'] / 1e3:.1f}k tokens/s, "
-                            f"{summary['input_mb_per_second']:.2f} MB/s")]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

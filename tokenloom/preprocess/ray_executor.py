@@ -7,7 +7,7 @@
 Policy and its costs:
 
 * Same bytes as a single-process run: shards are contiguous runs of inputs
-  (:func:`~tokenloom.preprocess.readers.shard_inputs`) and are merged in index order,
+  (:func:`~tokenloom.corpus.readers.shard_inputs`) and are merged in index order,
   which is the single run's document order. The merged manifest lists the shards.
 * One task per input file by default (``--num-shards`` sets another count). Small
   tasks balance load and make a retry cheap; each task loads the tokenizer once, which
@@ -31,6 +31,7 @@ Policy and its costs:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -39,20 +40,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from tqdm import tqdm
+
 from tokenloom import objstore
+from tokenloom.corpus.readers import discover, shard_inputs
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
-from tokenloom.preprocess import manifest
+from tokenloom.indexed import manifest
+from tokenloom.preprocess.config import PreprocessConfig, check_options, output_prefixes, run_prefix
 from tokenloom.preprocess.merge import merge
-from tokenloom.preprocess.pipeline import (
-    PreprocessConfig,
-    check_options,
-    format_summary,
-    output_prefixes,
-    run_prefix,
-)
 from tokenloom.preprocess.pipeline import run as run_local
-from tokenloom.preprocess.readers import discover, shard_inputs
+from tokenloom.preprocess.summary import format_summary
 
 CONNECT_TIMEOUT = 10.0
 
@@ -106,7 +104,7 @@ def run_shard(cfg: PreprocessConfig) -> dict:
 
 def _import_ray():
     try:
-        import ray
+        import ray  # lazy: optional dependency, the [ray] extra
     except ImportError:
         raise TokenloomError("--executor ray needs Ray: pip install 'tokenloom[ray]'") from None
     return ray
@@ -118,8 +116,6 @@ def _connect(ray, cfg: PreprocessConfig) -> None:
     A host:port address is probed first: Ray itself keeps retrying an unreachable
     address for minutes before it gives up.
     """
-    import logging
-
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
     flag = "--ray-address" if cfg.ray_address else "$RAY_ADDRESS"
     if address and address.startswith("ray://"):
@@ -148,8 +144,6 @@ def _connect(ray, cfg: PreprocessConfig) -> None:
 
 def _run_tasks(ray, cfg, task_cfg, shards, inputs, num_shards, echo) -> dict[int, dict]:
     """Submit one task per shard and wait for all, with a progress bar over input bytes."""
-    from tqdm import tqdm
-
     task = ray.remote(run_shard).options(num_cpus=task_cfg.workers, max_retries=cfg.ray_retries,
                                          retry_exceptions=False)
     pending = {task.remote(replace(task_cfg, shard_index=i)): i for i in shards}
@@ -175,7 +169,7 @@ def _run_tasks(ray, cfg, task_cfg, shards, inputs, num_shards, echo) -> dict[int
 
 
 def _result(ray, ref, shard: int, num_shards: int, cfg: PreprocessConfig) -> dict:
-    from ray.exceptions import RayError, RayTaskError
+    from ray.exceptions import RayError, RayTaskError  # lazy: optional dependency, the [ray] extra
 
     try:
         return ray.get(ref)

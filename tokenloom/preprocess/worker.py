@@ -20,6 +20,7 @@ no orphan tokenizing for nobody. Elsewhere the pool's own shutdown is all there 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenloom.preprocess.documents import decode_chunk
-from tokenloom.preprocess.readers import Chunk
+from tokenloom.corpus.documents import decode_chunk
+from tokenloom.corpus.readers import Chunk
 
 _TOKENIZER = None
 _INIT_ERROR: BaseException | None = None
@@ -70,8 +71,6 @@ class EncodedChunk:
 def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when its parent exits (Linux); exit now if the parent is already gone."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the prctl: nobody will read our results
         os._exit(1)
@@ -93,7 +92,7 @@ def init(spec, inherited=None, parent_pid: int | None = None) -> None:
         if inherited is not None:
             _TOKENIZER = inherited.single_threaded()
         else:
-            from tokenloom.tokenizers import load_tokenizer
+            from tokenloom.tokenizers import load_tokenizer  # lazy: start-up time (merge loads no tokenizer)
 
             _TOKENIZER = load_tokenizer(spec.with_options(num_threads=1))
     except Exception as exc:  # noqa: BLE001 - re-raised in encode_in_worker

@@ -15,7 +15,7 @@ choice with its reason (``backend``, ``backend_reason``) are reported next to th
 but are not part of it, because the ids are the same.
 The digest tells one tokenizer setup from another (it keys caches and resumes).
 Checks that ask "do these ids mean the same tokens?" (blending sources, merging
-shards) compare :func:`ids_key` instead, which also drops the file names: the same
+shards) compare :func:`tokenloom.indexed.manifest.ids_key` instead, which also drops the file names: the same
 vocab and merges saved as Megatron's ``gpt2-vocab.json``/``gpt2-merges.txt`` and as
 HF's ``vocab.json``/``merges.txt`` give the same ids, so they must blend.
 """
@@ -35,7 +35,7 @@ import numpy as np
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import sha256_file  # noqa: F401 - re-exported for the backends
-from tokenloom.tokenizers.gigatoken_engine import Unsupported
+from tokenloom.tokenizers.gigatoken_engine import Unsupported, select_backend
 
 #: Options that never change the emitted ids (or are file paths, whose content is hashed in
 #: ``files``); excluded from the fingerprint digest.
@@ -145,11 +145,16 @@ class Tokenizer(abc.ABC):
     def spec(self) -> TokenizerSpec:
         return self._spec
 
-    def __reduce__(self):
-        # pickling a tokenizer sends its spec; the receiver rebuilds the backend
-        from tokenloom.tokenizers.load import load_tokenizer
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
+        """A tokenizer of this class built from ``spec``, with the backend ``spec.backend`` selects."""
+        tok = cls(spec)
+        select_backend(tok, spec.backend)
+        return tok
 
-        return load_tokenizer, (self._spec,)
+    def __reduce__(self):
+        # pickling a tokenizer sends its class and spec; the receiver rebuilds the backend
+        return type(self).from_spec, (self._spec,)
 
     def single_threaded(self) -> Tokenizer:
         """A shallow copy that encodes on the calling thread (``num_threads=1``).
@@ -189,17 +194,3 @@ class Tokenizer(abc.ABC):
     def __repr__(self) -> str:
         name = Path(self._spec.path).name if self._spec.path else ""
         return f"<{type(self).__name__} kind={self.kind} {name} vocab_size={self.vocab_size} eod={self.eod}>"
-
-
-def ids_key(fingerprint: dict) -> str:
-    """A digest of what decides the ids, from a :meth:`Tokenizer.fingerprint` (live or read
-    back from any manifest): kind, the contents of the files read (their sha256s, sorted;
-    names dropped), vocab size, eod/bos/pad and the id options. Equal keys mean equal ids
-    for the same text. A fingerprint without ``files`` (written by hand) falls back to its
-    ``digest``."""
-    if "files" not in fingerprint:
-        return str(fingerprint.get("digest"))
-    core = {k: fingerprint.get(k) for k in ("kind", "vocab_size", "eod", "bos", "pad", "options")}
-    core["files"] = sorted(fingerprint["files"].values())
-    blob = json.dumps(core, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()

@@ -44,11 +44,14 @@ import logging
 import os
 import random
 import re
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+import regex
 
 from tokenloom.errors import TokenloomError
 
@@ -100,7 +103,7 @@ class GigatokenEngine:
         # gigatoken returns awkward arrays: import it here, in the process that loads the tokenizer,
         # so forked preprocess workers inherit it (imported in each worker it cost every worker a
         # start-up at the start of every run, the workers importing at once on the same cores)
-        import awkward  # noqa: F401
+        import awkward  # lazy: in the loading process, before workers fork (above)  # noqa: F401
 
         self.model = source.model
         # One regex for the escape strings (Mistral v3 has 750 control pieces), longest first. The
@@ -180,10 +183,6 @@ def unicode_suspects() -> str:
     not in this Python's ``unicodedata`` (Unicode 15+: CJK Extensions H-J, ...; an older split
     regex does not see them as letters). All lie below U+40000. Trade-off: ~30k characters probed
     on load (a fraction of a second) instead of a list of ranges that ages with each Unicode."""
-    import unicodedata
-
-    import regex
-
     everything = "".join(map(chr, range(0xD800))) + "".join(map(chr, range(0xE000, 0x40000)))
     marks = regex.findall(r"\P{ccc=0}", everything)
     newer = [c for c in regex.findall(r"[^\p{Cn}\p{Co}]", everything) if unicodedata.category(c) == "Cn"]
@@ -276,9 +275,6 @@ def _checker_digest() -> str:
 
 
 def _library_versions() -> dict[str, str]:
-    import unicodedata
-    from importlib.metadata import PackageNotFoundError, version
-
     found = {"unicodedata": unicodedata.unidata_version}
     for name in ("gigatoken", "tokenizers", "tiktoken", "sentencepiece", "regex"):
         try:

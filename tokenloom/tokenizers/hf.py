@@ -46,8 +46,10 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import tiktoken
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers.implementations import BertWordPieceTokenizer
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec, flatten, resolve_threads, sha256_file
@@ -190,7 +192,7 @@ class HFTokenizer(_HFBase):
 
     def gigatoken_source(self) -> GigatokenSource:
         """The same tokenizer.json in gigatoken (BPE models only; WordPiece/Unigram raise)."""
-        import gigatoken
+        import gigatoken  # lazy: start-up time, gigatoken loads only when its engine is tried
 
         return GigatokenSource(gigatoken.Tokenizer.from_json(self.json_path.read_bytes()), self.added_tokens())
 
@@ -365,8 +367,6 @@ class GPT2BPETokenizer(_HFBase):
         gigatoken self-check verdict is cached never encodes with it, unless a text holds an
         escape."""
         if self._enc is None:
-            import tiktoken
-
             self._enc = tiktoken.Encoding("gpt2", pat_str=R50K_PATTERN, mergeable_ranks=self._ranks(),
                                           special_tokens={"<|endoftext|>": self._vocab["<|endoftext|>"]})
         return self._enc
@@ -410,7 +410,7 @@ class GPT2BPETokenizer(_HFBase):
         file, no special tokens, as ``encode_ordinary``), any other as the tokenizer.json of the
         reference model. Loading the rank file is cheaper than building the ``tokenizers`` model and
         its JSON for gigatoken at every run's start."""
-        import gigatoken
+        import gigatoken  # lazy: start-up time, gigatoken loads only when its engine is tried
 
         if self.engine != "tiktoken":
             return GigatokenSource(gigatoken.Tokenizer.from_json(self.tk.to_str()), ["<|endoftext|>", *self.added_tokens()])
@@ -460,8 +460,6 @@ class WordPieceTokenizer(_HFBase):
         if lowercase is None:
             lowercase = not any(c.isupper() for t in tokens if not t.startswith("[") for c in t)
         self.lowercase = bool(lowercase)
-        from tokenizers.implementations import BertWordPieceTokenizer
-
         self.tk = BertWordPieceTokenizer(str(path), lowercase=self.lowercase)._tokenizer
         self._set_specials(opts, path, defaults={t: i for i, t in enumerate(tokens)})
 

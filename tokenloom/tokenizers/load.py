@@ -23,7 +23,7 @@ import orjson
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.base import Tokenizer, TokenizerSpec
-from tokenloom.tokenizers.gigatoken_engine import check_backend, default_backend, select_backend
+from tokenloom.tokenizers.gigatoken_engine import check_backend, default_backend
 from tokenloom.tokenizers.hf import (
     MERGES_NAMES,
     VOCAB_NAMES,
@@ -106,9 +106,7 @@ def load_tokenizer(path_or_spec: str | Path | TokenizerSpec | Tokenizer | None =
 def _build(spec: TokenizerSpec) -> Tokenizer:
     if spec.kind not in BACKENDS:
         raise TokenloomError(f"unknown tokenizer kind {spec.kind!r}; known kinds: {', '.join(list_kinds())}")
-    tok = BACKENDS[spec.kind](spec)
-    select_backend(tok, spec.backend)
-    return tok
+    return BACKENDS[spec.kind].from_spec(spec)
 
 
 def detect_kind(path: Path) -> str:

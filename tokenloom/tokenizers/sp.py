@@ -72,7 +72,7 @@ class SentencePieceTokenizer(Tokenizer):
         """gigatoken's SentencePiece-BPE reader (BPE with byte fallback only; others raise). Control
         pieces are escapes: gigatoken matches them in text, sentencepiece does not. Probed too: the
         pieces of score 0 that are not bytes (user-defined and hand-added pieces)."""
-        import gigatoken
+        import gigatoken  # lazy: start-up time, gigatoken loads only when its engine is tried
 
         sp, ids = self.sp, range(self.vocab_size)
         control = [sp.id_to_piece(i) for i in ids if sp.is_control(i)]

@@ -207,7 +207,7 @@ class TiktokenTokenizer(Tokenizer):
     def gigatoken_source(self) -> GigatokenSource:
         """gigatoken's rank-file reader with the same split scheme and no special tokens (special-token
         strings stay text, as in ``encode_ordinary``); other split patterns raise."""
-        import gigatoken
+        import gigatoken  # lazy: start-up time, gigatoken loads only when its engine is tried
 
         scheme = GIGATOKEN_SCHEMES.get(self._resolved["pattern"])
         if scheme is None:

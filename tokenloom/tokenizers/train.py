@@ -15,7 +15,7 @@ slower but repeatable.
   fallback on, so text is not silently changed. Documents are fed line by line
   (SentencePiece skips "sentences" longer than ``max_sentence_length``).
 
-Inputs are read through preprocess's readers (``tokenloom.preprocess.documents``),
+Inputs are read through the corpus readers (``tokenloom.corpus.documents``),
 so training accepts exactly the formats and globs preprocess does, with the same
 ``file:line`` errors.
 """
@@ -27,7 +27,12 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
+import sentencepiece as spm
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tokenloom.corpus.documents import iter_documents
 from tokenloom.errors import TokenloomError
+from tokenloom.tokenizers.load import load_tokenizer
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,9 +58,6 @@ class TrainTokenizerConfig:
 
 
 def _iter_all(cfg: TrainTokenizerConfig) -> Iterator[str]:
-    # Imported here: preprocess readers are only needed for training, not in tokenizer workers.
-    from tokenloom.preprocess.documents import iter_documents
-
     yield from iter_documents(cfg.inputs, key=cfg.json_key, txt_unit=cfg.txt_unit)
 
 
@@ -80,8 +82,6 @@ def vocabulary_shortfall(cfg: TrainTokenizerConfig, out: Path) -> str | None:
     """A warning when the tokenizer trained into ``out`` has fewer ids than ``cfg.vocab_size``, with the
     reason, or None. Only BPE can fall short: its trainer stops when no pair of tokens occurs
     ``min_frequency`` times any more, while SentencePiece fails instead (an error)."""
-    from tokenloom.tokenizers import load_tokenizer
-
     got = load_tokenizer(out).vocab_size
     if got >= cfg.vocab_size:
         return None
@@ -91,8 +91,6 @@ def vocabulary_shortfall(cfg: TrainTokenizerConfig, out: Path) -> str | None:
 
 
 def _train_bpe(cfg: TrainTokenizerConfig, out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
@@ -108,8 +106,6 @@ def _train_bpe(cfg: TrainTokenizerConfig, out: Path) -> None:
 
 
 def _train_unigram(cfg: TrainTokenizerConfig, out: Path) -> None:
-    import sentencepiece as spm
-
     def lines() -> Iterator[str]:
         for text in _iter_all(cfg):
             yield from (ln for ln in text.split("\n") if ln.strip())

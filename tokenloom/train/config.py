@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
+
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
@@ -208,8 +210,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     if path is not None:
         text = Path(path).read_text()
         if str(path).endswith((".yaml", ".yml")):
-            import yaml
-
             raw = yaml.safe_load(text) or {}
         else:
             raw = json.loads(text)
@@ -217,8 +217,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
         key, sep, value = item.partition("=")
         if not sep:
             raise TokenloomError(f"override {item!r} must look like key.sub=value")
-        import yaml
-
         node = raw
         *parents, leaf = key.strip().split(".")
         for part in parents:

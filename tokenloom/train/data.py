@@ -37,12 +37,22 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from tokenloom.blending.blend import build_mock_datasets
+from tokenloom.blending.build import BuildConfig
+from tokenloom.blending.build import build as build_blend
+from tokenloom.blending.cache import SharedBuild
 from tokenloom.blending.gpt import GPTDatasetConfig
 from tokenloom.blending.loader import ConsumedSamplesSampler, GPTSamples, SampleConfig, fingerprint
+from tokenloom.blending.mock import MockSource
+from tokenloom.blending.plan import format_plan
 from tokenloom.blending.segments import Segment, SegmentedBlend, continue_history, read_history
 from tokenloom.errors import TokenloomError
+from tokenloom.indexed.format import index_path
+from tokenloom.tokenizers import load_tokenizer
+from tokenloom.tokenizers.load import FILELESS
 
 
 @dataclass(kw_only=True)
@@ -132,9 +142,6 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
     gpt = GPTDatasetConfig(seq_length=seq_len, seed=cfg.seed,
                            split=cfg.blend.split if cfg.blend else "1,1,1")
     if cfg.mock is not None:
-        from tokenloom.blending.blend import build_mock_datasets
-        from tokenloom.blending.mock import MockSource
-
         m = cfg.mock
         eod = m.eod if m.eod is not None else (tokenizer_eod if tokenizer_eod is not None else vocab_size - 1)
         source = MockSource(vocab_size, eod, num_sequences=m.num_sequences, max_length=m.max_length,
@@ -199,8 +206,6 @@ def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, 
 def _segment_blend(seg: Segment, cfg: DataConfig, invariants: dict, current: Segment, where: str):
     """The train blend of an earlier segment, rebuilt (a cache hit when ``cache_dir`` is kept);
     a source is looked for where this config has its content, else at its recorded prefix."""
-    from tokenloom.indexed.format import index_path
-
     moved = {d: p for _, p, d in current.blend}
     pairs = [(w, moved.get(d, p)) for w, p, d in seg.blend]
     for (_, prefix), (_, old, _) in zip(pairs, seg.blend, strict=True):
@@ -228,12 +233,6 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
     builder (see ``tokenloom.blending.cache``), the others poll the cache for up to
     ``build_timeout`` seconds and then load what it wrote.
     """
-    import torch.distributed as dist
-
-    from tokenloom.blending.build import BuildConfig, format_plan
-    from tokenloom.blending.build import build as build_blend
-    from tokenloom.blending.cache import SharedBuild
-
     if not blend.prefixes:
         raise TokenloomError("data.blend.prefixes is empty; give [[weight, prefix], ...]")
     shared = None
@@ -275,7 +274,4 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 def open_tokenizer(name: str):
     """``load_tokenizer`` for a path, or for a file-less kind name such as ``"byte"``."""
-    from tokenloom.tokenizers import load_tokenizer
-    from tokenloom.tokenizers.load import FILELESS
-
     return load_tokenizer(kind=name) if name in FILELESS else load_tokenizer(name)

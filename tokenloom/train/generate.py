@@ -22,6 +22,7 @@ from tokenloom.train import checkpoint
 from tokenloom.train.config import config_from_dict
 from tokenloom.train.data import open_tokenizer
 from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.parallel.reshard import full_tensors
 
 
 @dataclass(kw_only=True)
@@ -55,8 +56,6 @@ def load_model(path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
     state = checkpoint.read_state(path)
     model = GPT(config_from_dict(GPTConfig, state["config"]["model"], "model."))
     if state.get("layout") is not None:
-        from tokenloom.train.parallel.reshard import full_tensors
-
         tensors = full_tensors(path)[0]
     else:
         tensors = checkpoint.load_tensors(path, "model.pt")

@@ -35,10 +35,12 @@ as rank 0's broken barrier); ranks that torchrun itself stopped after the failur
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -46,8 +48,10 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenloom.blending.args import parse_data_args
 from tokenloom.errors import TokenloomError
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
+from tokenloom.train.data import open_tokenizer
 
 POLL_S = 0.1
 
@@ -146,13 +150,13 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
 
     Returns the run summary in-process, None after a successful torchrun launch.
     """
-    from tokenloom.train import preflight
+    from tokenloom.train import preflight  # lazy: start-up time (in-process runs only)
 
     if not isinstance(cfg, TrainConfig):
         cfg = load_config(cfg)
     if nproc_per_node is None:
-        from tokenloom.train.dist import launch_env
-        from tokenloom.train.loop import run
+        from tokenloom.train.dist import launch_env  # lazy: start-up time (in-process runs only)
+        from tokenloom.train.loop import run  # lazy: start-up time (in-process runs only)
 
         preflight.check(cfg, int(launch_env()["WORLD_SIZE"]))  # torchrun's, or an srun step's
         return run(cfg)
@@ -295,8 +299,6 @@ class RankWatch:
         code = re.search(rf"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*{state.pid}\)", torchrun_log)
         how = f"exit code {code.group(1)}" if code else "no exit status seen"
         if code and int(code.group(1)) < 0:
-            import signal
-
             how = f"killed by {signal.Signals(-int(code.group(1))).name}"
         return (f"rank {rank}: its process (pid {state.pid}) died without an error message ({how}; a kill, "
                 "the OOM killer or a crash in native code)")
@@ -350,8 +352,6 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     ``LOGS/rank{RANK}.log``, runs :func:`tokenloom.train.loop.main` and writes
     ``LOGS/rank{RANK}.done`` when it returns (a rank that fails with an error exits inside it).
     """
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m tokenloom.train.launch")
     parser.add_argument("--config", required=True)
     parser.add_argument("--log-dir", required=True)
@@ -367,7 +367,7 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     tmp = log_dir / f".rank{rank}.pid.tmp"
     tmp.write_text(str(os.getpid()))
     os.replace(tmp, log_dir / f"rank{rank}.pid")
-    from tokenloom.train import loop
+    from tokenloom.train import loop  # lazy: start-up time (rank process only)
 
     if rank == 0:  # on the launching terminal or pipe
         stdout_outlives_its_reader()
@@ -387,15 +387,11 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
     """
     out: list[str] = []
     if data:
-        from tokenloom.blending.build import parse_data_args
-
         pairs = [[w, p] for w, p in parse_data_args(list(data))]
         out += ["data.mock=null", f"data.blend.prefixes={json.dumps(pairs)}"]
     elif mock_data:
         out += ["data.blend=null", "data.mock={}"]
     if tokenizer is not None:
-        from tokenloom.train.data import open_tokenizer
-
         out += [f"tokenizer={json.dumps(tokenizer)}", f"model.vocab_size={open_tokenizer(tokenizer).vocab_size}"]
     for name, value in fields.items():
         if value is not None:

@@ -49,7 +49,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
+from tokenloom.blending.loader import check_fingerprint
 from tokenloom.blending.segments import history_json
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
@@ -172,8 +174,6 @@ class Trainer:
             return None
         saved = checkpoint.read_state(path)
         check_resumable_model(path, self.cfg, saved["config"]["model"])
-        from tokenloom.blending.loader import check_fingerprint
-
         consumed, history = int(saved["consumed_samples"]), saved.get("data_history")
         notes = []
         if history is not None and self.data.segments is not None and not self.cfg.force_data:
@@ -235,8 +235,6 @@ class Trainer:
 
     def _loop(self) -> Iterator[int]:
         cfg, world, s = self.cfg, self.world, self.strategy
-        from tqdm import tqdm
-
         self._bar = bar = tqdm(total=cfg.train_iters, initial=self.iteration,
                                disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True, unit="it")
         loss_sum, since = torch.zeros((), device=world.device), 0

@@ -151,7 +151,7 @@ class MetricsLogger:
         self._tb = None
         if tensorboard_dir:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # lazy: optional dependency, tensorboard
             except ImportError:
                 warnings.warn("tensorboard_dir is ignored: the tensorboard package is not installed",
                               stacklevel=2)
@@ -197,10 +197,10 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> P
     """Train and validation loss against iteration as a PNG (matplotlib, Agg backend). Every
     logged point gets a marker, so a short run (one train record) still shows its loss."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: start-up time, matplotlib loads only when a plot is asked for
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: start-up time, matplotlib loads only when a plot is asked for
     except ImportError:
         warnings.warn("no loss-curve PNG: matplotlib is not installed", stacklevel=2)
         return None

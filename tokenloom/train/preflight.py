@@ -15,8 +15,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenloom.blending.split import Split, split_documents, split_matrix
 from tokenloom.errors import TokenloomError
+from tokenloom.indexed import manifest
+from tokenloom.indexed.format import data_path, index_path, read_header
+from tokenloom.indexed.manifest import ids_key
+from tokenloom.train import checkpoint
 from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict
+from tokenloom.train.data import open_tokenizer
 
 
 def check(cfg: TrainConfig, world_size: int) -> None:
@@ -74,19 +80,12 @@ def check_model_split(cfg: TrainConfig) -> None:
 def check_sources(cfg: TrainConfig) -> None:
     """Every prefix has its ``.bin``/``.idx``; no split that evaluation reads is empty; the
     ``--tokenizer`` gives the ids every source's manifest was made with."""
-    from tokenloom.blending.split import Split, split_documents, split_matrix
-    from tokenloom.indexed.format import data_path, index_path, read_header
-    from tokenloom.preprocess import manifest
-    from tokenloom.tokenizers.base import ids_key
-
     blend = cfg.data.blend
     if not blend.prefixes:
         raise TokenloomError("--data is empty; give WEIGHT PREFIX pairs, e.g. --data 0.7 out/web 0.3 out/code")
     bookends = split_matrix(blend.split)
     tok = None
     if cfg.tokenizer:
-        from tokenloom.train.data import open_tokenizer
-
         tok = open_tokenizer(cfg.tokenizer)
     for _, prefix in blend.prefixes:
         for path in (index_path(prefix), data_path(prefix)):
@@ -113,8 +112,6 @@ def check_resume(cfg: TrainConfig) -> None:
     """A checkpoint to resume has the same model, and the same data unless ``force_data``
     (loader-only settings, ``num_workers`` and the cache directory, may change, and the blend's
     weights and sources when the checkpoint keeps a data history: see ``blending/segments.py``)."""
-    from tokenloom.train import checkpoint
-
     path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
     if path is None:
         return

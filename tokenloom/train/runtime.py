@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.dist import init_from_env, launch_env
+from tokenloom.train.host_alloc import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,6 @@ class World:
 def join_world(dist_timeout_s: float) -> World:
     """Join the launch described by the environment (torchrun / Slurm), or run alone on
     ``cuda:0`` when CUDA is available, else the CPU."""
-    from tokenloom.train.dist import init_from_env, launch_env
-
     if int(launch_env()["WORLD_SIZE"]) > 1 or dist.is_initialized():
         owns = not dist.is_initialized()
         info = init_from_env(timeout_s=dist_timeout_s)
@@ -89,8 +89,6 @@ def tune_host_memory(keep_freed: bool, device: torch.device) -> None:
     """:func:`~tokenloom.train.host_alloc.keep_freed_memory` when asked and the run computes
     on the CPU (on a GPU, host allocations are few and small)."""
     if keep_freed and device.type == "cpu":
-        from tokenloom.train.host_alloc import keep_freed_memory
-
         keep_freed_memory()
 
 

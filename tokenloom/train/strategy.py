@@ -51,9 +51,10 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB
+from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
 from tokenloom.train.model import GPT, pipeline_stage
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
+from tokenloom.train.parallel import reshard
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
@@ -171,8 +172,6 @@ class Strategy:
         RoPE tables, computed alike on every rank from the config) are not re-broadcast
         before each synced forward, which runs mid-pipeline, where a blocking collective
         would stall the schedule."""
-        from tokenloom.train.ddp import DistributedDataParallel
-
         return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_group,
                            bucket_cap_mb=self.cfg.ddp_bucket_cap_mb, broadcast_buffers=not self.staged,
                            finish_in_backward=not self.staged, grad_units=self._compiled_units(chunk))
@@ -366,8 +365,6 @@ class Strategy:
         cfg, world = self.cfg, self.world
         self.finish_param_sync()
         if self.staged or cfg.zero1:
-            from tokenloom.train.parallel import reshard
-
             return reshard.save(self, iteration, state)
         barrier = (lambda: collective("checkpoint barrier", dist.barrier)) if world.size > 1 else (lambda: None)
         return checkpoint.save(cfg.ckpt_dir, iteration, model=self.chunks[0], optimizer=self.optimizer,
@@ -378,8 +375,6 @@ class Strategy:
         """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank."""
         self.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
         if self.staged or self.cfg.zero1 or saved.get("layout") is not None:
-            from tokenloom.train.parallel import reshard
-
             reshard.load(self, path, saved)
             return
         checkpoint.load(path, model=self.chunks[0], optimizer=self.optimizer, rank=self.world.rank,

@@ -28,12 +28,12 @@ from tokenloom.train.kernels.compiled import compile_available, compiled
 from tokenloom.train.kernels.cross_entropy import (
     CHUNK_LOGITS,
     FULL_LOGITS_BELOW,
-    _logits_grad,
-    _target_and_sumexp,
     chunked_cross_entropy,
     cross_entropy_reference,
     default_chunk_size,
     full_logits_below,
+    logits_grad,
+    target_and_sumexp,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -214,7 +214,7 @@ def test_peak_memory_at_vocab_50k_is_under_half_of_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_compiled_chunk_math_matches_reference(dtype):
     h, w, t, mask = _problem(dtype)
-    fns = (compiled(_target_and_sumexp), compiled(_logits_grad))
+    fns = (compiled(target_and_sumexp), compiled(logits_grad))
     got = _loss_and_grads(chunked_cross_entropy, h, w, t, loss_mask=mask, chunk_size=16, _fns=fns)
     want = _loss_and_grads(cross_entropy_reference, h, w, t, loss_mask=mask)
     torch.testing.assert_close(got[0], want[0], **LOSS_TOL[dtype])

@@ -70,7 +70,7 @@ def _target_slots(t_local: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torc
     return (t_local >= 0) & (t_local < vocab), t_local.clamp(0, vocab - 1).unsqueeze(1)
 
 
-def _target_and_sumexp(
+def target_and_sumexp(
     logits: torch.Tensor, row_max: torch.Tensor, t_local: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(target logit - row_max, or 0 when the target is outside this shard; sum exp(logits - row_max)).
@@ -108,7 +108,7 @@ def _gradient_from_exp(
     return exp_shifted.mul_(row_scale.unsqueeze(1)).to(out_dtype), None
 
 
-def _logits_grad(
+def logits_grad(
     logits: torch.Tensor, lse: torch.Tensor, t_local: torch.Tensor, coef: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``(softmax(logits) - onehot(t_local)) * coef[:, None]`` in ``out_dtype``; overwrites ``logits``.
@@ -310,7 +310,7 @@ def chunked_cross_entropy(
     chunk_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     *,
-    _fns: tuple[Callable, Callable] = (_target_and_sumexp, _logits_grad),
+    _fns: tuple[Callable, Callable] = (target_and_sumexp, logits_grad),
 ) -> torch.Tensor:
     """Cross entropy of ``hidden @ weight.T`` against ``targets`` without full logits.
 

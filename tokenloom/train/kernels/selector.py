@@ -38,7 +38,7 @@ from .attention import attention_sdpa
 from .bias_dropout_add import bias_dropout_add_reference
 from .bias_gelu import bias_gelu_reference, bias_gelu_with
 from .compiled import compile_available, compiled_above
-from .cross_entropy import _logits_grad, _target_and_sumexp, chunked_cross_entropy, full_logits_below
+from .cross_entropy import chunked_cross_entropy, full_logits_below, logits_grad, target_and_sumexp
 from .layer_norm import layer_norm_reference, layer_norm_with
 from .rms_norm import rms_norm_reference
 from .rope import rope_reference
@@ -108,14 +108,14 @@ def _compiled_ops() -> dict[str, tuple[Callable, str]]:
         kernel = compiled_above(fn, name)
         ops[name] = (aten_first[name](kernel) if name in aten_first else kernel, "compiled")
     ops["attention"] = (attention_sdpa, "sdpa")
-    chunk_fns = (compiled_above(_target_and_sumexp, "cross_entropy_chunk"),
-                 compiled_above(_logits_grad, "cross_entropy_chunk"))
+    chunk_fns = (compiled_above(target_and_sumexp, "cross_entropy_chunk"),
+                 compiled_above(logits_grad, "cross_entropy_chunk"))
     ops["cross_entropy"] = (full_logits_below(functools.partial(chunked_cross_entropy, _fns=chunk_fns)), "compiled")
     return ops
 
 
 def _triton_ops(device_type: str) -> dict[str, tuple[Callable, str]]:
-    from . import triton_ops as t
+    from . import triton_ops as t  # lazy: optional dependency (triton)
 
     ops = _compiled_ops() if compile_available(device_type) else _reference_ops()
     ops.update(

@@ -46,7 +46,7 @@ def triton_available(device_type: str = "cuda") -> bool:
 
 @functools.cache
 def _kernels():
-    from . import _triton_kernels
+    from . import _triton_kernels  # lazy: optional dependency, the kernels import triton
 
     return _triton_kernels
 

@@ -10,9 +10,8 @@ import random
 import pytest
 import zstandard
 
-from tokenloom.errors import TokenloomError
-from tokenloom.preprocess import readers
-from tokenloom.preprocess.readers import (
+from tokenloom.corpus import readers
+from tokenloom.corpus.readers import (
     ChunkReader,
     LineNumbers,
     Position,
@@ -20,6 +19,7 @@ from tokenloom.preprocess.readers import (
     discover,
     json_records,
 )
+from tokenloom.errors import TokenloomError
 
 
 def _reference_chunks(inp, k, chunk_bytes, max_records):

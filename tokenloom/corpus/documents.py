@@ -4,8 +4,8 @@
 strings) that preprocess workers run before tokenizing. ``iter_documents`` is for stages
 that need text, not tokens: ``tokenizer train`` reads its corpus through it, so it accepts
 exactly the inputs ``preprocess`` accepts (same formats, same validation, same
-``file:line`` errors). This module imports no tokenizer, so ``tokenloom.tokenizers`` can
-import it without an import cycle between the two packages.
+``file:line`` errors). It sits below the stages (in :mod:`tokenloom.corpus`), so
+``tokenloom.tokenizers`` and ``tokenloom.preprocess`` both import it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from tokenloom.corpus.readers import Chunk, ChunkReader, LineNumbers, discover, json_records
 from tokenloom.errors import TokenloomError
-from tokenloom.preprocess.readers import Chunk, ChunkReader, LineNumbers, discover, json_records
 
 
 def _snippet(raw) -> str:
@@ -103,7 +103,7 @@ class Decoded:
     order, ``pieces[key]`` how many pieces each record has (1 for a string, n for a list of n
     sentences); ``numbers`` the records' line numbers, ``bad`` ``[(number, reason, snippet)]``;
     ``lines`` the lines a ``relative`` chunk held (its numbers count from 1: see
-    :class:`~tokenloom.preprocess.readers.LineNumbers`). Flat lists, not a dict per record: the
+    :class:`~tokenloom.corpus.readers.LineNumbers`). Flat lists, not a dict per record: the
     tokenizer takes one list of strings per key, and a dict and a tuple per record cost
     more than the work done per record."""
 

@@ -18,6 +18,7 @@ refuses to blend sources whose tokenizer digests differ.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -76,8 +77,6 @@ def read(prefix: str | os.PathLike) -> dict | None:
 
 def merged(output_prefix: str, manifests: list[dict], counts: dict) -> dict:
     """The manifest of a merge of outputs that all had manifests (same tokenizer required)."""
-    from tokenloom.tokenizers.base import ids_key
-
     digests = {ids_key(m["tokenizer"]) for m in manifests}  # file names do not matter
     if len(digests) > 1:
         raise TokenloomError("cannot merge outputs made with different tokenizers "
@@ -96,3 +95,17 @@ def tokenizer_name(fingerprint: dict) -> str:
     """A tokenizer as people know it, from its fingerprint: kind, files and vocabulary size."""
     files = ", ".join(sorted(fingerprint.get("files") or {})) or "no files"
     return f"{fingerprint.get('kind', '?')} ({files}; vocabulary {fingerprint.get('vocab_size', '?')})"
+
+
+def ids_key(fingerprint: dict) -> str:
+    """A digest of what decides the ids, from a :meth:`Tokenizer.fingerprint` (live or read
+    back from any manifest): kind, the contents of the files read (their sha256s, sorted;
+    names dropped), vocab size, eod/bos/pad and the id options. Equal keys mean equal ids
+    for the same text. A fingerprint without ``files`` (written by hand) falls back to its
+    ``digest``."""
+    if "files" not in fingerprint:
+        return str(fingerprint.get("digest"))
+    core = {k: fingerprint.get(k) for k in ("kind", "vocab_size", "eod", "bos", "pad", "options")}
+    core["files"] = sorted(fingerprint["files"].values())
+    blob = json.dumps(core, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()

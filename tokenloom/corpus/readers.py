@@ -1,4 +1,4 @@
-"""Input discovery and streaming readers for preprocess.
+"""Input discovery and streaming readers (preprocess and tokenizer training read through them).
 
 Every input is read as a stream of *records* cut into :class:`Chunk` objects of
 about ``chunk_bytes`` of text. The main process only reads and cuts; parsing
@@ -40,6 +40,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import zstandard
 
 from tokenloom import objstore
 from tokenloom.errors import TokenloomError
@@ -204,8 +206,6 @@ class _ZstdLines(io.RawIOBase):
     ``stream_reader`` silently treats as end of file."""
 
     def __init__(self, raw):
-        import zstandard
-
         self._raw = raw
         self._dctx = zstandard.ZstdDecompressor()
         self._error = zstandard.ZstdError
@@ -628,8 +628,8 @@ class LineNumbers:
 
 def _arrow_batches(inp: Input, keys: list[str]):
     """(pyarrow RecordBatch, approximate raw bytes) for a parquet file or a datasets directory."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # lazy: start-up time, pyarrow loads only for parquet and datasets inputs
+    import pyarrow.parquet as pq  # lazy: start-up time, pyarrow loads only for parquet and datasets inputs
 
     try:
         if inp.format == "parquet":

@@ -1,0 +1,70 @@
+"""Blend sources as users write them: ``--data WEIGHT PREFIX ...`` values and blend files.
+
+Both become ``[(weight, prefix), ...]`` lists (a blend file may give one per split); what
+the builder does with them is in :mod:`tokenloom.blending.build`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from tokenloom.errors import TokenloomError
+
+
+def parse_data_args(values: list[str]) -> list[tuple[float, str]]:
+    """``["0.3", "a", "0.7", "b"]`` or ``["a", "b"]`` (equal weights) -> [(w, prefix), ...]."""
+    if not values:
+        return []
+    try:
+        float(values[0])
+        weighted = True
+    except ValueError:
+        weighted = False
+    if not weighted:
+        return [(1.0, v) for v in values]
+    if len(values) % 2:
+        raise TokenloomError(
+            f"--data takes WEIGHT PREFIX pairs; got an odd number of values: {' '.join(values)}"
+        )
+    pairs = []
+    for w, p in zip(values[::2], values[1::2], strict=True):
+        try:
+            pairs.append((float(w), p))
+        except ValueError:
+            raise TokenloomError(f"--data: {w!r} is not a weight (expected WEIGHT PREFIX pairs)") from None
+    return pairs
+
+
+def load_blend_file(path: str) -> dict:
+    """A YAML or JSON blend file: {"data": [[w, prefix], ...]} or {"train": [...], "valid": [...], ...}."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text)  # JSON first: a YAML parser takes seconds on a blend of 10,000 sources
+    except ValueError:
+        try:
+            doc = yaml.safe_load(text)
+        except Exception as exc:  # noqa: BLE001 - yaml's errors have many types
+            raise TokenloomError(f"{path}: not valid YAML/JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise TokenloomError(f"{path}: expected a mapping with 'data' or per-split keys")
+
+    def pairs(entries, where):
+        out = []
+        for e in entries or []:
+            if isinstance(e, dict) and "prefix" in e:
+                out.append((float(e.get("weight", 1.0)), str(e["prefix"])))
+            elif isinstance(e, (list, tuple)) and len(e) == 2:
+                out.append((float(e[0]), str(e[1])))
+            else:
+                raise TokenloomError(f"{path}: {where}: each entry is [weight, prefix] or {{weight, prefix}}")
+        return out
+
+    if "data" in doc:
+        return {"data": pairs(doc["data"], "data")}
+    unknown = set(doc) - {"train", "valid", "test"}
+    if unknown:
+        raise TokenloomError(f"{path}: unknown keys {sorted(unknown)} (use 'data' or train/valid/test)")
+    return {"data_per_split": {k: pairs(v, k) for k, v in doc.items()}}
