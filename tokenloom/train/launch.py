@@ -223,13 +223,14 @@ PEER_SYMPTOM = "another rank has probably died or stalled"
 
 def without_error_lines(held: bytes, chunk: bytes) -> tuple[bytes, bytes]:
     """(what to show, what to hold) of a log's next ``chunk``: its ``error: `` lines are left out
-    (the launcher ends with the first failure's line itself, so the terminal shows one error line).
+    (the launcher ends with the first failure's line itself, so the terminal shows one error line),
+    and so are a rank's traceback lines (:data:`TRACEBACK`), which stay in the log.
     Lines end at ``\n`` or ``\r`` (progress bars); an unfinished one is held only while it may
     still become an error line, so a progress bar is shown as it is drawn."""
     parts = re.split(rb"(?<=[\r\n])", held + chunk)
     tail = parts.pop()  # after the last line end (empty when the chunk ends one)
-    shown = b"".join(p for p in parts if not p.startswith(_ERROR))
-    if tail.startswith(_ERROR) or _ERROR.startswith(tail):
+    shown = b"".join(p for p in parts if not p.startswith((_ERROR, TRACEBACK)))
+    if any(tail.startswith(h) or h.startswith(tail) for h in (_ERROR, TRACEBACK)):
         return shown, tail
     return shown + tail, b""
 
@@ -371,10 +372,32 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
 
     if rank == 0:  # on the launching terminal or pipe
         stdout_outlives_its_reader()
-    code = loop.main(["--config", args.config])
+    try:
+        code = loop.main(["--config", args.config])
+    except Exception as exc:  # noqa: BLE001 (a bug or a library's error: one line, its traceback in the log)
+        report_unexpected(exc, rank, log_dir / f"rank{rank}.log")
     sys.stdout.flush()
     (log_dir / f"rank{rank}.done").write_text(str(code))
     return code
+
+
+TRACEBACK = b"traceback: "
+"""Prefix of each line of a rank's unexpected traceback in its log (:func:`report_unexpected`);
+the relay of rank 0's log leaves these lines out, as it does ``error: `` lines."""
+
+
+def report_unexpected(exc: Exception, rank: int, log: Path) -> typing.NoReturn:
+    """End a rank on an exception that is not a :class:`TokenloomError`: its traceback goes to the
+    log, each line prefixed with :data:`TRACEBACK`, then one ``error:`` line as ``loop.main``
+    prints them, and the process exits at once (a dead peer can make process-group teardown block)."""
+    import traceback
+
+    lines = traceback.format_exception(exc)
+    sys.stderr.write("".join(f"{TRACEBACK.decode()}{line}\n" for line in "".join(lines).splitlines()))
+    message = " ".join(f"{type(exc).__name__}: {exc}".split())
+    print(f"error: rank {rank}: {message} (traceback in {log})", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, tokenizer: str | None = None,
