@@ -434,9 +434,21 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
         raise click.UsageError("--nnodes/--node-rank/--master-addr/--master-port/--rdzv-endpoint/--rdzv-id need "
                                "--nproc-per-node (this command then starts torchrun on this node)")
     echo = functools.partial(click.echo, err=True)
-    summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo)
-    if summary is not None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own
+    try:
+        summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo)
+    except KeyboardInterrupt:  # Ctrl-C before the steps (they save and stop instead)
+        import signal
+
+        from tokenloom.train.checkpoint import resume_advice
+        from tokenloom.train.launch import Stopped
+
+        raise Stopped(f"interrupted (SIGINT) before training; {resume_advice(cfg.ckpt_dir)}", signal.SIGINT) from None
+    if nproc_per_node is None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own
         click.echo(json.dumps(summary))
+    if summary is not None and summary.get("stopped_by"):  # saved and stopped on a signal: the shell's status
+        import signal
+
+        sys.exit(128 + signal.Signals[summary["stopped_by"]])
 
 
 def _megatron_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer: str | None) -> str:

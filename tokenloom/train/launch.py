@@ -35,12 +35,15 @@ as rank 0's broken barrier); ranks that torchrun itself stopped after the failur
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import typing
 from dataclasses import dataclass
@@ -144,7 +147,12 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     """Check, then train from a config object or file; in-process without ``nproc_per_node``,
     else via torchrun (see the module docstring). ``echo`` gets the log directory's path.
 
-    Returns the run summary in-process, None after a successful torchrun launch.
+    Returns the run summary in-process; after a torchrun launch None, or ``{"stopped_by": NAME}``
+    when a signal to this process stopped the ranks (they saved; rank 0 printed the checkpoint and
+    the resume command). Signals: :class:`Forwarder`; a signal to torchrun stops the ranks the same
+    way (torchrun sends them SIGTERM), and so does one to a rank (the ranks agree on the step).
+    torchrun runs in its own session with ``PR_SET_PDEATHSIG`` and so do the ranks, so none of the
+    job outlives this process.
     """
     from tokenloom.train import preflight
 
@@ -175,20 +183,108 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     if echo is not None:
         echo(f"logs: {log_dir} (rank{{N}}.log per rank, torchrun.log)")
     with open(log_dir / "torchrun.log", "wb") as torchrun_log:  # its stdout is rank 0's: kept
-        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir), stderr=torchrun_log)
+        # a session of its own: a terminal's Ctrl-C reaches this process only, which forwards it
+        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir), stderr=torchrun_log,
+                                start_new_session=True, preexec_fn=die_with_parent)
         watch = RankWatch(log_dir)
+        forward = Forwarder(proc, log_dir)
         try:
-            while proc.poll() is None:
-                watch.poll()
-                time.sleep(POLL_S)
+            with forward.installed():
+                while proc.poll() is None:
+                    watch.poll()
+                    time.sleep(POLL_S)
         finally:
             if proc.poll() is None:  # interrupted: torchrun stops its ranks on SIGTERM
                 proc.terminate()
                 proc.wait()
         watch.poll()
-    if proc.returncode != 0:
+    stopped = forward.signum is not None
+    ranks_done = bool(watch.ranks) and all((log_dir / f"rank{r}.done").exists() for r in watch.ranks)
+    if proc.returncode != 0 and not ranks_done:
+        if stopped:
+            from tokenloom.train import checkpoint
+
+            raise Stopped(f"stopped by {signal_name(forward.signum)} before the ranks could save; "
+                          f"{checkpoint.resume_advice(cfg.ckpt_dir)}; full logs: {log_dir}", forward.signum)
         raise TokenloomError(f"{watch.first_failure(proc.returncode)}; full logs: {log_dir}")
-    return None
+    return {"stopped_by": signal_name(forward.signum)} if stopped else None
+
+
+class Stopped(TokenloomError):
+    """The launch ended on a signal; the exit status is the shell's ``128 + signal``."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+def signal_name(signum: int | None) -> str | None:
+    return None if signum is None else signal.Signals(signum).name
+
+
+class Forwarder:
+    """While installed (main thread only), SIGTERM and SIGINT to this process go to every rank
+    of this node (their pids from ``LOGS/rank{N}.pid``), which save and stop
+    (:mod:`tokenloom.train.stop`); before any rank has started, to torchrun, which stops them. Not
+    to torchrun once ranks run: it would signal them a second time, which stops a rank at once.
+    A second signal kills the ranks and torchrun's process group and raises :class:`Stopped`."""
+
+    def __init__(self, proc: subprocess.Popen, log_dir: Path) -> None:
+        self.proc, self.dir, self.signum = proc, log_dir, None
+
+    @contextlib.contextmanager
+    def installed(self) -> typing.Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def rank_pids(self) -> list[int]:
+        pids = []
+        for pid_file in self.dir.glob("rank*.pid"):
+            try:
+                pids.append(int(pid_file.read_text()))
+            except (ValueError, OSError):
+                continue
+        return pids
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:  # the second one: nothing of the job may outlive this process
+            for pid in self.rank_pids():
+                _kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise Stopped(f"stopped at once by a second {signal_name(signum)}, without a checkpoint of this step; "
+                          f"logs: {self.dir}", signum)
+        self.signum = signum
+        pids = self.rank_pids()
+        for pid in pids:
+            _kill(pid, signum)
+        if not pids:
+            _kill(self.proc.pid, signal.SIGTERM)
+
+
+def _kill(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Have the kernel send ``signum`` to this process when its parent dies (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere nothing), so no process of a job outlives the one that
+    started it, even one killed with SIGKILL. For ``preexec_fn`` and the start of a rank."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def new_log_dir(root: Path, nodes: Nodes) -> Path:
@@ -365,6 +461,9 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     if rank != 0:
         os.dup2(fd, 1)
     os.close(fd)
+    die_with_parent()  # torchrun gone (even by SIGKILL): this rank saves and stops as on SIGTERM
+    for s in (signal.SIGTERM, signal.SIGINT):  # the steps install their own (tokenloom.train.stop)
+        signal.signal(s, _stop_outside_steps)
     tmp = log_dir / f".rank{rank}.pid.tmp"
     tmp.write_text(str(os.getpid()))
     os.replace(tmp, log_dir / f"rank{rank}.pid")
@@ -379,6 +478,15 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     sys.stdout.flush()
     (log_dir / f"rank{rank}.done").write_text(str(code))
     return code
+
+
+def _stop_outside_steps(signum: int, frame) -> None:
+    """A rank's SIGTERM or SIGINT before or after its training steps: one line, and the process ends."""
+    rank = os.environ.get("RANK", "0")
+    print(f"error: rank {rank}: stopped by {signal_name(signum)} outside the training steps (nothing saved for "
+          "it)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + signum)
 
 
 TRACEBACK = b"traceback: "
