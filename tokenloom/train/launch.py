@@ -49,7 +49,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import Stopped, TokenloomError
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 
 POLL_S = 0.1
@@ -208,14 +208,6 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
                           f"{checkpoint.resume_advice(cfg.ckpt_dir)}; full logs: {log_dir}", forward.signum)
         raise TokenloomError(f"{watch.first_failure(proc.returncode)}; full logs: {log_dir}")
     return {"stopped_by": signal_name(forward.signum)} if stopped else None
-
-
-class Stopped(TokenloomError):
-    """The launch ended on a signal; the exit status is the shell's ``128 + signal``."""
-
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.exit_code = 128 + signum
 
 
 def signal_name(signum: int | None) -> str | None:
@@ -550,7 +542,7 @@ FLAG_KEYS = {
     "num_layers_in_last_pipeline_stage": "num_layers_in_last_pipeline_stage",
     "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
-    "overlap_param_gather": "overlap_param_gather",
+    "overlap_param_gather": "overlap_param_gather", "save_on_signal": "save_on_signal",
 }
 """``train`` flag (its Python name) -> the config key it sets."""
 
