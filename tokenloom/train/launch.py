@@ -23,6 +23,13 @@ traceback per rank plus torchrun's ``ChildFailedError``; the price is that ranks
 than 0 are silent on the terminal (``verbose=True`` streams everything unchanged, as
 torchrun does, and writes no log files).
 
+Signals: SIGTERM or SIGINT to this process goes to every rank (:class:`Forwarder`), which
+finish the same step, save and stop (:mod:`tokenloom.train.stop`); rank 0's line naming the
+checkpoint and the resume command reaches the terminal through the relay, and this process
+exits with ``128 + signal``. torchrun runs in a session of its own (a terminal's Ctrl-C
+reaches this process only) and dies with it (``PR_SET_PDEATHSIG``), as do the ranks with
+torchrun; a second signal kills the job at once.
+
 Which rank failed first is decided from what this process sees while it polls the
 ranks every 0.1 s: the time a rank's log shows an error, or its process vanished without
 finishing (a kill, the OOM killer). A death without a message outranks an error seen in
@@ -173,8 +180,19 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     tmp = out / f".launch_config.json.tmp-{os.getpid()}"  # nodes sharing the output dir write the same bytes
     tmp.write_text(json.dumps(config_to_dict(cfg), indent=2))
     os.replace(tmp, config_path)
-    if verbose:
-        code = subprocess.call(torchrun_command(config_path, nproc_per_node, nodes))
+    if verbose:  # a signal goes to torchrun, which sends the ranks SIGTERM
+        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes), start_new_session=True,
+                                preexec_fn=die_with_parent)
+        forward = Forwarder(proc, None)
+        try:
+            with forward.installed():
+                code = proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+        if forward.signum is not None:
+            return {"stopped_by": signal_name(forward.signum)}
         if code != 0:
             raise TokenloomError(f"training with {nproc_per_node * nodes.nnodes} ranks failed (torchrun exit "
                                  f"status {code}); the failing rank's error is printed above")
@@ -221,7 +239,7 @@ class Forwarder:
     to torchrun once ranks run: it would signal them a second time, which stops a rank at once.
     A second signal kills the ranks and torchrun's process group and raises :class:`Stopped`."""
 
-    def __init__(self, proc: subprocess.Popen, log_dir: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, log_dir: Path | None) -> None:
         self.proc, self.dir, self.signum = proc, log_dir, None
 
     @contextlib.contextmanager
@@ -238,7 +256,7 @@ class Forwarder:
 
     def rank_pids(self) -> list[int]:
         pids = []
-        for pid_file in self.dir.glob("rank*.pid"):
+        for pid_file in self.dir.glob("rank*.pid") if self.dir is not None else ():
             try:
                 pids.append(int(pid_file.read_text()))
             except (ValueError, OSError):
@@ -252,8 +270,9 @@ class Forwarder:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-            raise Stopped(f"stopped at once by a second {signal_name(signum)}, without a checkpoint of this step; "
-                          f"logs: {self.dir}", signum)
+            where = f"; logs: {self.dir}" if self.dir is not None else ""
+            raise Stopped(f"stopped at once by a second {signal_name(signum)}, without a checkpoint of this "
+                          f"step{where}", signum)
         self.signum = signum
         pids = self.rank_pids()
         for pid in pids:
