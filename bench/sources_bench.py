@@ -11,6 +11,10 @@ every source with random weights, split 97,3,0, 1 M train samples of 2,048 token
   own fresh cache. The two alternate, best of ``--repeat``;
 * warm start: the same build again on the filled cache (memo cleared again, so ours
   stats every source and reads the records file); megatron-core loads its cache;
+* preflight id check (ours only): the largest token id of every source (they have no
+  manifest), as ``train``'s preflight reads it before launch: the first pass reads every
+  ``.bin`` (here holes) and appends the records, the warm one (memo cleared) reads the
+  records file;
 * arrays: the train blend's two arrays and every member's three indices are checked
   equal to megatron-core's wherever megatron-core runs.
 
@@ -42,7 +46,7 @@ from _table import best_interleaved, print_table, timed_in_fresh_dir  # noqa: E4
 from blend_bench import BenchTokenizer, sparse_source  # noqa: E402
 
 from tokenloom.blending.build import BuildConfig, build  # noqa: E402
-from tokenloom.blending.sources import clear_memo  # noqa: E402
+from tokenloom.blending.sources import clear_memo, source_metadata  # noqa: E402
 
 
 def make_sources(directory: Path, count: int) -> list[str]:
@@ -103,6 +107,13 @@ def main() -> None:
                 ours_dir, theirs_dir = str(tmp / f"ours{count}"), str(tmp / f"theirs{count}")
                 ours(ours_dir)
                 t_warm = min(warm(ours, ours_dir)[0] for _ in range(3))
+
+                def max_ids(cache_dir, prefixes=prefixes):
+                    clear_memo()
+                    return source_metadata(prefixes, cache_dir, max_ids=True)
+
+                t_ids_cold = warm(max_ids, ours_dir)[0]
+                t_ids_warm = min(warm(max_ids, ours_dir)[0] for _ in range(3))
                 result = ours(ours_dir)
                 same = "not run"
                 if with_megatron:  # one megatron-core build alive at a time (see the docstring)
@@ -122,6 +133,10 @@ def main() -> None:
                              "-", "-"))
                 rows.append((f"{count} sources: warm start (target <= 1 s)", f"{t_warm:.2f} s", "1 s",
                              f"{t_warm:.2f}x"))
+            rows.append((f"{count} sources: preflight id check, first (reads every .bin)", f"{t_ids_cold:.2f} s",
+                         "-", "-"))
+            rows.append((f"{count} sources: preflight id check, warm (target <= 1 s)", f"{t_ids_warm:.2f} s",
+                         "1 s", f"{t_ids_warm:.2f}x"))
             del result  # megatron-core's datasets hold 3 descriptors per source until collected
             if with_megatron:
                 del theirs

@@ -6,6 +6,7 @@ stderr with a non-zero exit status; anything else is a bug and keeps its traceba
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -208,8 +209,32 @@ def preprocess(**options):
 
     options["inputs"] = list(options["inputs"])
     options["json_keys"] = [k for item in options["json_keys"] for k in item.split()]
-    with use_backend(options.pop("tokenizer_backend")):
-        run(PreprocessConfig(**options), echo=click.echo)
+    with use_backend(options.pop("tokenizer_backend")), _sigterm_interrupts():
+        run(PreprocessConfig(**options), echo=click.echo)  # Ctrl-C / SIGTERM: checkpoint, one line
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts(what: str | None = None):
+    """SIGTERM (a cluster's time limit, ``kill``) interrupts like Ctrl-C while the block runs. With
+    ``what``, an interrupt ends in one line saying ``what`` was stopped; without, the block
+    handles it (preprocess saves its checkpoint and names it)."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if what is None:
+            raise
+        from tokenloom.errors import Stopped
+
+        raise Stopped(f"{what} interrupted; what it wrote is whole or gone: rerun the same command",
+                      signal.SIGINT) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _bd_help(name: str) -> str:
@@ -259,7 +284,8 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
     if "data_per_split" in spec:
         options["split"] = None
     cfg = BuildConfig(**spec, num_samples=_parse_counts(num_samples), **options)
-    result = run(cfg)
+    with _sigterm_interrupts("build"):  # the cache gains whole entries only (blending/cache.py)
+        result = run(cfg)
     click.echo(plan_json(result) if as_json else format_plan(result, cfg))
     if plot:
         plot_plan(result, plot)
@@ -388,6 +414,8 @@ def _megatron_refused(fn):
 @click.option("--overlap-param-gather", "overlap_param_gather", is_flag=True, default=None,
               help="ZeRO-1: all-gather the updated parameters during the next forward (Megatron's flag; already "
               "the default with --zero1; --set overlap_param_gather=false gathers them in the step).")
+@click.option("--save-on-signal/--no-save-on-signal", "save_on_signal", default=None,
+              help=_help(_TRAIN, "save_on_signal") + " (default: on)")
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
               help="Start torchrun with N processes on this node; without it, run in-process (e.g. under "
               "torchrun/Slurm).")
@@ -436,9 +464,21 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
         raise click.UsageError("--nnodes/--node-rank/--master-addr/--master-port/--rdzv-endpoint/--rdzv-id need "
                                "--nproc-per-node (this command then starts torchrun on this node)")
     echo = functools.partial(click.echo, err=True)
-    summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo)
-    if summary is not None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own
+    try:
+        summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo)
+    except KeyboardInterrupt:  # Ctrl-C before the steps (they save and stop instead)
+        import signal
+
+        from tokenloom.errors import Stopped
+        from tokenloom.train.checkpoint import resume_advice
+
+        raise Stopped(f"interrupted (SIGINT) before training; {resume_advice(cfg.ckpt_dir)}", signal.SIGINT) from None
+    if nproc_per_node is None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own
         click.echo(json.dumps(summary))
+    if summary is not None and summary.get("stopped_by"):  # saved and stopped on a signal: the shell's status
+        import signal
+
+        sys.exit(128 + signal.Signals[summary["stopped_by"]])
 
 
 def _megatron_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer: str | None) -> str:

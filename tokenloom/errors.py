@@ -14,3 +14,12 @@ class TokenloomError(Exception):
 
 class FormatError(TokenloomError):
     """A file does not follow the on-disk format it claims to."""
+
+
+class Stopped(TokenloomError):
+    """A command stopped on a signal (SIGTERM, SIGINT) after saving what resumes it; the exit
+    status is the shell's ``128 + signal``."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)

@@ -59,3 +59,32 @@ def test_fingerprint_mismatch_is_an_error_unless_forced():
 def test_consumed_beyond_the_index_is_an_error():
     with pytest.raises(TokenloomError, match="consumed samples"):
         ConsumedSamplesSampler(10, 11, 1, 0, 1)
+
+
+def test_an_id_beyond_the_vocabulary_names_its_source():
+    from types import SimpleNamespace
+
+    class Member(list):
+        def __init__(self, prefix, samples):
+            super().__init__(samples)
+            self.source = SimpleNamespace(path_prefix=prefix)
+
+    class TwoMembers:  # blended sample i is sample i // 2 of member i % 2
+        datasets = [Member("data/web", [np.array([1, 2, 3])] * 2), Member("data/code", [np.array([4, 96, 5])] * 2)]
+
+        def __len__(self):
+            return 4
+
+        def locate(self, i):
+            return i % 2, i // 2
+
+        def __getitem__(self, i):
+            d, k = self.locate(i)
+            return self.datasets[d][k]
+
+    samples = GPTSamples(TwoMembers(), SampleConfig(vocab_size=96))
+    assert samples[0]["tokens"].tolist() == [1, 2]
+    with pytest.raises(TokenloomError, match=r"sample 3 of data/code holds token id 96, beyond the model's "
+                                             r"vocabulary \(96 ids\)"):
+        samples[3]
+    assert GPTSamples(TwoMembers())[3]["labels"].tolist() == [96, 5]  # no vocabulary given: no guard

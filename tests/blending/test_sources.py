@@ -103,3 +103,29 @@ def test_ten_thousand_sources_build_under_a_low_descriptor_limit(tmp_path):
     assert report["builds"] >= 1 and len({r["prefix"] for r in report["plan"]}) == 10_000
     warm = json.loads(cli().stdout)
     assert warm["builds"] == 0 and warm["fingerprint"] == report["fingerprint"]
+
+
+def test_max_id_is_computed_once_per_file_version_and_only_when_asked(tmp_path, monkeypatch):
+    from tokenloom.blending import sources
+
+    (prefix,) = tiny_sources(tmp_path / "src", 1, docs=4, max_length=2000)
+    count = os.path.getsize(f"{prefix}.bin") // 2
+    tokens = np.arange(count, dtype=np.uint16) % 1000
+    tokens[count - 3] = 60000  # in the last of several chunks
+    tokens.tofile(f"{prefix}.bin")
+    monkeypatch.setattr(sources, "MAX_ID_CHUNK", count // 3)
+    cache = tmp_path / "cache"
+    assert source_metadata([prefix], cache)[prefix].max_id is None  # a build does not read the .bin
+    assert source_metadata([prefix], cache, max_ids=True)[prefix].max_id == 60000
+    clear_memo()
+
+    def unread(prefix):
+        raise AssertionError(f"{prefix}.bin read again")
+
+    monkeypatch.setattr(sources, "max_token_id", unread)
+    assert source_metadata([prefix], cache, max_ids=True)[prefix].max_id == 60000  # the later line wins
+    monkeypatch.undo()
+    tokens[count - 3] = 7
+    tokens.tofile(f"{prefix}.bin.tmp")
+    os.replace(f"{prefix}.bin.tmp", f"{prefix}.bin")  # a new .bin version, same .idx
+    assert source_metadata([prefix], cache, max_ids=True)[prefix].max_id == 999

@@ -341,6 +341,24 @@ def test_a_killed_worker_keeps_the_checkpoint_and_the_rerun_resumes(tmp_path):
     assert same_bytes(out, preprocess(tmp_path, [path], name="ref", append_eod=True))
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_saves_a_checkpoint_names_it_and_the_rerun_resumes(tmp_path):
+    """A cluster's SIGTERM mid-run (issue 39): one line naming the checkpoint, exit 130, same bytes on rerun."""
+    out = tmp_path / "out"
+    path, args, proc, workers = _start_two_worker_run(tmp_path, out)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted; rerun the same command to resume from the "
+                                                   f"checkpoint in {out}.partial"), stderr
+    assert _left_behind(tmp_path) == [] and (tmp_path / "out.partial" / "checkpoint.npz").exists()
+    again = subprocess.run(_cli(args), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from {out}.partial" in again.stdout
+    assert same_bytes(out, preprocess(tmp_path, [path], name="ref", append_eod=True))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_workers_die_with_a_killed_main_process(tmp_path):
     _, _, proc, workers = _start_two_worker_run(tmp_path, tmp_path / "out")

@@ -91,6 +91,24 @@ def test_relayed_logs_leave_out_error_lines_and_hold_only_what_may_become_one():
     assert without_error_lines(b"", b"progress\rerror: rank 0: boom\n") == (b"progress\r", b"")
 
 
+def test_an_unexpected_rank_exception_leaves_its_traceback_in_the_log_and_one_line_on_the_terminal(tmp_path):
+    """What rank 0 does with, e.g., the embedding's IndexError (issue 39): its log keeps the
+    traceback, the relay to the terminal shows none of it, and the launcher's line names it."""
+    import subprocess
+
+    log = tmp_path / "rank0.log"
+    code = ("import sys\nfrom pathlib import Path\nfrom tokenloom.train.launch import report_unexpected\n"
+            "print('step 1', file=sys.stderr)\n"
+            "try:\n    [][3]\nexcept IndexError as e:\n    report_unexpected(e, 0, Path(sys.argv[1]))\n")
+    with open(log, "wb") as f:
+        done = subprocess.run([sys.executable, "-c", code, str(log)], stderr=f, cwd=REPO)
+    assert done.returncode == 1
+    text = log.read_bytes()
+    assert b"traceback: Traceback (most recent call last):" in text and b"traceback: IndexError: list index" in text
+    assert without_error_lines(b"", text) == (b"step 1\n", b"")
+    assert launch_module.rank_error(log, 0) == f"rank 0: IndexError: list index out of range (traceback in {log})"
+
+
 def test_the_first_failing_rank_is_named(tmp_path, monkeypatch, capfd):
     gone = 2**22 + 12345  # above the default pid_max: no such process
     monkeypatch.setattr(launch_module.time, "monotonic", iter(range(100)).__next__)

@@ -82,3 +82,18 @@ def test_resume_differences_name_old_and_new(tmp_path):
         check(tiny(tmp_path, resume="auto", data=DataConfig(mock=MockDataConfig(num_sequences=301, max_length=200))), 1)
     check(tiny(tmp_path, resume="auto", data=DataConfig(mock=MockDataConfig(num_sequences=300, max_length=200),
                                                         num_workers=1)), 1)
+
+
+def test_ids_of_a_source_without_manifest_fit_the_vocabulary(tmp_path, shared_data):
+    """Megatron-made Llama 3 ids (no manifest) against the 32,000 pieces of Llama 2: one line before launch."""
+    megatron = str(shared_data / "megatron-fixtures" / "fim_text_document")
+    llama = str(shared_data / "tokenizers" / "llama2" / "tokenizer.model")
+    cfg = blend(tmp_path, [(1.0, megatron)], tokenizer=llama,
+                model=GPTConfig(vocab_size=32000, seq_len=32, n_layers=2, n_heads=2, d_model=32))
+    with pytest.raises(TokenloomError, match=rf"--data: {megatron}.bin holds token id 1280\d\d, beyond the "
+                                             rf"vocabulary of --tokenizer {llama} \(32000 ids\)"):
+        check(cfg, 1)
+    llama3 = GPTConfig(vocab_size=128256, seq_len=32, n_layers=2, n_heads=2, d_model=32)
+    check(blend(tmp_path, [(1.0, megatron)], model=llama3, eval_interval=0), 1)
+    fits = source(tmp_path, "fits", 200)  # ids < 95, no manifest: the tiny model's 96
+    check(blend(tmp_path, [(1.0, fits)]), 1)

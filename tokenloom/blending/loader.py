@@ -54,6 +54,9 @@ class SampleConfig:
     inter_document_masking: bool = False
     """Add ``cu_seqlens`` / ``max_seqlen`` (document boundaries within the sample) and restart
     position ids at each document (megatron-core's ``inter_document_masking``)."""
+    vocab_size: int | None = None
+    """A sample holding an id at or above it raises an error naming its source: a guard (one max
+    per sample) behind the train preflight, which checks every source before launch."""
 
 
 class GPTSamples:
@@ -78,6 +81,10 @@ class GPTSamples:
             sample = np.array(sample, dtype=np.int64)
         else:
             sample = np.array(self.dataset[k], dtype=np.int64)  # a private copy: tokens/labels are views of it
+        if self.cfg.vocab_size is not None and len(sample) and sample.max() >= self.cfg.vocab_size:
+            raise TokenloomError(f"sample {k} of {source_name(self.dataset, k)} holds token id {int(sample.max())}, "
+                                 f"beyond the model's vocabulary ({self.cfg.vocab_size} ids); the data was "
+                                 "tokenized with another tokenizer")
         tokens, labels = sample[:-1], sample[1:]
         loss_mask = np.ones(len(tokens), dtype=np.float32)
         padded = sample == self.cfg.pad_id
@@ -100,6 +107,15 @@ class GPTSamples:
         if self.cfg.inter_document_masking:
             out.update(document_boundaries(pieces, len(tokens)))
         return out
+
+
+def source_name(dataset, k: int) -> str:
+    """The path prefix (or description) of the source that sample ``k`` of ``dataset`` comes from."""
+    if hasattr(dataset, "locate"):  # a blend: its member's source
+        d, k = dataset.locate(k)
+        dataset = dataset.datasets[d]
+    source = getattr(dataset, "source", dataset)
+    return str(getattr(source, "path_prefix", None) or source)
 
 
 def document_boundaries(pieces: np.ndarray, seq_length: int) -> dict[str, np.ndarray]:

@@ -10,10 +10,17 @@ recently used one beyond ``soft RLIMIT_NOFILE / 8`` (at most 1024).
 
 Records are computed once per file version and remembered in ``CACHE_DIR/sources.jsonl``
 (one JSON line per version, appended; lines that do not parse are ignored, so a torn
-append costs one recomputation, never a wrong digest). A version is the ``.idx``'s and
+append costs one recomputation, never a wrong digest). A version is the ``.idx``'s, ``.bin``'s and
 manifest's (device, inode, size, mtime in ns): every tokenloom writer publishes by
 rename, which gives a new inode, so a rewritten file never matches a stale record.
-A warm start therefore costs two ``stat`` calls per source and one file read.
+A warm start therefore costs three ``stat`` calls per source and one file read.
+
+The largest token id of a source without a manifest (:attr:`SourceMeta.max_id`, what the
+train preflight compares with the model's vocabulary) is the one field that reads the
+``.bin``: a full pass, vectorised over the memory map in chunks of :data:`MAX_ID_CHUNK`
+tokens, so memory stays bounded whatever the file's size. It is computed only when a caller
+asks (``max_ids=True``), since a build never needs it and a pass over terabytes of tokens
+is not free; the record is then appended again with it, and the later line wins.
 
 The digest is BLAKE3 over the ``.idx`` bytes and the manifest: the ``.idx`` fixes every
 sequence length and document boundary, which is all an index depends on; the manifest
@@ -24,6 +31,7 @@ new key. BLAKE3, not SHA-256: as strong a content address and faster per core.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import resource
@@ -46,6 +54,8 @@ from tokenloom.indexed.format import read_header
 from tokenloom.indexed.manifest import ids_key
 
 MEMO_FILE = "sources.jsonl"
+MAX_ID_CHUNK = 1 << 24
+"""Tokens per vectorised step of :func:`max_token_id` (64 MiB of int32): its memory bound."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,9 @@ class SourceMeta:
     """Number of documents in the ``.idx`` document index."""
     tokenizer: str | None
     """``ids_key`` of the manifest's tokenizer; None when the source has no manifest."""
+    max_id: int | None = None
+    """Largest token id in the ``.bin`` (-1 when it holds none); only for a source without a manifest
+    (a manifest names the tokenizer instead), and None until asked for (``max_ids=True``)."""
 
 
 _MEMO: dict[str, SourceMeta] = {}
@@ -73,13 +86,13 @@ def clear_memo() -> None:
 
 
 def _stamp(prefix: str) -> str:
-    """The version of a source's files: (device, inode, size, mtime_ns) of ``.idx`` and manifest."""
+    """The version of a source's files: (device, inode, size, mtime_ns) of ``.idx``, ``.bin`` and manifest."""
     parts = []
-    for path in (f"{prefix}.idx", f"{prefix}.manifest.json"):
+    for path in (f"{prefix}.idx", f"{prefix}.bin", f"{prefix}.manifest.json"):
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            if path.endswith(".idx"):
+            if not path.endswith(".manifest.json"):
                 raise TokenloomError(f"{path}: no such file") from None
             parts.append("-")
             continue
@@ -98,6 +111,24 @@ def _compute(prefix: str) -> SourceMeta:
     saved = manifest.read(prefix)
     tokenizer = ids_key(saved["tokenizer"]) if saved is not None else None
     return SourceMeta(h.hexdigest(), sequences, document_indices - 1, tokenizer)
+
+
+def max_token_id(prefix: str) -> int:
+    """The largest token id in ``PREFIX.bin`` (-1 if it holds no token), read through a memory
+    map :data:`MAX_ID_CHUNK` tokens at a time."""
+    from tokenloom.indexed.format import read_header
+
+    dtype = read_header(f"{prefix}.idx")[0]
+    path = f"{prefix}.bin"
+    count = os.path.getsize(path) // dtype.itemsize
+    if count == 0:
+        return -1
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(count,))  # unmapped when the last view goes
+    return max(int(tokens[i:i + MAX_ID_CHUNK].max()) for i in range(0, count, MAX_ID_CHUNK))
+
+
+def _with_max_id(prefix: str, meta: SourceMeta) -> SourceMeta:
+    return dataclasses.replace(meta, max_id=max_token_id(prefix))
 
 
 def _read_memo(path: Path) -> dict[str, SourceMeta]:
@@ -125,24 +156,36 @@ def _read_memo(path: Path) -> dict[str, SourceMeta]:
     return out
 
 
-def source_metadata(prefixes: list[str], memo_dir: str | os.PathLike | None = None) -> dict[str, SourceMeta]:
+def source_metadata(prefixes: list[str], memo_dir: str | os.PathLike | None = None, *,
+                    max_ids: bool = False) -> dict[str, SourceMeta]:
     """``{prefix: SourceMeta}``, computed once per file version (see the module docstring).
 
-    Missing records are computed on a thread pool (hashing releases the GIL) and
-    appended to ``memo_dir/sources.jsonl`` in one write.
+    Missing records are computed on a thread pool (hashing and numpy's reductions release
+    the GIL) and appended to ``memo_dir/sources.jsonl`` in one write. ``max_ids`` also fills
+    :attr:`SourceMeta.max_id` of every source without a manifest (one pass over its ``.bin``
+    the first time).
     """
     stamps = {p: _stamp(p) for p in dict.fromkeys(prefixes)}
+
+    def wanted(p: str) -> bool:
+        meta = _MEMO.get(stamps[p])
+        return meta is None or (max_ids and meta.tokenizer is None and meta.max_id is None)
+
     with _MEMO_LOCK:
-        missing = [p for p, s in stamps.items() if s not in _MEMO]
+        missing = [p for p in stamps if wanted(p)]
     memo_file = Path(memo_dir) / MEMO_FILE if memo_dir is not None else None
     if missing and memo_file is not None:
         on_disk = _read_memo(memo_file)
         with _MEMO_LOCK:
             _MEMO.update(on_disk)
-            missing = [p for p in missing if stamps[p] not in _MEMO]
+            missing = [p for p in missing if wanted(p)]
     if missing:
+        def compute(p: str) -> SourceMeta:
+            meta = _MEMO.get(stamps[p]) or _compute(p)
+            return _with_max_id(p, meta) if max_ids and meta.tokenizer is None else meta
+
         with ThreadPoolExecutor(max(1, min(len(missing), os.cpu_count() or 1))) as pool:
-            computed = dict(zip(missing, pool.map(_compute, missing), strict=True))
+            computed = dict(zip(missing, pool.map(compute, missing), strict=True))
         with _MEMO_LOCK:
             _MEMO.update({stamps[p]: m for p, m in computed.items()})
         if memo_file is not None:

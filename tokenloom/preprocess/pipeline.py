@@ -64,6 +64,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import stat
 import sys
 import time
@@ -83,7 +84,7 @@ from tokenloom.corpus.readers import (
     discover,
     shard_inputs,
 )
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import Stopped, TokenloomError
 from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
 from tokenloom.indexed import manifest
 from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
@@ -523,6 +524,10 @@ def _tokenize(r: _Run) -> None:
     except TokenloomError:
         r.abort()
         raise
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI: as a dead worker, checkpoint what is whole
+        with contextlib.suppress(OSError):
+            r.save_checkpoint(done)
+        raise Stopped(f"interrupted; {r.suspend()}", signal.SIGINT) from None
     except BaseException:
         # Crash or Ctrl-C: keep the last checkpoint so the same command resumes.
         r.close_files()

@@ -44,6 +44,10 @@ class TrainConfig:
     """Optimizer steps of the whole run (the schedule and data size depend on it)."""
     exit_interval: int | None = None
     """Save and stop this process when the iteration is a multiple of this (time-limited jobs)."""
+    save_on_signal: bool = True
+    """On SIGTERM or SIGINT (a cluster's time limit or preemption, kill, Ctrl-C) to any rank, every rank
+    finishes the next step, saves a checkpoint and exits; a second signal stops at once. False: a
+    signal ends the job at once, without a checkpoint."""
     eval_interval: int = 100
     """Validation every this many steps (and at the end); 0 disables validation."""
     eval_iters: int = 10

@@ -249,17 +249,20 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
 
 def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: int, micro_batch_size: int,
            dp_rank: int, dp_size: int, num_workers: int = 0, pin_memory: bool = False,
-           total_samples: int | None = None, inter_document_masking: bool = False) -> DataLoader:
+           total_samples: int | None = None, inter_document_masking: bool = False,
+           vocab_size: int | None = None) -> DataLoader:
     """Micro-batches of this rank (dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
     and ``cu_seqlens``/``max_seqlen`` with ``inter_document_masking``).
 
     The global order is the dataset's; rank ``r`` takes its slice of every global
-    micro-step (see :class:`ConsumedSamplesSampler`). ``total_samples`` caps the samples used.
+    micro-step (see :class:`ConsumedSamplesSampler`). ``total_samples`` caps the samples used;
+    a sample with an id at or above ``vocab_size`` raises an error naming its source.
     """
     total = len(dataset) if total_samples is None else min(total_samples, len(dataset))
     sampler = ConsumedSamplesSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size)
     samples = GPTSamples(dataset, SampleConfig(eod=eod, eod_mask_loss=eod_mask_loss,
-                                               inter_document_masking=inter_document_masking))
+                                               inter_document_masking=inter_document_masking,
+                                               vocab_size=vocab_size))
     # A private generator: DataLoader draws its worker base seed from the *global* torch RNG
     # otherwise (even with num_workers=0), which would shift dropout's stream on resume.
     generator = torch.Generator().manual_seed(consumed_samples)

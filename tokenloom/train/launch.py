@@ -23,6 +23,13 @@ traceback per rank plus torchrun's ``ChildFailedError``; the price is that ranks
 than 0 are silent on the terminal (``verbose=True`` streams everything unchanged, as
 torchrun does, and writes no log files).
 
+Signals: SIGTERM or SIGINT to this process goes to every rank (:class:`Forwarder`), which
+finish the same step, save and stop (:mod:`tokenloom.train.stop`); rank 0's line naming the
+checkpoint and the resume command reaches the terminal through the relay, and this process
+exits with ``128 + signal``. torchrun runs in a session of its own (a terminal's Ctrl-C
+reaches this process only) and dies with it (``PR_SET_PDEATHSIG``), as do the ranks with
+torchrun; a second signal kills the job at once.
+
 Which rank failed first is decided from what this process sees while it polls the
 ranks every :data:`POLL_S`: the time a rank's log shows an error, or its process vanished without
 finishing (a kill, the OOM killer). A death without a message outranks an error seen in
@@ -36,6 +43,7 @@ as rank 0's broken barrier); ranks that torchrun itself stopped after the failur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,13 +51,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenloom.blending.args import parse_data_args
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import Stopped, TokenloomError
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.data import open_tokenizer
 
@@ -148,7 +157,12 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     """Check, then train from a config object or file; in-process without ``nproc_per_node``,
     else via torchrun (see the module docstring). ``echo`` gets the log directory's path.
 
-    Returns the run summary in-process, None after a successful torchrun launch.
+    Returns the run summary in-process; after a torchrun launch None, or ``{"stopped_by": NAME}``
+    when a signal to this process stopped the ranks (they saved; rank 0 printed the checkpoint and
+    the resume command). Signals: :class:`Forwarder`; a signal to torchrun stops the ranks the same
+    way (torchrun sends them SIGTERM), and so does one to a rank (the ranks agree on the step).
+    torchrun runs in its own session with ``PR_SET_PDEATHSIG`` and so do the ranks, so none of the
+    job outlives this process.
     """
     from tokenloom.train import preflight  # lazy: start-up time (in-process runs only)
 
@@ -169,8 +183,19 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     tmp = out / f".launch_config.json.tmp-{os.getpid()}"  # nodes sharing the output dir write the same bytes
     tmp.write_text(json.dumps(config_to_dict(cfg), indent=2))
     os.replace(tmp, config_path)
-    if verbose:
-        code = subprocess.call(torchrun_command(config_path, nproc_per_node, nodes))
+    if verbose:  # a signal goes to torchrun, which sends the ranks SIGTERM
+        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes), start_new_session=True,
+                                preexec_fn=die_with_parent)
+        forward = Forwarder(proc, None)
+        try:
+            with forward.installed():
+                code = proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+        if forward.signum is not None:
+            return {"stopped_by": signal_name(forward.signum)}
         if code != 0:
             raise TokenloomError(f"training with {nproc_per_node * nodes.nnodes} ranks failed (torchrun exit "
                                  f"status {code}); the failing rank's error is printed above")
@@ -179,20 +204,101 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     if echo is not None:
         echo(f"logs: {log_dir} (rank{{N}}.log per rank, torchrun.log)")
     with open(log_dir / "torchrun.log", "wb") as torchrun_log:  # its stdout is rank 0's: kept
-        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir), stderr=torchrun_log)
+        # a session of its own: a terminal's Ctrl-C reaches this process only, which forwards it
+        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir), stderr=torchrun_log,
+                                start_new_session=True, preexec_fn=die_with_parent)
         watch = RankWatch(log_dir)
+        forward = Forwarder(proc, log_dir)
         try:
-            while proc.poll() is None:
-                watch.poll()
-                time.sleep(POLL_S)
+            with forward.installed():
+                while proc.poll() is None:
+                    watch.poll()
+                    time.sleep(POLL_S)
         finally:
             if proc.poll() is None:  # interrupted: torchrun stops its ranks on SIGTERM
                 proc.terminate()
                 proc.wait()
         watch.poll()
-    if proc.returncode != 0:
+    stopped = forward.signum is not None
+    ranks_done = bool(watch.ranks) and all((log_dir / f"rank{r}.done").exists() for r in watch.ranks)
+    if proc.returncode != 0 and not ranks_done:
+        if stopped:
+            from tokenloom.train import checkpoint
+
+            raise Stopped(f"stopped by {signal_name(forward.signum)} before the ranks could save; "
+                          f"{checkpoint.resume_advice(cfg.ckpt_dir)}; full logs: {log_dir}", forward.signum)
         raise TokenloomError(f"{watch.first_failure(proc.returncode)}; full logs: {log_dir}")
-    return None
+    return {"stopped_by": signal_name(forward.signum)} if stopped else None
+
+
+def signal_name(signum: int | None) -> str | None:
+    return None if signum is None else signal.Signals(signum).name
+
+
+class Forwarder:
+    """While installed (main thread only), SIGTERM and SIGINT to this process go to every rank
+    of this node (their pids from ``LOGS/rank{N}.pid``), which save and stop
+    (:mod:`tokenloom.train.stop`); before any rank has started, to torchrun, which stops them. Not
+    to torchrun once ranks run: it would signal them a second time, which stops a rank at once.
+    A second signal kills the ranks and torchrun's process group and raises :class:`Stopped`."""
+
+    def __init__(self, proc: subprocess.Popen, log_dir: Path | None) -> None:
+        self.proc, self.dir, self.signum = proc, log_dir, None
+
+    @contextlib.contextmanager
+    def installed(self) -> typing.Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def rank_pids(self) -> list[int]:
+        pids = []
+        for pid_file in self.dir.glob("rank*.pid") if self.dir is not None else ():
+            try:
+                pids.append(int(pid_file.read_text()))
+            except (ValueError, OSError):
+                continue
+        return pids
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:  # the second one: nothing of the job may outlive this process
+            for pid in self.rank_pids():
+                _kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            where = f"; logs: {self.dir}" if self.dir is not None else ""
+            raise Stopped(f"stopped at once by a second {signal_name(signum)}, without a checkpoint of this "
+                          f"step{where}", signum)
+        self.signum = signum
+        pids = self.rank_pids()
+        for pid in pids:
+            _kill(pid, signum)
+        if not pids:
+            _kill(self.proc.pid, signal.SIGTERM)
+
+
+def _kill(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Have the kernel send ``signum`` to this process when its parent dies (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere nothing), so no process of a job outlives the one that
+    started it, even one killed with SIGKILL. For ``preexec_fn`` and the start of a rank."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def new_log_dir(root: Path, nodes: Nodes) -> Path:
@@ -227,13 +333,14 @@ PEER_SYMPTOM = "another rank has probably died or stalled"
 
 def without_error_lines(held: bytes, chunk: bytes) -> tuple[bytes, bytes]:
     """(what to show, what to hold) of a log's next ``chunk``: its ``error: `` lines are left out
-    (the launcher ends with the first failure's line itself, so the terminal shows one error line).
+    (the launcher ends with the first failure's line itself, so the terminal shows one error line),
+    and so are a rank's traceback lines (:data:`TRACEBACK`), which stay in the log.
     Lines end at ``\n`` or ``\r`` (progress bars); an unfinished one is held only while it may
     still become an error line, so a progress bar is shown as it is drawn."""
     parts = re.split(rb"(?<=[\r\n])", held + chunk)
     tail = parts.pop()  # after the last line end (empty when the chunk ends one)
-    shown = b"".join(p for p in parts if not p.startswith(_ERROR))
-    if tail.startswith(_ERROR) or _ERROR.startswith(tail):
+    shown = b"".join(p for p in parts if not p.startswith((_ERROR, TRACEBACK)))
+    if any(tail.startswith(h) or h.startswith(tail) for h in (_ERROR, TRACEBACK)):
         return shown, tail
     return shown + tail, b""
 
@@ -364,6 +471,9 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     if rank != 0:
         os.dup2(fd, 1)
     os.close(fd)
+    die_with_parent()  # torchrun gone (even by SIGKILL): this rank saves and stops as on SIGTERM
+    for s in (signal.SIGTERM, signal.SIGINT):  # the steps install their own (tokenloom.train.stop)
+        signal.signal(s, _stop_outside_steps)
     tmp = log_dir / f".rank{rank}.pid.tmp"
     tmp.write_text(str(os.getpid()))
     os.replace(tmp, log_dir / f"rank{rank}.pid")
@@ -371,10 +481,41 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
 
     if rank == 0:  # on the launching terminal or pipe
         stdout_outlives_its_reader()
-    code = loop.main(["--config", args.config])
+    try:
+        code = loop.main(["--config", args.config])
+    except Exception as exc:  # noqa: BLE001 (a bug or a library's error: one line, its traceback in the log)
+        report_unexpected(exc, rank, log_dir / f"rank{rank}.log")
     sys.stdout.flush()
     (log_dir / f"rank{rank}.done").write_text(str(code))
     return code
+
+
+def _stop_outside_steps(signum: int, frame) -> None:
+    """A rank's SIGTERM or SIGINT before or after its training steps: one line, and the process ends."""
+    rank = os.environ.get("RANK", "0")
+    print(f"error: rank {rank}: stopped by {signal_name(signum)} outside the training steps (nothing saved for "
+          "it)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + signum)
+
+
+TRACEBACK = b"traceback: "
+"""Prefix of each line of a rank's unexpected traceback in its log (:func:`report_unexpected`);
+the relay of rank 0's log leaves these lines out, as it does ``error: `` lines."""
+
+
+def report_unexpected(exc: Exception, rank: int, log: Path) -> typing.NoReturn:
+    """End a rank on an exception that is not a :class:`TokenloomError`: its traceback goes to the
+    log, each line prefixed with :data:`TRACEBACK`, then one ``error:`` line as ``loop.main``
+    prints them, and the process exits at once (a dead peer can make process-group teardown block)."""
+    import traceback
+
+    lines = traceback.format_exception(exc)
+    sys.stderr.write("".join(f"{TRACEBACK.decode()}{line}\n" for line in "".join(lines).splitlines()))
+    message = " ".join(f"{type(exc).__name__}: {exc}".split())
+    print(f"error: rank {rank}: {message} (traceback in {log})", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, tokenizer: str | None = None,
@@ -415,7 +556,7 @@ FLAG_KEYS = {
     "num_layers_in_last_pipeline_stage": "num_layers_in_last_pipeline_stage",
     "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
-    "overlap_param_gather": "overlap_param_gather",
+    "overlap_param_gather": "overlap_param_gather", "save_on_signal": "save_on_signal",
 }
 """``train`` flag (its Python name) -> the config key it sets."""
 

@@ -30,6 +30,9 @@ Choices and their costs:
 * **Evaluation** runs the model in eval mode without gradients on the same first
   ``eval_iters`` validation batches every time, before the first step, every
   ``eval_interval`` steps and at the end; the first evaluation is announced on rank 0.
+* **Signals** (``save_on_signal``, :mod:`.stop`): SIGTERM or SIGINT to any rank ends the run
+  on every rank after the same step, with a checkpoint and one line naming it and the
+  command that resumes; a second signal ends the process at once.
 * **Failures**: a dead or stalled rank surfaces as a :class:`TokenloomError` from the
   next collective (at most the ``dist_timeout_s`` later); ``main`` prints it as one line
   and exits non-zero without tearing down the process group (which could block).
@@ -42,6 +45,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import typing
 from collections.abc import Iterator
@@ -68,6 +72,7 @@ from tokenloom.train.runtime import (
     seed_everything,
     tune_host_memory,
 )
+from tokenloom.train.stop import StopOnSignal, resume_command
 from tokenloom.train.strategy import Strategy
 from tokenloom.train.summary import RunFacts, startup_summary
 
@@ -230,8 +235,19 @@ class Trainer:
         """The loop, one optimizer step at a time: yields the iteration number after each step
         (with its logging, evaluation and checkpoint). ``train`` drains it; a benchmark can
         interleave it step by step with a baseline. Call :meth:`finish` afterwards."""
-        with ManualGC(self.cfg.gc_interval) as self._gc:
+        with ManualGC(self.cfg.gc_interval) as self._gc, self._stop_on_signal() as self._stop:
             yield from self._loop()
+
+    @contextlib.contextmanager
+    def _stop_on_signal(self) -> Iterator[StopOnSignal | None]:
+        stop = StopOnSignal(self.world.size) if self.cfg.save_on_signal else None
+        failed = True
+        try:
+            yield stop
+            failed = False
+        finally:
+            if stop is not None:
+                stop.close(failed)
 
     def _loop(self) -> Iterator[int]:
         cfg, world, s = self.cfg, self.world, self.strategy
@@ -269,6 +285,9 @@ class Trainer:
                 since = 0
             self._gc.step(self.iteration)
             evaluating, self._exited, saving = due(cfg, self.iteration, done, has_valid)
+            if self._stop is not None and not done and (signum := self._stop.agreed()):
+                self._exited = saving = True
+                last["stopped_by"] = signal.Signals(signum).name
             if evaluating or saving:
                 with timer.paused():
                     if evaluating:
@@ -276,6 +295,11 @@ class Trainer:
                         self._record({"iter": self.iteration, "val_loss": last["val_loss"]})
                     if saving:
                         last["checkpoint"] = str(self._save())
+            if "stopped_by" in last and world.rank == 0:
+                print(f"stopped by {last['stopped_by']} after iteration {self.iteration}: checkpoint "
+                      f"{last['checkpoint']}; resume with: "
+                      f"{resume_command(str(Path(cfg.output_dir) / 'config.json'), world.size)}",
+                      file=sys.stderr, flush=True)
             yield self.iteration
             if self._exited:
                 break

@@ -4,7 +4,10 @@ names the flag or file and what to type instead.
 The launching process runs :func:`check` (``cli.py train``, with or without
 ``--nproc-per-node``), so a typo costs a second, not a torchrun start-up and one
 traceback per rank. Everything here reads only the config and small files (``.idx``
-headers, manifests, a checkpoint's ``state.json``); what needs the built indices (enough
+headers, manifests, a checkpoint's ``state.json``), except that a source without a manifest
+has its largest token id read once per file version (cached with the cache directory's
+source records, :mod:`tokenloom.blending.sources`) to compare with the model's vocabulary,
+so ids from another tokenizer fail here instead of in every rank's embedding; what needs the built indices (enough
 samples for ``train_iters``) is still found by the ranks. The ranks repeat the
 layout and batch checks (:mod:`tokenloom.train.strategy`), so a job started by
 ``srun`` without this launcher fails the same way, once per rank.
@@ -79,12 +82,13 @@ def check_model_split(cfg: TrainConfig) -> None:
 
 def check_sources(cfg: TrainConfig) -> None:
     """Every prefix has its ``.bin``/``.idx``; no split that evaluation reads is empty; the
-    ``--tokenizer`` gives the ids every source's manifest was made with."""
+    ``--tokenizer`` gives the ids every source's manifest was made with, and the ids of a source
+    without a manifest fit the model's vocabulary."""
     blend = cfg.data.blend
     if not blend.prefixes:
         raise TokenloomError("--data is empty; give WEIGHT PREFIX pairs, e.g. --data 0.7 out/web 0.3 out/code")
     bookends = split_matrix(blend.split)
-    tok = None
+    tok, unmanifested = None, []
     if cfg.tokenizer:
         tok = open_tokenizer(cfg.tokenizer)
     for _, prefix in blend.prefixes:
@@ -102,10 +106,29 @@ def check_sources(cfg: TrainConfig) -> None:
             raise TokenloomError(f"--split {blend.split} has no validation part, yet evaluation reads it; give it one "
                                  "(e.g. --split 949,50,1) or set --set eval_interval=0")
         saved = manifest.read(prefix)
+        if saved is None:
+            unmanifested.append(prefix)
         if tok is not None and saved is not None and ids_key(saved["tokenizer"]) != ids_key(tok.fingerprint()):
             raise TokenloomError(
                 f"--tokenizer {cfg.tokenizer} is {manifest.tokenizer_name(tok.fingerprint())}, but {prefix} was tokenized "
                 f"with {manifest.tokenizer_name(saved['tokenizer'])} (its manifest); pass that tokenizer")
+    if unmanifested:
+        check_max_ids(cfg, unmanifested)
+
+
+def check_max_ids(cfg: TrainConfig, prefixes: list[str]) -> None:
+    """The largest token id of each source (without a manifest) is below ``model.vocab_size``."""
+    from tokenloom.blending.sources import source_metadata
+
+    vocab = cfg.model.vocab_size
+    metas = source_metadata(prefixes, cfg.data.blend.cache_dir, max_ids=True)
+    for prefix in prefixes:
+        top = metas[prefix].max_id
+        if top is not None and top >= vocab:
+            model = f"--tokenizer {cfg.tokenizer} ({vocab} ids)" if cfg.tokenizer else f"model.vocab_size {vocab}"
+            raise TokenloomError(
+                f"--data: {prefix}.bin holds token id {top}, beyond the vocabulary of {model}; it was tokenized "
+                "with another tokenizer (it has no manifest to say which): pass that one, or preprocess it again")
 
 
 def check_resume(cfg: TrainConfig) -> None:

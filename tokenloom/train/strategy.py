@@ -237,7 +237,7 @@ class Strategy:
             dataset, eod=eod, eod_mask_loss=cfg.data.eod_mask_loss, consumed_samples=consumed,
             micro_batch_size=cfg.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_workers=workers, pin_memory=self.device.type == "cuda", total_samples=total,
-            inter_document_masking=cfg.data.inter_document_masking,
+            inter_document_masking=cfg.data.inter_document_masking, vocab_size=cfg.model.vocab_size,
         )
         host = torch.device("cpu")
         with host:
