@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ _import_numpy_with_one_blas_thread()
 
 import click  # noqa: E402
 
-from tokenloom.errors import TokenloomError  # noqa: E402
+from tokenloom.errors import Stopped, TokenloomError  # noqa: E402
 
 
 class _Group(click.Group):
@@ -218,8 +219,6 @@ def _sigterm_interrupts(what: str | None = None):
     """SIGTERM (a cluster's time limit, ``kill``) interrupts like Ctrl-C while the block runs. With
     ``what``, an interrupt ends in one line saying ``what`` was stopped; without, the block
     handles it (preprocess saves its checkpoint and names it)."""
-    import signal
-
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -229,8 +228,6 @@ def _sigterm_interrupts(what: str | None = None):
     except KeyboardInterrupt:
         if what is None:
             raise
-        from tokenloom.errors import Stopped
-
         raise Stopped(f"{what} interrupted; what it wrote is whole or gone: rerun the same command",
                       signal.SIGINT) from None
     finally:
@@ -467,17 +464,12 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
     try:
         summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo)
     except KeyboardInterrupt:  # Ctrl-C before the steps (they save and stop instead)
-        import signal
-
-        from tokenloom.errors import Stopped
-        from tokenloom.train.checkpoint import resume_advice
+        from tokenloom.train.checkpoint import resume_advice  # lazy: start-up time, as the train stack above
 
         raise Stopped(f"interrupted (SIGINT) before training; {resume_advice(cfg.ckpt_dir)}", signal.SIGINT) from None
     if nproc_per_node is None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own
         click.echo(json.dumps(summary))
     if summary is not None and summary.get("stopped_by"):  # saved and stopped on a signal: the shell's status
-        import signal
-
         sys.exit(128 + signal.Signals[summary["stopped_by"]])
 
 

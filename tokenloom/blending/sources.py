@@ -116,8 +116,6 @@ def _compute(prefix: str) -> SourceMeta:
 def max_token_id(prefix: str) -> int:
     """The largest token id in ``PREFIX.bin`` (-1 if it holds no token), read through a memory
     map :data:`MAX_ID_CHUNK` tokens at a time."""
-    from tokenloom.indexed.format import read_header
-
     dtype = read_header(f"{prefix}.idx")[0]
     path = f"{prefix}.bin"
     count = os.path.getsize(path) // dtype.itemsize

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -53,12 +54,14 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenloom.blending.args import parse_data_args
 from tokenloom.errors import Stopped, TokenloomError
+from tokenloom.train import checkpoint
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.data import open_tokenizer
 
@@ -223,8 +226,6 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     ranks_done = bool(watch.ranks) and all((log_dir / f"rank{r}.done").exists() for r in watch.ranks)
     if proc.returncode != 0 and not ranks_done:
         if stopped:
-            from tokenloom.train import checkpoint
-
             raise Stopped(f"stopped by {signal_name(forward.signum)} before the ranks could save; "
                           f"{checkpoint.resume_advice(cfg.ckpt_dir)}; full logs: {log_dir}", forward.signum)
         raise TokenloomError(f"{watch.first_failure(proc.returncode)}; full logs: {log_dir}")
@@ -295,8 +296,6 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
     started it, even one killed with SIGKILL. For ``preexec_fn`` and the start of a rank."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG
 
@@ -508,8 +507,6 @@ def report_unexpected(exc: Exception, rank: int, log: Path) -> typing.NoReturn:
     """End a rank on an exception that is not a :class:`TokenloomError`: its traceback goes to the
     log, each line prefixed with :data:`TRACEBACK`, then one ``error:`` line as ``loop.main``
     prints them, and the process exits at once (a dead peer can make process-group teardown block)."""
-    import traceback
-
     lines = traceback.format_exception(exc)
     sys.stderr.write("".join(f"{TRACEBACK.decode()}{line}\n" for line in "".join(lines).splitlines()))
     message = " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenloom.blending.sources import source_metadata
 from tokenloom.blending.split import Split, split_documents, split_matrix
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import manifest
@@ -118,8 +119,6 @@ def check_sources(cfg: TrainConfig) -> None:
 
 def check_max_ids(cfg: TrainConfig, prefixes: list[str]) -> None:
     """The largest token id of each source (without a manifest) is below ``model.vocab_size``."""
-    from tokenloom.blending.sources import source_metadata
-
     vocab = cfg.model.vocab_size
     metas = source_metadata(prefixes, cfg.data.blend.cache_dir, max_ids=True)
     for prefix in prefixes:
