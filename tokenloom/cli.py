@@ -47,6 +47,19 @@ class _Group(click.Group):
         except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
             click.echo(f"error: {exc.strerror}: {exc.filename}", err=True)
             sys.exit(1)
+        except BrokenPipeError:
+            _silence_stdout()
+            click.echo("error: standard output was closed before the command finished (broken pipe); "
+                       "rerun the same command with its output going to a file or a terminal", err=True)
+            sys.exit(1)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of what is still buffered for a
+    closed pipe prints no second message (Python's advice for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 class _Greedy(click.Option):

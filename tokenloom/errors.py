@@ -14,3 +14,9 @@ class TokenloomError(Exception):
 
 class FormatError(TokenloomError):
     """A file does not follow the on-disk format it claims to."""
+
+
+class Interrupted(TokenloomError):
+    """The user stopped the command (Ctrl-C); the message says what was kept and how to go on."""
+
+    exit_code = 130  # 128 + SIGINT, as a shell reports a process that SIGINT ended

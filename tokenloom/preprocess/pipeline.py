@@ -32,7 +32,9 @@ Policy and its costs:
   with one line naming the path and what to do; everything written after the last
   checkpoint is cut away (it may be what filled the disk) and the checkpoint is kept,
   so rerunning the same command resumes. A dead worker process (killed, out of
-  memory) first checkpoints everything already written, then stops the same way.
+  memory) first checkpoints everything already written, then stops the same way;
+  Ctrl-C (exit status 130) and a closed stdout (the CLI's line) keep the checkpoint too.
+  Every stop is one line: the clean-up closes the result stream before the pool.
   Workers die with the main process (see ``worker``).
 * Publishing: every output is completed inside ``OUTPUT.partial/`` (``.bin``,
   ``.idx``, manifest), a ``staged.json`` marker records that, and then each output is
@@ -75,7 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenloom import objstore
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import Interrupted, TokenloomError
 from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
 from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
 from tokenloom.preprocess import manifest
@@ -640,7 +642,12 @@ def start_pool(run: _Run) -> OrderedPool | None:
 
 
 def _results(run: _Run, chunks, pool: OrderedPool | None):
-    """Yield (chunk, EncodedChunk) in input order; at most 2 x workers chunks in flight."""
+    """Yield (chunk, EncodedChunk) in input order; at most 2 x workers chunks in flight.
+
+    Closing the generator early leaves its in-flight tasks with the pool: whoever owns the pool
+    closes the generator first, then the pool (which kills workers with tasks outstanding). The
+    generator never touches the pool once closed, so the order of clean-up cannot turn a stop
+    into a second error, and a stop never waits for chunks nobody will write."""
     if pool is None:
         from tokenloom.preprocess import worker
 
@@ -649,18 +656,13 @@ def _results(run: _Run, chunks, pool: OrderedPool | None):
             yield chunk, encode_chunk(chunk, run.opts)
         return
     inflight: collections.deque = collections.deque()
-    try:
-        for chunk in chunks:
-            pool.submit(encode_in_worker, chunk, run.opts)
-            inflight.append(chunk)
-            if len(inflight) >= 2 * run.workers:
-                yield inflight.popleft(), pool.result()
-        while inflight:
+    for chunk in chunks:
+        pool.submit(encode_in_worker, chunk, run.opts)
+        inflight.append(chunk)
+        if len(inflight) >= 2 * run.workers:
             yield inflight.popleft(), pool.result()
-    except GeneratorExit:  # the caller stopped early: take the results it left, keeping the pool in order
-        for _ in inflight:
-            pool.result()
-        raise
+    while inflight:
+        yield inflight.popleft(), pool.result()
 
 
 def run(cfg: PreprocessConfig, echo=print, done_marker: Path | None = None) -> dict:
@@ -706,7 +708,7 @@ def _tokenize(r: _Run) -> None:
     from tqdm import tqdm
 
     cfg, start = r.cfg, time.perf_counter()
-    pool, bar = None, None
+    pool, bar, results = None, None, None
     try:
         done = position = r.open_outputs()
         fresh = r.counts.records == 0 and position == Position()
@@ -743,6 +745,9 @@ def _tokenize(r: _Run) -> None:
         with contextlib.suppress(OSError):
             r.save_checkpoint(done)
         raise TokenloomError(f"a tokenizer worker process died (killed, or out of memory?); {r.suspend()}") from None
+    except BrokenPipeError:  # stdout, not the output files: the CLI names it
+        r.close_files()
+        raise
     except OSError as exc:
         raise TokenloomError(f"{os_error_message(exc, r.partial)}; then {r.suspend()}") from None
     except objstore.StoreError as exc:  # the store failed, not the input: keep the checkpoint
@@ -750,13 +755,18 @@ def _tokenize(r: _Run) -> None:
     except TokenloomError:
         r.abort()
         raise
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; {r.suspend()}") from None
     except BaseException:
-        # Crash or Ctrl-C: keep the last checkpoint so the same command resumes.
+        # A crash, or stdout closed under an echo (the CLI says so): keep the last checkpoint so the same
+        # command resumes.
         r.close_files()
         raise
     finally:
         if bar is not None:
             bar.close()
+        if results is not None:  # before the pool: the generator's frame holds tasks of the pool
+            results.close()
         if pool is not None:
             pool.close()
 
