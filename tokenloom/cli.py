@@ -142,20 +142,24 @@ def inspect(prefix, with_hash, as_json):
 
 @main.command()
 @click.argument("prefix")
-@click.option("--vocab-size", type=int, help="Also check that every token id is below this.")
-@click.option("--eod", type=int, help="Also check that every non-empty document ends with this id.")
+@click.option("--vocab-size", type=int,
+              help="Check that every token id is below this (default: the manifest's vocabulary).")
+@click.option("--eod", type=int, help="Check that every non-empty document ends with this id "
+              "(default: the manifest's EOD when the run appended one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(prefix, vocab_size, eod, as_json):
-    """Check PREFIX.bin/.idx completely; exit non-zero naming the first problem."""
-    from tokenloom.indexed import verify as run
+    """Check PREFIX.bin/.idx completely, with everything PREFIX.manifest.json records (vocabulary, EOD, BOS,
+    dtype, counts); exit non-zero naming the first problem."""
+    from tokenloom.preprocess.verify import verify_dataset
 
-    report = run(prefix, vocab_size=vocab_size, eod=eod)
+    report = verify_dataset(prefix, vocab_size=vocab_size, eod=eod)
     if as_json:
         _emit(report, True)
     else:
+        skipped = f"; not checked: {', '.join(report['not_checked'])}" if report["not_checked"] else ""
         click.echo(f"OK {report['path_prefix']}: {report['sequences']} sequences, {report['documents']} "
                    f"documents, {report['tokens']} tokens ({report['dtype']}); checked "
-                   f"{', '.join(report['checked'])}")
+                   f"{', '.join(report['checked'])}{skipped}")
 
 
 @main.command()

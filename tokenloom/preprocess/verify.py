@@ -1,0 +1,54 @@
+"""``verify`` with everything a dataset's manifest knows, no flags needed.
+
+:func:`tokenloom.indexed.verify` checks a ``.bin``/``.idx`` pair against values it is given
+and knows no manifest; the manifest belongs to preprocess (:mod:`tokenloom.preprocess.manifest`).
+This module joins them: the manifest's vocabulary size, its EOD (when the run appended one), its
+BOS (when it prepended one), its dtype and counts become checks. A value passed by the user wins
+over the manifest's. Without a manifest (Megatron-made files) only the structure is checked,
+plus what the user passed, and the report lists the checks that could not run.
+
+The manifest records digests of the inputs, not of the tokens: the tokens are checked through
+the counts and the vocabulary, EOD and BOS checks, which read every token.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenloom.indexed import format as indexed_format
+from tokenloom.indexed import verify as verify_pair
+from tokenloom.preprocess import manifest
+
+
+def verify_dataset(prefix: str | os.PathLike, vocab_size: int | None = None, eod: int | None = None) -> dict:
+    """:func:`tokenloom.indexed.verify` with the manifest's values; the report adds ``not_checked``:
+    the checks that could not run and why (empty when every check ran)."""
+    prefix = indexed_format.normalize_prefix(prefix)
+    data = manifest.read(prefix)
+    sources = {name: f"given by {flag}" for name, flag, value in (("vocab", "--vocab-size", vocab_size),
+                                                                     ("eod", "--eod", eod)) if value is not None}
+    bos, expected, not_checked = None, None, []
+    if data is None:
+        missing = f"no {manifest.manifest_path(prefix).name}"
+        if vocab_size is None:
+            not_checked.append(f"vocab ({missing}; pass --vocab-size)")
+        if eod is None:
+            not_checked.append(f"eod ({missing}; pass --eod)")
+        not_checked.append(f"counts ({missing})")
+    else:
+        tokenizer, options = data.get("tokenizer", {}), data.get("options", {})
+        origin = f"the tokenizer of {manifest.manifest_path(prefix)}: {manifest.tokenizer_name(tokenizer)}"
+        if vocab_size is None and tokenizer.get("vocab_size") is not None:
+            vocab_size, sources["vocab"] = int(tokenizer["vocab_size"]), origin
+        if eod is None and options.get("append_eod") and tokenizer.get("eod") is not None:
+            eod, sources["eod"] = int(tokenizer["eod"]), origin
+        if options.get("prepend_bos") and tokenizer.get("bos") is not None:
+            bos, sources["bos"] = int(tokenizer["bos"]), origin
+        counts = data.get("counts", {})
+        expected = {key: counts[key] for key in ("sequences", "documents", "tokens") if key in counts}
+        if "dtype" in data.get("output", {}):
+            expected["dtype"] = data["output"]["dtype"]
+        sources["counts"] = f"in {manifest.manifest_path(prefix)}"
+    report = verify_pair(prefix, vocab_size=vocab_size, eod=eod, bos=bos, expected=expected, sources=sources)
+    report["not_checked"] = not_checked
+    return report
