@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -147,7 +148,8 @@ def test_verify_checks_the_manifests_eod_and_counts(gpt2_dataset):
     manifest["counts"]["documents"] += 1
     Path(f"{gpt2_dataset}.manifest.json").write_text(json.dumps(manifest))
     line = _one_line(_invoke("verify", gpt2_dataset))
-    assert f"{ds.num_documents} documents, but {ds.num_documents + 1}" in line and "preprocess again" in line
+    assert f"{ds.num_documents} documents, but {gpt2_dataset}.manifest.json records" in line, line
+    assert f"in {ds.num_documents + 1}: the files come from different runs" in line and "preprocess again" in line
 
 
 def test_verify_without_a_manifest_says_what_it_could_not_check(gpt2_dataset):
@@ -159,3 +161,40 @@ def test_verify_without_a_manifest_says_what_it_could_not_check(gpt2_dataset):
                                       "g.manifest.json)"), ok.stdout
     flagged = _invoke("verify", gpt2_dataset, "--vocab-size", 50257, "--eod", 50256)
     assert "checked structure, vocab, eod; not checked: counts" in flagged.stdout, flagged.output
+
+
+# --------------------------------------------------------------------------- hints that point to the fix (issue 39)
+
+
+def _build(prefix):
+    return _invoke("build", "--data", prefix, "--split", "1", "--seq-length", 8, "--num-samples", 10)
+
+
+@pytest.mark.parametrize("change", ["cut by half", "appended to"])
+def test_a_bin_of_the_wrong_size_says_damaged_or_mismatched_with_both_sizes(gpt2_dataset, change):
+    size = Path(f"{gpt2_dataset}.bin").stat().st_size
+    if change == "cut by half":
+        os.truncate(f"{gpt2_dataset}.bin", size // 2)
+    else:
+        with open(f"{gpt2_dataset}.bin", "ab") as f:
+            f.write(b"\0" * 100)
+    now = Path(f"{gpt2_dataset}.bin").stat().st_size
+    for result in (_invoke("verify", gpt2_dataset), _build(gpt2_dataset)):
+        line = _one_line(result)
+        assert f"{gpt2_dataset}.bin is {now} bytes" in line and f"than the {size} bytes" in line, line
+        assert "the pair is damaged" in line and "mismatched" in line and line.endswith("preprocess again"), line
+        assert "change the split" not in line
+
+
+def test_an_idx_of_another_dataset_is_called_foreign(gpt2_dataset, tmp_path, shared_data):
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": f"another dataset, line {i}"}) + "\n" for i in range(7)))
+    assert _invoke("preprocess", "--input", other, "--output-prefix", tmp_path / "o", "--tokenizer",
+                   shared_data / "tokenizers" / "gpt2" / "gpt2.tiktoken", "--append-eod", "--workers", 1,
+                   "--no-progress").exit_code == 0
+    shutil.copy(tmp_path / "o.idx", f"{gpt2_dataset}.idx")
+    for result in (_invoke("verify", gpt2_dataset), _build(gpt2_dataset)):
+        line = _one_line(result)
+        assert line.startswith(f"error: {gpt2_dataset}.idx holds 7 sequences in 7 documents, but "
+                               f"{gpt2_dataset}.manifest.json records 200 in 200"), line
+        assert "the .idx is foreign" in line and line.endswith("preprocess again"), line

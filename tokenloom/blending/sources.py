@@ -84,6 +84,7 @@ def _stamp(prefix: str) -> str:
 def _compute(prefix: str) -> SourceMeta:
     from tokenloom.indexed.format import read_header
     from tokenloom.preprocess import manifest
+    from tokenloom.preprocess.verify import check_pair
     from tokenloom.tokenizers.base import ids_key
 
     _, sequences, document_indices = read_header(f"{prefix}.idx")
@@ -94,6 +95,7 @@ def _compute(prefix: str) -> SourceMeta:
         h.update(path.name.encode())
         hash_file(h, path)
     saved = manifest.read(prefix)
+    check_pair(prefix, saved)
     tokenizer = ids_key(saved["tokenizer"]) if saved is not None else None
     return SourceMeta(h.hexdigest(), sequences, document_indices - 1, tokenizer)
 

@@ -23,6 +23,7 @@ from tokenloom.indexed.format import (
     index_path,
     iter_token_chunks,
     normalize_prefix,
+    size_mismatch,
 )
 
 CHUNK = 1 << 24
@@ -63,8 +64,7 @@ def _check_structure(ds: IndexedDataset) -> None:
                               "and contiguous")
         expected_next = int(starts[-1]) + int(lens[-1]) * itemsize
     if os.path.getsize(bin_file) != expected_next:
-        raise FormatError(f"{bin_file}: size {os.path.getsize(bin_file)} != sum(lengths) x {itemsize} "
-                          f"= {expected_next}")
+        raise FormatError(size_mismatch(bin_file, idx_file, os.path.getsize(bin_file), expected_next, itemsize))
     if int(doc_index[0]) != 0:
         raise FormatError(f"{idx_file}: document index starts at {int(doc_index[0])}, expected 0")
     if int(doc_index[-1]) != n:

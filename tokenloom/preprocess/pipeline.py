@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import gc
 import hashlib
 import itertools
@@ -463,7 +464,14 @@ class _Run:
             loaded = None
         if self.partial.exists() and loaded is None:
             shutil.rmtree(self.partial)
-        self.partial.mkdir(parents=True, exist_ok=True)
+        try:
+            self.partial.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a place no rerun can write (/proc/x, a file as a folder): say so
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EMFILE, errno.ENFILE):
+                raise
+            raise TokenloomError(f"cannot create the directory {exc.filename or self.partial} ({exc.strerror}) for "
+                                 f"the output {self.cfg.output_prefix}: choose an --output-prefix (or --staging-dir) "
+                                 "in a location this user can create and write") from None
         self.checkpoint = ckpt
         tolerant = self.cfg.max_bad_fraction is not None
         self.writers = {}
