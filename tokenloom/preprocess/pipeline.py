@@ -143,6 +143,8 @@ class PreprocessConfig:
     """Text bytes per work unit sent to a worker (larger: less per-unit overhead, more memory in flight, two units per worker)."""
     checkpoint_interval: float = 60.0
     """Seconds between resume checkpoints."""
+    encoder_memory_mb: int = 256
+    """MB a worker's encoder may grow before it is rebuilt (gigatoken caches every distinct word; 0: never rebuild; a rebuilt encoder runs slower until its cache is warm)."""
     check_space: bool = True
     """Check that the output disk can hold the estimated output before starting."""
     progress: bool = True
@@ -309,7 +311,7 @@ def _check_unchanged(inputs: list[Input], stats: list[tuple]) -> None:
 
 def _config_digest(cfg: PreprocessConfig, stats: list[tuple], tokenizer_fp: dict, shard) -> str:
     shape = {k: v for k, v in asdict(cfg).items()
-             if k not in ("workers", "chunk_bytes", "checkpoint_interval", "check_space", "progress",
+             if k not in ("workers", "chunk_bytes", "checkpoint_interval", "encoder_memory_mb", "check_space", "progress",
                           "executor", "ray_address", "ray_retries", "staging_dir")}
     blob = json.dumps([stats, tokenizer_fp["digest"], shape, shard], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -646,7 +648,8 @@ def start_pool(run: _Run) -> OrderedPool | None:
     if fork:  # what start-up built (modules, the tokenizer) is never scanned by a collection again,
         gc.freeze()  # here or in the workers, whose copy-on-write pages a scan would copy (Python's advice)
     return OrderedPool(run.workers, context, initializer=init,
-                       initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid()))
+                       initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid(),
+                                 run.cfg.encoder_memory_mb))
 
 
 def _results(run: _Run, chunks, pool: OrderedPool | None):
@@ -659,7 +662,7 @@ def _results(run: _Run, chunks, pool: OrderedPool | None):
     if pool is None:
         from tokenloom.preprocess import worker
 
-        worker.set_tokenizer(run.tokenizer)
+        worker.set_tokenizer(run.tokenizer, run.cfg.encoder_memory_mb)
         for chunk in chunks:
             yield chunk, encode_chunk(chunk, run.opts)
         return
