@@ -206,7 +206,7 @@ def _pp_help(name: str) -> str:
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True, help=_pp_help("chunk_bytes"))
 @click.option("--checkpoint-interval", type=float, default=60.0, show_default=True,
               help=_pp_help("checkpoint_interval"))
-@click.option("--encoder-memory-mb", type=click.IntRange(min=0), default=256, show_default=True,
+@click.option("--encoder-memory-mb", type=click.IntRange(min=0), default=128, show_default=True,
               help=_pp_help("encoder_memory_mb"))
 @click.option("--space-check/--no-space-check", "check_space", default=True,
               help=_pair(_pp_help("check_space"), True, "--no-space-check", "start without checking"))

@@ -119,7 +119,7 @@ def _return_free_memory() -> None:
         import ctypes
 
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no glibc (musl, macOS), or no CDLL(None) (Windows)
         pass
 
 
@@ -134,8 +134,9 @@ class GigatokenEngine:
     built again from ``rebuild`` (ids do not change: the same files, no state but the cache).
     Trade-off: a rebuilt model starts with a cold cache, which encodes slower until it is warm
     again; on ordinary text the cache stops growing long before the bound and it never fires.
-    Where resident memory cannot be read (not Linux), the bound counts text bytes encoded
+    Where resident memory cannot be read (not Linux), the bound counts the characters encoded
     instead: a cache entry is larger than the text it came from, so that bound is conservative.
+    The cache is freed with the model whether gigatoken encoded on one thread or on its pool.
     """
 
     def __init__(self, source: GigatokenSource, escape_chars: str = "", rebuild=None):
