@@ -34,7 +34,15 @@ per-document growth), so 1x (a ~2 s run) sits a little below 2x and 4x. PSS, not
 workers share the parent's pages copy-on-write, and a sum of RSS would count those pages once
 per process. Outputs are checked byte-identical across rows.
 
-Usage: python bench/preprocess_bench.py [--documents N] [--doc-bytes B]
+* distinct words issue 39's corpus: random lowercase words, nearly all distinct (URLs, numbers,
+                 hashes and code behave alike), ``--distinct-mb`` MB and 4x that, 2 workers, GPT-2 on each
+                 backend ``auto`` can pick for it (gigatoken, and the tiktoken reference). gigatoken caches
+                 every distinct word; ``--encoder-memory-mb`` (default) bounds what that adds to a worker,
+                 so peak memory must not grow with the corpus (target 4x/1x <= 1.1). The 1x corpus must
+                 be large enough for each worker to reach the bound. ``--distinct-only`` runs these rows
+                 alone; ``--distinct-mb 0`` skips them.
+
+Usage: python bench/preprocess_bench.py [--documents N] [--doc-bytes B] [--distinct-mb MB] [--distinct-only]
 """
 
 from __future__ import annotations
@@ -96,6 +104,48 @@ def write_corpus(path: Path, texts: list[str]) -> Path:
         for t in texts:
             f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
     return path
+
+
+def distinct_words_corpus(path: Path, megabytes: float, seed: int = 0, doc_bytes: int = 4000) -> Path:
+    """A jsonl of random lowercase words (2 to 11 letters): nearly every word is new to a word cache."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    with open(path, "w", encoding="utf-8") as f:
+        while f.tell() < megabytes * 1e6:
+            chars = letters[rng.integers(0, 26, doc_bytes)]
+            spaces = rng.integers(3, 13, doc_bytes // 3).cumsum()
+            chars[spaces[spaces < doc_bytes]] = ord(" ")
+            f.write(json.dumps({"text": chars.tobytes().decode()}) + "\n")
+    return path
+
+
+def distinct_rows(args, tmp: Path) -> None:
+    """Issue 39's acceptance 1: peak memory of 4x a corpus of distinct words against 1x, per backend."""
+    small = distinct_words_corpus(tmp / "distinct1.jsonl", args.distinct_mb)
+    large = distinct_words_corpus(tmp / "distinct4.jsonl", 4 * args.distinct_mb, seed=1)
+    workers = 2
+
+    def cmd(src, prefix, backend):
+        return [sys.executable, str(REPO / "cli.py"), "preprocess", "--input", str(src), "--output-prefix",
+                str(tmp / prefix), "--tokenizer", str(GPT2 / "gpt2.tiktoken"), "--tokenizer-backend", backend,
+                "--append-eod", "--workers", str(workers), "--no-progress"]
+
+    rows = []
+    for backend in ("gigatoken", "reference"):
+        t1, rss1 = run_measured(cmd(small, f"d1-{backend}", backend))
+        t4, rss4 = run_measured(cmd(large, f"d4-{backend}", backend))
+        rows.append((f"distinct words, {backend}: peak PSS 4x vs 1x (target <= 1.1)", f"{rss4 / 2**20:.0f} MB",
+                     f"{rss1 / 2**20:.0f} MB", f"{rss4 / rss1:.2f}x"))
+        rows.append((f"distinct words, {backend}: seconds 4x vs 1x (linear = 4.0)", f"{t4:.1f} s", f"{t1:.1f} s",
+                     f"{t4 / t1:.2f}x"))
+    for ext in (".bin", ".idx"):
+        for size in ("d1", "d4"):
+            if (tmp / f"{size}-gigatoken{ext}").read_bytes() != (tmp / f"{size}-reference{ext}").read_bytes():
+                raise SystemExit(f"outputs differ: {size}-gigatoken{ext} vs {size}-reference{ext}")
+    print_table(f"preprocess on distinct words: {small.stat().st_size / 1e6:.0f} MB and "
+                f"{large.stat().st_size / 1e6:.0f} MB jsonl, GPT-2 rank file, {workers} workers on "
+                f"{os.cpu_count()} cores, default --encoder-memory-mb, one run each, memory sampled "
+                "(outputs byte-identical across backends)", rows)
 
 
 # --------------------------------------------------------------------------- peak RSS of a process tree
@@ -216,9 +266,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each row is its best round")
     ap.add_argument("--large-mb", type=int, default=520,
                     help="the gigatoken rows also on a corpus of about this size (0: not)")
+    ap.add_argument("--distinct-mb", type=float, default=75,
+                    help="the distinct-words memory rows on a corpus of this size and 4x it (0: not)")
+    ap.add_argument("--distinct-only", action="store_true", help="run the distinct-words rows alone")
     args = ap.parse_args()
     if not (GPT2 / "gpt2-vocab.json").exists():
         raise SystemExit(f"needs the shared GPT-2 files under {GPT2} (set TOKENLOOM_SHARED_DATA)")
+    if args.distinct_only:
+        distinct_rows(args, Path(tempfile.mkdtemp(prefix="tl-pp-bench-")))
+        return
     sys.path.insert(0, str(REPO))
     from tokenloom.tokenizers import load_tokenizer
 
@@ -306,6 +362,8 @@ def main() -> None:
                 "(outputs byte-identical across rows)", rows)
     if args.large_mb:
         large_rows(args, docs, tmp, w, rss1, ours, giga_ceiling, tokenloom_cmd)
+    if args.distinct_mb:
+        distinct_rows(args, tmp)
 
 
 def remove_outputs(prefix: Path) -> None:

@@ -48,12 +48,14 @@ def cli_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""))
 
 
-def fault_env(op: str, err: int, path: str | Path, room: int = 0) -> dict[str, str]:
+def fault_env(op: str, err: int, path: str | Path, room: int = 0, count: int = 1) -> dict[str, str]:
     """:func:`cli_env` plus an operating-system fault (``tests/fault_site/sitecustomize.py``):
-    ``op`` (open, write, fsync, rename) on files matching the glob ``path`` fails with ``err``."""
+    ``op`` (open, write, fsync, rename) on files matching the glob ``path`` fails with ``err``;
+    ``signal`` sends signal ``err`` to the process group at the ``count``-th open of such a file."""
     env = cli_env()
     env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(REPO / "tests" / "fault_site")
-    env["TOKENLOOM_TEST_FAULT"] = json.dumps({"op": op, "errno": err, "path": str(path), "room": room})
+    env["TOKENLOOM_TEST_FAULT"] = json.dumps({"op": op, "errno": err, "path": str(path), "room": room,
+                                              "count": count})
     return env
 
 

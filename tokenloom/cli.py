@@ -51,6 +51,19 @@ class _Group(click.Group):
         except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
             click.echo(f"error: {exc.strerror}: {exc.filename}", err=True)
             sys.exit(1)
+        except BrokenPipeError:
+            _silence_stdout()
+            click.echo("error: standard output was closed before the command finished (broken pipe); "
+                       "rerun the same command with its output going to a file or a terminal", err=True)
+            sys.exit(1)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of what is still buffered for a
+    closed pipe prints no second message (Python's advice for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 class _Greedy(click.Option):
@@ -131,20 +144,24 @@ def inspect(prefix, with_hash, as_json):
 
 @main.command()
 @click.argument("prefix")
-@click.option("--vocab-size", type=int, help="Also check that every token id is below this.")
-@click.option("--eod", type=int, help="Also check that every non-empty document ends with this id.")
+@click.option("--vocab-size", type=int,
+              help="Check that every token id is below this (default: the manifest's vocabulary).")
+@click.option("--eod", type=int, help="Check that every non-empty document ends with this id "
+              "(default: the manifest's EOD when the run appended one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(prefix, vocab_size, eod, as_json):
-    """Check PREFIX.bin/.idx completely; exit non-zero naming the first problem."""
-    from tokenloom.indexed import verify as run  # lazy: start-up time
+    """Check PREFIX.bin/.idx completely, with everything PREFIX.manifest.json records (vocabulary, EOD, BOS,
+    dtype, counts); exit non-zero naming the first problem."""
+    from tokenloom.indexed.validate import verify_dataset  # lazy: start-up time
 
-    report = run(prefix, vocab_size=vocab_size, eod=eod)
+    report = verify_dataset(prefix, vocab_size=vocab_size, eod=eod)
     if as_json:
         _emit(report, True)
     else:
+        skipped = f"; not checked: {', '.join(report['not_checked'])}" if report["not_checked"] else ""
         click.echo(f"OK {report['path_prefix']}: {report['sequences']} sequences, {report['documents']} "
                    f"documents, {report['tokens']} tokens ({report['dtype']}); checked "
-                   f"{', '.join(report['checked'])}")
+                   f"{', '.join(report['checked'])}{skipped}")
 
 
 @main.command()
@@ -191,6 +208,8 @@ def _pp_help(name: str) -> str:
 @click.option("--chunk-bytes", type=int, default=4 << 20, show_default=True, help=_pp_help("chunk_bytes"))
 @click.option("--checkpoint-interval", type=float, default=60.0, show_default=True,
               help=_pp_help("checkpoint_interval"))
+@click.option("--encoder-memory-mb", type=click.IntRange(min=0), default=128, show_default=True,
+              help=_pp_help("encoder_memory_mb"))
 @click.option("--space-check/--no-space-check", "check_space", default=True,
               help=_pair(_pp_help("check_space"), True, "--no-space-check", "start without checking"))
 @click.option("--progress/--no-progress", "progress", default=True,

@@ -40,6 +40,7 @@ SCOPES = [
     ("train/generate.py", ["generate"]),
     ("train/", ["train", "demo"]),
     ("blending/", ["build", "train"]),
+    ("indexed/validate.py", ["verify"]),
     ("preprocess/", ["preprocess", "merge", "tokenizer train"]),
     ("tokenizers/", ["preprocess", "tokenizer train", "tokenizer inspect", "train", "generate"]),
     ("indexed/", ["inspect", "verify", "merge", "preprocess", "build", "train"]),

@@ -63,3 +63,20 @@ def test_tokenizer_train_warns_when_the_vocabulary_falls_short(tmp_path):
     assert done.stderr.strip() == (f"warning: the trained vocabulary has {got} ids, fewer than --vocab-size 32000: "
                                    f"after {got} ids no pair of tokens occurs --min-frequency 2 times in the input; "
                                    "more text (or a lower --min-frequency) gives more ids")
+
+
+def test_an_output_directory_that_cannot_be_created_is_named(tmp_path):
+    from click.testing import CliRunner
+
+    from tokenloom.cli import main
+
+    corpus = _jsonl(tmp_path / "c.jsonl", [{"text": "abc"}])
+    (tmp_path / "a-file").write_text("")
+    for prefix, folder, why in [("/proc/x/out", "/proc/x", "No such file or directory"),
+                                (f"{tmp_path}/a-file/out", f"{tmp_path}/a-file/out.partial", "Not a directory")]:
+        done = CliRunner().invoke(main, ["preprocess", "--input", str(corpus), "--output-prefix", prefix,
+                                         "--tokenizer-type", "byte", "--no-progress"])
+        assert done.exit_code == 1 and "Traceback" not in done.output
+        assert done.stderr.strip() == (f"error: cannot create the directory {folder} ({why}) for the output "
+                                       f"{prefix}: choose an --output-prefix (or --staging-dir) in a location "
+                                       "this user can create and write"), done.stderr

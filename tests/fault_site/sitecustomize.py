@@ -13,6 +13,9 @@ where the kernel would raise it, on files whose path matches the glob ``path``:
   ``os.write`` to a matching file fails at once;
 - ``fsync``: ``fsync(2)`` of the file fails (delayed allocation or write-back finding no room);
 - ``rename``: renaming onto a matching name fails (``os.rename``/``os.replace``, pathlib's too);
+- ``signal``: the ``count``-th time a process opens a matching file for writing, it sends signal
+  ``errno`` to its whole process group, as Ctrl-C does to a terminal's foreground job (start the
+  command in a session of its own): a stop that lands at a chosen point of the run, whatever its speed;
 - ``exit``: the process dies (``os._exit(errno)``, like a kill) when it opens a matching file for
   writing, only the first time across processes: it first creates the file ``marker``, and a
   process that finds the marker already there goes on (so a retried task succeeds).
@@ -145,6 +148,15 @@ def _install() -> None:
                 os._exit(_FAULT["errno"])
         return real_open(file, mode, *a, **k)
 
+    opened = [0]
+
+    def signalling_open(file, mode="r", *a, **k):
+        if any(c in mode for c in "wax+") and _matches(file):
+            opened[0] += 1
+            if opened[0] == _FAULT.get("count", 1):
+                os.killpg(0, _FAULT["errno"])
+        return real_open(file, mode, *a, **k)
+
     def faulty_os_write(fd, data):
         if _fd_matches(fd):
             raise _fail()
@@ -162,6 +174,8 @@ def _install() -> None:
         os.rename, os.replace = renaming(real_rename), renaming(real_replace)
     elif op == "exit":
         builtins.open = io.open = dying_open
+    elif op == "signal":
+        builtins.open = io.open = signalling_open
     else:
         raise ValueError(f"TOKENLOOM_TEST_FAULT: unknown op {op!r}")
 

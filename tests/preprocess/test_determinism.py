@@ -97,3 +97,18 @@ def test_bad_shard_index(tmp_path, bad):
     path = _corpus(tmp_path / "c.jsonl", 5)
     with pytest.raises(TokenloomError, match="--shard-index"):
         preprocess(tmp_path, [path], num_shards=2, shard_index=bad)
+
+
+def test_an_encoder_rebuilt_for_memory_does_not_change_bytes(tmp_path, shared_data):
+    """--encoder-memory-mb 1 rebuilds gigatoken's encoder after nearly every chunk of this text of
+    distinct words (in the workers and in-process); the bytes are those of a never-rebuilt one."""
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), int(rng.integers(3, 12)))) for _ in range(20000)]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": " ".join(words[i:i + 400])} for i in range(0, 20000, 400)] * 4)
+    gpt2 = str(shared_data / "tokenizers" / "gpt2" / "gpt2.tiktoken")
+    kw = dict(tokenizer=gpt2, tokenizer_type=None, append_eod=True, chunk_bytes=64 << 10)
+    never = preprocess(tmp_path, [path], name="never", encoder_memory_mb=0, **kw)
+    assert json.loads((tmp_path / "never.manifest.json").read_text())["tokenizer"]["backend"] == "gigatoken"
+    for workers in (1, 2):
+        assert same_bytes(preprocess(tmp_path, [path], name=f"w{workers}", workers=workers, encoder_memory_mb=1, **kw),
+                          never)

@@ -116,3 +116,13 @@ def test_a_worker_killed_while_sending_a_large_result_is_reported_not_waited_for
         assert pool.result() == 4  # the other worker's result is still delivered
     finally:
         pool.close()
+
+
+def test_close_drops_outstanding_tasks_and_result_after_it_says_the_pool_is_closed():
+    pool = OrderedPool(2, fork_or_spawn())
+    pool.submit(time.sleep, 60)
+    pool.submit(_slow_square, 2, 0.0)
+    pool.close()
+    assert pool.pending() == 0
+    with pytest.raises(ValueError, match="closed"):
+        pool.result()

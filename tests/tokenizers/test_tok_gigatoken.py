@@ -266,3 +266,50 @@ def test_escaped_equals_a_plain_membership_test():
             want = any(c in text for c in chars) or any(s in text for s in strings)
             assert engine.escaped(text) == want, (chars, text)
     assert not GigatokenEngine(GigatokenSource(model=None)).escaped("anything \U0001f600")
+
+
+def _distinct_words(n_texts: int, seed: int = 0, text_bytes: int = 4000) -> list[str]:
+    """Random lowercase words, nearly all distinct: the text on which gigatoken's word cache grows most."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    texts = []
+    for _ in range(n_texts):
+        chars = letters[rng.integers(0, 26, text_bytes)]
+        spaces = rng.integers(3, 13, text_bytes // 3).cumsum()
+        chars[spaces[spaces < text_bytes]] = ord(" ")
+        texts.append(chars.tobytes().decode())
+    return texts
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads this process's resident memory")
+def test_a_bounded_encoder_is_rebuilt_keeps_its_ids_and_stays_within_the_bound():
+    from tokenloom.tokenizers.gigatoken_engine import resident_bytes
+
+    texts = _distinct_words(2000)  # 8 MB of text: its word cache grows far beyond an 8 MB bound
+    reference = load_shared("gpt2/gpt2.tiktoken", num_threads=1, backend="reference")
+    tok = load_tokenizer(TOK / "gpt2" / "gpt2.tiktoken", backend="gigatoken").single_threaded()
+    tok.encode_batch(texts[:10])  # the first call's own allocations are not the cache's
+    tok.bound_memory(8)
+    start, peak = resident_bytes(), 0
+    for i in range(0, len(texts), 100):
+        ids, lengths = tok.encode_batch(texts[i:i + 100])
+        peak = max(peak, resident_bytes() - start)
+        ref_ids, ref_lengths = reference.encode_batch(texts[i:i + 100])
+        np.testing.assert_array_equal(lengths, ref_lengths)
+        np.testing.assert_array_equal(ids, ref_ids)
+    assert tok._gigatoken.rebuilds >= 2
+    assert peak < (8 << 20) + (48 << 20), f"grew {peak >> 20} MB under an 8 MB bound"
+
+
+def test_without_resident_memory_the_bound_counts_text_bytes(monkeypatch):
+    from tokenloom.tokenizers import gigatoken_engine
+
+    monkeypatch.setattr(gigatoken_engine, "resident_bytes", lambda: None)
+    tok = load_tokenizer(TOK / "gpt2" / "gpt2.tiktoken", backend="gigatoken").single_threaded()
+    tok.bound_memory(1)
+    for i in range(10):  # 400 KB a call under a 1 MiB bound: a rebuild every third call
+        tok.encode_batch(_distinct_words(100, seed=i))
+    assert tok._gigatoken.rebuilds == 3
+    tok.bound_memory(0)
+    tok.encode_batch(_distinct_words(400, seed=99))
+    assert tok._gigatoken.rebuilds == 3, "0: never"

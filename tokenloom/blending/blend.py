@@ -34,7 +34,7 @@ from tokenloom.blending.gpt import GPTDataset, GPTDatasetConfig, GPTIndices, Tok
 from tokenloom.blending.mock import MockSource
 from tokenloom.blending.sources import LazySource
 from tokenloom.blending.split import Bookend, Split, normalize, split_documents, split_matrix
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import FormatError, TokenloomError
 
 MAX_BLEND_MEMBERS = 32766
 """Megatron's limit (fewer than 32767): the dataset index is int16."""
@@ -271,6 +271,8 @@ class BlendBuilder:
         documents = split_documents(bookend, len(source))
         try:
             indices = self.gpt_indices(prefix, source, documents, bookend, num_samples, split)
+        except FormatError:  # the files, not the split: the message names them and the fix
+            raise
         except TokenloomError as exc:
             raise TokenloomError(
                 f"{prefix if prefix is not None else source!r}, {split.name} split "

@@ -52,6 +52,7 @@ from tokenloom.indexed import (
 )
 from tokenloom.indexed.format import read_header
 from tokenloom.indexed.manifest import ids_key
+from tokenloom.indexed.validate import check_pair
 
 MEMO_FILE = "sources.jsonl"
 MAX_ID_CHUNK = 1 << 24
@@ -109,6 +110,7 @@ def _compute(prefix: str) -> SourceMeta:
         h.update(path.name.encode())
         hash_file(h, path)
     saved = manifest.read(prefix)
+    check_pair(prefix, saved)
     tokenizer = ids_key(saved["tokenizer"]) if saved is not None else None
     return SourceMeta(h.hexdigest(), sequences, document_indices - 1, tokenizer)
 

@@ -631,6 +631,30 @@ def read_header(idx_file: str) -> tuple[np.dtype, int, int]:
     return np.dtype(DTYPE_CODES[code]), int(n), int(m)
 
 
+def described_bin_size(idx_file: str) -> int:
+    """The ``.bin`` size an ``.idx`` describes (its last pointer plus its last length), from the
+    header and two entries: the check that a ``.bin`` belongs to an ``.idx`` without reading either."""
+    dtype, n, _ = read_header(idx_file)
+    if n == 0:
+        return 0
+    with open(idx_file, "rb") as f:
+        f.seek(HEADER_SIZE + 4 * (n - 1))
+        (length,) = struct.unpack("<i", f.read(4))
+        f.seek(HEADER_SIZE + 4 * n + 8 * (n - 1))
+        (pointer,) = struct.unpack("<q", f.read(8))
+    return pointer + length * dtype.itemsize
+
+
+def size_mismatch(bin_file: str, idx_file: str, bin_size: int, expected: int, itemsize: int) -> str:
+    """The message for a ``.bin`` whose size is not the one its ``.idx`` describes: both sizes, and the
+    fix (a damaged or mismatched pair is made again; no option of a later stage repairs it)."""
+    how = "shorter" if bin_size < expected else "longer"
+    whole = "" if bin_size % itemsize == 0 else f", not a whole number of {itemsize}-byte tokens"
+    return (f"{bin_file} is {bin_size} bytes{whole}, {how} than the {expected} bytes ({expected // itemsize} "
+            f"tokens x {itemsize}) its index {idx_file} describes: the pair is damaged (a copy cut short or "
+            "written to) or mismatched (the .idx of another .bin); preprocess again")
+
+
 def _open_files(prefix: str, multimodal: bool) -> _OpenFiles:
     idx_file, bin_file = index_path(prefix), data_path(prefix)
     for path in (idx_file, bin_file):
@@ -661,8 +685,7 @@ def _open_files(prefix: str, multimodal: bool) -> _OpenFiles:
     bin_size = os.path.getsize(bin_file)
     expected_bin = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize if n else 0
     if bin_size != expected_bin:
-        raise FormatError(f"{bin_file}: size {bin_size} bytes does not match the index ({expected_bin} bytes = "
-                          f"tokens x {dtype.itemsize})")
+        raise FormatError(size_mismatch(bin_file, idx_file, bin_size, expected_bin, dtype.itemsize))
     bin_map = None
     if bin_size:
         with open(bin_file, "rb") as f:
@@ -681,5 +704,5 @@ def iter_token_chunks(ds: IndexedDataset, chunk_tokens: int = 1 << 24) -> Iterab
 __all__ = [
     "MAGIC", "VERSION", "DTYPE_CODES", "IndexedDataset", "IndexedDatasetWriter", "optimal_dtype",
     "read_header", "write_index", "sequence_pointers", "data_path", "index_path", "normalize_prefix",
-    "exists", "iter_token_chunks",
+    "exists", "iter_token_chunks", "size_mismatch", "described_bin_size",
 ]

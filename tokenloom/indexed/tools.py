@@ -23,6 +23,7 @@ from tokenloom.indexed.format import (
     index_path,
     iter_token_chunks,
     normalize_prefix,
+    size_mismatch,
 )
 
 CHUNK = 1 << 24
@@ -63,8 +64,7 @@ def _check_structure(ds: IndexedDataset) -> None:
                               "and contiguous")
         expected_next = int(starts[-1]) + int(lens[-1]) * itemsize
     if os.path.getsize(bin_file) != expected_next:
-        raise FormatError(f"{bin_file}: size {os.path.getsize(bin_file)} != sum(lengths) x {itemsize} "
-                          f"= {expected_next}")
+        raise FormatError(size_mismatch(bin_file, idx_file, os.path.getsize(bin_file), expected_next, itemsize))
     if int(doc_index[0]) != 0:
         raise FormatError(f"{idx_file}: document index starts at {int(doc_index[0])}, expected 0")
     if int(doc_index[-1]) != n:
@@ -82,7 +82,7 @@ def _sequence_of_token(ds: IndexedDataset, token_pos: int) -> int:
     return int(np.searchsorted(ds.sequence_pointers, byte, side="right")) - 1
 
 
-def _check_ids(ds: IndexedDataset, vocab_size: int) -> None:
+def _check_ids(ds: IndexedDataset, vocab_size: int, source: str = "") -> None:
     bin_file = data_path(ds.path_prefix)
     pos = 0
     for chunk in iter_token_chunks(ds, CHUNK):
@@ -90,12 +90,14 @@ def _check_ids(ds: IndexedDataset, vocab_size: int) -> None:
         if bad.any():
             k = int(np.argmax(bad))
             seq = _sequence_of_token(ds, pos + k)
-            raise FormatError(f"{bin_file}: token id {int(chunk[k])} at token {pos + k} (sequence {seq}) is "
-                              f"outside the vocabulary [0, {vocab_size})")
+            doc = int(np.searchsorted(ds.document_indices, seq, side="right")) - 1
+            raise FormatError(f"{bin_file}: token id {int(chunk[k])} at token {pos + k} (document {doc}, "
+                              f"sequence {seq}) is outside the vocabulary [0, {vocab_size}){source}")
         pos += chunk.size
 
 
-def _check_eod(ds: IndexedDataset, eod: int) -> None:
+def _check_document_edges(ds: IndexedDataset, token: int, name: str, last: bool, source: str = "") -> None:
+    """Every non-empty document ends (``last``) or starts with ``token``."""
     bin_file = data_path(ds.path_prefix)
     doc_index = ds.document_indices
     stream = ds._read(0, ds.num_tokens) if ds.num_tokens else np.empty(0, ds.dtype)
@@ -103,33 +105,58 @@ def _check_eod(ds: IndexedDataset, eod: int) -> None:
     for a in range(0, len(doc_index) - 1, CHUNK):
         bounds = _token_offsets(ds, np.asarray(doc_index[a:a + CHUNK + 1]))
         nonempty = np.flatnonzero(bounds[1:] > bounds[:-1])
-        last = stream[bounds[1:][nonempty] - 1]
-        wrong = nonempty[last != eod]
+        edge = stream[bounds[1:][nonempty] - 1] if last else stream[bounds[:-1][nonempty]]
+        wrong = nonempty[edge != token]
         if wrong.size:
             missing += int(wrong.size)
             first = a + int(wrong[0]) if first is None else first
     if missing:
-        raise FormatError(f"{bin_file}: {missing} non-empty document(s) do not end with EOD {eod} "
-                          f"(first: document {first})")
+        raise FormatError(f"{bin_file}: {missing} non-empty document(s) do not {'end' if last else 'start'} "
+                          f"with {name} {token} (first: document {first}){source}")
 
 
-def verify(prefix: str | os.PathLike, vocab_size: int | None = None, eod: int | None = None) -> dict:
-    """Check a dataset completely; return its counts or raise :class:`FormatError`.
+def _check_counts(ds: IndexedDataset, expected: dict, source: str) -> None:
+    """Counts and dtype equal to ``expected`` (the keys it has of dtype, sequences, documents, tokens)."""
+    actual = {"dtype": str(ds.dtype), "sequences": len(ds), "documents": ds.num_documents, "tokens": ds.num_tokens}
+    for key in ("dtype", "sequences", "documents", "tokens"):
+        if key in expected and str(expected[key]) != str(actual[key]):
+            raise FormatError(f"{index_path(ds.path_prefix)}: {actual[key]} {key}, but {expected[key]}{source}: "
+                              "the files were changed after they were written; preprocess again")
+
+
+def verify(prefix: str | os.PathLike, vocab_size: int | None = None, eod: int | None = None,
+           bos: int | None = None, expected: dict | None = None, sources: dict | None = None) -> dict:
+    """Check a dataset completely; return its counts and the checks run, or raise :class:`FormatError`.
 
     Always: header, sizes, pointers equal to the running sum of lengths, document
-    index from 0 to N and non-decreasing. With ``vocab_size``: every id in range.
-    With ``eod``: every non-empty document ends with it.
+    index from 0 to N and non-decreasing. With ``expected`` (dtype and counts, e.g. a
+    manifest's): equal counts, checked before the tokens are read. With ``vocab_size``:
+    every id in range. With ``eod``/``bos``: every non-empty document ends/starts with it.
+    ``sources`` maps a check (``vocab``, ``eod``, ``bos``, ``counts``) to where its value
+    came from, quoted in the error (``"from the manifest"``).
     """
+    sources = sources or {}
+
+    def said(check: str) -> str:
+        return f" ({sources[check]})" if check in sources else ""
+
     ds = IndexedDataset(prefix)
     _check_structure(ds)
+    checked = ["structure"]
+    if expected:
+        _check_counts(ds, expected, said("counts") or " expected")
+        checked.append("counts")
     if vocab_size is not None:
-        _check_ids(ds, vocab_size)
+        _check_ids(ds, vocab_size, said("vocab"))
+        checked.append("vocab")
     if eod is not None:
-        _check_eod(ds, eod)
+        _check_document_edges(ds, eod, "EOD", True, said("eod"))
+        checked.append("eod")
+    if bos is not None:
+        _check_document_edges(ds, bos, "BOS", False, said("bos"))
+        checked.append("bos")
     return {"path_prefix": ds.path_prefix, "dtype": str(ds.dtype), "sequences": len(ds),
-            "documents": ds.num_documents, "tokens": ds.num_tokens,
-            "checked": ["structure"] + (["vocab"] if vocab_size is not None else [])
-            + (["eod"] if eod is not None else [])}
+            "documents": ds.num_documents, "tokens": ds.num_tokens, "checked": checked}
 
 
 def token_stream_sha256(ds: IndexedDataset) -> str:

@@ -38,8 +38,8 @@ def config_digest(cfg: PreprocessConfig, stats: list[tuple], tokenizer_fp: dict,
     """What a resume must match: the inputs' :func:`input_stats`, the tokenizer digest, the options
     that shape the output (not those that only change speed or where the work runs) and the shard."""
     shape = {k: v for k, v in asdict(cfg).items()
-             if k not in ("workers", "chunk_bytes", "checkpoint_interval", "check_space", "progress",
-                          "executor", "ray_address", "ray_retries", "staging_dir")}
+             if k not in ("workers", "chunk_bytes", "checkpoint_interval", "encoder_memory_mb", "check_space",
+                          "progress", "executor", "ray_address", "ray_retries", "staging_dir")}
     blob = json.dumps([stats, tokenizer_fp["digest"], shape, shard], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

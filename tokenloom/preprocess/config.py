@@ -51,6 +51,8 @@ class PreprocessConfig:
     """Text bytes per work unit sent to a worker (larger: less per-unit overhead, more memory in flight, two units per worker)."""
     checkpoint_interval: float = 60.0
     """Seconds between resume checkpoints."""
+    encoder_memory_mb: int = 128
+    """MB a worker's encoder may grow before it is rebuilt (gigatoken caches every distinct word; 0: never rebuild; a rebuilt encoder runs slower until its cache is warm)."""
     check_space: bool = True
     """Check that the output disk can hold the estimated output before starting."""
     progress: bool = True

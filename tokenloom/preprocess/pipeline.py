@@ -32,7 +32,9 @@ Policy and its costs:
   with one line naming the path and what to do; everything written after the last
   checkpoint is cut away (it may be what filled the disk) and the checkpoint is kept,
   so rerunning the same command resumes. A dead worker process (killed, out of
-  memory) first checkpoints everything already written, then stops the same way.
+  memory) first checkpoints everything already written, then stops the same way;
+  Ctrl-C (exit status 130) and a closed stdout (the CLI's line) keep the checkpoint too.
+  Every stop is one line: the clean-up closes the result stream before the pool.
   Workers die with the main process (see ``worker``).
 * Publishing: every output is completed inside ``OUTPUT.partial/`` (``.bin``,
   ``.idx``, manifest), a ``staged.json`` marker records that, and then each output is
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import gc
 import itertools
 import json
@@ -237,7 +240,14 @@ class _Run:
             loaded = None
         if self.partial.exists() and loaded is None:
             shutil.rmtree(self.partial)
-        self.partial.mkdir(parents=True, exist_ok=True)
+        try:
+            self.partial.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a place no rerun can write (/proc/x, a file as a folder): say so
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EMFILE, errno.ENFILE):
+                raise
+            raise TokenloomError(f"cannot create the directory {exc.filename or self.partial} ({exc.strerror}) for "
+                                 f"the output {self.cfg.output_prefix}: choose an --output-prefix (or --staging-dir) "
+                                 "in a location this user can create and write") from None
         self.checkpoint = ckpt
         tolerant = self.cfg.max_bad_fraction is not None
         self.writers = {}
@@ -412,29 +422,30 @@ def start_pool(run: _Run) -> OrderedPool | None:
     if fork:  # what start-up built (modules, the tokenizer) is never scanned by a collection again,
         gc.freeze()  # here or in the workers, whose copy-on-write pages a scan would copy (Python's advice)
     return OrderedPool(run.workers, context, initializer=init,
-                       initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid()))
+                       initargs=(run.tokenizer.spec, run.tokenizer if fork else None, os.getpid(),
+                                 run.cfg.encoder_memory_mb))
 
 
 def _results(run: _Run, chunks, pool: OrderedPool | None):
-    """Yield (chunk, EncodedChunk) in input order; at most 2 x workers chunks in flight."""
+    """Yield (chunk, EncodedChunk) in input order; at most 2 x workers chunks in flight.
+
+    Closing the generator early leaves its in-flight tasks with the pool: whoever owns the pool
+    closes the generator first, then the pool (which kills workers with tasks outstanding). The
+    generator never touches the pool once closed, so the order of clean-up cannot turn a stop
+    into a second error, and a stop never waits for chunks nobody will write."""
     if pool is None:
-        worker.set_tokenizer(run.tokenizer)
+        worker.set_tokenizer(run.tokenizer, run.cfg.encoder_memory_mb)
         for chunk in chunks:
             yield chunk, encode_chunk(chunk, run.opts)
         return
     inflight: collections.deque = collections.deque()
-    try:
-        for chunk in chunks:
-            pool.submit(encode_in_worker, chunk, run.opts)
-            inflight.append(chunk)
-            if len(inflight) >= 2 * run.workers:
-                yield inflight.popleft(), pool.result()
-        while inflight:
+    for chunk in chunks:
+        pool.submit(encode_in_worker, chunk, run.opts)
+        inflight.append(chunk)
+        if len(inflight) >= 2 * run.workers:
             yield inflight.popleft(), pool.result()
-    except GeneratorExit:  # the caller stopped early: take the results it left, keeping the pool in order
-        for _ in inflight:
-            pool.result()
-        raise
+    while inflight:
+        yield inflight.popleft(), pool.result()
 
 
 def run(cfg: PreprocessConfig, echo=print, done_marker: Path | None = None) -> dict:
@@ -480,7 +491,7 @@ def run(cfg: PreprocessConfig, echo=print, done_marker: Path | None = None) -> d
 def _tokenize(r: _Run) -> None:
     """Read, encode and write every input, then stage the outputs (see the module docstring for faults)."""
     cfg, start = r.cfg, time.perf_counter()
-    pool, bar = None, None
+    pool, bar, results = None, None, None
     try:
         done = position = r.open_outputs()
         fresh = r.counts.records == 0 and position == Position()
@@ -517,6 +528,9 @@ def _tokenize(r: _Run) -> None:
         with contextlib.suppress(OSError):
             r.save_checkpoint(done)
         raise TokenloomError(f"a tokenizer worker process died (killed, or out of memory?); {r.suspend()}") from None
+    except BrokenPipeError:  # stdout, not the output files: the CLI names it
+        r.close_files()
+        raise
     except OSError as exc:
         raise TokenloomError(f"{os_error_message(exc, r.partial)}; then {r.suspend()}") from None
     except objstore.StoreError as exc:  # the store failed, not the input: keep the checkpoint
@@ -529,12 +543,15 @@ def _tokenize(r: _Run) -> None:
             r.save_checkpoint(done)
         raise Stopped(f"interrupted; {r.suspend()}", signal.SIGINT) from None
     except BaseException:
-        # Crash or Ctrl-C: keep the last checkpoint so the same command resumes.
+        # A crash, or stdout closed under an echo (the CLI says so): keep the last checkpoint so the same
+        # command resumes.
         r.close_files()
         raise
     finally:
         if bar is not None:
             bar.close()
+        if results is not None:  # before the pool: the generator's frame holds tasks of the pool
+            results.close()
         if pool is not None:
             pool.close()
 

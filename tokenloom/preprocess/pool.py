@@ -170,7 +170,12 @@ class OrderedPool:
         return len(self._outstanding)
 
     def result(self):
-        """The oldest outstanding task's result; its exception if it raised; WorkerDied if its worker died."""
+        """The oldest outstanding task's result; its exception if it raised; WorkerDied if its worker died.
+
+        After :meth:`close` there is none (closing drops the outstanding tasks): ValueError, as for a
+        closed file."""
+        if not self._procs:
+            raise ValueError("result() of a closed OrderedPool")
         worker = self._outstanding.popleft()
         reply = self._inboxes[worker].get()
         if reply is _DIED:
@@ -208,6 +213,7 @@ class OrderedPool:
             for end in ends:
                 end.close()
         self._procs, self._conns, self._receivers = [], [], []
+        self._outstanding.clear()
 
 
 def fork_or_spawn():

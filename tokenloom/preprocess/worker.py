@@ -76,14 +76,15 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def init(spec, inherited=None, parent_pid: int | None = None) -> None:
+def init(spec, inherited=None, parent_pid: int | None = None, encoder_memory_mb: int | None = None) -> None:
     """Process-pool initializer: this process's tokenizer, encoding on one thread.
 
     ``inherited`` is the parent's tokenizer when the worker was forked: the child already
     holds a copy, so it only switches it to one thread instead of rebuilding it from the
     spec (building a BPE is a visible start-up cost per process). A failure is kept and raised by
     the first task, so the parent sees the real error instead of a broken pool.
-    ``parent_pid`` ties the worker's life to that process (:func:`die_with_parent`).
+    ``parent_pid`` ties the worker's life to that process (:func:`die_with_parent`);
+    ``encoder_memory_mb`` bounds what the encoder may add to it (``Tokenizer.bound_memory``).
     """
     global _TOKENIZER, _INIT_ERROR
     if parent_pid is not None:
@@ -95,14 +96,16 @@ def init(spec, inherited=None, parent_pid: int | None = None) -> None:
             from tokenloom.tokenizers import load_tokenizer  # lazy: start-up time (merge loads no tokenizer)
 
             _TOKENIZER = load_tokenizer(spec.with_options(num_threads=1))
+        _TOKENIZER.bound_memory(encoder_memory_mb)
     except Exception as exc:  # noqa: BLE001 - re-raised in encode_in_worker
         _INIT_ERROR = exc
 
 
-def set_tokenizer(tokenizer) -> None:
+def set_tokenizer(tokenizer, encoder_memory_mb: int | None = None) -> None:
     """Use an already built tokenizer in this process (the in-process ``--workers 1`` path)."""
     global _TOKENIZER
     _TOKENIZER = tokenizer
+    tokenizer.bound_memory(encoder_memory_mb)
 
 
 def encode_chunk(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:

@@ -134,6 +134,16 @@ class Tokenizer(abc.ABC):
             self.engine = "gigatoken"
         self.backend_reason = reason
 
+    def bound_memory(self, limit_mb: int | None) -> None:
+        """Keep the encoder from growing this process by more than ``limit_mb`` MB (None or 0: no bound).
+
+        Only gigatoken's encoder grows with the text (its word cache, see
+        :class:`~tokenloom.tokenizers.gigatoken_engine.GigatokenEngine`); the reference libraries
+        keep no cache (tiktoken, sentencepiece) or a bounded one (tokenizers), so there is nothing
+        to bound for them. Shared with :meth:`single_threaded` copies in this process."""
+        if self._gigatoken is not None:
+            self._gigatoken.bound_memory(limit_mb << 20 if limit_mb else None)
+
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
 

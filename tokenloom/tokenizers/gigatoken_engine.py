@@ -98,14 +98,54 @@ class GigatokenSource:
     escapes: tuple[str, ...] = ()
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux ``/proc/self/statm``), None where unknown."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _return_free_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc's ``malloc_trim``): a freed cache
+    lies between live allocations, which ``free`` alone keeps mapped, so each rebuild would leave
+    the process a little larger than the last. A no-op where there is no glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # no glibc (musl, macOS), or no CDLL(None) (Windows)
+        pass
+
+
 class GigatokenEngine:
-    def __init__(self, source: GigatokenSource, escape_chars: str = ""):
+    """gigatoken's model behind tokenloom's batch API, with escapes and a memory bound.
+
+    The memory bound (:meth:`bound_memory`): gigatoken keeps every distinct pre-token it has
+    encoded in a per-model cache with no limit and no way to clear it (its issue 36), so on text
+    of mostly distinct words (URLs, numbers, hashes, code, other scripts) a process grows with
+    the corpus. The cache belongs to the model object: dropping the model frees it. So when the
+    process has grown by more than the bound since the model was built, the model is dropped and
+    built again from ``rebuild`` (ids do not change: the same files, no state but the cache).
+    Trade-off: a rebuilt model starts with a cold cache, which encodes slower until it is warm
+    again; on ordinary text the cache stops growing long before the bound and it never fires.
+    Where resident memory cannot be read (not Linux), the bound counts the characters encoded
+    instead: a cache entry is larger than the text it came from, so that bound is conservative.
+    The cache is freed with the model whether gigatoken encoded on one thread or on its pool.
+    """
+
+    def __init__(self, source: GigatokenSource, escape_chars: str = "", rebuild=None):
         # gigatoken returns awkward arrays: import it here, in the process that loads the tokenizer,
         # so forked preprocess workers inherit it (imported in each worker it cost every worker a
         # start-up at the start of every run, the workers importing at once on the same cores)
         import awkward  # lazy: in the loading process, before workers fork (above)  # noqa: F401
 
         self.model = source.model
+        self._rebuild = rebuild  # () -> a fresh model of the same files
+        self._bound: int | None = None
+        self._baseline = self._grown = 0
+        self.rebuilds = 0
         # One regex for the escape strings (Mistral v3 has 750 control pieces), longest first. The
         # characters get their own tests by the widest character a text can hold: an ASCII text
         # (most of a corpus; ``isascii`` is O(1)) against the ASCII ones, a Latin-1 text (proven by
@@ -149,6 +189,22 @@ class GigatokenEngine:
         return (self._astral_chars.search(text, found.start()) is not None
                 or (self._bmp_chars is not None and self._bmp_chars.search(text, found.end()) is not None))
 
+    def bound_memory(self, limit_bytes: int | None) -> None:
+        """Rebuild the model whenever the process has grown by more than ``limit_bytes`` since it was
+        built (None or 0: never; without a ``rebuild`` there is nothing to bound with)."""
+        self._bound = (limit_bytes or None) if self._rebuild is not None else None
+        self._baseline, self._grown = resident_bytes() or 0, 0
+
+    def _check_memory(self, text_bytes: int) -> None:
+        now = resident_bytes()
+        self._grown = now - self._baseline if now is not None else self._grown + text_bytes
+        if self._grown > self._bound:
+            self.model = None  # free the old cache before the new model is built
+            _return_free_memory()
+            self.model = self._rebuild()
+            self.rebuilds += 1
+            self._baseline, self._grown = resident_bytes() or 0, 0
+
     def encode(self, texts: list[str], parallel: bool) -> tuple[np.ndarray, np.ndarray]:
         """Flat uint32 ids (gigatoken's dtype: the output dtype's cast reads them once, where a cast to
         int64 first cost a pass over 8 bytes a token) and int64 lengths, read from the awkward
@@ -157,6 +213,8 @@ class GigatokenEngine:
         rows = self.model.encode_batch(texts, parallel=parallel).layout
         offsets = np.asarray(rows.offsets.data, dtype=np.int64)
         ids = np.asarray(rows.content.data)[offsets[0]:offsets[-1]] if len(offsets) else np.empty(0, np.uint32)
+        if self._bound is not None:
+            self._check_memory(sum(map(len, texts)))
         return ids, np.diff(offsets)
 
     def encode_batch(self, texts: list[str], parallel: bool, reference) -> tuple[np.ndarray, np.ndarray]:
@@ -342,13 +400,13 @@ def select_backend(tok, requested: str) -> None:
         if known is None:
             unstable = unstable_chars(reference, GigatokenEngine(source))
             probes = probe_texts(source.specials)
-            engine = GigatokenEngine(source, unstable)
+            engine = GigatokenEngine(source, unstable, rebuild=lambda: tok.gigatoken_source().model)
             mismatch = self_check(reference, engine, probes)
             verdict.store({"unstable": unstable, "probes": len(probes), "mismatch": mismatch})
         else:
             unstable, mismatch = known["unstable"], known["mismatch"]
             probes = range(known["probes"])
-            engine = GigatokenEngine(source, unstable)
+            engine = GigatokenEngine(source, unstable, rebuild=lambda: tok.gigatoken_source().model)
         reason = None if mismatch is None else f"self-check failed: {mismatch}"
     except Unsupported as exc:
         reason = str(exc)
