@@ -430,8 +430,6 @@ def _megatron_refused(fn):
 @click.option("--overlap-param-gather", "overlap_param_gather", is_flag=True, default=None,
               help="ZeRO-1: all-gather the updated parameters during the next forward (Megatron's flag; already "
               "the default with --zero1; --set overlap_param_gather=false gathers them in the step).")
-@click.option("--save-on-signal/--no-save-on-signal", "save_on_signal", default=None,
-              help=_help(_TRAIN, "save_on_signal") + " (default: on)")
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
               help="Start torchrun with N processes on this node; without it, run in-process (e.g. under "
               "torchrun/Slurm).")

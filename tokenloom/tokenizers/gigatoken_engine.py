@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import functools
 import hashlib
 import json
@@ -112,8 +113,6 @@ def _return_free_memory() -> None:
     lies between live allocations, which ``free`` alone keeps mapped, so each rebuild would leave
     the process a little larger than the last. A no-op where there is no glibc."""
     try:
-        import ctypes
-
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # no glibc (musl, macOS), or no CDLL(None) (Windows)
         pass
@@ -123,7 +122,7 @@ class GigatokenEngine:
     """gigatoken's model behind tokenloom's batch API, with escapes and a memory bound.
 
     The memory bound (:meth:`bound_memory`): gigatoken keeps every distinct pre-token it has
-    encoded in a per-model cache with no limit and no way to clear it (its issue 36), so on text
+    encoded in a per-model cache with no limit and no way to clear it (a known upstream limitation), so on text
     of mostly distinct words (URLs, numbers, hashes, code, other scripts) a process grows with
     the corpus. The cache belongs to the model object: dropping the model frees it. So when the
     process has grown by more than the bound since the model was built, the model is dropped and
