@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from types import ModuleType
 
 try:
-    from tokenloom import _native as _ext
+    from tokenloom import _native
 
+    _ext: ModuleType | None = _native
     _IMPORT_ERROR: Exception | None = None
 except ImportError as exc:  # not built: no compiler at install time
     _ext = None

@@ -54,10 +54,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenloom.errors import TokenloomError
+
+if TYPE_CHECKING:  # imported where a tokenizer kind builds its model, never at module load
+    import gigatoken
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ class GigatokenSource:
     to probe, and ``escapes``: strings gigatoken treats specially where the reference does not
     (texts containing one go to the reference engine)."""
 
-    model: object
+    model: gigatoken.Tokenizer
     specials: list[str] = field(default_factory=list)
     escapes: tuple[str, ...] = ()
 
@@ -355,10 +359,10 @@ def select_backend(tok, requested: str) -> None:
             probes = probe_texts(source.specials)
             engine = GigatokenEngine(source, unstable)
             mismatch = self_check(reference, engine, probes)
-            verdict.store({"unstable": unstable, "probes": len(probes), "mismatch": mismatch})
+            probed = len(probes)
+            verdict.store({"unstable": unstable, "probes": probed, "mismatch": mismatch})
         else:
-            unstable, mismatch = known["unstable"], known["mismatch"]
-            probes = range(known["probes"])
+            unstable, mismatch, probed = known["unstable"], known["mismatch"], known["probes"]
             engine = GigatokenEngine(source, unstable)
         reason = None if mismatch is None else f"self-check failed: {mismatch}"
     except Unsupported as exc:
@@ -371,7 +375,7 @@ def select_backend(tok, requested: str) -> None:
         reason = f"gigatoken cannot load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if reason is None:
         escaped = f"; texts with one of {len(unstable)} characters its Unicode tables treat differently use {tok.engine}"
-        tok.set_backend(engine, f"self-check passed: {len(probes)} probe texts give the same ids as {tok.engine}"
+        tok.set_backend(engine, f"self-check passed: {probed} probe texts give the same ids as {tok.engine}"
                         + (escaped if unstable else ""))
     elif requested == "gigatoken":
         raise TokenloomError(f"tokenizer backend gigatoken cannot be used for {tok.spec.path or tok.kind}: {reason} "

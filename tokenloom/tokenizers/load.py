@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -35,7 +36,8 @@ from tokenloom.tokenizers.simple import ByteTokenizer, NullTokenizer
 from tokenloom.tokenizers.sp import SentencePieceTokenizer
 from tokenloom.tokenizers.tiktoken_bpe import TiktokenTokenizer, looks_like_rank_file
 
-BACKENDS: dict[str, type[Tokenizer]] = {
+# Each kind's class, called with the spec alone (the base class's constructor takes more).
+BACKENDS: dict[str, Callable[[TokenizerSpec], Tokenizer]] = {
     cls.kind: cls
     for cls in (HFTokenizer, GPT2BPETokenizer, WordPieceTokenizer, SentencePieceTokenizer, TiktokenTokenizer,
                 ByteTokenizer, NullTokenizer)
