@@ -71,6 +71,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -237,7 +238,7 @@ def sample_chunks(inputs: list[Input], keys: list[str], txt_unit: str) -> list[t
     return samples
 
 
-def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk, int]], itemsize: int,
+def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk, float]], itemsize: int,
                     num_keys: int) -> SpaceEstimate:
     """Extrapolate sampled (input, encoded chunk, raw bytes read) to every input, per input format.
 
@@ -252,7 +253,7 @@ def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk
         tokens = sum(int(o.tokens.size) for o in result.outputs.values())
         index = sum(12 * len(o.sequence_lengths) + 8 * len(o.sequences_per_document) for o in result.outputs.values())
         by_format[inp.format] = by_format.get(inp.format, np.zeros(3)) + (tokens * itemsize, index, raw)
-    total = sum(by_format.values()) if by_format else np.array([0.0, 0.0, 1.0])
+    total = sum(by_format.values(), np.zeros(3)) if by_format else np.array([0.0, 0.0, 1.0])
     bin_bytes, idx_bytes = 0.0, float((34 + 8) * num_keys)
     for inp in inputs:
         b, i, raw = by_format.get(inp.format, total)
@@ -342,7 +343,7 @@ class _Checkpoint:
             state["rejects_bytes"] = rejects.tell()
         arrays["state"] = np.frombuffer(json.dumps(state).encode(), dtype=np.uint8)
         with atomic_writer(self.path) as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub lets a ** dict reach allow_pickle
 
     def load(self) -> tuple[dict, list[dict]] | None:
         if not self.path.exists():
@@ -407,7 +408,7 @@ class _Run:
         self.counts = Counts(per_key={k: {"documents": 0, "empty_documents": 0, "sequences": 0, "tokens": 0}
                                       for k in cfg.json_keys})
         self.writers: dict[str, IndexedDatasetWriter] = {}
-        self.rejects = None
+        self.rejects: IO[bytes] | None = None
 
     def finished(self, marker: Path) -> dict | None:
         """The summary ``marker`` records for this run, if it finished and its outputs are published."""
@@ -428,7 +429,7 @@ class _Run:
 
     def remove_dead_temps(self) -> None:
         """Temporary files of dead runs of these outputs (this run's own are named by its pid)."""
-        finals = [self.partial / "checkpoint.npz", self.staged_marker]
+        finals: list[str | Path] = [self.partial / "checkpoint.npz", self.staged_marker]
         if not self.remote:  # an upload leaves no temporary object
             finals.append(self.rejects_path)
             for prefix in self.outputs.values():
