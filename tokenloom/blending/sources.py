@@ -31,6 +31,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
 import numpy as np
@@ -38,6 +39,9 @@ import numpy as np
 from tokenloom.blending.cache import write_error
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import hash_file
+
+if TYPE_CHECKING:  # annotations only: the reader is imported where a source is first opened
+    from tokenloom.indexed import IndexedDataset
 
 MEMO_FILE = "sources.jsonl"
 
@@ -170,7 +174,7 @@ class _OpenPool:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.open: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self.open: collections.OrderedDict[str, IndexedDataset] = collections.OrderedDict()
         self.lock = threading.Lock()
 
     def get(self, prefix: str):
