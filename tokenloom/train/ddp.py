@@ -110,7 +110,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -262,7 +262,8 @@ class DistributedDataParallel(nn.Module):
         if not dist.is_initialized():
             raise TokenloomError("DistributedDataParallel needs an initialised process group (init_from_env)")
         self.module = module
-        self.process_group = process_group or dist.group.WORLD
+        # WORLD is typed optional: it is None only before init_process_group
+        self.process_group = process_group or cast(dist.ProcessGroup, dist.group.WORLD)
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self._src = dist.get_global_rank(self.process_group, 0)

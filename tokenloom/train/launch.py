@@ -240,7 +240,8 @@ class RankWatch:
     when each rank failed (see the module docstring)."""
 
     def __init__(self, log_dir: Path) -> None:
-        self.dir, self.ranks = log_dir, {}
+        self.dir = log_dir
+        self.ranks: dict[int, RankState] = {}
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -290,7 +291,7 @@ class RankWatch:
             return (f"torchrun failed (exit status {torchrun_status}) before any rank reported an error"
                     + (f": {last[-1].strip()}" if last else ""))
         *_, rank, state = min(failed, key=lambda f: f[:4])
-        if not state.died:
+        if not state.died and state.message is not None:  # a rank that did not die failed with a message
             return state.message
         code = re.search(rf"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*{state.pid}\)", torchrun_log)
         how = f"exit code {code.group(1)}" if code else "no exit status seen"

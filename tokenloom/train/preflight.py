@@ -80,9 +80,11 @@ def check_sources(cfg: TrainConfig) -> None:
     from tokenloom.tokenizers.base import ids_key
 
     blend = cfg.data.blend
+    if blend is None:  # mock data: no files (check calls this for blend data only)
+        return
     if not blend.prefixes:
         raise TokenloomError("--data is empty; give WEIGHT PREFIX pairs, e.g. --data 0.7 out/web 0.3 out/code")
-    bookends = split_matrix(blend.split)
+    valid = split_matrix(blend.split)[Split.valid]
     tok = None
     if cfg.tokenizer:
         from tokenloom.train.data import open_tokenizer
@@ -94,12 +96,11 @@ def check_sources(cfg: TrainConfig) -> None:
                 raise TokenloomError(f"--data: {path} does not exist (a PREFIX names PREFIX.bin and PREFIX.idx, as "
                                      "preprocess --output-prefix wrote them)")
         num_sequences = read_header(index_path(prefix))[1]
-        if cfg.eval_interval and bookends[Split.valid] is not None and not len(
-                split_documents(bookends[Split.valid], num_sequences)):
+        if cfg.eval_interval and valid is not None and not len(split_documents(valid, num_sequences)):
             raise TokenloomError(f"--split {blend.split} leaves {prefix} ({num_sequences} documents) no validation "
                                  "documents, yet evaluation reads them; give its valid part more weight (e.g. "
                                  "--split 949,50,1) or set --set eval_interval=0")
-        if cfg.eval_interval and bookends[Split.valid] is None:
+        if cfg.eval_interval and valid is None:
             raise TokenloomError(f"--split {blend.split} has no validation part, yet evaluation reads it; give it one "
                                  "(e.g. --split 949,50,1) or set --set eval_interval=0")
         saved = manifest.read(prefix)
@@ -115,6 +116,8 @@ def check_resume(cfg: TrainConfig) -> None:
     weights and sources when the checkpoint keeps a data history: see ``blending/segments.py``)."""
     from tokenloom.train import checkpoint
 
+    if cfg.resume is None:  # nothing to resume (check calls this with one only)
+        return
     path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
     if path is None:
         return

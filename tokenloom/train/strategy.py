@@ -52,7 +52,7 @@ dp and sent from the last pipeline stage to every rank only when the loop logs
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB
+from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
 from tokenloom.train.model import GPT, pipeline_stage
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
@@ -175,7 +175,7 @@ class Strategy:
         return [pipeline_stage(cfg.model, split, st.pp_rank, c, tp=tp, device=self.device)
                 for c in range(self.num_chunks)]
 
-    def _wrap_ddp(self) -> list[nn.Module]:
+    def _wrap_ddp(self) -> list[DistributedDataParallel]:
         """One bucketed DDP per model chunk over this rank's dp group (its ranks hold the same
         shard of the same chunk). Each chunk's buckets launch from its gradient hooks in its
         own last micro-batch backward (the schedules' per-chunk ``no_sync``). At tp = pp = 1
@@ -185,8 +185,6 @@ class Strategy:
         RoPE tables, computed alike on every rank from the config) are not re-broadcast
         before each synced forward, which runs mid-pipeline, where a blocking collective
         would stall the schedule."""
-        from tokenloom.train.ddp import DistributedDataParallel
-
         return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_group,
                            bucket_cap_mb=self.cfg.ddp_bucket_cap_mb, broadcast_buffers=not self.staged,
                            finish_in_backward=not self.staged, grad_units=self._compiled_units(chunk))
@@ -278,7 +276,7 @@ class Strategy:
             return module(tokens, hidden=hidden, **docs)
         return module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden, **docs)
 
-    def _run(self, modules: list[nn.Module], batches: list, forward_only: bool,
+    def _run(self, modules: Sequence[nn.Module], batches: list, forward_only: bool,
              no_sync: NoSync | list[NoSync] | None = None) -> torch.Tensor:
         """Run one global batch; the sum of its micro-batch losses (zero off the last stage)."""
         model = modules if self.num_chunks > 1 else modules[0]
