@@ -413,7 +413,7 @@ class DistributedDataParallel(nn.Module):
         """Allocate one flat buffer per bucket and point every ``param.grad`` into it."""
         self._buckets: list[_Bucket] = []
         self._bucket_of = [0] * len(self._params)
-        self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
+        self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]  # every slot set below
         for b, indices in enumerate(assignment):
             ref = self._params[indices[0]]
             numel = sum(self._params[i].numel() for i in indices)
