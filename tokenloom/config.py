@@ -21,6 +21,7 @@ import importlib.util
 import inspect
 import re
 import textwrap
+from typing import cast
 
 
 @functools.cache
@@ -29,7 +30,8 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):
-            docs.update(_body_docs(ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body))
+            source = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+            docs.update(_body_docs(cast(ast.ClassDef, source.body[0]).body))
     return docs
 
 

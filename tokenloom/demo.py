@@ -58,7 +58,7 @@ class DemoConfig:
 
 def stdlib_files(max_documents: int) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
         files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
@@ -86,7 +86,11 @@ def stdlib_documents(max_documents: int) -> tuple[list[dict], list[dict]]:
         if prose:
             docs.append({"text": prose, "path": name})
     try:
-        from pydoc_data.topics import topics  # lazy: optional module, some distributions strip pydoc_data
+        from pydoc_data import (
+            topics as pydoc_topics,  # lazy: optional module, some distributions strip pydoc_data
+        )
+
+        topics: dict[str, str] = pydoc_topics.topics
     except ImportError:  # some distributions strip pydoc_data
         topics = {}
     docs.extend({"text": text, "path": f"pydoc:{key}"} for key, text in sorted(topics.items()))

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from types import ModuleType
+from typing import Any, TypeVar, overload
 
 try:
-    from tokenloom import _native as _ext
+    from tokenloom import _native
 
+    _ext: ModuleType | None = _native
     _IMPORT_ERROR: Exception | None = None
 except ImportError as exc:  # not built: no compiler at install time
     _ext = None
@@ -33,8 +36,16 @@ def describe() -> str:
     return f"not loaded, numpy fallback in use ({_IMPORT_ERROR})"
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@overload
+def pick(name: str, reference: F) -> F: ...
+@overload
+def pick(name: str, reference: None) -> Callable[..., Any] | None: ...
 def pick(name: str, reference: Callable | None) -> Callable | None:
-    """The native function ``name`` if the extension has it, else ``reference``.
+    """The native function ``name`` if the extension has it, else ``reference``, typed as
+    ``reference`` (the native one takes the same arguments and returns the same).
 
     ``reference=None`` marks an optional accelerator whose caller has its own fallback.
     """

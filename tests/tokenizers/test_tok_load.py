@@ -7,7 +7,7 @@ import pytest
 from tok_helpers import TOK, load_shared, needs_shared
 
 from tokenloom.errors import TokenloomError
-from tokenloom.tokenizers import detect_kind, list_kinds, load_tokenizer
+from tokenloom.tokenizers import TokenizerSpec, detect_kind, list_kinds, load_tokenizer
 
 
 def test_list_kinds():
@@ -293,3 +293,9 @@ def test_a_bpe_tokenizer_json_tokenizers_refuses_is_refused_on_load(tmp_path):
     with pytest.raises(TokenloomError, match="not a valid Hugging Face tokenizer.json") as err:
         load_tokenizer(path)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["hf", "gpt2-bpe", "wordpiece", "sentencepiece", "tiktoken"])
+def test_a_file_backed_spec_without_a_path_is_refused(kind):
+    with pytest.raises(TokenloomError, match=f"tokenizer kind '{kind}' needs a path"):
+        load_tokenizer(TokenizerSpec(kind))

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
 from compose_helpers import read_losses, tiny_cfg  # noqa: E402
 from tl_testing import REPO, run_cli  # noqa: E402
 
+from tokenloom.errors import TokenloomError  # noqa: E402
 from tokenloom.train.config import config_to_dict  # noqa: E402
 from tokenloom.train.dist import first_host, launch_env  # noqa: E402
 
@@ -59,6 +60,15 @@ def test_host_list_and_variables():
     assert launch_env(torchrun) == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "MASTER_ADDR": "a",
                                     "MASTER_PORT": "29500"}
     assert launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})["WORLD_SIZE"] == "1"
+
+
+@pytest.mark.parametrize("master", [{}, {"MASTER_ADDR": ""}])
+def test_a_task_without_a_node_list_or_master_is_refused(master):
+    # an empty MASTER_ADDR counts as none (it used to reach first_host(None) and crash)
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", **master}
+    with pytest.raises(TokenloomError, match="SLURM_STEP_NODELIST"):
+        launch_env(env)
+    assert launch_env(dict(env, MASTER_ADDR="h0"))["MASTER_ADDR"] == "h0"
 
 
 @pytest.mark.slow

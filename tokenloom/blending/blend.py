@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class BlendConfig:
     blend: Blend | None = None
     """One blend for all splits; each source is split by ``gpt.split``."""
 
-    blend_per_split: tuple[Blend | None, Blend | None, Blend | None] | None = None
+    blend_per_split: tuple[Blend | None, ...] | None = None
     """A blend per split (train, valid, test), each using its sources whole; ``gpt.split`` must be None."""
 
     mid_level_dataset_surplus: float = 0.005
@@ -105,7 +106,7 @@ class BlendConfig:
             )
 
 
-def sample_budgets(weights: Sequence[float], sizes: Sizes, surplus: float = 0.0) -> list[list[int]]:
+def sample_budgets(weights: Sequence[float], sizes: Sequence[int], surplus: float = 0.0) -> list[list[int]]:
     """Samples per source (rows) per split (columns): ``ceil(ceil(size * w) * (1 + surplus))``."""
     assert np.isclose(sum(weights), 1.0), weights
     return [[int(math.ceil(math.ceil(size * w) * (1 + surplus))) for size in sizes] for w in weights]
@@ -130,7 +131,7 @@ def build_blend_indices(
     else:
         dataset_index, dataset_sample_index = helpers.blending_indices(list(weights), size)
     drawn = np.bincount(dataset_index, minlength=len(lengths))
-    for d in np.flatnonzero(drawn > np.asarray(lengths)):
+    for d in map(int, np.flatnonzero(drawn > np.asarray(lengths))):
         name = names[d] if names else f"member {d}"
         raise TokenloomError(
             f"the {split.name} blend draws {drawn[d]} samples from {name}, which has only {lengths[d]}; "
@@ -144,7 +145,7 @@ class BlendedDataset:
 
     def __init__(
         self,
-        datasets: list[GPTDataset],
+        datasets: Sequence[GPTDataset],
         weights: list[float] | list[int],
         size: int | None,
         indices: tuple[np.ndarray, np.ndarray] | None = None,
@@ -194,7 +195,7 @@ class BlendedDataset:
         return "\n".join(lines)
 
 
-def _check_members(datasets: list[GPTDataset], weights: Sequence[float]) -> None:
+def _check_members(datasets: Sequence[GPTDataset], weights: Sequence[float]) -> None:
     if len(datasets) > MAX_BLEND_MEMBERS:
         raise TokenloomError(f"at most {MAX_BLEND_MEMBERS} sources per blend, got {len(datasets)}")
     if len(weights) != len(datasets):
@@ -211,7 +212,10 @@ def _name(ds: GPTDataset) -> str:
     return str(ds.source.path_prefix) if ds.source.path_prefix is not None else repr(ds.source)
 
 
-def _open_indexed(prefix: str) -> TokenSource:
+def _open_indexed(prefix: str | None) -> TokenSource:
+    if prefix is None:  # only the mock source has none, and it comes with its own opener
+        raise TokenloomError("a blend source needs a path prefix")
+
     return LazySource(prefix)
 
 
@@ -226,7 +230,7 @@ class BlendBuilder:
     """
 
     def __init__(
-        self, config: BlendConfig, open_source: Callable[[str], TokenSource] = _open_indexed
+        self, config: BlendConfig, open_source: Callable[[str | None], TokenSource] = _open_indexed
     ) -> None:
         self.config = config
         self._open_source = open_source
@@ -297,6 +301,8 @@ class BlendBuilder:
         if cfg.blend is not None:
             if cfg.blend.weights is not None:
                 _require_sizes(sizes, range(len(Split)))
+            if cfg.gpt.split is None:  # refused by BlendConfig already
+                raise TokenloomError("a blend needs a split string, e.g. '969,30,1'")
             return self.build_blend(cfg.blend, split_matrix(cfg.gpt.split), list(sizes))
         if cfg.blend_per_split is None:
             raise TokenloomError("no blend given; use build_mock_datasets for synthetic data")
@@ -308,7 +314,7 @@ class BlendBuilder:
                 _require_sizes(sizes, [split])
             matrix: list[Bookend | None] = [None] * len(Split)
             matrix[split] = (0.0, 1.0)
-            only = [0] * len(Split)
+            only: list[int | None] = [0] * len(Split)
             only[split] = sizes[split]
             if len(blend.prefixes) == 1:  # weights of a lone per-split source are ignored, as in Megatron
                 out[split] = self.gpt_dataset(blend.prefixes[0], (0.0, 1.0), sizes[split], split)
@@ -329,15 +335,18 @@ class BlendBuilder:
                 self.gpt_dataset(prefixes[0], bookend, sizes[s], Split(s)) if bookend else None
                 for s, bookend in enumerate(matrix)
             ]
+        buffers: Sequence[Sequence[int | None]]
         if weights is None:
-            buffers: list[list[int | None]] = [[None] * len(Split) for _ in prefixes]
+            buffers = [[None] * len(Split) for _ in prefixes]
         else:
-            targets = sample_budgets(weights, sizes)
-            buffers = sample_budgets(weights, sizes, self.config.mid_level_dataset_surplus)
+            counts = cast(list[int], sizes)  # a weighted blend's callers check every count (_require_sizes)
+            targets = sample_budgets(weights, counts)
+            buffers = sample_budgets(weights, counts, self.config.mid_level_dataset_surplus)
         active = [s for s, bookend in enumerate(matrix) if bookend is not None]
         for prefix in prefixes:  # opened here, once, not raced for by the threads below
             self.source(prefix)
-        requests = [(p, matrix[s], buffers[d][s], Split(s)) for s in active for d, p in enumerate(prefixes)]
+        requests = [(p, bookend, buffers[d][s], Split(s)) for s, bookend in enumerate(matrix) if bookend is not None
+                    for d, p in enumerate(prefixes)]
         out: list[TopLevel | None] = [None] * len(Split)
         # Every member of every split is queued on one thread pool, train first, and this
         # thread blends each split as soon as its members are done, while the pool goes on
@@ -348,12 +357,14 @@ class BlendBuilder:
             built = [pool.submit(self.gpt_dataset, *r) for r in requests]
             for k, s in enumerate(active):
                 members = [f.result() for f in built[k * len(prefixes) : (k + 1) * len(prefixes)]]
+                size: int | None
                 if weights is not None:
                     split_weights: list[float] | list[int] = weights
                     size = sum(targets[d][s] for d in range(len(prefixes)))
                 else:
                     split_weights = [len(ds) for ds in members]
-                    size = None if sizes[s] is None else min(sizes[s], sum(split_weights))
+                    wanted = sizes[s]
+                    size = None if wanted is None else min(wanted, sum(split_weights))
                 out[s] = self.blended_dataset(members, split_weights, size, Split(s))
         return out
 
@@ -372,5 +383,5 @@ def build_mock_datasets(
     ``builder`` (opening ``source`` for the prefix None) replaces the default one, e.g. to cache.
     """
     builder = builder or BlendBuilder(BlendConfig(gpt=gpt), open_source=lambda _: source)
-    matrix = split_matrix("1,1,1")
+    matrix = [bookend for bookend in split_matrix("1,1,1") if bookend is not None]  # all three
     return [builder.gpt_dataset(None, bookend, sizes[s], Split(s)) for s, bookend in enumerate(matrix)]

@@ -32,6 +32,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -222,7 +223,7 @@ class CachedBlendBuilder(BlendBuilder):
         """The split's BlendedDataset over a bundle entry's arrays; members are made on first use."""
         if blend.weights is not None:
             weights: list = normalize(blend.weights)
-            buffers = [b[split] for b in sample_budgets(weights, counts, self.config.mid_level_dataset_surplus)]
+            buffers: list[int | None] = [b[split] for b in sample_budgets(weights, counts, self.config.mid_level_dataset_surplus)]
         else:
             buffers = [None] * len(blend.prefixes)
         members = BundleMembers([self.source(p) for p in blend.prefixes], bookend, buffers, split,
@@ -413,7 +414,7 @@ def check_tokenizers(metas: dict[str, SourceMeta]) -> str | None:
     if len(seen) > 1:
         def name(prefix: str) -> str:
             try:
-                return manifest.tokenizer_name(manifest.read(prefix)["tokenizer"])
+                return manifest.tokenizer_name((manifest.read(prefix) or {})["tokenizer"])
             except (OSError, ValueError, KeyError, TypeError):
                 return "an unreadable manifest"
 
@@ -441,8 +442,9 @@ def _sizes(cfg: BuildConfig, builder: BlendBuilder) -> list[int | None]:
     for s in (1, 2):
         if sizes[s] is not None:
             continue
-        empty = bookends[s] is None or any(
-            _width(split_bounds(bookends[s], len(builder.source(p)))) == 0 for _, p in cfg.data
+        bookend = bookends[s]
+        empty = bookend is None or any(  # cfg.data is given: data_per_split is not
+            _width(split_bounds(bookend, len(builder.source(p)))) == 0 for _, p in cfg.data or ()
         )
         sizes[s] = 0 if empty or shares[0] == 0 else math.ceil(sizes[0] * shares[s] / shares[0])
     return [s if s is None else int(s) for s in sizes]
@@ -533,14 +535,15 @@ def _build(cfg: BuildConfig, open_source, may_build: bool, progress=None, metas=
     if cfg.data is not None:
         blend_cfg = BlendConfig(gpt=gpt, blend=_blend(cfg.data, cfg.exhaustive))
         all_pairs = {s: cfg.data for s in Split}
-        bookends = split_matrix(cfg.split)
+        bookends = split_matrix(cast(str, cfg.split))  # BlendConfig refused a blend without one
     else:
+        per_split = cfg.data_per_split or {}  # given: exactly one of data and data_per_split is
         per = tuple(
-            _blend(cfg.data_per_split[s.name], cfg.exhaustive) if cfg.data_per_split.get(s.name) else None
+            _blend(per_split[s.name], cfg.exhaustive) if per_split.get(s.name) else None
             for s in Split
         )
         blend_cfg = BlendConfig(gpt=gpt, blend_per_split=per)
-        all_pairs = {s: cfg.data_per_split.get(s.name) or [] for s in Split}
+        all_pairs = {s: per_split.get(s.name) or [] for s in Split}
         bookends = [(0.0, 1.0) if all_pairs[s] else None for s in Split]
     cache = ArrayCache(cfg.cache_dir) if cfg.cache_dir and not cfg.dry_run else None
     prefixes = sorted({p for pairs in all_pairs.values() for _, p in pairs})
@@ -553,8 +556,9 @@ def _build(cfg: BuildConfig, open_source, may_build: bool, progress=None, metas=
     sizes = _sizes(cfg, builder)
     if cfg.mode == "tokens":
         for s in Split:
-            if bookends[s] is not None and all_pairs[s] and sizes[s]:
-                _check_token_mix(builder, cfg, all_pairs[s], s, sizes[s], bookends[s])
+            bookend, size = bookends[s], sizes[s]
+            if bookend is not None and all_pairs[s] and size:
+                _check_token_mix(builder, cfg, all_pairs[s], s, size, bookend)
     datasets = builder.build(sizes)
     result = BuildResult(datasets, sources=metas)
     for s in Split:

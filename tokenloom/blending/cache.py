@@ -42,7 +42,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import blake3
@@ -195,7 +195,7 @@ class ArrayCache:
         except FileNotFoundError:
             return None
 
-    def store(self, key: str, arrays: dict[str, np.ndarray | list[np.ndarray]], description: dict | None = None
+    def store(self, key: str, arrays: Mapping[str, np.ndarray | list[np.ndarray]], description: dict | None = None
               ) -> None:
         """Publish an entry whole: files go to a temporary directory beside it, each is fsynced,
         then the directory is fsynced and renamed into place, and the cache directory fsynced.
@@ -217,7 +217,7 @@ class ArrayCache:
         except OSError as exc:  # named after the entry: the temporary folder is gone
             raise TokenloomError(write_error(exc, entry)) from None
 
-    def _write_entry(self, entry: Path, tmp: Path, arrays: dict, description: dict | None) -> None:
+    def _write_entry(self, entry: Path, tmp: Path, arrays: Mapping, description: dict | None) -> None:
         tmp.mkdir(parents=True)
         try:
             records = {}
@@ -294,7 +294,10 @@ class ArrayCache:
             if found is not None:
                 return found, False
             self.store(key, build(), description)
-        return self.load(key), True
+        stored = self.load(key)
+        if stored is None:  # just published under the lock: only a concurrent rm gets here
+            raise TokenloomError(f"{self.entry(key)}: cache entry vanished after it was stored; rerun")
+        return stored, True
 
 
 # --------------------------------------------------------------------------- distributed

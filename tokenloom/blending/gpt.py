@@ -44,8 +44,10 @@ FINAL_EPOCH_THRESHOLD = 0.80
 class TokenSource(Protocol):
     """What the index needs from a token file (``tokenloom.indexed.IndexedDataset``, a mock)."""
 
-    sequence_lengths: np.ndarray  # int32, one per sequence
-    path_prefix: str | None
+    @property
+    def sequence_lengths(self) -> np.ndarray: ...  # int32, one per sequence
+    @property
+    def path_prefix(self) -> str | None: ...
 
     def __len__(self) -> int: ...
 
@@ -123,7 +125,7 @@ def epoch_plan(
     """``(num_epochs, separate_final_epoch, samples before the final epoch)`` for one split."""
     seq_length, extra = config.seq_length, int(config.add_extra_token)
     num_epochs = count_epochs(tokens_per_epoch, num_samples, seq_length, extra)
-    if num_epochs == 1:
+    if num_epochs == 1 or num_samples is None:  # no num_samples: one epoch
         return 1, False, 0
     num_before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     num_from_final = num_samples - num_before_final

@@ -7,6 +7,8 @@ dtype, never a silent cast; ValueError for out-of-range input).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from tokenloom import native
@@ -21,6 +23,13 @@ build_exhaustive_blending_indices = native.pick(
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 
+_LegacyState = tuple[str, np.ndarray, int, int, float]
+
+
+def _legacy_state(rng: np.random.RandomState) -> _LegacyState:
+    """``rng.get_state()``: the legacy MT19937 tuple (numpy's stub types the default call as a dict)."""
+    return cast(_LegacyState, rng.get_state())
+
 _SHUFFLES = {np.dtype(t): native.pick(f"legacy_shuffle_{np.dtype(t).name}", None)
              for t in (np.int32, np.uint32, np.int64)}
 
@@ -33,12 +42,12 @@ class SeededStream:
     computed once per seed and copied, and the native legacy shuffle advances it; the draws, and so the arrays, are numpy's.
     """
 
-    _seeded: dict[int, tuple] = {}
+    _seeded: dict[int, _LegacyState] = {}
 
     def __init__(self, seed: int):
         state = self._seeded.get(seed)
         if state is None:
-            state = self._seeded.setdefault(seed, np.random.RandomState(seed).get_state())
+            state = self._seeded.setdefault(seed, _legacy_state(np.random.RandomState(seed)))
         self.key = np.array(state[1], dtype=np.uint32)
         self.pos = int(state[2])
 
@@ -50,7 +59,7 @@ class SeededStream:
         rng = np.random.RandomState()
         rng.set_state(("MT19937", self.key, self.pos, 0, 0.0))
         rng.shuffle(array)
-        _, key, self.pos, _, _ = rng.get_state()
+        _, key, self.pos, _, _ = _legacy_state(rng)
         self.key = np.ascontiguousarray(key, dtype=np.uint32)
 
 
@@ -75,7 +84,7 @@ def shuffle(rng: Shuffler, array: np.ndarray) -> None:
     if fn is None or array.ndim != 1 or not array.flags.c_contiguous or not 1 << 14 <= len(array) <= 2**32:
         rng.shuffle(array)
         return
-    name, key, pos, has_gauss, gauss = rng.get_state()
+    name, key, pos, has_gauss, gauss = _legacy_state(rng)
     key = np.ascontiguousarray(key, dtype=np.uint32)
     pos = fn(array, key, pos)
     rng.set_state((name, key, pos, has_gauss, gauss))

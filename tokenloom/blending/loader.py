@@ -75,7 +75,7 @@ class GPTSamples:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, k: int) -> dict[str, np.ndarray]:
+    def __getitem__(self, k: int) -> dict[str, np.ndarray | np.int32]:
         if self.cfg.inter_document_masking:
             sample, pieces = self.dataset.documents_of(k)
             sample = np.array(sample, dtype=np.int64)
@@ -103,7 +103,8 @@ class GPTSamples:
                 after = after[after < len(tokens)]
                 starts[after] = after
                 positions = positions - np.maximum.accumulate(starts)
-        out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+        out: dict[str, np.ndarray | np.int32] = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                                                 "position_ids": positions}
         if self.cfg.inter_document_masking:
             out.update(document_boundaries(pieces, len(tokens)))
         return out
@@ -118,7 +119,7 @@ def source_name(dataset, k: int) -> str:
     return str(getattr(source, "path_prefix", None) or source)
 
 
-def document_boundaries(pieces: np.ndarray, seq_length: int) -> dict[str, np.ndarray]:
+def document_boundaries(pieces: np.ndarray, seq_length: int) -> dict[str, np.ndarray | np.int32]:
     """``cu_seqlens`` (int32, ``seq_length + 1`` entries padded with ``seq_length``),
     ``max_seqlen`` and restarting ``position_ids`` of inputs cut from pieces of these lengths
     (their sum is ``seq_length`` plus the extra label token)."""

@@ -82,7 +82,7 @@ class MegatronCacheBuilder(BlendBuilder):
         config: BlendConfig,
         tokenizer: dict,
         path_to_cache: str | os.PathLike | None = None,
-        open_source: Callable[[str], TokenSource] | None = None,
+        open_source: Callable[[str | None], TokenSource] | None = None,
         mock: bool = False,
     ) -> None:
         super().__init__(config, **({"open_source": open_source} if open_source else {}))
@@ -123,7 +123,7 @@ class MegatronCacheBuilder(BlendBuilder):
         mapping = self.gpt_mapping(prefix, num_samples, split)
         description = describe(mapping)
         directory = self.path_to_cache
-        if directory is None and not self.mock:
+        if directory is None and not self.mock and prefix is not None:  # a mock source has no prefix
             directory = os.path.join(prefix, "cache", "GPTDataset_indices")
         base = file_base(directory, description, mapping["class"], split) if directory else None
         found = load(base, GPT_ARRAYS) if base else None

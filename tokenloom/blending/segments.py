@@ -32,10 +32,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenloom.errors import TokenloomError
+
+if TYPE_CHECKING:  # annotations only: the blends are built by the caller
+    from tokenloom.blending.gpt import GPTDataset
 
 FORMAT = 1
 """Version of the history record kept in checkpoints."""
@@ -125,7 +129,7 @@ class SegmentedBlend:
                 if k and n and taken[d] > len(self.order(d)) and self.prefixes[d] not in self.wrapped:
                     self.wrapped.append(self.prefixes[d])
 
-    def order(self, digest: str):
+    def order(self, digest: str) -> GPTDataset:
         """A source's order: its member in the first segment that listed it (made on first use)."""
         k, m = self.first[digest]
         return self.blends[k].datasets[m]
@@ -133,7 +137,7 @@ class SegmentedBlend:
     def __len__(self) -> int:
         return self.ends[-1]
 
-    def locate(self, i: int) -> tuple[object, int]:
+    def locate(self, i: int) -> tuple[GPTDataset, int]:
         """(source order, sample within it) of global sample i."""
         if not 0 <= i < len(self):
             raise IndexError(i)

@@ -39,6 +39,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
 import numpy as np
@@ -53,6 +54,9 @@ from tokenloom.indexed import (
 from tokenloom.indexed.format import read_header
 from tokenloom.indexed.manifest import ids_key
 from tokenloom.indexed.validate import check_pair
+
+if TYPE_CHECKING:  # annotations only: the reader is imported where a source is first opened
+    from tokenloom.indexed import IndexedDataset
 
 MEMO_FILE = "sources.jsonl"
 MAX_ID_CHUNK = 1 << 24
@@ -215,7 +219,7 @@ class _OpenPool:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.open: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self.open: collections.OrderedDict[str, IndexedDataset] = collections.OrderedDict()
         self.lock = threading.Lock()
 
     def get(self, prefix: str):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,7 +30,7 @@ class Split(enum.IntEnum):
     test = 2
 
 
-def normalize(weights: list[float]) -> list[float]:
+def normalize(weights: Sequence[float]) -> list[float]:
     """``w / sum(w)`` in float64, back to Python floats (Megatron's ``normalize``)."""
     w = np.asarray(weights, dtype=np.float64)
     return (w / w.sum()).tolist()

@@ -161,7 +161,7 @@ def decode_chunk(chunk: Chunk, keys: tuple[str, ...]) -> Decoded:
         if obj is not None:
             for key in keys:
                 texts, reason = _check_text(obj[key], key, valid_utf8)
-                if reason:
+                if texts is None:  # exactly when there is a reason
                     break
                 texts_per_key[key] = texts
         if reason:

@@ -37,9 +37,10 @@ import gzip
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import zstandard
 
@@ -289,7 +290,7 @@ class ChunkReader:
         self.txt_unit = txt_unit
         self._seq = 0
 
-    def chunks(self, start: Position | None = None) -> Iterator[Chunk]:
+    def chunks(self, start: Position | None = None) -> Generator[Chunk, None, None]:
         start = start or Position()
         for k in range(start.input, len(self.inputs)):
             pos = start if k == start.input else Position(k, 0, 0)
@@ -442,7 +443,7 @@ class ChunkReader:
                 yield chunk
 
     @staticmethod
-    def _records(stream, unit: str) -> Iterator[tuple[int, object]]:
+    def _records(stream, unit: str) -> Iterator[tuple[int, bytes | list[bytes]]]:
         """(physical lines consumed, record) pairs; a record's lines include their newlines."""
         if unit == "line":
             for line in stream:
@@ -532,7 +533,7 @@ class ChunkReader:
 
 
 @contextlib.contextmanager
-def _opened_at(inp: Input, pos: Position) -> Iterator[tuple[object, object, int, int | None]]:
+def _opened_at(inp: Input, pos: Position) -> Iterator[tuple[BinaryIO, BinaryIO, int, int | None]]:
     """``(raw file, text stream, lines consumed, byte offset)`` of an input opened at ``pos``: a
     plain file seeks straight to it; a compressed one restarts (offset None), its caller skipping
     the ``pos.records`` lines already done."""

@@ -269,13 +269,11 @@ class IndexedDatasetWriter:
             raise TokenloomError(f"unsupported token dtype {self.dtype} (supported: "
                                  f"{', '.join(str(np.dtype(t)) for t in DTYPE_CODES.values())})")
         self.vocab_size = vocab_size
-        # Inclusive id bounds: the dtype's range, narrowed by the vocabulary when known.
+        # Inclusive id bounds: the dtype's range, narrowed by the vocabulary when known (None: float).
         info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
-        self._min_id = int(info.min) if info else None
-        self._max_id = int(info.max) if info else None
-        if vocab_size is not None and self._max_id is not None:
-            self._max_id = min(self._max_id, vocab_size - 1)
-            self._min_id = max(self._min_id, 0)
+        self._id_bounds = (int(info.min), int(info.max)) if info else None
+        if vocab_size is not None and self._id_bounds is not None:
+            self._id_bounds = (max(self._id_bounds[0], 0), min(self._id_bounds[1], vocab_size - 1))
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         self._bin_tmp = os.fspath(bin_tmp) if bin_tmp else temp_name(data_path(self.prefix))
         self._idx_tmp = os.fspath(idx_tmp) if idx_tmp else temp_name(index_path(self.prefix))
@@ -325,14 +323,15 @@ class IndexedDatasetWriter:
                 return arr.astype(self.dtype, copy=False)
             raise TokenloomError(f"{self.prefix}: token ids must be integers, got dtype {arr.dtype}")
         # A same-dtype array with no vocabulary bound is in range by construction.
-        if self._max_id is not None and not (arr.dtype == self.dtype and self.vocab_size is None):
+        if self._id_bounds is not None and not (arr.dtype == self.dtype and self.vocab_size is None):
+            min_ok, max_ok = self._id_bounds
             lo = 0 if arr.dtype.kind in "ub" else int(arr.min())  # unsigned: one pass, not two
             hi = int(arr.max()) if max_id is None else max_id
-            if lo < self._min_id or hi > self._max_id:
-                bad = lo if lo < self._min_id else hi
+            if lo < min_ok or hi > max_ok:
+                bad = lo if lo < min_ok else hi
                 bound = f" and vocab size {self.vocab_size}" if self.vocab_size is not None else ""
-                raise TokenloomError(f"{self.prefix}: token id {bad} out of range [{self._min_id}, "
-                                     f"{self._max_id}] for dtype {self.dtype}{bound}")
+                raise TokenloomError(f"{self.prefix}: token id {bad} out of range [{min_ok}, "
+                                     f"{max_ok}] for dtype {self.dtype}{bound}")
         return arr.astype(self.dtype, copy=False)
 
     def _write_tokens(self, arr: np.ndarray) -> None:

@@ -62,7 +62,7 @@ class Checkpoint:
             state["rejects_bytes"] = rejects.tell()
         arrays["state"] = np.frombuffer(json.dumps(state).encode(), dtype=np.uint8)
         with atomic_writer(self.path) as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub lets a ** dict reach allow_pickle
 
     def load(self) -> tuple[dict, list[dict]] | None:
         if not self.path.exists():

@@ -41,7 +41,7 @@ from tokenloom.indexed.manifest import manifest_path, manifest_url
 def uncommit(prefix: str | os.PathLike) -> None:
     """Remove ``prefix``'s manifest: what is under its other final names is no longer finished."""
     if objstore.is_url(prefix):
-        objstore.remove(manifest_url(prefix))
+        objstore.remove(manifest_url(os.fspath(prefix)))
         return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(manifest_path(prefix))
@@ -55,11 +55,11 @@ def publish_dataset(prefix: str | os.PathLike, staged_bin: str | os.PathLike, st
         uncommit(prefix)
     remote = objstore.is_url(prefix)
     for staged, final in ((staged_bin, data_path(prefix)), (staged_idx, index_path(prefix)),
-                          (staged_manifest, manifest_url(prefix) if remote else manifest_path(prefix))):
+                          (staged_manifest, manifest_url(os.fspath(prefix)) if remote else manifest_path(prefix))):
         if not os.path.exists(staged):
             continue
         if remote:
-            objstore.upload(staged, final)
+            objstore.upload(staged, str(final))  # a str already: data_path and manifest_url give one
             os.unlink(staged)
         else:
             os.replace(staged, final)

@@ -37,8 +37,9 @@ def _merge(output_prefix: str, prefixes: list[str]) -> dict:
     prefixes = [normalize_prefix(p) for p in prefixes]
     manifests = [manifest.read(p) for p in prefixes]
     have = [m is not None for m in manifests]
+    complete = [m for m in manifests if m is not None]  # all of them where all(have)
     if all(have):
-        manifest.merged(output_prefix, manifests, {})  # refuses mixed tokenizers before any work
+        manifest.merged(output_prefix, complete, {})  # refuses mixed tokenizers before any work
     output = normalize_prefix(output_prefix)
     for final in (data_path(output), index_path(output), manifest.manifest_path(output)):
         remove_dead_temps(final)
@@ -47,7 +48,7 @@ def _merge(output_prefix: str, prefixes: list[str]) -> dict:
     report = merge_indexed(output_prefix, prefixes)
     if all(have):
         counts = {"documents": report["documents"], "sequences": report["sequences"], "tokens": report["tokens"]}
-        manifest.write(report["path_prefix"], manifest.merged(output_prefix, manifests, counts))
+        manifest.write(report["path_prefix"], manifest.merged(output_prefix, complete, counts))
         report["manifest"] = str(manifest.manifest_path(report["path_prefix"]))
     elif any(have):
         report["manifest"] = "none (not every input has a manifest)"

@@ -73,6 +73,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import IO
 
 from tqdm import tqdm
 
@@ -187,7 +188,7 @@ class _Run:
         self.counts = Counts(per_key={k: {"documents": 0, "empty_documents": 0, "sequences": 0, "tokens": 0}
                                       for k in cfg.json_keys})
         self.writers: dict[str, IndexedDatasetWriter] = {}
-        self.rejects = None
+        self.rejects: IO[bytes] | None = None
 
     def finished(self, marker: Path) -> dict | None:
         """The summary ``marker`` records for this run, if it finished and its outputs are published."""
@@ -208,7 +209,7 @@ class _Run:
 
     def remove_dead_temps(self) -> None:
         """Temporary files of dead runs of these outputs (this run's own are named by its pid)."""
-        finals = [self.partial / "checkpoint.npz", self.staged_marker]
+        finals: list[str | Path] = [self.partial / "checkpoint.npz", self.staged_marker]
         if not self.remote:  # an upload leaves no temporary object
             finals.append(self.rejects_path)
             for prefix in self.outputs.values():

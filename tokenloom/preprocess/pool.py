@@ -33,7 +33,7 @@ import threading
 try:
     import fcntl
 except ImportError:  # Windows
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # the module or None, checked before use
 
 
 class WorkerDied(Exception):

@@ -47,7 +47,13 @@ from tokenloom.corpus.readers import discover, shard_inputs
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.indexed import manifest
-from tokenloom.preprocess.config import PreprocessConfig, check_options, output_prefixes, run_prefix
+from tokenloom.preprocess.config import (
+    PreprocessConfig,
+    check_options,
+    output_prefixes,
+    resolve_shard,
+    run_prefix,
+)
 from tokenloom.preprocess.merge import merge
 from tokenloom.preprocess.pipeline import run as run_local
 from tokenloom.preprocess.summary import format_summary
@@ -98,7 +104,7 @@ def run_shard(cfg: PreprocessConfig) -> dict:
 
     A shard that a killed or failed job had finished is not tokenized again on the rerun: its
     marker beside the staged outputs records the run's digest and summary."""
-    marker = Path(f"{run_prefix(cfg, cfg.num_shards, cfg.shard_index)}.done.json")
+    marker = Path(f"{run_prefix(cfg, *resolve_shard(cfg))}.done.json")  # the driver set both
     return run_local(cfg, echo=lambda *a, **k: None, done_marker=marker)
 
 
@@ -190,6 +196,8 @@ def _merge_shards(cfg: PreprocessConfig, task_cfg: PreprocessConfig, shards: lis
         if cfg.max_bad_fraction is not None:  # the tasks ran with the threshold lifted; record the job's
             for part in parts:
                 m = manifest.read(part)
+                if m is None:  # _check_visible saw it; gone since
+                    raise TokenloomError(f"{part}: the shard's manifest is gone; rerun the job")
                 m["options"]["max_bad_fraction"] = cfg.max_bad_fraction
                 try:
                     manifest.write(part, m)

@@ -60,7 +60,7 @@ def sample_chunks(inputs: list[Input], keys: list[str], txt_unit: str) -> list[t
     return samples
 
 
-def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk, int]], itemsize: int,
+def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk, float]], itemsize: int,
                     num_keys: int) -> SpaceEstimate:
     """Extrapolate sampled (input, encoded chunk, raw bytes read) to every input, per input format.
 
@@ -75,7 +75,7 @@ def estimate_output(inputs: list[Input], samples: list[tuple[Input, EncodedChunk
         tokens = sum(int(o.tokens.size) for o in result.outputs.values())
         index = sum(12 * len(o.sequence_lengths) + 8 * len(o.sequences_per_document) for o in result.outputs.values())
         by_format[inp.format] = by_format.get(inp.format, np.zeros(3)) + (tokens * itemsize, index, raw)
-    total = sum(by_format.values()) if by_format else np.array([0.0, 0.0, 1.0])
+    total = sum(by_format.values(), np.zeros(3)) if by_format else np.array([0.0, 0.0, 1.0])
     bin_bytes, idx_bytes = 0.0, float((34 + 8) * num_keys)
     for inp in inputs:
         b, i, raw = by_format.get(inp.format, total)

@@ -126,6 +126,8 @@ def _frame(texts: list[str], pieces_per_doc: np.ndarray, opts: EncodeOptions) ->
     before EOD/BOS are inserted: three passes over the tokens, where checking and inserting in
     int64 took five."""
     if texts:
+        if _TOKENIZER is None:
+            raise RuntimeError("no tokenizer in this process: init or set_tokenizer runs first")
         ids, lengths = _TOKENIZER.encode_batch(texts)
     else:
         ids, lengths = np.empty(0, np.int64), np.empty(0, np.int64)
@@ -154,9 +156,9 @@ def _frame(texts: list[str], pieces_per_doc: np.ndarray, opts: EncodeOptions) ->
             positions.append(ends[first_piece] - lengths[first_piece])
             values.append(np.full(len(first_piece), opts.bos, dtype=np.int64))
         for special in ((opts.eod,) if opts.append_eod else ()) + ((opts.bos,) if opts.prepend_bos else ()):
-            if not 0 <= special < opts.vocab_size:
+            if special is None or not 0 <= special < opts.vocab_size:  # None: refused before the run
                 raise ValueError(f"tokenizer emitted id {special} outside its vocab size {opts.vocab_size}")
-            max_id = max(max_id, special)
+            max_id = special if max_id is None else max(max_id, special)  # never None here: lengths > 0
         ids = np.insert(ids, np.concatenate(positions), np.concatenate(values).astype(ids.dtype))
         lengths = lengths.copy()
         if opts.append_eod:

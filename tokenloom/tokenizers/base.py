@@ -64,6 +64,12 @@ class TokenizerSpec:
         """A copy with ``options`` merged in, e.g. ``spec.with_options(num_threads=1)``."""
         return dataclasses.replace(self, options={**self.options, **options})
 
+    def file_path(self) -> Path:
+        """``path`` for a file-backed kind; a spec without one is refused with the kind's name."""
+        if self.path is None:
+            raise TokenloomError(f"tokenizer kind {self.kind!r} needs a path")
+        return Path(self.path)
+
 
 def resolve_threads(num_threads: int | None) -> int | None:
     """``num_threads`` if given, else $TOKENLOOM_TOKENIZER_THREADS, else None (backend default)."""
@@ -101,6 +107,8 @@ class Tokenizer(abc.ABC):
     eod: int | None = None
     bos: int | None = None
     pad: int | None = None
+    num_threads: int | None
+    """Backends that pool threads set it in ``__init__`` (None: the backend's default)."""
 
     def __init__(self, spec: TokenizerSpec, files: dict[str, str], engine: str):
         self._spec = spec
@@ -158,7 +166,7 @@ class Tokenizer(abc.ABC):
     @classmethod
     def from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
         """A tokenizer of this class built from ``spec``, with the backend ``spec.backend`` selects."""
-        tok = cls(spec)
+        tok = cls(spec)  # type: ignore[call-arg]  # every backend takes its spec alone; this base's __init__ is their super()
         select_backend(tok, spec.backend)
         return tok
 

@@ -50,11 +50,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import regex
 
 from tokenloom.errors import TokenloomError
+
+if TYPE_CHECKING:  # imported where a tokenizer kind builds its model, never at module load
+    import gigatoken
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +98,7 @@ class GigatokenSource:
     to probe, and ``escapes``: strings gigatoken treats specially where the reference does not
     (texts containing one go to the reference engine)."""
 
-    model: object
+    model: gigatoken.Tokenizer
     specials: list[str] = field(default_factory=list)
     escapes: tuple[str, ...] = ()
 
@@ -197,8 +201,8 @@ class GigatokenEngine:
     def _check_memory(self, text_bytes: int) -> None:
         now = resident_bytes()
         self._grown = now - self._baseline if now is not None else self._grown + text_bytes
-        if self._grown > self._bound:
-            self.model = None  # free the old cache before the new model is built
+        if self._bound is not None and self._rebuild is not None and self._grown > self._bound:
+            del self.model  # free the old cache before the new model is built
             _return_free_memory()
             self.model = self._rebuild()
             self.rebuilds += 1
@@ -401,10 +405,10 @@ def select_backend(tok, requested: str) -> None:
             probes = probe_texts(source.specials)
             engine = GigatokenEngine(source, unstable, rebuild=lambda: tok.gigatoken_source().model)
             mismatch = self_check(reference, engine, probes)
-            verdict.store({"unstable": unstable, "probes": len(probes), "mismatch": mismatch})
+            probed = len(probes)
+            verdict.store({"unstable": unstable, "probes": probed, "mismatch": mismatch})
         else:
-            unstable, mismatch = known["unstable"], known["mismatch"]
-            probes = range(known["probes"])
+            unstable, mismatch, probed = known["unstable"], known["mismatch"], known["probes"]
             engine = GigatokenEngine(source, unstable, rebuild=lambda: tok.gigatoken_source().model)
         reason = None if mismatch is None else f"self-check failed: {mismatch}"
     except Unsupported as exc:
@@ -417,7 +421,7 @@ def select_backend(tok, requested: str) -> None:
         reason = f"gigatoken cannot load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if reason is None:
         escaped = f"; texts with one of {len(unstable)} characters its Unicode tables treat differently use {tok.engine}"
-        tok.set_backend(engine, f"self-check passed: {len(probes)} probe texts give the same ids as {tok.engine}"
+        tok.set_backend(engine, f"self-check passed: {probed} probe texts give the same ids as {tok.engine}"
                         + (escaped if unstable else ""))
     elif requested == "gigatoken":
         raise TokenloomError(f"tokenizer backend gigatoken cannot be used for {tok.spec.path or tok.kind}: {reason} "

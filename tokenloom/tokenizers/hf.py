@@ -90,7 +90,14 @@ def bytes_to_unicode() -> dict[int, str]:
 class _HFBase(Tokenizer):
     """Shared encode/decode over a ``tokenizers.Tokenizer`` in ``self.tk``."""
 
-    tk: tokenizers.Tokenizer
+    _tk: tokenizers.Tokenizer | None = None
+
+    @property
+    def tk(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers`` object; kinds that build it on first use override this."""
+        if self._tk is None:
+            raise TokenloomError(f"{self.kind} tokenizer has no model")  # set by every __init__
+        return self._tk
 
     def _setup(self, spec: TokenizerSpec):
         opts = dict(spec.options)
@@ -151,7 +158,7 @@ class HFTokenizer(_HFBase):
     kind = "hf"
 
     def __init__(self, spec: TokenizerSpec):
-        path = Path(spec.path)
+        path = spec.file_path()
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
@@ -273,7 +280,7 @@ class GPT2BPETokenizer(_HFBase):
 
     def __init__(self, spec: TokenizerSpec):
         opts = dict(spec.options)
-        vocab_path, merges_path = find_vocab_merges(Path(spec.path), opts.pop("merges", None))
+        vocab_path, merges_path = find_vocab_merges(spec.file_path(), opts.pop("merges", None))
         files = {vocab_path.name: sha256_file(vocab_path), merges_path.name: sha256_file(merges_path)}
         config = read_tokenizer_config(vocab_path.parent)
         pretok = opts.pop("pretokenizer", None)
@@ -443,7 +450,7 @@ class WordPieceTokenizer(_HFBase):
     kind = "wordpiece"
 
     def __init__(self, spec: TokenizerSpec):
-        path = Path(spec.path)
+        path = spec.file_path()
         if path.is_dir():
             path = path / "vocab.txt"
         if not path.is_file():
@@ -460,7 +467,7 @@ class WordPieceTokenizer(_HFBase):
         if lowercase is None:
             lowercase = not any(c.isupper() for t in tokens if not t.startswith("[") for c in t)
         self.lowercase = bool(lowercase)
-        self.tk = BertWordPieceTokenizer(str(path), lowercase=self.lowercase)._tokenizer
+        self._tk = BertWordPieceTokenizer(str(path), lowercase=self.lowercase)._tokenizer
         self._set_specials(opts, path, defaults={t: i for i, t in enumerate(tokens)})
 
     def id_options(self) -> dict:

@@ -35,6 +35,7 @@ from tokenloom.tokenizers.simple import ByteTokenizer, NullTokenizer
 from tokenloom.tokenizers.sp import SentencePieceTokenizer
 from tokenloom.tokenizers.tiktoken_bpe import TiktokenTokenizer, looks_like_rank_file
 
+# Each kind's class, called with the spec alone (the base class's constructor takes more).
 BACKENDS: dict[str, type[Tokenizer]] = {
     cls.kind: cls
     for cls in (HFTokenizer, GPT2BPETokenizer, WordPieceTokenizer, SentencePieceTokenizer, TiktokenTokenizer,

@@ -12,8 +12,6 @@ tiktoken rank file); detection looks at the content, see ``load.detect_kind``.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import sentencepiece as spm
 
@@ -29,7 +27,7 @@ class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
 
     def __init__(self, spec: TokenizerSpec):
-        path = Path(spec.path)
+        path = spec.file_path()
         if path.is_dir():
             path = path / "tokenizer.model"
         if not path.is_file():

@@ -146,7 +146,7 @@ class TiktokenTokenizer(Tokenizer):
     kind = "tiktoken"
 
     def __init__(self, spec: TokenizerSpec):
-        path = Path(spec.path)
+        path = spec.file_path()
         if path.is_dir():
             found = sorted(path.glob("*.tiktoken")) or [p for p in [path / "tokenizer.model"] if p.is_file()]
             if len(found) != 1:

@@ -42,7 +42,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -65,7 +65,8 @@ def checkpoint_name(iteration: int) -> str:
 def capture_rng() -> dict[str, Any]:
     """Python, numpy, torch CPU (and CUDA) RNG states as tensors and plain values."""
     version, words, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # the legacy MT19937 tuple (numpy's stub types the default call as a dict)
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state: dict[str, Any] = {
         "python_version": version,
         "python_words": torch.tensor(words, dtype=torch.int64, device="cpu"),

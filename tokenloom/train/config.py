@@ -192,7 +192,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         return _convert(inner[0], value, where) if len(inner) == 1 else value
-    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint) and isinstance(value, dict):
         return config_from_dict(hint, value, where)
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
         if origin is list:

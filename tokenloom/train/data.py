@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,10 @@ from tokenloom.errors import TokenloomError
 from tokenloom.indexed.format import index_path
 from tokenloom.tokenizers import load_tokenizer
 from tokenloom.tokenizers.load import FILELESS
+
+if TYPE_CHECKING:  # annotations only: build imports the builders where it uses them
+    from tokenloom.blending.blend import BlendedDataset
+    from tokenloom.blending.gpt import GPTDataset
 
 
 @dataclass(kw_only=True)
@@ -120,7 +124,7 @@ class DataConfig:
 class Datasets:
     """The built datasets (valid/test may be None when the split gives them no documents)."""
 
-    train: object
+    train: GPTDataset | BlendedDataset | SegmentedBlend
     valid: object | None
     test: object | None
     eod: int | None
@@ -141,6 +145,7 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
     """Build train/valid/test for ``sizes`` samples each (train must not come out short)."""
     gpt = GPTDatasetConfig(seq_length=seq_len, seed=cfg.seed,
                            split=cfg.blend.split if cfg.blend else "1,1,1")
+    eod: int | None
     if cfg.mock is not None:
         m = cfg.mock
         eod = m.eod if m.eod is not None else (tokenizer_eod if tokenizer_eod is not None else vocab_size - 1)
@@ -154,10 +159,11 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
         if tokenizer_eod is None and cfg.eod_mask_loss:
             raise TokenloomError("data.eod_mask_loss needs the EOD id: set tokenizer")
         eod = tokenizer_eod
-        built, plan = _build_blend(cfg.blend, gpt, sizes)
+        blend = _blend_of(cfg)
+        built, plan = _build_blend(blend, gpt, sizes)
         train, valid, test = built.datasets
-        description = {"kind": "blend", "prefixes": [[float(w), p] for w, p in cfg.blend.prefixes],
-                       "split": cfg.blend.split, "indices": built.fingerprint}
+        description = {"kind": "blend", "prefixes": [[float(w), p] for w, p in blend.prefixes],
+                       "split": blend.split, "indices": built.fingerprint}
     if train is None or len(train) < sizes[0]:
         raise TokenloomError(f"the train split has {0 if train is None else len(train)} samples, "
                              f"{sizes[0]} needed (train_iters x global_batch_size)")
@@ -180,6 +186,8 @@ def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, 
 
     Refuses, naming the setting, a change of anything but the blend's weights and sources and
     the run length, and a source whose content changed (its consumed samples cannot be found)."""
+    if not isinstance(data.train, SegmentedBlend) or data.segments is None or data.invariants is None:
+        raise TokenloomError(f"{where} has a blend history: it resumes with data.blend only")
     invariants, segments = read_history(history, where)
     changed = [f"{k} {invariants.get(k)!r} -> {v!r}" for k, v in data.invariants.items() if invariants.get(k) != v]
     if changed:
@@ -213,9 +221,10 @@ def _segment_blend(seg: Segment, cfg: DataConfig, invariants: dict, current: Seg
             raise TokenloomError(f"{where} drew samples from {old}, which is gone and not in --data under another "
                                  "name; restore it (its order is needed to continue the others exactly) or pass "
                                  "--set force_data=true")
-    blend = BlendDataConfig(prefixes=pairs, split=cfg.blend.split, cache_dir=cfg.blend.cache_dir,
-                            build_timeout=cfg.blend.build_timeout)
-    gpt = GPTDatasetConfig(seq_length=invariants["model.seq_len"], seed=cfg.seed, split=cfg.blend.split)
+    given = _blend_of(cfg)
+    blend = BlendDataConfig(prefixes=pairs, split=given.split, cache_dir=given.cache_dir,
+                            build_timeout=given.build_timeout)
+    gpt = GPTDatasetConfig(seq_length=invariants["model.seq_len"], seed=cfg.seed, split=given.split)
     built, _ = _build_blend(blend, gpt, (seg.train_samples, 0, 0))
     for (_, prefix), (_, _, digest) in zip(pairs, seg.blend, strict=True):
         if built.sources[prefix].digest != digest:
@@ -223,6 +232,13 @@ def _segment_blend(seg: Segment, cfg: DataConfig, invariants: dict, current: Seg
                                  "differs), so where it stopped cannot be found; restore it or pass "
                                  "--set force_data=true")
     return built.train
+
+
+def _blend_of(cfg: DataConfig) -> BlendDataConfig:
+    """``cfg.blend`` of a config without mock data (``DataConfig`` holds exactly one of them)."""
+    if cfg.blend is None:
+        raise TokenloomError("the data section needs exactly one of data.mock or data.blend")
+    return cfg.blend
 
 
 def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int, int, int]):
@@ -239,7 +255,7 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
     if blend.cache_dir is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         run_id = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(run_id, src=0)
-        shared = SharedBuild(dist.get_rank(), dist.get_world_size(), dist.barrier, run_id[0],
+        shared = SharedBuild(dist.get_rank(), dist.get_world_size(), dist.barrier, str(run_id[0]),  # rank 0's
                              timeout=blend.build_timeout)
     cfg = BuildConfig(data=[(float(w), str(p)) for w, p in blend.prefixes], split=blend.split,
                       seq_length=gpt.seq_length, num_samples=tuple(sizes), seed=gpt.seed, cache_dir=blend.cache_dir)
@@ -266,8 +282,9 @@ def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: i
     # A private generator: DataLoader draws its worker base seed from the *global* torch RNG
     # otherwise (even with num_workers=0), which would shift dropout's stream on resume.
     generator = torch.Generator().manual_seed(consumed_samples)
-    return DataLoader(samples, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      generator=generator)
+    # torch types a map-style dataset nominally (a Dataset subclass); GPTSamples is one by protocol
+    return DataLoader(samples, batch_sampler=sampler,  # type: ignore[arg-type]
+                      num_workers=num_workers, pin_memory=pin_memory, generator=generator)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

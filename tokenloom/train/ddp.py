@@ -59,7 +59,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -211,7 +211,8 @@ class DistributedDataParallel(nn.Module):
         if not dist.is_initialized():
             raise TokenloomError("DistributedDataParallel needs an initialised process group (init_from_env)")
         self.module = module
-        self.process_group = process_group or dist.group.WORLD
+        # WORLD is typed optional: it is None only before init_process_group
+        self.process_group = process_group or cast(dist.ProcessGroup, dist.group.WORLD)
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self._src = dist.get_global_rank(self.process_group, 0)
@@ -361,7 +362,7 @@ class DistributedDataParallel(nn.Module):
         """Allocate one flat buffer per bucket and point every ``param.grad`` into it."""
         self._buckets: list[_Bucket] = []
         self._bucket_of = [0] * len(self._params)
-        self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
+        self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]  # every slot set below
         for b, indices in enumerate(assignment):
             ref = self._params[indices[0]]
             numel = sum(self._params[i].numel() for i in indices)

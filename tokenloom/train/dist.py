@@ -46,7 +46,8 @@ def first_host(nodelist: str) -> str:
     Slurm's own expansion (``scontrol show hostnames``) is not on every compute node's
     PATH and runs a process per rank; rank 0 runs on the first host, which is all we need.
     """
-    item = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist.strip()).group(0)
+    found = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist.strip())
+    item = found.group(0) if found else ""  # the pattern matches the empty string: always found
     return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], item)
 
 
@@ -59,12 +60,13 @@ def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
     if "RANK" not in env and "SLURM_PROCID" in env and tasks and int(tasks) > 1:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        if not nodes and "MASTER_ADDR" not in env:
+        master = env.get("MASTER_ADDR") or (first_host(nodes) if nodes else "")
+        if not master:  # (an empty MASTER_ADDR without a node list crashed in first_host)
             raise TokenloomError("a Slurm task without a node list (SLURM_STEP_NODELIST); set MASTER_ADDR "
                                  "to rank 0's host")
         step = int(env.get("SLURM_STEP_ID", "0")) if env.get("SLURM_STEP_ID", "0").isdigit() else 0
         out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": tasks, "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-               "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(nodes),
+               "MASTER_ADDR": master,
                "MASTER_PORT": env.get("MASTER_PORT") or str(15000 + (int(env.get("SLURM_JOB_ID", "0")) + step) % 20000)}
     out.setdefault("WORLD_SIZE", "1")
     out.setdefault("RANK", "0")

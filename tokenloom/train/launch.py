@@ -225,7 +225,7 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     stopped = forward.signum is not None
     ranks_done = bool(watch.ranks) and all((log_dir / f"rank{r}.done").exists() for r in watch.ranks)
     if proc.returncode != 0 and not ranks_done:
-        if stopped:
+        if forward.signum is not None:
             raise Stopped(f"stopped by {signal_name(forward.signum)} before the ranks could save; "
                           f"{checkpoint.resume_advice(cfg.ckpt_dir)}; full logs: {log_dir}", forward.signum)
         raise TokenloomError(f"{watch.first_failure(proc.returncode)}; full logs: {log_dir}")
@@ -244,7 +244,8 @@ class Forwarder:
     A second signal kills the ranks and torchrun's process group and raises :class:`Stopped`."""
 
     def __init__(self, proc: subprocess.Popen, log_dir: Path | None) -> None:
-        self.proc, self.dir, self.signum = proc, log_dir, None
+        self.proc, self.dir = proc, log_dir
+        self.signum: int | None = None
 
     @contextlib.contextmanager
     def installed(self) -> typing.Iterator[None]:
@@ -350,7 +351,8 @@ class RankWatch:
     when each rank failed (see the module docstring)."""
 
     def __init__(self, log_dir: Path) -> None:
-        self.dir, self.ranks = log_dir, {}
+        self.dir = log_dir
+        self.ranks: dict[int, RankState] = {}
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -400,7 +402,7 @@ class RankWatch:
             return (f"torchrun failed (exit status {torchrun_status}) before any rank reported an error"
                     + (f": {last[-1].strip()}" if last else ""))
         *_, rank, state = min(failed, key=lambda f: f[:4])
-        if not state.died:
+        if not state.died and state.message is not None:  # a rank that did not die failed with a message
             return state.message
         code = re.search(rf"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*{state.pid}\)", torchrun_log)
         how = f"exit code {code.group(1)}" if code else "no exit status seen"

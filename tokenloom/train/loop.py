@@ -56,7 +56,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tokenloom.blending.loader import check_fingerprint
-from tokenloom.blending.segments import history_json
+from tokenloom.blending.segments import SegmentedBlend, history_json
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.train import checkpoint
@@ -81,7 +81,7 @@ def due(cfg: TrainConfig, iteration: int, done: bool, has_valid: bool) -> tuple[
     """(evaluate, exit, save) after ``iteration`` steps, by ``cfg``'s intervals (``done``: the
     last step)."""
     evaluating = bool(cfg.eval_interval) and has_valid and (iteration % cfg.eval_interval == 0 or done)
-    exiting = bool(cfg.exit_interval) and iteration % cfg.exit_interval == 0 and not done
+    exiting = bool(cfg.exit_interval and iteration % cfg.exit_interval == 0 and not done)
     saving = done or exiting or bool(cfg.save_interval and iteration % cfg.save_interval == 0)
     return evaluating, exiting, saving
 
@@ -206,9 +206,11 @@ class Trainer:
             "world_size": self.world.size,
             "config": config_to_dict(self.cfg),
         }
-        if self.data.segments is not None:  # the train order's history and where each source stands
-            state["data_history"] = history_json(self.data.invariants, self.data.segments)
-            state["data_consumed"] = self.data.train.consumed_json(self.consumed)
+        train, invariants = self.data.train, self.data.invariants
+        if self.data.segments is not None and isinstance(train, SegmentedBlend) and invariants is not None:
+            # the train order's history and where each source stands (blend data sets all three)
+            state["data_history"] = history_json(invariants, self.data.segments)
+            state["data_consumed"] = train.consumed_json(self.consumed)
         return self.strategy.save(self.iteration, state)
 
     def evaluate(self) -> float:
@@ -259,7 +261,7 @@ class Trainer:
         self._exited = False
         last = self._last
         has_valid = self.data.valid is not None
-        batches = iter(())
+        batches: Iterator[list] = iter(())
         if self.iteration < cfg.train_iters:
             batches = s.global_batches(self.data.train, eod=self.data.eod, consumed=self.consumed,
                                        total=cfg.train_iters * cfg.global_batch_size, workers=cfg.data.num_workers)

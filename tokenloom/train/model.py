@@ -56,7 +56,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tokenloom.errors import TokenloomError
+
+if TYPE_CHECKING:  # torch >= 2.5; kernels.attention falls back without it
+    from torch.nn.attention.flex_attention import BlockMask
 from tokenloom.train.kernels import (
     KernelSet,
     attention_sdpa,
@@ -71,7 +74,7 @@ from tokenloom.train.kernels import (
     flex_usable,
     select_kernels,
 )
-from tokenloom.train.parallel.layers import TensorParallel, shard
+from tokenloom.train.parallel.layers import TensorParallel, shard, tag
 from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
 from tokenloom.train.parallel.random import checkpoint as tp_checkpoint
 from tokenloom.train.parallel.random import get_rng_tracker
@@ -164,6 +167,11 @@ class GPTConfig:
             return 4 * self.d_model
         return 64 * math.ceil(8 * self.d_model / 3 / 64)
 
+    @property
+    def use_bias(self) -> bool:
+        """``bias`` resolved (``__post_init__`` replaces None by the arch's default)."""
+        return bool(self.bias)
+
 
 @functools.cache
 def _kernel_set(mode: str, device_type: str) -> KernelSet | None:
@@ -213,9 +221,9 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp.size, cfg.kv_heads // tp.size, hd
         sizes = [cfg.n_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]
-        self.qkv = tp.column(cfg.d_model, sum(sizes), bias=cfg.bias, split_sizes=sizes)
-        self.proj = tp.row(cfg.d_model, cfg.d_model, bias=cfg.bias)
-        self.proj.residual_scaled_init = True
+        self.qkv = tp.column(cfg.d_model, sum(sizes), bias=cfg.use_bias, split_sizes=sizes)
+        self.proj = tp.row(cfg.d_model, cfg.d_model, bias=cfg.use_bias)
+        tag(self.proj, residual_scaled_init=True)
         self.dropout, self.kernels, self.tp = cfg.dropout, cfg.kernels, tp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -258,10 +266,10 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.arch == "llama"
         inner = cfg.ffn_size
-        self.fc = tp.column(cfg.d_model, 2 * inner if self.swiglu else inner, bias=cfg.bias,
+        self.fc = tp.column(cfg.d_model, 2 * inner if self.swiglu else inner, bias=cfg.use_bias,
                             split_sizes=[inner, inner] if self.swiglu else None)
-        self.proj = tp.row(inner, cfg.d_model, bias=cfg.bias)
-        self.proj.residual_scaled_init = True
+        self.proj = tp.row(inner, cfg.d_model, bias=cfg.use_bias)
+        tag(self.proj, residual_scaled_init=True)
         self.kernels = cfg.kernels
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -326,7 +334,7 @@ class _LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state dict) whose forward honours ``kernels``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias, device="meta")
+        super().__init__(cfg.d_model, eps=cfg.norm_eps, bias=cfg.use_bias, device="meta")
         self.kernels = cfg.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -393,6 +401,12 @@ class Block(nn.Module):
         return self._forward(x, rope, documents)
 
 
+def _given(t: torch.Tensor | None, name: str) -> torch.Tensor:
+    if t is None:
+        raise TokenloomError(f"this stage's forward needs {name}")
+    return t
+
+
 class GPT(nn.Module):
     """Decoder-only transformer, or a pipeline stage of one, at any tensor-parallel size.
 
@@ -408,6 +422,9 @@ class GPT(nn.Module):
     default; ``"meta"`` keeps a shape-only model), then :meth:`init_weights` fills this
     rank's shards with exactly the values the one-process model gets.
     """
+
+    rope_cos: torch.Tensor  # buffers (llama), [seq_len, head_dim]
+    rope_sin: torch.Tensor
 
     def __init__(
         self,
@@ -459,19 +476,17 @@ class GPT(nn.Module):
         the optimizer, the grad norm and the gradient reductions."""
         cfg, tp = self.cfg, self.tp
         if self.pre:
-            self.tok_emb.weight.is_embedding = True
-            self.tok_emb.weight.shared_embedding = cfg.tie_embeddings
+            tag(self.tok_emb.weight, is_embedding=True, shared_embedding=cfg.tie_embeddings)
         if self.post and cfg.tie_embeddings:
             if self.pre:
                 self.lm_head.weight = self.tok_emb.weight
-            self.lm_head.weight.is_embedding = True  # a tied head decays like the table it is
-            self.lm_head.weight.shared_embedding = True
-            self.lm_head.weight.shared = not self.pre  # the last stage's copy: out of the grad norm
+            # a tied head decays like the table it is; the last stage's copy is out of the grad norm
+            tag(self.lm_head.weight, is_embedding=True, shared_embedding=True, shared=not self.pre)
         if tp.sp:  # norms see this rank's tokens only: grads summed over tp after backward
             for module in self.modules():
                 if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                     for p in module.parameters():
-                        p.sequence_parallel = True
+                        tag(p, sequence_parallel=True)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -500,14 +515,15 @@ class GPT(nn.Module):
             for target in filter(mine.__contains__, targets):
                 p = mine[target]
                 if getattr(p, "tensor_model_parallel", False):
-                    p.copy_(shard(full, p.partition_dim, tp.rank, tp.size, split_sizes[target]))
+                    p.copy_(shard(full, p.partition_dim, tp.rank, tp.size, split_sizes[target]))  # type: ignore[attr-defined]  # a tag
                 else:
                     p.copy_(full)
         for module in self.modules():
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and module.weight is not None:
                 module.weight.fill_(1.0)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                bias.zero_()
         if cfg.arch == "llama":
             cos, sin = rope_tables(cfg, self.rope_cos.device)
             self.rope_cos.copy_(cos)
@@ -537,17 +553,18 @@ class GPT(nn.Module):
         The attention mask is built from them once per forward, before the (possibly
         compiled) blocks, which all take it.
         """
-        x = self.embed(tokens, positions) if self.pre else hidden
+        x = self.embed(_given(tokens, "tokens"), positions) if self.pre else _given(hidden, "hidden")
         per_token = positions if positions is not None else tokens  # [batch, seq]
+        mask: torch.Tensor | BlockMask | None = documents
         if documents is not None and per_token is not None:  # one mask for every block of this forward
             dropout = self.cfg.dropout if self.training else 0.0
             flex = flex_usable(x.device, dropout, self.cfg.head_dim)
-            documents = document_attention_mask(documents, per_token.shape[-1], flex=flex)
+            mask = document_attention_mask(documents, per_token.shape[-1], flex=flex)
         rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
         if rope is not None and positions is not None:
             rope = (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))
         for block in self.blocks.values():
-            x = block(x, rope, documents)
+            x = block(x, rope, mask)
         if not self.post:
             return x
         return self.head(self.norm(x), labels, loss_mask)
@@ -695,7 +712,7 @@ class PipelineSplit:
                     f"model.n_layers {n} minus the first stage's {self.first or 0} and the last's {self.last or 0} leave "
                     f"{rest} for {len(middle)} middle pipeline stage(s): they must split evenly"
                     + (f" into {v} virtual stages each" if v > 1 else ""))
-            per_rank = [ends[r] if ends.get(r) is not None else rest // len(middle) for r in range(p)]
+            per_rank = [e if (e := ends.get(r)) is not None else rest // len(middle) for r in range(p)]
             return [[k // v for k in per_rank] for _ in range(v)]
         total = n + self.embedding_as_layer + self.loss_as_layer
         if total % (p * v):

@@ -80,7 +80,9 @@ def param_groups(modules: nn.Module | Iterable[nn.Module], weight_decay: float) 
     or a vocab-parallel table). Tied tensors are listed once, in first-seen order."""
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     embeddings = {id(m.weight) for mod in modules for m in mod.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for module in modules:
         for p in module.parameters():  # parameters() de-duplicates tied tensors within a module
             if not p.requires_grad or id(p) in seen:

@@ -86,9 +86,11 @@ def check_sources(cfg: TrainConfig) -> None:
     ``--tokenizer`` gives the ids every source's manifest was made with, and the ids of a source
     without a manifest fit the model's vocabulary."""
     blend = cfg.data.blend
+    if blend is None:  # mock data: no files (check calls this for blend data only)
+        return
     if not blend.prefixes:
         raise TokenloomError("--data is empty; give WEIGHT PREFIX pairs, e.g. --data 0.7 out/web 0.3 out/code")
-    bookends = split_matrix(blend.split)
+    valid = split_matrix(blend.split)[Split.valid]
     tok, unmanifested = None, []
     if cfg.tokenizer:
         tok = open_tokenizer(cfg.tokenizer)
@@ -98,12 +100,11 @@ def check_sources(cfg: TrainConfig) -> None:
                 raise TokenloomError(f"--data: {path} does not exist (a PREFIX names PREFIX.bin and PREFIX.idx, as "
                                      "preprocess --output-prefix wrote them)")
         num_sequences = read_header(index_path(prefix))[1]
-        if cfg.eval_interval and bookends[Split.valid] is not None and not len(
-                split_documents(bookends[Split.valid], num_sequences)):
+        if cfg.eval_interval and valid is not None and not len(split_documents(valid, num_sequences)):
             raise TokenloomError(f"--split {blend.split} leaves {prefix} ({num_sequences} documents) no validation "
                                  "documents, yet evaluation reads them; give its valid part more weight (e.g. "
                                  "--split 949,50,1) or set --set eval_interval=0")
-        if cfg.eval_interval and bookends[Split.valid] is None:
+        if cfg.eval_interval and valid is None:
             raise TokenloomError(f"--split {blend.split} has no validation part, yet evaluation reads it; give it one "
                                  "(e.g. --split 949,50,1) or set --set eval_interval=0")
         saved = manifest.read(prefix)
@@ -120,7 +121,8 @@ def check_sources(cfg: TrainConfig) -> None:
 def check_max_ids(cfg: TrainConfig, prefixes: list[str]) -> None:
     """The largest token id of each source (without a manifest) is below ``model.vocab_size``."""
     vocab = cfg.model.vocab_size
-    metas = source_metadata(prefixes, cfg.data.blend.cache_dir, max_ids=True)
+    cache_dir = cfg.data.blend.cache_dir if cfg.data.blend is not None else None
+    metas = source_metadata(prefixes, cache_dir, max_ids=True)
     for prefix in prefixes:
         top = metas[prefix].max_id
         if top is not None and top >= vocab:
@@ -134,6 +136,8 @@ def check_resume(cfg: TrainConfig) -> None:
     """A checkpoint to resume has the same model, and the same data unless ``force_data``
     (loader-only settings, ``num_workers`` and the cache directory, may change, and the blend's
     weights and sources when the checkpoint keeps a data history: see ``blending/segments.py``)."""
+    if cfg.resume is None:  # nothing to resume (check calls this with one only)
+        return
     path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
     if path is None:
         return

@@ -38,7 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -162,7 +162,7 @@ class Strategy:
         return [pipeline_stage(cfg.model, split, st.pp_rank, c, tp=tp, device=self.device)
                 for c in range(self.num_chunks)]
 
-    def _wrap_ddp(self) -> list[nn.Module]:
+    def _wrap_ddp(self) -> list[DistributedDataParallel]:
         """One bucketed DDP per model chunk over this rank's dp group (its ranks hold the same
         shard of the same chunk). Each chunk's buckets launch from its gradient hooks in its
         own last micro-batch backward (the schedules' per-chunk ``no_sync``). At tp = pp = 1
@@ -263,7 +263,7 @@ class Strategy:
             return module(tokens, hidden=hidden, **docs)
         return module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden, **docs)
 
-    def _run(self, modules: list[nn.Module], batches: list, forward_only: bool,
+    def _run(self, modules: Sequence[nn.Module], batches: list, forward_only: bool,
              no_sync: NoSync | list[NoSync] | None = None) -> torch.Tensor:
         """Run one global batch; the sum of its micro-batch losses (zero off the last stage)."""
         model = modules if self.num_chunks > 1 else modules[0]

@@ -126,12 +126,12 @@ class Linear(nn.Linear):
 
 class _LinearWgradFusion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):  # type: ignore[override]
+    def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad2 = grad.reshape(-1, grad.shape[-1])

@@ -36,7 +36,7 @@ from ._common import upcast
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # older torch: document masking takes the dense mask everywhere
-    BlockMask = flex_attention = None
+    BlockMask = flex_attention = None  # type: ignore[misc, assignment]  # names kept, checked for None
 
 
 def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,12 +128,19 @@ def _gather_shards(local: torch.Tensor, dim: int, group: Group, split_sizes: Seq
     return unshard(stacked.unbind(0), dim, split_sizes)
 
 
+def tag(obj: nn.Module | torch.Tensor, **tags: object) -> None:
+    """Set tags on a parameter or module (``partition_dim``, ``sequence_parallel``,
+    ``residual_scaled_init``, ...): plain attributes, as Megatron sets them, which the
+    optimizer, the gradient reductions and the init read back with ``getattr``."""
+    for name, value in tags.items():
+        setattr(obj, name, value)
+
+
 def _sharded_param(master: torch.Tensor, dim: int, group: Group, split_sizes, dtype, device) -> nn.Parameter:
     rank, world = _rank_world(group)
     data = shard(master, dim, rank, world, split_sizes).to(dtype=dtype, device=device)
     param = nn.Parameter(data)
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
+    tag(param, tensor_model_parallel=True, partition_dim=dim)
     return param
 
 
@@ -308,7 +315,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _sharded_param(master, 1, group, self.split_sizes, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
-            self.bias.sequence_parallel = sequence_parallel
+            tag(self.bias, sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -475,19 +482,19 @@ class TensorParallel:
         return self.sequence_parallel and self.size > 1
 
     def column(self, in_features: int, out_features: int, *, bias: bool,
-               split_sizes: Sequence[int] | None = None) -> nn.Module:
+               split_sizes: Sequence[int] | None = None) -> Linear | ColumnParallelLinear:
         if self.size == 1:
             return Linear(in_features, out_features, bias=bias, device="meta")
         return ColumnParallelLinear(in_features, out_features, group=self.group, bias=bias, split_sizes=split_sizes,
                                     sequence_parallel=self.sp, device="meta")
 
-    def row(self, in_features: int, out_features: int, *, bias: bool) -> nn.Module:
+    def row(self, in_features: int, out_features: int, *, bias: bool) -> Linear | RowParallelLinear:
         if self.size == 1:
             return Linear(in_features, out_features, bias=bias, device="meta")
         return RowParallelLinear(in_features, out_features, group=self.group, bias=bias, input_is_parallel=True,
                                  sequence_parallel=self.sp, device="meta")
 
-    def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module:
+    def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Embedding | VocabParallelEmbedding:
         if self.size == 1:
             return nn.Embedding(num_embeddings, embedding_dim, device="meta")
         return VocabParallelEmbedding(num_embeddings, embedding_dim, group=self.group, device="meta")

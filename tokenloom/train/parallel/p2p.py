@@ -241,6 +241,7 @@ def post(
         return None, None
     start = time.perf_counter()
     comm.pending_sends = [w for w in comm.pending_sends if not w.is_completed()]
+    works: list[_Posted] | list[dist.Work]
     if background and comm.poster is not None:
         batch = comm.poster.submit(dist.batch_isend_irecv, ops)
         works = [_Posted(batch, i) for i in range(len(ops))]
@@ -324,7 +325,7 @@ def send_forward(output: torch.Tensor, comm: P2PComm) -> None:
         communicate(comm, send_next=output)
 
 
-def send_backward(input_grad: torch.Tensor, comm: P2PComm) -> None:
+def send_backward(input_grad: torch.Tensor | None, comm: P2PComm) -> None:  # None: the first stage's
     """Gradient of this stage's input to the previous stage (no-op on the first stage)."""
     if not comm.is_first:
         communicate(comm, send_prev=input_grad)
@@ -335,6 +336,6 @@ def send_forward_recv_backward(output: torch.Tensor, comm: P2PComm) -> torch.Ten
     return None if comm.is_last else communicate(comm, send_next=output, recv_next=True)[1]
 
 
-def send_backward_recv_forward(input_grad: torch.Tensor, comm: P2PComm) -> torch.Tensor | None:
+def send_backward_recv_forward(input_grad: torch.Tensor | None, comm: P2PComm) -> torch.Tensor | None:
     """Send a gradient back and receive the next activation, in one batch."""
     return None if comm.is_first else communicate(comm, send_prev=input_grad, recv_prev=True)[0]

@@ -68,7 +68,7 @@ def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list
             module = stage.get_submodule(name.rsplit(".", 1)[0])
         except AttributeError:
             continue
-        return p.partition_dim, getattr(module, "split_sizes", None)
+        return p.partition_dim, getattr(module, "split_sizes", None)  # type: ignore[attr-defined]  # Megatron's tag on the Parameter
     raise TokenloomError(f"no module owns {name}")
 
 
@@ -94,7 +94,7 @@ def save(run, iteration: int, run_state: dict) -> Path:
                 params[pname] = p.detach().cpu().clone()
                 meta[pname] = _split_info(run, pname, p)
                 if cfg.zero1:  # ZeRO-1 holds the trainable parameters only
-                    found = zero_states[zero_index[id(p)]] if id(p) in zero_index else None
+                    found = zero_states[zero_index[id(p)]] if zero_states is not None and id(p) in zero_index else None
                 else:
                     found = run.optimizer.state.get(p)
                 if found:
@@ -129,7 +129,8 @@ def full_tensors(path: Path, names: set[str] | None = None
             if names is None or name in names:
                 for k, v in st.items():
                     opt_pieces.setdefault(name, {}).setdefault(k, []).append((t, v))
-    params, optim = {}, {}
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, Any]] = {}
     for name, items in pieces.items():
         items.sort(key=lambda x: x[0])
         dim, sizes = items[0][2]

@@ -169,12 +169,13 @@ def forward_backward(
         raise TokenloomError(f"schedule {schedule!r} needs a P2PComm (comm=...)")
     if schedule != "interleaved" and len(chunks) != 1:
         raise TokenloomError(f"schedule {schedule!r} takes one stage module, got {len(chunks)} chunks")
-    if schedule == "interleaved" and comm.pp_size < 2:
+    pp_size = comm.pp_size if comm is not None else 1
+    if schedule == "interleaved" and pp_size < 2:
         raise TokenloomError("the interleaved schedule needs a pipeline of at least 2 ranks")
-    if schedule == "interleaved" and num_microbatches % comm.pp_size:
+    if schedule == "interleaved" and num_microbatches % pp_size:
         raise TokenloomError(
             f"interleaved schedule needs num_microbatches ({num_microbatches}) divisible by the "
-            f"pipeline size ({comm.pp_size}); change the global batch or the micro-batch size"
+            f"pipeline size ({pp_size}); change the global batch or the micro-batch size"
         )
     if no_sync is not None and not callable(no_sync) and len(no_sync) != len(chunks):
         raise TokenloomError(f"no_sync: one context per model chunk, got {len(no_sync)} for {len(chunks)} chunks")
@@ -234,6 +235,12 @@ class _Runner:
         self.backwards_done = [0] * len(chunks)  # per chunk: its backwards run in micro-batch order
         self.result = PipelineResult()
 
+    def pipe(self) -> P2PComm:
+        """The P2PComm of a pipelined schedule (the caller refused one without it)."""
+        if self.comm is None:
+            raise TokenloomError("a pipelined schedule needs a P2PComm (comm=...)")
+        return self.comm
+
     def sync_context(self, chunk: int, microbatch: int) -> AbstractContextManager:
         """``chunk``'s ``no_sync`` context, except for its last micro-batch (gradients reduce there)."""
         if self.no_sync is None or microbatch == self.num_microbatches - 1:
@@ -283,7 +290,8 @@ class _Runner:
                 self.backward_step(None, y, None)
 
     def one_f_one_b(self) -> None:
-        comm, M, last = self.comm, self.num_microbatches, self.comm.is_last
+        comm = self.pipe()
+        M, last = self.num_microbatches, comm.is_last
         warmup = min(comm.pp_size - comm.pp_rank - 1, M)
         if self.forward_only:
             warmup = M
@@ -321,7 +329,8 @@ class _Runner:
         next forward's input) is posted right after its forward and its backward half right
         after its backward; a received tensor is waited for only when a forward or backward
         needs it, so each transfer runs under the next compute instead of between them."""
-        comm, v, p = self.comm, len(self.chunks), self.comm.pp_size
+        comm = self.pipe()
+        v, p = len(self.chunks), comm.pp_size
         total = self.num_microbatches * v
         all_warmup = False
         if self.forward_only:
@@ -368,7 +377,7 @@ class _Runner:
             if last_virtual(c) and not output_grads[c]:
                 output_grads[c].append(None)
             dy = _arrived(output_grads[c].pop(0))
-            dx = self.backward_step(inputs[c].pop(0), outputs[c].pop(0), dy, c)
+            dx = self.backward_step(_arrived(inputs[c].pop(0)), outputs[c].pop(0), dy, c)  # forward_k waited
             return None if first_virtual(c) else dx
 
         def post_forward(k: int, y: torch.Tensor, recv_prev: bool, next_c: int) -> None:

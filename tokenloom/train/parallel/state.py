@@ -151,7 +151,7 @@ class ParallelState:
             raise TokenloomError("ParallelState.create needs torch.distributed to be initialised first")
         layout = ParallelLayout(dist.get_world_size(), tp, pp, vpp)
         rank = dist.get_rank()
-        mine: dict[str, dist.ProcessGroup] = {}
+        mine: dict[str, dist.ProcessGroup | None] = {}
         for kind, kind_groups in layout.all_groups().items():
             for ranks in kind_groups:  # every rank creates every group, in the same order
                 group = dist.new_group(ranks, **group_kwargs)

@@ -403,7 +403,7 @@ class ZeroAdamW:
     def _all_gather_params(self) -> None:
         """Every bucket's updated pieces into ``param_buffer``, first bucket first; left in
         flight with ``overlap_param_gather``."""
-        gathers = []
+        gathers: list[tuple[Any, torch.Tensor | None]] = []
         for (a, b), pc, master in zip(self._buckets, self._pieces, self.main_shards, strict=True):
             own = self.param_buffer[pc]
             if self.dp_size == 1:
@@ -482,8 +482,8 @@ class ZeroAdamW:
         keeps them, plus ``master_param`` when the parameters are not fp32. Entries are
         empty before the first step. Finishes the pending parameter all-gathers first."""
         self.finish_param_sync()
-        inner = [self.optimizer.state.get(m) for m in self.main_shards]
-        if not all(inner):
+        inner = [st for st in (self.optimizer.state.get(m) for m in self.main_shards) if st]
+        if len(inner) != len(self.main_shards):  # a shard without state yet
             return [{} for _ in self.params] if self.dp_rank == 0 else None
         pieces = {"exp_avg": [st["exp_avg"] for st in inner], "exp_avg_sq": [st["exp_avg_sq"] for st in inner]}
         if self.param_buffer.dtype != torch.float32:
@@ -493,7 +493,7 @@ class ZeroAdamW:
             return None
         out = []
         for p, (a, b) in zip(self.params, self._offsets, strict=True):
-            state = {key: flat[a:b].view(p.shape) for key, flat in flats.items()}
+            state = {key: flat[a:b].view(p.shape) for key, flat in flats.items() if flat is not None}  # all, here
             state["step"] = inner[0]["step"].detach().clone()
             out.append(state)
         return out
@@ -541,7 +541,7 @@ class ZeroAdamW:
         first = self.dp_rank == 0
         full = torch.empty(len(self.param_buffer), dtype=pieces[0].dtype, device=pieces[0].device) if first else None
         for (a, b), piece in zip(self._buckets, pieces, strict=True):
-            dist.gather(piece.contiguous(), list(full[a:b].chunk(self.dp_size)) if first else None,
+            dist.gather(piece.contiguous(), list(full[a:b].chunk(self.dp_size)) if full is not None else None,
                         group=self.dp_group, group_dst=0)
         return full
 
