@@ -86,11 +86,9 @@ def stdlib_documents(max_documents: int) -> tuple[list[dict], list[dict]]:
         if prose:
             docs.append({"text": prose, "path": name})
     try:
-        from pydoc_data import (
-            topics as pydoc_topics,  # lazy: optional module, some distributions strip pydoc_data
-        )
+        import pydoc_data.topics  # lazy: optional module, some distributions strip pydoc_data
 
-        topics: dict[str, str] = pydoc_topics.topics
+        topics: dict[str, str] = pydoc_data.topics.topics
     except ImportError:  # some distributions strip pydoc_data
         topics = {}
     docs.extend({"text": text, "path": f"pydoc:{key}"} for key, text in sorted(topics.items()))
