@@ -366,7 +366,7 @@ def _megatron_refused(fn):
 @click.option("--output-dir", help=_help(_TRAIN, "output_dir"))
 @click.option("--resume", help=_help(_TRAIN, "resume"))
 @click.option("--kernels", type=click.Choice(["auto", "reference", "compiled", "triton"]),
-              help="Fused-kernel implementation (default reference; auto: triton on CUDA, compiled on CPU).")
+              help=_help(_MODEL, "kernels"))
 @click.option("--tp", "--tensor-model-parallel-size", "tp", type=int,
               help="Tensor-parallel size (Megatron's layout: tp fastest, then dp, then pp).")
 @click.option("--pp", "--pipeline-model-parallel-size", "pp", type=int, help="Pipeline-parallel size (1F1B schedule).")

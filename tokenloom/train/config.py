@@ -76,10 +76,11 @@ class TrainConfig:
     """Seed of the python, numpy and torch RNGs (dropout); the init uses model.seed."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """"auto": bf16 autocast on GPUs that support it, fp32 otherwise (always on CPU)."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     """torch.compile each transformer block of every model chunk, in every layout (first steps are
-    slow while it compiles); per block, so data-parallel gradient buckets still overlap with
-    backward and pipeline stages send as before. Tensor-parallel collectives are captured in the
+    slow while it compiles). auto: on CUDA, where it is fastest, off on CPU; true/false force it.
+    Per block, so data-parallel gradient buckets still overlap with backward and pipeline stages
+    send as before. Tensor-parallel collectives are captured in the
     block's graph; with dropout at tp > 1 the tensor-parallel RNG stream's switch splits each block
     into several graphs (torch.compile does not capture generator state)."""
     ddp_bucket_cap_mb: float | None = None
@@ -143,6 +144,8 @@ class TrainConfig:
         if self.vpp is not None and (self.vpp < 1 or (self.vpp > 1 and self.pp < 2)):
             raise TokenloomError(f"vpp={self.vpp} needs pp >= 2 (virtual stages split a pipeline); "
                                  "leave vpp unset for pp = 1")
+        if self.compile not in (True, False, "auto"):
+            raise TokenloomError(f"compile must be true, false or auto, got {self.compile!r}")
         if self.sp and self.tp < 2:
             raise TokenloomError("sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
 

@@ -29,7 +29,8 @@ checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~toke
                               other column's (ZeRO-1 also at dp 1)
 ============================  =====================================  ==========================================
 
-``compile: true`` compiles the transformer blocks of every chunk (:meth:`GPT.compile_blocks`) in
+``compile`` (true, or "auto" on CUDA: :func:`~tokenloom.train.kernels.choose_compile`, resolved
+once into :attr:`Strategy.compile`) compiles the transformer blocks of every chunk (:meth:`GPT.compile_blocks`) in
 every layout: a block's backward stays one autograd node, so buckets still launch during backward;
 DDP's and ZeRO-1's buckets are cut at block boundaries only (``grad_units``), so each launches
 as soon as the block that completes it ends.
@@ -66,6 +67,7 @@ from tokenloom.train import checkpoint
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB
+from tokenloom.train.kernels import choose_compile
 from tokenloom.train.model import GPT, pipeline_stage
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
@@ -135,6 +137,7 @@ class Strategy:
         self.staged = cfg.tp > 1 or cfg.pp > 1
         refuse_unsupported(cfg)
         self.autocast = autocast_for(cfg.precision, self.device)
+        self.compile = choose_compile(cfg.compile, self.device.type)[0]
         self.rng_tracker = self._seed_tp_dropout()
         self.chunks = self._build_chunks()
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
@@ -147,7 +150,7 @@ class Strategy:
                 shape = (cfg.model.seq_len // cfg.tp, cfg.micro_batch_size, cfg.model.d_model)
             self.comm = P2PComm.from_group(st.pp_group, shape, compute_dtype(cfg.precision, self.device),
                                            self.device)
-        if cfg.compile:
+        if self.compile:
             for chunk in self.chunks:
                 chunk.compile_blocks()
         self.ddps = self._wrap_ddp() if self.dp_size > 1 and not cfg.zero1 else []
@@ -195,7 +198,7 @@ class Strategy:
     def _compiled_units(self, chunk: GPT) -> list[nn.Module]:
         """The modules of ``chunk`` compiled in place (``compile: true``: its blocks), whose
         grads arrive together: no DDP or ZeRO-1 bucket ends inside one."""
-        return list(chunk.blocks.values()) if self.cfg.compile else []
+        return list(chunk.blocks.values()) if self.compile else []
 
     def _build_optimizer(self):
         cfg, st, o = self.cfg, self.state, self.cfg.optim
