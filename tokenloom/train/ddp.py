@@ -48,7 +48,7 @@ Design choices and trade-offs:
   (one node per linear instead of torch's matmul, transpose and add), so the grad-ready
   order, and with it the rebuilt bucket layout, differs from torch DDP's on the same model;
   ``wgrad_fusion=False`` gives torch's. Compiled blocks have it too (an opaque op in their
-  backward runs the sink); not under autocast (see that module).
+  backward runs the sink); under bf16 autocast too, the bf16 GEMM writing the fp32 view (see that module).
 * **Grads are views into the buckets** (torch's ``gradient_as_bucket_view=True``): no
   second copy of the grads, no copy-back after the all-reduce. Either ``zero_grad`` works.
   ``set_to_none=True`` (torch's default, and the trainer's): autograd hands the first
@@ -118,7 +118,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.wgrad import set_wgrad_sink, wgrad_sink
+from tokenloom.train.wgrad import gemm_into, set_wgrad_sink, wgrad_sink
 
 FIRST_BUCKET_BYTES = 1024 * 1024
 """Cap of the small first bucket when ``bucket_cap_mb`` is left at its default (torch's value)."""
@@ -599,14 +599,15 @@ def wgrad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int, grad_
     ``grad_out^T @ inp`` writes into ``view`` itself, the ``1/divisor`` in its ``alpha`` and
     ``beta``: ``view = g^T x / d`` for a fresh grad (``beta=0``: the stale view is not read),
     ``view = (view + g^T x) / d`` for one accumulated there; then ``param.grad`` is ``view``.
-    Saves grad_into_view's pass over the grad and autograd's grad-sized allocation. Returns
+    Saves grad_into_view's pass over the grad and autograd's grad-sized allocation; bf16
+    operands (autocast) write the fp32 view directly (:func:`~tokenloom.train.wgrad.gemm_into`). Returns
     False, writing nothing, when ``param.grad`` is some other tensor. The sink of
     :mod:`tokenloom.train.wgrad`, for our DDP and ZeRO-1 alike."""
     grad, s = param.grad, 1.0 / divisor
     if grad is None:
-        torch.addmm(view, grad_out.t(), inp, beta=0, alpha=s, out=view)
+        gemm_into(view, grad_out.t(), inp, beta=0, alpha=s)
     elif grad is view or _same_tensor(grad, view):
-        view.addmm_(grad_out.t(), inp, beta=s, alpha=s)
+        gemm_into(view, grad_out.t(), inp, beta=s, alpha=s)
     else:
         return False
     param.grad = view
