@@ -21,7 +21,8 @@ gradient finalisation         our bucketed DDP, overlapped with      our buckete
                                                                      those two sums on the reduced shard (the
                                                                      tied copies in buckets of their own)
 norm groups for clipping      none                                   the model-parallel group
-optimizer                     fused AdamW, or ZeRO-1 (dp-sharded;    the same two
+optimizer                     fused AdamW, or ZeRO-1 (dp-sharded,    the same two
+                              its inner AdamW fused too;
                               its parameter all-gather runs into
                               the next forward)
 checkpoint I/O                :mod:`~tokenloom.train.checkpoint`     :mod:`~tokenloom.train.parallel.reshard`
@@ -69,7 +70,7 @@ from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB
 from tokenloom.train.kernels import choose_compile
 from tokenloom.train.model import GPT, pipeline_stage
-from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
+from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups, use_fused
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
@@ -222,7 +223,8 @@ class Strategy:
                          overlap_param_gather=cfg.overlap_param_gather is not False,
                          modules=self.chunks,
                          grad_units=[m for c in self.chunks for m in self._compiled_units(c)],
-                         own_bucket=is_tied_embedding if cfg.pp > 1 else None)
+                         own_bucket=is_tied_embedding if cfg.pp > 1 else None,
+                         fused=use_fused(o, self.params))
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         return counts_in_grad_norm(p, self.state.tp_rank)
