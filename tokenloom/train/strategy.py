@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint
+from tokenloom.train import checkpoint, fp8
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB
@@ -141,6 +141,8 @@ class Strategy:
         self.compile = choose_compile(cfg.compile, self.device.type)[0]
         self.rng_tracker = self._seed_tp_dropout()
         self.chunks = self._build_chunks()
+        if cfg.fp8:
+            self._convert_to_fp8()
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
         self.comm = None
@@ -178,6 +180,16 @@ class Strategy:
         split = cfg.pipeline_split
         return [pipeline_stage(cfg.model, split, st.pp_rank, c, tp=tp, device=self.device)
                 for c in range(self.num_chunks)]
+
+    def _convert_to_fp8(self) -> None:
+        """``fp8``: the chunks' block linears become torchao's float8 linears (:mod:`tokenloom.train.fp8`),
+        before anything compiles them or holds their modules; refused in one line where it cannot run."""
+        ops = self.chunks[0].ops
+        why = fp8.refusal(self.cfg.fp8, self.device, tp=self.cfg.tp, precision=self.cfg.precision,
+                          kernels="reference" if ops is None else ops.mode)
+        if why:
+            raise TokenloomError(why)
+        fp8.convert(self.chunks, self.cfg.fp8)
 
     def _wrap_ddp(self) -> list[nn.Module]:
         """One bucketed DDP per model chunk over this rank's dp group (its ranks hold the same

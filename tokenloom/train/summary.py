@@ -93,7 +93,8 @@ def choices(cfg: TrainConfig, device_type: str) -> str:
         chosen, why = mode, str(e)
     why_kernels = f"model.kernels {mode}" + (f": {why}" if why != "forced" else "")
     why_blocks = f"compile {str(cfg.compile).lower()}" + (f": {why_compile}" if why_compile != "set" else "")
-    return f"kernels {chosen} ({why_kernels}); blocks {'compiled' if compile_on else 'eager'} ({why_blocks})"
+    fp8 = f"; fp8 {cfg.fp8} scaling (torchao float8 block linears)" if cfg.fp8 else ""
+    return f"kernels {chosen} ({why_kernels}); blocks {'compiled' if compile_on else 'eager'} ({why_blocks}){fp8}"
 
 
 def regrets(cfg: TrainConfig, facts: RunFacts) -> list[str]:
