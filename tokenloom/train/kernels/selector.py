@@ -133,6 +133,7 @@ def _compiled_ops() -> dict[str, tuple[Callable, str]]:
 def _triton_ops(device_type: str) -> dict[str, tuple[Callable, str]]:
     from . import triton_ops as t
 
+    t.load_kernels()  # imported now, at build time, not while a compiled block traces
     ops = _compiled_ops() if compile_available(device_type) else _reference_ops()
     ops.update(
         rms_norm=(t.rms_norm_triton, "triton"),
