@@ -176,9 +176,13 @@ def test_compiled_blocks_hand_their_weight_grads_to_the_sinks_too(group, zero_to
 def test_under_bf16_autocast_block_weight_grads_go_into_the_fp32_buckets(group, compiled):
     """bf16 autocast on CPU (the cast-add path of gemm_into): the sinks take the block weights'
     grads, eager and from compiled blocks, within bf16's tolerance of the plain model's."""
+    from torch._dynamo.utils import counters
+
     if compiled:
         torch._dynamo.reset()
+    counters.clear()
     _ddp_sink_writes_block_weight_grads(torch.device("cpu"), True, compiled=compiled, autocast=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.mark.gpu
