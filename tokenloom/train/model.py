@@ -66,8 +66,8 @@ dict and checkpoints are the same in every mode and load across modes.
   logits. It is the numerical baseline every distributed test compares against.
   The price: the loss materialises ``[tokens, padded_vocab]`` fp32 logits (620 MB at
   1024 tokens x 50k vocab).
-* ``compiled`` / ``triton`` (and ``auto`` where it resolves to one) route norms, activation, RoPE and attention
-  through the :class:`~tokenloom.train.kernels.KernelSet`, and the loss through its
+* ``compiled`` / ``triton`` (and ``auto`` where it resolves to one) route norms,
+  activation, RoPE and attention through the :class:`~tokenloom.train.kernels.KernelSet`, and the loss through its
   chunked cross entropy straight from the final hidden states and the LM-head weight
   (O(chunk x vocab) memory, the same three LM-head GEMMs when training; full logits
   below 2^22 of them, where chunking only costs time). The loss keeps the
