@@ -13,9 +13,10 @@ of a table, and the suite goes on. The trade-off of the small sizes: fixed costs
 (process start, compile, pool start-up) weigh more, so ratios are pessimistic for
 tokenloom where it amortises start-up (preprocess, blend).
 
-The GPU rows (``--gpu``, what ``scripts/gpu-check.sh`` runs) are a bf16 run of a
-~1B-parameter GPT (``GPU_ARGS``): tokens/s and MFU of our loop against the plain eager
-loop. They live between ``GPU_BEGIN`` and ``GPU_END`` in RESULTS.md; ``--gpu`` rewrites
+The GPU rows (``--gpu``, what ``scripts/gpu-check.sh`` runs) are bf16 runs of ~1B-parameter
+GPTs (``GPU_ARGS``: a GPT-2 and a Llama shape): tokens/s, MFU, peak memory and first step of
+our loop against the compiled nanoGPT-style loop (and, for the GPT-2 shape, the eager loop
+and our fp8 run). They live between ``GPU_BEGIN`` and ``GPU_END`` in RESULTS.md; ``--gpu`` rewrites
 only that block and a CPU run keeps the block it finds, so neither erases the other.
 
 The notes (``NOTES_BEGIN`` .. ``NOTES_END``, at the end of RESULTS.md) are written by hand:
@@ -49,10 +50,16 @@ SMALL_ARGS: dict[str, list[str]] = {
     "kernels_bench": ["--steps", "5", "--rounds", "2"],
 }
 TIMEOUT_S = 600  # train_bench: 8 rounds x 4 fresh processes, ~7 min on 2 quiet cores
-# ~1.0 B parameters: 16 layers x d_model 2048 (0.81 B) + 50304 x 2048 tied embedding (0.10 B)
-GPU_ARGS: dict[str, list[str]] = {
-    "train_bench": ["--d-model", "2048", "--n-layers", "16", "--n-heads", "16", "--vocab", "50304",
-                    "--seq-len", "2048", "--micro", "4", "--iters", "10", "--skip", "4", "--rounds", "2"],
+# GPT-2 shape, ~1.0 B parameters: 16 layers x d_model 2048 (0.81 B) + 50304 x 2048 tied embedding (0.10 B);
+# Llama shape: the same layers with 4 KV heads, vocab 32000, seq 4096. One round of pairs with ours
+# (train_bench --pairs on a GPU) keeps the bench inside scripts/gpu-check.sh's lease.
+_SHAPE = ["--d-model", "2048", "--n-layers", "16", "--n-heads", "16", "--iters", "9", "--skip", "4", "--rounds", "1"]
+GPU_ARGS: dict[str, list[list[str]]] = {
+    "train_bench": [
+        [*_SHAPE, "--vocab", "50304", "--seq-len", "2048", "--micro", "4"],
+        [*_SHAPE, "--arch", "llama", "--n-kv-heads", "4", "--vocab", "32000", "--seq-len", "4096", "--micro", "2",
+         "--sides", "ours,compiled"],
+    ],
 }
 GPU_BEGIN, GPU_END = "<!-- gpu-rows -->", "<!-- /gpu-rows -->"
 NOTES_BEGIN, NOTES_END = "## Notes from measurements", "<!-- /notes: hand-written, kept by bench/run_all.py -->"
@@ -124,13 +131,15 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             raise SystemExit("run_all.py --gpu: no CUDA device visible")
-        scripts = [BENCH / f"{name}.py" for name in GPU_ARGS]
-    elif args.only:
-        scripts = [s for s in scripts if s.stem in args.only]
+        runs = [(BENCH / f"{name}.py", extra) for name, arg_lists in GPU_ARGS.items() for extra in arg_lists]
+    else:
+        if args.only:
+            scripts = [s for s in scripts if s.stem in args.only]
+        runs = [(s, [] if args.full else SMALL_ARGS.get(s.stem, [])) for s in scripts]
+    scripts = [s for s, _ in runs]
     started = datetime.datetime.now(datetime.timezone.utc)
     sections: list[str] = []
-    for script in scripts:
-        extra = GPU_ARGS[script.stem] if args.gpu else [] if args.full else SMALL_ARGS.get(script.stem, [])
+    for script, extra in runs:
         cmd = [sys.executable, str(script), *extra]
         print(f"== {script.name} {' '.join(extra)}", flush=True)
         with tempfile.NamedTemporaryFile("r", suffix=".md", delete=False) as tables:

@@ -1,7 +1,8 @@
-"""Tokens/s of our training loop vs a plain single-process eager loop of the same GPT.
+"""Tokens/s of our training loop vs the loops a user would write for the same GPT.
 
     .venv/bin/python bench/train_bench.py [--iters 13] [--skip 3] [--rounds 8] [--d-model 256]
-        [--n-layers 4] [--n-heads 4] [--vocab 4096] [--sides ours,base,...]
+        [--n-layers 4] [--n-heads 4] [--vocab 4096] [--arch gpt2|llama] [--n-kv-heads N]
+        [--sides ours,base,...] [--pairs]
 
 Ours is tokenloom's training loop (``loop.start_run(cfg).steps()``, what ``run`` drives)
 on mock data, with the defaults a ``train`` run has: DataLoader over GPTSamples, lr
@@ -9,7 +10,10 @@ schedule, grad clipping, metrics JSONL every 10 steps, one checkpoint at the end
 evaluation, manual GC (``gc_interval``) and, on CPU, glibc malloc keeping freed memory
 for the next step (``keep_freed_memory``, tokenloom.train.host_alloc). The baseline is
 the nanoGPT-style loop: batches pre-built in memory, forward, backward, clip, AdamW,
-with Python's GC defaults. Both use the same model config and seed, batch, optimizer
+with Python's GC defaults. The sides a GPU user would pick (``compiled``: the nanoGPT-style
+loop with whole-model ``torch.compile``, torch's fused AdamW where the device has it, SDPA
+attention and batches resident on the device; ``ours_fp8``: our run with ``fp8``
+tensorwise) run by default on CUDA, and on request (``--sides``) on CPU. All use the same model config and seed, batch, optimizer
 groups, precision (fp32 on CPU, bf16 autocast on GPU) and, on CPU, the same malloc
 setting (``keep_freed_memory``: it is a process setting any loop can make, so giving it
 to one side only would measure malloc, not the loop); two more sides run both with
@@ -24,9 +28,12 @@ between runs). Each side reports its median step over all rounds; each round sta
 fresh processes, because one model instance can be 4-5% faster or slower than another
 (measured: six instances of the same model, same seed, interleaved in one process),
 and many rounds average that out. Target: ratio >= 1.0.
-MFU is printed when the device's peak FLOP/s is known (GPUs in the metrics table). On a
-GPU only ``ours`` and ``base`` run by default (two ~1B-parameter models fit one 80 GB
-device; ``scripts/gpu-check.sh`` runs that size through ``bench/run_all.py --gpu``).
+MFU (``metrics.mfu``, the one formula for every side: ``GPT.flops_per_token``, the device's
+peak) is printed when the device's peak FLOP/s is known (GPUs in the metrics table); so are
+each side's peak device memory (``max_memory_allocated``) and its first step (compilation,
+warm-up), which the medians leave out. On a GPU the sides run in pairs with ours
+(``--pairs``, the default there): two ~1B-parameter models fit one 80 GB device, four do not;
+``scripts/gpu-check.sh`` runs the GPT-2 and Llama shapes through ``bench/run_all.py --gpu``.
 """
 
 from __future__ import annotations
@@ -55,28 +62,37 @@ from tokenloom.train.runtime import tune_host_memory  # noqa: E402
 
 
 def model_config(args) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
-                     n_layers=args.n_layers, n_heads=args.n_heads, d_model=args.d_model)
+    """GPT-2 (LayerNorm, GELU, learned positions) or Llama (RMSNorm, SwiGLU, RoPE, GQA with
+    ``--n-kv-heads``) of the bench's size, reference ops (what the compiled loop compiles)."""
+    return GPTConfig(arch=args.arch, vocab_size=args.vocab, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
+                     n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads, d_model=args.d_model)
 
 
-def our_steps(args, out: Path, keep_freed_memory: bool = True):
+def our_steps(args, out: Path, keep_freed_memory: bool = True, fp8: str | None = None):
     """tokenloom's run on mock data, as a generator of optimizer steps."""
     cfg = TrainConfig(
         model=model_config(args), data=DataConfig(mock=MockDataConfig(num_sequences=20_000, max_length=1024)),
         optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_iters=5), micro_batch_size=args.micro,
         global_batch_size=args.micro, train_iters=args.iters, eval_interval=0, log_interval=10,
         save_interval=None, output_dir=str(out), progress=False, plot=False, keep_freed_memory=keep_freed_memory,
+        fp8=fp8,
     )
     run = start_run(cfg)
     yield from run.steps()
     run.finish()
 
 
-def baseline_steps(args, device: torch.device, fused: bool = False):
-    """The plain eager loop, as a generator of optimizer steps."""
+def baseline_steps(args, device: torch.device, fused: bool = False, compiled: bool = False):
+    """The plain eager loop, as a generator of optimizer steps; ``compiled``: the nanoGPT-style
+    loop GPU users run (model built on the device and ``torch.compile``d whole, fused AdamW)."""
     torch.manual_seed(0)
-    model = GPT(model_config(args)).to(device)
-    opt = build_optimizer(model, OptimConfig(lr=3e-4, fused=None if fused else False))
+    if compiled:
+        model = GPT(model_config(args), device=device)
+        opt = build_optimizer(model, OptimConfig(lr=3e-4))  # torch's fused AdamW where the device has it
+        model = torch.compile(model)
+    else:
+        model = GPT(model_config(args)).to(device)
+        opt = build_optimizer(model, OptimConfig(lr=3e-4, fused=None if fused else False))
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, args.vocab, (args.iters, args.micro, args.seq_len + 1), generator=g).to(device)
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -97,10 +113,11 @@ def _loop_process(name: str, args, out: str, conn) -> None:
     device = _device()
     malloc_default = name.endswith("_malloc_default")
     if name.startswith("ours"):
-        steps = our_steps(args, Path(out), keep_freed_memory=not malloc_default)
+        steps = our_steps(args, Path(out), keep_freed_memory=not malloc_default,
+                          fp8="tensorwise" if name == "ours_fp8" else None)
     else:
         tune_host_memory(not malloc_default, device)
-        steps = baseline_steps(args, device, fused=name == "fused")
+        steps = baseline_steps(args, device, fused=name == "fused", compiled=name == "compiled")
     while conn.recv():
         start = time.perf_counter()
         next(steps)
@@ -108,10 +125,24 @@ def _loop_process(name: str, args, out: str, conn) -> None:
             torch.cuda.synchronize()
         conn.send(time.perf_counter() - start)
     next(steps, None)  # lets our run finish (metrics closed)
-    conn.send(None)
+    conn.send(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
 
 
-SIDES = ("ours", "base", "fused", "ours_malloc_default", "base_malloc_default")
+SIDES = ("ours", "base", "fused", "compiled", "ours_fp8", "ours_malloc_default", "base_malloc_default")
+CPU_SIDES = ("ours", "base", "fused", "ours_malloc_default", "base_malloc_default")
+DESCRIBED = {
+    "base": "the eager loop", "fused": "the eager loop with fused AdamW",
+    "compiled": "the compiled nanoGPT-style loop (whole-model torch.compile, fused AdamW, SDPA, batches on the device)",
+    "ours_fp8": "ours with --fp8 tensorwise",
+}
+
+
+def _gpu_sides(device: torch.device) -> tuple[str, ...]:
+    """The default sides on a GPU: ours, the compiled and the eager loop, and ours in fp8 where it runs."""
+    from tokenloom.train.fp8 import refusal
+
+    fp8 = refusal("tensorwise", device, tp=1, precision="auto", kernels="reference") is None
+    return ("ours", "compiled", "base") + (("ours_fp8",) if fp8 else ())
 
 
 def _device() -> torch.device:
@@ -129,42 +160,56 @@ def main() -> None:
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--n-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--sides", help="comma-separated subset of " + ",".join(SIDES) + " (default: all on CPU, "
-                        "ours,base on a GPU)")
+    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
+    parser.add_argument("--n-kv-heads", type=int, help="key/value heads (GQA, llama); default: --n-heads")
+    parser.add_argument("--sides", help="comma-separated subset of " + ",".join(SIDES) + " (default on CPU: "
+                        + ",".join(CPU_SIDES) + "; on a GPU: ours,compiled,base and ours_fp8 where fp8 runs)")
+    parser.add_argument("--pairs", action=argparse.BooleanOptionalAction, default=None,
+                        help="run each side in turn with ours only, two processes at a time (default on a GPU)")
     args = parser.parse_args()
     device = _device()
     ctx = mp.get_context("spawn")
-    names = tuple(args.sides.split(",")) if args.sides else SIDES if device.type == "cpu" else ("ours", "base")
-    if not {"ours", "base"} <= set(names) or not set(names) <= set(SIDES):
-        raise SystemExit(f"--sides must include ours and base, from {','.join(SIDES)}")
+    names = tuple(args.sides.split(",")) if args.sides else CPU_SIDES if device.type == "cpu" else _gpu_sides(device)
+    if "ours" not in names or len(names) < 2 or not set(names) <= set(SIDES):
+        raise SystemExit(f"--sides must name ours and at least one other, from {','.join(SIDES)}")
+    pairs = device.type == "cuda" if args.pairs is None else args.pairs
+    groups = [("ours", name) for name in names if name != "ours"] if pairs else [names]
     times: dict[str, list[float]] = {name: [] for name in names}
-    round_ratios: list[float] = []  # per round: base median step / ours median step
+    first: dict[str, list[float]] = {name: [] for name in names}  # each process's first step
+    peak: dict[str, int] = {}
+    round_ratios: list[float] = []  # per round: base median step / ours median step (their group's)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            pipes, procs = {}, []
-            for name in names:
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_loop_process, args=(name, args, str(Path(tmp) / f"{name}{r}"), child))
-                proc.start()
-                pipes[name] = parent
-                procs.append(proc)
-            this_round: dict[str, list[float]] = {name: [] for name in names}
-            for it in range(args.iters):  # the loops take turns, one step each; the others wait
-                for name in names:
-                    pipes[name].send(True)
-                    elapsed = pipes[name].recv()
-                    if it >= args.skip:
-                        this_round[name].append(elapsed)
-            for name in names:
-                pipes[name].send(False)
-                pipes[name].recv()
-            for proc in procs:
-                proc.join(timeout=120)
-                if proc.exitcode != 0:
-                    raise SystemExit(f"a bench loop process failed (exit code {proc.exitcode})")
-            for name, ts in this_round.items():
-                times[name].extend(ts)
-            round_ratios.append(statistics.median(this_round["base"]) / statistics.median(this_round["ours"]))
+            for g, group in enumerate(groups):
+                pipes, procs = {}, []
+                for name in group:
+                    parent, child = ctx.Pipe()
+                    proc = ctx.Process(target=_loop_process, args=(name, args, str(Path(tmp) / f"{name}{r}_{g}"), child))
+                    proc.start()
+                    pipes[name] = parent
+                    procs.append(proc)
+                this_round: dict[str, list[float]] = {name: [] for name in group}
+                for it in range(args.iters):  # the loops take turns, one step each; the others wait
+                    for name in group:
+                        pipes[name].send(True)
+                        elapsed = pipes[name].recv()
+                        if it == 0:
+                            first[name].append(elapsed)
+                        if it >= args.skip:
+                            this_round[name].append(elapsed)
+                for name in group:
+                    pipes[name].send(False)
+                    got = pipes[name].recv()
+                    if got is not None:
+                        peak[name] = max(peak.get(name, 0), got)
+                for proc in procs:
+                    proc.join(timeout=120)
+                    if proc.exitcode != 0:
+                        raise SystemExit(f"a bench loop process failed (exit code {proc.exitcode})")
+                for name, ts in this_round.items():
+                    times[name].extend(ts)
+                if "base" in group:
+                    round_ratios.append(statistics.median(this_round["base"]) / statistics.median(this_round["ours"]))
     tokens = args.micro * args.seq_len
     tps = {k: tokens / statistics.median(times[k]) for k in names}
     with torch.device("meta"):
@@ -173,24 +218,44 @@ def main() -> None:
     def row(what: str, ours: str, base: str) -> tuple[str, str, str, str]:
         return what, f"{tps[ours]:,.0f}", f"{tps[base]:,.0f}", f"{tps[ours] / tps[base]:.3f}x"
 
-    rows = [row("tokens/s (target >= 1.0)", "ours", "base")]
+    rows = []
+    if "compiled" in tps:
+        rows.append(row(f"tokens/s vs {DESCRIBED['compiled']} (target >= 1.05)", "ours", "compiled"))
+    if "base" in tps:
+        rows.append(row("tokens/s (target >= 1.0)" if "compiled" not in tps else f"tokens/s vs {DESCRIBED['base']}",
+                        "ours", "base"))
+    if "ours_fp8" in tps:
+        rows.append(row("tokens/s, ours --fp8 tensorwise vs ours bf16 (target >= 1.15)", "ours_fp8", "ours"))
     if "fused" in tps:
         rows.append(row("tokens/s, baseline also with fused AdamW", "ours", "fused"))
     if "ours_malloc_default" in tps and "base_malloc_default" in tps:
         rows.append(row("for information: both with malloc's defaults (no keep_freed_memory)",
                         "ours_malloc_default", "base_malloc_default"))
-    rows.append(("for information: tokens/s ratio per round, min / median / max", "", "",
-                 " / ".join(f"{v:.3f}" for v in (min(round_ratios), statistics.median(round_ratios),
-                                                 max(round_ratios)))))
-    peak = peak_flops(device)
-    if peak:
+    if round_ratios:
+        rows.append(("for information: tokens/s ratio per round (vs the eager loop), min / median / max", "", "",
+                     " / ".join(f"{v:.3f}" for v in (min(round_ratios), statistics.median(round_ratios),
+                                                     max(round_ratios)))))
+    others = [n for n in ("compiled", "base", "ours_fp8") if n in tps]
+    device_peak = peak_flops(device)
+    if device_peak:
         fpt = model.flops_per_token()
-        rows.append(("MFU", f"{mfu(fpt, tps['ours'], peak):.1%}", f"{mfu(fpt, tps['base'], peak):.1%}",
-                     f"{tps['ours'] / tps['base']:.3f}x"))
+        for other in others:
+            rows.append((f"MFU, ours vs {other}", f"{mfu(fpt, tps['ours'], device_peak):.1%}",
+                         f"{mfu(fpt, tps[other], device_peak):.1%}", f"{tps['ours'] / tps[other]:.3f}x"))
     else:
         rows.append(("MFU", "n/a", "n/a", f"no known peak FLOP/s for {device.type}"))
-    print_table(f"training loop: tokenloom run() vs plain eager loop, {device.type} ({torch.get_num_threads()} "
-                f"threads), GPT {model.num_params() / 1e6:.2f}M params, micro {args.micro} x seq {args.seq_len}, "
+    for other in others:
+        if "ours" in peak and other in peak:
+            rows.append((f"peak device memory (max allocated), ours vs {other}" +
+                         (" (target <= 1.05)" if other == "compiled" else ""),
+                         f"{peak['ours'] / 2**30:.1f} GiB", f"{peak[other] / 2**30:.1f} GiB",
+                         f"{peak['ours'] / peak[other]:.3f}x"))
+        ours_first, other_first = statistics.median(first["ours"]), statistics.median(first[other])
+        rows.append((f"first step (compilation, warm-up), ours vs {other}", f"{ours_first:.1f} s",
+                     f"{other_first:.1f} s", f"{ours_first / other_first:.3f}x"))
+    against = "plain eager loop" if "compiled" not in tps else "compiled and eager loops"
+    print_table(f"training loop: tokenloom run() vs {against}, {device.type} ({torch.get_num_threads()} "
+                f"threads), {args.arch} {model.num_params() / 1e6:.2f}M params, micro {args.micro} x seq {args.seq_len}, "
                 f"one process per loop, median step of {args.rounds} rounds x {args.iters - args.skip} taken in "
                 "turn (ratio = ours/baseline, higher is better)",
                 rows)

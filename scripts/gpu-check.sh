@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# GPU acceptance check (issue 15). On a machine with CUDA it runs, in order:
-#   1. the gpu-marked tests (Triton kernels compiled on the device against their
-#      references, the fused loss, the kernel selector, flex document attention; one-GPU
-#      cli.py train runs (compile, document masking, a one-rank NCCL ZeRO-1 launch) against
-#      the same run on the CPU; every layout through cli.py on NCCL when 2 or more GPUs are
-#      visible, 4-rank layouts when 4 are);
-#   2. the whole kernels test directory on the device (references vs compiled/Triton);
-#   3. a bf16 run of a ~1B-parameter GPT against the plain eager loop, writing the GPU
-#      rows (tokens/s, MFU) of bench/RESULTS.md (bench/run_all.py --gpu).
+# GPU acceptance check, sized for a short lease: one GPU, a bare machine with Python and torch,
+# GPU_CHECK_BUDGET_S seconds in all (default 480: eight minutes). In order:
+#   0. the wheels torch does not bring (the project's dependencies and its native extension,
+#      pytest, torchao for --fp8: `pip install -e .[dev,fp8]`), skipped when they import already.
+#      Offline machines: put those wheels in $WHEELS (default .whl/, git-ignored) with the build
+#      requirements (setuptools, wheel, pybind11); they are installed from there, no index.
+#   1. the bench rows first: bench/run_all.py --gpu, bf16 ~1B-parameter GPT-2 and Llama shapes,
+#      our `train` defaults against the compiled nanoGPT-style loop (and the eager loop, and
+#      --fp8 where the GPU has float8), written into bench/RESULTS.md's GPU block;
+#   2. unless --bench-only: the gpu-marked tests (kernels on the device, the fused loss, one-GPU
+#      cli.py train runs against the CPU, every layout on NCCL when 2+ GPUs are visible), then the
+#      kernels test directory on the device; each stops at the budget's end, saying so.
 # Without CUDA it prints one line and does nothing. Output also goes to gpu-check.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bench_only=0
+for arg in "$@"; do
+    case "$arg" in
+        --bench-only) bench_only=1 ;;
+        *) echo "gpu-check: unknown argument $arg (use --bench-only for the bench rows alone)" >&2; exit 2 ;;
+    esac
+done
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+budget=${GPU_CHECK_BUDGET_S:-480}
+left() { echo $((budget - SECONDS)); }
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 if [ "$gpus" = 0 ]; then
     echo "gpu-check: no CUDA device visible to torch on this machine; nothing checked (run it where nvidia-smi lists a GPU)"
@@ -20,11 +32,37 @@ if [ "$gpus" = 0 ]; then
 fi
 exec > >(tee gpu-check.log) 2>&1
 echo "gpu-check: $gpus CUDA device(s): $("$PY" -c "import torch; print(', '.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))")"
-echo "== 1. gpu-marked tests"
-"$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
-echo "== 2. kernels on the device"
-"$PY" -m pytest -q -p no:cacheprovider -rs tests/train/kernels
-echo "== 3. bf16 ~1B GPT: GPU rows of bench/RESULTS.md"
+echo "== 0. dependencies"
+if "$PY" -c "import tokenloom._native, pytest, torchao, yaml, click" 2>/dev/null; then
+    echo "installed already"
+else
+    WHEELS=${WHEELS:-.whl}
+    from_wheels=()
+    [ -d "$WHEELS" ] && from_wheels=(--no-index --find-links "$WHEELS")
+    "$PY" -m pip install --disable-pip-version-check -q "${from_wheels[@]}" -e ".[dev,fp8]"
+fi
+echo "== 1. bench rows (bench/RESULTS.md's GPU block), $(left) s of the budget left"
 "$PY" bench/run_all.py --gpu
 sed -n '/<!-- gpu-rows -->/,/<!-- \/gpu-rows -->/p' bench/RESULTS.md
+if [ "$bench_only" = 1 ]; then
+    echo "gpu-check: done, bench only (log: gpu-check.log)"
+    exit 0
+fi
+run_within_budget() {  # name, command...: the command, cut off where the budget ends
+    local name=$1; shift
+    if [ "$(left)" -lt 30 ]; then
+        echo "gpu-check: $name skipped: the ${budget} s budget is spent (GPU_CHECK_BUDGET_S raises it)"
+        return 0
+    fi
+    local rc=0
+    timeout "$(left)" "$@" || rc=$?
+    if [ "$rc" = 124 ]; then
+        echo "gpu-check: $name stopped at the ${budget} s budget (GPU_CHECK_BUDGET_S raises it)"
+    elif [ "$rc" != 0 ]; then
+        return "$rc"
+    fi
+}
+echo "== 2. gpu-marked tests, then the kernels on the device"
+run_within_budget "gpu-marked tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
+run_within_budget "kernels tests" "$PY" -m pytest -q -p no:cacheprovider -rs tests/train/kernels
 echo "gpu-check: done (log: gpu-check.log)"

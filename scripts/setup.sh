@@ -2,7 +2,7 @@
 # Create ./.venv (once) and install tokenloom into it: torch first (TORCH_SPEC decides which
 # build; the project's own install then finds torch satisfied and pulls no other), then the
 # project (editable, with the native C++ build).
-#   EXTRAS=dev,interop   optional extras to install (default: dev,interop; the test command adds kernels,ray,s3)
+#   EXTRAS=dev,interop   optional extras to install (default: dev,interop; the test command adds kernels,ray,s3,fp8)
 #   TORCH_SPEC=...        torch requirement, reinstalled whenever the installed torch does not satisfy it
 #                         (default torch==2.13.0). A CPU-only machine that reaches PyPI only gets the
 #                         CUDA wheel from PyPI; add the CPU index: TORCH_SPEC="torch==2.13.0 --index-url

@@ -406,8 +406,10 @@ def _megatron_refused(fn):
 @click.option("--bf16", "precision", flag_value="bf16", default=None, help="bf16 autocast (precision=bf16).")
 @click.option("--output-dir", help=_help(_TRAIN, "output_dir"))
 @click.option("--resume", help=_help(_TRAIN, "resume"))
+@click.option("--fp8", type=click.Choice(["tensorwise", "rowwise"]), is_flag=False, flag_value="tensorwise",
+              default=None, help=_help(_TRAIN, "fp8") + " --fp8 alone: tensorwise.")
 @click.option("--kernels", type=click.Choice(["auto", "reference", "compiled", "triton"]),
-              help="Fused-kernel implementation (default reference; auto: triton on CUDA, compiled on CPU).")
+              help=_help(_MODEL, "kernels"))
 @click.option("--tp", "--tensor-model-parallel-size", "tp", type=int,
               help="Tensor-parallel size (Megatron's layout: tp fastest, then dp, then pp).")
 @click.option("--pp", "--pipeline-model-parallel-size", "pp", type=int, help="Pipeline-parallel size (1F1B schedule).")

@@ -47,10 +47,27 @@ def test_state_dict_and_pickle_are_mode_neutral(arch):
     assert list(ref.state_dict()) == list(comp.state_dict())
     comp.load_state_dict(ref.state_dict())  # checkpoints load across modes
     tokens = torch.randint(0, 100, (2, 16))
-    comp(tokens[:, :4], tokens[:, :4]) if compile_available("cpu") else None  # selects lazily
-    pickle.loads(pickle.dumps(comp))
+    comp(tokens[:, :4], tokens[:, :4]) if compile_available("cpu") else None
+    assert pickle.loads(pickle.dumps(comp)).blocks["0"].mlp.ops.sources == comp.ops.sources  # rebuilt from its recipe
     copy.deepcopy(comp)
     assert list(comp.state_dict()) == list(ref.state_dict())
+
+
+@needs_compile
+def test_kernels_are_chosen_once_at_build_never_in_forward(monkeypatch):
+    from tokenloom.train import model as model_module
+
+    gpt = GPT(small("compiled", arch="llama", n_kv_heads=1))
+    held = [m.ops for m in gpt.modules() if hasattr(m, "ops")]
+    assert len(held) == 12 and all(ops is gpt.ops for ops in held) and gpt.ops.mode == "compiled"  # one spec, shared by every block, norm and the head
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("select_kernels called after the model was built")
+
+    monkeypatch.setattr(model_module, "select_kernels", no_lookup)
+    tokens = torch.randint(0, 100, (2, 16))
+    gpt(tokens, tokens).backward()
+    assert GPT(small("reference")).ops is None and GPT(small("compiled"), device="meta").ops is None
 
 
 @needs_compile

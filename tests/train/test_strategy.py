@@ -53,6 +53,7 @@ def test_overlap_and_bucket_size_are_accepted_for_zero1_at_tp_pp_1(tmp_path: Pat
     r = start_run(tiny(tmp_path, zero1=True, overlap_grad_reduce=False, overlap_param_gather=False,
                        ddp_bucket_cap_mb=0.01, train_iters=1))
     assert not r.strategy.optimizer.overlap and len(r.strategy.optimizer.main_shards) > 3
+    assert r.strategy.optimizer.optimizer.defaults["fused"]  # torch's fused AdamW on the host, as without ZeRO-1
 
 
 @pytest.mark.parametrize("overrides", [dict(tp=2), dict(pp=2), dict(pp=2, vpp=2)])

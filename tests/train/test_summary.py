@@ -8,8 +8,9 @@ from test_loop import tiny
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig
 from tokenloom.train.loop import start_run
+from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
-from tokenloom.train.summary import RunFacts, regrets, startup_summary
+from tokenloom.train.summary import RunFacts, choices, regrets, startup_summary
 
 
 def facts(**kw) -> RunFacts:
@@ -25,8 +26,9 @@ def test_summary_states_the_run(tmp_path):
     assert "12 layers x 768 wide, 12 heads (12 kv), vocab 50257 (padded 50304), seq 1024; 124.0M parameters" in text
     assert "4 rank(s) on cpu: dp 2 x tp 2 x pp 1; float32" in text
     assert "data      plan line 1\n          plan line 2" in text
-    assert "compiled" not in text and "; blocks compiled (compile: true)" in startup_summary(
-        TrainConfig(tp=2, compile=True, output_dir=str(tmp_path)), facts())
+    assert "speed     kernels reference (model.kernels reference); blocks eager (compile auto: off on cpu)" in text
+    assert "blocks compiled (compile true)" in startup_summary(TrainConfig(tp=2, compile=True,
+                                                                           output_dir=str(tmp_path)), facts())
     assert "layers per pipeline" not in text
     uneven = startup_summary(TrainConfig(pp=2, vpp=2, num_layers_in_last_pipeline_stage=4, output_dir=str(tmp_path)),
                              facts())
@@ -39,6 +41,19 @@ def test_summary_states_the_run(tmp_path):
     resumed = startup_summary(TrainConfig(train_iters=1050, eval_interval=100, output_dir=str(tmp_path)),
                               facts(resumed_at=500))
     assert ": 6 evaluations" in resumed and "resume    from iteration 500" in resumed  # 600..1000, 1050
+
+
+def test_summary_says_what_was_chosen_on_cuda_and_why(monkeypatch):
+    from tokenloom.train.kernels import selector
+
+    monkeypatch.setattr(selector, "compile_available", lambda device_type: True)  # a CUDA host with Triton
+    cfg = TrainConfig(model=GPTConfig(kernels="auto"))
+    assert choices(cfg, "cuda") == ("kernels reference (model.kernels auto: on CUDA inductor fuses the plain ops "
+                                    "faster than our kernels); blocks compiled (compile auto: fastest on CUDA)")
+    assert choices(TrainConfig(compile=False), "cuda") == "kernels reference (model.kernels reference); blocks eager " \
+        "(compile false)"
+    assert choices(cfg, "cpu") == "kernels compiled (model.kernels auto: torch.compile works on cpu); blocks eager " \
+        "(compile auto: off on cpu)"
 
 
 def test_regrettable_settings_warn():

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.train.ddp import DistributedDataParallel
+from tokenloom.train import wgrad
+from tokenloom.train.ddp import DistributedDataParallel, wgrad_into_view
 from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.wgrad import Linear, linear, set_wgrad_sink, wgrad_sink
+from tokenloom.train.wgrad import Linear, gemm_into, linear, set_wgrad_sink, wgrad_sink
 
 
 def _inputs(bias: bool = True, dtype=torch.float32):
@@ -71,13 +72,69 @@ def test_a_declining_sink_leaves_the_grad_to_autograd():
     assert not sink.buffer.any()
 
 
+class _ViewSink:
+    """Our DDP's sink at world 1 (:func:`wgrad_into_view`): the GEMM writes the fp32 view."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w, self.bucket = w, torch.full((w.numel() + 8,), float("nan"))  # stale: never read fresh
+        self.view = self.bucket[4:4 + w.numel()].view_as(w)
+
+    def __call__(self, grad_out, inp) -> bool:
+        return wgrad_into_view(self.w, self.view, 1, grad_out, inp)
+
+
+@pytest.mark.parametrize("out_dtype", [True, False])
+def test_under_bf16_autocast_the_gemm_writes_fp32_main_grads(monkeypatch, out_dtype):
+    """bf16 operands, fp32 bucket view: fresh and accumulated, against autograd's grads under the same
+    autocast (bf16 weight grad cast to fp32) at bf16's tolerance; the forward is autocast's, bit for bit.
+    ``out_dtype``: the device's mixed-precision addmm (faked on CPU: torch's CPU build lacks it) or the
+    bf16 GEMM plus a cast-add."""
+    if out_dtype:  # what CUDA's addmm(..., out_dtype=float32) computes: fp32 accumulation of bf16 operands
+        real = torch.addmm
+
+        def addmm(inp, a, b, *, out_dtype=None, beta, alpha, out):
+            assert out_dtype == torch.float32 and a.dtype == torch.bfloat16 and inp is out
+            return real(inp, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
+
+        monkeypatch.setattr(wgrad, "out_dtype_gemm", lambda device_type: True)
+        monkeypatch.setattr(wgrad.torch, "addmm", addmm)
+    x, w, b, up = _inputs()
+    w_ref = w.detach().clone().requires_grad_()
+    sink = _ViewSink(w)
+    set_wgrad_sink(w, sink)
+    for step in range(2):  # fresh (grad None), then accumulated into the view
+        xs = x.detach().clone().requires_grad_()
+        xr = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, ref = linear(xs, w, b), F.linear(xr, w_ref, b.detach())
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        out.float().backward(up * (step + 1))
+        ref.float().backward(up * (step + 1))
+        assert w.grad is sink.view and w.grad.dtype == torch.float32  # written by the GEMM, in the bucket
+        torch.testing.assert_close(w.grad, w_ref.grad, rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=0)  # the input grad is autocast's
+        assert xs.grad.dtype == torch.float32
+    exact = sum((up * k).reshape(-1, 6).t().double() @ x.detach().to(torch.bfloat16).reshape(-1, 8).double()
+                for k in (1, 2))
+    # fp32 accumulation of the bf16 products: closer to the exact sum than autograd's bf16-rounded grads
+    assert (w.grad.double() - exact).abs().max() <= (w_ref.grad.double() - exact).abs().max()
+
+
+def test_gemm_into_keeps_fp32_operands_on_one_addmm():
+    g = torch.Generator().manual_seed(3)
+    a, bm = torch.randn(6, 5, generator=g), torch.randn(5, 4, generator=g)
+    out = torch.full((6, 4), float("nan"))
+    gemm_into(out, a, bm, beta=0, alpha=0.5)
+    torch.testing.assert_close(out, 0.5 * a @ bm, rtol=0, atol=0)
+    gemm_into(out, a, bm, beta=0.5, alpha=0.5)
+    torch.testing.assert_close(out, torch.addmm(0.5 * a @ bm, a, bm, beta=0.5, alpha=0.5), rtol=0, atol=0)
+    assert not wgrad.out_dtype_gemm("cpu")  # torch's CPU build: the cast-add fallback is what runs here
+
+
 def test_falls_back_to_autograd_where_the_fusion_cannot_apply():
     x, w, b, up = _inputs()
     sink = _BufferSink(w.shape)
     set_wgrad_sink(w, sink)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 GEMM cannot write the fp32 buffer
-        linear(x, w, b).float().backward(up)
-    assert sink.calls == 0 and w.grad is not None
     with torch.no_grad():
         linear(x, w, b)
     set_wgrad_sink(w, None)
@@ -115,21 +172,39 @@ def test_compiled_blocks_hand_their_weight_grads_to_the_sinks_too(group, zero_to
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("zero_to_none", [True, False])
-def test_on_cuda_the_ddp_sink_writes_block_weight_grads_into_the_buckets(nccl_group, zero_to_none, compiled):
-    """The same on cuda:0 with NCCL (fp32): the GEMM writes the device bucket views, eager and
-    from compiled blocks' backward op."""
+def test_under_bf16_autocast_block_weight_grads_go_into_the_fp32_buckets(group, compiled):
+    """bf16 autocast on CPU (the cast-add path of gemm_into): the sinks take the block weights'
+    grads, eager and from compiled blocks, within bf16's tolerance of the plain model's."""
+    from torch._dynamo.utils import counters
+
     if compiled:
         torch._dynamo.reset()
-    _ddp_sink_writes_block_weight_grads(nccl_group, zero_to_none, compiled=compiled)
+    counters.clear()
+    _ddp_sink_writes_block_weight_grads(torch.device("cpu"), True, compiled=compiled, autocast=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def _ddp_sink_writes_block_weight_grads(device: torch.device, zero_to_none: bool, compiled: bool = False) -> None:
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("zero_to_none", [True, False])
+def test_on_cuda_the_ddp_sink_writes_block_weight_grads_into_the_buckets(nccl_group, zero_to_none, compiled,
+                                                                          autocast):
+    """The same on cuda:0 with NCCL: the GEMM writes the device bucket views, eager and from
+    compiled blocks' backward op; under bf16 autocast with ``addmm(..., out_dtype=float32)``."""
+    if compiled:
+        torch._dynamo.reset()
+    _ddp_sink_writes_block_weight_grads(nccl_group, zero_to_none, compiled=compiled, autocast=autocast)
+
+
+def _ddp_sink_writes_block_weight_grads(device: torch.device, zero_to_none: bool, compiled: bool = False,
+                                        autocast: bool = False) -> None:
     """Every block matmul's weight grad comes through the sink, into its bucket view, with
     the grads of the plain model (fresh and accumulated under no_sync); the tied head and
-    embedding, biases and norms come through autograd."""
+    embedding, biases and norms come through autograd. ``autocast``: both under bf16 autocast,
+    compared at bf16's tolerance."""
+    import contextlib
     plain, model = _gpt().to(device), _gpt().to(device)
     if compiled:
         model.compile_blocks()
@@ -152,16 +227,20 @@ def _ddp_sink_writes_block_weight_grads(device: torch.device, zero_to_none: bool
         batches = _batches(3 * step + 3)[3 * step:]
         model.zero_grad(set_to_none=zero_to_none)
         plain.zero_grad()
+        cast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         for m, (x, y) in enumerate(batches):
             x, y = x.to(device), y.to(device)
-            plain(x, y).div(3).backward()
-            if m < 2:
-                with ddp.no_sync():
-                    ddp(x, y).div(3).backward()
-            else:
-                ddp(x, y).div(3).backward()
+            with cast:
+                plain_loss = plain(x, y).div(3)
+            plain_loss.backward()
+            with ddp.no_sync() if m < 2 else contextlib.nullcontext():
+                with cast:
+                    loss = ddp(x, y).div(3)
+                loss.backward()
+        tol = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
         for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=name)
             assert p.grad.data_ptr() == ddp._views[list(dict(model.named_parameters())).index(name)].data_ptr()
     assert {n for n, f in fused.items() if f} == set(calls)
     assert all(c == 6 for c in calls.values())

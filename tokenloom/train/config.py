@@ -22,6 +22,7 @@ import yaml
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
+from tokenloom.train.fp8 import RECIPES as FP8_RECIPES
 from tokenloom.train.model import GPTConfig, PipelineSplit
 from tokenloom.train.optim import OptimConfig
 
@@ -82,12 +83,17 @@ class TrainConfig:
     """Seed of the python, numpy and torch RNGs (dropout); the init uses model.seed."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """"auto": bf16 autocast on GPUs that support it, fp32 otherwise (always on CPU)."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     """torch.compile each transformer block of every model chunk, in every layout (first steps are
-    slow while it compiles); per block, so data-parallel gradient buckets still overlap with
-    backward and pipeline stages send as before. Tensor-parallel collectives are captured in the
+    slow while it compiles). auto: on CUDA, where it is fastest, off on CPU; true/false force it.
+    Per block, so data-parallel gradient buckets still overlap with backward and pipeline stages
+    send as before. Tensor-parallel collectives are captured in the
     block's graph; with dropout at tp > 1 the tensor-parallel RNG stream's switch splits each block
     into several graphs (torch.compile does not capture generator state)."""
+    fp8: Literal["tensorwise", "rowwise"] | None = None
+    """Train the transformer blocks' linears in float8 with torchao (pip install 'tokenloom[fp8]'),
+    scaling per tensor (tensorwise, the fastest) or per row (rowwise). Needs a CUDA GPU with compute
+    capability >= 8.9, bf16, the reference ops and tp = 1; refused otherwise. None: bf16 matmuls."""
     ddp_bucket_cap_mb: float | None = None
     """Gradient bucket size in MiB of DDP (None: 25 with a 1 MiB first bucket) and of ZeRO-1 (None:
     25), in every layout."""
@@ -149,6 +155,10 @@ class TrainConfig:
         if self.vpp is not None and (self.vpp < 1 or (self.vpp > 1 and self.pp < 2)):
             raise TokenloomError(f"vpp={self.vpp} needs pp >= 2 (virtual stages split a pipeline); "
                                  "leave vpp unset for pp = 1")
+        if self.fp8 not in (None, *FP8_RECIPES):
+            raise TokenloomError(f"fp8 must be one of {', '.join(FP8_RECIPES)} (or null), got {self.fp8!r}")
+        if self.compile not in (True, False, "auto"):
+            raise TokenloomError(f"compile must be true, false or auto, got {self.compile!r}")
         if self.sp and self.tp < 2:
             raise TokenloomError("sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
 

@@ -30,7 +30,8 @@ Invariants and trade-offs:
   the block matmuls' weight-gradient GEMM writes into the bucket view, scaled in its
   ``alpha``/``beta`` (:func:`wgrad_into_view`), with no grad-sized allocation. It changes the
   autograd graph and so the rebuilt layout; ``wgrad_fusion=False`` gives torch's. Compiled
-  blocks have it too; autocast does not (see :mod:`tokenloom.train.wgrad`).
+  blocks have it too, and so do bf16-autocast GEMMs writing the fp32 view (see
+  :mod:`tokenloom.train.wgrad`).
 * **Completion in backward** (torch's ``queue_callback``): the loop cannot forget to wait;
   the cost is exactly one backward per synced forward. ``finish_in_backward=False`` (the
   tp/pp layouts) waits in :meth:`finish_grad_sync` after the schedule instead (Megatron's),
@@ -67,7 +68,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.wgrad import set_wgrad_sink, wgrad_sink
+from tokenloom.train.wgrad import gemm_into, set_wgrad_sink, wgrad_sink
 
 FIRST_BUCKET_BYTES = 1024 * 1024
 """Cap of the small first bucket when ``bucket_cap_mb`` is left at its default (torch's value)."""
@@ -549,14 +550,15 @@ def wgrad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int, grad_
     ``grad_out^T @ inp`` writes into ``view`` itself, the ``1/divisor`` in its ``alpha`` and
     ``beta``: ``view = g^T x / d`` for a fresh grad (``beta=0``: the stale view is not read),
     ``view = (view + g^T x) / d`` for one accumulated there; then ``param.grad`` is ``view``.
-    Saves grad_into_view's pass over the grad and autograd's grad-sized allocation. Returns
+    Saves grad_into_view's pass over the grad and autograd's grad-sized allocation; bf16
+    operands (autocast) write the fp32 view directly (:func:`~tokenloom.train.wgrad.gemm_into`). Returns
     False, writing nothing, when ``param.grad`` is some other tensor. The sink of
     :mod:`tokenloom.train.wgrad`, for our DDP and ZeRO-1 alike."""
     grad, s = param.grad, 1.0 / divisor
     if grad is None:
-        torch.addmm(view, grad_out.t(), inp, beta=0, alpha=s, out=view)
+        gemm_into(view, grad_out.t(), inp, beta=0, alpha=s)
     elif grad is view or _same_tensor(grad, view):
-        view.addmm_(grad_out.t(), inp, beta=s, alpha=s)
+        gemm_into(view, grad_out.t(), inp, beta=s, alpha=s)
     else:
         return False
     param.grad = view

@@ -555,7 +555,7 @@ FLAG_KEYS = {
     "num_layers_in_last_pipeline_stage": "num_layers_in_last_pipeline_stage",
     "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
-    "overlap_param_gather": "overlap_param_gather",
+    "overlap_param_gather": "overlap_param_gather", "fp8": "fp8",
 }
 """``train`` flag (its Python name) -> the config key it sets."""
 

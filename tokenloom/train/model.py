@@ -36,23 +36,24 @@ Trade-offs:
 * Activation recompute is per layer (``Block.recompute``), non-reentrant, so the autograd
   graph stays visible to ``find_unused_parameters`` (:mod:`tokenloom.train.ddp`).
 
-Kernels (:attr:`GPTConfig.kernels`, :mod:`tokenloom.train.kernels`) are selected on the first
-forward and memoised per (mode, device type) in this module, never stored on the modules,
-so state dicts and checkpoints are the same in every mode. ``reference`` (the default) is
-the eager code below and the numerical baseline every distributed test compares against; its
-loss materialises ``[tokens, padded_vocab]`` fp32 logits. ``compiled`` / ``triton`` /
-``auto`` route norms, activations, RoPE and attention through the
-:class:`~tokenloom.train.kernels.KernelSet` and take the loss chunked from the final hidden
-states and the LM-head weight (O(chunk x vocab) memory; full logits when small), with the
-reference's semantics (padded-vocab softmax, ``mean`` over tokens or ``loss_mask``) and its
-numerics up to float rounding; biases go into ``bias_gelu`` and ``bias_dropout_add`` at every
-tp size. Logits (``labels=None``) are always the full padded tensor. ``bench/kernels_bench.py``
-measures the modes' throughput and the chunked loss's memory.
+Kernels (:attr:`GPTConfig.kernels`, :mod:`tokenloom.train.kernels`) are chosen once, when
+the model is built, for the device it is built on (:func:`build_ops`, megatron-core's ModuleSpec
+idea): every block, norm and the head hold the same :class:`~tokenloom.train.kernels.KernelSet`
+(or None, the eager reference code) as a plain attribute, so ``forward`` has one path and no
+lookup for dynamo to trace. No parameters or buffers are added, so state dicts and checkpoints
+are the same in every mode and load across modes. ``reference`` is the eager code below and the
+numerical baseline every distributed test compares against; its loss materialises
+``[tokens, padded_vocab]`` fp32 logits. ``compiled`` / ``triton`` (and ``auto`` where it
+resolves to one) route norms, activations, RoPE and attention through the kernel set and take
+the loss chunked from the final hidden states and the LM-head weight (O(chunk x vocab) memory;
+full logits when small), with the reference's semantics (padded-vocab softmax, ``mean`` over
+tokens or ``loss_mask``) and its numerics up to float rounding; biases go into ``bias_gelu`` and
+``bias_dropout_add`` at every tp size. Logits (``labels=None``) are always the full padded
+tensor. ``bench/kernels_bench.py`` measures the modes' throughput and the chunked loss's memory.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -124,8 +125,9 @@ class GPTConfig:
     seed: int = 0
     """Seed of the private generator used for the weight init."""
     kernels: str = "reference"
-    """Op implementations: reference | compiled | triton | auto (see tokenloom.train.kernels);
-    ``reference`` is the eager path, bit-identical to the model before kernels existed."""
+    """Op implementations: reference | compiled | triton | auto (see tokenloom.train.kernels), chosen
+    once when the model is built; ``reference`` is the eager path, bit-identical to the model before
+    kernels existed; auto: reference on CUDA (inductor fuses it under compile), compiled on CPU."""
 
     def __post_init__(self) -> None:
         kv = self.kv_heads
@@ -173,16 +175,16 @@ class GPTConfig:
         return bool(self.bias)
 
 
-@functools.cache
-def _kernel_set(mode: str, device_type: str) -> KernelSet | None:
-    """The kernel set for ``mode`` on ``device_type``, or None when it resolves to ``reference``
-    (the model's own eager code runs then). Raises ``ValueError`` when the host cannot run ``mode``."""
+def build_ops(mode: str, device: torch.device | str) -> KernelSet | None:
+    """The op implementations of a model built on ``device`` for kernel mode ``mode``: the
+    :class:`~tokenloom.train.kernels.KernelSet`, or None when it resolves to ``reference``
+    (the modules' own eager code, the test oracle, runs then). A ``meta`` model (shapes only,
+    never run) takes None. Raises ``ValueError`` when the host cannot run ``mode``."""
+    device_type = torch.device(device).type
+    if mode == "reference" or device_type == "meta":
+        return None
     ks = select_kernels(mode, device_type)
     return None if ks.mode == "reference" else ks
-
-
-def _kernels_for(mode: str, x: torch.Tensor) -> KernelSet | None:
-    return None if mode == "reference" else _kernel_set(mode, x.device.type)
 
 
 def rope_tables(cfg: GPTConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +218,7 @@ class Attention(nn.Module):
     """Causal self-attention; ``qkv`` column-parallel and ``proj`` row-parallel at tp > 1
     (each rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads)."""
 
-    def __init__(self, cfg: GPTConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: GPTConfig, tp: TensorParallel, ops: KernelSet | None = None) -> None:
         super().__init__()
         hd = cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp.size, cfg.kv_heads // tp.size, hd
@@ -224,7 +226,7 @@ class Attention(nn.Module):
         self.qkv = tp.column(cfg.d_model, sum(sizes), bias=cfg.use_bias, split_sizes=sizes)
         self.proj = tp.row(cfg.d_model, cfg.d_model, bias=cfg.use_bias)
         tag(self.proj, residual_scaled_init=True)
-        self.dropout, self.kernels, self.tp = cfg.dropout, cfg.kernels, tp
+        self.dropout, self.ops, self.tp = cfg.dropout, ops, tp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -238,7 +240,7 @@ class Attention(nn.Module):
         B, T, _ = qkv.shape
         q, k, v = split_qkv(qkv, self.n_heads, self.n_kv_heads, self.head_dim)
         p = self.dropout if self.training else 0.0
-        ks = _kernels_for(self.kernels, x)
+        ks = self.ops
         with self.tp.fork(p > 0, x.device):  # heads are split over tp: per-rank masks
             if ks is not None:
                 if rope is not None:
@@ -262,7 +264,7 @@ class MLP(nn.Module):
     """GELU or SwiGLU MLP; ``fc`` column-parallel (gate/up halves split alike) and ``proj``
     row-parallel at tp > 1."""
 
-    def __init__(self, cfg: GPTConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: GPTConfig, tp: TensorParallel, ops: KernelSet | None = None) -> None:
         super().__init__()
         self.swiglu = cfg.arch == "llama"
         inner = cfg.ffn_size
@@ -270,11 +272,11 @@ class MLP(nn.Module):
                             split_sizes=[inner, inner] if self.swiglu else None)
         self.proj = tp.row(inner, cfg.d_model, bias=cfg.use_bias)
         tag(self.proj, residual_scaled_init=True)
-        self.kernels = cfg.kernels
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output projection with its bias (reference kernels), or without it and the bias."""
-        ks = _kernels_for(self.kernels, x)
+        ks = self.ops
         if ks is None:
             return self.proj(mlp_activation(self.fc(x), self.swiglu)), None
         if self.swiglu:
@@ -331,50 +333,51 @@ def mlp_activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
 
 
 class _LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (same parameters and state dict) whose forward honours ``kernels``."""
+    """``nn.LayerNorm`` (same parameters and state dict) that runs ``ops``' kernel when given."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, ops: KernelSet | None = None) -> None:
         super().__init__(cfg.d_model, eps=cfg.norm_eps, bias=cfg.use_bias, device="meta")
-        self.kernels = cfg.kernels
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ks = _kernels_for(self.kernels, x)
+        ks = self.ops
         if ks is None:
             return super().forward(x)
         return ks.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class _RMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` (same parameters and state dict) whose forward honours ``kernels``."""
+    """``nn.RMSNorm`` (same parameters and state dict) that runs ``ops``' kernel when given."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, ops: KernelSet | None = None) -> None:
         super().__init__(cfg.d_model, eps=cfg.norm_eps, device="meta")
-        self.kernels = cfg.kernels
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ks = _kernels_for(self.kernels, x)
+        ks = self.ops
         if ks is None:
             return super().forward(x)
         return ks.rms_norm(x, self.weight, self.eps)
 
 
-def make_norm(cfg: GPTConfig) -> nn.Module:
+def make_norm(cfg: GPTConfig, ops: KernelSet | None = None) -> nn.Module:
     """The flavour's norm (LayerNorm or RMSNorm), on ``meta`` until the model materialises it."""
     if cfg.arch == "llama":
-        return _RMSNorm(cfg)
-    return _LayerNorm(cfg)
+        return _RMSNorm(cfg, ops)
+    return _LayerNorm(cfg, ops)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block; ``recompute=True`` checkpoints it (non-reentrant, replaying
     the tensor-parallel dropout stream too)."""
 
-    def __init__(self, cfg: GPTConfig, tp: TensorParallel, recompute: bool = False) -> None:
+    def __init__(self, cfg: GPTConfig, tp: TensorParallel, recompute: bool = False,
+                 ops: KernelSet | None = None) -> None:
         super().__init__()
-        self.norm1, self.attn = make_norm(cfg), Attention(cfg, tp)
-        self.norm2, self.mlp = make_norm(cfg), MLP(cfg, tp)
+        self.norm1, self.attn = make_norm(cfg, ops), Attention(cfg, tp, ops)
+        self.norm2, self.mlp = make_norm(cfg, ops), MLP(cfg, tp, ops)
         self.drop = nn.Dropout(cfg.dropout)
-        self.recompute, self.kernels, self.tp = recompute, cfg.kernels, tp
+        self.recompute, self.ops, self.tp = recompute, ops, tp
 
     def _residual(self, x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         """``x + dropout(out + bias)``; under sequence parallelism the activation is split over
@@ -382,7 +385,7 @@ class Block(nn.Module):
         y, bias = out
         p = self.drop.p if self.training else 0.0
         with self.tp.fork(self.tp.sp and p > 0, x.device):
-            ks = _kernels_for(self.kernels, x)
+            ks = self.ops
             if ks is None:
                 return x + self.drop(y)  # the reference: y has its bias already
             return ks.bias_dropout_add(y, bias, x, p, self.training)
@@ -443,19 +446,20 @@ class GPT(nn.Module):
             raise TokenloomError(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.kv_heads} must be divisible by "
                                  f"tp={self.tp.size}")
         layers = range(cfg.n_layers) if layers is None else layers
+        device = torch.device("cpu" if device is None else device)
+        self.ops = ops = build_ops(cfg.kernels, device)  # chosen once, for every module below
         if pre:
             self.tok_emb = self.tp.embedding(cfg.padded_vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model, device="meta") if cfg.arch == "gpt2" else None
             self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.tp, i in cfg.recompute_layers) for i in layers})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.tp, i in cfg.recompute_layers, ops) for i in layers})
         if post:
-            self.norm = make_norm(cfg)
+            self.norm = make_norm(cfg, ops)
             self.lm_head = self.tp.column(cfg.d_model, cfg.padded_vocab_size, bias=False)
             self.lm_head.wgrad_fusion = False  # maybe tied: a second consumer of its weight (tokenloom.train.wgrad)
         if cfg.arch == "llama":
             self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim, device="meta"), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim, device="meta"), persistent=False)
-        device = torch.device("cpu" if device is None else device)
         if device.type != "meta":
             self._materialise(device)
         self._tie_and_tag()
@@ -595,7 +599,7 @@ class GPT(nn.Module):
     def head(self, h: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None) -> torch.Tensor:
         """LM head and loss on the final hidden states (see :meth:`forward`)."""
         tp = self.tp
-        ks = _kernels_for(self.cfg.kernels, h)
+        ks = self.ops
         if labels is None:
             logits = self.lm_head(h)
             if tp.size > 1:

@@ -15,7 +15,8 @@ gradient finalisation   bucketed DDP (ZeRO-1: bucketed       the same over dp, o
                                                              tied embedding over pp (on the reduced
                                                              shard with ZeRO-1)
 norm groups (clipping)  none                                 the model-parallel group
-optimizer               fused AdamW, or ZeRO-1               the same two
+optimizer               fused AdamW, or ZeRO-1 (its inner    the same two
+                        AdamW fused where torch has one)
 checkpoint I/O          :mod:`~tokenloom.train.checkpoint`   :mod:`~tokenloom.train.parallel.reshard`
                         (one model file; ZeRO-1: the other   (per-shard files, loadable in any
                         column's, at dp 1 too)               layout)
@@ -23,9 +24,11 @@ checkpoint I/O          :mod:`~tokenloom.train.checkpoint`   :mod:`~tokenloom.tr
 
 Invariants:
 
-* ``compile: true`` compiles every chunk's blocks (:meth:`GPT.compile_blocks`) in every
-  layout; a block's backward is one autograd node, so DDP's and ZeRO-1's buckets are cut at
-  block boundaries only (``grad_units``) and still launch during backward.
+* ``compile`` (true, or "auto": on for CUDA, :func:`~tokenloom.train.kernels.choose_compile`,
+  resolved once into :attr:`Strategy.compile`) compiles every chunk's blocks
+  (:meth:`GPT.compile_blocks`) in every layout; a block's backward is one autograd node, so
+  DDP's and ZeRO-1's buckets are cut at block boundaries only (``grad_units``) and still
+  launch during backward.
 * Gradients are fp32 in every layout: parameters stay fp32 and bf16 is autocast
   (:func:`~tokenloom.train.runtime.autocast_for`), so buckets reduce in fp32 (Megatron's
   ``grad_reduce_in_fp32``) by construction, at twice bf16's traffic and fp32 weights in memory.
@@ -48,12 +51,13 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint
+from tokenloom.train import checkpoint, fp8
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
+from tokenloom.train.kernels import choose_compile
 from tokenloom.train.model import GPT, pipeline_stage
-from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups
+from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups, use_fused
 from tokenloom.train.parallel import reshard
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.p2p import P2PComm
@@ -122,8 +126,11 @@ class Strategy:
         self.staged = cfg.tp > 1 or cfg.pp > 1
         refuse_unsupported(cfg)
         self.autocast = autocast_for(cfg.precision, self.device)
+        self.compile = choose_compile(cfg.compile, self.device.type)[0]
         self.rng_tracker = self._seed_tp_dropout()
         self.chunks = self._build_chunks()
+        if cfg.fp8:
+            self._convert_to_fp8()
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
         self.comm = None
@@ -134,7 +141,7 @@ class Strategy:
                 shape = (cfg.model.seq_len // cfg.tp, cfg.micro_batch_size, cfg.model.d_model)
             self.comm = P2PComm.from_group(st.pp_group, shape, compute_dtype(cfg.precision, self.device),
                                            self.device)
-        if cfg.compile:
+        if self.compile:
             for chunk in self.chunks:
                 chunk.compile_blocks()
         self.ddps = self._wrap_ddp() if self.dp_size > 1 and not cfg.zero1 else []
@@ -162,6 +169,18 @@ class Strategy:
         return [pipeline_stage(cfg.model, split, st.pp_rank, c, tp=tp, device=self.device)
                 for c in range(self.num_chunks)]
 
+    def _convert_to_fp8(self) -> None:
+        """``fp8``: the chunks' block linears become torchao's float8 linears (:mod:`tokenloom.train.fp8`),
+        before anything compiles them or holds their modules; refused in one line where it cannot run."""
+        recipe = self.cfg.fp8
+        assert recipe is not None  # called only for an fp8 run
+        ops = self.chunks[0].ops
+        why = fp8.refusal(recipe, self.device, tp=self.cfg.tp, precision=self.cfg.precision,
+                          kernels="reference" if ops is None else ops.mode)
+        if why:
+            raise TokenloomError(why)
+        fp8.convert(self.chunks, recipe)
+
     def _wrap_ddp(self) -> list[DistributedDataParallel]:
         """One bucketed DDP per model chunk over this rank's dp group (its ranks hold the same
         shard of the same chunk). Each chunk's buckets launch from its gradient hooks in its
@@ -180,7 +199,7 @@ class Strategy:
     def _compiled_units(self, chunk: GPT) -> list[nn.Module]:
         """The modules of ``chunk`` compiled in place (``compile: true``: its blocks), whose
         grads arrive together: no DDP or ZeRO-1 bucket ends inside one."""
-        return list(chunk.blocks.values()) if self.cfg.compile else []
+        return list(chunk.blocks.values()) if self.compile else []
 
     def _build_optimizer(self):
         cfg, st, o = self.cfg, self.state, self.cfg.optim
@@ -204,7 +223,8 @@ class Strategy:
                          overlap_param_gather=cfg.overlap_param_gather is not False,
                          modules=self.chunks,
                          grad_units=[m for c in self.chunks for m in self._compiled_units(c)],
-                         own_bucket=is_tied_embedding if cfg.pp > 1 else None)
+                         own_bucket=is_tied_embedding if cfg.pp > 1 else None,
+                         fused=use_fused(o, self.params))
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         return counts_in_grad_norm(p, self.state.tp_rank)

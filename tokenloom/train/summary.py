@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenloom.train.config import TrainConfig
+from tokenloom.train.kernels import choose_compile, resolve_mode
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,8 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     lines = [
         f"model     {m.arch}: {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads ({m.kv_heads} kv), "
         f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_len}; "
-        f"{_count(facts.parameters)} parameters; kernels {m.kernels}"
-        f"{'; blocks compiled (compile: true)' if cfg.compile else ''}",
+        f"{_count(facts.parameters)} parameters",
+        f"speed     {choices(cfg, facts.device)}",
         f"layout    {facts.world_size} rank(s) on {facts.device}: dp {facts.dp} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' (vpp {cfg.vpp})' if cfg.vpp else ''}{', sequence parallel' if cfg.sp else ''}"
         f"{_uneven(cfg)}{', ZeRO-1' if cfg.zero1 else ''}; {facts.precision}",
@@ -79,6 +80,21 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     if facts.resumed_at:
         lines.append(f"resume    from iteration {facts.resumed_at}")
     return "\n".join(lines + [f"warning: {w}" for w in regrets(cfg, facts)])
+
+
+def choices(cfg: TrainConfig, device_type: str) -> str:
+    """What the run chose for speed on ``device_type`` and why: the kernel set the model is
+    built with and whether its blocks are compiled (the same resolution the strategy makes)."""
+    compile_on, why_compile = choose_compile(cfg.compile, device_type)
+    mode = cfg.model.kernels
+    try:
+        chosen, why = resolve_mode(mode, device_type)
+    except ValueError as e:  # building the model raises the same; the summary still says it
+        chosen, why = mode, str(e)
+    why_kernels = f"model.kernels {mode}" + (f": {why}" if why != "forced" else "")
+    why_blocks = f"compile {str(cfg.compile).lower()}" + (f": {why_compile}" if why_compile != "set" else "")
+    fp8 = f"; fp8 {cfg.fp8} scaling (torchao float8 block linears)" if cfg.fp8 else ""
+    return f"kernels {chosen} ({why_kernels}); blocks {'compiled' if compile_on else 'eager'} ({why_blocks}){fp8}"
 
 
 def regrets(cfg: TrainConfig, facts: RunFacts) -> list[str]:

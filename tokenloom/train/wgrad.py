@@ -28,13 +28,16 @@ Invariants and limits:
   weights only. A graph takes this path while any sink is installed in the process (a
   guarded flag: the first install or last removal recompiles). The
   sequence-parallel linear, which has its own Function, fuses only when eager.
-* **Not under autocast.** The GEMM runs in bf16 and would have to write the parameters'
-  fp32 buffer: Megatron uses a CUDA kernel for that; torch's ``addmm(..., out_dtype=
-  torch.float32)`` does it on CUDA (seen on a GPU: writing and accumulating a strided
-  fp32 bucket view from bf16 operands, faster than the bf16 GEMM plus a cast-add; see
-  bench/RESULTS.md, notes) but not on CPU, so it is not wired until a GPU session
-  can test it. So on a GPU with bf16 autocast, the trainer's usual setting, there is no
-  fusion yet; fp32 runs and bf16 parameters get it.
+* **Under autocast** (bf16, the trainer's usual GPU setting) the operands are bf16 and the
+  buffer holds the fp32 parameters' main grads: :func:`gemm_into` writes the fp32 result
+  straight into the bucket view with ``addmm(..., out_dtype=torch.float32)`` where the
+  device has that kernel (CUDA: Megatron's fused wgrad kernel without a CUDA extension;
+  faster than the bf16 GEMM plus a cast-add, see bench/RESULTS.md's notes), else (CPU)
+  as the bf16 GEMM and one fused cast-add into the view. The product is accumulated in
+  fp32 and never rounded to bf16, so it is closer to the fp32 gradient than autograd's
+  bf16 weight grad cast to fp32. The forward saves the input in the autocast dtype, as
+  autocast's own linear does. The sequence-parallel linear's Function does not take
+  autocast's dtypes: it keeps autograd's path there.
 * The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor
   that is not its view; the backward then returns the weight's grad as autograd would.
 * **``backward()`` only**, as torch DDP: ``torch.autograd.grad`` through a wrapped model
@@ -45,6 +48,7 @@ Invariants and limits:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -89,13 +93,13 @@ def fusion_sink(x: torch.Tensor, weight: torch.Tensor) -> WgradSink | None:
     gradient to, or None where the fusion does not apply (no sink, no grad needed, compiling,
     autocast: see the module docstring). For layers with their own autograd Function (the
     sequence-parallel linear, eager only); others call :func:`linear`."""
-    if torch.compiler.is_compiling():  # first: a traced graph never reads the sink attribute
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):  # see the module docstring
         return None
     return wgrad_sink(weight) if _fusion_applies(x, weight) else None
 
 
 def _fusion_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not (torch.is_grad_enabled() and weight.requires_grad) or torch.is_autocast_enabled(x.device.type):
+    if not (torch.is_grad_enabled() and weight.requires_grad):
         return False
     if torch.compiler.is_compiling():
         # x: the op's input grad must be used, or the graph would drop the op and its sink
@@ -124,9 +128,44 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias) if self.wgrad_fusion else F.linear(x, self.weight, self.bias)
 
 
+@functools.cache
+def out_dtype_gemm(device_type: str) -> bool:
+    """Whether ``device_type`` has the mixed-precision GEMM ``addmm(..., out_dtype=float32)``
+    from bf16 operands (CUDA does, torch's CPU build does not); probed once per device type."""
+    try:
+        out = torch.zeros(1, 1, device=device_type)
+        one = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type)
+        torch.addmm(out, one, one, out_dtype=torch.float32, beta=0, alpha=1, out=out)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float, alpha: float) -> None:
+    """``out = beta * out + alpha * a @ b`` in place, ``out`` possibly a strided view of a bucket;
+    ``beta=0`` never reads ``out`` (a stale buffer may hold anything). Operands of ``out``'s dtype:
+    one ``addmm``. Lower-precision operands (autocast's bf16 into fp32 main grads): one
+    ``addmm(..., out_dtype=out.dtype)`` where the device has it (:func:`out_dtype_gemm`), else the
+    GEMM in the operands' dtype and a cast-add into ``out`` (fp32 arithmetic)."""
+    if a.dtype == out.dtype:
+        if beta == 0:
+            torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
+        else:
+            out.addmm_(a, b, beta=beta, alpha=alpha)
+    elif out_dtype_gemm(out.device.type):
+        torch.addmm(out, a, b, out_dtype=out.dtype, beta=beta, alpha=alpha, out=out)
+    elif beta == 0:
+        out.copy_(a.mm(b)).mul_(alpha)
+    else:
+        out.mul_(beta).add_(a.mm(b), alpha=alpha)
+
+
 class _LinearWgradFusion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
+        ctx.x_dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # saved as autocast's linear saves it
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
@@ -137,8 +176,9 @@ class _LinearWgradFusion(torch.autograd.Function):
         grad2 = grad.reshape(-1, grad.shape[-1])
         grad_b = grad2.sum(0) if need_b else None
         if torch.compiler.is_compiling():  # traced: the sink runs inside the opaque op
-            return linear_backward_to_sink(grad, x, weight), None, grad_b
-        grad_x = grad.matmul(weight) if need_x else None
+            return linear_backward_to_sink(grad, x, weight).to(ctx.x_dtype), None, grad_b
+        # grad is in the forward's compute dtype (autocast's, or the weight's): no copy without autocast
+        grad_x = grad.matmul(weight.to(grad.dtype)).to(ctx.x_dtype) if need_x else None
         grad_w = None
         if need_w:
             x2 = x.reshape(-1, x.shape[-1])
@@ -152,16 +192,17 @@ class _LinearWgradFusion(torch.autograd.Function):
 def linear_backward_to_sink(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A compiled graph's backward of :func:`linear`: returns ``grad @ weight`` (the input
     grad) and hands ``grad^T x`` to ``weight``'s sink, or, without one or when it declines,
-    accumulates it into ``weight.grad`` as autograd would (the graph returns no weight grad)."""
+    accumulates it into ``weight.grad`` as autograd would (the graph returns no weight grad).
+    Under autocast ``grad`` and ``x`` are in its dtype and the products too."""
     grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
     sink = wgrad_sink(weight)
     if sink is None or not sink(grad2, x2):
         grad_w = grad2.t().mm(x2)
         if weight.grad is None:
-            weight.grad = grad_w
+            weight.grad = grad_w.to(weight.dtype)
         else:
             weight.grad.add_(grad_w)
-    return grad.matmul(weight)
+    return grad.matmul(weight.to(grad.dtype))
 
 
 @linear_backward_to_sink.register_fake

@@ -193,6 +193,30 @@ def test_dp1_is_adamw_and_plain_state_loads_into_it():
         assert (p - q).abs().max() < 1e-6, name
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_inner_adamw_steps_as_torch_adamw(fused):
+    """ZeRO-1 with torch's fused AdamW inside (the strategy's choice where torch has it) steps as
+    torch's AdamW, fused or not, with the same groups; a fused one resumes a plain one's state."""
+    plain_model, zero_model = _tiny(), _tiny()
+    plain = torch.optim.AdamW(param_groups(plain_model, 0.1), lr=1e-2, fused=fused)
+    zero = ZeroAdamW(param_groups(zero_model, 0.1), lr=1e-2, fused=True)
+    assert zero.optimizer.defaults["fused"] is True
+    # against the for-each AdamW: rounding, amplified where a grad is near zero (a tenth of a percent of a step)
+    tol = 1e-6 if fused else 2e-5
+    _steps(plain_model, plain, 3)
+    _steps(zero_model, zero, 3)
+    for (name, p), q in zip(zero_model.named_parameters(), plain_model.parameters(), strict=True):
+        assert (p - q).abs().max() < tol, name
+    resumed_model = copy.deepcopy(plain_model)
+    resumed = ZeroAdamW(param_groups(resumed_model, 0.1), lr=1e-2, fused=True)
+    resumed.load_param_states([plain.state[p] for g in plain.param_groups for p in g["params"]])
+    _steps(plain_model, plain, 2, seed=1)
+    _steps(resumed_model, resumed, 2, seed=1)
+    for (name, p), q in zip(resumed_model.named_parameters(), plain_model.parameters(), strict=True):
+        assert (p - q).abs().max() < tol, name
+    assert float(resumed.gathered_param_states()[0]["step"]) == 5
+
+
 def test_bf16_parameters_save_their_fp32_master_weights():
     model = _tiny(torch.bfloat16)
     opt = ZeroAdamW(model.parameters(), lr=1e-2)

@@ -13,7 +13,8 @@ tested against:
 
 Implementations: :mod:`.compiled` (``torch.compile``) and :mod:`.triton_ops` (Triton,
 only when installed). :func:`select_kernels` picks one per device and returns a
-:class:`KernelSet`; see :mod:`.selector` for the rules.
+:class:`KernelSet`; :func:`choose_compile` resolves the train config's ``compile``; see
+:mod:`.selector` for the rules.
 """
 
 from .attention import attention_reference, attention_sdpa, document_attention_mask, flex_usable
@@ -23,7 +24,7 @@ from .cross_entropy import chunked_cross_entropy, cross_entropy_reference
 from .layer_norm import layer_norm_reference
 from .rms_norm import rms_norm_reference
 from .rope import rope_reference
-from .selector import MODES, OPS, KernelSet, select_kernels
+from .selector import MODES, OPS, KernelSet, choose_compile, resolve_mode, select_kernels
 from .swiglu import swiglu_reference
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "OPS",
     "KernelSet",
     "attention_reference",
+    "choose_compile",
     "attention_sdpa",
     "document_attention_mask",
     "flex_usable",
@@ -40,6 +42,7 @@ __all__ = [
     "cross_entropy_reference",
     "layer_norm_reference",
     "rms_norm_reference",
+    "resolve_mode",
     "rope_reference",
     "select_kernels",
     "swiglu_reference",

@@ -17,9 +17,18 @@ Modes:
 * ``triton``: hand-written Triton kernels for RMSNorm, LayerNorm, SwiGLU, bias-GELU
   and RoPE; bias-dropout-add and cross entropy come from ``compiled`` when inductor
   works on the device (eager otherwise); attention is SDPA.
-* ``auto``: ``triton`` on CUDA when Triton is installed, else ``reference`` on CUDA
-  (inductor needs Triton there); ``compiled`` on CPU when a C++ compiler is found,
-  else ``reference``. Auto never picks the Triton interpreter.
+* ``auto``: ``reference`` on CUDA: under ``compile`` (on by default there,
+  :func:`choose_compile`) inductor fuses the plain ops of each block, and that measured
+  faster on an H100 than both the Triton kernels and the ``compiled`` per-op graphs, with
+  or without compiled blocks (bench/RESULTS.md); a kernel that loses is not chosen.
+  ``compiled`` on CPU when a C++ compiler is found, else ``reference``. Auto never picks
+  the Triton interpreter.
+
+:func:`choose_compile` resolves the train config's ``compile`` the same way, once: an
+explicit true/false wins; ``auto`` compiles the blocks on CUDA (when inductor can build
+kernels there) and not on CPU, where the per-op ``compiled`` kernels already take what
+fusing gains above their measured sizes and block compilation would cost every CPU run
+its compile time.
 
 Forcing a mode the host cannot run raises ``ValueError`` naming what is missing; the
 choice is logged once per (requested mode, resolved mode, device type), on one line.
@@ -63,7 +72,8 @@ _LOGGED: set[tuple[str, str, str]] = set()
 
 @dataclass(frozen=True)
 class KernelSet:
-    """The ops as callables (same signatures as the ``*_reference`` functions).
+    """The ops as callables (same signatures as the ``*_reference`` functions): the spec a
+    model is built with, one implementation per op.
 
     ``sources`` maps each op name to the implementation behind it
     (``reference``, ``compiled``, ``triton`` or ``sdpa``; ``compiled`` ops call ATen's own
@@ -81,6 +91,12 @@ class KernelSet:
     attention: Callable
     cross_entropy: Callable
     sources: dict[str, str] = field(default_factory=dict)
+
+    def __reduce__(self):
+        """Pickled (and deep-copied) as its recipe, ``select_kernels(mode, device_type)``: the
+        compiled wrappers are closures that do not pickle, and a model holding its set (built
+        once, :mod:`tokenloom.train.model`) must pickle in every mode."""
+        return select_kernels, (self.mode, self.device_type)
 
 
 _REFERENCES: dict[str, Callable] = {
@@ -117,6 +133,7 @@ def _compiled_ops() -> dict[str, tuple[Callable, str]]:
 def _triton_ops(device_type: str) -> dict[str, tuple[Callable, str]]:
     from . import triton_ops as t  # lazy: optional dependency (triton)
 
+    t.load_kernels()  # imported now, at build time, not while a compiled block traces
     ops = _compiled_ops() if compile_available(device_type) else _reference_ops()
     ops.update(
         rms_norm=(t.rms_norm_triton, "triton"),
@@ -128,8 +145,9 @@ def _triton_ops(device_type: str) -> dict[str, tuple[Callable, str]]:
     return ops
 
 
-def _resolve(mode: str, device_type: str) -> tuple[str, str]:
-    """(mode to build, reason for the log line)."""
+def resolve_mode(mode: str, device_type: str) -> tuple[str, str]:
+    """(the mode ``mode`` builds on ``device_type``, the reason in words: "forced" for an explicit
+    mode); ``ValueError`` naming what is missing when the host cannot run ``mode``."""
     if mode not in MODES:
         raise ValueError(f"kernel mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "triton" and not triton_available(device_type):
@@ -143,12 +161,27 @@ def _resolve(mode: str, device_type: str) -> tuple[str, str]:
     if mode != "auto":
         return mode, "forced"
     if device_type == "cuda":
-        if triton_available("cuda"):
-            return "triton", "CUDA with Triton"
-        return "reference", "CUDA without Triton (inductor needs it too)"
+        return "reference", "on CUDA inductor fuses the plain ops faster than our kernels"
     if compile_available(device_type):
         return "compiled", f"torch.compile works on {device_type}"
     return "reference", f"no torch.compile backend for {device_type}"
+
+
+def choose_compile(setting: bool | str, device_type: str) -> tuple[bool, str]:
+    """Whether ``compile`` (true, false or "auto") compiles the transformer blocks on
+    ``device_type``, and why, in words for the start-up summary ("set" for an explicit bool,
+    which wins);
+    "auto" is on where the blocks' plain ops are fastest compiled (CUDA, with Triton for
+    inductor) and off elsewhere (see the module docstring)."""
+    if isinstance(setting, bool):
+        return setting, "set"
+    if setting != "auto":
+        raise ValueError(f"compile must be true, false or auto; got {setting!r}")
+    if device_type == "cuda":
+        if compile_available("cuda"):
+            return True, "fastest on CUDA"
+        return False, "inductor needs the triton package on CUDA"
+    return False, f"off on {device_type}"
 
 
 def select_kernels(mode: str = "auto", device: torch.device | str | None = None) -> KernelSet:
@@ -156,7 +189,7 @@ def select_kernels(mode: str = "auto", device: torch.device | str | None = None)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device_type = torch.device(device).type
-    resolved, reason = _resolve(mode, device_type)
+    resolved, reason = resolve_mode(mode, device_type)
     builders = {"reference": _reference_ops, "compiled": _compiled_ops}
     ops = _triton_ops(device_type) if resolved == "triton" else builders[resolved]()
     key = (mode, resolved, device_type)

@@ -21,7 +21,6 @@ tables (they are buffers). Inputs are made contiguous, so a strided ``q`` (e.g. 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -44,11 +43,20 @@ def triton_available(device_type: str = "cuda") -> bool:
     return device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
-def _kernels():
-    from . import _triton_kernels  # lazy: optional dependency, the kernels import triton
+_KERNELS = None
+"""The jitted kernels (:mod:`._triton_kernels`; importing it needs triton), set by
+:func:`load_kernels` when a ``triton`` kernel set is built: the ops read a module global,
+not an ``lru_cache``'d lookup that dynamo would trace in compiled blocks."""
 
-    return _triton_kernels
+
+def load_kernels():
+    """Import the jitted kernels once and return them (the selector calls it at build time)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from . import _triton_kernels
+
+        _KERNELS = _triton_kernels
+    return _KERNELS
 
 
 def _row_block(n: int) -> int:
@@ -79,7 +87,7 @@ class _RMSNorm(torch.autograd.Function):
         x2 = x.reshape(-1, n).contiguous()
         y = torch.empty_like(x2)
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        _kernels().rms_norm_fwd[(x2.shape[0],)](x2, weight, y, rstd, n, eps, BLOCK=_row_block(n))
+        load_kernels().rms_norm_fwd[(x2.shape[0],)](x2, weight, y, rstd, n, eps, BLOCK=_row_block(n))
         ctx.save_for_backward(x2, weight, rstd)
         return y.view(x.shape)
 
@@ -91,7 +99,7 @@ class _RMSNorm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         programs = _programs(x2.device, n_rows)
         dw_partial = torch.empty(programs, n, dtype=torch.float32, device=x2.device)
-        _kernels().rms_norm_bwd[(programs,)](
+        load_kernels().rms_norm_bwd[(programs,)](
             dy2, x2, weight, rstd, dx, dw_partial, n_rows, n, _cdiv(n_rows, programs), BLOCK=_row_block(n)
         )
         return dx.view(dy.shape), dw_partial.sum(0).to(weight.dtype), None
@@ -105,7 +113,7 @@ class _LayerNorm(torch.autograd.Function):
         y = torch.empty_like(x2)
         mean = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
-        _kernels().layer_norm_fwd[(x2.shape[0],)](
+        load_kernels().layer_norm_fwd[(x2.shape[0],)](
             x2, weight, weight if bias is None else bias, y, mean, rstd, n, eps,
             HAS_BIAS=bias is not None, BLOCK=_row_block(n),
         )  # fmt: skip
@@ -121,7 +129,7 @@ class _LayerNorm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         programs = _programs(x2.device, n_rows)
         partial = torch.empty(2, programs, n, dtype=torch.float32, device=x2.device)
-        _kernels().layer_norm_bwd[(programs,)](
+        load_kernels().layer_norm_bwd[(programs,)](
             dy2, x2, weight, mean, rstd, dx, partial[0], partial[1], n_rows, n,
             _cdiv(n_rows, programs), BLOCK=_row_block(n),
         )  # fmt: skip
@@ -135,7 +143,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         y = torch.empty_like(gate)
         grid = (_cdiv(gate.numel(), _ELEMENTWISE_BLOCK),)
-        _kernels().swiglu_fwd[grid](gate, up, y, gate.numel(), BLOCK=_ELEMENTWISE_BLOCK)
+        load_kernels().swiglu_fwd[grid](gate, up, y, gate.numel(), BLOCK=_ELEMENTWISE_BLOCK)
         ctx.save_for_backward(gate, up)
         return y
 
@@ -144,7 +152,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         grid = (_cdiv(gate.numel(), _ELEMENTWISE_BLOCK),)
-        _kernels().swiglu_bwd[grid](dy.contiguous(), gate, up, dg, du, gate.numel(), BLOCK=_ELEMENTWISE_BLOCK)
+        load_kernels().swiglu_bwd[grid](dy.contiguous(), gate, up, dg, du, gate.numel(), BLOCK=_ELEMENTWISE_BLOCK)
         return dg, du
 
 
@@ -154,7 +162,7 @@ class _BiasGelu(torch.autograd.Function):
         x = x.contiguous()
         y = torch.empty_like(x)
         grid = (_cdiv(x.numel(), _ELEMENTWISE_BLOCK),)
-        _kernels().bias_gelu_fwd[grid](
+        load_kernels().bias_gelu_fwd[grid](
             x, x if bias is None else bias, y, x.numel(), x.shape[-1],
             HAS_BIAS=bias is not None, TANH=approximate == "tanh", BLOCK=_ELEMENTWISE_BLOCK,
         )  # fmt: skip
@@ -167,7 +175,7 @@ class _BiasGelu(torch.autograd.Function):
         x, bias = ctx.saved_tensors
         dx = torch.empty_like(x)
         grid = (_cdiv(x.numel(), _ELEMENTWISE_BLOCK),)
-        _kernels().bias_gelu_bwd[grid](
+        load_kernels().bias_gelu_bwd[grid](
             dy.contiguous(), x, x if bias is None else bias, dx, x.numel(), x.shape[-1],
             HAS_BIAS=bias is not None, TANH=ctx.approximate == "tanh", BLOCK=_ELEMENTWISE_BLOCK,
         )  # fmt: skip
@@ -180,7 +188,7 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward
     y = torch.empty_like(x)
     half = x.shape[-1] // 2
     n_rows = x.numel() // x.shape[-1]
-    _kernels().rope_fwd_bwd[(n_rows,)](
+    load_kernels().rope_fwd_bwd[(n_rows,)](
         x, cos, sin, y, x.shape[-2], HALF=half, BLOCK=_next_power_of_2(half), BACKWARD=backward
     )
     return y

@@ -117,6 +117,10 @@ class ZeroAdamW:
             :meth:`all_reduce_grads` can sum their reduced pieces.
         grad_units: submodules compiled in place (one autograd node each): no bucket ends
             inside one (:func:`~tokenloom.train.ddp.grad_unit_ids`), as in DDP.
+        fused: ``torch.optim.AdamW``'s ``fused`` for the inner AdamW on the fp32 shard (one
+            kernel per step over all its pieces where torch has it for the device, see
+            :func:`~tokenloom.train.optim.use_fused`; None: torch's default). The same update
+            as the other implementations up to rounding.
     """
 
     def __init__(
@@ -137,6 +141,7 @@ class ZeroAdamW:
         modules: Iterable[nn.Module] = (),
         own_bucket: Callable[[nn.Parameter], bool] | None = None,
         grad_units: Iterable[nn.Module] = (),
+        fused: bool | None = None,
     ) -> None:
         if counts_in_norm is None:
             def counts_in_norm(p: nn.Parameter) -> bool:
@@ -222,7 +227,8 @@ class ZeroAdamW:
             self._decay_runs += [(k, max(a, pc.start) - pc.start, min(b, pc.stop) - pc.start, wd)
                                  for a, b, wd in runs if a < pc.stop and b > pc.start]
             at += size
-        self.optimizer = torch.optim.AdamW(self.main_shards, lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.main_shards, lr=lr, betas=betas, eps=eps, weight_decay=0.0,
+                                           fused=fused)
 
         # overlap: a hook per parameter launches its bucket's reduce-scatter once the bucket is
         # complete, buckets strictly from the last to the first (the same order on every rank)
@@ -530,8 +536,8 @@ class ZeroAdamW:
         inner = self.optimizer.state_dict()
         inner["state"] = {k: {"step": torch.tensor(step, dtype=torch.float32, device="cpu"), **{key: flat[pc].clone() for key, flat in moments.items()}}
                           for k, pc in enumerate(self._pieces)}
-        # AdamW keeps a non-fused step on the CPU whatever the parameters' device; load_state_dict
-        # moves the moments to the master pieces' device, as torch's own resume does.
+        # AdamW keeps a non-fused step on the CPU whatever the parameters' device (a fused one on the
+        # device); load_state_dict moves the step and moments there, as torch's own resume does.
         self.optimizer.load_state_dict(inner)
 
     def _gather_to_first(self, pieces: list[torch.Tensor]) -> torch.Tensor | None:
