@@ -53,7 +53,7 @@ def load_kernels():
     """Import the jitted kernels once and return them (the selector calls it at build time)."""
     global _KERNELS
     if _KERNELS is None:
-        from . import _triton_kernels
+        from . import _triton_kernels  # lazy: optional dependency, the kernels import triton
 
         _KERNELS = _triton_kernels
     return _KERNELS
