@@ -17,7 +17,7 @@ from tl_testing import REPO, cli_env
 
 from tokenloom.train.launch import process_alive
 
-ITERS = 300
+ITERS = 60  # the signal lands after 3 logged steps: dozens of steps of margin on a fast machine
 TINY = ["--mock-data", "--set", "data.mock.num_sequences=400", "--set", "data.mock.max_length=100",
         "--seq-length", "16", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
         "--set", "model.vocab_size=64", "--set", "model.make_vocab_size_divisible_by=32", "--set", "progress=false",
