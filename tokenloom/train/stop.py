@@ -48,7 +48,7 @@ class StopOnSignal:
         if self._group is None:
             return self.signum
         result = self._wait()
-        flag = torch.tensor([self.signum or 0], dtype=torch.int32)
+        flag = torch.tensor([self.signum or 0], dtype=torch.int32, device="cpu")  # the gloo group's device
         self._pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag
         return result
 
