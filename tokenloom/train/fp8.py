@@ -80,7 +80,10 @@ def convert(chunks: Iterable[nn.Module], recipe: str) -> int:
     """Swap the :func:`convertible` linears of every chunk for torchao's float8 linears with
     ``recipe``'s scaling, in place (same parameter objects, so their tags and the optimizer's
     view of them are kept). Returns how many were converted."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: optional dependency (the fp8 extra)
+    from torchao.float8 import (  # lazy: optional dependency (the fp8 extra)
+        Float8LinearConfig,
+        convert_to_float8_training,
+    )
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     converted = 0
