@@ -35,7 +35,7 @@ Rows:
 * peak memory (RSS high-water growth during forward + backward, fresh subprocess per
   implementation) of the chunked cross entropy vs the full-logits reference at vocab
   50304, 1024 tokens; uses tests/train/kernels/_ce_memory_probe.py.
-* MFU with the standard 6N + 12*L*H*Q*T FLOPs per token (``GPT.flops_per_token``)
+* MFU with the standard 6N + 12*L*H*Q*T FLOPs per token (``flops.flops_per_token``)
   against the device's dense bf16 peak: "n/a" without a GPU.
 * GPU-only rows (Triton kernels, bf16) are marked "not yet run" when no GPU is present.
 """
@@ -60,6 +60,7 @@ from _table import print_table  # noqa: E402
 
 from tokenloom.train.config import TrainConfig, config_to_dict  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
+from tokenloom.train.flops import flops_per_token  # noqa: E402
 from tokenloom.train.host_alloc import keep_freed_memory  # noqa: E402
 from tokenloom.train.kernels import cross_entropy_reference, select_kernels  # noqa: E402
 from tokenloom.train.metrics import mfu, peak_flops, read_metrics  # noqa: E402
@@ -263,7 +264,7 @@ def main() -> None:
                  f"{chunked['held_after_forward'] / ref['held_after_forward']:.2f}x"))
 
     model = _model(args, "gpt2", "reference", torch.device("cpu"))
-    fpt = model.flops_per_token()
+    fpt = flops_per_token(model)
     peak = peak_flops(device)
     mfu_cell = f"{mfu(fpt, fast_tps, peak):.1%}" if peak else "n/a (no GPU in this run)"
     rows.append((f"gpt2 FLOPs/token (6N + 12*L*H*Q*T, T={args.seq_len})", f"{fpt / 1e6:.1f} M", "", ""))

@@ -28,7 +28,7 @@ between runs). Each side reports its median step over all rounds; each round sta
 fresh processes, because one model instance can be 4-5% faster or slower than another
 (measured: six instances of the same model, same seed, interleaved in one process),
 and many rounds average that out. Target: ratio >= 1.0.
-MFU (``metrics.mfu``, the one formula for every side: ``GPT.flops_per_token``, the device's
+MFU (``metrics.mfu``, the one formula for every side: ``flops.flops_per_token``, the device's
 peak) is printed when the device's peak FLOP/s is known (GPUs in the metrics table); so are
 each side's peak device memory (``max_memory_allocated``) and its first step (compilation,
 warm-up), which the medians leave out. On a GPU the sides run in pairs with ours
@@ -54,6 +54,7 @@ from _table import print_table  # noqa: E402
 
 from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
+from tokenloom.train.flops import flops_per_token  # noqa: E402
 from tokenloom.train.loop import start_run  # noqa: E402
 from tokenloom.train.metrics import mfu, peak_flops  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
@@ -238,7 +239,7 @@ def main() -> None:
     others = [n for n in ("compiled", "base", "ours_fp8") if n in tps]
     device_peak = peak_flops(device)
     if device_peak:
-        fpt = model.flops_per_token()
+        fpt = flops_per_token(model)
         for other in others:
             rows.append((f"MFU, ours vs {other}", f"{mfu(fpt, tps['ours'], device_peak):.1%}",
                          f"{mfu(fpt, tps[other], device_peak):.1%}", f"{tps['ours'] / tps[other]:.3f}x"))

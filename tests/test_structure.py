@@ -229,6 +229,13 @@ def test_no_private_names_across_modules(found):
     assert not bad, "\n".join(bad)
 
 
+def test_the_loop_leaves_data_resume_to_train_data(found):
+    """The loop holds one ``train.data.TrainData``; blending's resume rules stay behind it."""
+    bad = [f"{i.module}:{i.line} imports {i.target}" for i in found
+           if i.module == "tokenloom.train.loop" and i.target.startswith("tokenloom.blending")]
+    assert not bad, "\n".join(bad)
+
+
 def test_imports_inside_functions_say_why():
     bad = unexplained_lazy_imports(REPO)
     assert not bad, f"an import inside a function needs '{LAZY_MARK} <reason>' on its line:\n" + "\n".join(bad)

@@ -10,6 +10,7 @@ import pytest
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import launch as launch_module
+from tokenloom.train.flops import flops_per_token
 from tokenloom.train.launch import Nodes, RankWatch, launch, torchrun_command, without_error_lines
 from tokenloom.train.metrics import read_metrics
 from tokenloom.train.model import GPT, GPTConfig
@@ -31,7 +32,7 @@ def test_in_process_from_a_config_file_with_known_peak(tmp_path):
     summary = launch(path)
     assert summary["iteration"] == 4 and summary["checkpoint"].endswith("iter_0000004")
     record = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
-    fpt = GPT(GPTConfig(**MODEL)).flops_per_token()
+    fpt = flops_per_token(GPT(GPTConfig(**MODEL)))
     assert record["mfu"] == pytest.approx(fpt * record["tokens_per_s"] / 1e12)
 
 

@@ -23,8 +23,9 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
 from tokenloom.train.fp8 import RECIPES as FP8_RECIPES
-from tokenloom.train.model import GPTConfig, PipelineSplit
+from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
+from tokenloom.train.pipeline_split import PipelineSplit
 
 
 @dataclass(kw_only=True)
@@ -164,7 +165,7 @@ class TrainConfig:
 
     @property
     def pipeline_split(self) -> PipelineSplit:
-        """Which blocks each pipeline rank's chunks hold (:class:`~tokenloom.train.model.PipelineSplit`)."""
+        """Which blocks each pipeline rank's chunks hold (:class:`~tokenloom.train.pipeline_split.PipelineSplit`)."""
         return PipelineSplit(self.model.n_layers, self.pp, self.vpp or 1, self.num_layers_in_first_pipeline_stage,
                              self.num_layers_in_last_pipeline_stage, self.account_for_embedding_in_pipeline_split,
                              self.account_for_loss_in_pipeline_split)

@@ -21,6 +21,9 @@ shape, the built train sample count and, for blends, a digest of every source's
 ``.idx``. Mock data refuses a resume on another fingerprint unless ``force_data`` (it only
 changes when its epoch count changes).
 
+The loop holds one :class:`TrainData`: the datasets, the consumed count, and the data's
+part of a checkpoint (``state_dict`` / ``load_state_dict``, where the resume rules live).
+
 A blend's train order is a :class:`~tokenloom.blending.segments.SegmentedBlend`: one
 segment (Megatron's blend itself) until a resume changes the weights, the sources or the
 run length (``train_iters`` x ``global_batch_size``); then the checkpoint's history gets a
@@ -45,10 +48,16 @@ from tokenloom.blending.build import BuildConfig
 from tokenloom.blending.build import build as build_blend
 from tokenloom.blending.cache import SharedBuild
 from tokenloom.blending.gpt import GPTDatasetConfig
-from tokenloom.blending.loader import ConsumedSamplesSampler, GPTSamples, SampleConfig, fingerprint
+from tokenloom.blending.loader import (
+    ConsumedSamplesSampler,
+    GPTSamples,
+    SampleConfig,
+    check_fingerprint,
+    fingerprint,
+)
 from tokenloom.blending.mock import MockSource
 from tokenloom.blending.plan import format_plan
-from tokenloom.blending.segments import Segment, SegmentedBlend, continue_history, read_history
+from tokenloom.blending.segments import Segment, SegmentedBlend, continue_history, history_json, read_history
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed.format import index_path
 from tokenloom.tokenizers import load_tokenizer
@@ -177,6 +186,74 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
                           "data.eod_mask_loss": cfg.eod_mask_loss}
         out.train = SegmentedBlend(out.segments, [train])  # one segment: Megatron's blend itself
     return out
+
+
+class TrainData:
+    """The loop's data and its resume state, one object: the built datasets (``train``,
+    ``valid``, ``eod``, ``plan``), the consumed-samples count the loop advances, and what a
+    checkpoint keeps of them (:meth:`state_dict`) and how a resume takes it back
+    (:meth:`load_state_dict`). The loop knows nothing of blends, histories or fingerprints.
+
+    Invariant: ``consumed`` samples of ``train``'s global order have been trained on; the
+    next global batch starts there (at any data-parallel size).
+    """
+
+    def __init__(self, cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, int, int],
+                 tokenizer_eod: int | None = None) -> None:
+        """Build the datasets of ``cfg`` for ``sizes`` samples (see :func:`build`); nothing consumed."""
+        self.cfg = cfg
+        self.datasets = build(cfg, seq_len=seq_len, vocab_size=vocab_size, sizes=sizes, tokenizer_eod=tokenizer_eod)
+        self.consumed = 0
+
+    @property
+    def train(self) -> GPTDataset | BlendedDataset | SegmentedBlend:
+        return self.datasets.train
+
+    @property
+    def valid(self) -> object | None:
+        return self.datasets.valid
+
+    @property
+    def eod(self) -> int | None:
+        return self.datasets.eod
+
+    @property
+    def plan(self) -> str:
+        return self.datasets.plan
+
+    def state_dict(self) -> dict:
+        """What a checkpoint's ``state.json`` keeps of the data: ``consumed_samples``,
+        ``data_fingerprint`` and ``data_description``; for blend data also ``data_history``
+        (the train order's segments and the settings a resume may not change) and
+        ``data_consumed`` (where each source stands, for people). JSON-able."""
+        d = self.datasets
+        state: dict = {"consumed_samples": self.consumed, "data_fingerprint": d.fingerprint,
+                       "data_description": d.description}
+        if d.segments is not None and isinstance(d.train, SegmentedBlend) and d.invariants is not None:
+            state["data_history"] = history_json(d.invariants, d.segments)
+            state["data_consumed"] = d.train.consumed_json(self.consumed)
+        return state
+
+    def load_state_dict(self, saved: dict, *, force: bool = False, where: str = "the checkpoint") -> list[str]:
+        """Resume from ``saved`` (a checkpoint's ``state.json``, read from ``where``): check that
+        its data may continue here, continue its train order, take its consumed count. Returns
+        notes for people (a changed blend, a source that wraps around).
+
+        Blend data with a history continues it (:func:`resume_order`); blend data saved
+        without one must have the same fingerprint; mock data must too. ``force``
+        (``force_data``) skips every check and takes this config's order as it is."""
+        d = self.datasets
+        consumed, history = int(saved["consumed_samples"]), saved.get("data_history")
+        notes: list[str] = []
+        if history is not None and d.segments is not None and not force:
+            notes = resume_order(d, self.cfg, history, consumed, where)
+        elif d.segments is not None and not force and saved.get("data_fingerprint") != d.fingerprint:
+            raise TokenloomError(f"{where} was trained on other data and saved before blends could change on resume "
+                                 "(it has no data history); resume with its data or pass --set force_data=true")
+        else:
+            check_fingerprint(saved.get("data_fingerprint"), d.fingerprint, force)
+        self.consumed = consumed
+        return notes
 
 
 def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, where: str) -> list[str]:

@@ -20,7 +20,8 @@ Choices and their costs:
 
 * **Exact resume**: everything that decides the next step is in the checkpoint or a
   pure function of it: parameters, AdamW state, the iteration (learning rate), the
-  consumed-samples count (data order), and each rank's RNG states. On CPU in fp32 a run
+  consumed-samples count and blend history (data order, kept and checked by
+  :class:`~tokenloom.train.data.TrainData`), and each rank's RNG states. On CPU in fp32 a run
   stopped and resumed in a fresh process reproduces the losses and final parameters of
   an uninterrupted run bit for bit (tested). GPU runs are reproducible only as far as
   their kernels are deterministic.
@@ -55,13 +56,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tokenloom.blending.loader import check_fingerprint
-from tokenloom.blending.segments import SegmentedBlend, history_json
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.train import checkpoint
-from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict, load_config
+from tokenloom.train.data import TrainData, open_tokenizer
 from tokenloom.train.metrics import MetricsLogger, StepTimer, mfu, peak_flops, plot_loss
 from tokenloom.train.optim import lr_at, set_lr
 from tokenloom.train.runtime import (
@@ -116,9 +115,9 @@ class Trainer:
         # split string that leaves a small source no test documents must not fail the run).
         sizes = (cfg.train_iters * gbs, evals * gbs if cfg.eval_interval else 0, 0)
         self.strategy = Strategy(cfg, world)
-        self.data = train_data.build(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
-                                     sizes=sizes, tokenizer_eod=tok_eod)
-        self.iteration, self.consumed = 0, 0
+        self.data = TrainData(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size, sizes=sizes,
+                              tokenizer_eod=tok_eod)
+        self.iteration = 0
         self.resumed_from = self._resume()
         peak = cfg.peak_flops or peak_flops(world.device)
         self.peak_total = peak * world.size if peak else None
@@ -165,7 +164,7 @@ class Trainer:
     def _check_tokenizer(self) -> int | None:
         if not self.cfg.tokenizer:
             return None
-        tok = train_data.open_tokenizer(self.cfg.tokenizer)
+        tok = open_tokenizer(self.cfg.tokenizer)
         if tok.vocab_size > self.cfg.model.vocab_size:
             raise TokenloomError(f"the tokenizer has {tok.vocab_size} ids but model.vocab_size is "
                                  f"{self.cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size}")
@@ -179,38 +178,18 @@ class Trainer:
             return None
         saved = checkpoint.read_state(path)
         check_resumable_model(path, self.cfg, saved["config"]["model"])
-        consumed, history = int(saved["consumed_samples"]), saved.get("data_history")
-        notes = []
-        if history is not None and self.data.segments is not None and not self.cfg.force_data:
-            notes = train_data.resume_order(self.data, self.cfg.data, history, consumed, str(path))
-        elif self.data.segments is not None and not self.cfg.force_data and \
-                saved.get("data_fingerprint") != self.data.fingerprint:
-            raise TokenloomError(f"{path} was trained on other data and saved before blends could change on resume "
-                                 "(it has no data history); resume with its data or pass --set force_data=true")
-        else:
-            check_fingerprint(saved.get("data_fingerprint"), self.data.fingerprint, self.cfg.force_data)
+        notes = self.data.load_state_dict(saved, force=self.cfg.force_data, where=str(path))
         self.strategy.load(path, saved)
-        self.iteration, self.consumed = int(saved["iteration"]), consumed
+        self.iteration = int(saved["iteration"])
         if self.world.rank == 0:
             for note in notes:
                 print(note, file=sys.stderr)
-            print(f"resumed from {path} at iteration {self.iteration} ({self.consumed} samples consumed)",
+            print(f"resumed from {path} at iteration {self.iteration} ({self.data.consumed} samples consumed)",
                   file=sys.stderr)
         return path
 
     def _save(self) -> Path:
-        state = {
-            "consumed_samples": self.consumed,
-            "data_fingerprint": self.data.fingerprint,
-            "data_description": self.data.description,
-            "world_size": self.world.size,
-            "config": config_to_dict(self.cfg),
-        }
-        train, invariants = self.data.train, self.data.invariants
-        if self.data.segments is not None and isinstance(train, SegmentedBlend) and invariants is not None:
-            # the train order's history and where each source stands (blend data sets all three)
-            state["data_history"] = history_json(invariants, self.data.segments)
-            state["data_consumed"] = train.consumed_json(self.consumed)
+        state = {**self.data.state_dict(), "world_size": self.world.size, "config": config_to_dict(self.cfg)}
         return self.strategy.save(self.iteration, state)
 
     def evaluate(self) -> float:
@@ -263,7 +242,7 @@ class Trainer:
         has_valid = self.data.valid is not None
         batches: Iterator[list] = iter(())
         if self.iteration < cfg.train_iters:
-            batches = s.global_batches(self.data.train, eod=self.data.eod, consumed=self.consumed,
+            batches = s.global_batches(self.data.train, eod=self.data.eod, consumed=self.data.consumed,
                                        total=cfg.train_iters * cfg.global_batch_size, workers=cfg.data.num_workers)
         if self.iteration == 0 and cfg.eval_interval and has_valid:
             # The starting point of the validation curve (eval mode: no RNG is consumed).
@@ -275,7 +254,7 @@ class Trainer:
             set_lr(s.optimizer, lr)
             loss, norm = s.train_step(next(batches))
             self.iteration += 1
-            self.consumed += cfg.global_batch_size
+            self.data.consumed += cfg.global_batch_size
             loss_sum += loss
             since += 1
             timer.step()
@@ -333,7 +312,7 @@ class Trainer:
         timing = self._timer.interval()
         bubble = self.strategy.bubble_for_log()
         self._record({"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm), **timing,
-                      "consumed_samples": self.consumed,
+                      "consumed_samples": self.data.consumed,
                       "mfu": mfu(self.flops_per_token, timing["tokens_per_s"], self.peak_total),
                       **({} if bubble is None else {"pipeline_bubble": bubble})})
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}")

@@ -9,7 +9,7 @@ interval holds the process's first step also carries ``first_step_s`` (see
 cut back to the checkpoint's iteration, so it never holds two records for one step and
 the loss curve of a resumed run looks like that of an uninterrupted one.
 
-MFU uses :meth:`tokenloom.train.model.GPT.flops_per_token` against the device's dense
+MFU uses :func:`tokenloom.train.flops.flops_per_token` against the device's dense
 bf16 peak from :data:`PEAK_BF16_FLOPS` (matched on the CUDA device name), times the
 number of devices; CPUs have no entry (MFU is null) unless ``peak_flops`` is given. An
 fp32 GPU run is still measured against the bf16 peak (the convention of nanoGPT and

@@ -55,8 +55,9 @@ from tokenloom.train import checkpoint, fp8
 from tokenloom.train import data as train_data
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
+from tokenloom.train.flops import flops_per_token
 from tokenloom.train.kernels import choose_compile
-from tokenloom.train.model import GPT, pipeline_stage
+from tokenloom.train.model import GPT
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups, use_fused
 from tokenloom.train.parallel import reshard
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
@@ -73,6 +74,7 @@ from tokenloom.train.parallel.schedules import (
 )
 from tokenloom.train.parallel.state import ParallelState
 from tokenloom.train.parallel.zero import ZeroAdamW
+from tokenloom.train.pipeline_split import pipeline_stage
 from tokenloom.train.runtime import World, autocast_for, collective, compute_dtype
 
 
@@ -414,4 +416,4 @@ class Strategy:
         """(parameters, training FLOPs per token) of the whole model, counted on a ``meta``
         copy (no memory)."""
         model = GPT(self.cfg.model, device="meta")
-        return model.num_params(), model.flops_per_token()
+        return model.num_params(), flops_per_token(model)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig, PipelineSplit, pipeline_stage
+from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel import p2p, schedules
 from tokenloom.train.parallel.p2p import P2PComm
@@ -31,6 +31,7 @@ from tokenloom.train.parallel.schedules import (
     get_schedule,
 )
 from tokenloom.train.parallel.zero import ZeroAdamW
+from tokenloom.train.pipeline_split import PipelineSplit, pipeline_stage
 from tokenloom.train.wgrad import linear as wgrad_linear
 from tokenloom.train.wgrad import set_wgrad_sink, wgrad_sink
 

@@ -17,7 +17,7 @@ through this rank's stage module(s) and leaves the accumulated gradients in ``.g
 Contract: the loss is computed on the last (virtual) stage only, divided by ``M`` before
 backward (Megatron's non per-token mode); that rank gets the unscaled per-micro-batch losses,
 the others an empty list. Stage modules are whatever ``forward_step`` runs (the trainer's
-:func:`tokenloom.train.model.pipeline_stage` chunks).
+:func:`tokenloom.train.pipeline_split.pipeline_stage` chunks).
 
 Data-parallel reduction is gated here, not done: each chunk's forwards and backwards run
 inside its ``no_sync`` (Megatron's ``no_sync_func``) except the chunk's last micro-batch, so a

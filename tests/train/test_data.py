@@ -1,0 +1,100 @@
+"""TrainData: the data's part of a checkpoint round-trips (state_dict -> load_state_dict), and
+a resume on other data is refused (or forced) as the loop's resume suites expect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenloom.errors import TokenloomError
+from tokenloom.indexed import IndexedDatasetWriter
+from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig, TrainData
+
+SIZES = (40, 0, 0)
+
+
+def mock_data(seed: int = 0) -> TrainData:
+    cfg = DataConfig(mock=MockDataConfig(num_sequences=200, max_length=100, seed=seed))
+    return TrainData(cfg, seq_len=16, vocab_size=64, sizes=SIZES)
+
+
+@pytest.fixture
+def blend_sources(tmp_path) -> tuple[str, str]:
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        with IndexedDatasetWriter(tmp_path / name, vocab_size=96) as writer:
+            for _ in range(80):
+                writer.add_document(rng.integers(0, 95, size=int(rng.integers(20, 120))).tolist() + [95])
+    return str(tmp_path / "a"), str(tmp_path / "b")
+
+
+def blend_data(prefixes: list[tuple[float, str]], cache: Path) -> TrainData:
+    cfg = DataConfig(blend=BlendDataConfig(prefixes=prefixes, split="90,9,1", cache_dir=str(cache)))
+    return TrainData(cfg, seq_len=32, vocab_size=96, sizes=SIZES)
+
+
+def saved(data: TrainData) -> dict:
+    """``data``'s state as a checkpoint's state.json gives it back."""
+    return json.loads(json.dumps(data.state_dict()))
+
+
+def test_mock_round_trip():
+    data = mock_data()
+    data.consumed = 8
+    state = saved(data)
+    assert set(state) == {"consumed_samples", "data_fingerprint", "data_description"}
+    assert state["consumed_samples"] == 8
+    resumed = mock_data()
+    assert resumed.consumed == 0
+    assert resumed.load_state_dict(state) == []
+    assert resumed.consumed == 8 and resumed.state_dict() == state
+
+
+def test_mock_on_other_data_is_refused_unless_forced():
+    data = mock_data()
+    data.consumed = 8
+    other = mock_data(seed=1)
+    with pytest.raises(TokenloomError, match="trained on different data"):
+        other.load_state_dict(saved(data))
+    assert other.consumed == 0
+    assert other.load_state_dict(saved(data), force=True) == []
+    assert other.consumed == 8
+
+
+def test_blend_round_trip_keeps_the_history(blend_sources, tmp_path):
+    a, b = blend_sources
+    data = blend_data([(0.5, a), (0.5, b)], tmp_path / "cache")
+    data.consumed = 8
+    state = saved(data)
+    assert len(state["data_history"]["segments"]) == 1
+    assert sum(s["samples"] for s in state["data_consumed"]) == 8
+    resumed = blend_data([(0.5, a), (0.5, b)], tmp_path / "cache")
+    assert resumed.load_state_dict(state, where="ckpt") == []
+    assert resumed.consumed == 8 and resumed.state_dict() == state
+
+
+def test_blend_with_new_weights_continues_the_history(blend_sources, tmp_path):
+    a, b = blend_sources
+    data = blend_data([(0.5, a), (0.5, b)], tmp_path / "cache")
+    data.consumed = 8
+    resumed = blend_data([(0.2, a), (0.8, b)], tmp_path / "cache")
+    notes = resumed.load_state_dict(saved(data), where="ckpt")
+    assert any(n.startswith("the blend changed at sample 8 (segment 2)") for n in notes)
+    segments = resumed.state_dict()["data_history"]["segments"]
+    assert len(segments) == 2 and resumed.state_dict()["consumed_samples"] == 8
+    # the first 8 samples are the saved run's, in its order
+    assert all(np.array_equal(resumed.train[i], data.train[i]) for i in range(8))
+
+
+def test_blend_saved_without_history_on_other_data_is_refused(blend_sources, tmp_path):
+    a, b = blend_sources
+    data = blend_data([(0.5, a), (0.5, b)], tmp_path / "cache")
+    state = saved(data)
+    del state["data_history"]
+    other = blend_data([(0.2, a), (0.8, b)], tmp_path / "cache")
+    with pytest.raises(TokenloomError, match="ckpt was trained on other data and saved before blends could change"):
+        other.load_state_dict(state, where="ckpt")
+    assert other.load_state_dict(state, where="ckpt", force=True) == []
