@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up (with the dev, interop, kernels, ray, s3 and fp8 extras), type-check tokenloom/ (mypy, configured
-# in pyproject.toml; its cache in .mypy_cache makes reruns quick), then run the whole test suite.
+# Set up (with the dev, interop, kernels, ray, s3 and fp8 extras), lint (ruff) and type-check tokenloom/
+# (mypy, configured in pyproject.toml; its cache in .mypy_cache makes reruns quick), then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=dev,interop,kernels,ray,s3,fp8 bash scripts/setup.sh
+.venv/bin/ruff check tokenloom tests bench
 .venv/bin/python -m mypy
 # Two workers (TEST_WORKERS) take whole modules each (--dist loadscope: a module's shared process
 # groups and one-process baselines are computed once, on one worker); the 15 slowest tests are
