@@ -327,6 +327,16 @@ def _start_two_worker_run(tmp_path, out: Path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def _checkpoint_kept_and_rerun_resumes(tmp_path: Path, out: Path, path: Path, args: list[str]) -> None:
+    """After a stop: nothing left behind but the checkpoint, and the same command resumes from it
+    to the bytes of an uninterrupted run."""
+    assert _left_behind(tmp_path) == [] and (tmp_path / "out.partial" / "checkpoint.npz").exists()
+    again = subprocess.run(_cli(args), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from {out}.partial" in again.stdout
+    assert same_bytes(out, preprocess(tmp_path, [path], name="ref", append_eod=True))
+
+
 def test_a_killed_worker_keeps_the_checkpoint_and_the_rerun_resumes(tmp_path):
     out = tmp_path / "out"
     path, args, proc, workers = _start_two_worker_run(tmp_path, out)
@@ -335,11 +345,7 @@ def test_a_killed_worker_keeps_the_checkpoint_and_the_rerun_resumes(tmp_path):
     one_line_error(subprocess.CompletedProcess(args, proc.returncode, "", stderr),
                    "error: a tokenizer worker process died",
                    f"rerun the same command to resume from the checkpoint in {out}.partial")
-    assert _left_behind(tmp_path) == [] and (tmp_path / "out.partial" / "checkpoint.npz").exists()
-    again = subprocess.run(_cli(args), capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert f"resuming from {out}.partial" in again.stdout
-    assert same_bytes(out, preprocess(tmp_path, [path], name="ref", append_eod=True))
+    _checkpoint_kept_and_rerun_resumes(tmp_path, out, path, args)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -353,11 +359,7 @@ def test_sigterm_saves_a_checkpoint_names_it_and_the_rerun_resumes(tmp_path):
     lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and lines[0].startswith("error: interrupted; rerun the same command to resume from the "
                                                    f"checkpoint in {out}.partial"), stderr
-    assert _left_behind(tmp_path) == [] and (tmp_path / "out.partial" / "checkpoint.npz").exists()
-    again = subprocess.run(_cli(args), capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert f"resuming from {out}.partial" in again.stdout
-    assert same_bytes(out, preprocess(tmp_path, [path], name="ref", append_eod=True))
+    _checkpoint_kept_and_rerun_resumes(tmp_path, out, path, args)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

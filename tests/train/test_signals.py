@@ -1,6 +1,6 @@
-"""SIGTERM to a 2-rank ``cli.py train`` job (issue 39): every process of the job ends, with a
-checkpoint of the step it stopped at, and ``--resume auto`` continues with the losses of an
-uninterrupted run, whether the launcher or one rank was signalled."""
+"""SIGTERM to a 2-rank ``cli.py train`` job: every process of the job ends, with a checkpoint of
+the step it stopped at, and ``--resume auto`` continues with the losses of an uninterrupted run,
+whether the launcher, torchrun or one rank was signalled."""
 
 from __future__ import annotations
 
@@ -63,13 +63,13 @@ def test_sigterm_to_the_launcher_or_one_rank_saves_the_step_and_resume_continues
     expected = losses(tmp_path / "reference")
     assert len(expected) == ITERS
 
-    for target in ("launcher", "rank 1"):
+    for target, at in (("launcher", 0), ("torchrun", 1), ("rank 1", 3)):
         out = tmp_path / target.replace(" ", "")
         proc = train(out)
         try:
             pids = job_pids(proc.pid, out)
             seen = len(losses(out))
-            os.kill(pids[0] if target == "launcher" else pids[3], signal.SIGTERM)
+            os.kill(pids[at], signal.SIGTERM)
             deadline = time.monotonic() + 60
             while any(process_alive(p) for p in pids):
                 assert time.monotonic() < deadline, f"{target}: still running: {[p for p in pids if process_alive(p)]}"
