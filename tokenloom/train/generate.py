@@ -54,13 +54,14 @@ def load_model(path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
     layout: one model file (data parallel), or tensor/pipeline shards gathered back into
     the one-process model (:func:`tokenloom.train.parallel.reshard.full_tensors`)."""
     state = checkpoint.read_state(path)
-    model = GPT(config_from_dict(GPTConfig, state["config"]["model"], "model."))
+    # built on ``device``: the model chooses its kernels for the device it is built on
+    model = GPT(config_from_dict(GPTConfig, state["config"]["model"], "model."), device=device)
     if state.get("layout") is not None:
         tensors = full_tensors(path)[0]
     else:
         tensors = checkpoint.load_tensors(path, "model.pt")
     model.load_state_dict(tensors)
-    return model.to(device).eval(), state
+    return model.eval(), state
 
 
 @torch.no_grad()
