@@ -39,7 +39,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import blake3
 import numpy as np
@@ -47,16 +46,10 @@ import numpy as np
 from tokenloom.blending.cache import write_error
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import hash_file
-from tokenloom.indexed import (
-    IndexedDataset,  # the reader lives one stage up
-    manifest,
-)
-from tokenloom.indexed.format import read_header
+from tokenloom.indexed import IndexedDataset, manifest
+from tokenloom.indexed.format import iter_token_chunks, read_header
 from tokenloom.indexed.manifest import ids_key
 from tokenloom.indexed.validate import check_pair
-
-if TYPE_CHECKING:  # annotations only: the reader is imported where a source is first opened
-    from tokenloom.indexed import IndexedDataset
 
 MEMO_FILE = "sources.jsonl"
 MAX_ID_CHUNK = 1 << 24
@@ -120,15 +113,14 @@ def _compute(prefix: str) -> SourceMeta:
 
 
 def max_token_id(prefix: str) -> int:
-    """The largest token id in ``PREFIX.bin`` (-1 if it holds no token), read through a memory
-    map :data:`MAX_ID_CHUNK` tokens at a time."""
-    dtype = read_header(f"{prefix}.idx")[0]
-    path = f"{prefix}.bin"
-    count = os.path.getsize(path) // dtype.itemsize
-    if count == 0:
-        return -1
-    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(count,))  # unmapped when the last view goes
-    return max(int(tokens[i:i + MAX_ID_CHUNK].max()) for i in range(0, count, MAX_ID_CHUNK))
+    """The largest token id in ``PREFIX.bin`` (-1 if it holds no token), over the token stream
+    the index describes, :data:`MAX_ID_CHUNK` tokens at a time (a pair whose sizes disagree
+    raises the reader's error naming both)."""
+    ds = IndexedDataset(prefix)
+    try:
+        return max((int(chunk.max()) for chunk in iter_token_chunks(ds, MAX_ID_CHUNK) if chunk.size), default=-1)
+    finally:
+        ds.close()
 
 
 def _with_max_id(prefix: str, meta: SourceMeta) -> SourceMeta:
