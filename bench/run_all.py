@@ -16,8 +16,9 @@ tokenloom where it amortises start-up (preprocess, blend).
 The GPU rows (``--gpu``, what ``scripts/gpu-check.sh`` runs) are bf16 runs of ~1B-parameter
 GPTs (``GPU_ARGS``: a GPT-2 and a Llama shape): tokens/s, MFU, peak memory and first step of
 our loop against the compiled nanoGPT-style loop (and, for the GPT-2 shape, the eager loop
-and our fp8 run). They live between ``GPU_BEGIN`` and ``GPU_END`` in RESULTS.md; ``--gpu`` rewrites
-only that block and a CPU run keeps the block it finds, so neither erases the other.
+and our fp8 run), then fp8's loss against bf16 after 300 steps (``fp8_bench``). They live
+between ``GPU_BEGIN`` and ``GPU_END`` in RESULTS.md; ``--gpu`` rewrites only that block and a
+CPU run keeps the block it finds, so neither erases the other.
 
 The notes (``NOTES_BEGIN`` .. ``NOTES_END``, at the end of RESULTS.md) are written by hand:
 figures that a docstring's trade-off rests on, measured once (under the bench that
@@ -60,6 +61,7 @@ GPU_ARGS: dict[str, list[list[str]]] = {
         [*_SHAPE, "--arch", "llama", "--n-kv-heads", "4", "--vocab", "32000", "--seq-len", "4096", "--micro", "2",
          "--sides", "ours,compiled"],
     ],
+    "fp8_bench": [[]],  # its defaults: the GPT-2 shape above, 300 steps, data from TOKENLOOM_BENCH_DATA
 }
 GPU_BEGIN, GPU_END = "<!-- gpu-rows -->", "<!-- /gpu-rows -->"
 NOTES_BEGIN, NOTES_END = "## Notes from measurements", "<!-- /notes: hand-written, kept by bench/run_all.py -->"

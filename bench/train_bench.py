@@ -6,7 +6,8 @@
 
 Ours is tokenloom's training loop (``loop.start_run(cfg).steps()``, what ``run`` drives)
 on mock data, with the defaults a ``train`` run has: DataLoader over GPTSamples, lr
-schedule, grad clipping, metrics JSONL every 10 steps, one checkpoint at the end, no
+schedule, grad clipping, metrics JSONL every 10 steps (stopped one step before its end, so no
+checkpoint is written), no
 evaluation, manual GC (``gc_interval``) and, on CPU, glibc malloc keeping freed memory
 for the next step (``keep_freed_memory``, tokenloom.train.host_alloc). The baseline is
 the nanoGPT-style loop: batches pre-built in memory, forward, backward, clip, AdamW,
@@ -31,8 +32,9 @@ and many rounds average that out. Target: ratio >= 1.0.
 MFU (``metrics.mfu``, the one formula for every side: ``flops.flops_per_token``, the device's
 peak) is printed when the device's peak FLOP/s is known (GPUs in the metrics table); so are
 each side's peak device memory (``max_memory_allocated``) and its first step (compilation,
-warm-up), which the medians leave out. On a GPU the sides run in pairs with ours
-(``--pairs``, the default there): two ~1B-parameter models fit one 80 GB device, four do not;
+warm-up, all sides of a group side by side), which the medians leave out. On a GPU of less than
+120 GiB the sides run in pairs with ours (``--pairs``, the default there): two ~1B-parameter models
+fit one 80 GB device, four do not;
 ``scripts/gpu-check.sh`` runs the GPT-2 and Llama shapes through ``bench/run_all.py --gpu``.
 """
 
@@ -74,13 +76,20 @@ def our_steps(args, out: Path, keep_freed_memory: bool = True, fp8: str | None =
     cfg = TrainConfig(
         model=model_config(args), data=DataConfig(mock=MockDataConfig(num_sequences=20_000, max_length=1024)),
         optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_iters=5), micro_batch_size=args.micro,
-        global_batch_size=args.micro, train_iters=args.iters, eval_interval=0, log_interval=10,
+        global_batch_size=args.micro, train_iters=args.iters + 1, eval_interval=0, log_interval=10,
         save_interval=None, output_dir=str(out), progress=False, plot=False, keep_freed_memory=keep_freed_memory,
         fp8=fp8,
     )
+    # One step more than the bench takes, stopped before it: the end-of-run checkpoint (untimed
+    # anyway; ~15 GB at 1B parameters) is never written, which keeps the GPU lease for the rows.
     run = start_run(cfg)
-    yield from run.steps()
-    run.finish()
+    steps = run.steps()
+    try:
+        for _ in range(args.iters):
+            yield next(steps)
+    finally:
+        steps.close()
+        run.finish()
 
 
 def baseline_steps(args, device: torch.device, fused: bool = False, compiled: bool = False):
@@ -146,6 +155,13 @@ def _gpu_sides(device: torch.device) -> tuple[str, ...]:
     return ("ours", "compiled", "base") + (("ours_fp8",) if fp8 else ())
 
 
+def _pairs_by_default(device: torch.device) -> bool:
+    """Pairs on a GPU of less than 120 GiB: four ~1B-parameter runs (~25 GiB each at the GPU
+    shapes) fit one H200's 141 GB, not one H100's 80 GB. One group compiles its sides' first
+    steps side by side, so the lease pays for one compilation per group, not one per side."""
+    return device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory < 120 * 2**30
+
+
 def _device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -173,7 +189,7 @@ def main() -> None:
     names = tuple(args.sides.split(",")) if args.sides else CPU_SIDES if device.type == "cpu" else _gpu_sides(device)
     if "ours" not in names or len(names) < 2 or not set(names) <= set(SIDES):
         raise SystemExit(f"--sides must name ours and at least one other, from {','.join(SIDES)}")
-    pairs = device.type == "cuda" if args.pairs is None else args.pairs
+    pairs = _pairs_by_default(device) if args.pairs is None else args.pairs
     groups = [("ours", name) for name in names if name != "ours"] if pairs else [names]
     times: dict[str, list[float]] = {name: [] for name in names}
     first: dict[str, list[float]] = {name: [] for name in names}  # each process's first step
@@ -190,12 +206,14 @@ def main() -> None:
                     pipes[name] = parent
                     procs.append(proc)
                 this_round: dict[str, list[float]] = {name: [] for name in group}
-                for it in range(args.iters):  # the loops take turns, one step each; the others wait
+                for name in group:  # the first steps (compilation, warm-up) side by side
+                    pipes[name].send(True)
+                for name in group:
+                    first[name].append(pipes[name].recv())
+                for it in range(1, args.iters):  # then the loops take turns, one step each; the others wait
                     for name in group:
                         pipes[name].send(True)
                         elapsed = pipes[name].recv()
-                        if it == 0:
-                            first[name].append(elapsed)
                         if it >= args.skip:
                             this_round[name].append(elapsed)
                 for name in group:
@@ -252,7 +270,7 @@ def main() -> None:
                          f"{peak['ours'] / 2**30:.1f} GiB", f"{peak[other] / 2**30:.1f} GiB",
                          f"{peak['ours'] / peak[other]:.3f}x"))
         ours_first, other_first = statistics.median(first["ours"]), statistics.median(first[other])
-        rows.append((f"first step (compilation, warm-up), ours vs {other}", f"{ours_first:.1f} s",
+        rows.append((f"first step (compilation, warm-up; the group's first steps side by side), ours vs {other}", f"{ours_first:.1f} s",
                      f"{other_first:.1f} s", f"{ours_first / other_first:.3f}x"))
     against = "plain eager loop" if "compiled" not in tps else "compiled and eager loops"
     print_table(f"training loop: tokenloom run() vs {against}, {device.type} ({torch.get_num_threads()} "

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # GPU acceptance check, sized for a short lease: one GPU, a bare machine with Python and torch,
 # GPU_CHECK_BUDGET_S seconds in all (default 480: eight minutes). In order:
-#   0. the wheels torch does not bring (the project's dependencies and its native extension,
-#      pytest, torchao for --fp8: `pip install -e .[dev,fp8]`), skipped when they import already.
-#      Offline machines: put those wheels in $WHEELS (default .whl/, git-ignored) with the build
-#      requirements (setuptools, wheel, pybind11); they are installed from there, no index.
+#   0. the wheels torch does not bring, skipped when they import already. Offline machines: put the
+#      wheels of the missing dependencies (zstandard, blake3, orjson, gigatoken, torchao for --fp8)
+#      in $WHEELS (default .whl/, git-ignored): they go into $WHEELS_TARGET (default
+#      /tmp/tokenloom-site) without an index, and the native extension is built in place. With no
+#      such folder: `pip install -e .[dev,fp8]` from the index.
 #   1. the bench rows first: bench/run_all.py --gpu, bf16 ~1B-parameter GPT-2 and Llama shapes,
 #      our `train` defaults against the compiled nanoGPT-style loop (and the eager loop, and
-#      --fp8 where the GPU has float8), written into bench/RESULTS.md's GPU block;
-#   2. unless --bench-only: the gpu-marked tests (kernels on the device, the fused loss, one-GPU
+#      --fp8 where the GPU has float8), then fp8's loss against bf16 after 300 steps on real text
+#      (TOKENLOOM_BENCH_DATA=PREFIX, TOKENLOOM_BENCH_TOKENIZER=DIR; without them that row says
+#      so), written into bench/RESULTS.md's GPU block;
+#   2. a profile of our step at the GPT-2 shape (bench/profile_step.py: kernels by device time,
+#      host synchronisations per step) into gpu-check-profile.txt;
+#   3. unless --bench-only: the gpu-marked tests (kernels on the device, the fused loss, one-GPU
 #      cli.py train runs against the CPU, every layout on NCCL when 2+ GPUs are visible), then the
 #      kernels test directory on the device; each stops at the budget's end, saying so.
 # Without CUDA it prints one line and does nothing. Output also goes to gpu-check.log.
@@ -37,13 +42,22 @@ if "$PY" -c "import tokenloom._native, pytest, torchao, yaml, click" 2>/dev/null
     echo "installed already"
 else
     WHEELS=${WHEELS:-.whl}
-    from_wheels=()
-    [ -d "$WHEELS" ] && from_wheels=(--no-index --find-links "$WHEELS")
-    "$PY" -m pip install --disable-pip-version-check -q "${from_wheels[@]}" -e ".[dev,fp8]"
+    if [ -d "$WHEELS" ]; then
+        target=${WHEELS_TARGET:-/tmp/tokenloom-site}
+        "$PY" -m pip install --disable-pip-version-check -q --no-index --no-deps --no-compile --upgrade \
+            --target "$target" "$WHEELS"/*.whl
+        export PYTHONPATH="$PWD:$target${PYTHONPATH:+:$PYTHONPATH}"
+        "$PY" setup.py -q build_ext --inplace
+    else
+        "$PY" -m pip install --disable-pip-version-check -q -e ".[dev,fp8]"
+    fi
 fi
 echo "== 1. bench rows (bench/RESULTS.md's GPU block), $(left) s of the budget left"
 "$PY" bench/run_all.py --gpu
 sed -n '/<!-- gpu-rows -->/,/<!-- \/gpu-rows -->/p' bench/RESULTS.md
+echo "== 2. profile of our step (gpu-check-profile.txt), $(left) s of the budget left"
+"$PY" bench/profile_step.py > gpu-check-profile.txt 2>&1 || echo "gpu-check: the profile failed (see gpu-check-profile.txt)"
+tail -n 60 gpu-check-profile.txt
 if [ "$bench_only" = 1 ]; then
     echo "gpu-check: done, bench only (log: gpu-check.log)"
     exit 0
@@ -62,7 +76,7 @@ run_within_budget() {  # name, command...: the command, cut off where the budget
         return "$rc"
     fi
 }
-echo "== 2. gpu-marked tests, then the kernels on the device"
+echo "== 3. gpu-marked tests, then the kernels on the device"
 run_within_budget "gpu-marked tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
 run_within_budget "kernels tests" "$PY" -m pytest -q -p no:cacheprovider -rs tests/train/kernels
 echo "gpu-check: done (log: gpu-check.log)"

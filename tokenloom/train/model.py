@@ -76,6 +76,7 @@ from tokenloom.train.kernels import (
     flex_usable,
     select_kernels,
 )
+from tokenloom.train.kernels.compiled import compiled
 from tokenloom.train.parallel.layers import TensorParallel, shard, tag
 from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
 from tokenloom.train.parallel.random import checkpoint as tp_checkpoint
@@ -411,6 +412,21 @@ def _given(t: torch.Tensor | None, name: str) -> torch.Tensor:
     return t
 
 
+def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of per-token ``losses`` over the tokens whose ``loss_mask`` is nonzero (all when None)."""
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.reshape(-1).to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean next-token cross entropy of ``logits`` [..., vocab] (any float dtype, computed in
+    fp32) against ``labels``, over the tokens ``loss_mask`` keeps: the reference loss at tp = 1."""
+    losses = F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
+    return masked_mean(losses, loss_mask)
+
+
 class GPT(nn.Module):
     """Decoder-only transformer, or a pipeline stage of one, at any tensor-parallel size.
 
@@ -449,6 +465,7 @@ class GPT(nn.Module):
         layers = range(cfg.n_layers) if layers is None else layers
         device = torch.device("cpu" if device is None else device)
         self.ops = ops = build_ops(cfg.kernels, device)  # chosen once, for every module below
+        self._lm_loss = lm_loss  # compile_blocks swaps in its compiled form
         if pre:
             self.tok_emb = self.tp.embedding(cfg.padded_vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model, device="meta") if cfg.arch == "gpt2" else None
@@ -580,10 +597,16 @@ class GPT(nn.Module):
         so data-parallel gradient buckets are reduced while earlier blocks are still in
         backward (a whole-model graph has one backward node and every bucket would wait for
         its end); identical blocks share one compiled graph, so compile time is one block's.
-        The cost: no fusion across block boundaries, and the embedding and the head run
-        eagerly (their kernels are the ``kernels`` setting's)."""
+        The reference loss (:func:`lm_loss`, tp = 1) is compiled too, as torchtitan compiles
+        its loss: the fp32 cast, log-softmax and gather fuse into one pass over the bf16 logits,
+        and the backward recomputes the softmax from them instead of keeping fp32 copies
+        ([tokens, vocab] fp32, twice). The cost: no fusion across block boundaries, and the
+        embedding and the LM head matmul run eagerly (their kernels are the ``kernels``
+        setting's)."""
         for block in self.blocks.values():
             block.compile()
+        if self.post:
+            self._lm_loss = compiled(lm_loss)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T = tokens.shape
@@ -609,8 +632,7 @@ class GPT(nn.Module):
         if tp.size == 1:
             if ks is not None:  # chunked: never holds [B*T, vocab] logits; same reduction as below
                 return ks.cross_entropy(h, self.lm_head.weight, labels, loss_mask, reduction="mean")
-            logits = self.lm_head(h)
-            losses = F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
+            return self._lm_loss(self.lm_head(h), labels, loss_mask)
         else:
             if tp.sp:  # the sequence-first layout of the activations
                 labels = labels.transpose(0, 1)
@@ -619,10 +641,7 @@ class GPT(nn.Module):
                 return vocab_parallel_lm_head_cross_entropy(h, self.lm_head.weight, labels, tp.group, loss_mask,
                                                             reduction="mean", sequence_parallel=tp.sp)
             losses = vocab_parallel_cross_entropy(self.lm_head(h).float(), labels, tp.group).reshape(-1)
-        if loss_mask is None:
-            return losses.mean()
-        mask = loss_mask.reshape(-1).to(losses.dtype)
-        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        return masked_mean(losses, loss_mask)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied embedding counts once) of the whole model, counted on

@@ -334,7 +334,13 @@ class Strategy:
         counted = [p.grad for p in self.params if p.grad is not None and self._counts_in_norm(p)]
         groups = [st.model_parallel_group] if self.staged else []
         norm = global_grad_norm(counted, groups, device=self.device)
-        torch._foreach_mul_(grads, clip_coefficient(norm, cfg.optim.grad_clip))
+        coefficient = clip_coefficient(norm, cfg.optim.grad_clip)
+        if self.optimizer.defaults.get("fused"):
+            # torch's fused AdamW divides each grad by ``grad_scale`` inside its kernel (and stores
+            # the result back): clipping costs no pass of its own over every gradient
+            self.optimizer.grad_scale = coefficient.reciprocal()
+        else:
+            torch._foreach_mul_(grads, coefficient)
         self.optimizer.step()
         return norm
 
