@@ -8,6 +8,7 @@ tied head. Both use the GPT-2 tokenizer with the vocabulary padded (dropped on e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -15,15 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tl_testing import run_cli, shared_data_dir
 
+from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint, hf
 from tokenloom.train.config import load_config
 from tokenloom.train.data import open_tokenizer
 from tokenloom.train.generate import load_model
 from tokenloom.train.loop import start_run
-from tokenloom.train.model import GPT
+from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.parallel.reshard import model_tensors
 
 transformers = pytest.importorskip("transformers", reason="the [interop] extra (transformers) is the oracle")
@@ -150,17 +152,23 @@ def test_padded_rows_are_those_of_a_fresh_model(exported, tmp_path):
 
 
 @pytest.mark.slow
-def test_init_from_hf_in_tp2_loads_the_one_process_parameters(exported, tmp_path):
+@pytest.mark.parametrize("name,flags,layout", [
+    ("llama_tp2", ["--tp", "2", "--sp"], dict(tp=2, dp=1, zero1=False)),
+    ("llama_tp2", ["--zero1"], dict(tp=1, dp=2, zero1=True)),
+    ("gpt2_pp2", ["--pp", "2"], dict(pp=2, dp=1)),  # the last stage's copy of the tied head
+])
+def test_init_from_hf_in_a_parallel_layout_loads_the_one_process_parameters(exported, tmp_path, name, flags,
+                                                                            layout):
     """A learning rate of 1e-30 and no weight decay leave fp32 parameters bit-identical through
     the one step the run must take, so its checkpoint holds what each rank loaded."""
-    _, folder = exported["llama_tp2"]
-    out = tmp_path / "tp2"
-    train(out, "--nproc-per-node", "2", "--tp", "2", "--init-from-hf", folder, "--train-iters", "1",
+    _, folder = exported[name]
+    out = tmp_path / "run"
+    train(out, "--nproc-per-node", "2", *flags, "--init-from-hf", folder, "--train-iters", "1",
           "--lr", "1e-30", "--min-lr", "0", "--weight-decay", "0")
     path = checkpoint.find_latest(out / "checkpoints")
     state = checkpoint.read_state(path)
-    assert state["layout"]["tp"] == 2
-    assert state["config"]["model"]["n_kv_heads"] == 2  # the folder's shape
+    assert {k: state["layout"][k] for k in layout} == layout
+    assert state["config"]["model"]["arch"] == name[:-4]  # the folder's shape
     loaded = model_tensors(path, state)
     expected = hf.from_hf(hf.resolve_config(init_cfg(folder, out)).model, folder)
     assert loaded.keys() == expected.keys()
@@ -182,3 +190,28 @@ def test_resume_wins_over_init_from_hf(exported, tmp_path):
     assert f"not loaded: resumed from {out / 'checkpoints' / 'iter_0000002'}" in again.stderr
     summary = json.loads(again.stdout.strip().splitlines()[-1])
     assert summary["iteration"] == 3 and math.isfinite(summary["train_loss"])
+
+
+def test_a_sharded_folder_loads_as_its_single_file(tmp_path):
+    """``model.safetensors.index.json`` and its shards (transformers' form for large models) give
+    the tensors the single file gives; a shard the index names but the folder lacks is refused."""
+    cfg = GPTConfig(arch="llama", vocab_size=100, make_vocab_size_divisible_by=64, seq_len=8, n_layers=2,
+                    n_heads=4, n_kv_heads=2, d_model=16, tie_embeddings=False)
+    tensors = hf.to_hf(cfg, GPT(dataclasses.replace(cfg, seed=4)).state_dict())
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    for folder in (single, sharded):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(hf.hf_config(cfg, None, None)))
+    save_file(tensors, str(single / hf.WEIGHTS))
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in parts.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / file))
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in parts.items() for k in keys}}
+    (sharded / hf.INDEX).write_text(json.dumps(index))
+    one, many = hf.from_hf(cfg, single), hf.from_hf(cfg, sharded)
+    assert one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
+    assert torch.equal(one["blocks.1.attn.qkv.weight"][:16], tensors["model.layers.1.self_attn.q_proj.weight"])
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(TokenloomError, match="model-00002-of-00002.safetensors does not exist"):
+        hf.from_hf(cfg, sharded)
