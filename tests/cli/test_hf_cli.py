@@ -87,7 +87,7 @@ def test_unsupported_shape(folder, tmp_path):
 
 
 @pytest.mark.parametrize("flags,fragments", [
-    (["--num-layers", "3"], ["model.n_layers=3", "conflicts with 1", "config.json"]),
+    (["--num-layers", "3"], ["model.n_layers=3", "conflicts with num_hidden_layers=1", "config.json"]),
     (["--tokenizer", str(TOKENIZER)], ["tokenizer=", "conflicts with --init-from-hf"]),
     (["--seq-length", "32"], ["model.seq_len=32", "16 positions"]),
 ])

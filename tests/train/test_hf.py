@@ -62,6 +62,9 @@ def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         done = run_cli("export", "--checkpoint", root, "--output", folder)
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.strip() == str(folder)
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", hf.WEIGHTS,
+                                                           "tokenizer.json", "tokenizer_config.json"]
+        assert (folder / hf.WEIGHTS).stat().st_mode == (folder / "config.json").stat().st_mode
         out[name] = root, folder
     return out
 

@@ -222,13 +222,14 @@ def export(cfg: ExportConfig) -> Path:
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        _write_json(tmp / "config.json", hf_config(model, tok.eod, tok.bos))
+        os.chmod(tmp / WEIGHTS, (tmp / "config.json").stat().st_mode)  # safetensors' own file is owner-only
         tk.save(str(tmp / "tokenizer.json"))
         token = {i: tk.id_to_token(i) for i in (tok.eod, tok.bos, tok.pad) if i is not None}
         _write_json(tmp / "tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.seq_len,
             "eos_token": token.get(tok.eod), "bos_token": token.get(tok.bos), "pad_token": token.get(tok.pad),
             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False})
-        _write_json(tmp / "config.json", hf_config(model, tok.eod, tok.bos))
         _write_json(tmp / "generation_config.json", {
             "bos_token_id": tok.bos if tok.bos is not None else tok.eod, "eos_token_id": tok.eod,
             "pad_token_id": tok.pad})
@@ -274,6 +275,17 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
         raise TokenloomError(f"{path}: model_type {kind!r} is not supported; --init-from-hf reads "
                              f"{' or '.join(ARCHS)} models")
     return hf
+
+
+HF_KEYS = {
+    "gpt2": dict(vocab_size="vocab_size", n_layers="n_layer", n_heads="n_head", d_model="n_embd",
+                 ffn_hidden_size="n_inner", tie_embeddings="tie_word_embeddings", norm_eps="layer_norm_epsilon"),
+    "llama": dict(vocab_size="vocab_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
+                  n_kv_heads="num_key_value_heads", d_model="hidden_size", ffn_hidden_size="intermediate_size",
+                  bias="attention_bias", tie_embeddings="tie_word_embeddings", norm_eps="rms_norm_eps",
+                  rope_theta="rope_theta"),
+}
+"""Our model field -> the ``config.json`` key it comes from, per arch (for error messages)."""
 
 
 def model_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -340,7 +352,8 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
         elif key == "ffn_hidden_size" and mine is None:
             continue
         if mine != getattr(defaults, key) and mine != value:
-            raise TokenloomError(f"model.{key}={json.dumps(mine)} conflicts with {json.dumps(value)} in {where} "
+            theirs = HF_KEYS[fields["arch"]].get(key, "model_type" if key == "arch" else key)
+            raise TokenloomError(f"model.{key}={json.dumps(mine)} conflicts with {theirs}={json.dumps(value)} in {where} "
                                  "(--init-from-hf takes the model shape from there); drop the flag or --set")
     limit = max_positions(hf)
     if cfg.model.seq_len > limit:
