@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
-from tl_testing import one_line_error, run_cli, shared_data_dir
+from tl_testing import fault_env, one_line_error, run_cli, shared_data_dir
 
 from tokenloom.train import hf
 from tokenloom.train.data import open_tokenizer
@@ -110,3 +111,17 @@ def test_export_refuses_a_used_output_and_a_shape_gpt2_lacks(tmp_path):
     one_line_error(run_cli("export", "--checkpoint", tmp_path / "none", "--output", tmp_path / "out"),
                    "--checkpoint", "does not exist")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_export_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
+    run = tmp_path / "run"
+    done = run_cli(*TRAIN, "--output-dir", run, "--tokenizer", TOKENIZER, "--set", "model.n_layers=1",
+                   "--set", "model.d_model=16", "--set", "model.n_heads=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "out"
+    env = fault_env("write", errno.ENOSPC, str(tmp_path / ".out.tmp-*" / "generation_config.json"))
+    one_line_error(run_cli("export", "--checkpoint", run / "checkpoints", "--output", out, env=env),
+                   "no space left on device", "generation_config.json", f"{out} was not written")
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+    assert run_cli("export", "--checkpoint", run / "checkpoints", "--output", out).returncode == 0
+    assert (out / hf.WEIGHTS).is_file()

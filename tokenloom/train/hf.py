@@ -63,7 +63,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tokenloom.errors import TokenloomError
-from tokenloom.fsio import fsync_dir
+from tokenloom.fsio import fsync_dir, naming, os_error_message
 from tokenloom.train import checkpoint
 from tokenloom.train.config import TrainConfig, config_from_dict
 from tokenloom.train.data import open_tokenizer
@@ -240,6 +240,9 @@ def export(cfg: ExportConfig) -> Path:
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
         fsync_dir(out)
+    except OSError as exc:  # a full disk, an I/O or permission error: one line, nothing left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TokenloomError(f"{os_error_message(exc, tmp)}; {out} was not written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -247,7 +250,8 @@ def export(cfg: ExportConfig) -> Path:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    with naming(path):  # a failed write names the file
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _fsync(path: Path) -> None:
