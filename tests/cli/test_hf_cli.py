@@ -96,6 +96,7 @@ def test_conflicting_flags(folder, tmp_path, flags, fragments):
     one_line_error(init(folder, tmp_path, *flags), *fragments)
 
 
+@pytest.mark.slow
 def test_export_refuses_a_used_output_and_a_shape_gpt2_lacks(tmp_path):
     run = tmp_path / "run"
     done = run_cli(*TRAIN, "--output-dir", run, "--set", "model.n_layers=1", "--set", "model.d_model=16",
@@ -113,6 +114,7 @@ def test_export_refuses_a_used_output_and_a_shape_gpt2_lacks(tmp_path):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+@pytest.mark.slow
 def test_export_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
     run = tmp_path / "run"
     done = run_cli(*TRAIN, "--output-dir", run, "--tokenizer", TOKENIZER, "--set", "model.n_layers=1",

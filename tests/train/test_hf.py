@@ -215,6 +215,9 @@ def test_a_sharded_folder_loads_as_its_single_file(tmp_path):
     one, many = hf.from_hf(cfg, single), hf.from_hf(cfg, sharded)
     assert one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
     assert torch.equal(one["blocks.1.attn.qkv.weight"][:16], tensors["model.layers.1.self_attn.q_proj.weight"])
+    stage = hf.from_hf(cfg, sharded, names={"blocks.1.attn.qkv.weight", "lm_head.weight"})  # a last stage's own
+    assert stage.keys() == {"blocks.1.attn.qkv.weight", "lm_head.weight"}
+    assert all(torch.equal(stage[k], one[k]) for k in stage)
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(TokenloomError, match="model-00002-of-00002.safetensors does not exist"):
         hf.from_hf(cfg, sharded)

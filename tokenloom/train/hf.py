@@ -39,9 +39,10 @@ loaded again (Megatron's ``--pretrained-checkpoint`` + ``--finetune``); otherwis
 starts fresh at iteration 0.
 
 Trade-offs: export reads the full model into host memory (one process, as ``generate`` does);
-import memory-maps the safetensors and every rank builds the one-process tensors of what it
-holds before cutting its shard (:func:`~tokenloom.train.parallel.reshard.load_params`), plus
-one draw of the fresh init for the padded rows. Tokenizers exported are those built on the
+import memory-maps the safetensors and every rank reads the full tensors of the parameters it
+holds (a pipeline stage its own, a tensor-parallel rank whole tensors) before cutting its shard
+(:func:`~tokenloom.train.parallel.reshard.load_params`), plus one draw of the fresh init for the
+padded rows (as every rank's own init draws the whole model). Tokenizers exported are those built on the
 ``tokenizers`` library (``tokenizer.json``, GPT-2 vocab/merges, WordPiece); SentencePiece and
 tiktoken files are refused rather than converted.
 """
@@ -422,20 +423,27 @@ class _Weights:
         return self._handle(path).get_tensor(name).to(torch.float32)
 
 
-def from_hf(cfg: GPTConfig, folder: str | os.PathLike, read: bool = True) -> dict[str, torch.Tensor]:
+def from_hf(cfg: GPTConfig, folder: str | os.PathLike, read: bool = True,
+            names: set[str] | None = None) -> dict[str, torch.Tensor]:
     """One-process tensors by our names from the folder's safetensors, shape-checked against
     ``cfg`` (the config :func:`resolve_config` gave): vocabulary tensors with the padded rows
-    of a fresh model of ``cfg``, GPT-2's position table cut to ``seq_len`` rows.
-    ``read=False`` checks names and shapes from the files' headers only (``meta`` tensors)."""
+    of a fresh model of ``cfg``, GPT-2's position table cut to ``seq_len`` rows. Only ``names``
+    when given (a pipeline stage reads its own tensors). ``read=False`` checks names and shapes
+    from the files' headers only (``meta`` tensors)."""
     folder = Path(folder)
     positions = max_positions(read_config(folder))
     weights = _Weights(folder)
     get = functools.partial(weights.get, folder=folder, read=read)
     shapes = {n: tuple(p.shape) for n, p in GPT(cfg, device="meta").named_parameters(remove_duplicate=False)}
+    wanted = set(shapes) if names is None else set(names)
+    if cfg.tie_embeddings and "lm_head.weight" in wanted:
+        wanted.add("tok_emb.weight")  # the tied head is the embedding's table
     vocab_rows = {"tok_emb.weight", "lm_head.weight"}
     out: dict[str, torch.Tensor] = {}
     for ours, hf in _outer_map(cfg):
         shape = shapes[ours]
+        if ours not in wanted:
+            continue
         if ours in vocab_rows:
             out[ours] = get(hf, (cfg.vocab_size, *shape[1:]))
         elif ours == "pos_emb.weight":
@@ -445,16 +453,17 @@ def from_hf(cfg: GPTConfig, folder: str | os.PathLike, read: bool = True) -> dic
     for i in range(cfg.n_layers):
         for ours, hf, _, back in _block_map(cfg, i):
             shape = shapes[ours]
-            out[ours] = back(get(hf, shape[::-1] if back is not _same else shape))
-        if cfg.arch == "llama":
-            for ours, parts, sizes in _fused(cfg, i):
-                rest = shapes[ours][1:]
+            if ours in wanted:
+                out[ours] = back(get(hf, shape[::-1] if back is not _same else shape))
+        for ours, parts, sizes in _fused(cfg, i) if cfg.arch == "llama" else []:
+            rest = shapes[ours][1:]
+            if ours in wanted:
                 out[ours] = torch.cat([get(p, (n, *rest)) for p, n in zip(parts, sizes, strict=True)])
-    if read and cfg.padded_vocab_size > cfg.vocab_size:
+    if read and cfg.padded_vocab_size > cfg.vocab_size and vocab_rows & set(out):
         fresh = GPT(dataclasses.replace(cfg, kernels="reference"), layers=[], device="cpu")  # draws as a fresh model
         for name in vocab_rows & set(out):
             out[name] = torch.cat([out[name], getattr(fresh, name.split(".")[0]).weight[cfg.vocab_size:]])
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and "tok_emb.weight" in out:
         out["lm_head.weight"] = out["tok_emb.weight"]
     return out
 
@@ -464,4 +473,5 @@ def init_from_hf(run, folder: str | os.PathLike) -> None:
     from :func:`resolve_config`'s config) from the folder's weights; the optimizer keeps its fresh
     state (ZeRO-1: its master shards are cut from the loaded parameters)."""
     run.finish_param_sync()
-    load_params(run, from_hf(run.cfg.model, folder), {}, str(folder))
+    names = {name for chunk in run.chunks for name, _ in chunk.named_parameters(remove_duplicate=False)}
+    load_params(run, from_hf(run.cfg.model, folder, names=names), {}, str(folder))
