@@ -406,6 +406,7 @@ def _megatron_refused(fn):
 @click.option("--bf16", "precision", flag_value="bf16", default=None, help="bf16 autocast (precision=bf16).")
 @click.option("--output-dir", help=_help(_TRAIN, "output_dir"))
 @click.option("--resume", help=_help(_TRAIN, "resume"))
+@click.option("--init-from-hf", "init_from_hf", help=_help(_TRAIN, "init_from_hf"))
 @click.option("--fp8", type=click.Choice(["tensorwise", "rowwise"]), is_flag=False, flag_value="tensorwise",
               default=None, help=_help(_TRAIN, "fp8") + " --fp8 alone: tensorwise.")
 @click.option("--kernels", type=click.Choice(["auto", "reference", "compiled", "triton"]),
@@ -500,6 +501,22 @@ def _megatron_tokenizer(vocab_file: str | None, merge_file: str | None, tokenize
         raise click.UsageError("--vocab-file and --merge-file go together and must be in one folder (it is "
                                "passed as --tokenizer FOLDER); or pass --tokenizer PATH")
     return str(Path(vocab_file).parent)
+
+
+_EXPORT = "tokenloom.train.hf:ExportConfig"
+
+
+@main.command()
+@click.option("--checkpoint", required=True, help=_help(_EXPORT, "checkpoint"))
+@click.option("--output", required=True, help=_help(_EXPORT, "output"))
+@click.option("--tokenizer", help=_help(_EXPORT, "tokenizer"))
+def export(**options):
+    """Write a checkpoint (any layout) as a Hugging Face transformers folder (GPT2LMHeadModel or
+    LlamaForCausalLM in model.safetensors, with the tokenizer for AutoTokenizer); prints its path."""
+    from tokenloom.train.hf import ExportConfig  # lazy: start-up time
+    from tokenloom.train.hf import export as run  # lazy: start-up time
+
+    click.echo(run(ExportConfig(**options)))
 
 
 @main.command()

@@ -74,6 +74,11 @@ class TrainConfig:
     """Where checkpoints go; None means OUTPUT_DIR/checkpoints."""
     resume: str | None = None
     """"auto" (latest complete checkpoint, or start fresh), a checkpoint directory, or None (fresh)."""
+    init_from_hf: str | None = None
+    """A local transformers GPT-2 or Llama folder (config.json, model.safetensors or its index, tokenizer.json)
+    to start from: its model shape and tokenizer replace the configured ones (a conflicting non-default value
+    is refused), the optimizer starts fresh at iteration 0. A checkpoint that resume finds wins: the run
+    continues from it and the folder is not loaded again. See tokenloom.train.hf."""
     force_data: bool = False
     """Resume even if the checkpoint was trained on different data, taking the new data's order as it is
     (samples may repeat or be skipped). Not needed to change a blend's weights or sources, or train_iters:

@@ -22,7 +22,7 @@ from tokenloom.train import checkpoint
 from tokenloom.train.config import config_from_dict
 from tokenloom.train.data import open_tokenizer
 from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.parallel.reshard import full_tensors
+from tokenloom.train.parallel.reshard import model_tensors
 
 
 @dataclass(kw_only=True)
@@ -52,15 +52,11 @@ class GenerateConfig:
 def load_model(path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
     """The checkpoint's model in eval mode, and its ``state.json``. A checkpoint of any
     layout: one model file (data parallel), or tensor/pipeline shards gathered back into
-    the one-process model (:func:`tokenloom.train.parallel.reshard.full_tensors`)."""
+    the one-process model (:func:`tokenloom.train.parallel.reshard.model_tensors`)."""
     state = checkpoint.read_state(path)
     # built on ``device``: the model chooses its kernels for the device it is built on
     model = GPT(config_from_dict(GPTConfig, state["config"]["model"], "model."), device=device)
-    if state.get("layout") is not None:
-        tensors = full_tensors(path)[0]
-    else:
-        tensors = checkpoint.load_tensors(path, "model.pt")
-    model.load_state_dict(tensors)
+    model.load_state_dict(model_tensors(path, state))
     return model.eval(), state
 
 

@@ -171,6 +171,10 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
 
     if not isinstance(cfg, TrainConfig):
         cfg = load_config(cfg)
+    if cfg.init_from_hf is not None:  # before the checks: the folder's model shape and tokenizer
+        from tokenloom.train.hf import resolve_config  # lazy: start-up time (torch, the model)
+
+        cfg = resolve_config(cfg)
     if nproc_per_node is None:
         from tokenloom.train.dist import launch_env  # lazy: start-up time (in-process runs only)
         from tokenloom.train.loop import run  # lazy: start-up time (in-process runs only)
@@ -555,7 +559,7 @@ FLAG_KEYS = {
     "num_layers_in_last_pipeline_stage": "num_layers_in_last_pipeline_stage",
     "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
-    "overlap_param_gather": "overlap_param_gather", "fp8": "fp8",
+    "overlap_param_gather": "overlap_param_gather", "fp8": "fp8", "init_from_hf": "init_from_hf",
 }
 """``train`` flag (its Python name) -> the config key it sets."""
 

@@ -58,7 +58,7 @@ from tqdm import tqdm
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
-from tokenloom.train import checkpoint
+from tokenloom.train import checkpoint, hf
 from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict, load_config
 from tokenloom.train.data import TrainData, open_tokenizer
 from tokenloom.train.metrics import MetricsLogger, StepTimer, mfu, peak_flops, plot_loss
@@ -106,6 +106,7 @@ class Trainer:
     """State of one run; :meth:`train` is the loop."""
 
     def __init__(self, cfg: TrainConfig, world: World) -> None:
+        cfg = hf.resolve_config(cfg)  # init_from_hf: the folder's model shape and tokenizer
         self.cfg, self.world = cfg, world
         tune_host_memory(cfg.keep_freed_memory, world.device)
         seed_everything(cfg.seed)
@@ -119,6 +120,8 @@ class Trainer:
                               tokenizer_eod=tok_eod)
         self.iteration = 0
         self.resumed_from = self._resume()
+        if cfg.init_from_hf is not None:
+            self._init_from_hf(cfg.init_from_hf)
         peak = cfg.peak_flops or peak_flops(world.device)
         self.peak_total = peak * world.size if peak else None
         parameters, self.flops_per_token = self.strategy.model_size()
@@ -187,6 +190,14 @@ class Trainer:
             print(f"resumed from {path} at iteration {self.iteration} ({self.data.consumed} samples consumed)",
                   file=sys.stderr)
         return path
+
+    def _init_from_hf(self, folder: str) -> None:
+        """Start from the ``init_from_hf`` folder's weights, unless a checkpoint was resumed (it wins)."""
+        if self.resumed_from is None:
+            hf.init_from_hf(self.strategy, folder)
+        if self.world.rank == 0:
+            what = f"not loaded: resumed from {self.resumed_from}" if self.resumed_from else "loaded"
+            print(f"init_from_hf {folder}: {what}", file=sys.stderr)
 
     def _save(self) -> Path:
         state = {**self.data.state_dict(), "world_size": self.world.size, "config": config_to_dict(self.cfg)}

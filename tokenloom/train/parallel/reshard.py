@@ -33,6 +33,7 @@ layouts). Per-rank ``zero_rank{r}.pt`` optimizer files are not a format this rea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,11 +165,19 @@ def one_process_tensors(path: Path, run) -> tuple[dict[str, torch.Tensor], dict[
     return params, optim
 
 
+def model_tensors(path: Path, state: dict) -> dict[str, torch.Tensor]:
+    """The full parameters by one-process name of the checkpoint at ``path`` (``state``: its
+    ``state.json``) of any layout: the shard files (memory-mapped) or the one-process ``model.pt``."""
+    if state.get("layout") is not None:
+        return full_tensors(path)[0]
+    return checkpoint.load_tensors(path, "model.pt")
+
+
 @torch.no_grad()
 def load(run, path: Path, state: dict) -> None:
     """Load the checkpoint at ``path`` (``state``: its ``state.json``) into ``run``, a
     :class:`~tokenloom.train.strategy.Strategy` of any layout."""
-    cfg, st = run.cfg, run.state
+    st = run.state
     saved = state.get("layout")
     if saved is not None and (path / "zero_rank0.pt").exists():
         raise TokenloomError(f"{path} holds ZeRO-1 optimizer state in the per-rank zero_rank*.pt files of an earlier "
@@ -178,6 +187,24 @@ def load(run, path: Path, state: dict) -> None:
         params, optim = one_process_tensors(path, run)
     else:
         params, optim = full_tensors(path, set(_named_params(run)))
+    load_params(run, params, optim, str(path))
+    rng = path / f"rng_rank{st.rank}.pt"
+    if same and rng.exists():
+        rng_state = torch.load(rng, weights_only=True)
+        checkpoint.restore_rng(rng_state)
+        if run.rng_tracker is not None and "tp_tracker" in rng_state:
+            run.rng_tracker.set_states(rng_state["tp_tracker"])
+
+
+@torch.no_grad()
+def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dict[str, torch.Tensor]],
+                where: str) -> None:
+    """Set ``run``'s parameters (any layout) from full one-process tensors ``params`` by name,
+    each rank cutting out the shard it holds; ``optim``: AdamW states by the same names (the
+    parameters without one, or all when it is empty, start with fresh moments). ``where`` names
+    the source in errors. The parameter part of :func:`load`, also used to start from a
+    Hugging Face model (:mod:`tokenloom.train.hf`)."""
+    cfg, st = run.cfg, run.state
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if cfg.zero1 else {}
     zero_states: list[dict[str, torch.Tensor] | None] = [None] * len(zero_index)
     tp_rank, tp = st.tp_rank, st.tp_size
@@ -187,7 +214,7 @@ def load(run, path: Path, state: dict) -> None:
             continue
         done.add(id(p))
         if name not in params:
-            raise TokenloomError(f"{path} has no tensor {name}; was it trained with another model?")
+            raise TokenloomError(f"{where} has no tensor {name}; was it trained with another model?")
         dim, sizes = _split_info(run, name, p)
 
         def local(full: torch.Tensor, dim=dim, sizes=sizes) -> torch.Tensor:
@@ -204,9 +231,3 @@ def load(run, path: Path, state: dict) -> None:
                                       if k != "master_param"}
     if cfg.zero1:
         run.optimizer.load_param_states(zero_states)
-    rng = path / f"rng_rank{st.rank}.pt"
-    if same and rng.exists():
-        rng_state = torch.load(rng, weights_only=True)
-        checkpoint.restore_rng(rng_state)
-        if run.rng_tracker is not None and "tp_tracker" in rng_state:
-            run.rng_tracker.set_states(rng_state["tp_tracker"])
