@@ -49,6 +49,7 @@ REPO = BENCH.parent
 SMALL_ARGS: dict[str, list[str]] = {
     "indexed_bench": ["--documents", "20000", "--reads", "20000"],
     "kernels_bench": ["--steps", "5", "--rounds", "2"],
+    "checkpoint_bench": ["--sizes", "124m", "--rounds", "3"],  # 350m: ~4 more minutes
 }
 TIMEOUT_S = 600  # train_bench: 8 rounds x 4 fresh processes, ~7 min on 2 quiet cores
 # GPT-2 shape, ~1.0 B parameters: 16 layers x d_model 2048 (0.81 B) + 50304 x 2048 tied embedding (0.10 B);
