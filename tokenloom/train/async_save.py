@@ -19,9 +19,10 @@ are about to be overwritten). A failed write (disk full, I/O error) keeps its on
 :class:`~tokenloom.errors.TokenloomError` naming the checkpoint, raised on the main thread by
 the next :meth:`CheckpointSaver.poll` (each step boundary), save or :meth:`CheckpointSaver.wait`
 (the run's end, a save-and-exit); the previous complete checkpoint stays what ``--resume auto``
-takes. An error elsewhere in the run abandons the write in flight
-(:meth:`CheckpointSaver.abandon`): its temporary folder is never published, and the next
-save into that root removes it. Each finished save leaves a :class:`SaveReport` (the stall and
+takes. When the run fails otherwise, the write in flight is waited for where no peer can stall
+it (one process), or abandoned (:meth:`CheckpointSaver.abandon`, with peers): it then dies with
+the process, leaving at most a temporary folder that is never published and that the next save
+into that root removes. Each finished save leaves a :class:`SaveReport` (the stall and
 the write's time) for the loop's metrics.
 
 ``async_save=false`` writes on the main thread with the training group's barriers (the stall is
