@@ -16,7 +16,8 @@ tokenloom where it amortises start-up (preprocess, blend).
 The GPU rows (``--gpu``, what ``scripts/gpu-check.sh`` runs) are bf16 runs of ~1B-parameter
 GPTs (``GPU_ARGS``: a GPT-2 and a Llama shape): tokens/s, MFU, peak memory and first step of
 our loop against the compiled nanoGPT-style loop (and, for the GPT-2 shape, the eager loop
-and our fp8 run), then fp8's loss against bf16 after 300 steps (``fp8_bench``). They live
+and our fp8 run), then fp8's loss against bf16 after 300 steps (``fp8_bench``), then the
+loop's stall and the save time of a ~1B-parameter checkpoint (``checkpoint_bench``). They live
 between ``GPU_BEGIN`` and ``GPU_END`` in RESULTS.md; ``--gpu`` rewrites only that block and a
 CPU run keeps the block it finds, so neither erases the other.
 
@@ -49,6 +50,7 @@ REPO = BENCH.parent
 SMALL_ARGS: dict[str, list[str]] = {
     "indexed_bench": ["--documents", "20000", "--reads", "20000"],
     "kernels_bench": ["--steps", "5", "--rounds", "2"],
+    "checkpoint_bench": ["--sizes", "124m", "--rounds", "3"],  # 350m: ~4 more minutes
 }
 TIMEOUT_S = 600  # train_bench: 8 rounds x 4 fresh processes, ~7 min on 2 quiet cores
 # GPT-2 shape, ~1.0 B parameters: 16 layers x d_model 2048 (0.81 B) + 50304 x 2048 tied embedding (0.10 B);
@@ -62,6 +64,8 @@ GPU_ARGS: dict[str, list[list[str]]] = {
          "--sides", "ours,compiled"],
     ],
     "fp8_bench": [[]],  # its defaults: the GPT-2 shape above, 300 steps, data from TOKENLOOM_BENCH_DATA
+    # the ~1 B-parameter state this CPU box cannot hold twice: a warm-up and one timed round of the three sides
+    "checkpoint_bench": [["--sizes", "1b", "--rounds", "1"]],
 }
 GPU_BEGIN, GPU_END = "<!-- gpu-rows -->", "<!-- /gpu-rows -->"
 NOTES_BEGIN, NOTES_END = "## Notes from measurements", "<!-- /notes: hand-written, kept by bench/run_all.py -->"

@@ -449,7 +449,7 @@ def _megatron_refused(fn):
 def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
           verbose, vocab_file, merge_file, layers_per_virtual_stage, **flags):
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
-    the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step) last.
+    the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step, saves) last.
 
     The config is checked before any rank starts (layout, batch arithmetic, data, tokenizer, resume)."""
     from tokenloom.train.config import load_config  # lazy: start-up time

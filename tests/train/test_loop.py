@@ -82,8 +82,10 @@ def test_stepping_the_run_equals_run(tmp_path):
     summary = run(tiny(tmp_path / "a", train_iters=8))
     r = start_run(tiny(tmp_path / "b", train_iters=8))
     assert list(r.steps()) == list(range(1, 9))
-    timing = ("tokens_per_s", "first_step_s")  # wall-clock, differs between runs
-    stepped = {k: v for k, v in r.finish().items() if k not in timing}
+    timing = ("tokens_per_s", "first_step_s", "saves")  # wall-clock, differs between runs
+    done = r.finish()
+    assert [s["iter"] for s in done["saves"]] == [s["iter"] for s in summary["saves"]] == [8]
+    stepped = {k: v for k, v in done.items() if k not in timing}
     assert stepped == {**{k: v for k, v in summary.items() if k not in timing},
                        "checkpoint": summary["checkpoint"].replace(str(tmp_path / "a"), str(tmp_path / "b"))}
     assert losses(tmp_path / "a") == losses(tmp_path / "b")

@@ -20,6 +20,11 @@ back in time). A disk-full, I/O or permission error while saving ends in one lin
 checkpoint and the last complete one (:func:`save_files`); the temporary folder is removed
 then, or by the next save when other ranks may still be writing into it.
 
+A save's files are named and captured first (:func:`one_process_files`, or the per-shard
+writer's) and written by :func:`save_files`, which may run on a background thread after the
+state was copied to host memory (:mod:`tokenloom.train.async_save`): the protocol above is the
+same either way.
+
 Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
 stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
 Trade-offs: this is the one-process format (tp = pp = 1 without ZeRO-1): the model and
@@ -35,6 +40,7 @@ filesystem.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -151,24 +157,43 @@ def write_latest(root: Path, name: str) -> None:
         f.write(name + "\n")
 
 
+def one_process_files(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
+    """This rank's files of the one-process format (name -> what ``torch.save`` writes): its RNG
+    states, and on rank 0 the model's and optimizer's state dicts (live references: copy them to
+    write them after the next step, :class:`~tokenloom.train.async_save.HostStaging`)."""
+    files: dict[str, Any] = {f"rng_rank{rank}.pt": capture_rng()}
+    if rank == 0:
+        files["model.pt"] = model.state_dict()
+        files["optimizer.pt"] = optimizer.state_dict()
+    return files
+
+
+def _torch_save(obj: Any, f: Any) -> None:
+    torch.save(obj, f)
+
+
+def write_torch_files(files: dict[str, Any]) -> Callable[[Path], None]:
+    """``write(tmp)`` for :func:`save_files`: ``torch.save`` each ``files[name]`` into ``tmp / name``
+    (:func:`write_file`), in ``files``' order."""
+
+    def write(tmp: Path) -> None:
+        for name, obj in files.items():
+            write_file(tmp / name, functools.partial(_torch_save, obj))
+
+    return write
+
+
 def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict, rank: int = 0, barrier: Callable[[], None] = lambda: None,
          keep_last: int = 0, world_size: int = 1) -> Path:
-    """Save a checkpoint of ``iteration`` under ``root``; every rank calls it (collective).
+    """Save a checkpoint of ``iteration`` under ``root`` synchronously; every rank calls it (collective).
 
     ``model`` is the unwrapped module; ``state`` is JSON-able (iteration, consumed
     samples, fingerprint, config). ``keep_last > 0`` deletes older complete checkpoints.
     Faults: see :func:`save_files`.
     """
-
-    def write(tmp: Path) -> None:
-        write_file(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(capture_rng(), f))
-        if rank == 0:
-            write_file(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f))
-            write_file(tmp / "optimizer.pt", lambda f: torch.save(optimizer.state_dict(), f))
-
-    return save_files(root, iteration, write, state, rank=rank, barrier=barrier, keep_last=keep_last,
-                      world_size=world_size)
+    return save_files(root, iteration, write_torch_files(one_process_files(model, optimizer, rank)), state,
+                      rank=rank, barrier=barrier, keep_last=keep_last, world_size=world_size)
 
 
 def save_files(root: str | os.PathLike, iteration: int, write: Callable[[Path], None], state: dict, *, rank: int,

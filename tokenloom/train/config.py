@@ -68,6 +68,11 @@ class TrainConfig:
     """Checkpoint every this many steps; a checkpoint is always written at the end."""
     keep_last_checkpoints: int = 0
     """Delete older checkpoints beyond this many (0 keeps all)."""
+    async_save: bool = True
+    """Write checkpoints in a background thread: the step loop waits only while the state is copied
+    to host memory (pinned on CUDA; that copy is kept for the run and reused), and the next save,
+    the end of the run or a save-and-exit waits for the write. A failed write ends the run at the
+    next step. False: the loop waits for the whole save."""
     output_dir: str = "train-out"
     """Run directory: config.json, metrics.jsonl, loss.png, checkpoints/."""
     checkpoint_dir: str | None = None

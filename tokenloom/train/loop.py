@@ -31,6 +31,12 @@ Choices and their costs:
 * **Evaluation** runs the model in eval mode without gradients on the same first
   ``eval_iters`` validation batches every time, before the first step, every
   ``eval_interval`` steps and at the end; the first evaluation is announced on rank 0.
+* **Checkpoints** are written in the background (``async_save``, :mod:`.async_save`): the
+  loop stalls only while the state is copied to host memory; each step boundary takes a
+  finished write (its metrics record, or its failure as the run's error), the next save and
+  :meth:`Trainer.finish` wait for it, and so does a save-and-exit before it names the
+  checkpoint. A run that fails otherwise completes the write in flight when alone, abandons
+  it when it has peers (a partial checkpoint is never published).
 * **Signals** (``save_on_signal``, :mod:`.stop`): SIGTERM or SIGINT to any rank ends the run
   on every rank after the same step, with a checkpoint and one line naming it and the
   command that resumes; a second signal ends the process at once.
@@ -87,7 +93,8 @@ def due(cfg: TrainConfig, iteration: int, done: bool, has_valid: bool) -> tuple[
 
 def run(cfg: TrainConfig) -> dict:
     """Train as configured; returns ``{"iteration", "train_loss", "val_loss", "checkpoint", "exited",
-    "tokens_per_s", "first_step_s"}``."""
+    "tokens_per_s", "first_step_s", "saves"}`` (``saves``: per checkpoint written, its ``iter``,
+    ``save_stall_s`` and ``save_write_s``, :class:`~tokenloom.train.async_save.SaveReport`)."""
     r = start_run(cfg)
     summary = r.train()
     if r.world.owns_group:
@@ -201,7 +208,33 @@ class Trainer:
 
     def _save(self) -> Path:
         state = {**self.data.state_dict(), "world_size": self.world.size, "config": config_to_dict(self.cfg)}
-        return self.strategy.save(self.iteration, state)
+        path = self.strategy.save(self.iteration, state)
+        self._saves_done()
+        return path
+
+    def _saves_done(self, wait: bool = False) -> None:
+        """Take the finished checkpoint writes (``wait``: wait for the one in flight): a metrics
+        record and a summary entry per save; a failed background write raises its error here."""
+        saver = self.strategy.saver
+        if wait:
+            saver.wait()
+        else:
+            saver.poll()
+        for report in saver.take_reports():
+            record = report.record()
+            self._save_reports.append({k: v for k, v in record.items() if k != "checkpoint"})
+            self._record(record)
+
+    def _drop_save(self) -> None:
+        """The run is failing: a single process still completes the write in flight (no peer
+        can stall it; its own failure is left to the error already raised); with peers, which
+        may be gone, it is abandoned (never published unless it completes)."""
+        saver = self.strategy.saver
+        if self.world.size == 1:
+            with contextlib.suppress(Exception):
+                saver.wait()
+        else:
+            saver.abandon()
 
     def evaluate(self) -> float:
         """Mean validation loss over the first ``eval_iters`` global batches, on every rank."""
@@ -227,8 +260,14 @@ class Trainer:
         """The loop, one optimizer step at a time: yields the iteration number after each step
         (with its logging, evaluation and checkpoint). ``train`` drains it; a benchmark can
         interleave it step by step with a baseline. Call :meth:`finish` afterwards."""
-        with ManualGC(self.cfg.gc_interval) as self._gc, self._stop_on_signal() as self._stop:
-            yield from self._loop()
+        try:
+            with ManualGC(self.cfg.gc_interval) as self._gc, self._stop_on_signal() as self._stop:
+                yield from self._loop()
+        except GeneratorExit:
+            raise
+        except BaseException:
+            self._drop_save()
+            raise
 
     @contextlib.contextmanager
     def _stop_on_signal(self) -> Iterator[StopOnSignal | None]:
@@ -249,6 +288,7 @@ class Trainer:
         self._timer = timer = StepTimer(cfg.global_batch_size * cfg.model.seq_len, world.device)
         self._last: dict = {"train_loss": None, "val_loss": None}
         self._exited = False
+        self._save_reports: list[dict] = []
         last = self._last
         has_valid = self.data.valid is not None
         batches: Iterator[list] = iter(())
@@ -270,6 +310,7 @@ class Trainer:
             since += 1
             timer.step()
             bar.update(1)
+            self._saves_done()  # a step boundary: a finished background write is reported (or its error raised)
             done = self.iteration == cfg.train_iters
             if self.iteration % cfg.log_interval == 0 or done:
                 last["train_loss"] = self._log_train(loss_sum / since, norm, lr, bar)
@@ -287,6 +328,8 @@ class Trainer:
                         self._record({"iter": self.iteration, "val_loss": last["val_loss"]})
                     if saving:
                         last["checkpoint"] = str(self._save())
+                        if self._exited:  # the checkpoint named below must be complete
+                            self._saves_done(wait=True)
             if "stopped_by" in last and world.rank == 0:
                 print(f"stopped by {last['stopped_by']} after iteration {self.iteration}: checkpoint "
                       f"{last['checkpoint']}; resume with: "
@@ -299,6 +342,7 @@ class Trainer:
     def finish(self) -> dict:
         """Close the progress bar and metrics, draw the loss plot; the run's summary."""
         cfg, last = self.cfg, self._last
+        self._saves_done(wait=True)  # the last checkpoint is complete (or its failure raised) from here on
         self.strategy.finish_param_sync()  # the model holds the last step's parameters from here on
         self._bar.close()
         if "checkpoint" not in last and self.resumed_from is not None:
@@ -313,7 +357,8 @@ class Trainer:
                 except OSError as exc:
                     print(f"warning: no loss plot: {os_error_message(OSError(exc.errno, exc.strerror), png)}",
                           file=sys.stderr, flush=True)
-        return {"iteration": self.iteration, "exited": self._exited, **last, **self._timer.summary()}
+        return {"iteration": self.iteration, "exited": self._exited, **last, **self._timer.summary(),
+                "saves": self._save_reports}
 
     def _log_train(self, mean_loss: torch.Tensor, norm: torch.Tensor, lr: float, bar) -> float:
         loss = self.strategy.loss_for_log(mean_loss, "loss reduction")

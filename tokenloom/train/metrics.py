@@ -5,9 +5,14 @@ optimizer steps): train records carry ``train_loss``, ``lr``, ``grad_norm``,
 ``tokens_per_s``, ``step_time_s``, ``consumed_samples`` and ``mfu`` (null when the
 device's peak is unknown); evaluation records carry ``val_loss``. The record whose
 interval holds the process's first step also carries ``first_step_s`` (see
-:class:`StepTimer`). On resume the file is
-cut back to the checkpoint's iteration, so it never holds two records for one step and
-the loss curve of a resumed run looks like that of an uninterrupted one.
+:class:`StepTimer`). Each checkpoint gets a record once its write completed: ``iter`` (the
+checkpoint's iteration), ``checkpoint`` (its directory), ``save_stall_s`` (the time the step
+loop was blocked) and ``save_write_s`` (writing and committing the files, in the background
+unless ``async_save`` is off); it is appended when the loop learns of it (at a later step
+boundary, the next save or the run's end), so it may follow train records of later
+iterations, and a killed run may lack the last one. On resume the file is cut back to the
+checkpoint's iteration (by each record's ``iter``), so it never holds two records of one kind
+for one step and the loss curve of a resumed run looks like that of an uninterrupted one.
 
 MFU uses :func:`tokenloom.train.flops.flops_per_token` against the device's dense
 bf16 peak from :data:`PEAK_BF16_FLOPS` (matched on the CUDA device name), times the

@@ -22,6 +22,9 @@ checkpoint I/O          :mod:`~tokenloom.train.checkpoint`   :mod:`~tokenloom.tr
                         column's, at dp 1 too)               layout)
 ======================  ===================================  =======================================
 
+Both checkpoint writers hand their files to :attr:`Strategy.saver`
+(:mod:`~tokenloom.train.async_save`), which writes them in the background unless ``async_save`` is off.
+
 Invariants:
 
 * ``compile`` (true, or "auto": on for CUDA, :func:`~tokenloom.train.kernels.choose_compile`,
@@ -53,6 +56,7 @@ from torch import nn
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint, fp8
 from tokenloom.train import data as train_data
+from tokenloom.train.async_save import CheckpointSaver
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
 from tokenloom.train.flops import flops_per_token
@@ -135,6 +139,10 @@ class Strategy:
             self._convert_to_fp8()
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
+        self.saver = CheckpointSaver(cfg.ckpt_dir, rank=world.rank, world_size=world.size,
+                                     keep_last=cfg.keep_last_checkpoints, asynchronous=cfg.async_save,
+                                     pin_memory=self.device.type == "cuda", timeout_s=cfg.dist_timeout_s)
+        """Checkpoint writes (:mod:`tokenloom.train.async_save`): the loop polls it, waits for it at the end."""
         self.comm = None
         self.train_time = PipelineStats()  # this rank's schedule time over the train steps since bubble_for_log
         if cfg.pp > 1:
@@ -389,15 +397,15 @@ class Strategy:
             self.optimizer.finish_param_sync()
 
     def save(self, iteration: int, state: dict) -> Path:
-        """Collective: write the checkpoint of ``iteration`` (``state``: JSON-able run state)."""
-        cfg, world = self.cfg, self.world
+        """Collective: save the checkpoint of ``iteration`` (``state``: JSON-able run state) through
+        :attr:`saver`: in the background unless ``async_save`` is off (then complete on return).
+        Waits for the previous save's write first and raises its failure."""
         self.finish_param_sync()
-        if self.staged or cfg.zero1:
-            return reshard.save(self, iteration, state)
-        barrier = (lambda: collective("checkpoint barrier", dist.barrier)) if world.size > 1 else (lambda: None)
-        return checkpoint.save(cfg.ckpt_dir, iteration, model=self.chunks[0], optimizer=self.optimizer,
-                               state=state, rank=world.rank, barrier=barrier, keep_last=cfg.keep_last_checkpoints,
-                               world_size=world.size)
+        if self.staged or self.cfg.zero1:
+            return reshard.save(self, iteration, state, self.saver)
+        return self.saver.save(iteration, lambda: checkpoint.one_process_files(self.chunks[0], self.optimizer,
+                                                                               self.world.rank),
+                               state, fresh_copies=False)
 
     def load(self, path: Path, saved: dict) -> None:
         """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank."""

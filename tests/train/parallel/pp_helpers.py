@@ -545,6 +545,7 @@ def zero_overlap_checkpoint(rank: int, *, out: str) -> dict:
         s.train_step(next(batches))
         res["pending_at_save"] = s.optimizer.param_sync_pending
         path = s.save(1, {"consumed_samples": cfg.global_batch_size})
+        s.saver.wait()  # written in the background (async_save)
         saved = reshard.full_tensors(path)[0]
         s.finish_param_sync()  # a gather the save did not wait for would land here, after the files
         res["saved_is_updated"] = all(saved[n].equal(p) for n, p in s.chunks[0].named_parameters())

@@ -35,10 +35,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
@@ -46,6 +45,9 @@ from tokenloom.train.model import GPT
 from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel.layers import shard, unshard
 from tokenloom.train.runtime import collective
+
+if TYPE_CHECKING:
+    from tokenloom.train.async_save import CheckpointSaver
 
 
 def _layout(run) -> dict[str, Any]:
@@ -73,44 +75,43 @@ def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list
     raise TokenloomError(f"no module owns {name}")
 
 
-def save(run, iteration: int, run_state: dict) -> Path:
-    """Collective: write ``iteration``'s checkpoint of ``run`` (a
-    :class:`~tokenloom.train.strategy.Strategy`); ``run_state`` (consumed samples, data
-    fingerprint, config...) goes into ``state.json`` with the layout. Returns its directory.
-    Written, committed and failing as :func:`tokenloom.train.checkpoint.save_files` says."""
+def save(run, iteration: int, run_state: dict, saver: CheckpointSaver) -> Path:
+    """Collective: save ``iteration``'s checkpoint of ``run`` (a
+    :class:`~tokenloom.train.strategy.Strategy`) through ``saver`` (synchronously or in the
+    background); ``run_state`` (consumed samples, data fingerprint, config...) goes into
+    ``state.json`` with the layout. Returns its directory. Written, committed and failing as
+    :func:`tokenloom.train.checkpoint.save_files` says."""
+    return saver.save(iteration, lambda: files(run), {**run_state, "layout": _layout(run)}, fresh_copies=True)
+
+
+def files(run) -> dict[str, Any]:
+    """Collective with ZeRO-1 (its optimizer-state gather over dp): this rank's files (name ->
+    what ``torch.save`` writes): its RNG states, and on dp rank 0 its shard. The shard's tensors
+    are live views (of the parameters, of the gathered states), to be copied before they are
+    written (:class:`~tokenloom.train.async_save.HostStaging`)."""
     cfg, st = run.cfg, run.state
     zero_states, zero_index = None, {}
     if cfg.zero1:  # a collective over dp, before any file is written
         zero_states = collective("ZeRO-1 optimizer state gather", run.optimizer.gathered_param_states)
         zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)}
-
-    def write(tmp: Path) -> None:
-        rng = checkpoint.capture_rng()
-        if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
-            rng["tp_tracker"] = run.rng_tracker.get_states()
-        checkpoint.write_file(tmp / f"rng_rank{st.rank}.pt", lambda f: torch.save(rng, f))
-        if st.dp_rank == 0:
-            params, meta, optim = {}, {}, {}
-            for pname, p in _named_params(run).items():
-                params[pname] = p.detach().cpu().clone()
-                meta[pname] = _split_info(run, pname, p)
-                if cfg.zero1:  # ZeRO-1 holds the trainable parameters only
-                    found = zero_states[zero_index[id(p)]] if zero_states is not None and id(p) in zero_index else None
-                else:
-                    found = run.optimizer.state.get(p)
-                if found:
-                    optim[pname] = {k: v.detach().cpu().clone() for k, v in found.items()}
-            shard_state = {"params": params, "meta": meta, "optim": optim, "tp_rank": st.tp_rank}
-            checkpoint.write_file(tmp / f"shard_tp{st.tp_rank}_pp{st.pp_rank}.pt",
-                                  lambda f: torch.save(shard_state, f))
-
-    def barrier() -> None:
-        if run.world.size > 1:  # zero1 runs on one rank too, without a process group
-            collective("checkpoint barrier", dist.barrier)
-
-    return checkpoint.save_files(
-        cfg.ckpt_dir, iteration, write, {**run_state, "layout": _layout(run)}, rank=st.rank,
-        barrier=barrier, keep_last=cfg.keep_last_checkpoints, world_size=run.world.size)
+    rng = checkpoint.capture_rng()
+    if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
+        rng["tp_tracker"] = run.rng_tracker.get_states()
+    out: dict[str, Any] = {f"rng_rank{st.rank}.pt": rng}
+    if st.dp_rank == 0:
+        params, meta, optim = {}, {}, {}
+        for pname, p in _named_params(run).items():
+            params[pname] = p.detach()
+            meta[pname] = _split_info(run, pname, p)
+            if cfg.zero1:  # ZeRO-1 holds the trainable parameters only
+                found = zero_states[zero_index[id(p)]] if zero_states is not None and id(p) in zero_index else None
+            else:
+                found = run.optimizer.state.get(p)
+            if found:
+                optim[pname] = {k: v.detach() for k, v in found.items()}
+        out[f"shard_tp{st.tp_rank}_pp{st.pp_rank}.pt"] = {"params": params, "meta": meta, "optim": optim,
+                                                          "tp_rank": st.tp_rank}
+    return out
 
 
 def full_tensors(path: Path, names: set[str] | None = None
