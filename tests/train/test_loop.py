@@ -233,6 +233,13 @@ def test_lr_schedule_and_no_decay_groups():
     assert lr_at(4, cfg, 20) == 1.0 and lr_at(12, cfg, 20) == pytest.approx(0.55)
     assert lr_at(20, cfg, 20) == pytest.approx(0.1) and lr_at(50, cfg, 20) == 0.1
     assert math.isclose(lr_at(19, cfg, 20), 0.1 + 0.45 * (1 + math.cos(math.pi * 15 / 16)))
+    linear = OptimConfig(lr=1.0, min_lr=0.1, warmup_iters=4, decay_style="linear")
+    assert lr_at(3, linear, 20) == 1.0 and lr_at(12, linear, 20) == pytest.approx(0.55)
+    assert lr_at(16, linear, 20) == pytest.approx(0.325) and lr_at(25, linear, 20) == 0.1
+    constant = OptimConfig(lr=1.0, min_lr=0.1, warmup_iters=4, decay_style="constant")
+    assert [lr_at(i, constant, 20) for i in (0, 3, 4, 19, 50)] == [0.25, 1.0, 1.0, 1.0, 1.0]
+    with pytest.raises(TokenloomError, match="optim.decay_style must be one of cosine, linear, constant"):
+        OptimConfig(decay_style="WSD")  # type: ignore[arg-type]
     model = GPT(GPTConfig(vocab_size=96, seq_len=16, n_layers=1, n_heads=2, d_model=16))
     decay, no_decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -249,7 +256,8 @@ def test_resume_across_kernel_modes_and_from_older_checkpoints(tmp_path):
     ckpt = checkpoint.find_latest(tmp_path / "checkpoints")
     state_path = ckpt / "state.json"
     state = json.loads(state_path.read_text())
-    del state["config"]["model"]["kernels"]  # as written before GPTConfig.kernels existed
+    for key in ("kernels", "norm", "mlp", "positions"):  # as written before these GPTConfig fields existed
+        del state["config"]["model"][key]
     state_path.write_text(json.dumps(state))
     summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto"))
     assert summary["iteration"] == 6
