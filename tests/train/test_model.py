@@ -163,6 +163,16 @@ def test_num_params_without_embeddings():
     assert untied.num_params(exclude_embeddings=True) == untied.num_params() - 16 * 32 - 128 * 32
 
 
+def test_parameter_split_sums_to_the_total():
+    for features in ({}, dict(tie_embeddings=False, positions="rope")):
+        model = GPT(cfg(**features))
+        split = model.param_split()
+        assert sum(split.values()) == model.num_params()
+        learned = 16 * 32 if model.pos_emb is not None else 0
+        assert split["embedding"] == 128 * 32 + learned
+        assert split["head"] == 2 * 32 + (0 if model.cfg.tie_embeddings else 128 * 32)  # final LayerNorm (+ head)
+
+
 def test_too_long_sequence_is_a_user_error():
     with pytest.raises(TokenloomError, match="seq_len"):
         GPT(cfg())(torch.zeros(1, 17, dtype=torch.long))

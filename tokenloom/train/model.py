@@ -673,6 +673,17 @@ class GPT(nn.Module):
             losses = vocab_parallel_cross_entropy(self.lm_head(h).float(), labels, tp.group).reshape(-1)
         return masked_mean(losses, loss_mask)
 
+    def param_split(self) -> dict[str, int]:
+        """Unique parameters of the whole model by part: ``embedding`` (token table, and position table
+        if learned), ``blocks`` (the transformer blocks), ``head`` (final norm, and the LM head when
+        untied; a tied head is the embedding's table). Counted like :meth:`num_params`, whose total
+        they sum to."""
+        model = GPT(self.cfg, device="meta")
+        embedding = sum(p.numel() for p in (*model.tok_emb.parameters(),
+                                            *(model.pos_emb.parameters() if model.pos_emb is not None else ())))
+        blocks = sum(p.numel() for p in model.blocks.parameters())
+        return {"embedding": embedding, "blocks": blocks, "head": model.num_params() - embedding - blocks}
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied embedding counts once) of the whole model, counted on
         a ``meta`` copy for a stage or a tensor-parallel shard. ``exclude_embeddings`` drops
