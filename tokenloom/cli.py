@@ -322,6 +322,7 @@ MEGATRON_REFUSED = {
     "--lr-warmup-samples": "warmup is counted in steps; use --lr-warmup-iters",
     "--lr-warmup-fraction": "warmup is counted in steps; use --lr-warmup-iters",
     "--lr-decay-samples": "the decay is counted in steps; use --lr-decay-iters",
+    "--lr-wsd-decay-samples": "the decay is counted in steps; use --lr-wsd-decay-iters",
     "--recompute-activations": "use --set 'model.recompute_layers=[0, 1, ...]' (blocks to recompute)",
     "--recompute-granularity": "use --set 'model.recompute_layers=[0, 1, ...]' (whole blocks)",
     "--recompute-method": "use --set 'model.recompute_layers=[0, 1, ...]' (whole blocks)",
@@ -342,13 +343,6 @@ MEGATRON_REFUSED = {
 }
 """Megatron ``pretrain_gpt.py`` flags ``train`` refuses, each with what to do instead: their
 meaning differs from anything tokenloom has, or the feature does not exist here."""
-
-
-def _no_wsd(ctx, param, value):
-    if value in ("WSD", "inverse-square-root"):
-        raise click.UsageError(f"--lr-decay-style {value} (Megatron) is not implemented in tokenloom train: use "
-                               "constant, linear or cosine", ctx=ctx)
-    return value
 
 
 def _refuse(ctx, param, value):
@@ -417,7 +411,10 @@ def _megatron_refused(fn):
 @click.option("--adam-beta2", type=float, help=_help(_OPTIM, "beta2"))
 @click.option("--adam-eps", type=float, help=_help(_OPTIM, "eps"))
 @click.option("--lr-decay-style", type=click.Choice(["constant", "linear", "cosine", "WSD", "inverse-square-root"]),
-              callback=_no_wsd, help=_help(_OPTIM, "decay_style") + " WSD and inverse-square-root are refused.")
+              help=_help(_OPTIM, "decay_style"))
+@click.option("--lr-wsd-decay-iters", type=int, help=_help(_OPTIM, "wsd_decay_iters"))
+@click.option("--lr-wsd-decay-style", type=click.Choice(["exponential", "linear", "cosine", "minus_sqrt"]),
+              help=_help(_OPTIM, "wsd_decay_style"))
 @click.option("--tensorboard-dir", help=_help(_TRAIN, "tensorboard_dir"))
 @click.option("--exit-signal-handler", "save_on_signal", flag_value=True, default=None,
               help="Save and stop on SIGTERM/SIGINT (save_on_signal, already the default).")

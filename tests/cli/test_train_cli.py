@@ -114,9 +114,8 @@ def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path
         "use --bf16 (or --set precision=bf16)")
     done = run_cli("train", *MOCK, "--context-parallel-size", "--output-dir", tmp_path / "r")
     assert "--context-parallel-size (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
-    done = run_cli("train", *MOCK, "--lr-decay-style", "WSD", "--output-dir", tmp_path / "r")
-    assert done.stderr.strip().splitlines()[-1] == ("Error: --lr-decay-style WSD (Megatron) is not implemented in "
-                                                    "tokenloom train: use constant, linear or cosine")
+    done = run_cli("train", *MOCK, "--lr-wsd-decay-samples", "--output-dir", tmp_path / "r")
+    assert "--lr-wsd-decay-samples (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
 
 
 def test_megatron_model_flags_that_cannot_hold_are_refused_in_one_line(tmp_path):
@@ -127,6 +126,8 @@ def test_megatron_model_flags_that_cannot_hold_are_refused_in_one_line(tmp_path)
     one_line_error(done, "--max-position-embeddings 16 is shorter than the sequence length 32 (--seq-length)")
     done = run_cli("train", *MOCK, "--group-query-attention", "--output-dir", tmp_path)
     one_line_error(done, "--group-query-attention needs --num-query-groups N")
+    done = run_cli("train", *MOCK, "--lr-decay-style", "WSD", "--output-dir", tmp_path)
+    one_line_error(done, "optim.decay_style WSD needs optim.wsd_decay_iters >= 1 (--lr-wsd-decay-iters), got None")
 
 
 # --------------------------------------------------------------------------- failures in ranks

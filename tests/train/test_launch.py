@@ -165,6 +165,9 @@ def test_megatron_model_flags_reach_the_config():
     assert (o.beta1, o.beta2, o.eps, o.decay_style) == (0.8, 0.9, 1e-6, "linear")
     assert (cfg.tensorboard_dir, cfg.save_on_signal) == ("tb", True)
     assert load_config(None, launch_module.flag_overrides(hidden_dropout=0.2)).model.dropout == 0.2
+    wsd = load_config(None, launch_module.flag_overrides(lr_decay_style="WSD", lr_wsd_decay_iters=50,
+                                                         lr_wsd_decay_style="minus_sqrt")).optim
+    assert (wsd.decay_style, wsd.wsd_decay_iters, wsd.wsd_decay_style) == ("WSD", 50, "minus_sqrt")
     assert load_config(None, launch_module.flag_overrides(positions="learned_absolute")).model.positions == "learned"
     launch_module.check_max_position_embeddings(cfg, cfg.model.seq_len)  # equal: accepted
     with pytest.raises(TokenloomError, match="--max-position-embeddings 1023 is shorter than the sequence length 1024"):

@@ -64,6 +64,9 @@ def test_summary_shows_the_whole_model_and_its_schedule(tmp_path):
     assert "\n          custom (llama preset changed): LayerNorm, GELU MLP 3072 wide, learned positions, no biases, " \
         "tied embeddings\n" in text
     assert "linear warmup 100 steps, then constant; weight decay" in text
+    wsd = TrainConfig(optim=OptimConfig(decay_style="WSD", wsd_decay_iters=200), output_dir=str(tmp_path))
+    assert "linear warmup 100 steps, WSD: constant to step 800, then exponential to 6e-05 at step 1000; " in \
+        startup_summary(wsd, facts())
 
 
 def test_summary_says_what_was_chosen_on_cuda_and_why(monkeypatch):

@@ -589,7 +589,8 @@ FLAG_KEYS = {
     "norm": "model.norm", "mlp": "model.mlp", "positions": "model.positions", "rotary_base": "model.rope_theta",
     "tie_embeddings": "model.tie_embeddings", "bias": "model.bias", "dropout": "model.dropout",
     "init_method_std": "model.init_std", "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2",
-    "adam_eps": "optim.eps", "lr_decay_style": "optim.decay_style", "tensorboard_dir": "tensorboard_dir",
+    "adam_eps": "optim.eps", "lr_decay_style": "optim.decay_style",
+    "lr_wsd_decay_iters": "optim.wsd_decay_iters", "lr_wsd_decay_style": "optim.wsd_decay_style", "tensorboard_dir": "tensorboard_dir",
     "save_on_signal": "save_on_signal",
 }
 """``train`` flag (its Python name) -> the config key it sets."""

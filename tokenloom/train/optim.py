@@ -12,8 +12,11 @@ Choices and their costs:
   and changing ``train_iters`` on resume changes the curve exactly as a fresh run would.
   Warmup is linear, ``lr * (it + 1) / warmup_iters`` (the first step does not waste a
   zero learning rate), then Megatron's ``--lr-decay-style``: cosine (the default) or linear
-  from ``lr`` to ``min_lr`` at ``lr_decay_iters``, constant ``min_lr`` after; or constant
-  ``lr`` (``min_lr`` unused).
+  from ``lr`` to ``min_lr`` at ``lr_decay_iters``; WSD (warmup-stable-decay: ``lr`` until the
+  last ``wsd_decay_iters`` before ``lr_decay_iters``, then ``wsd_decay_style`` down to
+  ``min_lr``); inverse-square-root (``lr * sqrt(warmup_iters / it)``, not below ``min_lr``);
+  each constant ``min_lr`` from ``lr_decay_iters`` on, as Megatron's. Or constant ``lr``
+  (``min_lr`` unused).
 * **Fused AdamW by default** where torch has the kernel for the parameters' device (CPU
   and CUDA): one kernel over every parameter instead of a loop of ops per tensor, several
   times faster than the for-loop and foreach ones on CPU (see bench/RESULTS.md, notes),
@@ -54,9 +57,15 @@ class OptimConfig:
     """Iterations of linear warmup from lr/warmup_iters to lr."""
     lr_decay_iters: int | None = None
     """Iteration at which the decay reaches min_lr; None means train_iters."""
-    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
-    """After warmup: cosine or linear from lr to min_lr at lr_decay_iters, or constant lr (Megatron's
-    --lr-decay-style)."""
+    decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
+    """After warmup: cosine or linear from lr to min_lr at lr_decay_iters; WSD (lr, then the last
+    wsd_decay_iters before lr_decay_iters decay to min_lr); inverse-square-root (lr x sqrt(warmup /
+    step), not below min_lr); or constant lr (Megatron's --lr-decay-style)."""
+    wsd_decay_iters: int | None = None
+    """WSD: iterations of the final decay, ending at lr_decay_iters (Megatron's --lr-wsd-decay-iters);
+    needed by decay_style WSD."""
+    wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """WSD: the shape of the final decay (Megatron's --lr-wsd-decay-style, the same default)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -79,10 +88,19 @@ class OptimConfig:
         if self.decay_style not in DECAY_STYLES:
             raise TokenloomError(f"optim.decay_style must be one of {', '.join(DECAY_STYLES)}, got "
                                  f"{self.decay_style!r}")
+        if self.wsd_decay_style not in WSD_DECAY_STYLES:
+            raise TokenloomError(f"optim.wsd_decay_style must be one of {', '.join(WSD_DECAY_STYLES)}, got "
+                                 f"{self.wsd_decay_style!r}")
+        if self.decay_style == "WSD" and (self.wsd_decay_iters is None or self.wsd_decay_iters < 1):
+            raise TokenloomError(f"optim.decay_style WSD needs optim.wsd_decay_iters >= 1 (--lr-wsd-decay-iters), "
+                                 f"got {self.wsd_decay_iters}")
 
 
-DECAY_STYLES = ("cosine", "linear", "constant")
+DECAY_STYLES = ("cosine", "linear", "constant", "WSD", "inverse-square-root")
 """The learning-rate decays :func:`lr_at` implements (:attr:`OptimConfig.decay_style`)."""
+
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+"""The shapes of WSD's final decay (:attr:`OptimConfig.wsd_decay_style`)."""
 
 
 def param_groups(modules: nn.Module | Iterable[nn.Module], weight_decay: float) -> list[dict]:
@@ -154,8 +172,9 @@ def use_fused(cfg: OptimConfig, params: list[torch.Tensor]) -> bool | None:
 
 
 def lr_at(it: int, cfg: OptimConfig, train_iters: int) -> float:
-    """Learning rate of 0-based step ``it``: linear warmup, then ``decay_style``: cosine or linear
-    to ``min_lr`` at ``lr_decay_iters`` and flat after, or constant ``lr``."""
+    """Learning rate of 0-based step ``it``: linear warmup, then ``decay_style`` (Megatron's
+    ``OptimizerParamScheduler.get_lr``, in steps): constant ``lr``; or cosine, linear, WSD or
+    inverse-square-root, each ``min_lr`` from ``lr_decay_iters`` on."""
     decay_iters = cfg.lr_decay_iters or train_iters
     if it < cfg.warmup_iters:
         return cfg.lr * (it + 1) / cfg.warmup_iters
@@ -163,6 +182,14 @@ def lr_at(it: int, cfg: OptimConfig, train_iters: int) -> float:
         return cfg.lr
     if it >= decay_iters:
         return cfg.min_lr
+    if cfg.decay_style == "inverse-square-root":
+        return max(cfg.min_lr, cfg.lr * math.sqrt(max(cfg.warmup_iters, 1) / max(it, 1)))
+    if cfg.decay_style == "WSD":
+        wsd_iters = cfg.wsd_decay_iters or 1
+        progress = max(0.0, (it - (decay_iters - wsd_iters)) / wsd_iters)
+        coeff = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+                 "exponential": 2.0 * 0.5 ** progress - 1.0, "minus_sqrt": 1.0 - math.sqrt(progress)}
+        return cfg.min_lr + coeff[cfg.wsd_decay_style] * (cfg.lr - cfg.min_lr)
     progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     if cfg.decay_style == "linear":
         return cfg.min_lr + (1.0 - progress) * (cfg.lr - cfg.min_lr)

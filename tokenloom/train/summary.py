@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.kernels import choose_compile, resolve_mode
 from tokenloom.train.model import ARCH_FEATURES, GPT, GPTConfig
+from tokenloom.train.optim import OptimConfig
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,7 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
         f"batch     global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {facts.dp} x accumulation "
         f"{facts.accumulation}; {_count(tokens_per_step)} tokens/step, {cfg.train_iters} steps = "
         f"{_count(tokens_per_step * cfg.train_iters)} tokens",
-        f"schedule  lr {o.lr:g}, linear warmup {o.warmup_iters} steps, "
-        + ("then constant" if o.decay_style == "constant" else f"{o.decay_style} to {o.min_lr:g} at step {decay}")
-        + f"; "
+        f"schedule  lr {o.lr:g}, linear warmup {o.warmup_iters} steps, {_decay(o, decay)}; "
         f"weight decay {o.weight_decay:g}, grad clip {o.grad_clip:g}",
         (f"eval      {cfg.eval_iters} global batches ({cfg.eval_iters * cfg.global_batch_size} samples) "
          f"every {cfg.eval_interval} steps, at the end{' and before the first step' if facts.resumed_at == 0 else ''}"
@@ -86,6 +85,18 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     if facts.resumed_at:
         lines.append(f"resume    from iteration {facts.resumed_at}")
     return "\n".join(lines + [f"warning: {w}" for w in regrets(cfg, facts)])
+
+
+def _decay(o: OptimConfig, decay: int) -> str:
+    """The schedule after warmup in words (:func:`tokenloom.train.optim.lr_at`)."""
+    if o.decay_style == "constant":
+        return "then constant"
+    if o.decay_style == "WSD":
+        return (f"WSD: constant to step {decay - (o.wsd_decay_iters or 0)}, then {o.wsd_decay_style} to "
+                f"{o.min_lr:g} at step {decay}")
+    if o.decay_style == "inverse-square-root":
+        return f"inverse-square-root (not below {o.min_lr:g}), {o.min_lr:g} from step {decay}"
+    return f"{o.decay_style} to {o.min_lr:g} at step {decay}"
 
 
 STYLES = {"gpt2": "GPT-2", "llama": "Llama"}
