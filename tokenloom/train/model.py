@@ -96,7 +96,12 @@ from tokenloom.train.wgrad import linear as wgrad_linear
 
 @dataclass(kw_only=True)
 class GPTConfig:
-    """Model shape and behaviour. Every field is keyword-only."""
+    """Model shape and behaviour. Every field is keyword-only.
+
+    After construction every feature field (norm, mlp, positions, bias) holds its resolved value, so
+    what is saved (``config.json``, a checkpoint's ``state.json``) names the model that was built
+    whatever the arch preset later means; a saved config without them (written before they existed)
+    resolves them from its arch, as the model was built then."""
 
     arch: Literal["gpt2", "llama"] = "gpt2"
     """Preset for the features left unset (norm, mlp, positions, bias): ``gpt2``: LayerNorm + GELU +
