@@ -279,3 +279,7 @@ def test_resume_across_kernel_modes_and_from_older_checkpoints(tmp_path):
         run(tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto",
                  model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2,
                                  n_heads=2, d_model=64)))
+    with pytest.raises(TokenloomError, match='model.norm "layernorm" -> "rmsnorm"'):  # a feature is the model
+        run(tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto",
+                 model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2,
+                                 n_heads=2, d_model=32, norm="rmsnorm")))
