@@ -322,12 +322,7 @@ MEGATRON_REFUSED = {
     "--lr-warmup-samples": "warmup is counted in steps; use --lr-warmup-iters",
     "--lr-warmup-fraction": "warmup is counted in steps; use --lr-warmup-iters",
     "--lr-decay-samples": "the decay is counted in steps; use --lr-decay-iters",
-    "--lr-decay-style": "the schedule is linear warmup then cosine decay to --min-lr",
-    "--position-embedding-type": "the position encoding follows the architecture: --set model.arch=gpt2 (learned) "
-                                 "or llama (RoPE)",
-    "--normalization": "the norm follows the architecture: --set model.arch=gpt2 (LayerNorm) or llama (RMSNorm)",
-    "--swiglu": "the MLP follows the architecture: --set model.arch=llama (SwiGLU) or gpt2 (GELU)",
-    "--untie-embeddings-and-output-weights": "use --set model.tie_embeddings=false",
+    "--lr-wsd-decay-samples": "the decay is counted in steps; use --lr-wsd-decay-iters",
     "--recompute-activations": "use --set 'model.recompute_layers=[0, 1, ...]' (blocks to recompute)",
     "--recompute-granularity": "use --set 'model.recompute_layers=[0, 1, ...]' (whole blocks)",
     "--recompute-method": "use --set 'model.recompute_layers=[0, 1, ...]' (whole blocks)",
@@ -345,7 +340,6 @@ MEGATRON_REFUSED = {
     "--data-impl": "data is always Megatron's mmap .bin/.idx (removed from Megatron too)",
     "--mmap-warmup": "removed from Megatron; nothing to warm up",
     "--exit-duration-in-mins": "use --set exit_interval=N (steps)",
-    "--max-position-embeddings": "the position table has --seq-length rows",
 }
 """Megatron ``pretrain_gpt.py`` flags ``train`` refuses, each with what to do instead: their
 meaning differs from anything tokenloom has, or the feature does not exist here."""
@@ -389,6 +383,21 @@ def _megatron_refused(fn):
 @click.option("--num-query-groups", type=int, help=_help(_MODEL, "n_kv_heads"))
 @click.option("--ffn-hidden-size", type=int, help=_help(_MODEL, "ffn_hidden_size"))
 @click.option("--make-vocab-size-divisible-by", type=int, help=_help(_MODEL, "make_vocab_size_divisible_by"))
+@click.option("--group-query-attention", is_flag=True, help="Megatron's switch for --num-query-groups (needs it).")
+@click.option("--normalization", "norm", type=click.Choice(["LayerNorm", "RMSNorm"]), help=_help(_MODEL, "norm"))
+@click.option("--swiglu", "mlp", flag_value="swiglu", default=None, help="SwiGLU MLP (model.mlp=swiglu).")
+@click.option("--position-embedding-type", "positions", type=click.Choice(["learned_absolute", "rope"]),
+              help=_help(_MODEL, "positions"))
+@click.option("--rotary-base", type=float, help=_help(_MODEL, "rope_theta"))
+@click.option("--untie-embeddings-and-output-weights", "tie_embeddings", flag_value=False, default=None,
+              help="A separate LM-head matrix (model.tie_embeddings=false).")
+@click.option("--disable-bias-linear", "bias", flag_value=False, default=None,
+              help="No biases (model.bias=false: linears and LayerNorm alike).")
+@click.option("--attention-dropout", type=float, help="Sets model.dropout (with --hidden-dropout: equal values).")
+@click.option("--hidden-dropout", type=float, help="Sets model.dropout (with --attention-dropout: equal values).")
+@click.option("--init-method-std", type=float, help=_help(_MODEL, "init_std"))
+@click.option("--max-position-embeddings", type=int,
+              help="Accepted when >= the sequence length (the model's positions cover model.seq_len).")
 @click.option("--train-iters", type=int, help=_help(_TRAIN, "train_iters"))
 @click.option("--micro-batch-size", type=int, help=_help(_TRAIN, "micro_batch_size"))
 @click.option("--global-batch-size", type=int, help=_help(_TRAIN, "global_batch_size"))
@@ -398,6 +407,17 @@ def _megatron_refused(fn):
 @click.option("--lr-decay-iters", type=int, help=_help(_OPTIM, "lr_decay_iters"))
 @click.option("--weight-decay", type=float, help=_help(_OPTIM, "weight_decay"))
 @click.option("--clip-grad", type=float, help=_help(_OPTIM, "grad_clip"))
+@click.option("--adam-beta1", type=float, help=_help(_OPTIM, "beta1"))
+@click.option("--adam-beta2", type=float, help=_help(_OPTIM, "beta2"))
+@click.option("--adam-eps", type=float, help=_help(_OPTIM, "eps"))
+@click.option("--lr-decay-style", type=click.Choice(["constant", "linear", "cosine", "WSD", "inverse-square-root"]),
+              help=_help(_OPTIM, "decay_style"))
+@click.option("--lr-wsd-decay-iters", type=int, help=_help(_OPTIM, "wsd_decay_iters"))
+@click.option("--lr-wsd-decay-style", type=click.Choice(["exponential", "linear", "cosine", "minus_sqrt"]),
+              help=_help(_OPTIM, "wsd_decay_style"))
+@click.option("--tensorboard-dir", help=_help(_TRAIN, "tensorboard_dir"))
+@click.option("--exit-signal-handler", "save_on_signal", flag_value=True, default=None,
+              help="Save and stop on SIGTERM/SIGINT (save_on_signal, already the default).")
 @click.option("--seed", type=int, help=_help(_TRAIN, "seed"))
 @click.option("--eval-interval", type=int, help=_help(_TRAIN, "eval_interval"))
 @click.option("--eval-iters", type=int, help=_help(_TRAIN, "eval_iters"))
@@ -447,7 +467,7 @@ def _megatron_refused(fn):
               "unchanged instead of rank 0's on the terminal and the rest in OUTPUT_DIR/logs/.")
 @_megatron_refused
 def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
-          verbose, vocab_file, merge_file, layers_per_virtual_stage, **flags):
+          verbose, vocab_file, merge_file, layers_per_virtual_stage, max_position_embeddings, **flags):
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step, saves) last.
 
@@ -455,6 +475,7 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
     from tokenloom.train.config import load_config  # lazy: start-up time
     from tokenloom.train.launch import (  # lazy: start-up time
         Nodes,
+        check_max_position_embeddings,
         flag_overrides,
         launch,
         stdout_outlives_its_reader,
@@ -465,6 +486,7 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
     if vocab_file or merge_file:
         flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])
     cfg = load_config(config, [*flag_overrides(**flags), *overrides])
+    check_max_position_embeddings(cfg, max_position_embeddings)
     if layers_per_virtual_stage:
         if not cfg.pipeline_split.is_even:
             raise click.UsageError("--num-layers-per-virtual-pipeline-stage assumes an even split; with an uneven one "

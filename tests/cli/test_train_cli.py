@@ -112,8 +112,22 @@ def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path
     assert done.stderr.strip().splitlines()[-1] == (
         "Error: --fp16 (Megatron) is not supported by tokenloom train: fp16 with loss scaling is not implemented; "
         "use --bf16 (or --set precision=bf16)")
-    done = run_cli("train", *MOCK, "--position-embedding-type", "rope", "--output-dir", tmp_path / "r")
-    assert "--position-embedding-type (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
+    done = run_cli("train", *MOCK, "--context-parallel-size", "--output-dir", tmp_path / "r")
+    assert "--context-parallel-size (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
+    done = run_cli("train", *MOCK, "--lr-wsd-decay-samples", "--output-dir", tmp_path / "r")
+    assert "--lr-wsd-decay-samples (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
+
+
+def test_megatron_model_flags_that_cannot_hold_are_refused_in_one_line(tmp_path):
+    """Checked before any rank starts: the model's one dropout, the positions, GQA's head count."""
+    done = run_cli("train", *MOCK, "--attention-dropout", "0.1", "--hidden-dropout", "0.2", "--output-dir", tmp_path)
+    one_line_error(done, "--attention-dropout 0.1 and --hidden-dropout 0.2 differ: the model has one dropout")
+    done = run_cli("train", *MOCK, "--max-position-embeddings", "16", "--output-dir", tmp_path)
+    one_line_error(done, "--max-position-embeddings 16 is shorter than the sequence length 32 (--seq-length)")
+    done = run_cli("train", *MOCK, "--group-query-attention", "--output-dir", tmp_path)
+    one_line_error(done, "--group-query-attention needs --num-query-groups N")
+    done = run_cli("train", *MOCK, "--lr-decay-style", "WSD", "--output-dir", tmp_path)
+    one_line_error(done, "optim.decay_style WSD needs optim.wsd_decay_iters >= 1 (--lr-wsd-decay-iters), got None")
 
 
 # --------------------------------------------------------------------------- failures in ranks
@@ -199,6 +213,61 @@ def test_a_megatron_argument_list_trains(tmp_path, shared_data):
     assert (cfg["tp"], cfg["model"]["n_layers"], cfg["model"]["d_model"], cfg["model"]["n_heads"]) == (2, 2, 64, 4)
     assert (cfg["data"]["blend"]["split"], cfg["optim"]["lr"], cfg["global_batch_size"]) == ("949,50,1", 3e-4, 8)
     assert "layout    2 rank(s) on cpu: dp 1 x tp 2 x pp 1" in done.stdout
+
+
+MEGATRON_LLAMA = [  # 39 flags of a small Llama-style pretrain_gpt.py run (torchrun's --nproc_per_node among them)
+    "--nproc_per_node", "2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "172",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
+    "--position-embedding-type", "rope", "--rotary-base", "500000", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--init-method-std", "0.01",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "3e-4", "--min-lr", "3e-5",
+    "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "3",
+    "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
+    "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--save-interval", "3",
+    "--exit-signal-handler", "--mock-data",
+]
+ARCHITECTURE_FLAGS = {"--normalization": 1, "--swiglu": 0, "--position-embedding-type": 1, "--rotary-base": 1,
+                      "--untie-embeddings-and-output-weights": 0, "--disable-bias-linear": 0}
+"""The flags (and how many values each takes) that make the list Llama-style rather than Megatron's default GPT."""
+
+
+@pytest.mark.slow
+def test_a_llama_style_megatron_argument_list_builds_its_model(tmp_path):
+    """Issue 40's first acceptance: the list trains unchanged (2 ranks, tp 2) and the summary shows its model;
+    without the architecture flags the same list builds the GPT-2-style model of Megatron's defaults."""
+    assert sum(a.startswith("--") for a in MEGATRON_LLAMA) == 39
+    small = ["--set", "data.mock.num_sequences=200", "--set", "data.mock.max_length=100", "--set", "progress=false",
+             "--set", "plot=false"]  # tokenloom's own: a small mock corpus, no progress bar or plot
+    llama = run_cli("train", *MEGATRON_LLAMA, *small, "--output-dir", tmp_path / "llama", timeout=400)
+    assert llama.returncode == 0, llama.stderr[-3000:]
+    assert "model     gpt2: 2 layers x 64 wide, 4 heads (2 kv), vocab 50257 (padded 50304), seq 32" in llama.stdout
+    assert "\n          Llama-style: RMSNorm, SwiGLU MLP 172 wide, RoPE (base 500000), no biases, untied " \
+        "embeddings\n" in llama.stdout
+    assert "dp 1 x tp 2 x pp 1, ZeRO-1; bfloat16" in llama.stdout
+    assert "linear warmup 1 steps, cosine to 3e-05 at step 3" in llama.stdout
+    state = json.loads(next((tmp_path / "llama" / "checkpoints").glob("iter_*/state.json")).read_text())
+    model, optim = state["config"]["model"], state["config"]["optim"]  # resolved: a resume builds this model
+    assert {k: model[k] for k in ("norm", "mlp", "positions", "bias", "tie_embeddings", "n_kv_heads")} == dict(
+        norm="rmsnorm", mlp="swiglu", positions="rope", bias=False, tie_embeddings=False, n_kv_heads=2)
+    assert (model["rope_theta"], model["init_std"], model["dropout"]) == (500000.0, 0.01, 0.0)
+    assert (optim["beta1"], optim["beta2"], optim["eps"], optim["decay_style"]) == (0.9, 0.95, 1e-8, "cosine")
+    assert state["config"]["save_on_signal"] is True and state["config"]["zero1"] is True
+
+    gpt, args = [], iter(MEGATRON_LLAMA)
+    for arg in args:
+        if arg in ARCHITECTURE_FLAGS:
+            for _ in range(ARCHITECTURE_FLAGS[arg]):
+                next(args)
+        else:
+            gpt.append(arg)
+    assert sum(a.startswith("--") for a in gpt) == 39 - 6 and "--num-query-groups" in gpt
+    default = run_cli("train", *gpt, *small, "--output-dir", tmp_path / "gpt", timeout=400)
+    assert default.returncode == 0, default.stderr[-3000:]
+    assert "model     gpt2: 2 layers x 64 wide, 4 heads (2 kv)" in default.stdout
+    assert "\n          GPT-2-style: LayerNorm, GELU MLP 172 wide, learned positions, biases, tied " \
+        "embeddings\n" in default.stdout
 
 
 def test_megatron_spellings_reach_the_config(tmp_path, shared_data):

@@ -221,3 +221,21 @@ def test_a_sharded_folder_loads_as_its_single_file(tmp_path):
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(TokenloomError, match="model-00002-of-00002.safetensors does not exist"):
         hf.from_hf(cfg, sharded)
+
+
+def test_export_follows_the_features_and_refuses_what_transformers_cannot_express(tmp_path):
+    """The class is the one the features (not the arch preset) describe; a mix is refused naming its
+    fields; import sets the features, so the folder rebuilds the same model."""
+    shape = dict(vocab_size=100, make_vocab_size_divisible_by=64, seq_len=8, n_layers=1, n_heads=4, d_model=16)
+    as_llama = GPTConfig(**shape, norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)  # arch gpt2 preset
+    assert hf.family(as_llama) == "llama" and hf.hf_config(as_llama, None, None)["model_type"] == "llama"
+    tensors = hf.to_hf(as_llama, GPT(as_llama).state_dict())
+    assert "model.layers.0.mlp.gate_proj.weight" in tensors
+    with pytest.raises(TokenloomError, match=r"model.positions=rope has no transformers form: GPT2LMHeadModel"):
+        hf.check_expressible(GPTConfig(**shape, positions="rope"))
+    with pytest.raises(TokenloomError, match=r"model.norm=layernorm, model.mlp=gelu has no transformers form"):
+        hf.to_hf(GPTConfig(**shape, arch="llama", norm="layernorm", mlp="gelu"), {})
+    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config(as_llama, None, None)))
+    fields = hf.model_fields(json.loads((tmp_path / "config.json").read_text()), tmp_path / "config.json")
+    assert {k: fields[k] for k in ("arch", "norm", "mlp", "positions", "bias")} == dict(
+        arch="llama", norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)

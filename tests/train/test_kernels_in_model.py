@@ -26,7 +26,9 @@ from tokenloom.train.model import GPT, GPTConfig
 
 needs_compile = pytest.mark.skipif(not compile_available("cpu"), reason="no C++ compiler for inductor")
 
-ARCHS = {"gpt2": {}, "llama": dict(arch="llama", n_kv_heads=1)}
+ARCHS = {"gpt2": {}, "llama": dict(arch="llama", n_kv_heads=1),
+         "gpt2_rope_swiglu": dict(positions="rope", mlp="swiglu"),
+         "llama_layernorm_gelu_bias": dict(arch="llama", norm="layernorm", mlp="gelu", bias=True)}
 
 
 def small(kernels: str, **kw) -> GPTConfig:

@@ -147,3 +147,28 @@ def test_the_first_failing_rank_is_named(tmp_path, monkeypatch, capfd):
     (d / "torchrun.log").write_text("RuntimeError: address already in use\n")
     assert RankWatch(d).first_failure(1) == ("torchrun failed (exit status 1) before any rank reported an error: "
                                              "RuntimeError: address already in use")
+
+
+def test_megatron_model_flags_reach_the_config():
+    """The values ``train``'s Megatron flags hand over become the config fields they name."""
+    from tokenloom.train.config import load_config
+
+    flags = dict(norm="RMSNorm", mlp="swiglu", positions="rope", rotary_base=500000.0, tie_embeddings=False,
+                 bias=False, init_method_std=0.01, adam_beta1=0.8, adam_beta2=0.9, adam_eps=1e-6,
+                 lr_decay_style="linear", tensorboard_dir="tb", save_on_signal=True, num_query_groups=2)
+    cfg = load_config(None, launch_module.flag_overrides(group_query_attention=True, attention_dropout=0.1,
+                                                         hidden_dropout=0.1, **flags))
+    m, o = cfg.model, cfg.optim
+    assert (m.arch, m.norm, m.mlp, m.positions, m.rope_theta, m.tie_embeddings, m.bias) == (
+        "gpt2", "rmsnorm", "swiglu", "rope", 500000.0, False, False)
+    assert (m.init_std, m.dropout, m.n_kv_heads) == (0.01, 0.1, 2)
+    assert (o.beta1, o.beta2, o.eps, o.decay_style) == (0.8, 0.9, 1e-6, "linear")
+    assert (cfg.tensorboard_dir, cfg.save_on_signal) == ("tb", True)
+    assert load_config(None, launch_module.flag_overrides(hidden_dropout=0.2)).model.dropout == 0.2
+    wsd = load_config(None, launch_module.flag_overrides(lr_decay_style="WSD", lr_wsd_decay_iters=50,
+                                                         lr_wsd_decay_style="minus_sqrt")).optim
+    assert (wsd.decay_style, wsd.wsd_decay_iters, wsd.wsd_decay_style) == ("WSD", 50, "minus_sqrt")
+    assert load_config(None, launch_module.flag_overrides(positions="learned_absolute")).model.positions == "learned"
+    launch_module.check_max_position_embeddings(cfg, cfg.model.seq_len)  # equal: accepted
+    with pytest.raises(TokenloomError, match="--max-position-embeddings 1023 is shorter than the sequence length 1024"):
+        launch_module.check_max_position_embeddings(cfg, 1023)

@@ -233,6 +233,27 @@ def test_lr_schedule_and_no_decay_groups():
     assert lr_at(4, cfg, 20) == 1.0 and lr_at(12, cfg, 20) == pytest.approx(0.55)
     assert lr_at(20, cfg, 20) == pytest.approx(0.1) and lr_at(50, cfg, 20) == 0.1
     assert math.isclose(lr_at(19, cfg, 20), 0.1 + 0.45 * (1 + math.cos(math.pi * 15 / 16)))
+    linear = OptimConfig(lr=1.0, min_lr=0.1, warmup_iters=4, decay_style="linear")
+    assert lr_at(3, linear, 20) == 1.0 and lr_at(12, linear, 20) == pytest.approx(0.55)
+    assert lr_at(16, linear, 20) == pytest.approx(0.325) and lr_at(25, linear, 20) == 0.1
+    constant = OptimConfig(lr=1.0, min_lr=0.1, warmup_iters=4, decay_style="constant")
+    assert [lr_at(i, constant, 20) for i in (0, 3, 4, 19, 50)] == [0.25, 1.0, 1.0, 1.0, 1.0]
+    # WSD: lr until the last 8 steps before 20, then down to min_lr (Megatron's shapes)
+    for shape, mid in [("linear", 0.55), ("cosine", 0.55), ("exponential", 0.1 + 0.9 * (2 * 0.5 ** 0.5 - 1)),
+                       ("minus_sqrt", 0.1 + 0.9 * (1 - 0.5 ** 0.5))]:
+        wsd = OptimConfig(lr=1.0, min_lr=0.1, warmup_iters=4, decay_style="WSD", wsd_decay_iters=8,
+                          wsd_decay_style=shape)
+        assert [lr_at(i, wsd, 20) for i in (3, 4, 11, 12)] == [1.0, 1.0, 1.0, 1.0], shape
+        assert lr_at(16, wsd, 20) == pytest.approx(mid) and lr_at(20, wsd, 20) == 0.1, shape
+    isr = OptimConfig(lr=1.0, min_lr=0.1, warmup_iters=4, decay_style="inverse-square-root")
+    assert lr_at(4, isr, 200) == 1.0 and lr_at(16, isr, 200) == 0.5 and lr_at(150, isr, 200) == pytest.approx(
+        math.sqrt(4 / 150))
+    assert lr_at(199, isr, 1000) == pytest.approx(math.sqrt(4 / 199)) and lr_at(500, isr, 1000) == 0.1  # floor
+    assert lr_at(200, isr, 200) == 0.1  # min_lr from lr_decay_iters on
+    with pytest.raises(TokenloomError, match="optim.decay_style must be one of cosine, linear, constant, WSD"):
+        OptimConfig(decay_style="exp")  # type: ignore[arg-type]
+    with pytest.raises(TokenloomError, match="optim.decay_style WSD needs optim.wsd_decay_iters >= 1"):
+        OptimConfig(decay_style="WSD")
     model = GPT(GPTConfig(vocab_size=96, seq_len=16, n_layers=1, n_heads=2, d_model=16))
     decay, no_decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -249,7 +270,8 @@ def test_resume_across_kernel_modes_and_from_older_checkpoints(tmp_path):
     ckpt = checkpoint.find_latest(tmp_path / "checkpoints")
     state_path = ckpt / "state.json"
     state = json.loads(state_path.read_text())
-    del state["config"]["model"]["kernels"]  # as written before GPTConfig.kernels existed
+    for key in ("kernels", "norm", "mlp", "positions"):  # as written before these GPTConfig fields existed
+        del state["config"]["model"][key]
     state_path.write_text(json.dumps(state))
     summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto"))
     assert summary["iteration"] == 6
@@ -257,3 +279,7 @@ def test_resume_across_kernel_modes_and_from_older_checkpoints(tmp_path):
         run(tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto",
                  model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2,
                                  n_heads=2, d_model=64)))
+    with pytest.raises(TokenloomError, match='model.norm "layernorm" -> "rmsnorm"'):  # a feature is the model
+        run(tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto",
+                 model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2,
+                                 n_heads=2, d_model=32, norm="rmsnorm")))

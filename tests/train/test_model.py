@@ -29,6 +29,50 @@ def test_logits_shape_and_padded_vocab(arch):
     assert model(tokens[:, :5]).shape == (3, 5, 128)
 
 
+def test_features_resolve_from_the_arch_preset():
+    gpt2, llama = cfg(), cfg(arch="llama")
+    assert (gpt2.norm, gpt2.mlp, gpt2.positions, gpt2.bias) == ("layernorm", "gelu", "learned", True)
+    assert (llama.norm, llama.mlp, llama.positions, llama.bias) == ("rmsnorm", "swiglu", "rope", False)
+    assert gpt2.tie_embeddings and llama.tie_embeddings
+    mixed = cfg(arch="llama", norm="layernorm", positions="learned")  # an explicit feature wins
+    assert (mixed.norm, mixed.mlp, mixed.positions) == ("layernorm", "swiglu", "learned")
+    with pytest.raises(TokenloomError, match="model.norm must be one of layernorm, rmsnorm, got 'batchnorm'"):
+        cfg(norm="batchnorm")
+    with pytest.raises(TokenloomError, match="RoPE needs an even head dimension"):
+        cfg(positions="rope", n_heads=32)  # head dim 1
+
+
+def test_the_presets_build_the_models_their_features_name():
+    """A preset and its features spelled out are one model, bit for bit (old configs build as before)."""
+    tokens = torch.randint(0, 100, (2, 16))
+    for arch, features in [("gpt2", dict(norm="layernorm", mlp="gelu", positions="learned", bias=True)),
+                           ("llama", dict(norm="rmsnorm", mlp="swiglu", positions="rope", bias=False))]:
+        preset, spelled = GPT(cfg(arch=arch)), GPT(cfg(arch="gpt2" if arch == "llama" else "llama", **features))
+        assert {n: p.shape for n, p in preset.state_dict().items()} == \
+            {n: p.shape for n, p in spelled.state_dict().items()}
+        for (name, a), b in zip(preset.state_dict().items(), spelled.state_dict().values(), strict=True):
+            assert torch.equal(a, b), name
+        assert torch.equal(preset(tokens, tokens), spelled(tokens, tokens))
+
+
+@pytest.mark.parametrize("features", [dict(positions="rope"), dict(mlp="swiglu", bias=False),
+                                      dict(arch="llama", norm="layernorm", positions="learned", bias=True)],
+                         ids=["gpt2_rope", "layernorm_swiglu", "llama_learned_layernorm"])
+def test_every_feature_combination_builds_and_trains(features):
+    model = GPT(cfg(**features))
+    m = model.cfg
+    assert (model.pos_emb is None) == (m.positions == "rope")
+    assert isinstance(model.norm, torch.nn.RMSNorm if m.norm == "rmsnorm" else torch.nn.LayerNorm)
+    inner = model.blocks["0"].mlp.fc.weight.shape[0]
+    assert inner == (2 * m.ffn_size if m.mlp == "swiglu" else m.ffn_size)
+    assert m.ffn_size == (4 * 32 if m.mlp == "gelu" else 64 * math.ceil(8 * 32 / 3 / 64))
+    assert (model.blocks["0"].attn.qkv.bias is not None) == m.bias
+    tokens = torch.randint(0, 100, (2, 16))
+    loss = model(tokens, tokens)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
 def test_init_is_deterministic_and_seeded():
     a, b, c = GPT(cfg()), GPT(cfg()), GPT(cfg(seed=1))
     torch.manual_seed(123)  # global RNG must not matter
@@ -117,6 +161,16 @@ def test_num_params_without_embeddings():
     assert model.num_params(exclude_embeddings=True) == model.num_params() - 16 * 32  # minus position table
     untied = GPT(cfg(tie_embeddings=False))
     assert untied.num_params(exclude_embeddings=True) == untied.num_params() - 16 * 32 - 128 * 32
+
+
+def test_parameter_split_sums_to_the_total():
+    for features in ({}, dict(tie_embeddings=False, positions="rope")):
+        model = GPT(cfg(**features))
+        split = model.param_split()
+        assert sum(split.values()) == model.num_params()
+        learned = 16 * 32 if model.pos_emb is not None else 0
+        assert split["embedding"] == 128 * 32 + learned
+        assert split["head"] == 2 * 32 + (0 if model.cfg.tie_embeddings else 128 * 32)  # final LayerNorm (+ head)
 
 
 def test_too_long_sequence_is_a_user_error():

@@ -24,6 +24,8 @@ def test_summary_states_the_run(tmp_path):
                       eval_iters=10, output_dir=str(tmp_path))
     text = startup_summary(cfg, facts())
     assert "12 layers x 768 wide, 12 heads (12 kv), vocab 50257 (padded 50304), seq 1024; 124.0M parameters" in text
+    assert "124.0M parameters (embedding 39.4M, blocks 85.1M, head 1.5k)\n          GPT-2-style: LayerNorm, " \
+        "GELU MLP 3072 wide, learned positions, biases, tied embeddings\n" in text
     assert "4 rank(s) on cpu: dp 2 x tp 2 x pp 1; float32" in text
     assert "data      plan line 1\n          plan line 2" in text
     assert "speed     kernels reference (model.kernels reference); blocks eager (compile auto: off on cpu)" in text
@@ -41,6 +43,30 @@ def test_summary_states_the_run(tmp_path):
     resumed = startup_summary(TrainConfig(train_iters=1050, eval_interval=100, output_dir=str(tmp_path)),
                               facts(resumed_at=500))
     assert ": 6 evaluations" in resumed and "resume    from iteration 500" in resumed  # 600..1000, 1050
+
+
+def test_summary_shows_the_whole_model_and_its_schedule(tmp_path):
+    """Features, whatever the arch preset: the style they make, norm, MLP kind and width, positions
+    and RoPE base, biases, tying, kv heads and where the parameters are; the decay style."""
+    model = GPTConfig(vocab_size=1000, make_vocab_size_divisible_by=8, seq_len=64, n_layers=2, n_heads=4,
+                      n_kv_heads=2, d_model=64, ffn_hidden_size=172, norm="rmsnorm", mlp="swiglu", positions="rope",
+                      rope_theta=500000, bias=False, tie_embeddings=False)
+    cfg = TrainConfig(model=model, optim=OptimConfig(decay_style="linear"), output_dir=str(tmp_path))
+    lines = startup_summary(cfg, facts()).splitlines()
+    assert lines[0].startswith("model     gpt2: 2 layers x 64 wide, 4 heads (2 kv), vocab 1000 (padded 1000), seq 64")
+    # blocks: 2 x (qkv 64 x 128 + proj 64 x 64 + SwiGLU 3 x 64 x 172 + norms 2 x 64)
+    assert lines[0].endswith("(embedding 64.0k, blocks 90.9k, head 64.1k)")
+    assert lines[1] == "          Llama-style: RMSNorm, SwiGLU MLP 172 wide, RoPE (base 500000), no biases, untied embeddings"
+    assert "linear warmup 100 steps, linear to 6e-05 at step 1000" in startup_summary(cfg, facts())
+    mixed = TrainConfig(model=GPTConfig(arch="llama", norm="layernorm", mlp="gelu", positions="learned"),
+                        optim=OptimConfig(decay_style="constant"), output_dir=str(tmp_path))
+    text = startup_summary(mixed, facts())
+    assert "\n          custom (llama preset changed): LayerNorm, GELU MLP 3072 wide, learned positions, no biases, " \
+        "tied embeddings\n" in text
+    assert "linear warmup 100 steps, then constant; weight decay" in text
+    wsd = TrainConfig(optim=OptimConfig(decay_style="WSD", wsd_decay_iters=200), output_dir=str(tmp_path))
+    assert "linear warmup 100 steps, WSD: constant to step 800, then exponential to 6e-05 at step 1000; " in \
+        startup_summary(wsd, facts())
 
 
 def test_summary_says_what_was_chosen_on_cuda_and_why(monkeypatch):

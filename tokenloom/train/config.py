@@ -23,7 +23,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
 from tokenloom.train.fp8 import RECIPES as FP8_RECIPES
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model import ARCH_FEATURES, GPTConfig
 from tokenloom.train.optim import OptimConfig
 from tokenloom.train.pipeline_split import PipelineSplit
 
@@ -261,8 +261,10 @@ MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", 
 def check_resumable_model(path: str | os.PathLike, cfg: TrainConfig, saved_model: dict) -> None:
     """Refuse, with the old and new values, a checkpoint at ``path`` whose model (``saved_model``,
     from its ``state.json``) differs from ``cfg.model`` in a field that matters."""
-    # A field a checkpoint predates (saved without it) had its default value then.
+    # A field a checkpoint predates (saved without it) had its default value then; a feature field
+    # (norm, mlp, positions) its arch's value, which the model built then.
     defaults = {f.name: f.default for f in dataclasses.fields(cfg.model) if f.default is not dataclasses.MISSING}
+    defaults.update(ARCH_FEATURES.get(saved_model.get("arch", "gpt2"), {}))
     plain = json.loads(json.dumps(asdict(cfg.model)))
     changed = []
     for k, v in plain.items():

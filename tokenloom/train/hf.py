@@ -1,9 +1,10 @@
 """Hugging Face ``transformers`` folders, out and in: the one module that owns that format.
 
 Out (:func:`export`): a checkpoint of any layout (:func:`~tokenloom.train.parallel.reshard.model_tensors`)
-becomes a folder ``GPT2LMHeadModel`` (``arch: gpt2``) or ``LlamaForCausalLM`` (``arch: llama``)
-loads: ``config.json``, ``model.safetensors`` (fp32, the checkpoint's values), ``generation_config.json``,
-and the run's tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``).
+becomes a folder ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` loads (the class whose layers the
+model's features are, :func:`family`: LayerNorm + GELU + learned positions, or RMSNorm + SwiGLU + RoPE,
+whatever the ``arch`` preset; other combinations are refused naming the fields): ``config.json``, ``model.safetensors`` (fp32, the checkpoint's values),
+``generation_config.json``, and the run's tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``).
 In (:func:`init_from_hf`, ``train --init-from-hf``): such a folder's weights (``model.safetensors``
 or a ``model.safetensors.index.json`` shard set) become the run's starting parameters in any
 layout. Only safetensors are read (no pickle, so no code runs), only from the local folder.
@@ -68,7 +69,7 @@ from tokenloom.fsio import fsync_dir, naming, os_error_message
 from tokenloom.train import checkpoint
 from tokenloom.train.config import TrainConfig, config_from_dict
 from tokenloom.train.data import open_tokenizer
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model import ARCH_FEATURES, FEATURE_VALUES, GPT, GPTConfig
 from tokenloom.train.parallel.reshard import load_params, model_tensors
 
 WEIGHTS = "model.safetensors"
@@ -80,10 +81,24 @@ TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 # --------------------------------------------------------------------------- names and layouts
 
 
+def family(cfg: GPTConfig) -> str:
+    """``gpt2`` or ``llama``: the ``transformers`` class whose layers ``cfg``'s features (norm, mlp,
+    positions) are; a combination neither class has is refused, naming the fields that differ
+    from the ``arch`` preset's class."""
+    for name, preset in ARCH_FEATURES.items():
+        if all(getattr(cfg, k) == preset[k] for k in FEATURE_VALUES):
+            return name
+    preset = ARCH_FEATURES[cfg.arch]
+    bad = [f"model.{k}={getattr(cfg, k)}" for k in FEATURE_VALUES if getattr(cfg, k) != preset[k]]
+    raise TokenloomError(f"{', '.join(bad)} has no transformers form: {ARCHS['gpt2']} has layernorm, gelu and "
+                         f"learned positions, {ARCHS['llama']} rmsnorm, swiglu and rope")
+
+
+
 def _block_map(cfg: GPTConfig, i: int) -> list[tuple[str, str, Callable, Callable]]:
     """(ours, HF, ours -> HF, HF -> ours) for block ``i``'s tensors that map one to one."""
     ours, t = f"blocks.{i}.", lambda w: w.t()
-    if cfg.arch == "gpt2":
+    if family(cfg) == "gpt2":
         hf = f"transformer.h.{i}."
         pairs = [("norm1", "ln_1", None), ("attn.qkv", "attn.c_attn", t), ("attn.proj", "attn.c_proj", t),
                  ("norm2", "ln_2", None), ("mlp.fc", "mlp.c_fc", t), ("mlp.proj", "mlp.c_proj", t)]
@@ -122,7 +137,7 @@ def _fused(cfg: GPTConfig, i: int) -> list[tuple[str, list[str], list[int]]]:
 
 def _outer_map(cfg: GPTConfig) -> list[tuple[str, str]]:
     """(ours, HF) for the embeddings, final norm and LM head (vocabulary tensors hold real rows in HF)."""
-    if cfg.arch == "gpt2":
+    if family(cfg) == "gpt2":
         out = [("tok_emb.weight", "transformer.wte.weight"), ("pos_emb.weight", "transformer.wpe.weight"),
                ("norm.weight", "transformer.ln_f.weight"), ("norm.bias", "transformer.ln_f.bias")]
     else:
@@ -133,11 +148,12 @@ def _outer_map(cfg: GPTConfig) -> list[tuple[str, str]]:
 
 
 def check_expressible(cfg: GPTConfig) -> None:
-    """Refuse, naming the field, a model ``transformers``' class for its arch cannot hold."""
-    if cfg.arch == "gpt2" and cfg.kv_heads != cfg.n_heads:
+    """Refuse, naming the field, a model no ``transformers`` class can hold (:func:`family`)."""
+    gpt2 = family(cfg) == "gpt2"
+    if gpt2 and cfg.kv_heads != cfg.n_heads:
         raise TokenloomError(f"model.n_kv_heads={cfg.n_kv_heads} (grouped-query attention) has no GPT2LMHeadModel "
                              "form: GPT-2 has one head count; export a llama model for GQA")
-    if cfg.arch == "gpt2" and not cfg.use_bias:
+    if gpt2 and not cfg.use_bias:
         raise TokenloomError("model.bias=false has no GPT2LMHeadModel form: GPT-2's linears and LayerNorms always "
                              "have biases")
 
@@ -153,7 +169,7 @@ def to_hf(cfg: GPTConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torc
     for i in range(cfg.n_layers):
         for ours, hf, there, _ in _block_map(cfg, i):
             out[hf] = there(tensors[ours])
-        if cfg.arch == "llama":
+        if family(cfg) == "llama":
             for ours, parts, sizes in _fused(cfg, i):
                 out.update(zip(parts, tensors[ours].split(sizes, dim=0), strict=True))
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in out.items()}
@@ -161,10 +177,11 @@ def to_hf(cfg: GPTConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torc
 
 def hf_config(cfg: GPTConfig, eod: int | None, bos: int | None) -> dict[str, Any]:
     """``config.json`` of a model of ``cfg`` (``eod`` / ``bos``: the tokenizer's ids)."""
-    common = {"architectures": [ARCHS[cfg.arch]], "model_type": cfg.arch, "vocab_size": cfg.vocab_size,
+    kind = family(cfg)
+    common = {"architectures": [ARCHS[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
               "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32", "initializer_range": cfg.init_std,
               "eos_token_id": eod, "bos_token_id": bos if bos is not None else eod, "use_cache": True}
-    if cfg.arch == "gpt2":
+    if kind == "gpt2":
         return {**common, "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
                 "n_head": cfg.n_heads, "n_inner": cfg.ffn_size, "activation_function": "gelu_new",
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
@@ -309,9 +326,10 @@ def model_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
         if hf.get("scale_attn_weights") is False:
             raise refuse("scale_attn_weights", "has no form in our gpt2 model (attention scaled by 1/sqrt(head_dim))")
         d = hf.get("n_embd", 768)
-        return dict(arch="gpt2", vocab_size=hf.get("vocab_size", 50257), n_layers=hf.get("n_layer", 12),
+        return ARCH_FEATURES["gpt2"] | dict(
+                    arch="gpt2", vocab_size=hf.get("vocab_size", 50257), n_layers=hf.get("n_layer", 12),
                     n_heads=hf.get("n_head", 12), n_kv_heads=None, d_model=d,
-                    ffn_hidden_size=hf.get("n_inner") or 4 * d, bias=True,
+                    ffn_hidden_size=hf.get("n_inner") or 4 * d,
                     tie_embeddings=hf.get("tie_word_embeddings", True), norm_eps=hf.get("layer_norm_epsilon", 1e-5))
     if hf.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "is not the SiLU of our llama's SwiGLU")
@@ -326,7 +344,8 @@ def model_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
     d, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     if hf.get("head_dim") not in (None, d // heads):
         raise refuse("head_dim", f"is not hidden_size / num_attention_heads = {d // heads}")
-    return dict(arch="llama", vocab_size=hf.get("vocab_size", 32000), n_layers=hf.get("num_hidden_layers", 32),
+    return ARCH_FEATURES["llama"] | dict(
+                arch="llama", vocab_size=hf.get("vocab_size", 32000), n_layers=hf.get("num_hidden_layers", 32),
                 n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=d,
                 ffn_hidden_size=hf.get("intermediate_size", 11008), bias=bool(hf.get("attention_bias", False)),
                 tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -357,7 +376,7 @@ def resolve_config(cfg: TrainConfig) -> TrainConfig:
         elif key == "ffn_hidden_size" and mine is None:
             continue
         if mine != getattr(defaults, key) and mine != value:
-            theirs = HF_KEYS[fields["arch"]].get(key, "model_type" if key == "arch" else key)
+            theirs = HF_KEYS[fields["arch"]].get(key, "model_type" if key in ("arch", *FEATURE_VALUES) else key)
             raise TokenloomError(f"model.{key}={json.dumps(mine)} conflicts with {theirs}={json.dumps(value)} in {where} "
                                  "(--init-from-hf takes the model shape from there); drop the flag or --set")
     limit = max_positions(hf)
@@ -455,7 +474,7 @@ def from_hf(cfg: GPTConfig, folder: str | os.PathLike, read: bool = True,
             shape = shapes[ours]
             if ours in wanted:
                 out[ours] = back(get(hf, shape[::-1] if back is not _same else shape))
-        for ours, parts, sizes in _fused(cfg, i) if cfg.arch == "llama" else []:
+        for ours, parts, sizes in _fused(cfg, i) if family(cfg) == "llama" else []:
             rest = shapes[ours][1:]
             if ours in wanted:
                 out[ours] = torch.cat([get(p, (n, *rest)) for p, n in zip(parts, sizes, strict=True)])

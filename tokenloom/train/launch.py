@@ -522,13 +522,28 @@ def report_unexpected(exc: Exception, rank: int, log: Path) -> typing.NoReturn:
 
 
 def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, tokenizer: str | None = None,
-                   **fields) -> list[str]:
+                   attention_dropout: float | None = None, hidden_dropout: float | None = None,
+                   group_query_attention: bool = False, **fields) -> list[str]:
     """``--set`` overrides for the ``train`` command's convenience flags (None means not given).
 
     ``data`` holds WEIGHT PREFIX pairs and replaces the data section with that blend;
     ``tokenizer`` also sizes ``model.vocab_size`` to it (an explicit ``--set`` wins, as
-    it is applied after these). ``fields`` maps flag names to config keys (:data:`FLAG_KEYS`).
+    it is applied after these). ``fields`` maps flag names to config keys (:data:`FLAG_KEYS`),
+    Megatron's spellings of a value becoming ours (:data:`MEGATRON_VALUES`).
+
+    Megatron's two dropouts map onto the model's one (``model.dropout``: embeddings, attention
+    probabilities and residual branches): either sets it, and a pair that differs is refused
+    naming both. ``group_query_attention`` (Megatron's switch for ``--num-query-groups``) needs
+    ``num_query_groups``, which alone sets the key/value heads as it always has here.
     """
+    if attention_dropout is not None and hidden_dropout is not None and attention_dropout != hidden_dropout:
+        raise TokenloomError(f"--attention-dropout {attention_dropout:g} and --hidden-dropout {hidden_dropout:g} "
+                             "differ: the model has one dropout (model.dropout: embeddings, attention probabilities "
+                             "and residual branches); give them the same value")
+    if fields.get("dropout") is None:
+        fields["dropout"] = attention_dropout if attention_dropout is not None else hidden_dropout
+    if group_query_attention and fields.get("num_query_groups") is None:
+        raise TokenloomError("--group-query-attention needs --num-query-groups N (the key/value heads)")
     out: list[str] = []
     if data:
         pairs = [[w, p] for w, p in parse_data_args(list(data))]
@@ -539,8 +554,19 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
         out += [f"tokenizer={json.dumps(tokenizer)}", f"model.vocab_size={open_tokenizer(tokenizer).vocab_size}"]
     for name, value in fields.items():
         if value is not None:
+            value = MEGATRON_VALUES.get(name, {}).get(value, value)
             out.append(f"{FLAG_KEYS[name]}={json.dumps(value)}")
     return out
+
+
+def check_max_position_embeddings(cfg: TrainConfig, max_position_embeddings: int | None) -> None:
+    """Megatron's ``--max-position-embeddings`` is accepted when it covers the run's sequences: the
+    model's positions (a learned table or RoPE's tables) have ``model.seq_len`` rows, enough for
+    every sample, so a larger value changes nothing trained; a smaller one is refused."""
+    if max_position_embeddings is not None and max_position_embeddings < cfg.model.seq_len:
+        raise TokenloomError(f"--max-position-embeddings {max_position_embeddings} is shorter than the sequence "
+                             f"length {cfg.model.seq_len} (--seq-length): a sample would have positions the model "
+                             "lacks; give at least the sequence length")
 
 
 FLAG_KEYS = {
@@ -560,8 +586,20 @@ FLAG_KEYS = {
     "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
     "overlap_param_gather": "overlap_param_gather", "fp8": "fp8", "init_from_hf": "init_from_hf",
+    "norm": "model.norm", "mlp": "model.mlp", "positions": "model.positions", "rotary_base": "model.rope_theta",
+    "tie_embeddings": "model.tie_embeddings", "bias": "model.bias", "dropout": "model.dropout",
+    "init_method_std": "model.init_std", "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2",
+    "adam_eps": "optim.eps", "lr_decay_style": "optim.decay_style",
+    "lr_wsd_decay_iters": "optim.wsd_decay_iters", "lr_wsd_decay_style": "optim.wsd_decay_style", "tensorboard_dir": "tensorboard_dir",
+    "save_on_signal": "save_on_signal",
 }
 """``train`` flag (its Python name) -> the config key it sets."""
+
+MEGATRON_VALUES = {
+    "norm": {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"},
+    "positions": {"learned_absolute": "learned", "rope": "rope"},
+}
+"""``train`` flag -> Megatron's spelling of a value -> the config's (values not listed pass as they are)."""
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
 """A small, readable GPT in one file (in the spirit of nanoGPT) that serves every parallel
 layout (in the spirit of megatron-core's ``GPTModel``).
 
-Two flavours share one code path, picked by :attr:`GPTConfig.arch`: ``"gpt2"`` (LayerNorm,
-tanh-GELU MLP, learned positions) and ``"llama"`` (RMSNorm, SwiGLU, rotate-half RoPE as in
-GPT-NeoX / Hugging Face, grouped-query attention via ``n_kv_heads``).
+The model is described by its features (:class:`GPTConfig`): ``norm`` (LayerNorm or RMSNorm),
+``mlp`` (tanh-GELU or SwiGLU), ``positions`` (a learned table or rotate-half RoPE as in GPT-NeoX /
+Hugging Face, base ``rope_theta``), ``bias``, ``tie_embeddings``, and grouped-query attention via
+``n_kv_heads``. :attr:`GPTConfig.arch` is a preset: a feature left None takes the arch's value
+(``"gpt2"``: LayerNorm, GELU, learned positions, biases; ``"llama"``: RMSNorm, SwiGLU, RoPE, no
+biases; both tied unless ``tie_embeddings`` says otherwise), so a config written before the
+features existed builds the same model. Any combination builds, in every layout and every kernels
+mode: each feature is its own op in every :class:`~tokenloom.train.kernels.KernelSet` (norm,
+activation, RoPE), so no combination falls back or is refused.
 
 Layouts and their invariants:
 
@@ -90,10 +96,24 @@ from tokenloom.train.wgrad import linear as wgrad_linear
 
 @dataclass(kw_only=True)
 class GPTConfig:
-    """Model shape and behaviour. Every field is keyword-only."""
+    """Model shape and behaviour. Every field is keyword-only.
+
+    After construction every feature field (norm, mlp, positions, bias) holds its resolved value, so
+    what is saved (``config.json``, a checkpoint's ``state.json``) names the model that was built
+    whatever the arch preset later means; a saved config without them (written before they existed)
+    resolves them from its arch, as the model was built then."""
 
     arch: Literal["gpt2", "llama"] = "gpt2"
-    """``gpt2``: LayerNorm + GELU + learned positions; ``llama``: RMSNorm + SwiGLU + RoPE."""
+    """Preset for the features left unset (norm, mlp, positions, bias): ``gpt2``: LayerNorm + GELU +
+    learned positions + biases; ``llama``: RMSNorm + SwiGLU + RoPE, no biases."""
+    norm: Literal["layernorm", "rmsnorm"] | None = None
+    """Normalisation of every block and the final norm; None: the arch's (gpt2 layernorm, llama rmsnorm)."""
+    mlp: Literal["gelu", "swiglu"] | None = None
+    """MLP activation (tanh GELU, or SwiGLU with a gate and an up projection); None: the arch's
+    (gpt2 gelu, llama swiglu)."""
+    positions: Literal["learned", "rope"] | None = None
+    """Position encoding: a learned table of seq_len rows, or rotary (RoPE, base rope_theta) on queries
+    and keys; None: the arch's (gpt2 learned, llama rope)."""
     vocab_size: int = 50257
     """Number of real token ids (the tokenizer's vocabulary size)."""
     make_vocab_size_divisible_by: int = 128
@@ -109,7 +129,7 @@ class GPTConfig:
     d_model: int = 768
     """Hidden size."""
     ffn_hidden_size: int | None = None
-    """MLP inner size; None means ``4*d_model`` (gpt2) or ``8/3*d_model`` rounded up to 64 (llama)."""
+    """MLP inner size; None means ``4*d_model`` (gelu) or ``8/3*d_model`` rounded up to 64 (swiglu)."""
     bias: bool | None = None
     """Biases in linear layers and LayerNorm; None means True for gpt2, False for llama."""
     tie_embeddings: bool = True
@@ -119,7 +139,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
-    """RoPE base frequency (llama only)."""
+    """RoPE base frequency (positions rope only)."""
     recompute_layers: tuple[int, ...] = field(default_factory=tuple)
     """Indices of blocks whose activations are recomputed in backward (``tuple(range(n_layers))`` = all)."""
     init_std: float = 0.02
@@ -137,13 +157,18 @@ class GPTConfig:
             raise TokenloomError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % kv:
             raise TokenloomError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={kv}")
-        if self.arch not in ("gpt2", "llama"):
+        preset = ARCH_FEATURES.get(self.arch)
+        if preset is None:
             raise TokenloomError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
-        if self.arch == "llama" and self.head_dim % 2:
+        for name, value in preset.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        for name, allowed in FEATURE_VALUES.items():
+            if getattr(self, name) not in allowed:
+                raise TokenloomError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.positions == "rope" and self.head_dim % 2:
             raise TokenloomError(f"RoPE needs an even head dimension; d_model={self.d_model} / "
                                  f"n_heads={self.n_heads} = {self.head_dim}")
-        if self.bias is None:
-            self.bias = self.arch == "gpt2"
         if self.kernels not in ("reference", "compiled", "triton", "auto"):
             raise TokenloomError(f"kernels must be reference, compiled, triton or auto, got {self.kernels!r}")
         bad = [i for i in self.recompute_layers if not 0 <= i < self.n_layers]
@@ -167,7 +192,7 @@ class GPTConfig:
     def ffn_size(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.arch == "gpt2":
+        if self.mlp == "gelu":
             return 4 * self.d_model
         return 64 * math.ceil(8 * self.d_model / 3 / 64)
 
@@ -175,6 +200,16 @@ class GPTConfig:
     def use_bias(self) -> bool:
         """``bias`` resolved (``__post_init__`` replaces None by the arch's default)."""
         return bool(self.bias)
+
+
+ARCH_FEATURES: dict[str, dict[str, str | bool]] = {
+    "gpt2": {"norm": "layernorm", "mlp": "gelu", "positions": "learned", "bias": True},
+    "llama": {"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope", "bias": False},
+}
+"""Each :attr:`GPTConfig.arch` preset: the value of every feature field left None."""
+
+FEATURE_VALUES = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "positions": ("learned", "rope")}
+"""The values each feature field takes."""
 
 
 def build_ops(mode: str, device: torch.device | str) -> KernelSet | None:
@@ -268,7 +303,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp: TensorParallel, ops: KernelSet | None = None) -> None:
         super().__init__()
-        self.swiglu = cfg.arch == "llama"
+        self.swiglu = cfg.mlp == "swiglu"
         inner = cfg.ffn_size
         self.fc = tp.column(cfg.d_model, 2 * inner if self.swiglu else inner, bias=cfg.use_bias,
                             split_sizes=[inner, inner] if self.swiglu else None)
@@ -363,8 +398,8 @@ class _RMSNorm(nn.RMSNorm):
 
 
 def make_norm(cfg: GPTConfig, ops: KernelSet | None = None) -> nn.Module:
-    """The flavour's norm (LayerNorm or RMSNorm), on ``meta`` until the model materialises it."""
-    if cfg.arch == "llama":
+    """The configured norm (LayerNorm or RMSNorm), on ``meta`` until the model materialises it."""
+    if cfg.norm == "rmsnorm":
         return _RMSNorm(cfg, ops)
     return _LayerNorm(cfg, ops)
 
@@ -443,7 +478,7 @@ class GPT(nn.Module):
     rank's shards with exactly the values the one-process model gets.
     """
 
-    rope_cos: torch.Tensor  # buffers (llama), [seq_len, head_dim]
+    rope_cos: torch.Tensor  # buffers (positions rope), [seq_len, head_dim]
     rope_sin: torch.Tensor
 
     def __init__(
@@ -468,14 +503,14 @@ class GPT(nn.Module):
         self._lm_loss = lm_loss  # compile_blocks swaps in its compiled form
         if pre:
             self.tok_emb = self.tp.embedding(cfg.padded_vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model, device="meta") if cfg.arch == "gpt2" else None
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model, device="meta") if cfg.positions == "learned" else None
             self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, self.tp, i in cfg.recompute_layers, ops) for i in layers})
         if post:
             self.norm = make_norm(cfg, ops)
             self.lm_head = self.tp.column(cfg.d_model, cfg.padded_vocab_size, bias=False)
             self.lm_head.wgrad_fusion = False  # maybe tied: a second consumer of its weight (tokenloom.train.wgrad)
-        if cfg.arch == "llama":
+        if cfg.positions == "rope":
             self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim, device="meta"), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim, device="meta"), persistent=False)
         if device.type != "meta":
@@ -546,7 +581,7 @@ class GPT(nn.Module):
             bias = getattr(module, "bias", None)
             if bias is not None:
                 bias.zero_()
-        if cfg.arch == "llama":
+        if cfg.positions == "rope":
             cos, sin = rope_tables(cfg, self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
@@ -582,7 +617,7 @@ class GPT(nn.Module):
             dropout = self.cfg.dropout if self.training else 0.0
             flex = flex_usable(x.device, dropout, self.cfg.head_dim)
             mask = document_attention_mask(documents, per_token.shape[-1], flex=flex)
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.arch == "llama" else None
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.positions == "rope" else None
         if rope is not None and positions is not None:
             rope = (rope[0][positions].unsqueeze(1), rope[1][positions].unsqueeze(1))
         for block in self.blocks.values():
@@ -642,6 +677,17 @@ class GPT(nn.Module):
                                                             reduction="mean", sequence_parallel=tp.sp)
             losses = vocab_parallel_cross_entropy(self.lm_head(h).float(), labels, tp.group).reshape(-1)
         return masked_mean(losses, loss_mask)
+
+    def param_split(self) -> dict[str, int]:
+        """Unique parameters of the whole model by part: ``embedding`` (token table, and position table
+        if learned), ``blocks`` (the transformer blocks), ``head`` (final norm, and the LM head when
+        untied; a tied head is the embedding's table). Counted like :meth:`num_params`, whose total
+        they sum to."""
+        model = GPT(self.cfg, device="meta")
+        embedding = sum(p.numel() for p in (*model.tok_emb.parameters(),
+                                            *(model.pos_emb.parameters() if model.pos_emb is not None else ())))
+        blocks = sum(p.numel() for p in model.blocks.parameters())
+        return {"embedding": embedding, "blocks": blocks, "head": model.num_params() - embedding - blocks}
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied embedding counts once) of the whole model, counted on

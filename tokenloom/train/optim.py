@@ -1,4 +1,4 @@
-"""AdamW with the usual no-decay groups, and warmup + cosine learning rate as a pure function.
+"""AdamW with the usual no-decay groups, and warmup + decay learning rate as a pure function.
 
 Choices and their costs:
 
@@ -11,8 +11,12 @@ Choices and their costs:
   group before the step. Resume therefore needs no scheduler state beyond the iteration,
   and changing ``train_iters`` on resume changes the curve exactly as a fresh run would.
   Warmup is linear, ``lr * (it + 1) / warmup_iters`` (the first step does not waste a
-  zero learning rate), then cosine from ``lr`` to ``min_lr`` at ``lr_decay_iters``,
-  constant ``min_lr`` after.
+  zero learning rate), then Megatron's ``--lr-decay-style``: cosine (the default) or linear
+  from ``lr`` to ``min_lr`` at ``lr_decay_iters``; WSD (warmup-stable-decay: ``lr`` until the
+  last ``wsd_decay_iters`` before ``lr_decay_iters``, then ``wsd_decay_style`` down to
+  ``min_lr``); inverse-square-root (``lr * sqrt(warmup_iters / it)``, not below ``min_lr``);
+  each constant ``min_lr`` from ``lr_decay_iters`` on, as Megatron's. Or constant ``lr``
+  (``min_lr`` unused).
 * **Fused AdamW by default** where torch has the kernel for the parameters' device (CPU
   and CUDA): one kernel over every parameter instead of a loop of ops per tensor, several
   times faster than the for-loop and foreach ones on CPU (see bench/RESULTS.md, notes),
@@ -32,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -42,16 +47,25 @@ from tokenloom.errors import TokenloomError
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """AdamW, warmup + cosine decay, gradient clipping."""
+    """AdamW, warmup + decay (cosine, linear or constant), gradient clipping."""
 
     lr: float = 6e-4
     """Peak learning rate (reached after warmup)."""
     min_lr: float = 6e-5
-    """Learning rate at the end of the cosine decay and after it."""
+    """Learning rate at the end of the decay and after it (not used by decay_style constant)."""
     warmup_iters: int = 100
     """Iterations of linear warmup from lr/warmup_iters to lr."""
     lr_decay_iters: int | None = None
-    """Iteration at which the cosine reaches min_lr; None means train_iters."""
+    """Iteration at which the decay reaches min_lr; None means train_iters."""
+    decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
+    """After warmup: cosine or linear from lr to min_lr at lr_decay_iters; WSD (lr, then the last
+    wsd_decay_iters before lr_decay_iters decay to min_lr); inverse-square-root (lr x sqrt(warmup /
+    step), not below min_lr); or constant lr (Megatron's --lr-decay-style)."""
+    wsd_decay_iters: int | None = None
+    """WSD: iterations of the final decay, ending at lr_decay_iters (Megatron's --lr-wsd-decay-iters);
+    needed by decay_style WSD."""
+    wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """WSD: the shape of the final decay (Megatron's --lr-wsd-decay-style, the same default)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -71,6 +85,22 @@ class OptimConfig:
                                  f"min_lr={self.min_lr}")
         if self.warmup_iters < 0 or self.grad_clip < 0:
             raise TokenloomError("optim.warmup_iters and optim.grad_clip must be >= 0")
+        if self.decay_style not in DECAY_STYLES:
+            raise TokenloomError(f"optim.decay_style must be one of {', '.join(DECAY_STYLES)}, got "
+                                 f"{self.decay_style!r}")
+        if self.wsd_decay_style not in WSD_DECAY_STYLES:
+            raise TokenloomError(f"optim.wsd_decay_style must be one of {', '.join(WSD_DECAY_STYLES)}, got "
+                                 f"{self.wsd_decay_style!r}")
+        if self.decay_style == "WSD" and (self.wsd_decay_iters is None or self.wsd_decay_iters < 1):
+            raise TokenloomError(f"optim.decay_style WSD needs optim.wsd_decay_iters >= 1 (--lr-wsd-decay-iters), "
+                                 f"got {self.wsd_decay_iters}")
+
+
+DECAY_STYLES = ("cosine", "linear", "constant", "WSD", "inverse-square-root")
+"""The learning-rate decays :func:`lr_at` implements (:attr:`OptimConfig.decay_style`)."""
+
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+"""The shapes of WSD's final decay (:attr:`OptimConfig.wsd_decay_style`)."""
 
 
 def param_groups(modules: nn.Module | Iterable[nn.Module], weight_decay: float) -> list[dict]:
@@ -142,13 +172,27 @@ def use_fused(cfg: OptimConfig, params: list[torch.Tensor]) -> bool | None:
 
 
 def lr_at(it: int, cfg: OptimConfig, train_iters: int) -> float:
-    """Learning rate of 0-based step ``it``: linear warmup, cosine to ``min_lr``, then flat."""
+    """Learning rate of 0-based step ``it``: linear warmup, then ``decay_style`` (Megatron's
+    ``OptimizerParamScheduler.get_lr``, in steps): constant ``lr``; or cosine, linear, WSD or
+    inverse-square-root, each ``min_lr`` from ``lr_decay_iters`` on."""
     decay_iters = cfg.lr_decay_iters or train_iters
     if it < cfg.warmup_iters:
         return cfg.lr * (it + 1) / cfg.warmup_iters
+    if cfg.decay_style == "constant":
+        return cfg.lr
     if it >= decay_iters:
         return cfg.min_lr
+    if cfg.decay_style == "inverse-square-root":
+        return max(cfg.min_lr, cfg.lr * math.sqrt(max(cfg.warmup_iters, 1) / max(it, 1)))
+    if cfg.decay_style == "WSD":
+        wsd_iters = cfg.wsd_decay_iters or 1
+        progress = max(0.0, (it - (decay_iters - wsd_iters)) / wsd_iters)
+        coeff = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+                 "exponential": 2.0 * 0.5 ** progress - 1.0, "minus_sqrt": 1.0 - math.sqrt(progress)}
+        return cfg.min_lr + coeff[cfg.wsd_decay_style] * (cfg.lr - cfg.min_lr)
     progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    if cfg.decay_style == "linear":
+        return cfg.min_lr + (1.0 - progress) * (cfg.lr - cfg.min_lr)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 

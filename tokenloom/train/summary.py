@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.kernels import choose_compile, resolve_mode
+from tokenloom.train.model import ARCH_FEATURES, GPT, GPTConfig
+from tokenloom.train.optim import OptimConfig
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ def _uneven(cfg: TrainConfig) -> str:
 def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     """The summary text (several lines, each starting with its topic)."""
     m, o = cfg.model, cfg.optim
+    parts = GPT(m, device="meta").param_split()
+    split = ", ".join(f"{name} {_count(n)}" for name, n in parts.items())
     tokens_per_step = cfg.global_batch_size * m.seq_len
     decay = o.lr_decay_iters or cfg.train_iters
     evals, interval, start = 0, cfg.eval_interval, facts.resumed_at
@@ -60,7 +64,8 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     lines = [
         f"model     {m.arch}: {m.n_layers} layers x {m.d_model} wide, {m.n_heads} heads ({m.kv_heads} kv), "
         f"vocab {m.vocab_size} (padded {m.padded_vocab_size}), seq {m.seq_len}; "
-        f"{_count(facts.parameters)} parameters",
+        f"{_count(facts.parameters)} parameters ({split})",
+        f"          {features(m)}",
         f"speed     {choices(cfg, facts.device)}",
         f"layout    {facts.world_size} rank(s) on {facts.device}: dp {facts.dp} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' (vpp {cfg.vpp})' if cfg.vpp else ''}{', sequence parallel' if cfg.sp else ''}"
@@ -69,7 +74,7 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
         f"batch     global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {facts.dp} x accumulation "
         f"{facts.accumulation}; {_count(tokens_per_step)} tokens/step, {cfg.train_iters} steps = "
         f"{_count(tokens_per_step * cfg.train_iters)} tokens",
-        f"schedule  lr {o.lr:g}, linear warmup {o.warmup_iters} steps, cosine to {o.min_lr:g} at step {decay}; "
+        f"schedule  lr {o.lr:g}, linear warmup {o.warmup_iters} steps, {_decay(o, decay)}; "
         f"weight decay {o.weight_decay:g}, grad clip {o.grad_clip:g}",
         (f"eval      {cfg.eval_iters} global batches ({cfg.eval_iters * cfg.global_batch_size} samples) "
          f"every {cfg.eval_interval} steps, at the end{' and before the first step' if facts.resumed_at == 0 else ''}"
@@ -80,6 +85,35 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     if facts.resumed_at:
         lines.append(f"resume    from iteration {facts.resumed_at}")
     return "\n".join(lines + [f"warning: {w}" for w in regrets(cfg, facts)])
+
+
+def _decay(o: OptimConfig, decay: int) -> str:
+    """The schedule after warmup in words (:func:`tokenloom.train.optim.lr_at`)."""
+    if o.decay_style == "constant":
+        return "then constant"
+    if o.decay_style == "WSD":
+        return (f"WSD: constant to step {decay - (o.wsd_decay_iters or 0)}, then {o.wsd_decay_style} to "
+                f"{o.min_lr:g} at step {decay}")
+    if o.decay_style == "inverse-square-root":
+        return f"inverse-square-root (not below {o.min_lr:g}), {o.min_lr:g} from step {decay}"
+    return f"{o.decay_style} to {o.min_lr:g} at step {decay}"
+
+
+STYLES = {"gpt2": "GPT-2", "llama": "Llama"}
+"""The name of the model each arch preset's features describe."""
+
+
+def features(m: GPTConfig) -> str:
+    """The model's features in words, led by the style they make (``GPT-2-style``, ``Llama-style``
+    when they are a preset's, whatever ``arch`` says; else ``custom``): norm, MLP kind and width,
+    positions (and RoPE base), biases, tied or untied embeddings."""
+    style = next((f"{STYLES[name]}-style" for name, preset in ARCH_FEATURES.items()
+                  if all(getattr(m, k) == v for k, v in preset.items())), f"custom ({m.arch} preset changed)")
+    norm = "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"
+    mlp = f"{'SwiGLU' if m.mlp == 'swiglu' else 'GELU'} MLP {m.ffn_size} wide"
+    positions = f"RoPE (base {m.rope_theta:g})" if m.positions == "rope" else "learned positions"
+    return (f"{style}: {norm}, {mlp}, {positions}, {'biases' if m.use_bias else 'no biases'}, "
+            f"{'tied' if m.tie_embeddings else 'untied'} embeddings")
 
 
 def choices(cfg: TrainConfig, device_type: str) -> str:
