@@ -19,12 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenloom.train import loop
+from tokenloom.train import ckpt_format, loop
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
 from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import OptimConfig
-from tokenloom.train.parallel import reshard
 from tokenloom.train.runtime import World, seed_everything
 
 STEPS = 20
@@ -60,9 +59,7 @@ def read_bubbles(metrics: Path) -> list[float | None]:
 
 def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
     """Full parameters by one-process name from a checkpoint of any layout."""
-    if (path / "model.pt").exists():
-        return torch.load(path / "model.pt", weights_only=True)
-    return reshard.full_tensors(path)[0]
+    return ckpt_format.read(path)[0]
 
 
 def reference(out: Path, **kw: Any) -> dict[str, Any]:
