@@ -66,7 +66,7 @@ def reference(reference_run):
 FAULTS = {  # the fault hits iteration 6's checkpoint; iteration 3's is complete by then
     "disk-full-writing-the-model": ("write", errno.ENOSPC, f"{ITER6}.tmp/tp0_pp0_dp0.pt", 4096,
                                     "no space left on device writing", "free space on that disk"),
-    "disk-full-at-fsync": ("fsync", errno.ENOSPC, f"{ITER6}.tmp/optimizer.pt", 0,
+    "disk-full-at-fsync": ("fsync", errno.ENOSPC, f"{ITER6}.tmp/tp0_pp0_dp0.pt", 0,
                            "no space left on device writing", "free space on that disk"),
     "io-error-writing-rng": ("write", errno.EIO, f"{ITER6}.tmp/rng_rank0.pt", 0, "I/O error on",
                              "check it (dmesg)"),
