@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tokenloom.train import checkpoint
+from tokenloom.train.async_save import CheckpointSaver
 from tokenloom.train.runtime import collective
 
 
@@ -75,6 +76,10 @@ def shard_files(run) -> dict[str, Any]:
     return out
 
 
-def save_shards(run, iteration: int, state: dict, layout: dict) -> Path:
-    """Collective: a per-shard-format checkpoint of ``run`` (a Strategy), synchronously."""
-    return run.saver.save(iteration, lambda: shard_files(run), {**state, "layout": layout}, fresh_copies=True)
+def save_shards(run, root: Path, iteration: int, state: dict) -> Path:
+    """Collective: a per-shard-format checkpoint of ``run`` (a Strategy) under ``root``,
+    synchronously; ``state`` is its ``state.json`` (with the run's ``layout``, as the earlier
+    writer recorded it)."""
+    saver = CheckpointSaver(root, rank=run.world.rank, world_size=run.world.size, keep_last=0, asynchronous=False,
+                            pin_memory=False, timeout_s=60.0)
+    return saver.save(iteration, lambda: shard_files(run), state, fresh_copies=True)

@@ -15,6 +15,7 @@ Three launches (2, 4 and 1 gloo ranks, in that order: the 4-rank launch resumes 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,19 @@ def _cross(launch_: str, tmp) -> list[tuple[str, dict]]:
     return out
 
 
+def _legacy(tmp) -> list[tuple[str, dict]]:
+    """A tp2 run's state at HALF in the earlier per-(tp, pp) shard format (and today's), loaded
+    into pp2 (2 ranks) and into one process: the first two run in the 2-rank launch, the last in
+    the one-rank launch."""
+    new, old = (tmp / f"ckpt_legacy_{f}" / f"iter_{HALF:07d}" for f in ("new", "old"))
+    return [("legacy_save", dict(out=str(tmp / "legacy_save"), tp=2, exit_interval=HALF,
+                                 checkpoint_dir=str(new.parent), legacy=str(old.parent))),
+            ("legacy_load", dict(out=str(tmp / "legacy_at_pp2"), pp=2, old=str(old), new=str(new),
+                                 checkpoint_dir=str(tmp / "ckpt_legacy_pp2"))),
+            ("legacy_load", dict(out=str(tmp / "legacy_at_one"), old=str(old), new=str(new),
+                                 checkpoint_dir=str(tmp / "ckpt_legacy_one")))]
+
+
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("compose")
@@ -139,7 +153,7 @@ def runs(tmp, ref):
                        checkpoint_dir=str(tmp / "ckpt_drop"))),
         ("train", dict(out=str(tmp / "drop_cont"), tp=2, dropout=0.1, checkpoint_dir=str(tmp / "ckpt_drop_cont"),
                        resume=str(tmp / "ckpt_drop" / f"iter_{HALF:07d}"))),
-    ] + _cross("w2", tmp)
+    ] + _cross("w2", tmp) + _legacy(tmp)[:2]
     w4 = _scenarios(4, tmp) + [
         ("train", dict(out=str(tmp / "save_122"), tp=2, pp=2, exit_interval=HALF, checkpoint_dir=str(ckpt))),
         ("train", dict(out=str(tmp / "cont_122"), tp=2, pp=2, resume=str(saved),
@@ -151,15 +165,15 @@ def runs(tmp, ref):
     w1 = [
         ("train", dict(out=str(tmp / "cont_111"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_111"))),
         ("forward_tp", {}),
-    ] + _zero_resumes(1, tmp) + _cross("w1", tmp)
+    ] + _zero_resumes(1, tmp) + _cross("w1", tmp) + _legacy(tmp)[2:]
     names = {4: [n for n, (w, _) in LAYOUTS.items() if w == 4] + ["save_122", "cont_122", "cont_411", "cont_212_last1"]
              + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 4],
              2: [n for n, (w, _) in LAYOUTS.items() if w == 2] + ["llama_tp2", "llama_tp2_sp",
                                                                   "gpt2_tp2_compiled", "llama_tp2_sp_compiled",
                                                                   "drop_tp2", "drop_save", "drop_cont"]
-             + [n for n, c in CROSS.items() if c[0] == "w2"],
+             + [n for n, c in CROSS.items() if c[0] == "w2"] + ["legacy_save", "legacy_at_pp2"],
              1: ["cont_111", "llama_tp1"] + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 1]
-             + [n for n, c in CROSS.items() if c[0] == "w1"],
+             + [n for n, c in CROSS.items() if c[0] == "w1"] + ["legacy_at_one"],
              "2b": [n for n, c in CROSS.items() if c[0] == "w2b"]}
     out = {}
     for world, scen in ((2, w2), (4, w4), (1, w1), ("2b", _cross("w2b", tmp))):
@@ -191,6 +205,20 @@ def test_a_checkpoint_of_any_layout_continues_in_another_as_in_its_own(runs, nam
     dp = max((a[n] - b[n]).abs().max().item() for n in b)
     print(f"{name}: max loss delta {dl:.2e}, max param delta {dp:.2e}")
     assert dl < TOL and dp < TOL
+
+
+@pytest.mark.parametrize("name", ["legacy_at_pp2", "legacy_at_one"])
+def test_a_checkpoint_of_the_earlier_shard_format_loads_into_other_layouts(runs, name):
+    """Checkpoints of the earlier per-(tp, pp) format (``shard_tp{t}_pp{p}.pt`` of dp rank 0) still
+    load: a tp2 run's state written in it loads into pp2 and into one process with every
+    parameter and AdamW state equal to the same state saved in today's format, on every rank."""
+    assert sorted(p.name for p in Path(runs["legacy_save"][0]["old"]).glob("*.pt")) == [
+        "rng_rank0.pt", "rng_rank1.pt", "shard_tp0_pp0.pt", "shard_tp1_pp0.pt"]
+    results = runs[name]
+    assert set().union(*(r["names"] for r in results)) == set(runs["legacy_at_one"][0]["names"])
+    for r in results:
+        assert r["states"] == 3 * len(r["names"]), r  # step, exp_avg and exp_avg_sq of every parameter
+        assert r["diff"] == 0.0, r
 
 
 @pytest.mark.parametrize("src", list(SAVERS))
