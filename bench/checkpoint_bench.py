@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
 
-from tokenloom.train import checkpoint  # noqa: E402
+from tokenloom.train import checkpoint, ckpt_format, reshard  # noqa: E402
 from tokenloom.train.async_save import CheckpointSaver  # noqa: E402
 from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
 from tokenloom.train.optim import OptimConfig, build_optimizer  # noqa: E402
@@ -81,6 +81,13 @@ def files_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def one_process_files(model: GPT, optimizer: torch.optim.Optimizer) -> dict:
+    """The files a one-process ``train`` run saves: its RNG states and its piece file."""
+    return {"rng_rank0.pt": checkpoint.capture_rng(),
+            ckpt_format.piece_file(0, 0, 0): ckpt_format.rank_file(reshard.module_params(model, optimizer),
+                                                                    ckpt_format.Placement(0, 1, 0, 0, 1))}
+
+
 def save_once(side: str, savers: dict[str, CheckpointSaver], model: GPT, optimizer: torch.optim.Optimizer,
               directory: Path, iteration: int) -> tuple[float, float, int]:
     """(stall, save time, bytes written) of one save by ``side`` into ``directory``."""
@@ -92,8 +99,8 @@ def save_once(side: str, savers: dict[str, CheckpointSaver], model: GPT, optimiz
     saver = savers[side]
     saver.root = directory
     start = time.perf_counter()
-    saver.save(iteration, lambda: checkpoint.one_process_files(model, optimizer, 0), {"bench": side},
-               fresh_copies=False)
+    saver.save(iteration, lambda: one_process_files(model, optimizer), {"bench": side},
+               fresh_copies=True)
     stall = time.perf_counter() - start
     saver.wait()
     total = time.perf_counter() - start

@@ -18,7 +18,7 @@ from tokenloom.train.async_save import CheckpointSaver, HostStaging
 from tokenloom.train.loop import run
 from tokenloom.train.metrics import read_metrics
 
-CKPT_FILES = ("model.pt", "optimizer.pt", "rng_rank0.pt", "state.json", "COMPLETE")
+CKPT_FILES = ("tp0_pp0_dp0.pt", "rng_rank0.pt", "state.json", checkpoint.COMPLETE)
 
 
 def test_staging_copies_into_buffers_it_reuses_and_keeps_tied_views_shared():
@@ -120,15 +120,15 @@ def _run_both(tmp_path: Path, **overrides) -> tuple[dict, dict]:
 @pytest.mark.parametrize("layout", [{}, {"zero1": True}], ids=["one-process", "zero1"])
 def test_async_and_sync_saves_give_the_same_run_and_the_same_bytes(tmp_path, layout):
     """Losses, parameters and every checkpoint file but state.json (which holds the output
-    directory) are byte-identical with async and sync saves, for the one-process format and the
-    per-shard one (ZeRO-1, here on one rank)."""
+    directory) are byte-identical with async and sync saves, with plain AdamW and with ZeRO-1 (here
+    on one rank)."""
     sync, asynchronous = _run_both(tmp_path, **layout)
     assert losses(tmp_path / "sync") == losses(tmp_path / "async")
     for it in (2, 4, 6):
         a, b = (tmp_path / side / "checkpoints" / checkpoint.checkpoint_name(it) for side in ("sync", "async"))
         names = sorted(p.name for p in a.iterdir())
         assert names == sorted(p.name for p in b.iterdir())
-        assert ("model.pt" in names) == (not layout)
+        assert "tp0_pp0_dp0.pt" in names and "model.pt" not in names  # one format for both
         for name in names:
             if name != "state.json":
                 assert (a / name).read_bytes() == (b / name).read_bytes(), (it, name)

@@ -1,9 +1,12 @@
-"""Checkpoint files: round trip with weights_only loads, RNG states, markers, latest pointer, pruning."""
+"""Checkpoint files: round trip of the earlier one-process format (its reader is kept) with weights_only
+loads, RNG states, markers, latest pointer, pruning."""
 
 from __future__ import annotations
 
 import json
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +16,9 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import OptimConfig, build_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import legacy_ckpt  # noqa: E402  # the one-process format's writer, kept for its reader
 
 
 def model_and_optimizer(seed: int = 0):
@@ -30,7 +36,7 @@ def test_round_trip_restores_model_optimizer_rng_and_state(tmp_path):
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
-    path = checkpoint.save(tmp_path, 7, model=model, optimizer=opt, state={"consumed_samples": 28})
+    path = legacy_ckpt.save(tmp_path, 7, model=model, optimizer=opt, state={"consumed_samples": 28})
     expected = (random.random(), np.random.rand(), torch.rand(3))
     assert sorted(p.name for p in path.iterdir()) == [
         "COMPLETE", "model.pt", "optimizer.pt", "rng_rank0.pt", "state.json"]
@@ -52,12 +58,12 @@ def test_round_trip_restores_model_optimizer_rng_and_state(tmp_path):
 def test_latest_pointer_marker_and_pruning(tmp_path):
     model, opt = model_and_optimizer()
     for it in (1, 2, 3):
-        checkpoint.save(tmp_path, it, model=model, optimizer=opt, state={}, keep_last=2)
+        legacy_ckpt.save(tmp_path, it, model=model, optimizer=opt, state={}, keep_last=2)
     assert [i for i, _ in checkpoint.complete_checkpoints(tmp_path)] == [2, 3]
     assert (tmp_path / "latest").read_text() == "iter_0000003\n"
     assert not list(tmp_path.glob("*.tmp"))
     # Saving the same iteration again replaces it whole.
-    checkpoint.save(tmp_path, 3, model=model, optimizer=opt, state={"again": True})
+    legacy_ckpt.save(tmp_path, 3, model=model, optimizer=opt, state={"again": True})
     assert json.loads((tmp_path / "iter_0000003" / "state.json").read_text())["again"] is True
     (tmp_path / "iter_0000003" / "COMPLETE").unlink()
     assert checkpoint.find_latest(tmp_path).name == "iter_0000002"
@@ -69,7 +75,7 @@ def test_latest_pointer_marker_and_pruning(tmp_path):
 
 def test_mismatched_model_is_a_clear_error(tmp_path):
     model, opt = model_and_optimizer()
-    path = checkpoint.save(tmp_path, 1, model=model, optimizer=opt, state={})
+    path = legacy_ckpt.save(tmp_path, 1, model=model, optimizer=opt, state={})
     bigger = GPT(GPTConfig(vocab_size=64, make_vocab_size_divisible_by=32, seq_len=8, n_layers=2, n_heads=2,
                            d_model=16))
     with pytest.raises(TokenloomError, match="does not match the configured model"):

@@ -64,16 +64,16 @@ def reference(reference_run):
 
 
 FAULTS = {  # the fault hits iteration 6's checkpoint; iteration 3's is complete by then
-    "disk-full-writing-the-model": ("write", errno.ENOSPC, f"{ITER6}.tmp/model.pt", 4096,
+    "disk-full-writing-the-model": ("write", errno.ENOSPC, f"{ITER6}.tmp/tp0_pp0_dp0.pt", 4096,
                                     "no space left on device writing", "free space on that disk"),
-    "disk-full-at-fsync": ("fsync", errno.ENOSPC, f"{ITER6}.tmp/optimizer.pt", 0,
+    "disk-full-at-fsync": ("fsync", errno.ENOSPC, f"{ITER6}.tmp/tp0_pp0_dp0.pt", 0,
                            "no space left on device writing", "free space on that disk"),
     "io-error-writing-rng": ("write", errno.EIO, f"{ITER6}.tmp/rng_rank0.pt", 0, "I/O error on",
                              "check it (dmesg)"),
     "io-error-publishing": ("rename", errno.EIO, f"{ITER6}", 0, "I/O error on", "check it (dmesg)"),
     "permission-denied": ("open", errno.EACCES, f"{ITER6}.tmp/state.json", 0, "permission denied on",
                           "give this user access"),
-    "too-many-open-files": ("open", errno.EMFILE, f"{ITER6}.tmp/model.pt", 0, "too many open files at",
+    "too-many-open-files": ("open", errno.EMFILE, f"{ITER6}.tmp/tp0_pp0_dp0.pt", 0, "too many open files at",
                             "raise the open-file limit (ulimit -n)"),
 }
 
@@ -108,7 +108,7 @@ def test_a_fault_before_any_checkpoint_says_the_rerun_starts_over(tmp_path, refe
     out = tmp_path / "run"
     ckpt = out / "checkpoints"
     iter3 = ckpt / ITER3
-    done = _train(out, env=fault_env("write", errno.ENOSPC, f"{iter3}.tmp/model.pt", 1000))
+    done = _train(out, env=fault_env("write", errno.ENOSPC, f"{iter3}.tmp/tp0_pp0_dp0.pt", 1000))
     _one_line_error(done, f"no space left on device writing {iter3}", "there is no complete checkpoint yet",
                     "rerun the same command")
     assert checkpoint.resolve("auto", ckpt) is None and list(ckpt.iterdir()) == []
@@ -132,17 +132,17 @@ def test_a_fault_updating_the_latest_pointer_keeps_the_complete_checkpoint(tmp_p
 
 
 # (rank that meets the fault, its file) in turn, the second in the resume after the first; extra flags
-TWO_RANK_FAULTS = {"plain": ([(1, "rng_rank1.pt"), (0, "model.pt")], ()),
-                   "zero1": ([(0, "shard_tp0_pp0.pt")], ("--set", "zero1=true"))}
+TWO_RANK_FAULTS = {"plain": ([(1, "rng_rank1.pt"), (0, "tp0_pp0_dp0.pt")], ()),
+                   "zero1": ([(1, "tp0_pp0_dp1.pt")], ("--set", "zero1=true"))}
 
 
 @pytest.mark.parametrize("name", TWO_RANK_FAULTS)
 def test_two_ranks_a_disk_full_on_one_rank_ends_in_its_one_line_and_resume_gives_the_same_losses(tmp_path, name):
-    """``--nproc-per-node 2``: every rank writes its RNG file, rank 0 alone the model (with ZeRO-1
-    through the layout-aware writer, with the optimizer state gathered from both ranks). The rank
-    that met the fault names it in the one error line (the other rank's broken barrier is its
-    symptom); a fault in a file of every rank, then in one of rank 0 alone (in the resumed run),
-    and the final resume gives the losses of an uninterrupted 2-rank run."""
+    """``--nproc-per-node 2``: every rank writes its RNG file and its piece file (its half of the
+    replicated state; with ZeRO-1 its own optimizer shard too). The rank that met the fault
+    names it in the one error line (the other rank's broken barrier is its symptom); a fault in
+    one rank's file, then in another's (in the resumed run), and the final resume gives the
+    losses of an uninterrupted 2-rank run."""
     faults, extra = TWO_RANK_FAULTS[name]
     reference = tmp_path / "reference"
     done = _train(reference, "--nproc-per-node", "2", *extra)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train import ckpt_format
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
 from tokenloom.train.generate import GenerateConfig, generate
@@ -51,7 +52,7 @@ def test_greedy_text_is_the_models_argmax_continuation(trained):
     path = Path(trained)
     stored = json.loads((path / "state.json").read_text())["config"]["model"]
     model = GPT(GPTConfig(**{k: v for k, v in stored.items() if k in GPTConfig.__dataclass_fields__}))
-    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+    model.load_state_dict(ckpt_format.read(path)[0])
     model.eval()
     tok = load_tokenizer(kind="byte")
     ids = list(tok.encode("ab"))
@@ -93,5 +94,5 @@ def test_a_tensor_parallel_checkpoint_generates_as_the_one_process_model(tmp_pat
     greedy = dict(prompt="ab", max_new_tokens=12, temperature=0.0, stop_at_eod=False)
     one = generate(GenerateConfig(checkpoint=str(tmp_path / "one" / "checkpoints"), **greedy))
     tp2 = generate(GenerateConfig(checkpoint=str(tmp_path / "tp2" / "checkpoints"), **greedy))
-    assert (tmp_path / "tp2" / "checkpoints" / "iter_0000003" / "shard_tp1_pp0.pt").exists()
+    assert (tmp_path / "tp2" / "checkpoints" / "iter_0000003" / "tp1_pp0_dp0.pt").exists()
     assert tp2 == one and len(one) > len("ab")

@@ -21,12 +21,12 @@ from tl_testing import run_cli, shared_data_dir
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint, hf
+from tokenloom.train.ckpt_format import model_tensors
 from tokenloom.train.config import load_config
 from tokenloom.train.data import open_tokenizer
 from tokenloom.train.generate import load_model
 from tokenloom.train.loop import start_run
 from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.parallel.reshard import model_tensors
 
 transformers = pytest.importorskip("transformers", reason="the [interop] extra (transformers) is the oracle")
 

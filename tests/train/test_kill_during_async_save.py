@@ -22,7 +22,7 @@ import pytest
 import torch
 from tl_testing import REPO, cli_env, fault_env
 
-from tokenloom.train import checkpoint
+from tokenloom.train import checkpoint, ckpt_format
 
 ITERS, KILLS = 24, 10
 RUN = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -30,7 +30,7 @@ RUN = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size"
        "--micro-batch-size", "2", "--global-batch-size", "4", "--set", "data.mock.num_sequences=200",
        "--set", "data.mock.max_length=40", "--train-iters", str(ITERS), "--save-interval", "1", "--log-interval", "1"]
 # what the background write opens, in order: its files in the temporary folder, then the pointer's temp file
-FILES = ["rng_rank0.pt", "model.pt", "optimizer.pt", "state.json", checkpoint.COMPLETE, "latest"]
+FILES = ["rng_rank0.pt", "tp0_pp0_dp0.pt", "state.json", checkpoint.COMPLETE, "latest"]
 pytestmark = pytest.mark.slow
 
 
@@ -47,8 +47,8 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 
 def _final(out: Path) -> dict[str, torch.Tensor]:
     path = out / "checkpoints" / checkpoint.checkpoint_name(ITERS)
-    return {**checkpoint.load_tensors(path, "model.pt"),
-            **{f"optim.{k}": v for k, v in checkpoint.load_tensors(path, "optimizer.pt")["state"].items()}}
+    params, optim = ckpt_format.read(path)
+    return {**params, **{f"optim.{n}.{k}": v for n, state in optim.items() for k, v in state.items()}}
 
 
 def _newest(ckpt: Path) -> int:

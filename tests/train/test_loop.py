@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint
+from tokenloom.train import checkpoint, ckpt_format
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig
 from tokenloom.train.loop import run, start_run
@@ -44,7 +44,8 @@ def losses(out_dir: Path, key: str = "train_loss") -> list[tuple[int, float]]:
 
 
 def final_params(out_dir: Path) -> dict[str, torch.Tensor]:
-    return checkpoint.load_tensors(checkpoint.find_latest(out_dir / "checkpoints"), "model.pt")
+    path = checkpoint.find_latest(out_dir / "checkpoints")
+    return ckpt_format.model_tensors(path, checkpoint.read_state(path))
 
 
 def run_subprocess(cfg: TrainConfig, path: Path) -> subprocess.CompletedProcess:

@@ -46,7 +46,7 @@ def records(out: Path, key: str) -> list[tuple[int, float]]:
 
 
 def test_two_ranks_under_torchrun_equal_one_process(tmp_path, monkeypatch):
-    from tokenloom.train import checkpoint
+    from tokenloom.train import checkpoint, ckpt_format
     from tokenloom.train.launch import launch
 
     monkeypatch.setenv("PYTHONPATH", str(REPO))
@@ -58,8 +58,7 @@ def test_two_ranks_under_torchrun_equal_one_process(tmp_path, monkeypatch):
         assert [i for i, _ in ddp] == [i for i, _ in single] and ddp
         for (_, a), (_, b) in zip(ddp, single, strict=True):
             assert abs(a - b) < 1e-5, (key, ddp, single)
-    pa, pb = (checkpoint.load_tensors(checkpoint.find_latest(tmp_path / d / "checkpoints"), "model.pt")
-              for d in ("ddp", "single"))
+    pa, pb = (ckpt_format.read(checkpoint.find_latest(tmp_path / d / "checkpoints"))[0] for d in ("ddp", "single"))
     assert max((pa[k] - pb[k]).abs().max().item() for k in pa) < 1e-5
     state = checkpoint.read_state(checkpoint.find_latest(tmp_path / "ddp" / "checkpoints"))
     assert state["world_size"] == 2 and state["consumed_samples"] == 32

@@ -2,9 +2,9 @@
 
 Layout (one directory per saved iteration)::
 
-    CKPT_DIR/iter_0000100/model.pt         model state_dict (tensors only)
-                          optimizer.pt     optimizer state_dict (tensors and plain values)
-                          rng_rank<r>.pt   RNG states of data-parallel rank r, as tensors
+    CKPT_DIR/iter_0000100/tp*_pp*_dp*.pt   every rank's pieces of the model and optimizer
+                                           (:mod:`tokenloom.train.ckpt_format`)
+                          rng_rank<r>.pt   RNG states of rank r, as tensors
                           state.json       iteration, consumed samples, data fingerprint, config
                           COMPLETE         written last: without it the directory is ignored
     CKPT_DIR/latest                        name of the newest complete checkpoint
@@ -20,19 +20,16 @@ back in time). A disk-full, I/O or permission error while saving ends in one lin
 checkpoint and the last complete one (:func:`save_files`); the temporary folder is removed
 then, or by the next save when other ranks may still be writing into it.
 
-A save's files are named and captured first (:func:`one_process_files`, or the per-shard
-writer's) and written by :func:`save_files`, which may run on a background thread after the
-state was copied to host memory (:mod:`tokenloom.train.async_save`): the protocol above is the
-same either way.
+A save's files are named and captured first (:func:`tokenloom.train.reshard.files`) and written
+by :func:`save_files`, which may run on a background thread after the state was copied to host
+memory (:mod:`tokenloom.train.async_save`): the protocol above is the same either way.
 
 Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
 stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
-Trade-offs: this is the one-process format (tp = pp = 1 without ZeRO-1): the model and
-optimizer are written whole by rank 0 (plain DDP replicas are identical), which is simple
-and exact but does not shard. Layouts that shard (tp, pp, and ZeRO-1's distributed
-optimizer) write per-(tp, pp) shard files instead, with ZeRO-1's optimizer state gathered
-to dp rank 0 into the full per-parameter AdamW form, not per-rank optimizer files
-(:mod:`tokenloom.train.parallel.reshard`, which also loads this format into any layout).
+Trade-offs: this module owns the directory, its markers and the commit, not the tensors' layout
+(one format for every layout, :mod:`tokenloom.train.ckpt_format`). :func:`load` still reads the
+one-process ``model.pt`` + ``optimizer.pt`` of earlier versions (rank 0 wrote them whole) into
+an unsharded model; :mod:`tokenloom.train.reshard` loads them into any layout.
 All ranks write into one directory, so multi-node runs need ``CKPT_DIR`` on a shared
 filesystem.
 """
@@ -157,17 +154,6 @@ def write_latest(root: Path, name: str) -> None:
         f.write(name + "\n")
 
 
-def one_process_files(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
-    """This rank's files of the one-process format (name -> what ``torch.save`` writes): its RNG
-    states, and on rank 0 the model's and optimizer's state dicts (live references: copy them to
-    write them after the next step, :class:`~tokenloom.train.async_save.HostStaging`)."""
-    files: dict[str, Any] = {f"rng_rank{rank}.pt": capture_rng()}
-    if rank == 0:
-        files["model.pt"] = model.state_dict()
-        files["optimizer.pt"] = optimizer.state_dict()
-    return files
-
-
 def _torch_save(obj: Any, f: Any) -> None:
     torch.save(obj, f)
 
@@ -181,19 +167,6 @@ def write_torch_files(files: dict[str, Any]) -> Callable[[Path], None]:
             write_file(tmp / name, functools.partial(_torch_save, obj))
 
     return write
-
-
-def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict, rank: int = 0, barrier: Callable[[], None] = lambda: None,
-         keep_last: int = 0, world_size: int = 1) -> Path:
-    """Save a checkpoint of ``iteration`` under ``root`` synchronously; every rank calls it (collective).
-
-    ``model`` is the unwrapped module; ``state`` is JSON-able (iteration, consumed
-    samples, fingerprint, config). ``keep_last > 0`` deletes older complete checkpoints.
-    Faults: see :func:`save_files`.
-    """
-    return save_files(root, iteration, write_torch_files(one_process_files(model, optimizer, rank)), state,
-                      rank=rank, barrier=barrier, keep_last=keep_last, world_size=world_size)
 
 
 def save_files(root: str | os.PathLike, iteration: int, write: Callable[[Path], None], state: dict, *, rank: int,

@@ -19,10 +19,10 @@ import torch
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint
+from tokenloom.train.ckpt_format import model_tensors
 from tokenloom.train.config import config_from_dict
 from tokenloom.train.data import open_tokenizer
 from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.parallel.reshard import model_tensors
 
 
 @dataclass(kw_only=True)
@@ -52,7 +52,7 @@ class GenerateConfig:
 def load_model(path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
     """The checkpoint's model in eval mode, and its ``state.json``. A checkpoint of any
     layout: one model file (data parallel), or tensor/pipeline shards gathered back into
-    the one-process model (:func:`tokenloom.train.parallel.reshard.model_tensors`)."""
+    the one-process model (:func:`tokenloom.train.ckpt_format.model_tensors`)."""
     state = checkpoint.read_state(path)
     # built on ``device``: the model chooses its kernels for the device it is built on
     model = GPT(config_from_dict(GPTConfig, state["config"]["model"], "model."), device=device)

@@ -1,10 +1,11 @@
 """Hugging Face ``transformers`` folders, out and in: the one module that owns that format.
 
-Out (:func:`export`): a checkpoint of any layout (:func:`~tokenloom.train.parallel.reshard.model_tensors`)
+Out (:func:`export`): a checkpoint of any layout (:func:`~tokenloom.train.ckpt_format.model_tensors`)
 becomes a folder ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` loads (the class whose layers the
 model's features are, :func:`family`: LayerNorm + GELU + learned positions, or RMSNorm + SwiGLU + RoPE,
-whatever the ``arch`` preset; other combinations are refused naming the fields): ``config.json``, ``model.safetensors`` (fp32, the checkpoint's values),
-``generation_config.json``, and the run's tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``).
+whatever the ``arch`` preset; other combinations are refused naming the fields): ``config.json``,
+``model.safetensors`` (fp32, the checkpoint's values), ``generation_config.json``, and the run's
+tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``).
 In (:func:`init_from_hf`, ``train --init-from-hf``): such a folder's weights (``model.safetensors``
 or a ``model.safetensors.index.json`` shard set) become the run's starting parameters in any
 layout. Only safetensors are read (no pickle, so no code runs), only from the local folder.
@@ -42,7 +43,7 @@ starts fresh at iteration 0.
 Trade-offs: export reads the full model into host memory (one process, as ``generate`` does);
 import memory-maps the safetensors and every rank reads the full tensors of the parameters it
 holds (a pipeline stage its own, a tensor-parallel rank whole tensors) before cutting its shard
-(:func:`~tokenloom.train.parallel.reshard.load_params`), plus one draw of the fresh init for the
+(:func:`~tokenloom.train.reshard.load_params`), plus one draw of the fresh init for the
 padded rows (as every rank's own init draws the whole model). Tokenizers exported are those built on the
 ``tokenizers`` library (``tokenizer.json``, GPT-2 vocab/merges, WordPiece); SentencePiece and
 tiktoken files are refused rather than converted.
@@ -67,10 +68,11 @@ from safetensors.torch import save_file
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import fsync_dir, naming, os_error_message
 from tokenloom.train import checkpoint
+from tokenloom.train.ckpt_format import model_tensors
 from tokenloom.train.config import TrainConfig, config_from_dict
 from tokenloom.train.data import open_tokenizer
 from tokenloom.train.model import ARCH_FEATURES, FEATURE_VALUES, GPT, GPTConfig
-from tokenloom.train.parallel.reshard import load_params, model_tensors
+from tokenloom.train.reshard import load_params
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -17,12 +17,12 @@ gradient finalisation   bucketed DDP (ZeRO-1: bucketed       the same over dp, o
 norm groups (clipping)  none                                 the model-parallel group
 optimizer               fused AdamW, or ZeRO-1 (its inner    the same two
                         AdamW fused where torch has one)
-checkpoint I/O          :mod:`~tokenloom.train.checkpoint`   :mod:`~tokenloom.train.parallel.reshard`
-                        (one model file; ZeRO-1: the other   (per-shard files, loadable in any
-                        column's, at dp 1 too)               layout)
+checkpoint I/O          :mod:`~tokenloom.train.reshard`      the same: every rank writes its pieces
+                        into :mod:`~tokenloom.train.ckpt_    (:mod:`~tokenloom.train.ckpt_format`),
+                        format` (one process: one file)      loadable in any layout
 ======================  ===================================  =======================================
 
-Both checkpoint writers hand their files to :attr:`Strategy.saver`
+The checkpoint writer hands its files to :attr:`Strategy.saver`
 (:mod:`~tokenloom.train.async_save`), which writes them in the background unless ``async_save`` is off.
 
 Invariants:
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint, fp8
+from tokenloom.train import checkpoint, fp8, reshard
 from tokenloom.train import data as train_data
 from tokenloom.train.async_save import CheckpointSaver
 from tokenloom.train.config import TrainConfig
@@ -63,7 +63,6 @@ from tokenloom.train.flops import flops_per_token
 from tokenloom.train.kernels import choose_compile
 from tokenloom.train.model import GPT
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups, use_fused
-from tokenloom.train.parallel import reshard
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
@@ -401,14 +400,12 @@ class Strategy:
         :attr:`saver`: in the background unless ``async_save`` is off (then complete on return).
         Waits for the previous save's write first and raises its failure."""
         self.finish_param_sync()
-        if self.staged or self.cfg.zero1:
-            return reshard.save(self, iteration, state, self.saver)
-        return self.saver.save(iteration, lambda: checkpoint.one_process_files(self.chunks[0], self.optimizer,
-                                                                               self.world.rank),
-                               state, fresh_copies=False)
+        return reshard.save(self, iteration, state, self.saver)
 
     def load(self, path: Path, saved: dict) -> None:
-        """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank."""
+        """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank: any
+        layout's, in any format (:mod:`tokenloom.train.reshard`); a one-process ``model.pt``
+        checkpoint of an earlier tokenloom into an unsharded layout as it was written."""
         self.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
         if self.staged or self.cfg.zero1 or saved.get("layout") is not None:
             reshard.load(self, path, saved)

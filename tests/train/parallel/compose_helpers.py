@@ -10,6 +10,7 @@ and global batch).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -19,12 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenloom.train import loop
+from tokenloom.train import checkpoint, ckpt_format, loop
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
 from tokenloom.train.model import GPT, GPTConfig
 from tokenloom.train.optim import OptimConfig
-from tokenloom.train.parallel import reshard
 from tokenloom.train.runtime import World, seed_everything
 
 STEPS = 20
@@ -60,9 +60,7 @@ def read_bubbles(metrics: Path) -> list[float | None]:
 
 def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
     """Full parameters by one-process name from a checkpoint of any layout."""
-    if (path / "model.pt").exists():
-        return torch.load(path / "model.pt", weights_only=True)
-    return reshard.full_tensors(path)[0]
+    return ckpt_format.read(path)[0]
 
 
 def reference(out: Path, **kw: Any) -> dict[str, Any]:
@@ -301,8 +299,42 @@ def dp_reduction_timeline(rank: int, *, out: str, steps: int = 2, **kw: Any) -> 
                 p.grad.dtype == torch.float32 and p.grad._base is not None for p in strategy.params)}
 
 
+def legacy_save(rank: int, *, out: str, legacy: str, **kw: Any) -> dict[str, str]:
+    """Train the tiny config in this layout to its exit (``exit_interval``: its checkpoint in
+    today's format), then write the same state in the earlier per-(tp, pp) shard format under
+    ``legacy`` (``tests/train/legacy_ckpt.py``). Returns both checkpoints' directories."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import legacy_ckpt  # lazy: tests/train, its folder, is put on the path just above
+
+    trainer = loop.start_run(tiny_cfg(Path(out), **kw))
+    summary = trainer.train()
+    trainer.strategy.saver.wait()
+    path = Path(summary["checkpoint"])
+    state = checkpoint.read_state(path)
+    old = legacy_ckpt.save_shards(trainer.strategy, Path(legacy), state["iteration"], state)
+    return {"new": str(path), "old": str(old)}
+
+
+def legacy_load(rank: int, *, out: str, old: str, new: str, **kw: Any) -> dict[str, Any]:
+    """Start a run of this layout from the earlier-format checkpoint ``old`` and compare what this
+    rank holds, parameters and AdamW states by one-process name, with the same state read from
+    ``new`` (today's format): the largest absolute difference, the names held and the number of
+    optimizer states compared."""
+    s = loop.start_run(tiny_cfg(Path(out), resume=old, **kw)).strategy
+    named = {n: p for chunk in s.chunks for n, p in chunk.named_parameters(remove_duplicate=False)}
+    params, optim = ckpt_format.read(Path(new), set(named))
+    diff, states = 0.0, 0
+    for n, p in named.items():
+        diff = max(diff, (p.detach() - params[n]).abs().max().item())
+        for k, v in s.optimizer.state[p].items():
+            diff = max(diff, (v - optim[n][k]).abs().max().item())
+            states += 1
+    return {"diff": diff, "names": sorted(named), "states": states}
+
+
 SCENARIOS = {"train": train, "forward_tp": forward_tp, "train_on_meta": train_on_meta,
-             "dropout_masks": dropout_masks, "dp_reduction_timeline": dp_reduction_timeline}
+             "dropout_masks": dropout_masks, "dp_reduction_timeline": dp_reduction_timeline,
+             "legacy_save": legacy_save, "legacy_load": legacy_load}
 
 
 def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:

@@ -532,8 +532,7 @@ def zero_overlap_checkpoint(rank: int, *, out: str) -> dict:
     same eval once they are done."""
     import compose_helpers
 
-    from tokenloom.train import checkpoint, loop
-    from tokenloom.train.parallel import reshard
+    from tokenloom.train import checkpoint, ckpt_format, loop
 
     cfg = compose_helpers.tiny_cfg(Path(out), zero1=True, ddp_bucket_cap_mb=0.004, train_iters=3, eval_interval=0)
     trainer = loop.start_run(cfg)
@@ -546,7 +545,7 @@ def zero_overlap_checkpoint(rank: int, *, out: str) -> dict:
         res["pending_at_save"] = s.optimizer.param_sync_pending
         path = s.save(1, {"consumed_samples": cfg.global_batch_size})
         s.saver.wait()  # written in the background (async_save)
-        saved = reshard.full_tensors(path)[0]
+        saved = ckpt_format.read(path)[0]
         s.finish_param_sync()  # a gather the save did not wait for would land here, after the files
         res["saved_is_updated"] = all(saved[n].equal(p) for n, p in s.chunks[0].named_parameters())
         s.train_step(next(batches))

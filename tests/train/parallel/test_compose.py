@@ -15,8 +15,10 @@ Three launches (2, 4 and 1 gloo ranks, in that order: the 4-rank launch resumes 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+import torch
 from compose_helpers import STEPS, launch, logged_losses, merged_params, reference
 
 TOL = 1e-5
@@ -27,14 +29,15 @@ pytestmark = pytest.mark.slow
 # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
 LAYOUTS = {
     "dp1_tp2_pp1": (2, dict(tp=2)),
-    "dp1_tp2_pp1_sp": (2, dict(tp=2, sp=True)),
+    "dp1_tp2_pp1_sp": (2, dict(tp=2, sp=True, save_interval=HALF)),
     "dp1_tp1_pp2": (2, dict(pp=2)),
-    "dp1_tp1_pp2_vpp2": (2, dict(pp=2, vpp=2)),
+    "dp1_tp1_pp2_vpp2": (2, dict(pp=2, vpp=2, save_interval=HALF)),
+    "dp2_tp1_pp1": (2, dict(save_interval=HALF)),
     "dp1_tp2_pp2": (4, dict(tp=2, pp=2)),
     "dp2_tp2_pp1": (4, dict(tp=2)),
     # sequence-parallel grads summed over tp after DDP's dp average; blocks recomputed in backward
     "dp2_tp2_pp1_sp_recompute": (4, dict(tp=2, sp=True, recompute=True)),
-    "dp2_tp1_pp2": (4, dict(pp=2)),
+    "dp2_tp1_pp2": (4, dict(pp=2, save_interval=HALF)),
     # one DDP per chunk, each synced in its own last backward; ~20 KB buckets, rebuilt after step 1
     "dp2_tp1_pp2_vpp2": (4, dict(pp=2, vpp=2, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
     "dp1_tp1_pp4": (4, dict(pp=4)),  # middle stages, which read no batch
@@ -76,6 +79,43 @@ ZERO_RESUMES = {"z2_at_dp4_zero1": (4, "z2", dict(zero1=True, ddp_bucket_cap_mb=
                 "z2_at_dp1": (1, "z2", {}), "one_at_dp1_zero1": (1, "ref", dict(zero1=True))}
 
 
+# acceptance 3 of issue 38: a checkpoint saved at HALF in each of these layouts (the runs above)...
+SAVERS = {"dp2": "dp2_tp1_pp1", "tp2_sp": "dp1_tp2_pp1_sp", "pp2_vpp2": "dp1_tp1_pp2_vpp2", "dp2_pp2": "dp2_tp1_pp2",
+          "zero1_dp2": ZERO_SAVED}
+# ...continued in at least two other layouts of them and in one process (ZERO_SAVED's one-process
+# continuation is z2_at_dp1 above); name -> (launch, saver, layout); "w2b" is a 2-rank launch after the 4-rank one
+CROSS = {f"x_{src}_to_{dst}": (launch_, src, LAYOUTS[SAVERS[dst]][1] if dst != "one" else {})
+         for launch_, src, dst in [
+             ("w2", "dp2", "tp2_sp"), ("w2", "dp2", "pp2_vpp2"), ("w1", "dp2", "one"),
+             ("w2", "tp2_sp", "dp2"), ("w2", "tp2_sp", "zero1_dp2"), ("w1", "tp2_sp", "one"),
+             ("w2", "pp2_vpp2", "tp2_sp"), ("w2", "pp2_vpp2", "zero1_dp2"), ("w1", "pp2_vpp2", "one"),
+             ("w2", "zero1_dp2", "pp2_vpp2"), ("w2", "zero1_dp2", "tp2_sp"),
+             ("w2b", "dp2_pp2", "dp2"), ("w2b", "dp2_pp2", "pp2_vpp2"), ("w1", "dp2_pp2", "one")]}
+
+
+def _cross(launch_: str, tmp) -> list[tuple[str, dict]]:
+    out = []
+    for name, (at, src, layout) in CROSS.items():
+        if at == launch_:
+            kw = {k: v for k, v in layout.items() if k != "save_interval"}
+            out.append(("train", dict(out=str(tmp / name), resume=str(tmp / SAVERS[src] / "checkpoints" / f"iter_{HALF:07d}"),
+                                      checkpoint_dir=str(tmp / f"ckpt_{name}"), **kw)))
+    return out
+
+
+def _legacy(tmp) -> list[tuple[str, dict]]:
+    """A tp2 run's state at HALF in the earlier per-(tp, pp) shard format (and today's), loaded
+    into pp2 (2 ranks) and into one process: the first two run in the 2-rank launch, the last in
+    the one-rank launch."""
+    new, old = (tmp / f"ckpt_legacy_{f}" / f"iter_{HALF:07d}" for f in ("new", "old"))
+    return [("legacy_save", dict(out=str(tmp / "legacy_save"), tp=2, exit_interval=HALF,
+                                 checkpoint_dir=str(new.parent), legacy=str(old.parent))),
+            ("legacy_load", dict(out=str(tmp / "legacy_at_pp2"), pp=2, old=str(old), new=str(new),
+                                 checkpoint_dir=str(tmp / "ckpt_legacy_pp2"))),
+            ("legacy_load", dict(out=str(tmp / "legacy_at_one"), old=str(old), new=str(new),
+                                 checkpoint_dir=str(tmp / "ckpt_legacy_one")))]
+
+
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("compose")
@@ -113,7 +153,7 @@ def runs(tmp, ref):
                        checkpoint_dir=str(tmp / "ckpt_drop"))),
         ("train", dict(out=str(tmp / "drop_cont"), tp=2, dropout=0.1, checkpoint_dir=str(tmp / "ckpt_drop_cont"),
                        resume=str(tmp / "ckpt_drop" / f"iter_{HALF:07d}"))),
-    ]
+    ] + _cross("w2", tmp) + _legacy(tmp)[:2]
     w4 = _scenarios(4, tmp) + [
         ("train", dict(out=str(tmp / "save_122"), tp=2, pp=2, exit_interval=HALF, checkpoint_dir=str(ckpt))),
         ("train", dict(out=str(tmp / "cont_122"), tp=2, pp=2, resume=str(saved),
@@ -125,17 +165,20 @@ def runs(tmp, ref):
     w1 = [
         ("train", dict(out=str(tmp / "cont_111"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_111"))),
         ("forward_tp", {}),
-    ] + _zero_resumes(1, tmp)
+    ] + _zero_resumes(1, tmp) + _cross("w1", tmp) + _legacy(tmp)[2:]
     names = {4: [n for n, (w, _) in LAYOUTS.items() if w == 4] + ["save_122", "cont_122", "cont_411", "cont_212_last1"]
              + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 4],
              2: [n for n, (w, _) in LAYOUTS.items() if w == 2] + ["llama_tp2", "llama_tp2_sp",
                                                                   "gpt2_tp2_compiled", "llama_tp2_sp_compiled",
-                                                                  "drop_tp2", "drop_save", "drop_cont"],
-             1: ["cont_111", "llama_tp1"] + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 1]}
+                                                                  "drop_tp2", "drop_save", "drop_cont"]
+             + [n for n, c in CROSS.items() if c[0] == "w2"] + ["legacy_save", "legacy_at_pp2"],
+             1: ["cont_111", "llama_tp1"] + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 1]
+             + [n for n, c in CROSS.items() if c[0] == "w1"] + ["legacy_at_one"],
+             "2b": [n for n, c in CROSS.items() if c[0] == "w2b"]}
     out = {}
-    for world, scen in ((2, w2), (4, w4), (1, w1)):
+    for world, scen in ((2, w2), (4, w4), (1, w1), ("2b", _cross("w2b", tmp))):
         (tmp / f"w{world}").mkdir()
-        results = launch(scen, world, tmp / f"w{world}")
+        results = launch(scen, 2 if world == "2b" else world, tmp / f"w{world}")
         for i, name in enumerate(names[world]):
             out[name] = [r[i] for r in results]
     return out
@@ -148,6 +191,58 @@ def _deltas(rs, ref, first: int = 0):
     dl = max(abs(a - b) for a, b in zip(losses, ref["losses"][first:], strict=True))
     dp = max((params[n] - t).abs().max().item() for n, t in ref["params"].items())
     return len(losses), dl, dp
+
+
+@pytest.mark.parametrize("name", list(CROSS))
+def test_a_checkpoint_of_any_layout_continues_in_another_as_in_its_own(runs, name):
+    """Issue 38's acceptance 3: the continuation in another layout (or one process) equals the
+    saving layout's own continuation from HALF, losses and final parameters, within TOL."""
+    saver = runs[SAVERS[CROSS[name][1]]]
+    assert len(logged_losses(runs[name])) == STEPS - HALF
+    dl = max(abs(a - b) for a, b in zip(logged_losses(runs[name]), logged_losses(saver)[HALF:], strict=True))
+    a, b = merged_params(runs[name]), merged_params(saver)
+    assert sorted(a) == sorted(b)
+    dp = max((a[n] - b[n]).abs().max().item() for n in b)
+    print(f"{name}: max loss delta {dl:.2e}, max param delta {dp:.2e}")
+    assert dl < TOL and dp < TOL
+
+
+@pytest.mark.parametrize("name", ["legacy_at_pp2", "legacy_at_one"])
+def test_a_checkpoint_of_the_earlier_shard_format_loads_into_other_layouts(runs, name):
+    """Checkpoints of the earlier per-(tp, pp) format (``shard_tp{t}_pp{p}.pt`` of dp rank 0) still
+    load: a tp2 run's state written in it loads into pp2 and into one process with every
+    parameter and AdamW state equal to the same state saved in today's format, on every rank."""
+    assert sorted(p.name for p in Path(runs["legacy_save"][0]["old"]).glob("*.pt")) == [
+        "rng_rank0.pt", "rng_rank1.pt", "shard_tp0_pp0.pt", "shard_tp1_pp0.pt"]
+    results = runs[name]
+    assert set().union(*(r["names"] for r in results)) == set(runs["legacy_at_one"][0]["names"])
+    for r in results:
+        assert r["states"] == 3 * len(r["names"]), r  # step, exp_avg and exp_avg_sq of every parameter
+        assert r["diff"] == 0.0, r
+
+
+@pytest.mark.parametrize("src", list(SAVERS))
+def test_each_rank_writes_its_share_of_the_state_once(tmp, runs, src):
+    """Each rank's bytes written are within 1.1x its share, nothing is written twice and nobody
+    gathers. A replica's state is every tensor a (tp, pp) rank holds, parameters and optimizer
+    states, at the local shape its pieces record; a rank's share is its replica's state over the
+    replica's dp ranks (with ZeRO-1: its own optimizer shard plus its part of the parameters, the
+    same bytes up to bucket padding). Bytes written are the tensor payload of the rank's piece
+    file (the zip and pickle framing per tensor does not grow with the model)."""
+    path = tmp / SAVERS[src] / "checkpoints" / f"iter_{HALF:07d}"
+    replicas: dict[str, dict[str, list[dict]]] = {}
+    for f in sorted(path.glob("tp*_pp*_dp*.pt")):
+        replica, _ = f.stem.rsplit("_dp", 1)
+        replicas.setdefault(replica, {})[f.name] = torch.load(f, weights_only=True)["records"]
+    assert replicas, f"{path} has no piece files"
+    for replica, by_file in replicas.items():
+        tensors = {(r["name"], r["state"]): math.prod(r["shape"]) * r["data"].element_size()
+                   for records in by_file.values() for r in records}
+        state_bytes, dp = sum(tensors.values()), len(by_file)
+        written = {name: sum(r["data"].nbytes for r in records) for name, records in by_file.items()}
+        assert sum(written.values()) == state_bytes, f"{replica}: written {written}, state {state_bytes}"
+        for name, n in written.items():
+            assert n <= 1.1 * state_bytes / dp, f"{name}: {n} bytes, share {state_bytes / dp}"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

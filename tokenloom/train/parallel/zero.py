@@ -45,13 +45,14 @@ Invariants and trade-offs:
   per-element decay, so the inner AdamW has ``weight_decay=0`` and ``p *= 1 - lr * wd`` is
   applied here before the update, where ``torch.optim.AdamW`` applies it. A ZeRO-1 run thus
   equals the one-process run with the same groups.
-* **Checkpoints are layout-free** (Megatron's ``dp_reshardable``): :meth:`gathered_param_states`
-  gathers the full per-parameter ``exp_avg`` / ``exp_avg_sq`` / ``step`` (plus
-  ``master_param`` for lower-precision parameters) to dp rank 0, the form
-  ``torch.optim.AdamW`` keeps, so any dp size, with or without ZeRO-1, loads them. The cost:
-  dp rank 0 holds the full moments of its model-parallel part while saving. One flat AdamW
-  has one step count: states saved with different counts load the largest.
-* **dp = 1** runs the same code and writes the same checkpoints, with no collective.
+* **Checkpoints are layout-free without a gather**: each rank saves its own pieces
+  (:meth:`own_param_states`: the element ranges of every parameter's ``exp_avg`` /
+  ``exp_avg_sq`` (plus ``master_param`` for lower-precision parameters) in its shard, and the
+  step) into the checkpoint format of :mod:`tokenloom.train.ckpt_format`, which records where
+  each range sits in the parameter, so any dp size, with or without ZeRO-1, loads them
+  (:meth:`load_param_states`, from full per-parameter states). :meth:`gathered_param_states`
+  gives the full form ``torch.optim.AdamW`` keeps on dp rank 0 (a collective, for comparisons).
+  One flat AdamW has one step count: states saved with different counts load the largest.
 * **dp = 1** runs the same code and writes the same checkpoints, with no collective.
 
 ``bench/parallel_bench.py`` measures the step time, communication and optimizer state
@@ -502,6 +503,34 @@ class ZeroAdamW:
             state = {key: flat[a:b].view(p.shape) for key, flat in flats.items() if flat is not None}  # all, here
             state["step"] = inner[0]["step"].detach().clone()
             out.append(state)
+        return out
+
+    @torch.no_grad()
+    def own_param_states(self) -> list[tuple[torch.Tensor | None, dict[str, tuple[int, torch.Tensor]]]]:
+        """Not a collective: this rank's part of every parameter's AdamW state, in :attr:`params`
+        order, as (``step``, pieces): the shared 0-dim step count (None before the first step)
+        and, for the parameter's elements in this rank's pieces, key -> (start element in the
+        flattened parameter, 1-d view of the state), keys ``exp_avg``, ``exp_avg_sq`` and
+        ``master_param`` when the parameters are not fp32. A parameter lies in one bucket, so
+        it has at most one range here. Finishes the pending parameter all-gathers first."""
+        self.finish_param_sync()
+        inner = [self.optimizer.state.get(m) for m in self.main_shards]
+        if not all(inner):  # before the first step
+            return [(None, {}) for _ in self.params]
+        states = [st for st in inner if st]
+        step = states[0]["step"].detach()
+        out: list[tuple[torch.Tensor | None, dict[str, tuple[int, torch.Tensor]]]] = []
+        for a, b in self._offsets:
+            own: dict[str, tuple[int, torch.Tensor]] = {}
+            for k, pc in enumerate(self._pieces):
+                lo, hi = max(a, pc.start), min(b, pc.stop)
+                if lo >= hi:
+                    continue
+                window = slice(lo - pc.start, hi - pc.start)
+                own = {key: (lo - a, states[k][key][window]) for key in ("exp_avg", "exp_avg_sq")}
+                if self.param_buffer.dtype != torch.float32:
+                    own["master_param"] = (lo - a, self.main_shards[k].detach()[window])
+            out.append((step, own))
         return out
 
     @torch.no_grad()

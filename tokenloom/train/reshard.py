@@ -1,0 +1,215 @@
+"""Checkpoints of a :class:`~tokenloom.train.strategy.Strategy` of any layout: the adapter between a
+run and the on-disk format of :mod:`tokenloom.train.ckpt_format`.
+
+Saving (:func:`save`, :func:`files`): every rank lists the parameters it holds under their
+one-process names (:class:`~tokenloom.train.ckpt_format.LocalParam`: the local tp shard, its
+partition dim and fused split sizes, its optimizer states; with ZeRO-1 the rank's own pieces of
+them from :meth:`~tokenloom.train.parallel.zero.ZeroAdamW.own_param_states`, no gather) and
+writes its piece file (:func:`~tokenloom.train.ckpt_format.rank_file`: the replicated state
+spread over the dp replicas, its own ZeRO-1 shard) and its RNG states ``rng_rank{r}.pt`` (with
+the tensor-parallel dropout stream at tp > 1). A one-process run writes the same format.
+``state.json`` gets the layout.
+
+Loading (:func:`load`): every rank reads the full tensors of the parameters it holds, by
+one-process name, from the checkpoint's format (this one, the earlier per-(tp, pp) shard files,
+or the one-process ``model.pt`` + ``optimizer.pt``, whose optimizer order is rebuilt from a
+``meta`` copy of the model), and cuts out the shard its own ``(tp, pp, vpp)`` layout and stage
+hold (:func:`load_params`). AdamW moments are elementwise, so they are resharded exactly like
+their parameters; a ZeRO-1 rank then cuts its dp shard out of them
+(:meth:`~tokenloom.train.parallel.zero.ZeroAdamW.load_param_states`). The data position is the
+consumed-samples count, valid at any dp size.
+
+Trade-offs: a rank reads the full tensors of the parameters it holds (host memory of those,
+not of the model), where Megatron reads only its slices. RNG states are restored only when the
+layout is unchanged (dropout streams have no meaning across layouts). Per-rank
+``zero_rank{r}.pt`` optimizer files of an earlier tokenloom are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train import checkpoint, ckpt_format
+from tokenloom.train.model import GPT
+from tokenloom.train.optim import param_groups
+from tokenloom.train.parallel.layers import shard
+
+if TYPE_CHECKING:
+    from tokenloom.train.async_save import CheckpointSaver
+
+
+def _layout(run) -> dict[str, Any]:
+    c = run.cfg
+    return {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": run.state.dp_size, "zero1": c.zero1}
+
+
+def _named_params(run) -> dict[str, torch.nn.Parameter]:
+    out = {}
+    for stage in run.chunks:
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            out[name] = p
+    return out
+
+
+def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[int] | None]:
+    if not getattr(p, "tensor_model_parallel", False):
+        return None, None
+    for stage in run.chunks:
+        try:
+            module = stage.get_submodule(name.rsplit(".", 1)[0])
+        except AttributeError:
+            continue
+        return p.partition_dim, getattr(module, "split_sizes", None)  # type: ignore[attr-defined]  # Megatron's tag on the Parameter
+    raise TokenloomError(f"no module owns {name}")
+
+
+def save(run, iteration: int, run_state: dict, saver: CheckpointSaver) -> Path:
+    """Collective: save ``iteration``'s checkpoint of ``run`` (a
+    :class:`~tokenloom.train.strategy.Strategy`) through ``saver`` (synchronously or in the
+    background); ``run_state`` (consumed samples, data fingerprint, config...) goes into
+    ``state.json`` with the layout. Returns its directory. Written, committed and failing as
+    :func:`tokenloom.train.checkpoint.save_files` says."""
+    return saver.save(iteration, lambda: files(run), {**run_state, "layout": _layout(run)}, fresh_copies=True)
+
+
+def placement(run) -> ckpt_format.Placement:
+    """Where this rank of ``run`` sits, for the format."""
+    st = run.state
+    return ckpt_format.Placement(tp_rank=st.tp_rank, tp_size=st.tp_size, pp_rank=st.pp_rank,
+                                 dp_rank=st.dp_rank, dp_size=st.dp_size)
+
+
+def local_params(run) -> list[ckpt_format.LocalParam]:
+    """The parameters this rank holds, each once (tied names as aliases), with their split
+    info and optimizer states: plain AdamW's whole (replicated over dp), ZeRO-1's step
+    (replicated) and this rank's own pieces. Views of the live tensors."""
+    zero = run.cfg.zero1
+    own = run.optimizer.own_param_states() if zero else []
+    zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
+    by_id: dict[int, tuple[str, torch.nn.Parameter, list[str]]] = {}
+    for name, p in _named_params(run).items():
+        if id(p) in by_id:
+            by_id[id(p)][2].append(name)
+        else:
+            by_id[id(p)] = (name, p, [])
+    out = []
+    for name, p, aliases in by_id.values():
+        dim, sizes = _split_info(run, name, p)
+        state: dict[str, torch.Tensor] = {}
+        pieces: dict[str, tuple[int, torch.Tensor]] = {}
+        if zero:
+            if id(p) in zero_index:  # ZeRO-1 holds the trainable parameters only
+                step, pieces = own[zero_index[id(p)]]
+                if step is not None:
+                    state["step"] = step
+        else:
+            state = {k: v.detach() for k, v in run.optimizer.state.get(p, {}).items()}
+        out.append(ckpt_format.LocalParam(name, p.detach(), dim, sizes, tuple(aliases), state, pieces))
+    return out
+
+
+def files(run) -> dict[str, Any]:
+    """This rank's files (name -> what ``torch.save`` writes): its RNG states and its piece file
+    (:func:`~tokenloom.train.ckpt_format.rank_file`, whose tensors are live views, to be copied
+    before they are written: :class:`~tokenloom.train.async_save.HostStaging`). No collective."""
+    st = run.state
+    rng = checkpoint.capture_rng()
+    if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
+        rng["tp_tracker"] = run.rng_tracker.get_states()
+    where = placement(run)
+    return {f"rng_rank{st.rank}.pt": rng,
+            ckpt_format.piece_file(where.tp_rank, st.pp_rank, where.dp_rank): ckpt_format.rank_file(local_params(run),
+                                                                                                    where)}
+
+
+def optimizer_order(model_cfg) -> list[list[str]]:
+    """The one-process names of each position of the one-process optimizer's parameters
+    (:func:`~tokenloom.train.optim.param_groups` order), from a ``meta`` copy of the model."""
+    model = GPT(model_cfg, device="meta")
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [names[id(p)] for g in param_groups(model, 0.0) for p in g["params"]]
+
+
+@torch.no_grad()
+def load(run, path: Path, state: dict) -> None:
+    """Load the checkpoint at ``path`` (``state``: its ``state.json``) of any layout and format
+    into ``run``, a :class:`~tokenloom.train.strategy.Strategy` of any layout."""
+    st = run.state
+    saved = state.get("layout")
+    if saved is not None and (path / "zero_rank0.pt").exists():
+        raise TokenloomError(f"{path} holds ZeRO-1 optimizer state in the per-rank zero_rank*.pt files of an earlier "
+                             "tokenloom, which this version does not read; resume it with the version that wrote it")
+    same = saved == _layout(run)
+    names = set(_named_params(run))
+    if ckpt_format.has_pieces(path):
+        params, optim = ckpt_format.read(path, names)
+    elif saved is not None:
+        params, optim = ckpt_format.legacy_shard_tensors(path, names)
+    else:
+        params, optim = ckpt_format.one_process_tensors(path, optimizer_order(run.cfg.model))
+    load_params(run, params, optim, str(path))
+    rng = path / f"rng_rank{st.rank}.pt"
+    if same and rng.exists():
+        rng_state = torch.load(rng, weights_only=True)
+        checkpoint.restore_rng(rng_state)
+        if run.rng_tracker is not None and "tp_tracker" in rng_state:
+            run.rng_tracker.set_states(rng_state["tp_tracker"])
+
+
+@torch.no_grad()
+def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dict[str, torch.Tensor]],
+                where: str) -> None:
+    """Set ``run``'s parameters (any layout) from full one-process tensors ``params`` by name,
+    each rank cutting out the shard it holds; ``optim``: AdamW states by the same names (the
+    parameters without one, or all when it is empty, start with fresh moments). ``where`` names
+    the source in errors. The parameter part of :func:`load`, also used to start from a
+    Hugging Face model (:mod:`tokenloom.train.hf`)."""
+    cfg, st = run.cfg, run.state
+    zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if cfg.zero1 else {}
+    zero_states: list[dict[str, torch.Tensor] | None] = [None] * len(zero_index)
+    tp_rank, tp = st.tp_rank, st.tp_size
+    done = set()
+    for name, p in _named_params(run).items():
+        if id(p) in done:
+            continue
+        done.add(id(p))
+        if name not in params:
+            raise TokenloomError(f"{where} has no tensor {name}; was it trained with another model?")
+        dim, sizes = _split_info(run, name, p)
+
+        def local(full: torch.Tensor, dim=dim, sizes=sizes) -> torch.Tensor:
+            return full if dim is None or full.dim() == 0 else shard(full, dim, tp_rank, tp, sizes)
+
+        p.copy_(local(params[name]))
+        if name not in optim:
+            continue
+        if cfg.zero1:
+            if id(p) in zero_index:  # a trainable parameter (the only ones ZeRO-1 holds)
+                zero_states[zero_index[id(p)]] = {k: local(v) for k, v in optim[name].items()}
+        else:  # the parameter is the plain AdamW's master copy: a ZeRO-1 master_param is not kept
+            run.optimizer.state[p] = {k: local(v).to(p.device).clone() for k, v in optim[name].items()
+                                      if k != "master_param"}
+    if cfg.zero1:
+        run.optimizer.load_param_states(zero_states)
+
+
+def module_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[ckpt_format.LocalParam]:
+    """:func:`local_params` of a plain, unsharded module and its torch optimizer (one process,
+    no :class:`~tokenloom.train.strategy.Strategy`), for
+    :func:`~tokenloom.train.ckpt_format.rank_file` at ``Placement(0, 1, 0, 0, 1)``."""
+    by_id: dict[int, tuple[str, torch.nn.Parameter, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            by_id[id(p)][2].append(name)
+        else:
+            by_id[id(p)] = (name, p, [])
+    return [ckpt_format.LocalParam(name, p.detach(), aliases=tuple(aliases),
+                                   state={k: v.detach() for k, v in optimizer.state.get(p, {}).items()})
+            for name, p, aliases in by_id.values()]
