@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -351,20 +352,80 @@ MEGATRON_REFUSED = {
 meaning differs from anything tokenloom has, or the feature does not exist here."""
 
 
-def _refuse(ctx, param, value):
-    if value:
-        raise click.UsageError(f"{param.opts[0]} (Megatron) is not supported by tokenloom train: "
-                               f"{MEGATRON_REFUSED[param.opts[0]]}", ctx=ctx)
+def _refused(flag: str) -> str:
+    return f"{flag} (Megatron) is not supported by tokenloom train: {MEGATRON_REFUSED[flag]}"
 
 
 def _megatron_refused(fn):
-    for flag in MEGATRON_REFUSED:
-        fn = click.option(flag, is_flag=True, hidden=True, expose_value=False, callback=_refuse,
+    for flag in MEGATRON_REFUSED:  # listed by _TrainCommand before parsing; here for the parser to know them
+        fn = click.option(flag, is_flag=True, hidden=True, expose_value=False,
                           help=f"Refused (Megatron's flag): {MEGATRON_REFUSED[flag]}.")(fn)
     return fn
 
 
-@main.command(epilog="Megatron (pretrain_gpt.py) and torchrun spellings are accepted where the meaning is the "
+TRAIN_CONFLICTS = (("data", "mock_data"), ("tokenizer", "vocab_file"), ("tokenizer", "merge_file"),
+                   ("vpp", "layers_per_virtual_stage"))
+"""Pairs of ``train`` options (their Python names) that cannot be given together."""
+
+
+class _TrainCommand(click.Command):
+    """A command whose argument mistakes are all reported at once, before parsing: every unknown
+    flag with the nearest valid one, every refused Megatron flag with what to use instead, every
+    pair of conflicting flags (:data:`TRAIN_CONFLICTS`), and, when there are any, the misspelled
+    keys of ``--config`` and ``--set`` too. One mistake reads as click's own message would."""
+
+    def parse_args(self, ctx, args):
+        if not any(a in ctx.help_option_names for a in args):
+            problems = self.argument_problems(ctx, args)
+            if problems:
+                raise click.UsageError(problems[0] if len(problems) == 1 else
+                                       f"{len(problems)} problems: {'; '.join(problems)}", ctx=ctx)
+        return super().parse_args(ctx, args)
+
+    def argument_problems(self, ctx, args: list[str]) -> list[str]:
+        by_flag = {o: p for p in self.get_params(ctx) for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
+        valid = [o for o, p in by_flag.items() if not getattr(p, "hidden", False)]
+        problems, given = [], {}
+        config, sets = None, []
+        for i, token in enumerate(args):
+            if token == "--":
+                break
+            flag, _, inline = token.partition("=")
+            if not flag.startswith("--"):
+                continue
+            param = by_flag.get(flag)
+            if param is None:
+                near = difflib.get_close_matches(flag, valid, n=1, cutoff=0.7)
+                problems.append(f"no such option: {flag}" + (f" (did you mean {near[0]}?)" if near else ""))
+            elif flag in MEGATRON_REFUSED:
+                problems.append(_refused(flag))
+            else:
+                given.setdefault(param.name, flag)
+                value = inline or (args[i + 1] if i + 1 < len(args) else None)
+                if param.name == "config":
+                    config = value
+                elif param.name == "overrides" and value is not None:
+                    sets.append(value)
+        problems += [f"{given[a]} and {given[b]} cannot be given together" for a, b in TRAIN_CONFLICTS
+                     if a in given and b in given]
+        if problems:
+            problems += _config_key_problems(config, sets)
+        return problems
+
+
+def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
+    """The misspelled-key message of ``--config`` and ``--set`` (empty when they read cleanly or
+    fail otherwise: that failure is reported once the flags are right)."""
+    from tokenloom.train.config import load_config  # lazy: start-up time (torch); on the error path only
+
+    try:
+        load_config(config if config and os.path.isfile(config) else None, sets)
+    except Exception as exc:  # noqa: BLE001 - only the unknown-key message is wanted here
+        return [str(exc)] if str(exc).startswith("unknown config key") else []
+    return []
+
+
+@main.command(cls=_TrainCommand, epilog="Megatron (pretrain_gpt.py) and torchrun spellings are accepted where the meaning is the "
               "same (second names above); Megatron flags that mean something else here are refused one by one "
               "with what to use instead.")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False),

@@ -116,6 +116,31 @@ def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path
     assert "--position-embedding-type (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
 
 
+def test_every_argument_mistake_is_reported_in_one_run(tmp_path):
+    """Three unknown flags, a refused one, a conflicting pair and a misspelled --set key: one run,
+    one error line naming all of them, each unknown name with the nearest valid one."""
+    done = run_cli("train", *MOCK, "--num-layer", "2", "--hiden-size", "64", "--frobnicate", "--fp16",
+                   "--data", "1", "x", "--set", "optim.min_llr=1e-5", "--output-dir", tmp_path / "r")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: 6 problems: "), line
+    for part in ("no such option: --num-layer (did you mean --num-layers?)",
+                 "no such option: --hiden-size (did you mean --hidden-size?)", "no such option: --frobnicate",
+                 "--fp16 (Megatron) is not supported", "--data and --mock-data cannot be given together",
+                 "unknown config key in --set: optim.min_llr (did you mean optim.min_lr?)"):
+        assert part in line, (part, line)
+    assert not (tmp_path / "r").exists()
+
+
+def test_every_misspelled_config_key_is_reported_in_one_run(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("train_iter: 5\noptim: {lr: 1e-3, warmup: 2}\nmodel: {n_layers: 1}\n")
+    done = run_cli("train", "--config", config, "--mock-data", "--output-dir", tmp_path / "r")
+    line = one_line_error(done, f"unknown config keys in {config} and --set: ",
+                          "train_iter (did you mean train_iters?)", "optim.warmup (did you mean optim.warmup_iters?)")
+    assert "model." not in line
+
+
 # --------------------------------------------------------------------------- failures in ranks
 
 

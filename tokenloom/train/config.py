@@ -9,6 +9,7 @@ errors naming the section and the known keys, so a typo never silently trains a 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import types
@@ -193,16 +194,46 @@ def config_to_dict(cfg: Any) -> dict:
     return json.loads(json.dumps(asdict(cfg)))
 
 
-def config_from_dict(cls: type, data: dict, where: str = "") -> Any:
-    """Build dataclass ``cls`` from nested dicts (as read from JSON/YAML); unknown keys are errors."""
+def config_from_dict(cls: type, data: dict, where: str = "", source: str = "the config") -> Any:
+    """Build dataclass ``cls`` from nested dicts (as read from JSON/YAML); unknown keys are errors,
+    all of them (nested sections too) in one message naming ``source`` and each key's nearest field."""
+    unknown = unknown_keys(cls, data, where)
+    if unknown:
+        raise TokenloomError(f"unknown config key{'s' if len(unknown) > 1 else ''} in {source}: {'; '.join(unknown)}")
+    return _build(cls, data, where)
+
+
+def unknown_keys(cls: type, data: Any, where: str = "") -> list[str]:
+    """Every key of ``data`` (nested sections too, in the order given) that dataclass ``cls`` has no
+    field for, as ``"optim.lr_min (did you mean optim.min_lr?)"`` or, with no near name, with the
+    section's known keys. Values of the wrong shape are left to :func:`config_from_dict`."""
     if not isinstance(data, dict):
-        raise TokenloomError(f"config section {where or '(top)'} must be a mapping, got {data!r}")
+        return []
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise TokenloomError(f"unknown config key(s) {[where + k for k in unknown]}; known in "
-                             f"{where or 'the top level'}: {', '.join(names)}")
+    out = []
+    for key, value in data.items():
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            out.append(f"{where}{key} (did you mean {where}{near[0]}?)" if near else
+                       f"{where}{key} (known in {where[:-1] or 'the top level'}: {', '.join(names)})")
+        elif (section := _section_class(hints[key])) is not None:
+            out += unknown_keys(section, value, f"{where}{key}.")
+    return out
+
+
+def _section_class(hint: Any) -> type | None:
+    """The dataclass a field's type names (``X`` or ``X | None``), else None."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = inner[0] if len(inner) == 1 else None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise TokenloomError(f"config section {where[:-1] or '(top)'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
     return cls(**{k: _convert(hints[k], v, f"{where}{k}.") for k, v in data.items()})
 
 
@@ -214,7 +245,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _convert(inner[0], value, where) if len(inner) == 1 else value
     if isinstance(hint, type) and dataclasses.is_dataclass(hint) and isinstance(value, dict):
-        return config_from_dict(hint, value, where)
+        return _build(hint, value, where)
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
         if origin is list:
             return [_convert(args[0], v, where) for v in value] if args else list(value)
@@ -251,7 +282,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             if not isinstance(node, dict):
                 raise TokenloomError(f"override {item!r}: {part} is {node!r}, not a section")
         node[leaf] = yaml.safe_load(value)
-    return config_from_dict(TrainConfig, raw)
+    sources = [str(path)] if path is not None else []
+    return config_from_dict(TrainConfig, raw, source=" and ".join(sources + ["--set"] * bool(overrides)) or "the config")
 
 
 MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", "init_std", "kernels"})
