@@ -385,7 +385,8 @@ class _TrainCommand(click.Command):
     def argument_problems(self, ctx, args: list[str]) -> list[str]:
         by_flag = {o: p for p in self.get_params(ctx) for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
         valid = [o for o, p in by_flag.items() if not getattr(p, "hidden", False)]
-        problems, given = [], {}
+        problems: list[str] = []
+        given: dict[str, str] = {}
         config, sets = None, []
         for i, token in enumerate(args):
             if token == "--":
@@ -468,6 +469,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--output-dir", help=_help(_TRAIN, "output_dir"))
 @click.option("--resume", help=_help(_TRAIN, "resume"))
 @click.option("--init-from-hf", "init_from_hf", help=_help(_TRAIN, "init_from_hf"))
+@click.option("--override-opt_param-scheduler", "--override-opt-param-scheduler", "override_opt_param_scheduler",
+              is_flag=True, default=None, help=_help(_TRAIN, "override_opt_param_scheduler"))
 @click.option("--fp8", type=click.Choice(["tensorwise", "rowwise"]), is_flag=False, flag_value="tensorwise",
               default=None, help=_help(_TRAIN, "fp8") + " --fp8 alone: tensorwise.")
 @click.option("--kernels", type=click.Choice(["auto", "reference", "compiled", "triton"]),

@@ -280,6 +280,6 @@ def test_resume_with_new_blend_weights_continues_each_source(tmp_path):
     # 0.5/0.5 of the first 12 samples, then 0.2/0.8 of 12 (2.4 of a: the greedy interleave serves 3)
     assert [c["samples"] for c in state["data_consumed"]] == [6 + 3, 6 + 9]
     one_line_error(run_cli("train", *common, "--split", "80,19,1", "--data", "0.2", tmp_path / "a", "0.8",
-                           tmp_path / "b", "--train-iters", "8"),
+                           tmp_path / "b", "--train-iters", "8", "--override-opt_param-scheduler"),
                    "was trained on other data (data.blend {\"split\": \"90,9,1\"} -> {\"split\": \"80,19,1\"})",
                    "--set force_data=true")

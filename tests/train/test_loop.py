@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -155,10 +156,31 @@ def test_resume_on_different_data_needs_force(tmp_path):
     run(tiny(tmp_path, train_iters=4, eval_interval=0))
     other = DataConfig(mock=MockDataConfig(num_sequences=300, max_length=200, seed=7))
     with pytest.raises(TokenloomError, match="different data"):
-        run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other))
-    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other, force_data=True))
+        run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other,
+                 override_opt_param_scheduler=True))
+    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other, force_data=True,
+                       override_opt_param_scheduler=True))
     assert summary["iteration"] == 6
     assert [i for i, _ in losses(tmp_path)] == list(range(1, 7))  # metrics cut back to the resume point
+
+
+def test_a_resume_with_another_schedule_is_refused_unless_overridden(tmp_path):
+    """Megatron's rule: a longer train_iters (or another lr, min lr, warmup, decay) on resume is refused
+    in one line naming old and new values; with override_opt_param_scheduler the run continues and
+    each step's learning rate is the new schedule's from the resume step."""
+    run(tiny(tmp_path, train_iters=4, eval_interval=0))
+    longer = tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto", optim=OptimConfig(
+        lr=3e-3, min_lr=1e-4, warmup_iters=3))
+    with pytest.raises(TokenloomError) as refused:
+        run(longer)
+    assert "another learning-rate schedule (train_iters 4 -> 8; optim.min_lr 0.0003 -> 0.0001)" in str(refused.value)
+    assert "--override-opt_param-scheduler" in str(refused.value)
+    assert checkpoint.find_latest(tmp_path / "checkpoints").name == "iter_0000004"
+    summary = run(dataclasses.replace(longer, override_opt_param_scheduler=True))
+    assert summary["iteration"] == 8
+    lrs = [(r["iter"], r["lr"]) for r in read_metrics(tmp_path / "metrics.jsonl") if "lr" in r]
+    old, new = tiny(tmp_path, train_iters=4).optim, longer.optim
+    assert lrs == [(i + 1, lr_at(i, old, 4)) for i in range(4)] + [(i + 1, lr_at(i, new, 8)) for i in range(4, 8)]
 
 
 def test_resume_auto_skips_checkpoints_without_marker(tmp_path):

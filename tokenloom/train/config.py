@@ -87,8 +87,12 @@ class TrainConfig:
     continues from it and the folder is not loaded again. See tokenloom.train.hf."""
     force_data: bool = False
     """Resume even if the checkpoint was trained on different data, taking the new data's order as it is
-    (samples may repeat or be skipped). Not needed to change a blend's weights or sources, or train_iters:
-    each source then continues exactly after the samples it served."""
+    (samples may repeat or be skipped). Not needed to change a blend's weights or sources, or train_iters (that
+    needs override_opt_param_scheduler): each source then continues exactly after the samples it served."""
+    override_opt_param_scheduler: bool = False
+    """Resume with a learning-rate schedule (train_iters, optim.lr, min_lr, warmup, decay) other than the
+    checkpoint's: the rate follows the new schedule from the resume step on. False: such a resume is refused
+    naming the old and new values (Megatron's --override-opt_param-scheduler)."""
     tokenizer: str | None = None
     """Tokenizer path (or "byte"), stored in checkpoints so generate can decode."""
     seed: int = 1234
@@ -304,3 +308,32 @@ def check_resumable_model(path: str | os.PathLike, cfg: TrainConfig, saved_model
     if changed:
         raise TokenloomError(f"{path} was trained with a different model ({'; '.join(changed)}); resume with the "
                              "checkpoint's model settings")
+
+
+SCHEDULE_KEYS = ("train_iters", "optim.lr", "optim.min_lr", "optim.warmup_iters", "optim.lr_decay_iters",
+                 "optim.lr_decay_style", "optim.lr_wsd_decay_iters", "optim.lr_wsd_decay_style")
+"""Settings that shape the learning rate of each step (those a config has): a resume keeps them unless
+``override_opt_param_scheduler`` (Megatron refuses a scheduler mismatch the same way)."""
+
+
+def check_resumable_schedule(path: str | os.PathLike, cfg: TrainConfig, saved_config: dict) -> None:
+    """Refuse, in one line naming the old and new values, a resume of the checkpoint at ``path``
+    (its saved config ``saved_config``) with another learning-rate schedule (:data:`SCHEDULE_KEYS`),
+    unless ``cfg.override_opt_param_scheduler``. A key the checkpoint predates had its default then."""
+    if cfg.override_opt_param_scheduler:
+        return
+    new, defaults = config_to_dict(cfg), config_to_dict(type(cfg)())
+    changed = []
+    for key in SCHEDULE_KEYS:
+        section, _, name = key.rpartition(".")
+        current = new[section] if section else new
+        if name not in current:
+            continue
+        saved = saved_config.get(section, {}) if section else saved_config
+        old = saved.get(name, (defaults[section] if section else defaults)[name])
+        if old != current[name]:
+            changed.append(f"{key} {json.dumps(old)} -> {json.dumps(current[name])}")
+    if changed:
+        raise TokenloomError(f"{path} was trained with another learning-rate schedule ({'; '.join(changed)}); resume "
+                             "with its values, or pass --override-opt_param-scheduler to follow the new schedule "
+                             "from the resume step")

@@ -273,7 +273,7 @@ def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, 
                              "--set force_data=true to take the new order as it is")
     current = data.segments[-1]
     current_train = data.train.blends[-1]
-    changed_blend = not segments[-1].same_blend(current)
+    changed_blend = not segments[-1].same_mix(current)  # a longer run alone draws a new segment, silently
     segments = continue_history(segments, current, consumed)
     blends = [current_train if seg.same_blend(current) else _segment_blend(seg, cfg, data.invariants, current, where)
               for seg in segments]

@@ -65,7 +65,13 @@ from tqdm import tqdm
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.train import checkpoint, hf
-from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict, load_config
+from tokenloom.train.config import (
+    TrainConfig,
+    check_resumable_model,
+    check_resumable_schedule,
+    config_to_dict,
+    load_config,
+)
 from tokenloom.train.data import TrainData, open_tokenizer
 from tokenloom.train.metrics import MetricsLogger, StepTimer, mfu, peak_flops, plot_loss
 from tokenloom.train.optim import lr_at, set_lr
@@ -188,6 +194,7 @@ class Trainer:
             return None
         saved = checkpoint.read_state(path)
         check_resumable_model(path, self.cfg, saved["config"]["model"])
+        check_resumable_schedule(path, self.cfg, saved["config"])
         notes = self.data.load_state_dict(saved, force=self.cfg.force_data, where=str(path))
         self.strategy.load(path, saved)
         self.iteration = int(saved["iteration"])
