@@ -567,6 +567,23 @@ def _megatron_tokenizer(vocab_file: str | None, merge_file: str | None, tokenize
     return str(Path(vocab_file).parent)
 
 
+@main.group("config")
+def config_group():
+    """Inspect train configs."""
+
+
+@config_group.command("show")
+@click.option("--config", type=click.Path(exists=True, dir_okay=False), help="Train config (YAML or JSON) to show; "
+              "without it, the defaults.")
+@click.option("--set", "overrides", multiple=True, help="Override any config field: --set optim.lr=3e-4 (repeatable).")
+def config_show(config, overrides):
+    """Every train config field (sections too) with its value, its default and its doc; '*' marks a
+    value that differs from its default."""
+    from tokenloom.train.config import field_rows, format_rows, load_config  # lazy: start-up time (torch)
+
+    click.echo(format_rows(field_rows(load_config(config, overrides))))
+
+
 _EXPORT = "tokenloom.train.hf:ExportConfig"
 
 

@@ -3,7 +3,9 @@
 One dataclass tree (``model``, ``data``, ``optim`` sections) describes a run in every
 layout; field docstrings are the ``--help`` texts (:mod:`tokenloom.config`). Files are
 JSON or YAML; ``key.sub=value`` overrides are parsed as YAML values. Unknown keys are
-errors naming the section and the known keys, so a typo never silently trains a default.
+errors, all of them in one message, each with the nearest field (or its section's known keys),
+so a typo never silently trains a default. :func:`field_rows` lists every field with its
+value, default and doc (``cli.py config show``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from tokenloom.config import field_docs
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
@@ -337,3 +340,65 @@ def check_resumable_schedule(path: str | os.PathLike, cfg: TrainConfig, saved_co
         raise TokenloomError(f"{path} was trained with another learning-rate schedule ({'; '.join(changed)}); resume "
                              "with its values, or pass --override-opt_param-scheduler to follow the new schedule "
                              "from the resume step")
+
+
+@dataclass(frozen=True)
+class FieldRow:
+    """One field of a config tree as ``config show`` prints it."""
+
+    key: str
+    """Dotted path, e.g. ``optim.lr``."""
+    value: Any
+    """The value in the config shown (JSON-able); None also for the fields of an unset section."""
+    default: Any
+    """The value a config without this key gets; :data:`REQUIRED` when there is none."""
+    doc: str
+    """The field's docstring (its ``--help`` text)."""
+    unset: bool = False
+    """The field is in a section the config leaves unset (its value is None for that reason)."""
+
+
+REQUIRED = "(required)"
+"""The :attr:`FieldRow.default` of a field without a default (a section's required key)."""
+
+
+def field_rows(cfg: Any, cls: type | None = None, where: str = "") -> list[FieldRow]:
+    """Every field of config dataclass ``cfg`` in declaration order, sections depth first, each
+    section's fields right after its own row; the fields of an unset section (``data.blend`` of a
+    mock run) are listed too, with the value None (``cls`` names the section class then)."""
+    cls = cls or type(cfg)
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(cfg, f.name) if cfg is not None else None
+        default = (f.default if f.default is not dataclasses.MISSING else
+                   f.default_factory() if f.default_factory is not dataclasses.MISSING else REQUIRED)
+        section = _section_class(hints[f.name])
+        if section is not None:  # the section's own row; its fields follow
+            value, default = value and SECTION, default and SECTION
+        elif default is not REQUIRED:
+            default = json.loads(json.dumps(default))
+        rows.append(FieldRow(f"{where}{f.name}", json.loads(json.dumps(value)), default, docs.get(f.name, ""),
+                             unset=cfg is None))
+        if section is not None:
+            rows += field_rows(getattr(cfg, f.name) if cfg is not None else None, section, f"{where}{f.name}.")
+    return rows
+
+
+SECTION = "(section)"
+"""The value and default of a section's own row when the section is set."""
+
+
+def format_rows(rows: typing.Sequence[FieldRow]) -> str:
+    """``key = value  (default: D)`` per field, its doc indented on the next line; a value that
+    differs from its default (in a section that is set) is marked ``*``."""
+    def show(v: Any) -> str:
+        return v if v in (SECTION, REQUIRED) else json.dumps(v)
+
+    out = []
+    for r in rows:
+        mark = "*" if r.value != r.default and r.default != REQUIRED and not r.unset else " "
+        out.append(f"{mark} {r.key} = {show(r.value)}  (default: {show(r.default)})")
+        if r.doc:
+            out.append(f"      {r.doc}")
+    return "\n".join(out)
