@@ -469,6 +469,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--output-dir", help=_help(_TRAIN, "output_dir"))
 @click.option("--resume", help=_help(_TRAIN, "resume"))
 @click.option("--init-from-hf", "init_from_hf", help=_help(_TRAIN, "init_from_hf"))
+@click.option("--wandb-project", help=_help(_TRAIN, "wandb_project"))
+@click.option("--wandb-exp-name", help=_help(_TRAIN, "wandb_exp_name"))
 @click.option("--override-opt_param-scheduler", "--override-opt-param-scheduler", "override_opt_param_scheduler",
               is_flag=True, default=None, help=_help(_TRAIN, "override_opt_param_scheduler"))
 @click.option("--fp8", type=click.Choice(["tensorwise", "rowwise"]), is_flag=False, flag_value="tensorwise",

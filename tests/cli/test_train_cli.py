@@ -276,6 +276,9 @@ def test_resume_with_new_blend_weights_continues_each_source(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "the blend changed at sample 12 (segment 2): each source continues after the samples it served" \
         in done.stderr
+    marks = [(r["iter"], r["blend_changed"]) for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())
+             if "resumed_from" in r]
+    assert marks == [(3, True)]  # a mark in loss.png
     state = json.loads((tmp_path / "run" / "checkpoints" / "iter_0000006" / "state.json").read_text())
     # 0.5/0.5 of the first 12 samples, then 0.2/0.8 of 12 (2.4 of a: the greedy interleave serves 3)
     assert [c["samples"] for c in state["data_consumed"]] == [6 + 3, 6 + 9]

@@ -183,6 +183,27 @@ def test_a_resume_with_another_schedule_is_refused_unless_overridden(tmp_path):
     assert lrs == [(i + 1, lr_at(i, old, 4)) for i in range(4)] + [(i + 1, lr_at(i, new, 8)) for i in range(4, 8)]
 
 
+def test_a_run_you_can_watch(tmp_path, capsys):
+    """Validation losses and checkpoint saves as one line each; time and memory in the records; a
+    resume leaves a record (a mark in loss.png, which gets a learning-rate panel)."""
+    run(tiny(tmp_path, train_iters=4, eval_interval=2, save_interval=2, plot=True))
+    err = capsys.readouterr().err
+    for it in (0, 2, 4):
+        assert f"iteration {it}: validation loss " in err
+    for it in (2, 4):
+        assert f"iteration {it}: saved checkpoint {tmp_path / 'checkpoints' / f'iter_{it:07d}'} (the loop waited " in err
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(isinstance(r["time"], float) for r in records)
+    train = [r for r in records if "train_loss" in r]
+    assert all(r["device_mem_peak_gib"] is None and 0 < r["host_rss_gib"] <= r["host_rss_peak_gib"] for r in train)
+    run(tiny(tmp_path, train_iters=6, eval_interval=2, save_interval=2, plot=True, resume="auto",
+             override_opt_param_scheduler=True))
+    resumed = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "resumed_from" in r]
+    assert [(r["iter"], r["resumed_from"], r["blend_changed"]) for r in resumed] == [
+        (4, str(tmp_path / "checkpoints" / "iter_0000004"), False)]
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
 def test_resume_auto_skips_checkpoints_without_marker(tmp_path):
     run(tiny(tmp_path, train_iters=6, eval_interval=0, save_interval=3))
     root = tmp_path / "checkpoints"

@@ -121,7 +121,13 @@ class TrainConfig:
     metrics_path: str | None = None
     """Metrics JSONL; None means OUTPUT_DIR/metrics.jsonl."""
     tensorboard_dir: str | None = None
-    """Also write TensorBoard scalars here (needs the tensorboard package)."""
+    """Also write TensorBoard scalars here (pip install 'tokenloom[tensorboard]'; without it, one line
+    says so and the run goes on)."""
+    wandb_project: str | None = None
+    """Also log the metrics to this Weights & Biases project (pip install 'tokenloom[wandb]'; without it, one
+    line says so and the run goes on). Rank 0 logs; W&B's own settings (WANDB_MODE, the API key) apply."""
+    wandb_exp_name: str | None = None
+    """The W&B run's name; None lets W&B choose one."""
     plot: bool = True
     """Write OUTPUT_DIR/loss.png at the end (matplotlib)."""
     progress: bool = True

@@ -561,6 +561,7 @@ FLAG_KEYS = {
     "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
     "overlap_param_gather": "overlap_param_gather", "fp8": "fp8", "init_from_hf": "init_from_hf",
     "override_opt_param_scheduler": "override_opt_param_scheduler",
+    "wandb_project": "wandb_project", "wandb_exp_name": "wandb_exp_name",
 }
 """``train`` flag (its Python name) -> the config key it sets."""
 
