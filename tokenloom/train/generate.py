@@ -93,6 +93,8 @@ def generate(cfg: GenerateConfig) -> str:
     if cfg.temperature < 0 or cfg.max_new_tokens < 0 or (cfg.top_k is not None and cfg.top_k < 1):
         raise TokenloomError("need temperature >= 0, max_new_tokens >= 0 and top_k >= 1 (or None)")
     path = checkpoint.resolve(cfg.checkpoint, cfg.checkpoint, flag="--checkpoint")
+    if path is None:  # only "auto" resolves to nothing; generate has no run directory to look in
+        raise TokenloomError("--checkpoint auto: give a checkpoint directory or a run's checkpoint root")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     model, state = load_model(path, device)
     tok_name = cfg.tokenizer or state["config"].get("tokenizer")
