@@ -1,11 +1,21 @@
-"""The train config's keys: every unknown one (nested sections too) in one message."""
+"""The train config's keys: every unknown one (nested sections too) in one message; the schedule a
+resume must keep."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.config import TrainConfig, load_config, unknown_keys
+from tokenloom.train.config import (
+    TrainConfig,
+    check_resumable_schedule,
+    config_to_dict,
+    load_config,
+    unknown_keys,
+)
+from tokenloom.train.optim import OptimConfig
 
 
 def test_unknown_keys_lists_every_misspelling_with_the_nearest_field():
@@ -26,3 +36,16 @@ def test_load_config_names_the_file_and_every_key(tmp_path):
     assert str(err.value) == (f"unknown config keys in {path} and --set: optim.warmup_iter (did you mean "
                               "optim.warmup_iters?); save_intervall (did you mean save_interval?); model.n_layer "
                               "(did you mean model.n_layers?)")
+
+
+def test_a_schedule_change_names_every_key_and_the_override_lets_it_pass():
+    saved = config_to_dict(TrainConfig(train_iters=30))
+    del saved["optim"]["warmup_iters"]  # a checkpoint that predates a key had its default
+    cfg = TrainConfig(train_iters=45, optim=OptimConfig(warmup_iters=100, lr=1e-3))
+    with pytest.raises(TokenloomError) as err:
+        check_resumable_schedule("ck", cfg, saved)
+    assert str(err.value).startswith("ck was trained with another learning-rate schedule (train_iters 30 -> 45; "
+                                     "optim.lr 0.0006 -> 0.001); resume with its values, or pass "
+                                     "--override-opt_param-scheduler")
+    check_resumable_schedule("ck", dataclasses.replace(cfg, override_opt_param_scheduler=True), saved)
+    check_resumable_schedule("ck", TrainConfig(train_iters=30, seed=5, eval_interval=7), saved)  # not the schedule
