@@ -517,8 +517,9 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step, saves) last.
 
-    The config is checked before any rank starts (layout, batch arithmetic, data, tokenizer, resume)."""
-    from tokenloom.train.config import load_config  # lazy: start-up time
+    The config is checked before any rank starts (layout, batch arithmetic, data, tokenizer, resume). Without
+    a model shape (flags, --config or --set), a small model trains, and a warning says so."""
+    from tokenloom.train.config import load_config, small_model_overrides  # lazy: start-up time
     from tokenloom.train.launch import (  # lazy: start-up time
         Nodes,
         flag_overrides,
@@ -530,7 +531,13 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
 
     if vocab_file or merge_file:
         flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])
-    cfg = load_config(config, [*flag_overrides(**flags), *overrides])
+    given = [*flag_overrides(**flags), *overrides]
+    small = small_model_overrides(config, given)
+    if small:
+        click.echo(f"warning: no model shape given: training a small model ({', '.join(small)}); give --num-layers, "
+                   "--hidden-size, --num-attention-heads and --seq-length (or model.* in --config) for another",
+                   err=True)
+    cfg = load_config(config, [*small, *given])
     if layers_per_virtual_stage:
         if not cfg.pipeline_split.is_even:
             raise click.UsageError("--num-layers-per-virtual-pipeline-stage assumes an even split; with an uneven one "

@@ -132,6 +132,16 @@ def test_every_argument_mistake_is_reported_in_one_run(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_without_a_shape_train_says_it_builds_a_small_model(tmp_path):
+    done = run_cli("train", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "3", "--output-dir",
+                   tmp_path / "r")
+    warning, error = [line for line in done.stderr.splitlines() if line.strip()]
+    assert warning == ("warning: no model shape given: training a small model (model.n_layers=4, model.d_model=256, "
+                       "model.n_heads=4, model.seq_len=256); give --num-layers, --hidden-size, --num-attention-heads "
+                       "and --seq-length (or model.* in --config) for another")
+    assert done.returncode != 0 and error.startswith("error: --global-batch-size 3 is not a multiple")
+
+
 def test_every_misspelled_config_key_is_reported_in_one_run(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("train_iter: 5\noptim: {lr: 1e-3, warmup: 2}\nmodel: {n_layers: 1}\n")

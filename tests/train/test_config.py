@@ -9,10 +9,12 @@ import pytest
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.config import (
+    SMALL_MODEL,
     TrainConfig,
     check_resumable_schedule,
     config_to_dict,
     load_config,
+    small_model_overrides,
     unknown_keys,
 )
 from tokenloom.train.optim import OptimConfig
@@ -49,3 +51,17 @@ def test_a_schedule_change_names_every_key_and_the_override_lets_it_pass():
                                      "--override-opt_param-scheduler")
     check_resumable_schedule("ck", dataclasses.replace(cfg, override_opt_param_scheduler=True), saved)
     check_resumable_schedule("ck", TrainConfig(train_iters=30, seed=5, eval_interval=7), saved)  # not the schedule
+
+
+def test_the_small_model_default_applies_only_when_no_shape_is_given(tmp_path):
+    assert small_model_overrides(None, ["train_iters=3", "model.vocab_size=96"]) == list(SMALL_MODEL)
+    cfg = load_config(None, [*small_model_overrides(None, []), "model.vocab_size=96"])
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.seq_len) == (4, 256, 4, 256)
+    assert small_model_overrides(None, ["model.seq_len=64"]) == []
+    assert small_model_overrides(None, ["init_from_hf=folder"]) == []
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {d_model: 64}\n")
+    assert small_model_overrides(path, []) == []
+    path.write_text("model: {dropout: 0.1}\n")
+    assert small_model_overrides(path, []) == list(SMALL_MODEL)
+    assert TrainConfig().model.n_layers == 12  # the library keeps GPTConfig's defaults

@@ -275,6 +275,39 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Read a JSON or YAML train config and apply ``key.sub=value`` overrides (values parsed as YAML)."""
+    sources = [str(path)] if path is not None else []
+    return config_from_dict(TrainConfig, read_raw(path, overrides),
+                            source=" and ".join(sources + ["--set"] * bool(overrides)) or "the config")
+
+
+SMALL_MODEL = ("model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.seq_len=256")
+"""The model ``train`` builds when no shape is given (:func:`small_model_overrides`): GPTConfig's own
+defaults are GPT-2 124M at sequence 1024, minutes per step on a CPU before a first line of output."""
+
+SHAPE_KEYS = ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.n_kv_heads",
+              "model.ffn_hidden_size", "init_from_hf")
+"""Any of these in a config, override or flag means the user chose the model's shape."""
+
+
+def small_model_overrides(path: str | os.PathLike | None, overrides: typing.Sequence[str]) -> list[str]:
+    """:data:`SMALL_MODEL` as overrides when the config file at ``path`` and ``overrides`` give no
+    :data:`SHAPE_KEYS` key, else nothing. For the ``train`` command, which says so in a warning;
+    the library's :class:`TrainConfig` keeps GPTConfig's defaults."""
+    raw = read_raw(path, overrides)
+
+    def given(key: str) -> bool:
+        node: Any = raw
+        for part in key.split("."):
+            if not isinstance(node, dict) or node.get(part) is None:
+                return False
+            node = node[part]
+        return True
+
+    return [] if any(given(k) for k in SHAPE_KEYS) else list(SMALL_MODEL)
+
+
+def read_raw(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> dict:
+    """The nested dict of a JSON or YAML config file with ``key.sub=value`` overrides applied, unchecked."""
     raw: dict = {}
     if path is not None:
         text = Path(path).read_text()
@@ -295,8 +328,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             if not isinstance(node, dict):
                 raise TokenloomError(f"override {item!r}: {part} is {node!r}, not a section")
         node[leaf] = yaml.safe_load(value)
-    sources = [str(path)] if path is not None else []
-    return config_from_dict(TrainConfig, raw, source=" and ".join(sources + ["--set"] * bool(overrides)) or "the config")
+    return raw
 
 
 MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", "init_std", "kernels"})
