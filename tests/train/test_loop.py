@@ -294,7 +294,7 @@ def test_resume_across_kernel_modes_and_from_older_checkpoints(tmp_path):
     state = json.loads(state_path.read_text())
     del state["config"]["model"]["kernels"]  # as written before GPTConfig.kernels existed
     state_path.write_text(json.dumps(state))
-    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto"))
+    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", override_opt_param_scheduler=True))
     assert summary["iteration"] == 6
     with pytest.raises(TokenloomError, match="model.d_model "):
         run(tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto",
