@@ -3,7 +3,7 @@
 # (mypy, configured in pyproject.toml; its cache in .mypy_cache makes reruns quick), then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=dev,interop,kernels,ray,s3,fp8 bash scripts/setup.sh
+EXTRAS=dev,interop,kernels,ray,s3,fp8,tensorboard bash scripts/setup.sh
 .venv/bin/ruff check tokenloom tests bench
 .venv/bin/python -m mypy
 # Two workers (TEST_WORKERS) take whole modules each (--dist loadscope: a module's shared process

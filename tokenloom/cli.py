@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -345,20 +346,81 @@ MEGATRON_REFUSED = {
 meaning differs from anything tokenloom has, or the feature does not exist here."""
 
 
-def _refuse(ctx, param, value):
-    if value:
-        raise click.UsageError(f"{param.opts[0]} (Megatron) is not supported by tokenloom train: "
-                               f"{MEGATRON_REFUSED[param.opts[0]]}", ctx=ctx)
+def _refused(flag: str) -> str:
+    return f"{flag} (Megatron) is not supported by tokenloom train: {MEGATRON_REFUSED[flag]}"
 
 
 def _megatron_refused(fn):
-    for flag in MEGATRON_REFUSED:
-        fn = click.option(flag, is_flag=True, hidden=True, expose_value=False, callback=_refuse,
+    for flag in MEGATRON_REFUSED:  # listed by _TrainCommand before parsing; here for the parser to know them
+        fn = click.option(flag, is_flag=True, hidden=True, expose_value=False,
                           help=f"Refused (Megatron's flag): {MEGATRON_REFUSED[flag]}.")(fn)
     return fn
 
 
-@main.command(epilog="Megatron (pretrain_gpt.py) and torchrun spellings are accepted where the meaning is the "
+TRAIN_CONFLICTS = (("data", "mock_data"), ("tokenizer", "vocab_file"), ("tokenizer", "merge_file"),
+                   ("vpp", "layers_per_virtual_stage"))
+"""Pairs of ``train`` options (their Python names) that cannot be given together."""
+
+
+class _TrainCommand(click.Command):
+    """A command whose argument mistakes are all reported at once, before parsing: every unknown
+    flag with the nearest valid one, every refused Megatron flag with what to use instead, every
+    pair of conflicting flags (:data:`TRAIN_CONFLICTS`), and, when there are any, the misspelled
+    keys of ``--config`` and ``--set`` too. One mistake reads as click's own message would."""
+
+    def parse_args(self, ctx, args):
+        if not any(a in ctx.help_option_names for a in args):
+            problems = self.argument_problems(ctx, args)
+            if problems:
+                raise click.UsageError(problems[0] if len(problems) == 1 else
+                                       f"{len(problems)} problems: {'; '.join(problems)}", ctx=ctx)
+        return super().parse_args(ctx, args)
+
+    def argument_problems(self, ctx, args: list[str]) -> list[str]:
+        by_flag = {o: p for p in self.get_params(ctx) for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
+        valid = [o for o, p in by_flag.items() if not getattr(p, "hidden", False)]
+        problems: list[str] = []
+        given: dict[str, str] = {}
+        config, sets = None, []
+        for i, token in enumerate(args):
+            if token == "--":
+                break
+            flag, _, inline = token.partition("=")
+            if not flag.startswith("--"):
+                continue
+            param = by_flag.get(flag)
+            if param is None:
+                near = difflib.get_close_matches(flag, valid, n=1, cutoff=0.7)
+                problems.append(f"no such option: {flag}" + (f" (did you mean {near[0]}?)" if near else ""))
+            elif flag in MEGATRON_REFUSED:
+                problems.append(_refused(flag))
+            else:
+                given.setdefault(param.name, flag)
+                value = inline or (args[i + 1] if i + 1 < len(args) else None)
+                if param.name == "config":
+                    config = value
+                elif param.name == "overrides" and value is not None:
+                    sets.append(value)
+        problems += [f"{given[a]} and {given[b]} cannot be given together" for a, b in TRAIN_CONFLICTS
+                     if a in given and b in given]
+        if problems:
+            problems += _config_key_problems(config, sets)
+        return problems
+
+
+def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
+    """The misspelled-key message of ``--config`` and ``--set`` (empty when they read cleanly or
+    fail otherwise: that failure is reported once the flags are right)."""
+    from tokenloom.train.config import load_config  # lazy: start-up time (torch); on the error path only
+
+    try:
+        load_config(config if config and os.path.isfile(config) else None, sets)
+    except Exception as exc:  # noqa: BLE001 - only the unknown-key message is wanted here
+        return [str(exc)] if str(exc).startswith("unknown config key") else []
+    return []
+
+
+@main.command(cls=_TrainCommand, epilog="Megatron (pretrain_gpt.py) and torchrun spellings are accepted where the meaning is the "
               "same (second names above); Megatron flags that mean something else here are refused one by one "
               "with what to use instead.")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False),
@@ -427,6 +489,10 @@ def _megatron_refused(fn):
 @click.option("--output-dir", help=_help(_TRAIN, "output_dir"))
 @click.option("--resume", help=_help(_TRAIN, "resume"))
 @click.option("--init-from-hf", "init_from_hf", help=_help(_TRAIN, "init_from_hf"))
+@click.option("--wandb-project", help=_help(_TRAIN, "wandb_project"))
+@click.option("--wandb-exp-name", help=_help(_TRAIN, "wandb_exp_name"))
+@click.option("--override-opt_param-scheduler", "--override-opt-param-scheduler", "override_opt_param_scheduler",
+              is_flag=True, default=None, help=_help(_TRAIN, "override_opt_param_scheduler"))
 @click.option("--fp8", type=click.Choice(["tensorwise", "rowwise"]), is_flag=False, flag_value="tensorwise",
               default=None, help=_help(_TRAIN, "fp8") + " --fp8 alone: tensorwise.")
 @click.option("--kernels", type=click.Choice(["auto", "reference", "compiled", "triton"]),
@@ -471,8 +537,9 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step, saves) last.
 
-    The config is checked before any rank starts (layout, batch arithmetic, data, tokenizer, resume)."""
-    from tokenloom.train.config import load_config  # lazy: start-up time
+    The config is checked before any rank starts (layout, batch arithmetic, data, tokenizer, resume). Without
+    a model shape (flags, --config or --set), a small model trains, and a warning says so."""
+    from tokenloom.train.config import load_config, small_model_overrides  # lazy: start-up time
     from tokenloom.train.launch import (  # lazy: start-up time
         Nodes,
         check_max_position_embeddings,
@@ -485,7 +552,13 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
 
     if vocab_file or merge_file:
         flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])
-    cfg = load_config(config, [*flag_overrides(**flags), *overrides])
+    given = [*flag_overrides(**flags), *overrides]
+    small = small_model_overrides(config, given)
+    if small:
+        click.echo(f"warning: no model shape given: training a small model ({', '.join(small)}); give --num-layers, "
+                   "--hidden-size, --num-attention-heads and --seq-length (or model.* in --config) for another",
+                   err=True)
+    cfg = load_config(config, [*small, *given])
     check_max_position_embeddings(cfg, max_position_embeddings)
     if layers_per_virtual_stage:
         if not cfg.pipeline_split.is_even:
@@ -523,6 +596,23 @@ def _megatron_tokenizer(vocab_file: str | None, merge_file: str | None, tokenize
         raise click.UsageError("--vocab-file and --merge-file go together and must be in one folder (it is "
                                "passed as --tokenizer FOLDER); or pass --tokenizer PATH")
     return str(Path(vocab_file).parent)
+
+
+@main.group("config")
+def config_group():
+    """Inspect train configs."""
+
+
+@config_group.command("show")
+@click.option("--config", type=click.Path(exists=True, dir_okay=False), help="Train config (YAML or JSON) to show; "
+              "without it, the defaults.")
+@click.option("--set", "overrides", multiple=True, help="Override any config field: --set optim.lr=3e-4 (repeatable).")
+def config_show(config, overrides):
+    """Every train config field (sections too) with its value, its default and its doc; '*' marks a
+    value that differs from its default."""
+    from tokenloom.train.config import field_rows, format_rows, load_config  # lazy: start-up time (torch)
+
+    click.echo(format_rows(field_rows(load_config(config, overrides))))
 
 
 _EXPORT = "tokenloom.train.hf:ExportConfig"

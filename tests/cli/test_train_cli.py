@@ -130,6 +130,41 @@ def test_megatron_model_flags_that_cannot_hold_are_refused_in_one_line(tmp_path)
     one_line_error(done, "optim.decay_style WSD needs optim.wsd_decay_iters >= 1 (--lr-wsd-decay-iters), got None")
 
 
+def test_every_argument_mistake_is_reported_in_one_run(tmp_path):
+    """Three unknown flags, a refused one, a conflicting pair and a misspelled --set key: one run,
+    one error line naming all of them, each unknown name with the nearest valid one."""
+    done = run_cli("train", *MOCK, "--num-layer", "2", "--hiden-size", "64", "--frobnicate", "--fp16",
+                   "--data", "1", "x", "--set", "optim.min_llr=1e-5", "--output-dir", tmp_path / "r")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: 6 problems: "), line
+    for part in ("no such option: --num-layer (did you mean --num-layers?)",
+                 "no such option: --hiden-size (did you mean --hidden-size?)", "no such option: --frobnicate",
+                 "--fp16 (Megatron) is not supported", "--data and --mock-data cannot be given together",
+                 "unknown config key in --set: optim.min_llr (did you mean optim.min_lr?)"):
+        assert part in line, (part, line)
+    assert not (tmp_path / "r").exists()
+
+
+def test_without_a_shape_train_says_it_builds_a_small_model(tmp_path):
+    done = run_cli("train", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "3", "--output-dir",
+                   tmp_path / "r")
+    warning, error = [line for line in done.stderr.splitlines() if line.strip()]
+    assert warning == ("warning: no model shape given: training a small model (model.n_layers=4, model.d_model=256, "
+                       "model.n_heads=4, model.seq_len=256); give --num-layers, --hidden-size, --num-attention-heads "
+                       "and --seq-length (or model.* in --config) for another")
+    assert done.returncode != 0 and error.startswith("error: --global-batch-size 3 is not a multiple")
+
+
+def test_every_misspelled_config_key_is_reported_in_one_run(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("train_iter: 5\noptim: {lr: 1e-3, warmup: 2}\nmodel: {n_layers: 1}\n")
+    done = run_cli("train", "--config", config, "--mock-data", "--output-dir", tmp_path / "r")
+    line = one_line_error(done, f"unknown config keys in {config} and --set: ",
+                          "train_iter (did you mean train_iters?)", "optim.warmup (did you mean optim.warmup_iters?)")
+    assert "model." not in line
+
+
 # --------------------------------------------------------------------------- failures in ranks
 
 
@@ -320,10 +355,13 @@ def test_resume_with_new_blend_weights_continues_each_source(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "the blend changed at sample 12 (segment 2): each source continues after the samples it served" \
         in done.stderr
+    marks = [(r["iter"], r["blend_changed"]) for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())
+             if "resumed_from" in r]
+    assert marks == [(3, True)]  # a mark in loss.png
     state = json.loads((tmp_path / "run" / "checkpoints" / "iter_0000006" / "state.json").read_text())
     # 0.5/0.5 of the first 12 samples, then 0.2/0.8 of 12 (2.4 of a: the greedy interleave serves 3)
     assert [c["samples"] for c in state["data_consumed"]] == [6 + 3, 6 + 9]
     one_line_error(run_cli("train", *common, "--split", "80,19,1", "--data", "0.2", tmp_path / "a", "0.8",
-                           tmp_path / "b", "--train-iters", "8"),
+                           tmp_path / "b", "--train-iters", "8", "--override-opt_param-scheduler"),
                    "was trained on other data (data.blend {\"split\": \"90,9,1\"} -> {\"split\": \"80,19,1\"})",
                    "--set force_data=true")

@@ -146,8 +146,8 @@ def test_each_save_reports_its_stall_and_write_time_and_a_resume_cuts_them_back(
     assert summary["saves"] == [{k: r[k] for k in ("iter", "save_stall_s", "save_write_s")} for r in records]
     assert summary["checkpoint"] == records[-1]["checkpoint"]
 
-    again = tiny(tmp_path, train_iters=8, save_interval=2, eval_interval=0, resume=str(tmp_path / "checkpoints" /
-                                                                                      "iter_0000004"))
+    again = tiny(tmp_path, train_iters=8, save_interval=2, eval_interval=0, override_opt_param_scheduler=True,
+                 resume=str(tmp_path / "checkpoints" / "iter_0000004"))
     run(again)
     iters = [r["iter"] for r in read_metrics(tmp_path / "metrics.jsonl") if "checkpoint" in r]
     assert iters == [2, 4, 6, 8], "the records after the resumed checkpoint are cut, then written again"

@@ -89,6 +89,20 @@ def test_blend_with_new_weights_continues_the_history(blend_sources, tmp_path):
     assert all(np.array_equal(resumed.train[i], data.train[i]) for i in range(8))
 
 
+def test_a_longer_run_on_the_same_blend_says_nothing_of_a_changed_blend(blend_sources, tmp_path):
+    """A longer train_iters draws a new segment (its blend is built for more samples) but the
+    blend did not change: no note says it did (issue 40)."""
+    a, b = blend_sources
+    data = blend_data([(0.5, a), (0.5, b)], tmp_path / "cache")
+    data.consumed = 8
+    cfg = DataConfig(blend=BlendDataConfig(prefixes=[(0.5, a), (0.5, b)], split="90,9,1",
+                                           cache_dir=str(tmp_path / "cache")))
+    longer = TrainData(cfg, seq_len=32, vocab_size=96, sizes=(60, 0, 0))
+    assert longer.load_state_dict(saved(data), where="ckpt") == []
+    assert len(longer.state_dict()["data_history"]["segments"]) == 2
+    assert all(np.array_equal(longer.train[i], data.train[i]) for i in range(8))
+
+
 def test_blend_saved_without_history_on_other_data_is_refused(blend_sources, tmp_path):
     a, b = blend_sources
     data = blend_data([(0.5, a), (0.5, b)], tmp_path / "cache")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import ckpt_format
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
-from tokenloom.train.generate import GenerateConfig, generate
+from tokenloom.train.generate import GenerateConfig, generate, load_model
 from tokenloom.train.loop import run
 from tokenloom.train.model import GPTConfig
 
@@ -95,4 +96,18 @@ def test_a_tensor_parallel_checkpoint_generates_as_the_one_process_model(tmp_pat
     one = generate(GenerateConfig(checkpoint=str(tmp_path / "one" / "checkpoints"), **greedy))
     tp2 = generate(GenerateConfig(checkpoint=str(tmp_path / "tp2" / "checkpoints"), **greedy))
     assert (tmp_path / "tp2" / "checkpoints" / "iter_0000003" / "tp1_pp0_dp0.pt").exists()
+    from_str, _ = load_model(str(tmp_path / "tp2" / "checkpoints" / "iter_0000003"))  # str and Path alike
+    from_path, _ = load_model(tmp_path / "tp2" / "checkpoints" / "iter_0000003")
+    assert all(torch.equal(a, b) for a, b in zip(from_str.state_dict().values(), from_path.state_dict().values(),
+                                                 strict=True))
     assert tp2 == one and len(one) > len("ab")
+
+
+def test_a_prompt_longer_than_the_context_is_cropped_with_a_warning(trained, capsys):
+    text = generate(GenerateConfig(checkpoint=trained, prompt="x" * 40, max_new_tokens=3, temperature=0.0,
+                                   stop_at_eod=False))
+    assert text.startswith("x" * 40)
+    assert capsys.readouterr().err == ("warning: the prompt has 40 tokens, more than the model's context of 32: it "
+                                       "continues from the last 32 only\n")
+    generate(GenerateConfig(checkpoint=trained, prompt="x" * 32, max_new_tokens=1))
+    assert capsys.readouterr().err == ""

@@ -188,7 +188,7 @@ def test_resume_wins_over_init_from_hf(exported, tmp_path):
                     "--train-iters", "2", "--resume", "auto")
     assert first.returncode == 0 and f"init_from_hf {folder}: loaded" in first.stderr, first.stderr[-2000:]
     again = run_cli("train", "--mock-data", *RUN, "--output-dir", out, "--init-from-hf", folder,
-                    "--train-iters", "3", "--resume", "auto")
+                    "--train-iters", "3", "--override-opt_param-scheduler", "--resume", "auto")
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"not loaded: resumed from {out / 'checkpoints' / 'iter_0000002'}" in again.stderr
     summary = json.loads(again.stdout.strip().splitlines()[-1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -156,10 +157,54 @@ def test_resume_on_different_data_needs_force(tmp_path):
     run(tiny(tmp_path, train_iters=4, eval_interval=0))
     other = DataConfig(mock=MockDataConfig(num_sequences=300, max_length=200, seed=7))
     with pytest.raises(TokenloomError, match="different data"):
-        run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other))
-    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other, force_data=True))
+        run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other,
+                 override_opt_param_scheduler=True))
+    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", data=other, force_data=True,
+                       override_opt_param_scheduler=True))
     assert summary["iteration"] == 6
     assert [i for i, _ in losses(tmp_path)] == list(range(1, 7))  # metrics cut back to the resume point
+
+
+def test_a_resume_with_another_schedule_is_refused_unless_overridden(tmp_path):
+    """Megatron's rule: a longer train_iters (or another lr, min lr, warmup, decay) on resume is refused
+    in one line naming old and new values; with override_opt_param_scheduler the run continues and
+    each step's learning rate is the new schedule's from the resume step."""
+    run(tiny(tmp_path, train_iters=4, eval_interval=0))
+    longer = tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto", optim=OptimConfig(
+        lr=3e-3, min_lr=1e-4, warmup_iters=3))
+    with pytest.raises(TokenloomError) as refused:
+        run(longer)
+    assert "another learning-rate schedule (train_iters 4 -> 8; optim.min_lr 0.0003 -> 0.0001)" in str(refused.value)
+    assert "--override-opt_param-scheduler" in str(refused.value)
+    assert checkpoint.find_latest(tmp_path / "checkpoints").name == "iter_0000004"
+    summary = run(dataclasses.replace(longer, override_opt_param_scheduler=True))
+    assert summary["iteration"] == 8
+    lrs = [(r["iter"], r["lr"]) for r in read_metrics(tmp_path / "metrics.jsonl") if "lr" in r]
+    old, new = tiny(tmp_path, train_iters=4).optim, longer.optim
+    assert lrs == [(i + 1, lr_at(i, old, 4)) for i in range(4)] + [(i + 1, lr_at(i, new, 8)) for i in range(4, 8)]
+
+
+def test_a_run_you_can_watch(tmp_path, capsys):
+    """Validation losses and checkpoint saves as one line each; time and memory in the records; a
+    resume leaves a record (a mark in loss.png, which gets a learning-rate panel)."""
+    run(tiny(tmp_path, train_iters=4, eval_interval=2, save_interval=2, plot=True))
+    err = capsys.readouterr().err
+    for it in (0, 2, 4):
+        assert f"iteration {it}: validation loss " in err
+    for it in (2, 4):
+        assert f"iteration {it}: saved checkpoint {tmp_path / 'checkpoints' / f'iter_{it:07d}'} (the loop waited " in err
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(isinstance(r["time"], float) for r in records)
+    train = [r for r in records if "train_loss" in r]
+    assert all(0 < r["host_rss_gib"] <= r["host_rss_peak_gib"] for r in train)
+    on_gpu = torch.cuda.is_available()  # the run's device: a peak of allocated memory there, none on CPU
+    assert all((r["device_mem_peak_gib"] > 0) if on_gpu else (r["device_mem_peak_gib"] is None) for r in train)
+    run(tiny(tmp_path, train_iters=6, eval_interval=2, save_interval=2, plot=True, resume="auto",
+             override_opt_param_scheduler=True))
+    resumed = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "resumed_from" in r]
+    assert [(r["iter"], r["resumed_from"], r["blend_changed"]) for r in resumed] == [
+        (4, str(tmp_path / "checkpoints" / "iter_0000004"), False)]
+    assert (tmp_path / "loss.png").stat().st_size > 0
 
 
 def test_resume_auto_skips_checkpoints_without_marker(tmp_path):
@@ -274,7 +319,7 @@ def test_resume_across_kernel_modes_and_from_older_checkpoints(tmp_path):
     for key in ("kernels", "norm", "mlp", "positions"):  # as written before these GPTConfig fields existed
         del state["config"]["model"][key]
     state_path.write_text(json.dumps(state))
-    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto"))
+    summary = run(tiny(tmp_path, train_iters=6, eval_interval=0, resume="auto", override_opt_param_scheduler=True))
     assert summary["iteration"] == 6
     with pytest.raises(TokenloomError, match="model.d_model "):
         run(tiny(tmp_path, train_iters=8, eval_interval=0, resume="auto",

@@ -78,10 +78,14 @@ def test_resume_differences_name_old_and_new(tmp_path):
     other = GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2, n_heads=4, d_model=32)
     with pytest.raises(TokenloomError, match=r"different model \(model.n_heads 2 -> 4\)"):
         check(tiny(tmp_path, resume="auto", model=other), 1)
+    with pytest.raises(TokenloomError, match=r"another learning-rate schedule \(train_iters 2 -> 20\)"):
+        check(tiny(tmp_path, resume="auto"), 1)
+    check(tiny(tmp_path, resume="auto", override_opt_param_scheduler=True), 1)
     with pytest.raises(TokenloomError, match=r"other data \(data.mock .* -> .*force_data=true"):
-        check(tiny(tmp_path, resume="auto", data=DataConfig(mock=MockDataConfig(num_sequences=301, max_length=200))), 1)
-    check(tiny(tmp_path, resume="auto", data=DataConfig(mock=MockDataConfig(num_sequences=300, max_length=200),
-                                                        num_workers=1)), 1)
+        check(tiny(tmp_path, resume="auto", train_iters=2,
+                   data=DataConfig(mock=MockDataConfig(num_sequences=301, max_length=200))), 1)
+    check(tiny(tmp_path, resume="auto", train_iters=2,
+               data=DataConfig(mock=MockDataConfig(num_sequences=300, max_length=200), num_workers=1)), 1)
 
 
 def test_ids_of_a_source_without_manifest_fit_the_vocabulary(tmp_path, shared_data):

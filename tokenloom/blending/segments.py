@@ -63,6 +63,11 @@ class Segment:
 
         return key(self) == key(other)
 
+    def same_mix(self, other: Segment) -> bool:
+        """The same weights and contents (prefixes may have moved, the run length may differ):
+        what a person calls the same blend, though a new run length draws a new order."""
+        return [(w, d) for w, _, d in self.blend] == [(w, d) for w, _, d in other.blend]
+
     def to_json(self) -> dict:
         return {"start": self.start, "train_samples": self.train_samples, "blend": [list(b) for b in self.blend]}
 

@@ -3,12 +3,15 @@
 One dataclass tree (``model``, ``data``, ``optim`` sections) describes a run in every
 layout; field docstrings are the ``--help`` texts (:mod:`tokenloom.config`). Files are
 JSON or YAML; ``key.sub=value`` overrides are parsed as YAML values. Unknown keys are
-errors naming the section and the known keys, so a typo never silently trains a default.
+errors, all of them in one message, each with the nearest field (or its section's known keys),
+so a typo never silently trains a default. :func:`field_rows` lists every field with its
+value, default and doc (``cli.py config show``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import types
@@ -19,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from tokenloom.config import field_docs
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
@@ -86,8 +90,12 @@ class TrainConfig:
     continues from it and the folder is not loaded again. See tokenloom.train.hf."""
     force_data: bool = False
     """Resume even if the checkpoint was trained on different data, taking the new data's order as it is
-    (samples may repeat or be skipped). Not needed to change a blend's weights or sources, or train_iters:
-    each source then continues exactly after the samples it served."""
+    (samples may repeat or be skipped). Not needed to change a blend's weights or sources, or train_iters (that
+    needs override_opt_param_scheduler): each source then continues exactly after the samples it served."""
+    override_opt_param_scheduler: bool = False
+    """Resume with a learning-rate schedule (train_iters, optim.lr, min_lr, warmup, decay) other than the
+    checkpoint's: the rate follows the new schedule from the resume step on. False: such a resume is refused
+    naming the old and new values (Megatron's --override-opt_param-scheduler)."""
     tokenizer: str | None = None
     """Tokenizer path (or "byte"), stored in checkpoints so generate can decode."""
     seed: int = 1234
@@ -113,7 +121,13 @@ class TrainConfig:
     metrics_path: str | None = None
     """Metrics JSONL; None means OUTPUT_DIR/metrics.jsonl."""
     tensorboard_dir: str | None = None
-    """Also write TensorBoard scalars here (needs the tensorboard package)."""
+    """Also write TensorBoard scalars here (pip install 'tokenloom[tensorboard]'; without it, one line
+    says so and the run goes on)."""
+    wandb_project: str | None = None
+    """Also log the metrics to this Weights & Biases project (pip install 'tokenloom[wandb]'; without it, one
+    line says so and the run goes on). Rank 0 logs; W&B's own settings (WANDB_MODE, the API key) apply."""
+    wandb_exp_name: str | None = None
+    """The W&B run's name; None lets W&B choose one."""
     plot: bool = True
     """Write OUTPUT_DIR/loss.png at the end (matplotlib)."""
     progress: bool = True
@@ -193,16 +207,46 @@ def config_to_dict(cfg: Any) -> dict:
     return json.loads(json.dumps(asdict(cfg)))
 
 
-def config_from_dict(cls: type, data: dict, where: str = "") -> Any:
-    """Build dataclass ``cls`` from nested dicts (as read from JSON/YAML); unknown keys are errors."""
+def config_from_dict(cls: type, data: dict, where: str = "", source: str = "the config") -> Any:
+    """Build dataclass ``cls`` from nested dicts (as read from JSON/YAML); unknown keys are errors,
+    all of them (nested sections too) in one message naming ``source`` and each key's nearest field."""
+    unknown = unknown_keys(cls, data, where)
+    if unknown:
+        raise TokenloomError(f"unknown config key{'s' if len(unknown) > 1 else ''} in {source}: {'; '.join(unknown)}")
+    return _build(cls, data, where)
+
+
+def unknown_keys(cls: type, data: Any, where: str = "") -> list[str]:
+    """Every key of ``data`` (nested sections too, in the order given) that dataclass ``cls`` has no
+    field for, as ``"optim.lr_min (did you mean optim.min_lr?)"`` or, with no near name, with the
+    section's known keys. Values of the wrong shape are left to :func:`config_from_dict`."""
     if not isinstance(data, dict):
-        raise TokenloomError(f"config section {where or '(top)'} must be a mapping, got {data!r}")
+        return []
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise TokenloomError(f"unknown config key(s) {[where + k for k in unknown]}; known in "
-                             f"{where or 'the top level'}: {', '.join(names)}")
+    out = []
+    for key, value in data.items():
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            out.append(f"{where}{key} (did you mean {where}{near[0]}?)" if near else
+                       f"{where}{key} (known in {where[:-1] or 'the top level'}: {', '.join(names)})")
+        elif (section := _section_class(hints[key])) is not None:
+            out += unknown_keys(section, value, f"{where}{key}.")
+    return out
+
+
+def _section_class(hint: Any) -> type | None:
+    """The dataclass a field's type names (``X`` or ``X | None``), else None."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = inner[0] if len(inner) == 1 else None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise TokenloomError(f"config section {where[:-1] or '(top)'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
     return cls(**{k: _convert(hints[k], v, f"{where}{k}.") for k, v in data.items()})
 
 
@@ -214,7 +258,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _convert(inner[0], value, where) if len(inner) == 1 else value
     if isinstance(hint, type) and dataclasses.is_dataclass(hint) and isinstance(value, dict):
-        return config_from_dict(hint, value, where)
+        return _build(hint, value, where)
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
         if origin is list:
             return [_convert(args[0], v, where) for v in value] if args else list(value)
@@ -231,6 +275,39 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
     """Read a JSON or YAML train config and apply ``key.sub=value`` overrides (values parsed as YAML)."""
+    sources = [str(path)] if path is not None else []
+    return config_from_dict(TrainConfig, read_raw(path, overrides),
+                            source=" and ".join(sources + ["--set"] * bool(overrides)) or "the config")
+
+
+SMALL_MODEL = ("model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.seq_len=256")
+"""The model ``train`` builds when no shape is given (:func:`small_model_overrides`): GPTConfig's own
+defaults are GPT-2 124M at sequence 1024, minutes per step on a CPU before a first line of output."""
+
+SHAPE_KEYS = ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.n_kv_heads",
+              "model.ffn_hidden_size", "init_from_hf")
+"""Any of these in a config, override or flag means the user chose the model's shape."""
+
+
+def small_model_overrides(path: str | os.PathLike | None, overrides: typing.Sequence[str]) -> list[str]:
+    """:data:`SMALL_MODEL` as overrides when the config file at ``path`` and ``overrides`` give no
+    :data:`SHAPE_KEYS` key, else nothing. For the ``train`` command, which says so in a warning;
+    the library's :class:`TrainConfig` keeps GPTConfig's defaults."""
+    raw = read_raw(path, overrides)
+
+    def given(key: str) -> bool:
+        node: Any = raw
+        for part in key.split("."):
+            if not isinstance(node, dict) or node.get(part) is None:
+                return False
+            node = node[part]
+        return True
+
+    return [] if any(given(k) for k in SHAPE_KEYS) else list(SMALL_MODEL)
+
+
+def read_raw(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> dict:
+    """The nested dict of a JSON or YAML config file with ``key.sub=value`` overrides applied, unchecked."""
     raw: dict = {}
     if path is not None:
         text = Path(path).read_text()
@@ -251,7 +328,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             if not isinstance(node, dict):
                 raise TokenloomError(f"override {item!r}: {part} is {node!r}, not a section")
         node[leaf] = yaml.safe_load(value)
-    return config_from_dict(TrainConfig, raw)
+    return raw
 
 
 MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", "init_std", "kernels"})
@@ -274,3 +351,95 @@ def check_resumable_model(path: str | os.PathLike, cfg: TrainConfig, saved_model
     if changed:
         raise TokenloomError(f"{path} was trained with a different model ({'; '.join(changed)}); resume with the "
                              "checkpoint's model settings")
+
+
+SCHEDULE_KEYS = ("train_iters", "optim.lr", "optim.min_lr", "optim.warmup_iters", "optim.lr_decay_iters",
+                 "optim.decay_style", "optim.wsd_decay_iters", "optim.wsd_decay_style")
+"""Settings that shape the learning rate of each step: a resume keeps them unless
+``override_opt_param_scheduler`` (Megatron refuses a scheduler mismatch the same way). A key the
+config has no field for (the decay styles, while optim lacks them) is skipped."""
+
+
+def check_resumable_schedule(path: str | os.PathLike, cfg: TrainConfig, saved_config: dict) -> None:
+    """Refuse, in one line naming the old and new values, a resume of the checkpoint at ``path``
+    (its saved config ``saved_config``) with another learning-rate schedule (:data:`SCHEDULE_KEYS`),
+    unless ``cfg.override_opt_param_scheduler``. A key the checkpoint predates had its default then."""
+    if cfg.override_opt_param_scheduler:
+        return
+    new, defaults = config_to_dict(cfg), config_to_dict(type(cfg)())
+    changed = []
+    for key in SCHEDULE_KEYS:
+        section, _, name = key.rpartition(".")
+        current = new[section] if section else new
+        if name not in current:
+            continue
+        saved = saved_config.get(section, {}) if section else saved_config
+        old = saved.get(name, (defaults[section] if section else defaults)[name])
+        if old != current[name]:
+            changed.append(f"{key} {json.dumps(old)} -> {json.dumps(current[name])}")
+    if changed:
+        raise TokenloomError(f"{path} was trained with another learning-rate schedule ({'; '.join(changed)}); resume "
+                             "with its values, or pass --override-opt_param-scheduler to follow the new schedule "
+                             "from the resume step")
+
+
+@dataclass(frozen=True)
+class FieldRow:
+    """One field of a config tree as ``config show`` prints it."""
+
+    key: str
+    """Dotted path, e.g. ``optim.lr``."""
+    value: Any
+    """The value in the config shown (JSON-able); None also for the fields of an unset section."""
+    default: Any
+    """The value a config without this key gets; :data:`REQUIRED` when there is none."""
+    doc: str
+    """The field's docstring (its ``--help`` text)."""
+    unset: bool = False
+    """The field is in a section the config leaves unset (its value is None for that reason)."""
+
+
+REQUIRED = "(required)"
+"""The :attr:`FieldRow.default` of a field without a default (a section's required key)."""
+
+
+def field_rows(cfg: Any, cls: type | None = None, where: str = "") -> list[FieldRow]:
+    """Every field of config dataclass ``cfg`` in declaration order, sections depth first, each
+    section's fields right after its own row; the fields of an unset section (``data.blend`` of a
+    mock run) are listed too, with the value None (``cls`` names the section class then)."""
+    cls = cls or type(cfg)
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(cfg, f.name) if cfg is not None else None
+        default = (f.default if f.default is not dataclasses.MISSING else
+                   f.default_factory() if f.default_factory is not dataclasses.MISSING else REQUIRED)
+        section = _section_class(hints[f.name])
+        if section is not None:  # the section's own row; its fields follow
+            value, default = value and SECTION, default and SECTION
+        elif default is not REQUIRED:
+            default = json.loads(json.dumps(default))
+        rows.append(FieldRow(f"{where}{f.name}", json.loads(json.dumps(value)), default, docs.get(f.name, ""),
+                             unset=cfg is None))
+        if section is not None:
+            rows += field_rows(getattr(cfg, f.name) if cfg is not None else None, section, f"{where}{f.name}.")
+    return rows
+
+
+SECTION = "(section)"
+"""The value and default of a section's own row when the section is set."""
+
+
+def format_rows(rows: typing.Sequence[FieldRow]) -> str:
+    """``key = value  (default: D)`` per field, its doc indented on the next line; a value that
+    differs from its default (in a section that is set) is marked ``*``."""
+    def show(v: Any) -> str:
+        return v if v in (SECTION, REQUIRED) else json.dumps(v)
+
+    out = []
+    for r in rows:
+        mark = "*" if r.value != r.default and r.default != REQUIRED and not r.unset else " "
+        out.append(f"{mark} {r.key} = {show(r.value)}  (default: {show(r.default)})")
+        if r.doc:
+            out.append(f"      {r.doc}")
+    return "\n".join(out)

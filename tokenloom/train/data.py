@@ -204,6 +204,8 @@ class TrainData:
         self.cfg = cfg
         self.datasets = build(cfg, seq_len=seq_len, vocab_size=vocab_size, sizes=sizes, tokenizer_eod=tokenizer_eod)
         self.consumed = 0
+        self.blend_changed = False
+        """The resume (:meth:`load_state_dict`) changed the blend's weights or sources at ``consumed``."""
 
     @property
     def train(self) -> GPTDataset | BlendedDataset | SegmentedBlend:
@@ -247,6 +249,9 @@ class TrainData:
         notes: list[str] = []
         if history is not None and d.segments is not None and not force:
             notes = resume_order(d, self.cfg, history, consumed, where)
+            segments = d.segments
+            self.blend_changed = (len(segments) > 1 and segments[-1].start == consumed > 0
+                                  and not segments[-2].same_mix(segments[-1]))
         elif d.segments is not None and not force and saved.get("data_fingerprint") != d.fingerprint:
             raise TokenloomError(f"{where} was trained on other data and saved before blends could change on resume "
                                  "(it has no data history); resume with its data or pass --set force_data=true")
@@ -273,7 +278,7 @@ def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, 
                              "--set force_data=true to take the new order as it is")
     current = data.segments[-1]
     current_train = data.train.blends[-1]
-    changed_blend = not segments[-1].same_blend(current)
+    changed_blend = not segments[-1].same_mix(current)  # a longer run alone draws a new segment, silently
     segments = continue_history(segments, current, consumed)
     blends = [current_train if seg.same_blend(current) else _segment_blend(seg, cfg, data.invariants, current, where)
               for seg in segments]

@@ -5,7 +5,8 @@ config it was saved with); weights are read with ``weights_only=True``. Sampling
 plain autoregressive decoding without a KV cache: each new token re-runs the model on
 the last ``seq_len`` tokens. That is O(n^2) in the generated length but keeps one code
 path with training (fine for a demo and for checking a run; a serving stack would add
-the cache). Temperature 0 means greedy; ``top_k`` keeps the k most likely ids; logits of
+the cache); a prompt longer than the context is cropped to its last ``seq_len`` tokens, with
+a warning on stderr. Temperature 0 means greedy; ``top_k`` keeps the k most likely ids; logits of
 the padded vocabulary rows are dropped. A private ``torch.Generator`` seeded with
 ``seed`` makes the output deterministic (on a given device and torch version), and the
 global RNG is untouched.
@@ -13,7 +14,10 @@ global RNG is untouched.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -49,10 +53,11 @@ class GenerateConfig:
     """"auto" (cuda if available, else cpu), "cpu", "cuda", ..."""
 
 
-def load_model(path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
-    """The checkpoint's model in eval mode, and its ``state.json``. A checkpoint of any
-    layout: one model file (data parallel), or tensor/pipeline shards gathered back into
-    the one-process model (:func:`tokenloom.train.ckpt_format.model_tensors`)."""
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
+    """The model of the checkpoint directory ``path`` in eval mode, and its ``state.json``. A
+    checkpoint of any layout, its pieces gathered back into the one-process model
+    (:func:`tokenloom.train.ckpt_format.model_tensors`)."""
+    path = Path(path)
     state = checkpoint.read_state(path)
     # built on ``device``: the model chooses its kernels for the device it is built on
     model = GPT(config_from_dict(GPTConfig, state["config"]["model"], "model."), device=device)
@@ -88,6 +93,8 @@ def generate(cfg: GenerateConfig) -> str:
     if cfg.temperature < 0 or cfg.max_new_tokens < 0 or (cfg.top_k is not None and cfg.top_k < 1):
         raise TokenloomError("need temperature >= 0, max_new_tokens >= 0 and top_k >= 1 (or None)")
     path = checkpoint.resolve(cfg.checkpoint, cfg.checkpoint, flag="--checkpoint")
+    if path is None:  # only "auto" resolves to nothing; generate has no run directory to look in
+        raise TokenloomError("--checkpoint auto: give a checkpoint directory or a run's checkpoint root")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     model, state = load_model(path, device)
     tok_name = cfg.tokenizer or state["config"].get("tokenizer")
@@ -95,6 +102,9 @@ def generate(cfg: GenerateConfig) -> str:
         raise TokenloomError(f"{path} was trained without a tokenizer; pass --tokenizer PATH to decode")
     tok = open_tokenizer(tok_name)
     prompt_ids = [int(i) for i in tok.encode(cfg.prompt)] if cfg.prompt else [tok.eod]
+    if len(prompt_ids) > model.cfg.seq_len:
+        print(f"warning: the prompt has {len(prompt_ids)} tokens, more than the model's context of "
+              f"{model.cfg.seq_len}: it continues from the last {model.cfg.seq_len} only", file=sys.stderr, flush=True)
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     generator = torch.Generator().manual_seed(cfg.seed)
     new = sample(model, ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,

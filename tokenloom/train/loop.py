@@ -30,7 +30,11 @@ Choices and their costs:
   ``train_loss`` is the mean over the interval; the grad norm is that of the last step.
 * **Evaluation** runs the model in eval mode without gradients on the same first
   ``eval_iters`` validation batches every time, before the first step, every
-  ``eval_interval`` steps and at the end; the first evaluation is announced on rank 0.
+  ``eval_interval`` steps and at the end.
+* **What a person sees** on rank 0's stderr, above the progress bar (loss, learning rate,
+  tokens/s, peak device and host memory of the interval): one line per validation loss
+  and one per completed checkpoint save; ``metrics.jsonl`` holds the same and more
+  (:mod:`.metrics`), with a record at the iteration a run resumed.
 * **Checkpoints** are written in the background (``async_save``, :mod:`.async_save`): the
   loop stalls only while the state is copied to host memory; each step boundary takes a
   finished write (its metrics record, or its failure as the run's error), the next save and
@@ -65,9 +69,15 @@ from tqdm import tqdm
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
 from tokenloom.train import checkpoint, hf
-from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict, load_config
+from tokenloom.train.config import (
+    TrainConfig,
+    check_resumable_model,
+    check_resumable_schedule,
+    config_to_dict,
+    load_config,
+)
 from tokenloom.train.data import TrainData, open_tokenizer
-from tokenloom.train.metrics import MetricsLogger, StepTimer, mfu, peak_flops, plot_loss
+from tokenloom.train.metrics import MetricsLogger, StepTimer, memory_fields, mfu, peak_flops, plot_loss
 from tokenloom.train.optim import lr_at, set_lr
 from tokenloom.train.runtime import (
     ManualGC,
@@ -141,13 +151,18 @@ class Trainer:
                     f.write(json.dumps(config_to_dict(cfg), indent=2))
             with self._writing(self.metrics_path):
                 self.metrics = MetricsLogger(self.metrics_path, tensorboard_dir=cfg.tensorboard_dir,
-                                             resume_iteration=self.iteration if self.resumed_from else None)
+                                             resume_iteration=self.iteration if self.resumed_from else None,
+                                             wandb_project=cfg.wandb_project, wandb_exp_name=cfg.wandb_exp_name,
+                                             run_config=config_to_dict(cfg), wandb_dir=cfg.output_dir)
             s = self.strategy
             facts = RunFacts(world_size=world.size, dp=s.dp_size, accumulation=s.num_micro, device=world.device.type,
                              precision=str(compute_dtype(cfg.precision, world.device)).removeprefix("torch."),
                              parameters=parameters, train_samples=len(self.data.train), data_plan=self.data.plan,
                              resumed_at=self.iteration)
             print(startup_summary(cfg, facts), flush=True)
+        if self.resumed_from is not None:  # a mark in loss.png
+            self._record({"iter": self.iteration, "resumed_from": str(self.resumed_from),
+                          "blend_changed": self.data.blend_changed})
 
     @property
     def metrics_path(self) -> Path:
@@ -171,6 +186,12 @@ class Trainer:
             with self._writing(self.metrics_path):
                 self.metrics.log(record)
 
+    def _say(self, line: str) -> None:
+        """One line on rank 0's stderr, above the progress bar (which is redrawn below it)."""
+        if self.world.rank == 0:
+            tqdm.write(line, file=sys.stderr)
+            sys.stderr.flush()
+
     def _check_tokenizer(self) -> int | None:
         if not self.cfg.tokenizer:
             return None
@@ -188,6 +209,7 @@ class Trainer:
             return None
         saved = checkpoint.read_state(path)
         check_resumable_model(path, self.cfg, saved["config"]["model"])
+        check_resumable_schedule(path, self.cfg, saved["config"])
         notes = self.data.load_state_dict(saved, force=self.cfg.force_data, where=str(path))
         self.strategy.load(path, saved)
         self.iteration = int(saved["iteration"])
@@ -224,6 +246,8 @@ class Trainer:
             record = report.record()
             self._save_reports.append({k: v for k, v in record.items() if k != "checkpoint"})
             self._record(record)
+            self._say(f"iteration {record['iter']}: saved checkpoint {record['checkpoint']} (the loop waited "
+                      f"{record['save_stall_s']:.2f} s, writing took {record['save_write_s']:.2f} s)")
 
     def _drop_save(self) -> None:
         """The run is failing: a single process still completes the write in flight (no peer
@@ -299,6 +323,7 @@ class Trainer:
             # The starting point of the validation curve (eval mode: no RNG is consumed).
             start = self.evaluate()
             self._record({"iter": 0, "val_loss": start})
+            self._say(f"iteration 0: validation loss {start:.4f}")
         timer.start()
         while self.iteration < cfg.train_iters:
             lr = lr_at(self.iteration, cfg.optim, cfg.train_iters)
@@ -326,6 +351,7 @@ class Trainer:
                     if evaluating:
                         last["val_loss"] = self.evaluate()
                         self._record({"iter": self.iteration, "val_loss": last["val_loss"]})
+                        self._say(f"iteration {self.iteration}: validation loss {last['val_loss']:.4f}")
                     if saving:
                         last["checkpoint"] = str(self._save())
                         if self._exited:  # the checkpoint named below must be complete
@@ -367,11 +393,15 @@ class Trainer:
                                  "check the data")
         timing = self._timer.interval()
         bubble = self.strategy.bubble_for_log()
+        memory = memory_fields(self.world.device)
         self._record({"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm), **timing,
                       "consumed_samples": self.data.consumed,
-                      "mfu": mfu(self.flops_per_token, timing["tokens_per_s"], self.peak_total),
+                      "mfu": mfu(self.flops_per_token, timing["tokens_per_s"], self.peak_total), **memory,
                       **({} if bubble is None else {"pipeline_bubble": bubble})})
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}")
+        device_mem = memory["device_mem_peak_gib"]
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}",
+                        **({} if device_mem is None else {"dev_mem": f"{device_mem:.2f}G"}),
+                        rss=f"{memory['host_rss_gib']:.2f}G")
         return loss
 
 

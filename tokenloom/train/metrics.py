@@ -1,9 +1,14 @@
-"""Training metrics: a JSONL file (the record of truth), optional TensorBoard, a loss-curve PNG, MFU.
+"""Training metrics: a JSONL file (the record of truth), optional TensorBoard and W&B, a loss-curve PNG, MFU.
 
 Every line of ``metrics.jsonl`` is one JSON object with an ``iter`` key (completed
-optimizer steps): train records carry ``train_loss``, ``lr``, ``grad_norm``,
-``tokens_per_s``, ``step_time_s``, ``consumed_samples`` and ``mfu`` (null when the
-device's peak is unknown); evaluation records carry ``val_loss``. The record whose
+optimizer steps) and ``time`` (unix seconds when it was written): train records carry
+``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``step_time_s``,
+``consumed_samples``, ``mfu`` (null when the device's peak is unknown) and the memory
+fields of :func:`memory_fields` (``device_mem_peak_gib``: the interval's peak of allocated
+device memory, null on CPU; ``host_rss_gib`` and ``host_rss_peak_gib``: the process's
+resident memory now and its peak so far); evaluation records carry ``val_loss``. A resumed
+run writes a record with ``resumed_from`` (the checkpoint) and ``blend_changed`` (whether
+the blend's weights or sources changed there) at the iteration it resumed at. The record whose
 interval holds the process's first step also carries ``first_step_s`` (see
 :class:`StepTimer`). Each checkpoint gets a record once its write completed: ``iter`` (the
 checkpoint's iteration), ``checkpoint`` (its directory), ``save_stall_s`` (the time the step
@@ -26,6 +31,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -139,16 +146,59 @@ class StepTimer:
         return {"tokens_per_s": self.tokens_per_s, "first_step_s": self.first_step_s}
 
 
+GIB = float(1 << 30)
+
+
+def memory_fields(device: torch.device) -> dict:
+    """The memory fields of a train record: ``device_mem_peak_gib`` (the peak of memory allocated
+    by tensors on a CUDA ``device`` since the previous call, whose peak counter it resets; null
+    elsewhere), ``host_rss_gib`` (this process's resident memory now) and ``host_rss_peak_gib``
+    (its peak since it started: the kernel keeps no per-interval peak one can read without
+    resetting it for everything else in the process)."""
+    peak = None
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    rss = _rss_bytes()  # the kernel's two counters are sampled apart: the peak is at least what is resident now
+    return {"device_mem_peak_gib": peak, "host_rss_gib": rss / GIB, "host_rss_peak_gib": max(rss, _peak_rss_bytes()) / GIB}
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak is the best figure there is
+        return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+def missing_package(what: str, package: str, extra: str) -> str:
+    """The one line a run prints when an optional logger's package is missing."""
+    return f"warning: {what} is ignored: the {package} package is not installed (pip install 'tokenloom[{extra}]')"
+
+
 class MetricsLogger:
-    """Appends records to a JSONL file (and TensorBoard when available). Rank 0 only."""
+    """Appends records to a JSONL file (and to TensorBoard and W&B when asked for). Rank 0 only.
+
+    A logger whose package is missing is skipped with one line on stderr (:func:`missing_package`);
+    the JSONL file is the record of truth either way. W&B gets every numeric field against
+    ``iter`` as its step metric (checkpoint records arrive after later train records, which a
+    plain ``step=`` would drop)."""
 
     def __init__(self, path: str | os.PathLike, *, resume_iteration: int | None = None,
-                 tensorboard_dir: str | None = None) -> None:
+                 tensorboard_dir: str | None = None, wandb_project: str | None = None,
+                 wandb_exp_name: str | None = None, run_config: dict | None = None,
+                 wandb_dir: str | os.PathLike | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_iteration is not None and self.path.exists():
-            kept = [json.dumps(r) for r in _records(self.path.read_text()) if r.get("iter", 0) <= resume_iteration]
+            kept = [json.dumps(r) for r in _records(self.path.read_text()) if r.get("iter", 0) <= resume_iteration
+                    and not ("resumed_from" in r and r["iter"] == resume_iteration)]
         with atomic_writer(self.path, "w") as f:
             f.write("".join(line + "\n" for line in kept))
         with naming(self.path):
@@ -158,26 +208,44 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # lazy: optional dependency, tensorboard
             except ImportError:
-                warnings.warn("tensorboard_dir is ignored: the tensorboard package is not installed",
-                              stacklevel=2)
+                print(missing_package(f"tensorboard_dir {tensorboard_dir}", "tensorboard", "tensorboard"),
+                      file=sys.stderr, flush=True)
             else:
                 self._tb = SummaryWriter(tensorboard_dir)
+        self._wandb = None
+        if wandb_project:
+            try:
+                import wandb  # lazy: optional dependency, wandb
+            except ImportError:
+                print(missing_package(f"wandb_project {wandb_project}", "wandb", "wandb"), file=sys.stderr, flush=True)
+            else:
+                self._wandb = wandb.init(project=wandb_project, name=wandb_exp_name, config=run_config,
+                                         dir=str(wandb_dir) if wandb_dir else None, resume="allow")
+                self._wandb.define_metric("iter")
+                self._wandb.define_metric("*", step_metric="iter")
 
     def log(self, record: dict) -> None:
-        """Append one record (flushed); an :class:`OSError` names the metrics file."""
+        """Append one record (flushed), stamped with ``time``; an :class:`OSError` names the metrics file."""
+        record = {"iter": record["iter"], "time": round(time.time(), 3), **record}
         with naming(self.path):
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        numbers = {k: v for k, v in record.items()
+                   if k not in ("iter", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v)}
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "iter" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, record["iter"])
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, record["iter"])
+        if self._wandb is not None and numbers:
+            self._wandb.log({"iter": record["iter"], **numbers})
 
     def close(self) -> None:
         with naming(self.path):
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _records(text: str) -> list[dict]:
@@ -199,8 +267,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
-    """Train and validation loss against iteration as a PNG (matplotlib, Agg backend). Every
-    logged point gets a marker, so a short run (one train record) still shows its loss."""
+    """:func:`loss_figure` of a metrics file as a PNG (matplotlib, Agg backend); None without matplotlib."""
     try:
         import matplotlib  # lazy: start-up time, matplotlib loads only when a plot is asked for
 
@@ -209,17 +276,7 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> P
     except ImportError:
         warnings.warn("no loss-curve PNG: matplotlib is not installed", stacklevel=2)
         return None
-    records = read_metrics(metrics_path)
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for key, style in (("train_loss", ".-"), ("val_loss", "o-")):
-        points = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
-        if points:
-            ax.plot(*zip(*points, strict=True), style, label=key.replace("_", " "), markersize=3 if len(points) > 1 else 6)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    fig = loss_figure(read_metrics(metrics_path))
     png_path = Path(png_path)
     try:
         with atomic_writer(png_path) as f:  # a full disk leaves the old plot or none, never half a PNG
@@ -227,3 +284,38 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> P
     finally:
         plt.close(fig)
     return png_path
+
+
+def loss_figure(records: list[dict]):
+    """Two panels against iteration: train and validation loss above, the learning rate below.
+    Every logged point gets a marker, so a short run (one train record) still shows its loss.
+    Both panels carry a dotted vertical line where the run resumed and a dashed one where the
+    blend changed (records with ``resumed_from``), so a jump in the loss has its cause in view.
+    The caller closes the figure (``matplotlib.pyplot.close``)."""
+    import matplotlib.pyplot as plt  # lazy: start-up time, matplotlib loads only when a plot is asked for
+
+    fig, (ax, lr_ax) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True, height_ratios=(2, 1))
+    for key, style in (("train_loss", ".-"), ("val_loss", "o-")):
+        points = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=key.replace("_", " "), markersize=3 if len(points) > 1 else 6)
+    rates = [(r["iter"], r["lr"]) for r in records if r.get("lr") is not None]
+    if rates:
+        lr_ax.plot(*zip(*rates, strict=True), ".-", color="tab:green", markersize=3 if len(rates) > 1 else 6)
+    for r in records:
+        if "resumed_from" in r:
+            changed = bool(r.get("blend_changed"))
+            label = "blend changed" if changed else "resumed"
+            for panel in (ax, lr_ax):
+                panel.axvline(r["iter"], color="tab:red" if changed else "tab:gray", linestyle="--" if changed else ":",
+                              label=label if panel is ax else None)
+    ax.set_ylabel("loss")
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.set_xlabel("iteration")
+    for panel in (ax, lr_ax):
+        panel.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))  # one legend entry per kind of mark
+    ax.legend(unique.values(), unique.keys())
+    fig.tight_layout()
+    return fig

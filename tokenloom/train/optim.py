@@ -9,7 +9,9 @@ Choices and their costs:
 * **The schedule is a function of the iteration** (:func:`lr_at`), not a stateful torch
   scheduler: the learning rate of step ``it`` is recomputed and written into every param
   group before the step. Resume therefore needs no scheduler state beyond the iteration,
-  and changing ``train_iters`` on resume changes the curve exactly as a fresh run would.
+  and a resume that changes the schedule (``train_iters`` among it) is refused unless
+  ``override_opt_param_scheduler`` (:func:`tokenloom.train.config.check_resumable_schedule`);
+  with it the rate from the resume step on is exactly the new schedule's.
   Warmup is linear, ``lr * (it + 1) / warmup_iters`` (the first step does not waste a
   zero learning rate), then Megatron's ``--lr-decay-style``: cosine (the default) or linear
   from ``lr`` to ``min_lr`` at ``lr_decay_iters``; WSD (warmup-stable-decay: ``lr`` until the

@@ -25,7 +25,12 @@ from tokenloom.indexed import manifest
 from tokenloom.indexed.format import data_path, index_path, read_header
 from tokenloom.indexed.manifest import ids_key
 from tokenloom.train import checkpoint
-from tokenloom.train.config import TrainConfig, check_resumable_model, config_to_dict
+from tokenloom.train.config import (
+    TrainConfig,
+    check_resumable_model,
+    check_resumable_schedule,
+    config_to_dict,
+)
 from tokenloom.train.data import open_tokenizer
 
 
@@ -133,7 +138,8 @@ def check_max_ids(cfg: TrainConfig, prefixes: list[str]) -> None:
 
 
 def check_resume(cfg: TrainConfig) -> None:
-    """A checkpoint to resume has the same model, and the same data unless ``force_data``
+    """A checkpoint to resume has the same model, the same learning-rate schedule unless
+    ``override_opt_param_scheduler``, and the same data unless ``force_data``
     (loader-only settings, ``num_workers`` and the cache directory, may change, and the blend's
     weights and sources when the checkpoint keeps a data history: see ``blending/segments.py``)."""
     if cfg.resume is None:  # nothing to resume (check calls this with one only)
@@ -144,6 +150,7 @@ def check_resume(cfg: TrainConfig) -> None:
     state = checkpoint.read_state(path)
     saved = state["config"]
     check_resumable_model(path, cfg, saved["model"])
+    check_resumable_schedule(path, cfg, saved)
     if cfg.force_data or saved.get("data") is None:
         return
     # a checkpoint with a data history continues each source exactly under other weights or sources
