@@ -357,7 +357,7 @@ SCHEDULE_KEYS = ("train_iters", "optim.lr", "optim.min_lr", "optim.warmup_iters"
                  "optim.decay_style", "optim.wsd_decay_iters", "optim.wsd_decay_style")
 """Settings that shape the learning rate of each step: a resume keeps them unless
 ``override_opt_param_scheduler`` (Megatron refuses a scheduler mismatch the same way). A key the
-config has no field for (the decay styles, while optim lacks them) is skipped."""
+config has no field for is skipped."""
 
 
 def check_resumable_schedule(path: str | os.PathLike, cfg: TrainConfig, saved_config: dict) -> None:
