@@ -14,6 +14,7 @@ import torch
 
 from tokenloom.train import checkpoint
 from tokenloom.train.async_save import CheckpointSaver
+from tokenloom.train.reshard import split_info
 from tokenloom.train.runtime import collective
 
 
@@ -35,18 +36,6 @@ def save(root: str | os.PathLike, iteration: int, *, model: torch.nn.Module, opt
                                  state, rank=rank, barrier=barrier, keep_last=keep_last, world_size=world_size)
 
 
-def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[int] | None]:
-    if not getattr(p, "tensor_model_parallel", False):
-        return None, None
-    for stage in run.chunks:
-        try:
-            module = stage.get_submodule(name.rsplit(".", 1)[0])
-        except AttributeError:
-            continue
-        return p.partition_dim, getattr(module, "split_sizes", None)
-    raise AssertionError(f"no module owns {name}")
-
-
 def shard_files(run) -> dict[str, Any]:
     """Collective with ZeRO-1: this rank's files of the per-shard format (its RNG states, and on
     dp rank 0 its ``shard_tp{t}_pp{p}.pt``), as the earlier ``reshard.files`` wrote them."""
@@ -64,7 +53,7 @@ def shard_files(run) -> dict[str, Any]:
         for stage in run.chunks:
             for pname, p in stage.named_parameters(remove_duplicate=False):
                 params[pname] = p.detach().clone()
-                meta[pname] = _split_info(run, pname, p)
+                meta[pname] = split_info(run, pname, p)
                 if cfg.zero1:
                     found = zero_states[zero_index[id(p)]] if zero_states is not None and id(p) in zero_index else None
                 else:

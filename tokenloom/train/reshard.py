@@ -56,7 +56,9 @@ def _named_params(run) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def _split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[int] | None]:
+def split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[int] | None]:
+    """How the tp ranks' local copies of parameter ``name`` make the full tensor: (partition dim,
+    fused split sizes); (None, None) when it is replicated over tp."""
     if not getattr(p, "tensor_model_parallel", False):
         return None, None
     for stage in run.chunks:
@@ -99,7 +101,7 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
             by_id[id(p)] = (name, p, [])
     out = []
     for name, p, aliases in by_id.values():
-        dim, sizes = _split_info(run, name, p)
+        dim, sizes = split_info(run, name, p)
         state: dict[str, torch.Tensor] = {}
         pieces: dict[str, tuple[int, torch.Tensor]] = {}
         if zero:
@@ -182,7 +184,7 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
         done.add(id(p))
         if name not in params:
             raise TokenloomError(f"{where} has no tensor {name}; was it trained with another model?")
-        dim, sizes = _split_info(run, name, p)
+        dim, sizes = split_info(run, name, p)
 
         def local(full: torch.Tensor, dim=dim, sizes=sizes) -> torch.Tensor:
             return full if dim is None or full.dim() == 0 else shard(full, dim, tp_rank, tp, sizes)
