@@ -447,7 +447,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--make-vocab-size-divisible-by", type=int, help=_help(_MODEL, "make_vocab_size_divisible_by"))
 @click.option("--group-query-attention", is_flag=True, help="Megatron's switch for --num-query-groups (needs it).")
 @click.option("--normalization", "norm", type=click.Choice(["LayerNorm", "RMSNorm"]), help=_help(_MODEL, "norm"))
-@click.option("--swiglu", "mlp", flag_value="swiglu", default=None, help="SwiGLU MLP (model.mlp=swiglu).")
+@click.option("--swiglu", "mlp", flag_value="swiglu", default=None,
+              help="SwiGLU MLP (model.mlp=swiglu); without --ffn-hidden-size, Megatron's width int(4h x 2/3 / 64) x 64.")
 @click.option("--position-embedding-type", "positions", type=click.Choice(["learned_absolute", "rope"]),
               help=_help(_MODEL, "positions"))
 @click.option("--rotary-base", type=float, help=_help(_MODEL, "rope_theta"))
@@ -545,6 +546,7 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
         check_max_position_embeddings,
         flag_overrides,
         launch,
+        megatron_swiglu_width,
         stdout_outlives_its_reader,
     )
 
@@ -558,7 +560,7 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
         click.echo(f"warning: no model shape given: training a small model ({', '.join(small)}); give --num-layers, "
                    "--hidden-size, --num-attention-heads and --seq-length (or model.* in --config) for another",
                    err=True)
-    cfg = load_config(config, [*small, *given])
+    cfg = megatron_swiglu_width(load_config(config, [*small, *given]), flags.get("mlp") == "swiglu")
     check_max_position_embeddings(cfg, max_position_embeddings)
     if layers_per_virtual_stage:
         if not cfg.pipeline_split.is_even:

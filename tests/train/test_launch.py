@@ -10,8 +10,16 @@ import pytest
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import launch as launch_module
+from tokenloom.train.config import TrainConfig
 from tokenloom.train.flops import flops_per_token
-from tokenloom.train.launch import Nodes, RankWatch, launch, torchrun_command, without_error_lines
+from tokenloom.train.launch import (
+    Nodes,
+    RankWatch,
+    launch,
+    megatron_swiglu_width,
+    torchrun_command,
+    without_error_lines,
+)
 from tokenloom.train.metrics import read_metrics
 from tokenloom.train.model import GPT, GPTConfig
 
@@ -172,3 +180,13 @@ def test_megatron_model_flags_reach_the_config():
     launch_module.check_max_position_embeddings(cfg, cfg.model.seq_len)  # equal: accepted
     with pytest.raises(TokenloomError, match="--max-position-embeddings 1023 is shorter than the sequence length 1024"):
         launch_module.check_max_position_embeddings(cfg, 1023)
+
+
+def test_the_swiglu_flag_without_a_width_takes_megatrons_width():
+    """Megatron's ``--swiglu`` without ``--ffn-hidden-size`` is ``int(4h * 2/3 / 64) * 64`` wide (rounded
+    down); ``model.mlp=swiglu`` alone, or a given width, keeps what the config says."""
+    cfg = TrainConfig(model=GPTConfig(d_model=4096, n_heads=32, mlp="swiglu"))
+    assert megatron_swiglu_width(cfg, True).model.ffn_size == 10880
+    assert megatron_swiglu_width(cfg, False).model.ffn_size == cfg.model.ffn_size == 10944
+    given = TrainConfig(model=GPTConfig(d_model=4096, n_heads=32, mlp="swiglu", ffn_hidden_size=11008))
+    assert megatron_swiglu_width(given, True).model.ffn_size == 11008

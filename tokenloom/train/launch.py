@@ -559,6 +559,18 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
     return out
 
 
+def megatron_swiglu_width(cfg: TrainConfig, swiglu_flag: bool) -> TrainConfig:
+    """``cfg`` with Megatron's default SwiGLU width when its ``--swiglu`` flag was given without a
+    width (no ``--ffn-hidden-size``, no ``model.ffn_hidden_size``): ``int(4 * h * 2 / 3 / 64) * 64``,
+    rounded down as Megatron rounds. ``model.mlp=swiglu`` alone keeps tokenloom's own default
+    (:attr:`~tokenloom.train.model.GPTConfig.ffn_size`, rounded up, the Llama preset's), so a
+    config written for tokenloom builds the model it always built."""
+    if not swiglu_flag or cfg.model.ffn_hidden_size is not None:
+        return cfg
+    width = int(4 * cfg.model.d_model * 2 / 3 / 64) * 64
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_hidden_size=width))
+
+
 def check_max_position_embeddings(cfg: TrainConfig, max_position_embeddings: int | None) -> None:
     """Megatron's ``--max-position-embeddings`` is accepted when it covers the run's sequences: the
     model's positions (a learned table or RoPE's tables) have ``model.seq_len`` rows, enough for
