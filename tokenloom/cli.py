@@ -455,7 +455,7 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--untie-embeddings-and-output-weights", "tie_embeddings", flag_value=False, default=None,
               help="A separate LM-head matrix (model.tie_embeddings=false).")
 @click.option("--disable-bias-linear", "bias", flag_value=False, default=None,
-              help="No biases (model.bias=false: linears and LayerNorm alike).")
+              help="No biases in linear layers (model.bias=false); LayerNorm keeps its bias (model.norm_bias=true).")
 @click.option("--attention-dropout", type=float, help="Sets model.dropout (with --hidden-dropout: equal values).")
 @click.option("--hidden-dropout", type=float, help="Sets model.dropout (with --attention-dropout: equal values).")
 @click.option("--init-method-std", type=float, help=_help(_MODEL, "init_std"))

@@ -169,6 +169,7 @@ def test_megatron_model_flags_reach_the_config():
     m, o = cfg.model, cfg.optim
     assert (m.arch, m.norm, m.mlp, m.positions, m.rope_theta, m.tie_embeddings, m.bias) == (
         "gpt2", "rmsnorm", "swiglu", "rope", 500000.0, False, False)
+    assert m.norm_bias is True  # --disable-bias-linear: the linears only, as in Megatron
     assert (m.init_std, m.dropout, m.n_kv_heads) == (0.01, 0.1, 2)
     assert (o.beta1, o.beta2, o.eps, o.decay_style) == (0.8, 0.9, 1e-6, "linear")
     assert (cfg.tensorboard_dir, cfg.save_on_signal) == ("tb", True)

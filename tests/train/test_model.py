@@ -215,3 +215,15 @@ def test_the_document_mask_is_built_once_per_forward(monkeypatch):
     cu_seqlens = torch.tensor([[0, 5, 16] + [16] * 14], dtype=torch.int32)
     model(torch.zeros(1, 16, dtype=torch.long), documents=cu_seqlens, positions=torch.zeros(1, 16, dtype=torch.long))
     assert len(built) == 1
+
+
+def test_layernorm_biases_follow_bias_unless_norm_bias_says_otherwise():
+    """``norm_bias`` None follows ``bias`` (every earlier config builds the model it built); Megatron's
+    ``--disable-bias-linear`` (bias false, norm_bias true) drops the linears' biases and keeps LayerNorm's."""
+    def names(**kw) -> set[str]:
+        model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layers=1, n_heads=2, d_model=16, **kw))
+        return {n for n, _ in model.named_parameters() if n.endswith(".bias")}
+
+    assert names() == names(norm_bias=True) and "blocks.0.attn.qkv.bias" in names()
+    assert names(bias=False) == set()
+    assert names(bias=False, norm_bias=True) == {"blocks.0.norm1.bias", "blocks.0.norm2.bias", "norm.bias"}

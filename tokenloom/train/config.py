@@ -342,6 +342,7 @@ def check_resumable_model(path: str | os.PathLike, cfg: TrainConfig, saved_model
     # (norm, mlp, positions) its arch's value, which the model built then.
     defaults = {f.name: f.default for f in dataclasses.fields(cfg.model) if f.default is not dataclasses.MISSING}
     defaults.update(ARCH_FEATURES.get(saved_model.get("arch", "gpt2"), {}))
+    defaults["norm_bias"] = saved_model.get("bias", defaults.get("bias"))  # before norm_bias: LayerNorm followed bias
     plain = json.loads(json.dumps(asdict(cfg.model)))
     changed = []
     for k, v in plain.items():

@@ -158,6 +158,9 @@ def check_expressible(cfg: GPTConfig) -> None:
     if gpt2 and not cfg.use_bias:
         raise TokenloomError("model.bias=false has no GPT2LMHeadModel form: GPT-2's linears and LayerNorms always "
                              "have biases")
+    if gpt2 and not cfg.norm_bias:
+        raise TokenloomError("model.norm_bias=false has no GPT2LMHeadModel form: GPT-2's LayerNorms always have "
+                             "biases")
 
 
 def to_hf(cfg: GPTConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -556,6 +556,8 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
         if value is not None:
             value = MEGATRON_VALUES.get(name, {}).get(value, value)
             out.append(f"{FLAG_KEYS[name]}={json.dumps(value)}")
+    if fields.get("bias") is False:  # Megatron's --disable-bias-linear: the linears only, LayerNorm keeps its bias
+        out.append("model.norm_bias=true")
     return out
 
 

@@ -131,7 +131,11 @@ class GPTConfig:
     ffn_hidden_size: int | None = None
     """MLP inner size; None means ``4*d_model`` (gelu) or ``8/3*d_model`` rounded up to 64 (swiglu)."""
     bias: bool | None = None
-    """Biases in linear layers and LayerNorm; None means True for gpt2, False for llama."""
+    """Biases in linear layers (and LayerNorm unless norm_bias says otherwise); None means True for
+    gpt2, False for llama."""
+    norm_bias: bool | None = None
+    """Biases in LayerNorm (RMSNorm has none); None means the same as bias. Megatron's
+    --disable-bias-linear sets bias false and keeps these."""
     tie_embeddings: bool = True
     """Share the token-embedding matrix with the LM head (one tensor, one storage)."""
     dropout: float = 0.0
@@ -163,6 +167,8 @@ class GPTConfig:
         for name, value in preset.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.norm_bias is None:
+            self.norm_bias = self.bias
         for name, allowed in FEATURE_VALUES.items():
             if getattr(self, name) not in allowed:
                 raise TokenloomError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -373,7 +379,7 @@ class _LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and state dict) that runs ``ops``' kernel when given."""
 
     def __init__(self, cfg: GPTConfig, ops: KernelSet | None = None) -> None:
-        super().__init__(cfg.d_model, eps=cfg.norm_eps, bias=cfg.use_bias, device="meta")
+        super().__init__(cfg.d_model, eps=cfg.norm_eps, bias=bool(cfg.norm_bias), device="meta")
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

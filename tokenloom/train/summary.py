@@ -112,8 +112,10 @@ def features(m: GPTConfig) -> str:
     norm = "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"
     mlp = f"{'SwiGLU' if m.mlp == 'swiglu' else 'GELU'} MLP {m.ffn_size} wide"
     positions = f"RoPE (base {m.rope_theta:g})" if m.positions == "rope" else "learned positions"
-    return (f"{style}: {norm}, {mlp}, {positions}, {'biases' if m.use_bias else 'no biases'}, "
-            f"{'tied' if m.tie_embeddings else 'untied'} embeddings")
+    biases = "biases" if m.use_bias else "no biases"
+    if m.norm == "layernorm" and bool(m.norm_bias) != m.use_bias:
+        biases = "LayerNorm biases only" if m.norm_bias else "linear biases only"
+    return f"{style}: {norm}, {mlp}, {positions}, {biases}, {'tied' if m.tie_embeddings else 'untied'} embeddings"
 
 
 def choices(cfg: TrainConfig, device_type: str) -> str:
