@@ -239,3 +239,39 @@ def test_export_follows_the_features_and_refuses_what_transformers_cannot_expres
     fields = hf.model_fields(json.loads((tmp_path / "config.json").read_text()), tmp_path / "config.json")
     assert {k: fields[k] for k in ("arch", "norm", "mlp", "positions", "bias")} == dict(
         arch="llama", norm="rmsnorm", mlp="swiglu", positions="rope", bias=False)
+
+
+SPECIAL_TEXTS = ["  two leading spaces", "a <s> b</s>c<unk>", " x\n\n  y ", "", "\t\u2603 \U0001d11e end  "]
+
+
+@pytest.mark.parametrize("name", ["llama2", "mistral-v3"])
+def test_a_sentencepiece_tokenizer_exports_as_tokenizer_model_giving_our_ids(tmp_path, name):
+    """The files export writes (through :func:`hf.write_tokenizer`) load in ``AutoTokenizer`` next to
+    a llama ``config.json`` and give our ids on the whole text, with no BOS/EOS added either way;
+    the folder reloads here as the same SentencePiece tokenizer."""
+    ours = open_tokenizer(str(shared_data_dir() / "tokenizers" / name / "tokenizer.model"))
+    cfg = GPTConfig(arch="llama", vocab_size=ours.vocab_size, seq_len=16, n_layers=1, n_heads=4, d_model=16)
+    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config(cfg, ours.eod, ours.bos)))
+    written = hf.write_tokenizer(ours, tmp_path, cfg.seq_len)
+    assert sorted(written) == ["tokenizer.model", "tokenizer_config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", *sorted(written)]
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert type(theirs).__name__ == "SentencePieceBackend"
+    text = TEXT.read_text()
+    expected = ours.encode(text).tolist()
+    assert theirs(text, add_special_tokens=False)["input_ids"] == expected
+    assert theirs(text)["input_ids"] == expected
+    for t in SPECIAL_TEXTS:
+        assert theirs(t)["input_ids"] == ours.encode(t).tolist(), t
+    assert (theirs.bos_token_id, theirs.eos_token_id, theirs.unk_token_id) == (ours.bos, ours.eod, 0)
+    again = open_tokenizer(str(tmp_path))
+    assert again.kind == "sentencepiece" and again.fingerprint()["digest"] == ours.fingerprint()["digest"]
+
+
+def test_a_tiktoken_tokenizer_is_refused_in_one_line_naming_it(tmp_path):
+    path = GPT2_TOKENIZER / "gpt2.tiktoken"
+    with pytest.raises(TokenloomError, match=rf"^--tokenizer {path}: a tiktoken tokenizer has no transformers form"):
+        hf.check_tokenizer(open_tokenizer(str(path)), f"--tokenizer {path}")
+    with pytest.raises(TokenloomError, match="a tiktoken tokenizer has no transformers form"):
+        hf.write_tokenizer(open_tokenizer(str(path)), tmp_path, 16)
+    assert not any(tmp_path.iterdir())

@@ -5,7 +5,8 @@ becomes a folder ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` loads (the class wh
 model's features are, :func:`family`: LayerNorm + GELU + learned positions, or RMSNorm + SwiGLU + RoPE,
 whatever the ``arch`` preset; other combinations are refused naming the fields): ``config.json``,
 ``model.safetensors`` (fp32, the checkpoint's values), ``generation_config.json``, and the run's
-tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer``).
+tokenizer for ``AutoTokenizer`` (:func:`write_tokenizer`: ``tokenizer.json`` or SentencePiece's
+``tokenizer.model``, + ``tokenizer_config.json``), giving our ids and adding no BOS/EOS.
 In (:func:`init_from_hf`, ``train --init-from-hf``): such a folder's weights (``model.safetensors``
 or a ``model.safetensors.index.json`` shard set) become the run's starting parameters in any
 layout. Only safetensors are read (no pickle, so no code runs), only from the local folder.
@@ -45,8 +46,10 @@ import memory-maps the safetensors and every rank reads the full tensors of the 
 holds (a pipeline stage its own, a tensor-parallel rank whole tensors) before cutting its shard
 (:func:`~tokenloom.train.reshard.load_params`), plus one draw of the fresh init for the
 padded rows (as every rank's own init draws the whole model). Tokenizers exported are those built on the
-``tokenizers`` library (``tokenizer.json``, GPT-2 vocab/merges, WordPiece); SentencePiece and
-tiktoken files are refused rather than converted.
+``tokenizers`` library (``tokenizer.json``, GPT-2 vocab/merges, WordPiece) and SentencePiece
+``.model`` files (copied, encoded by ``sentencepiece`` in ``transformers`` too: a conversion to
+``tokenizer.json`` gives other ids for runs of spaces); tiktoken rank files are refused rather than
+converted (no conversion here is proven to give tiktoken's ids), as are file-less kinds.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ from safetensors.torch import save_file
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import fsync_dir, naming, os_error_message
+from tokenloom.tokenizers.base import Tokenizer
+from tokenloom.tokenizers.sp import SentencePieceTokenizer
 from tokenloom.train import checkpoint
 from tokenloom.train.ckpt_format import model_tensors
 from tokenloom.train.config import TrainConfig, config_from_dict
@@ -232,10 +237,7 @@ def export(cfg: ExportConfig) -> Path:
     if not tok_name:
         raise TokenloomError(f"{path} was trained without a tokenizer; pass --tokenizer PATH (the folder needs one)")
     tok = open_tokenizer(tok_name)
-    tk = getattr(tok, "tk", None)
-    if tk is None:
-        raise TokenloomError(f"--tokenizer {tok_name}: a {tok.kind} tokenizer has no tokenizer.json form this "
-                             "export writes (tokenizers-library kinds only: tokenizer.json, vocab/merges, vocab.txt)")
+    check_tokenizer(tok, f"--tokenizer {tok_name}")
     if tok.vocab_size > model.vocab_size:
         raise TokenloomError(f"--tokenizer {tok_name} has {tok.vocab_size} ids, the model {model.vocab_size}")
     tensors = to_hf(model, model_tensors(path, state))
@@ -247,12 +249,7 @@ def export(cfg: ExportConfig) -> Path:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         _write_json(tmp / "config.json", hf_config(model, tok.eod, tok.bos))
         os.chmod(tmp / WEIGHTS, (tmp / "config.json").stat().st_mode)  # safetensors' own file is owner-only
-        tk.save(str(tmp / "tokenizer.json"))
-        token = {i: tk.id_to_token(i) for i in (tok.eod, tok.bos, tok.pad) if i is not None}
-        _write_json(tmp / "tokenizer_config.json", {
-            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.seq_len,
-            "eos_token": token.get(tok.eod), "bos_token": token.get(tok.bos), "pad_token": token.get(tok.pad),
-            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False})
+        write_tokenizer(tok, tmp, model.seq_len)
         _write_json(tmp / "generation_config.json", {
             "bos_token_id": tok.bos if tok.bos is not None else tok.eod, "eos_token_id": tok.eod,
             "pad_token_id": tok.pad})
@@ -270,6 +267,53 @@ def export(cfg: ExportConfig) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_tokenizer(tok: Tokenizer, where: str) -> None:
+    """Refuse, in one line naming ``where``, a tokenizer :func:`write_tokenizer` has no form for."""
+    if getattr(tok, "tk", None) is None and not isinstance(tok, SentencePieceTokenizer):
+        raise TokenloomError(f"{where}: a {tok.kind} tokenizer has no transformers form this export writes "
+                             "(tokenizer.json, vocab/merges, vocab.txt or a SentencePiece .model)")
+
+
+def write_tokenizer(tok: Tokenizer, folder: Path, max_length: int) -> list[str]:
+    """Write ``tok`` into ``folder`` as ``AutoTokenizer`` loads it and return the names written.
+
+    Contract: ``AutoTokenizer.from_pretrained(folder)(text)["input_ids"]`` is ``tok.encode(text)``,
+    with and without ``add_special_tokens``: no BOS/EOS is added, as ours adds none (the caller
+    appends ``eod``); ``bos``/``eos``/``pad`` name our ids' tokens.
+
+    * ``tokenizers``-library kinds: their ``tokenizer.json`` (``PreTrainedTokenizerFast``).
+    * SentencePiece: the ``.model`` file as ``tokenizer.model`` with ``tokenizer_class``
+      ``SentencePieceBackend`` (``transformers``' class that encodes with ``sentencepiece`` itself,
+      ``legacy`` keeping its dummy-prefix rule). Not ``LlamaTokenizer``: that converts the model to
+      a ``tokenizers`` BPE whose merges ignore sentencepiece's whitespace pieces, so runs of spaces
+      take other ids. ``split_special_tokens`` keeps text such as ``"<s>"`` plain text, as
+      sentencepiece reads it. Trade-off: that class's ``decode`` joins pieces without reading byte
+      pieces (``<0x0A>``); our :meth:`~tokenloom.tokenizers.base.Tokenizer.decode` does. No
+      ``tokenizer.json`` is written, so the folder reloads here (``--init-from-hf``) as the same
+      SentencePiece tokenizer.
+    """
+    tk = getattr(tok, "tk", None)
+    roles: dict[str, int | None] = {"eos_token": tok.eod, "bos_token": tok.bos, "pad_token": tok.pad}
+    common = {"model_max_length": max_length, "add_bos_token": False, "add_eos_token": False,
+              "clean_up_tokenization_spaces": False}
+    if tk is not None:
+        tk.save(str(folder / "tokenizer.json"))
+        tokens = {role: None if i is None else tk.id_to_token(i) for role, i in roles.items()}
+        _write_json(folder / "tokenizer_config.json",
+                    {**common, **tokens, "tokenizer_class": "PreTrainedTokenizerFast"})
+        return ["tokenizer.json", "tokenizer_config.json"]
+    check_tokenizer(tok, f"tokenizer {tok.spec.path or tok.kind}")
+    assert isinstance(tok, SentencePieceTokenizer)  # the one kind check_tokenizer admits without tk
+    sp = tok.sp
+    with naming(folder / "tokenizer.model"):
+        shutil.copyfile(tok.model_path, folder / "tokenizer.model")
+    roles["unk_token"] = sp.unk_id() if sp.unk_id() >= 0 else None
+    tokens = {role: None if i is None else sp.id_to_piece(i) for role, i in roles.items()}
+    _write_json(folder / "tokenizer_config.json", {**common, **tokens, "tokenizer_class": "SentencePieceBackend",
+                                                   "legacy": True, "split_special_tokens": True})
+    return ["tokenizer.model", "tokenizer_config.json"]
 
 
 def _write_json(path: Path, data: dict) -> None:
