@@ -173,10 +173,12 @@ class Trainer:
         """A full disk, too many open files, an I/O or permission error writing one of the run's
         own files (config, metrics) stops the run with one line naming the file and what to do:
         the checkpoints decide where a rerun continues, and metrics records after the checkpoint
-        it resumes from are dropped then."""
+        it resumes from are dropped then. The checkpoint write in flight settles first
+        (:meth:`_drop_save`), so the line names the newest complete checkpoint."""
         try:
             yield
         except OSError as exc:
+            self._drop_save()
             raise TokenloomError(f"{os_error_message(OSError(exc.errno, exc.strerror), path)}; "
                                  f"{checkpoint.resume_advice(self.cfg.ckpt_dir)}") from None
 
