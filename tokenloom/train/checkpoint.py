@@ -154,17 +154,13 @@ def write_latest(root: Path, name: str) -> None:
         f.write(name + "\n")
 
 
-def _torch_save(obj: Any, f: Any) -> None:
-    torch.save(obj, f)
-
-
 def write_torch_files(files: dict[str, Any]) -> Callable[[Path], None]:
     """``write(tmp)`` for :func:`save_files`: ``torch.save`` each ``files[name]`` into ``tmp / name``
     (:func:`write_file`), in ``files``' order."""
 
     def write(tmp: Path) -> None:
         for name, obj in files.items():
-            write_file(tmp / name, functools.partial(_torch_save, obj))
+            write_file(tmp / name, functools.partial(torch.save, obj))
 
     return write
 

@@ -52,7 +52,7 @@ regions it needs; and the layout per file is fixed by the saving run's dp size.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,12 +237,15 @@ def legacy_shard_tensors(path: Path, names: set[str] | None = None
     return params, optim
 
 
-def one_process_tensors(path: Path, order: Sequence[Sequence[str]]
+def one_process_tensors(path: Path, order: Sequence[Sequence[str]] | None
                         ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """The one-process ``model.pt`` + ``optimizer.pt`` as :func:`read` gives them. The saved
     optimizer keys its states by position; ``order[i]`` are the one-process names of position
-    ``i`` (the model's optimizer parameter order), which the caller derives from the model."""
+    ``i`` (the model's optimizer parameter order), which the caller derives from the model.
+    ``order`` None: the parameters alone (``optimizer.pt`` is not read)."""
     params = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    if order is None:
+        return params, {}
     saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     count = sum(len(g["params"]) for g in saved["param_groups"])
     if count != len(order):
@@ -252,12 +255,22 @@ def one_process_tensors(path: Path, order: Sequence[Sequence[str]]
     return params, optim
 
 
+def read_any(path: Path, state: dict, names: set[str] | None = None,
+             order: Callable[[], Sequence[Sequence[str]]] | None = None
+             ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """:func:`read` of the checkpoint at ``path`` (``state``: its ``state.json``) in whichever
+    format it was written: piece files, the earlier shard files (both memory-mapped, only
+    ``names`` when given), or the one-process ``model.pt`` + ``optimizer.pt`` (every name;
+    ``order()`` gives its optimizer's parameter order, :func:`one_process_tensors`; without it
+    the optimizer states are not read)."""
+    if has_pieces(path):
+        return read(path, names)
+    if state.get("layout") is not None:
+        return legacy_shard_tensors(path, names)
+    return one_process_tensors(path, None if order is None else order())
+
+
 def model_tensors(path: Path, state: dict) -> dict[str, torch.Tensor]:
     """The full parameters by one-process name of the checkpoint at ``path`` (``state``: its
-    ``state.json``) of any layout and format: piece files, the earlier shard files (both
-    memory-mapped), or the one-process ``model.pt``."""
-    if has_pieces(path):
-        return read(path)[0]
-    if state.get("layout") is not None:
-        return legacy_shard_tensors(path)[0]
-    return torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    ``state.json``) of any layout and format (:func:`read_any`)."""
+    return read_any(path, state)[0]

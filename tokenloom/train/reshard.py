@@ -27,7 +27,7 @@ layout is unchanged (dropout streams have no meaning across layouts). Per-rank
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,17 @@ def split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[
     raise TokenloomError(f"no module owns {name}")
 
 
+def _each_once(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter, list[str]]]:
+    """Each parameter once, under its first name, with its other names (tied weights) as aliases."""
+    by_id: dict[int, tuple[str, torch.nn.Parameter, list[str]]] = {}
+    for name, p in named:
+        if id(p) in by_id:
+            by_id[id(p)][2].append(name)
+        else:
+            by_id[id(p)] = (name, p, [])
+    return list(by_id.values())
+
+
 def save(run, iteration: int, run_state: dict, saver: CheckpointSaver) -> Path:
     """Collective: save ``iteration``'s checkpoint of ``run`` (a
     :class:`~tokenloom.train.strategy.Strategy`) through ``saver`` (synchronously or in the
@@ -93,14 +104,8 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
     zero = run.cfg.zero1
     own = run.optimizer.own_param_states() if zero else []
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
-    by_id: dict[int, tuple[str, torch.nn.Parameter, list[str]]] = {}
-    for name, p in _named_params(run).items():
-        if id(p) in by_id:
-            by_id[id(p)][2].append(name)
-        else:
-            by_id[id(p)] = (name, p, [])
     out = []
-    for name, p, aliases in by_id.values():
+    for name, p, aliases in _each_once(_named_params(run).items()):
         dim, sizes = split_info(run, name, p)
         state: dict[str, torch.Tensor] = {}
         pieces: dict[str, tuple[int, torch.Tensor]] = {}
@@ -125,8 +130,8 @@ def files(run) -> dict[str, Any]:
         rng["tp_tracker"] = run.rng_tracker.get_states()
     where = placement(run)
     return {f"rng_rank{st.rank}.pt": rng,
-            ckpt_format.piece_file(where.tp_rank, st.pp_rank, where.dp_rank): ckpt_format.rank_file(local_params(run),
-                                                                                                    where)}
+            ckpt_format.piece_file(where.tp_rank, where.pp_rank, where.dp_rank): ckpt_format.rank_file(
+                local_params(run), where)}
 
 
 def optimizer_order(model_cfg) -> list[list[str]]:
@@ -149,13 +154,8 @@ def load(run, path: Path, state: dict) -> None:
         raise TokenloomError(f"{path} holds ZeRO-1 optimizer state in the per-rank zero_rank*.pt files of an earlier "
                              "tokenloom, which this version does not read; resume it with the version that wrote it")
     same = saved == _layout(run)
-    names = set(_named_params(run))
-    if ckpt_format.has_pieces(path):
-        params, optim = ckpt_format.read(path, names)
-    elif saved is not None:
-        params, optim = ckpt_format.legacy_shard_tensors(path, names)
-    else:
-        params, optim = ckpt_format.one_process_tensors(path, optimizer_order(run.cfg.model))
+    params, optim = ckpt_format.read_any(path, state, set(_named_params(run)),
+                                         order=lambda: optimizer_order(run.cfg.model))
     load_params(run, params, optim, str(path))
     rng = path / f"rng_rank{st.rank}.pt"
     if same and rng.exists():
@@ -206,12 +206,6 @@ def module_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
     """:func:`local_params` of a plain, unsharded module and its torch optimizer (one process,
     no :class:`~tokenloom.train.strategy.Strategy`), for
     :func:`~tokenloom.train.ckpt_format.rank_file` at ``Placement(0, 1, 0, 0, 1)``."""
-    by_id: dict[int, tuple[str, torch.nn.Parameter, list[str]]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in by_id:
-            by_id[id(p)][2].append(name)
-        else:
-            by_id[id(p)] = (name, p, [])
     return [ckpt_format.LocalParam(name, p.detach(), aliases=tuple(aliases),
                                    state={k: v.detach() for k, v in optimizer.state.get(p, {}).items()})
-            for name, p, aliases in by_id.values()]
+            for name, p, aliases in _each_once(model.named_parameters(remove_duplicate=False))]
