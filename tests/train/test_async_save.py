@@ -83,6 +83,35 @@ def test_one_write_in_flight_and_the_next_save_waits_for_it(tmp_path, monkeypatc
     assert torch.equal(checkpoint.load_tensors(tmp_path / "iter_0000001", "model.pt")["w"], torch.ones(4))
 
 
+def test_the_copy_runs_after_save_returns_and_the_update_gate_waits_for_it(tmp_path, monkeypatch):
+    """save() returns before the state is copied (the containers' plain values are frozen at
+    the call); before_update() blocks until the copy is done and that wait is part of the
+    save's stall; the checkpoint holds the state as it was at save(), not as updated later."""
+    release = threading.Event()
+    stage = HostStaging.stage
+
+    def slow_copy(self, obj, **kw):
+        assert release.wait(30)
+        return stage(self, obj, **kw)
+
+    monkeypatch.setattr(HostStaging, "stage", slow_copy)
+    w, group = torch.full((4,), 1.0), {"lr": 0.5}
+    saver = _saver(tmp_path)
+    saver.save(1, lambda: {"model.pt": {"w": w, "group": group}}, {}, fresh_copies=False)
+    group["lr"] = 0.25  # a plain value changed after save(): the checkpoint keeps 0.5
+    threading.Timer(0.3, release.set).start()
+    saver.before_update()  # blocks until the copy is done
+    assert release.is_set()
+    w.add_(100)  # the optimizer step, after the gate: the checkpoint keeps the values of save()
+    saver.before_update()  # nothing to wait for now
+    saver.wait()
+    saved = checkpoint.load_tensors(tmp_path / "iter_0000001", "model.pt")
+    assert torch.equal(saved["w"], torch.ones(4)) and saved["group"] == {"lr": 0.5}
+    (report,) = saver.take_reports()
+    assert report.stall_s >= 0.2, "the gate's wait counts in the stall"
+    saver.before_update()  # no save in flight: returns at once
+
+
 def test_a_failed_background_write_is_raised_by_the_next_poll_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     saver = _saver(tmp_path)
     saver.save(1, lambda: _files(1.0), {}, fresh_copies=False)

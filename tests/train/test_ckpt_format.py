@@ -56,6 +56,39 @@ def test_pieces_reassemble_the_full_tensors_and_spread_evenly(tmp_path, tp, dp):
     assert set(only) == {"head", "emb"}  # the asked alias and the name it was written under
 
 
+@pytest.mark.parametrize(("saved", "reader"), [(2, 2), (2, 4), (4, 2), (4, 1), (2, 1)])
+def test_a_tp_reader_gets_its_own_shard_of_any_saved_tp(tmp_path, saved, reader):
+    """Each reader tp rank gets exactly :func:`shard` of the full tensor (fused blocks cut per
+    block), for its parameters and their optimizer states, as the reader splits them: a tensor
+    saved whole but split by the reader (norm here) comes cut, one it holds whole comes whole."""
+    _write(tmp_path, saved, 2)
+    full = _full()
+    splits = {"qkv": (0, [4, 4, 4]), "norm": (0, None)}
+    for r in range(reader):
+        params, optim = ckpt_format.read(tmp_path, tp_rank=r, tp_size=reader,
+                                         split=lambda n: splits.get(n, (None, None)))
+        assert torch.equal(params["qkv"], shard(full["qkv"], 0, r, reader, [4, 4, 4]))
+        assert torch.equal(optim["qkv"]["exp_avg"], shard(full["qkv"] * 2, 0, r, reader, [4, 4, 4]))
+        assert torch.equal(params["norm"], shard(full["norm"], 0, r, reader))
+        assert torch.equal(params["head"], full["emb"])
+
+
+def test_a_tp_reader_touches_only_the_saving_ranks_it_overlaps(tmp_path):
+    """Saved at tp 4, read at tp 2: rank 0 needs saving ranks 0 and 1 alone, so it reads with
+    ranks 2 and 3's files gone; rank 1, and a one-process reader, need them and say so."""
+    _write(tmp_path, 4, 1)
+    for t in (2, 3):
+        (tmp_path / ckpt_format.piece_file(t, 0, 0)).unlink()
+    def split(name):
+        return (0, [4, 4, 4]) if name == "qkv" else (None, None)
+
+    params, _ = ckpt_format.read(tmp_path, tp_rank=0, tp_size=2, split=split)
+    assert torch.equal(params["qkv"], shard(_full()["qkv"], 0, 0, 2, [4, 4, 4]))
+    for rank, size in ((1, 2), (0, 1)):
+        with pytest.raises(TokenloomError, match=r"qkv parameter lacks tp ranks \[2, 3\] of 4"):
+            ckpt_format.read(tmp_path, tp_rank=rank, tp_size=size, split=split)
+
+
 def test_zero1_ranges_reassemble_and_a_missing_piece_is_refused(tmp_path):
     w = torch.arange(10.0)
     for d, (a, b) in enumerate([(0, 6), (6, 10)]):

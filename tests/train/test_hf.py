@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from tl_testing import run_cli, shared_data_dir
 
 from tokenloom.errors import TokenloomError
+from tokenloom.tokenizers.load import load_tokenizer
 from tokenloom.train import checkpoint, hf
 from tokenloom.train.ckpt_format import model_tensors
 from tokenloom.train.config import load_config
@@ -29,6 +30,7 @@ from tokenloom.train.loop import start_run
 from tokenloom.train.model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers", reason="the [interop] extra (transformers) is the oracle")
+TikTokenConverter = pytest.importorskip("transformers.convert_slow_tokenizer").TikTokenConverter
 
 GPT2_TOKENIZER = shared_data_dir() / "tokenizers" / "gpt2"
 TEXT = shared_data_dir() / "tinyshakespeare" / "input.txt"
@@ -268,10 +270,39 @@ def test_a_sentencepiece_tokenizer_exports_as_tokenizer_model_giving_our_ids(tmp
     assert again.kind == "sentencepiece" and again.fingerprint()["digest"] == ours.fingerprint()["digest"]
 
 
-def test_a_tiktoken_tokenizer_is_refused_in_one_line_naming_it(tmp_path):
-    path = GPT2_TOKENIZER / "gpt2.tiktoken"
-    with pytest.raises(TokenloomError, match=rf"^--tokenizer {path}: a tiktoken tokenizer has no transformers form"):
-        hf.check_tokenizer(open_tokenizer(str(path)), f"--tokenizer {path}")
-    with pytest.raises(TokenloomError, match="a tiktoken tokenizer has no transformers form"):
-        hf.write_tokenizer(open_tokenizer(str(path)), tmp_path, 16)
+TIKTOKEN_TEXTS = [*SPECIAL_TEXTS, "<|endoftext|> as text", "  hello   world\n\n\n  x", "\t\tfoo  \r\n bar",
+                  "数字123456 ok", "<|begin_of_text|><|eot_id|>"]
+
+
+@pytest.mark.parametrize("path", [GPT2_TOKENIZER / "gpt2.tiktoken",
+                                  shared_data_dir() / "tokenizers" / "llama3" / "tokenizer.model"],
+                         ids=["gpt2", "llama3"])
+def test_a_tiktoken_tokenizer_exports_as_tokenizer_json_giving_tiktokens_ids(tmp_path, path):
+    """A tiktoken rank file becomes a ``tokenizer.json`` BPE: ``AutoTokenizer`` on the folder gives
+    tiktoken's ids on the whole text and on awkward strings (special tokens' text stays text, as
+    ``encode_ordinary`` reads it), its special tokens keep their ids, and the construction gives
+    the same ids as ``transformers``' own ``TikTokenConverter``."""
+    ours = open_tokenizer(str(path))
+    assert ours.kind == "tiktoken"
+    written = hf.write_tokenizer(ours, tmp_path, 16)
+    assert sorted(written) == ["tokenizer.json", "tokenizer_config.json"]
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = TEXT.read_text()
+    assert theirs(text)["input_ids"] == ours.encode(text).tolist()
+    for t in TIKTOKEN_TEXTS:
+        assert theirs(t)["input_ids"] == ours.encode(t).tolist(), t
+    specials = ours.id_options()["special_tokens"]
+    assert all(theirs.convert_tokens_to_ids(name) == i for name, i in specials.items())
+    assert theirs.eos_token_id == ours.eod
+    oracle = TikTokenConverter(vocab_file=str(ours.rank_path), pattern=ours.id_options()["pattern"],
+                               extra_special_tokens=specials).converted()
+    assert oracle.encode(text, add_special_tokens=False).ids == theirs(text)["input_ids"]
+
+
+def test_a_file_less_tokenizer_is_refused_in_one_line_naming_it(tmp_path):
+    byte = load_tokenizer(kind="byte")
+    with pytest.raises(TokenloomError, match=r"^--tokenizer byte: a byte tokenizer has no transformers form"):
+        hf.check_tokenizer(byte, "--tokenizer byte")
+    with pytest.raises(TokenloomError, match="a byte tokenizer has no transformers form"):
+        hf.write_tokenizer(byte, tmp_path, 16)
     assert not any(tmp_path.iterdir())

@@ -217,3 +217,53 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return decode_skipping(self.enc, ids, self._special_ids)
+
+    def to_tokenizers(self):
+        """This encoding as a ``tokenizers`` BPE (what a ``tokenizer.json`` holds), giving the
+        same ids: each rank-file token is a vocabulary entry under GPT-2's byte-to-character
+        map; every split of a token into two tokens is a merge, ordered by the merged token's
+        rank, so the lowest-ranked pair merges first as in tiktoken; ``ignore_merges`` takes a
+        pretoken that is itself a token whole, as tiktoken does; the split regex and the
+        special tokens (at their ids) are kept. Written here rather than taken from
+        ``transformers``' ``TikTokenConverter`` (the same construction, the test's oracle),
+        which the product does not depend on."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers  # lazy: export only
+        from tokenizers import Tokenizer as TokenizersTokenizer  # lazy: export only
+
+        ranks = read_rank_file(self.rank_path)
+        char = byte_characters()
+
+        def text(token: bytes) -> str:
+            return "".join(char[b] for b in token)
+
+        vocab = {text(token): rank for token, rank in ranks.items()}
+        merges = sorted((rank, ranks[token[:i]], text(token[:i]), text(token[i:]))
+                        for token, rank in ranks.items() for i in range(1, len(token))
+                        if token[:i] in ranks and token[i:] in ranks)
+        specials = self._resolved["special_tokens"]
+        vocab.update(specials)
+        bpe = models.BPE(vocab, [(left, right) for _, _, left, right in merges], fuse_unk=False,
+                         ignore_merges=True)
+        tk = TokenizersTokenizer(bpe)
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(self._resolved["pattern"]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tk.decoder = decoders.ByteLevel()
+        tk.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
+        return tk
+
+
+def byte_characters() -> list[str]:
+    """GPT-2's byte-to-character map (``bytes_to_unicode``), as a list indexed by byte: the
+    printable bytes stand for themselves, the others for the characters from U+0100 on, in
+    byte order. ``tokenizers``' ByteLevel pre-tokenizer uses the same map."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    out, extra = [""] * 256, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out

@@ -27,9 +27,8 @@ memory (:mod:`tokenloom.train.async_save`): the protocol above is the same eithe
 Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
 stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
 Trade-offs: this module owns the directory, its markers and the commit, not the tensors' layout
-(one format for every layout, :mod:`tokenloom.train.ckpt_format`). :func:`load` still reads the
-one-process ``model.pt`` + ``optimizer.pt`` of earlier versions (rank 0 wrote them whole) into
-an unsharded model; :mod:`tokenloom.train.reshard` loads them into any layout.
+(one format for every layout, :mod:`tokenloom.train.ckpt_format`, which also reads the earlier
+versions' formats); :mod:`tokenloom.train.reshard` loads any of them into any layout.
 All ranks write into one directory, so multi-node runs need ``CKPT_DIR`` on a shared
 filesystem.
 """
@@ -269,23 +268,3 @@ def read_state(path: str | os.PathLike) -> dict:
 def load_tensors(path: str | os.PathLike, name: str, map_location: Any = "cpu") -> Any:
     """One of the checkpoint's ``.pt`` files, with ``weights_only=True``."""
     return torch.load(Path(path) / name, map_location=map_location, weights_only=True)
-
-
-def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-         rank: int = 0, device: torch.device | str = "cpu") -> dict:
-    """Restore model, optimizer and this rank's RNG from ``path``; returns ``state.json``.
-
-    A rank the checkpoint has no RNG file for (the run grew) keeps its fresh seeds.
-    """
-    state = read_state(path)
-    try:
-        model.load_state_dict(load_tensors(path, "model.pt", device))
-    except RuntimeError as e:
-        raise TokenloomError(f"{path}: the model in the checkpoint does not match the configured model "
-                             f"({str(e).splitlines()[0]})") from e
-    if optimizer is not None:
-        optimizer.load_state_dict(load_tensors(path, "optimizer.pt"))  # it moves state to the params
-    rng = Path(path) / f"rng_rank{rank}.pt"
-    if rng.exists():
-        restore_rng(load_tensors(path, rng.name))
-    return state

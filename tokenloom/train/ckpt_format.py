@@ -29,7 +29,9 @@ Loading (:func:`read`): every ``tp*_pp*_dp*.pt`` file is memory-mapped
 touched; each local tensor is assembled from its pieces (its coverage checked), and the tp
 ranks' local tensors are joined into the full tensor by one-process name. The caller then cuts
 the shard its own layout holds, so a checkpoint of any layout (dp, tp with or without sp, pp
-with or without vpp, ZeRO-1 on or off, one process) loads into any other.
+with or without vpp, ZeRO-1 on or off, one process) loads into any other. A reader that holds
+a tp shard asks :func:`read` for it: only the saving tp ranks whose shards overlap its own are
+assembled (at equal tp, its own rank's alone), so no rank materialises a full tp-split tensor.
 
 Earlier formats still load (:func:`model_tensors`, :func:`legacy_shard_tensors`,
 :func:`one_process_tensors`): the one-process ``model.pt`` + ``optimizer.pt`` and the
@@ -45,9 +47,11 @@ have to serialise against; its files are not byte-identical between sync and asy
 same state, and its loader unpickles its metadata file. Here a rank's file is one
 ``torch.save`` of plain dicts and tensors (weights-only loadable, identical whichever thread
 writes it), the commit protocol is the one of every other file, and resharding is the same
-shard/unshard code the model uses. The trade-off: a loading rank assembles the *full* tensors of
-the parameters it holds (host memory of those, not of the model), where DCP reads only the
-regions it needs; and the layout per file is fixed by the saving run's dp size.
+shard/unshard code the model uses. The trade-offs: a loading rank assembles whole *local*
+tensors of the saving tp ranks it overlaps (at a larger tp than the saver's, more than its own
+shard), and a ZeRO-1 reader the whole local optimizer state of its parameters before keeping
+its own range, where DCP reads only the regions it needs; and the layout per file is fixed by
+the saving run's dp size.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from typing import Any
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.parallel.layers import unshard
+from tokenloom.train.parallel.layers import shard, unshard
 
 FORMAT = 1
 """The ``format`` field of every piece file."""
@@ -69,6 +73,11 @@ PIECES = "tp*_pp*_dp*.pt"
 LEGACY_SHARDS = "shard_tp*_pp*.pt"
 PARAM = ""
 """The ``state`` field of a parameter's own pieces (an optimizer state's is its key)."""
+
+
+Split = Callable[[str], tuple[int | None, Sequence[int] | None]]
+"""How a reader splits a tensor over tp, by one-process name: (partition dim, fused block
+sizes), or (None, None) when it holds the tensor whole."""
 
 
 @dataclass(frozen=True)
@@ -145,11 +154,18 @@ def has_pieces(path: Path) -> bool:
     return any(path.glob(PIECES))
 
 
-def read(path: Path, names: set[str] | None = None
-         ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """Full parameters and optimizer states by one-process name (aliases included) from the
-    piece files at ``path``; only ``names`` when given (their pieces alone are read from the
-    memory-mapped files). A tensor whose pieces do not cover it is refused, naming it."""
+def read(path: Path, names: set[str] | None = None, *, tp_rank: int = 0, tp_size: int = 1,
+         split: Split | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Parameters and optimizer states by one-process name (aliases included) from the piece
+    files at ``path``, as the reader at (``tp_rank``, ``tp_size``) holds them: ``split(name)``
+    says how the reader splits a tensor over tp (partition dim and fused block sizes, or (None,
+    None): replicated; needed when ``tp_size`` > 1), and a split one comes back as that rank's
+    shard (:func:`~tokenloom.train.parallel.layers.shard` of the full one), any other whole.
+    Only ``names`` when given. Of the memory-mapped files, only the pieces of the saving tp
+    ranks whose shards overlap the reader's are touched (one saving rank's for a tensor saved
+    replicated). A tensor whose pieces do not cover it is refused, naming it."""
+    if tp_size > 1 and split is None:
+        raise ValueError("read: tp_size > 1 needs split")
     files = [torch.load(f, weights_only=True, mmap=True, map_location="cpu") for f in sorted(path.glob(PIECES))]
     aliases: dict[str, str] = {}
     for data in files:
@@ -157,34 +173,74 @@ def read(path: Path, names: set[str] | None = None
             raise TokenloomError(f"{path}: piece format {data.get('format')} is not {FORMAT}; resume it with the "
                                  "version that wrote it")
         aliases.update(data["aliases"])
-    wanted = None if names is None else {aliases.get(n, n) for n in names}
+    reader_name = None if names is None else {aliases.get(n, n): n for n in names}  # written name -> asked
     parts: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
     for data in files:
         for r in data["records"]:
-            if wanted is None or r["name"] in wanted:
+            if reader_name is None or r["name"] in reader_name:
                 parts.setdefault((r["name"], r["state"]), {}).setdefault(r["tp_rank"], []).append(r)
     params: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for (name, state), by_rank in parts.items():
         first = by_rank[min(by_rank)][0]
-        locals_ = [_assemble(path, name, state, by_rank[t]) for t in sorted(by_rank)]
-        if first["dim"] is None or not first["shape"]:
-            full = locals_[0]
-        else:
-            if sorted(by_rank) != list(range(first["tp_size"])):
-                raise TokenloomError(f"{path}: {name} {state or 'parameter'} lacks tp ranks "
-                                     f"({sorted(by_rank)} of {first['tp_size']})")
-            full = unshard(locals_, first["dim"], first["sizes"])
+        dim, sizes = (None, None)
+        if tp_size > 1 and first["shape"] and split is not None:
+            dim, sizes = split(name if reader_name is None else reader_name[name])
+        if first["dim"] is None or not first["shape"]:  # saved replicated over tp: one saving rank's copy
+            tensor = _assemble(path, name, state, by_rank[min(by_rank)])
+            if dim is not None:
+                tensor = shard(tensor, dim, tp_rank, tp_size, sizes)
+        elif dim is None:  # read whole
+            tensor = _tp_shard(path, name, state, by_rank, 0, 1)
+        elif dim == first["dim"] and list(sizes or []) == list(first["sizes"] or []):
+            tensor = _tp_shard(path, name, state, by_rank, tp_rank, tp_size)
+        else:  # split another way than it was saved
+            tensor = shard(_tp_shard(path, name, state, by_rank, 0, 1), dim, tp_rank, tp_size, sizes)
         if state == PARAM:
-            params[name] = full
+            params[name] = tensor
         else:
-            optim.setdefault(name, {})[state] = full
+            optim.setdefault(name, {})[state] = tensor
     for alias, name in aliases.items():
         if name in params and (names is None or alias in names):
             params[alias] = params[name]
             if name in optim:
                 optim[alias] = optim[name]
     return params, optim
+
+
+def _tp_shard(path: Path, name: str, state: str, by_rank: dict[int, list[dict[str, Any]]], rank: int,
+              size: int) -> torch.Tensor:
+    """Reader tp rank ``rank`` of ``size``'s shard of a tensor saved split over tp, from the
+    pieces (``by_rank``: by saving tp rank) of only the saving ranks it overlaps. Each fused
+    block (``sizes``, or the whole dim) is split evenly over the saving ranks and over the
+    reader's, so saving rank t's rows of a block overlap the reader's exactly when
+    ``t * size < (rank + 1) * saved`` and ``(t + 1) * size > rank * saved``, whatever the
+    block. A block that one of the two sizes does not divide goes through the full tensor."""
+    first = by_rank[min(by_rank)][0]
+    saved, dim, local_shape = first["tp_size"], first["dim"], first["shape"]
+    blocks = list(first["sizes"] or [local_shape[dim] * saved])
+    needed = [t for t in range(saved) if t * size < (rank + 1) * saved and (t + 1) * size > rank * saved]
+    if any(b % saved or b % size for b in blocks):
+        needed = list(range(saved))
+    missing = [t for t in needed if t not in by_rank]
+    if missing:
+        raise TokenloomError(f"{path}: {name} {state or 'parameter'} lacks tp ranks {missing} of {saved}")
+    locals_ = {t: _assemble(path, name, state, by_rank[t]) for t in needed}
+    if any(b % saved or b % size for b in blocks):
+        full = unshard([locals_[t] for t in needed], dim, first["sizes"])
+        return full if size == 1 else shard(full, dim, rank, size, first["sizes"])
+    if saved == size:
+        return locals_[rank]
+    out, offset = [], 0  # offset: where the block starts in a saving rank's local tensor
+    for b in blocks:
+        mine, theirs = b // size, b // saved
+        lo, hi = rank * mine, (rank + 1) * mine
+        for t in needed:
+            start, end = max(lo, t * theirs), min(hi, (t + 1) * theirs)
+            if end > start:
+                out.append(locals_[t].narrow(dim, offset + start - t * theirs, end - start))
+        offset += theirs
+    return torch.cat(out, dim).contiguous()
 
 
 def _assemble(path: Path, name: str, state: str, records: list[dict[str, Any]]) -> torch.Tensor:
@@ -256,18 +312,33 @@ def one_process_tensors(path: Path, order: Sequence[Sequence[str]] | None
 
 
 def read_any(path: Path, state: dict, names: set[str] | None = None,
-             order: Callable[[], Sequence[Sequence[str]]] | None = None
+             order: Callable[[], Sequence[Sequence[str]]] | None = None, *,
+             split: Split | None = None, tp_rank: int = 0, tp_size: int = 1
              ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """:func:`read` of the checkpoint at ``path`` (``state``: its ``state.json``) in whichever
     format it was written: piece files, the earlier shard files (both memory-mapped, only
     ``names`` when given), or the one-process ``model.pt`` + ``optimizer.pt`` (every name;
     ``order()`` gives its optimizer's parameter order, :func:`one_process_tensors`; without it
-    the optimizer states are not read)."""
+    the optimizer states are not read). ``tp_size`` > 1: tensors split over tp come back as
+    the shard of ``tp_rank`` by ``split``, as :func:`read` gives them (the earlier formats are
+    read whole, then cut)."""
     if has_pieces(path):
-        return read(path, names)
+        return read(path, names, tp_rank=tp_rank, tp_size=tp_size, split=split)
     if state.get("layout") is not None:
-        return legacy_shard_tensors(path, names)
-    return one_process_tensors(path, None if order is None else order())
+        params, optim = legacy_shard_tensors(path, names)
+    else:
+        params, optim = one_process_tensors(path, None if order is None else order())
+    if tp_size == 1:
+        return params, optim
+    if split is None:
+        raise ValueError("read_any: tp_size > 1 needs split")
+
+    def cut(name: str, full: torch.Tensor) -> torch.Tensor:
+        dim, sizes = split(name)
+        return full if dim is None or full.dim() == 0 else shard(full, dim, tp_rank, tp_size, sizes)
+
+    return ({n: cut(n, t) for n, t in params.items() if names is None or n in names},
+            {n: {k: cut(n, v) for k, v in st.items()} for n, st in optim.items() if names is None or n in names})
 
 
 def model_tensors(path: Path, state: dict) -> dict[str, torch.Tensor]:

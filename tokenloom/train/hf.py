@@ -48,8 +48,10 @@ holds (a pipeline stage its own, a tensor-parallel rank whole tensors) before cu
 padded rows (as every rank's own init draws the whole model). Tokenizers exported are those built on the
 ``tokenizers`` library (``tokenizer.json``, GPT-2 vocab/merges, WordPiece) and SentencePiece
 ``.model`` files (copied, encoded by ``sentencepiece`` in ``transformers`` too: a conversion to
-``tokenizer.json`` gives other ids for runs of spaces); tiktoken rank files are refused rather than
-converted (no conversion here is proven to give tiktoken's ids), as are file-less kinds.
+``tokenizer.json`` gives other ids for runs of spaces); tiktoken rank files are converted to a
+``tokenizer.json`` BPE
+(:meth:`~tokenloom.tokenizers.tiktoken_bpe.TiktokenTokenizer.to_tokenizers`, tested to give
+tiktoken's ids); file-less kinds are refused.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.fsio import fsync_dir, naming, os_error_message
 from tokenloom.tokenizers.base import Tokenizer
 from tokenloom.tokenizers.sp import SentencePieceTokenizer
+from tokenloom.tokenizers.tiktoken_bpe import TiktokenTokenizer
 from tokenloom.train import checkpoint
 from tokenloom.train.ckpt_format import model_tensors
 from tokenloom.train.config import TrainConfig, config_from_dict
@@ -271,9 +274,10 @@ def export(cfg: ExportConfig) -> Path:
 
 def check_tokenizer(tok: Tokenizer, where: str) -> None:
     """Refuse, in one line naming ``where``, a tokenizer :func:`write_tokenizer` has no form for."""
-    if getattr(tok, "tk", None) is None and not isinstance(tok, SentencePieceTokenizer):
+    if getattr(tok, "tk", None) is None and not isinstance(tok, (SentencePieceTokenizer, TiktokenTokenizer)):
         raise TokenloomError(f"{where}: a {tok.kind} tokenizer has no transformers form this export writes "
-                             "(tokenizer.json, vocab/merges, vocab.txt or a SentencePiece .model)")
+                             "(tokenizer.json, vocab/merges, vocab.txt, a tiktoken rank file or a SentencePiece "
+                             ".model)")
 
 
 def write_tokenizer(tok: Tokenizer, folder: Path, max_length: int) -> list[str]:
@@ -296,8 +300,15 @@ def write_tokenizer(tok: Tokenizer, folder: Path, max_length: int) -> list[str]:
     """
     tk = getattr(tok, "tk", None)
     roles: dict[str, int | None] = {"eos_token": tok.eod, "bos_token": tok.bos, "pad_token": tok.pad}
-    common = {"model_max_length": max_length, "add_bos_token": False, "add_eos_token": False,
-              "clean_up_tokenization_spaces": False}
+    common: dict[str, Any] = {"model_max_length": max_length, "add_bos_token": False, "add_eos_token": False,
+                              "clean_up_tokenization_spaces": False}
+    if isinstance(tok, TiktokenTokenizer):
+        tk = tok.to_tokenizers()
+        for name, i in tok.id_options()["special_tokens"].items():
+            if tk.token_to_id(name) != i:
+                raise TokenloomError(f"tokenizer {tok.rank_path}: special token {name!r} would take id "
+                                     f"{tk.token_to_id(name)} in tokenizer.json, not its id {i}")
+        common["split_special_tokens"] = True  # encode_ordinary: a special token's text is plain text
     if tk is not None:
         tk.save(str(folder / "tokenizer.json"))
         tokens = {role: None if i is None else tk.id_to_token(i) for role, i in roles.items()}

@@ -153,10 +153,14 @@ def load(run, path: Path, state: dict) -> None:
     if saved is not None and (path / "zero_rank0.pt").exists():
         raise TokenloomError(f"{path} holds ZeRO-1 optimizer state in the per-rank zero_rank*.pt files of an earlier "
                              "tokenloom, which this version does not read; resume it with the version that wrote it")
-    same = saved == _layout(run)
-    params, optim = ckpt_format.read_any(path, state, set(_named_params(run)),
-                                         order=lambda: optimizer_order(run.cfg.model))
-    load_params(run, params, optim, str(path))
+    # the RNG streams continue only where this rank's saved streams are its own: the same
+    # layout, or (a one-process-format checkpoint, which records none) an unsharded one
+    same = saved == _layout(run) if saved is not None else not (run.staged or run.cfg.zero1)
+    named = _named_params(run)
+    params, optim = ckpt_format.read_any(path, state, set(named), order=lambda: optimizer_order(run.cfg.model),
+                                         split=lambda name: split_info(run, name, named[name]),
+                                         tp_rank=st.tp_rank, tp_size=st.tp_size)
+    load_params(run, params, optim, str(path), sharded=True)
     rng = path / f"rng_rank{st.rank}.pt"
     if same and rng.exists():
         rng_state = torch.load(rng, weights_only=True)
@@ -167,12 +171,13 @@ def load(run, path: Path, state: dict) -> None:
 
 @torch.no_grad()
 def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dict[str, torch.Tensor]],
-                where: str) -> None:
-    """Set ``run``'s parameters (any layout) from full one-process tensors ``params`` by name,
-    each rank cutting out the shard it holds; ``optim``: AdamW states by the same names (the
-    parameters without one, or all when it is empty, start with fresh moments). ``where`` names
-    the source in errors. The parameter part of :func:`load`, also used to start from a
-    Hugging Face model (:mod:`tokenloom.train.hf`)."""
+                where: str, *, sharded: bool = False) -> None:
+    """Set ``run``'s parameters (any layout) from one-process tensors ``params`` by name: full
+    ones, each rank cutting out the shard it holds, or, ``sharded``, already this rank's tp
+    shards (:func:`~tokenloom.train.ckpt_format.read` at its tp rank and size); ``optim``: AdamW
+    states by the same names, alike (the parameters without one, or all when it is empty, start
+    with fresh moments). ``where`` names the source in errors. The parameter part of
+    :func:`load`, also used to start from a Hugging Face model (:mod:`tokenloom.train.hf`)."""
     cfg, st = run.cfg, run.state
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if cfg.zero1 else {}
     zero_states: list[dict[str, torch.Tensor] | None] = [None] * len(zero_index)
@@ -187,9 +192,15 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
         dim, sizes = split_info(run, name, p)
 
         def local(full: torch.Tensor, dim=dim, sizes=sizes) -> torch.Tensor:
-            return full if dim is None or full.dim() == 0 else shard(full, dim, tp_rank, tp, sizes)
+            if sharded or dim is None or full.dim() == 0:
+                return full
+            return shard(full, dim, tp_rank, tp, sizes)
 
-        p.copy_(local(params[name]))
+        value = local(params[name])
+        if value.shape != p.shape:
+            raise TokenloomError(f"{where} holds {name} of shape {list(value.shape)} where this rank's model has "
+                                 f"{list(p.shape)}; was it trained with another model?")
+        p.copy_(value)
         if name not in optim:
             continue
         if cfg.zero1:

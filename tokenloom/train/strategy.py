@@ -54,8 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint, fp8, reshard
 from tokenloom.train import data as train_data
+from tokenloom.train import fp8, reshard
 from tokenloom.train.async_save import CheckpointSaver
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
@@ -330,6 +330,7 @@ class Strategy:
                 self.optimizer.all_reduce_grads([p for p in self.params if is_sequence_parallel(p)], st.tp_group)
             if cfg.pp > 1:
                 self.optimizer.all_reduce_grads([p for p in self.params if is_tied_embedding(p)], st.embedding_group)
+            self.saver.before_update()  # a save in flight may still be copying the state
             return self.optimizer.step()
         for ddp in self.ddps:  # tp/pp: wait for the buckets launched in each chunk's last backward
             ddp.finish_grad_sync()
@@ -348,6 +349,7 @@ class Strategy:
             self.optimizer.grad_scale = coefficient.reciprocal()
         else:
             torch._foreach_mul_(grads, coefficient)
+        self.saver.before_update()  # a save in flight may still be copying the state
         self.optimizer.step()
         return norm
 
@@ -404,14 +406,9 @@ class Strategy:
 
     def load(self, path: Path, saved: dict) -> None:
         """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank: any
-        layout's, in any format (:mod:`tokenloom.train.reshard`); a one-process ``model.pt``
-        checkpoint of an earlier tokenloom into an unsharded layout as it was written."""
+        layout's, in any format, an earlier tokenloom's included (:mod:`tokenloom.train.reshard`)."""
         self.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
-        if self.staged or self.cfg.zero1 or saved.get("layout") is not None:
-            reshard.load(self, path, saved)
-            return
-        checkpoint.load(path, model=self.chunks[0], optimizer=self.optimizer, rank=self.world.rank,
-                        device=self.device)
+        reshard.load(self, path, saved)
 
     # ------------------------------------------------------------------ model facts
 
