@@ -10,7 +10,7 @@ from tokenloom.train.data import DataConfig
 from tokenloom.train.loop import start_run
 from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
-from tokenloom.train.summary import RunFacts, choices, regrets, startup_summary
+from tokenloom.train.summary import RunFacts, choices, data_wait_warning, regrets, startup_summary
 
 
 def facts(**kw) -> RunFacts:
@@ -91,6 +91,13 @@ def test_regrettable_settings_warn():
     quiet = TrainConfig(train_iters=10_000, optim=OptimConfig(warmup_iters=100),
                         data=DataConfig(blend={"prefixes": [[1.0, "x"]]}, mock=None))
     assert regrets(quiet, facts()) == []
+
+
+def test_a_run_that_waited_for_data_over_5_percent_ends_with_one_warning():
+    assert data_wait_warning(None, 0) is None and data_wait_warning(0.05, 0) is None
+    line = data_wait_warning(0.125, 2)
+    assert line is not None and "\n" not in line
+    assert line.startswith("the steps waited for data 12.5% of the training time") and "data.num_workers, now 2" in line
 
 
 def test_a_run_prints_the_summary_once_before_training(tmp_path, capfd):
