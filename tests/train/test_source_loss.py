@@ -4,6 +4,7 @@ the progress line and loss.png, and cost no host sync per training step; the dat
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -17,12 +18,14 @@ from tokenloom.blending.args import source_names
 from tokenloom.blending.loader import GPTSamples, SampleConfig
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDatasetWriter
+from tokenloom.train import checkpoint
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.loop import start_run
 from tokenloom.train.metrics import loss_figure, read_metrics
 from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
+from tokenloom.train.preflight import check_resume
 from tokenloom.train.source_loss import SourceLosses, losses_by_name
 
 NAMES = ("web", "code", "books")
@@ -236,3 +239,18 @@ def test_losses_per_source_in_every_layout_equal_one_process(tmp_path, monkeypat
             assert list(a) == list(NAMES) == list(b)
             tol = first_tol if k == 0 else 1e-5
             assert all(abs(a[n] - b[n]) < tol for n in NAMES), (key, a, b)
+
+
+def test_names_are_display_only_a_resume_may_change_them(tmp_path):
+    """The preflight's "same data" check leaves ``data.blend.names`` out, also against a
+    checkpoint written before the field existed (no ``names`` in its config)."""
+    cfg = config(tmp_path, write_sources(tmp_path), train_iters=2, eval_interval=0)
+    path = Path(start_run(cfg).train()["checkpoint"])
+    cfg.data.blend.names = ["w", "c", "b"]
+    cfg.resume = str(path)
+    check_resume(cfg)
+    state = json.loads((path / "state.json").read_text())
+    del state["config"]["data"]["blend"]["names"]
+    (path / "state.json").write_text(json.dumps(state))
+    assert "names" not in checkpoint.read_state(path)["config"]["data"]["blend"]
+    check_resume(cfg)
