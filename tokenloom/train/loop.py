@@ -292,8 +292,8 @@ class Trainer:
             return loss, None
         return loss, losses_by_name(names, s.sums_for_log(per_source.take(), "validation loss reduction"))
 
-    def _validate(self) -> float:
-        """:meth:`evaluate` at this iteration: its metrics record and progress line; the loss."""
+    def _validate(self) -> None:
+        """:meth:`evaluate` at this iteration, with its metrics record and progress line."""
         loss, per_source = self.evaluate()
         self._last["val_loss"] = loss
         record: dict = {"iter": self.iteration, "val_loss": loss}
@@ -301,7 +301,6 @@ class Trainer:
             record["val_loss_per_source"] = self._last["val_loss_per_source"] = per_source
         self._record(record)
         self._say(f"iteration {self.iteration}: validation loss {loss:.4f}{_by_source(per_source)}")
-        return loss
 
     def train(self) -> dict:
         """The whole loop: :meth:`steps` to the end, then :meth:`finish`."""

@@ -142,6 +142,9 @@ def regrets(cfg: TrainConfig, facts: RunFacts) -> list[str]:
     if facts.parameters > tokens:
         out.append(f"the model has {_count(facts.parameters)} parameters but the run trains on {_count(tokens)} "
                    "tokens; a smaller model (model.n_layers / model.d_model) or more steps fit better")
+    if cfg.log_loss_per_source and (cfg.data.blend is None or len(cfg.data.blend.prefixes) < 2):
+        out.append("log_loss_per_source is ignored: the data has one source, whose loss is train_loss; give a "
+                   "blend of two or more sources")
     if cfg.optim.warmup_iters >= cfg.train_iters:
         out.append(f"warmup ({cfg.optim.warmup_iters} steps) is not shorter than the run ({cfg.train_iters} steps): "
                    "the learning rate never reaches its peak; lower optim.warmup_iters")
