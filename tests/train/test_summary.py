@@ -3,14 +3,16 @@ prints it once on rank 0 before its first step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from test_loop import tiny
 
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.data import DataConfig
+from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.loop import start_run
 from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
-from tokenloom.train.summary import RunFacts, choices, regrets, startup_summary
+from tokenloom.train.summary import RunFacts, choices, data_wait_warning, regrets, startup_summary
 
 
 def facts(**kw) -> RunFacts:
@@ -88,9 +90,22 @@ def test_regrettable_settings_warn():
     assert any("mock data" in w for w in found)
     assert any("124.0M parameters but the run trains on 10.2k tokens" in w for w in found)
     assert any("warmup (100 steps) is not shorter than the run (10 steps)" in w for w in found)
+    one_source = TrainConfig(train_iters=10_000, optim=OptimConfig(warmup_iters=100), log_loss_per_source=True,
+                             data=DataConfig(blend=BlendDataConfig(prefixes=[(1.0, "x")])))
+    assert regrets(one_source, facts()) == ["log_loss_per_source is ignored: the data has one source, whose loss "
+                                            "is train_loss; give a blend of two or more sources"]
+    two = dataclasses.replace(one_source, data=DataConfig(blend=BlendDataConfig(prefixes=[(1.0, "x"), (1.0, "y")])))
+    assert regrets(two, facts()) == []
     quiet = TrainConfig(train_iters=10_000, optim=OptimConfig(warmup_iters=100),
                         data=DataConfig(blend={"prefixes": [[1.0, "x"]]}, mock=None))
     assert regrets(quiet, facts()) == []
+
+
+def test_a_run_that_waited_for_data_over_5_percent_ends_with_one_warning():
+    assert data_wait_warning(None, 0) is None and data_wait_warning(0.05, 0) is None
+    line = data_wait_warning(0.125, 2)
+    assert line is not None and "\n" not in line
+    assert line.startswith("the steps waited for data 12.5% of the training time") and "data.num_workers, now 2" in line
 
 
 def test_a_run_prints_the_summary_once_before_training(tmp_path, capfd):

@@ -464,8 +464,13 @@ def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.T
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
     """Mean next-token cross entropy of ``logits`` [..., vocab] (any float dtype, computed in
     fp32) against ``labels``, over the tokens ``loss_mask`` keeps: the reference loss at tp = 1."""
-    losses = F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
-    return masked_mean(losses, loss_mask)
+    return masked_mean(token_losses(logits, labels), loss_mask)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token next-token cross entropy [labels.numel()] of ``logits`` [..., vocab] (computed
+    in fp32) against ``labels``, unmasked: what :func:`lm_loss` averages."""
+    return F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
 
 
 class GPT(nn.Module):
@@ -506,7 +511,7 @@ class GPT(nn.Module):
         layers = range(cfg.n_layers) if layers is None else layers
         device = torch.device("cpu" if device is None else device)
         self.ops = ops = build_ops(cfg.kernels, device)  # chosen once, for every module below
-        self._lm_loss = lm_loss  # compile_blocks swaps in its compiled form
+        self._lm_loss, self._token_losses = lm_loss, token_losses  # compile_blocks swaps in compiled forms
         if pre:
             self.tok_emb = self.tp.embedding(cfg.padded_vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model, device="meta") if cfg.positions == "learned" else None
@@ -601,10 +606,15 @@ class GPT(nn.Module):
         hidden: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        token_losses: bool = False,
     ) -> torch.Tensor:
         """tokens/labels/loss_mask: [batch, seq]. Returns logits [batch, seq, padded_vocab]
         when ``labels`` is None, else the scalar cross-entropy averaged over tokens whose
-        ``loss_mask`` is nonzero (all tokens when ``loss_mask`` is None).
+        ``loss_mask`` is nonzero (all tokens when ``loss_mask`` is None); with ``token_losses``,
+        the unmasked per-token losses [batch, seq] instead (``loss_mask`` unused), whose
+        :func:`masked_mean` is that scalar up to float rounding. In training ``token_losses``
+        gives up the fused kernels' gradients-in-forward (the LM head's backward recomputes
+        its logits).
 
         A stage without ``pre`` takes the previous stage's activation as ``hidden``
         (``tokens`` unused); a stage without ``post`` returns its activation ([batch, seq,
@@ -630,6 +640,8 @@ class GPT(nn.Module):
             x = block(x, rope, mask)
         if not self.post:
             return x
+        if token_losses:
+            return self.token_head(self.norm(x), _given(labels, "labels"))
         return self.head(self.norm(x), labels, loss_mask)
 
     def compile_blocks(self) -> None:
@@ -647,7 +659,7 @@ class GPT(nn.Module):
         for block in self.blocks.values():
             block.compile()
         if self.post:
-            self._lm_loss = compiled(lm_loss)
+            self._lm_loss, self._token_losses = compiled(lm_loss), compiled(token_losses)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T = tokens.shape
@@ -683,6 +695,26 @@ class GPT(nn.Module):
                                                             reduction="mean", sequence_parallel=tp.sp)
             losses = vocab_parallel_cross_entropy(self.lm_head(h).float(), labels, tp.group).reshape(-1)
         return masked_mean(losses, loss_mask)
+
+    def token_head(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """LM head and per-token losses [batch, seq] on the final hidden states (``token_losses``
+        of :meth:`forward`), by the same kernels as :meth:`head`."""
+        tp, ks = self.tp, self.ops
+        if tp.size == 1:
+            if ks is not None:
+                losses = ks.cross_entropy(h, self.lm_head.weight, labels, None, reduction="none")
+            else:
+                losses = self._token_losses(self.lm_head(h), labels)
+            return losses.view(labels.shape)
+        if tp.sp:  # the sequence-first layout of the activations: losses come out [seq, batch]
+            labels = labels.transpose(0, 1)
+        if ks is not None:
+            losses = vocab_parallel_lm_head_cross_entropy(h, self.lm_head.weight, labels, tp.group, None,
+                                                          reduction="none", sequence_parallel=tp.sp)
+        else:
+            losses = vocab_parallel_cross_entropy(self.lm_head(h).float(), labels, tp.group)
+        losses = losses.reshape(labels.shape)
+        return losses.transpose(0, 1) if tp.sp else losses
 
     def param_split(self) -> dict[str, int]:
         """Unique parameters of the whole model by part: ``embedding`` (token table, and position table

@@ -140,8 +140,9 @@ def check_max_ids(cfg: TrainConfig, prefixes: list[str]) -> None:
 def check_resume(cfg: TrainConfig) -> None:
     """A checkpoint to resume has the same model, the same learning-rate schedule unless
     ``override_opt_param_scheduler``, and the same data unless ``force_data``
-    (loader-only settings, ``num_workers`` and the cache directory, may change, and the blend's
-    weights and sources when the checkpoint keeps a data history: see ``blending/segments.py``)."""
+    (loader-only settings, ``num_workers`` and the cache directory, and the sources' display
+    ``names`` may change, and the blend's weights and sources when the checkpoint keeps a data
+    history: see ``blending/segments.py``)."""
     if cfg.resume is None:  # nothing to resume (check calls this with one only)
         return
     path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
@@ -154,7 +155,7 @@ def check_resume(cfg: TrainConfig) -> None:
     if cfg.force_data or saved.get("data") is None:
         return
     # a checkpoint with a data history continues each source exactly under other weights or sources
-    free = ("cache_dir", "build_timeout") + (("prefixes",) if "data_history" in state else ())
+    free = ("cache_dir", "build_timeout", "names") + (("prefixes",) if "data_history" in state else ())
 
     def order_defining(data: dict) -> dict:
         out = {k: v for k, v in data.items() if k != "num_workers"}

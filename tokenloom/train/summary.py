@@ -142,7 +142,23 @@ def regrets(cfg: TrainConfig, facts: RunFacts) -> list[str]:
     if facts.parameters > tokens:
         out.append(f"the model has {_count(facts.parameters)} parameters but the run trains on {_count(tokens)} "
                    "tokens; a smaller model (model.n_layers / model.d_model) or more steps fit better")
+    if cfg.log_loss_per_source and (cfg.data.blend is None or len(cfg.data.blend.prefixes) < 2):
+        out.append("log_loss_per_source is ignored: the data has one source, whose loss is train_loss; give a "
+                   "blend of two or more sources")
     if cfg.optim.warmup_iters >= cfg.train_iters:
         out.append(f"warmup ({cfg.optim.warmup_iters} steps) is not shorter than the run ({cfg.train_iters} steps): "
                    "the learning rate never reaches its peak; lower optim.warmup_iters")
     return out
+
+
+DATA_WAIT_WARN = 0.05
+"""Share of the training time spent waiting for data above which the run ends with a warning."""
+
+
+def data_wait_warning(share: float | None, num_workers: int) -> str | None:
+    """The end-of-run warning when the steps waited for data more than :data:`DATA_WAIT_WARN` of
+    the time (``share``, :attr:`~tokenloom.train.metrics.StepTimer.data_wait_share`), else None."""
+    if share is None or share <= DATA_WAIT_WARN:
+        return None
+    return (f"the steps waited for data {share:.1%} of the training time (data_wait_share in metrics.jsonl); "
+            f"more loader processes (data.num_workers, now {num_workers}) or faster storage would help")
