@@ -26,9 +26,15 @@ Policy and its costs:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import fcntl
+import hashlib
 import os
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tokenloom.errors import TokenloomError
 
@@ -170,3 +176,232 @@ def remove(url: str) -> None:
         fs, inner = filesystem(url)
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(inner)
+
+
+# --------------------------------------------------------------------------- reading datasets in place
+#
+# ``build``, ``train``, ``merge``, ``inspect`` and ``verify`` read ``.bin/.idx`` pairs where they are.
+# Small objects (an ``.idx``, a manifest) are fetched whole, once per node, into a local cache keyed
+# by their content; a ``.bin`` is never copied whole: :class:`RangedReader` serves byte ranges of it
+# from a bounded cache of large blocks.
+
+CACHE_ENV = "TOKENLOOM_CACHE"
+"""Root of the node-local cache of fetched objects (default ``$XDG_CACHE_HOME/tokenloom``, else
+``~/.cache/tokenloom``); objects go under ``objects/``. Ranks of a node share it."""
+
+BLOCK_ENV, CACHE_SIZE_ENV, READ_AHEAD_ENV = "TOKENLOOM_READ_BLOCK_MIB", "TOKENLOOM_READ_CACHE_MIB", \
+    "TOKENLOOM_READ_AHEAD"
+DEFAULT_BLOCK_MIB = 16
+"""Bytes per ranged GET of a ``.bin``, in MiB (``TOKENLOOM_READ_BLOCK_MIB``)."""
+DEFAULT_CACHE_MIB = 256
+"""Block cache per open ``.bin`` and process, in MiB (``TOKENLOOM_READ_CACHE_MIB``): the memory bound."""
+DEFAULT_READ_AHEAD = 2
+"""Blocks fetched in the background past the one read (``TOKENLOOM_READ_AHEAD``; 0 turns it off)."""
+RETRIES = 6
+"""Attempts after the first for a ranged GET or a fetch that fails transiently (backoff doubles from
+``RETRY_BACKOFF`` seconds): a dropped connection, a 5xx, a timeout. A missing object or denied access
+is final at once."""
+RETRY_BACKOFF = 0.05
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise TokenloomError(f"{name}={text!r}: expected an integer >= {minimum}")
+    return value
+
+
+def cache_root() -> str:
+    """The node-local object cache folder (see :data:`CACHE_ENV`)."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenloom")
+    return os.path.join(root, "objects")
+
+
+def stat(url: str) -> tuple[int, str]:
+    """``(size, version)`` of the object at ``url`` (version: ETag, else mtime); :class:`StoreError`
+    naming ``url`` when it is missing, denied or unreachable."""
+    with store_errors(url, "lookup"):
+        fs, inner = filesystem(url)
+        info = fs.info(inner)
+        if info.get("type") == "directory":
+            raise FileNotFoundError(url)
+        version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
+        return int(info["size"]), str(version)
+
+
+def _transient(exc: BaseException) -> bool:
+    """True unless retrying cannot help: a missing object, denied access, no credentials."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, TokenloomError)):
+        return False
+    return type(exc).__name__ not in ("NoCredentialsError", "PartialCredentialsError")
+
+
+def _retrying(url: str, action: str, fn):
+    """``fn()`` retried with doubling backoff on transient failures; the last one as a :class:`StoreError`."""
+    import random  # lazy: only object-store reads retry
+
+    for attempt in range(RETRIES + 1):
+        try:
+            with store_errors(url, action):
+                try:
+                    return fn()
+                except _store_failures() as exc:
+                    if attempt == RETRIES or not _transient(exc):
+                        raise
+        except StoreError:
+            raise
+        time.sleep(RETRY_BACKOFF * (2 ** attempt) * (1 + random.random()))
+    raise AssertionError("unreachable")
+
+
+def _plain_md5(version: str) -> str | None:
+    """The MD5 an S3 ETag is for a single-part upload (None for a multipart one or another version)."""
+    tag = version.strip('"')
+    return tag if len(tag) == 32 and all(c in "0123456789abcdef" for c in tag) else None
+
+
+def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
+    """A local path holding the object at ``url``, fetched once per node into :func:`cache_root`.
+
+    The entry is keyed by the object's size and ETag (content, not name: the same bytes under
+    another URL share it) and keeps the object's base name. A fetch downloads into a temporary
+    file beside the entry, checks the size (and the MD5 a single-part ETag is), fsyncs and renames
+    it into place, under an exclusive ``flock`` so that the ranks of a node fetch once and the
+    others wait and reuse it; a killed fetcher leaves only a temporary file. ``missing_ok``: None
+    for a missing object instead of an error (manifests are optional).
+    """
+    try:
+        size, version = stat(url)
+    except StoreError as exc:
+        if missing_ok and "no such object" in str(exc):
+            return None
+        raise
+    key = hashlib.sha256(f"{size}\0{version}".encode()).hexdigest()[:32]
+    entry = os.path.join(cache_root(), key)
+    path = os.path.join(entry, url.rstrip("/").rsplit("/", 1)[-1])
+    if os.path.isfile(path) and os.path.getsize(path) == size:
+        return path
+    try:
+        os.makedirs(entry, exist_ok=True)
+        with open(os.path.join(entry, ".lock"), "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            if os.path.isfile(path) and os.path.getsize(path) == size:
+                return path
+            fs, inner = filesystem(url)
+            data = _retrying(url, "fetching", lambda: fs.cat_file(inner))
+            if len(data) != size or (_plain_md5(version) not in (None, hashlib.md5(data).hexdigest())):
+                raise StoreError(f"{url}: fetching failed: got {len(data)} bytes that do not match the object's "
+                                 f"size {size} and ETag {version} (changed while read?); rerun")
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise TokenloomError(f"{entry}: cannot write the object cache ({exc.strerror}); set {CACHE_ENV} to a "
+                             "writable folder") from None
+    return path
+
+
+class RangedReader:
+    """Random access to an object's bytes by ranged GETs of whole blocks through a bounded LRU cache.
+
+    ``read(offset, nbytes)`` serves bytes from cached blocks, fetching missing ones; a read of
+    block ``b`` also starts background fetches of the next ``read_ahead`` blocks, so a reader
+    moving forward (a merge, a hash, a verify, a loader walking its shard) finds them in memory.
+    Memory: at most ``cache_bytes`` of blocks, read-ahead included. Transient failures are retried
+    with backoff (:data:`RETRIES`). A DataLoader worker forked from a process that used the reader
+    starts over with an empty cache and its own threads and connections (neither survive a fork).
+
+    Trade-off: blocks are large (a GET's latency is paid per block, not per sample), so a shuffled
+    sample order over a ``.bin`` much larger than the cache pays a block's transfer per miss; the
+    defaults suit files up to about the cache size per process and sequential passes of any size.
+    """
+
+    def __init__(self, url: str, size: int, block: int | None = None, cache_bytes: int | None = None,
+                 read_ahead: int | None = None):
+        self.url, self.size = url, size
+        self.block = block or _env_int(BLOCK_ENV, DEFAULT_BLOCK_MIB, 1) << 20
+        cache = cache_bytes if cache_bytes is not None else _env_int(CACHE_SIZE_ENV, DEFAULT_CACHE_MIB, 1) << 20
+        self.capacity = max(1, cache // self.block)
+        ahead = read_ahead if read_ahead is not None else _env_int(READ_AHEAD_ENV, DEFAULT_READ_AHEAD, 0)
+        self.read_ahead = min(ahead, self.capacity - 1)
+        self._pid = -1
+
+    def _fresh(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._fs, self._inner = filesystem(self.url)
+            self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+            self._pending: dict[int, Future] = {}
+            self._lock = threading.Lock()
+            self._pool = ThreadPoolExecutor(max(1, self.read_ahead), thread_name_prefix="tokenloom-read-ahead") \
+                if self.read_ahead else None
+
+    def _get(self, b: int) -> bytes:
+        start, end = b * self.block, min(self.size, (b + 1) * self.block)
+
+        def once() -> bytes:
+            data = self._fs.cat_file(self._inner, start=start, end=end)
+            if len(data) != end - start:
+                raise ConnectionError(f"short read: {len(data)} of {end - start} bytes")
+            return data
+
+        return _retrying(self.url, f"reading bytes {start}-{end}", once)
+
+    def _store(self, b: int, data: bytes) -> None:
+        self._blocks[b] = data
+        self._blocks.move_to_end(b)
+        while len(self._blocks) + len(self._pending) > self.capacity and self._blocks:
+            self._blocks.popitem(last=False)
+
+    def block_data(self, b: int) -> bytes:
+        """Block ``b`` (bytes ``b * block`` up to the next block or the end)."""
+        self._fresh()
+        with self._lock:
+            data = self._blocks.get(b)
+            if data is not None:
+                self._blocks.move_to_end(b)
+            pending = None if data is not None else self._pending.get(b)
+            last = (self.size - 1) // self.block
+            if self._pool is not None:
+                for ahead in range(b + 1, min(last, b + self.read_ahead) + 1):
+                    if ahead not in self._blocks and ahead not in self._pending:
+                        self._pending[ahead] = self._pool.submit(self._get, ahead)
+        if data is not None:
+            return data
+        try:
+            data = pending.result() if pending is not None else self._get(b)
+        except StoreError:
+            if pending is None:
+                raise
+            data = self._get(b)  # a read-ahead that failed is retried by the reader that needs it
+        with self._lock:
+            self._pending.pop(b, None)
+            for done in [k for k, f in self._pending.items() if f.done()]:
+                future = self._pending.pop(done)
+                if future.exception() is None:
+                    self._store(done, future.result())
+            self._store(b, data)
+        return data
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` bytes from ``offset`` (within the object)."""
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"{self.url}: bytes [{offset}, {offset + nbytes}) outside the object's {self.size}")
+        parts, pos, end = [], offset, offset + nbytes
+        while pos < end:
+            b = pos // self.block
+            data = self.block_data(b)
+            take = data[pos - b * self.block: min(end, (b + 1) * self.block) - b * self.block]
+            parts.append(take)
+            pos += len(take)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
