@@ -153,7 +153,7 @@ class FaultProxy:
     """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (a thread): every request waits ``latency``
     seconds, and a share ``drop`` of them fails, half by closing the connection without an answer and
     half with ``503 SlowDown`` (what a loaded S3 answers); a seeded draw, so runs see a similar mix.
-    ``requests`` and ``dropped`` count what it saw."""
+    ``requests`` and ``dropped`` count what it saw; ``log`` holds each request's (method, path, Range)."""
 
     def __init__(self, upstream: str, drop: float = 0.0, latency: float = 0.0, seed: int = 0):
         import http.client
@@ -165,6 +165,7 @@ class FaultProxy:
         target = urlsplit(upstream)
         rng, lock, proxy = random.Random(seed), threading.Lock(), self
         self.requests = self.dropped = 0
+        self.log: list[tuple[str, str, str | None]] = []
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -180,6 +181,7 @@ class FaultProxy:
                 with lock:
                     draw = rng.random()
                     proxy.requests += 1
+                    proxy.log.append((self.command, self.path, self.headers.get("Range")))
                     proxy.dropped += draw < drop
                 if draw < drop / 2:
                     self.close_connection = True  # no answer at all
