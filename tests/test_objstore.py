@@ -95,3 +95,24 @@ def test_local_copy_is_fetched_once_by_concurrent_fetchers_and_keyed_by_content(
     assert objstore.local_copy("s3://objects/none.json", missing_ok=True) is None
     with pytest.raises(objstore.StoreError, match=r"s3://objects/none.json: lookup failed: no such object"):
         objstore.local_copy("s3://objects/none.json")
+
+
+def _read_in_child(reader, queue) -> None:
+    queue.put(reader.read(3 * BLOCK, 10))
+
+
+def test_a_forked_worker_reads_with_its_own_cache_and_connections(store):
+    """A DataLoader worker is forked from a process whose reader is warm: the worker starts over."""
+    import multiprocessing
+
+    _, url = store
+    reader = objstore.RangedReader(url, len(DATA), block=BLOCK, cache_bytes=4 * BLOCK, read_ahead=2)
+    assert reader.read(0, 10) == DATA[:10]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(reader, queue))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0 and got == DATA[3 * BLOCK: 3 * BLOCK + 10]
+    assert reader.read(BLOCK, 10) == DATA[BLOCK: BLOCK + 10], "the parent reads on"

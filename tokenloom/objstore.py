@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -202,6 +203,24 @@ RETRIES = 6
 ``RETRY_BACKOFF`` seconds): a dropped connection, a 5xx, a timeout. A missing object or denied access
 is final at once."""
 RETRY_BACKOFF = 0.05
+
+
+_INHERITED: list = []
+
+
+def _keep_inherited_filesystems() -> None:
+    """In a forked child (a DataLoader worker), keep the parent's cached s3fs file systems alive, unused.
+
+    fsspec drops them from its instance cache in the child, and s3fs's finalizer would then close
+    the parent's connections from the child's event loop, which prints "Task exception was never
+    retrieved" on stderr for every worker. The child makes its own (see :class:`RangedReader`).
+    """
+    s3fs = sys.modules.get("s3fs.core")
+    if s3fs is not None:
+        _INHERITED.extend(getattr(s3fs.S3FileSystem, "_cache", {}).values())
+
+
+os.register_at_fork(after_in_child=_keep_inherited_filesystems)
 
 
 def _env_int(name: str, default: int, minimum: int) -> int:
