@@ -96,7 +96,7 @@ def step_wait(samples: GPTSamples, workers: int, steps: int, d_model: int) -> tu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=16_000_000, help="tokens in the source (uint16)")
-    parser.add_argument("--samples", type=int, default=6000, help="train samples read per pass")
+    parser.add_argument("--samples", type=int, default=12000, help="train samples read per pass")
     parser.add_argument("--latency", type=float, default=0.02, help="seconds the proxy adds per request")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
