@@ -136,7 +136,7 @@ def main() -> None:
 
     mib = args.tokens * 2 / (1 << 20)
     print_table(
-        f"### loader: one source of {mib:.0f} MiB (uint16), {args.samples} samples of {SEQ} per pass, "
+        f"loader: one source of {mib:.0f} MiB (uint16), {args.samples} samples of {SEQ} per pass, "
         f"{args.workers} DataLoader workers, batches of {BATCH}; S3 = moto on 127.0.0.1 behind a proxy adding "
         f"{args.latency * 1000:.0f} ms per request, default block cache and read-ahead; best of {args.rounds} "
         f"alternating passes; 2 shared CPU cores, noisy (tokenloom = S3, baseline = local)",
