@@ -72,8 +72,8 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 def test_build_from_s3_gives_the_local_arrays_and_reuses_the_local_cache(s3, data, tmp_path):
-    """Same index arrays, under the same content keys: a remote build in the cache the local build
-    filled builds nothing."""
+    """Same index arrays, under the same content keys: a remote build (here from a blend file) in the
+    cache the local build filled builds nothing."""
     args = ["build", "--seq-length", "16", "--num-samples", "300,20,10", "--split", "90,8,2"]
     local = run_cli(*args, "--cache-dir", tmp_path / "local", "--data", *_blend(data["local"]))
     assert local.returncode == 0, local.stderr
@@ -82,8 +82,10 @@ def test_build_from_s3_gives_the_local_arrays_and_reuses_the_local_cache(s3, dat
     assert remote.returncode == 0, remote.stderr
     built = _tree(tmp_path / "local")
     assert built and _tree(tmp_path / "remote") == built
-    again = run_cli(*args, "--cache-dir", tmp_path / "local", "--data", *_blend(data["remote"]),
-                    env=_env(s3, tmp_path))
+    blend_file = tmp_path / "blend.json"  # a blend file names object-store prefixes as --data does
+    weights = _blend(data["remote"])[::2]
+    blend_file.write_text(json.dumps({"data": [[float(w), p] for w, p in zip(weights, data["remote"], strict=True)]}))
+    again = run_cli(*args, "--cache-dir", tmp_path / "local", "--blend-file", blend_file, env=_env(s3, tmp_path))
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == \
         sorted(p.name for p in (tmp_path / "remote").iterdir()), "the remote copy hits the local entries"

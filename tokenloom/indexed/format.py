@@ -674,7 +674,12 @@ class _OpenFiles:
 
 def read_header(idx_file: str) -> tuple[np.dtype, int, int]:
     """(dtype, N, M) from an ``.idx`` header (a file or a URL), or :class:`FormatError` saying what is wrong."""
-    with open(local_file(idx_file), "rb") as f:
+    return _header(local_file(idx_file), idx_file)
+
+
+def _header(path: str, idx_file: str) -> tuple[np.dtype, int, int]:
+    """:func:`read_header` of the local file ``path``, errors naming ``idx_file`` (its URL, for a fetched copy)."""
+    with open(path, "rb") as f:
         head = f.read(HEADER_SIZE)
     if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
         found = head[: len(MAGIC)]
@@ -723,7 +728,7 @@ def _open_files(prefix: str, multimodal: bool) -> _OpenFiles:
             raise FormatError(f"{path}: no such file (expected a dataset written by `tokenloom preprocess` "
                               "or Megatron's preprocess_data.py)")
     idx_local = local_file(idx_file)
-    dtype, n, m = read_header(idx_file)
+    dtype, n, m = _header(idx_local, idx_file)
     idx_size = os.path.getsize(idx_local)
     expected = HEADER_SIZE + 12 * n + 8 * m + (n if multimodal else 0)
     if idx_size < expected:
