@@ -293,7 +293,8 @@ def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
     another URL share it) and keeps the object's base name. A fetch downloads into a temporary
     file beside the entry, checks the size (and the MD5 a single-part ETag is), fsyncs and renames
     it into place, under an exclusive ``flock`` so that the ranks of a node fetch once and the
-    others wait and reuse it; a killed fetcher leaves only a temporary file. ``missing_ok``: None
+    others wait and reuse it; a killed fetcher leaves only a temporary file (the next fetch removes
+    it). The download streams to disk: memory stays bounded whatever the object's size. ``missing_ok``: None
     for a missing object instead of an error (manifests are optional).
     """
     try:
@@ -313,16 +314,21 @@ def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             if os.path.isfile(path) and os.path.getsize(path) == size:
                 return path
+            for stale in os.listdir(entry):  # left by a killed fetcher (the lock is ours)
+                if ".tmp-" in stale:
+                    os.unlink(os.path.join(entry, stale))
             fs, inner = filesystem(url)
-            data = _retrying(url, "fetching", lambda: fs.cat_file(inner))
-            if len(data) != size or (_plain_md5(version) not in (None, hashlib.md5(data).hexdigest())):
-                raise StoreError(f"{url}: fetching failed: got {len(data)} bytes that do not match the object's "
-                                 f"size {size} and ETag {version} (changed while read?); rerun")
             tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
+            _retrying(url, "fetching", lambda: fs.get_file(inner, tmp))  # streamed: an .idx may be large
+            got, digest = os.path.getsize(tmp), hashlib.md5(usedforsecurity=False)
+            with open(tmp, "rb") as f:
+                for chunk in iter(lambda: f.read(READ_BLOCK), b""):
+                    digest.update(chunk)
+                os.fsync(f.fileno())
+            if got != size or _plain_md5(version) not in (None, digest.hexdigest()):
+                os.unlink(tmp)
+                raise StoreError(f"{url}: fetching failed: got {got} bytes that do not match the object's "
+                                 f"size {size} and ETag {version} (changed while read?); rerun")
             os.replace(tmp, path)
     except OSError as exc:
         raise TokenloomError(f"{entry}: cannot write the object cache ({exc.strerror}); set {CACHE_ENV} to a "
