@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import random
 import sys
 import threading
 import time
@@ -244,15 +245,14 @@ def cache_root() -> str:
 
 
 def stat(url: str) -> tuple[int, str]:
-    """``(size, version)`` of the object at ``url`` (version: ETag, else mtime); :class:`StoreError`
-    naming ``url`` when it is missing, denied or unreachable."""
-    with store_errors(url, "lookup"):
-        fs, inner = filesystem(url)
-        info = fs.info(inner)
-        if info.get("type") == "directory":
-            raise FileNotFoundError(url)
-        version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
-        return int(info["size"]), str(version)
+    """``(size, version)`` of the object at ``url`` (version: ETag, else mtime), asked afresh and retried
+    on transient failures; :class:`StoreError` naming ``url`` when it is missing, denied or unreachable."""
+    fs, inner = filesystem(url)
+    info = _retrying(url, "lookup", lambda: fs.info(inner, refresh=True))
+    if info.get("type") == "directory":
+        raise StoreError(f"{url}: lookup failed: no such object (a folder)")
+    version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
+    return int(info["size"]), str(version)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -262,10 +262,12 @@ def _transient(exc: BaseException) -> bool:
     return type(exc).__name__ not in ("NoCredentialsError", "PartialCredentialsError")
 
 
+_JITTER = random.Random()
+"""The retries' own generator: drawing from the global one would change a training run's saved RNG state."""
+
+
 def _retrying(url: str, action: str, fn):
     """``fn()`` retried with doubling backoff on transient failures; the last one as a :class:`StoreError`."""
-    import random  # lazy: only object-store reads retry
-
     for attempt in range(RETRIES + 1):
         try:
             with store_errors(url, action):
@@ -276,7 +278,7 @@ def _retrying(url: str, action: str, fn):
                         raise
         except StoreError:
             raise
-        time.sleep(RETRY_BACKOFF * (2 ** attempt) * (1 + random.random()))
+        time.sleep(RETRY_BACKOFF * (2 ** attempt) * (1 + _JITTER.random()))
     raise AssertionError("unreachable")
 
 
