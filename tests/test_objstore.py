@@ -116,3 +116,15 @@ def test_a_forked_worker_reads_with_its_own_cache_and_connections(store):
     child.join(timeout=60)
     assert child.exitcode == 0 and got == DATA[3 * BLOCK: 3 * BLOCK + 10]
     assert reader.read(BLOCK, 10) == DATA[BLOCK: BLOCK + 10], "the parent reads on"
+
+
+def test_the_block_cache_holds_its_byte_budget_across_objects():
+    """One LRU for every object a process reads: a blend of many sources stays within the budget."""
+    cache = objstore.BlockCache(capacity=10)
+    for i in range(5):
+        cache.put((f"s3://b/source{i}.bin", 0), bytes(4))
+    assert cache.used <= 10 and ("s3://b/source4.bin", 0) in cache and ("s3://b/source0.bin", 0) not in cache
+    assert cache.get(("s3://b/source3.bin", 0)) == bytes(4)
+    cache.put(("s3://b/source5.bin", 0), bytes(4))  # evicts the least recently used: source4, not source3
+    assert ("s3://b/source3.bin", 0) in cache and ("s3://b/source4.bin", 0) not in cache
+    assert objstore.block_cache() is objstore.block_cache(), "one per process"

@@ -338,36 +338,82 @@ def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
     return path
 
 
+class BlockCache:
+    """An LRU of blocks of objects, keyed by (URL, block number), holding at most ``capacity`` bytes.
+
+    One per process serves every :class:`RangedReader` (:func:`block_cache`), so a blend of
+    thousands of remote sources holds at most ``TOKENLOOM_READ_CACHE_MIB`` of blocks in all;
+    thread-safe (read-ahead threads store into it).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self._blocks: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int]) -> bytes | None:
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is not None:
+                self._blocks.move_to_end(key)
+            return data
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def put(self, key: tuple[str, int], data: bytes) -> None:
+        with self._lock:
+            old = self._blocks.pop(key, None)
+            self.used += len(data) - (len(old) if old is not None else 0)
+            self._blocks[key] = data
+            while self.used > self.capacity and len(self._blocks) > 1:
+                self.used -= len(self._blocks.popitem(last=False)[1])
+
+
+_SHARED: list[tuple[int, BlockCache]] = []
+
+
+def block_cache() -> BlockCache:
+    """This process's shared :class:`BlockCache` (a forked child starts an empty one)."""
+    if not _SHARED or _SHARED[0][0] != os.getpid():
+        _SHARED[:] = [(os.getpid(), BlockCache(_env_int(CACHE_SIZE_ENV, DEFAULT_CACHE_MIB, 1) << 20))]
+    return _SHARED[0][1]
+
+
 class RangedReader:
     """Random access to an object's bytes by ranged GETs of whole blocks through a bounded LRU cache.
 
     ``read(offset, nbytes)`` serves bytes from cached blocks, fetching missing ones; a read of
     block ``b`` also starts background fetches of the next ``read_ahead`` blocks, so a reader
     moving forward (a merge, a hash, a verify, a loader walking its shard) finds them in memory.
-    Memory: at most ``cache_bytes`` of blocks, read-ahead included. Transient failures are retried
-    with backoff (:data:`RETRIES`). A DataLoader worker forked from a process that used the reader
-    starts over with an empty cache and its own threads and connections (neither survive a fork).
+    Memory: the process's shared :func:`block_cache` (``TOKENLOOM_READ_CACHE_MIB`` for all open
+    objects together), or a cache of its own of ``cache_bytes``; plus at most ``read_ahead`` blocks in
+    flight per reader. Transient failures are retried with backoff (:data:`RETRIES`). A DataLoader
+    worker forked from a process that used the reader starts over with an empty cache and its own
+    threads and connections (neither survive a fork).
 
     Trade-off: blocks are large (a GET's latency is paid per block, not per sample), so a shuffled
-    sample order over a ``.bin`` much larger than the cache pays a block's transfer per miss; the
-    defaults suit files up to about the cache size per process and sequential passes of any size.
+    sample order over data much larger than the cache pays a block's transfer per miss; the
+    defaults suit data up to about the cache size per process and sequential passes of any size.
     """
 
     def __init__(self, url: str, size: int, block: int | None = None, cache_bytes: int | None = None,
                  read_ahead: int | None = None):
         self.url, self.size = url, size
         self.block = block or _env_int(BLOCK_ENV, DEFAULT_BLOCK_MIB, 1) << 20
+        self.cache_bytes = cache_bytes
         cache = cache_bytes if cache_bytes is not None else _env_int(CACHE_SIZE_ENV, DEFAULT_CACHE_MIB, 1) << 20
-        self.capacity = max(1, cache // self.block)
         ahead = read_ahead if read_ahead is not None else _env_int(READ_AHEAD_ENV, DEFAULT_READ_AHEAD, 0)
-        self.read_ahead = min(ahead, self.capacity - 1)
+        self.read_ahead = min(ahead, max(1, cache // self.block) - 1)
         self._pid = -1
 
     def _fresh(self) -> None:
         if self._pid != os.getpid():
             self._pid = os.getpid()
             self._fs, self._inner = filesystem(self.url)
-            self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+            self._cache = block_cache() if self.cache_bytes is None else BlockCache(self.cache_bytes)
             self._pending: dict[int, Future] = {}
             self._lock = threading.Lock()
             self._pool = ThreadPoolExecutor(max(1, self.read_ahead), thread_name_prefix="tokenloom-read-ahead") \
@@ -384,25 +430,24 @@ class RangedReader:
 
         return _retrying(self.url, f"reading bytes {start}-{end}", once)
 
-    def _store(self, b: int, data: bytes) -> None:
-        self._blocks[b] = data
-        self._blocks.move_to_end(b)
-        while len(self._blocks) + len(self._pending) > self.capacity and self._blocks:
-            self._blocks.popitem(last=False)
+    def _ahead(self, b: int) -> bytes:
+        data = self._get(b)
+        self._cache.put((self.url, b), data)
+        return data
 
     def block_data(self, b: int) -> bytes:
         """Block ``b`` (bytes ``b * block`` up to the next block or the end)."""
         self._fresh()
+        data = self._cache.get((self.url, b))
         with self._lock:
-            data = self._blocks.get(b)
-            if data is not None:
-                self._blocks.move_to_end(b)
+            for done in [k for k, f in self._pending.items() if f.done()]:
+                del self._pending[done]  # stored by the thread (or failed: fetched again when needed)
             pending = None if data is not None else self._pending.get(b)
-            last = (self.size - 1) // self.block
             if self._pool is not None:
+                last = (self.size - 1) // self.block
                 for ahead in range(b + 1, min(last, b + self.read_ahead) + 1):
-                    if ahead not in self._blocks and ahead not in self._pending:
-                        self._pending[ahead] = self._pool.submit(self._get, ahead)
+                    if ahead not in self._pending and (self.url, ahead) not in self._cache:
+                        self._pending[ahead] = self._pool.submit(self._ahead, ahead)
         if data is not None:
             return data
         try:
@@ -411,13 +456,7 @@ class RangedReader:
             if pending is None:
                 raise
             data = self._get(b)  # a read-ahead that failed is retried by the reader that needs it
-        with self._lock:
-            self._pending.pop(b, None)
-            for done in [k for k, f in self._pending.items() if f.done()]:
-                future = self._pending.pop(done)
-                if future.exception() is None:
-                    self._store(done, future.result())
-            self._store(b, data)
+        self._cache.put((self.url, b), data)
         return data
 
     def read(self, offset: int, nbytes: int) -> bytes:
