@@ -196,7 +196,7 @@ BLOCK_ENV, CACHE_SIZE_ENV, READ_AHEAD_ENV = "TOKENLOOM_READ_BLOCK_MIB", "TOKENLO
 DEFAULT_BLOCK_MIB = 16
 """Bytes per ranged GET of a ``.bin``, in MiB (``TOKENLOOM_READ_BLOCK_MIB``)."""
 DEFAULT_CACHE_MIB = 256
-"""Block cache per open ``.bin`` and process, in MiB (``TOKENLOOM_READ_CACHE_MIB``): the memory bound."""
+"""Block cache per process, shared by every object it reads, in MiB (``TOKENLOOM_READ_CACHE_MIB``): the memory bound."""
 DEFAULT_READ_AHEAD = 2
 """Blocks fetched in the background past the one read (``TOKENLOOM_READ_AHEAD``; 0 turns it off)."""
 RETRIES = 6
