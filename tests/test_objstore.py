@@ -128,3 +128,16 @@ def test_the_block_cache_holds_its_byte_budget_across_objects():
     cache.put(("s3://b/source5.bin", 0), bytes(4))  # evicts the least recently used: source4, not source3
     assert ("s3://b/source3.bin", 0) in cache and ("s3://b/source4.bin", 0) not in cache
     assert objstore.block_cache() is objstore.block_cache(), "one per process"
+
+
+def test_stat_many_lists_a_folder_once_instead_of_a_head_per_object(store, s3):
+    proxy, _ = store
+    fs = s3.fs()
+    urls = [f"s3://objects/many/part{i}.idx" for i in range(objstore.LIST_AT)]
+    for i, url in enumerate(urls):
+        fs.pipe_file(url[5:], bytes(i + 1))
+    before = len(proxy.log)
+    found = objstore.stat_many([*urls, "s3://objects/many/missing.idx"])
+    assert len(proxy.log) - before == 1 and proxy.log[-1][0] == "GET", "one listing"
+    assert found["s3://objects/many/missing.idx"] is None
+    assert all(found[url] == objstore.stat(url) for url in urls), "the listing's sizes and ETags are the HEAD's"

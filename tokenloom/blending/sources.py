@@ -23,7 +23,7 @@ asks (``max_ids=True``), since a build never needs it and a pass over terabytes 
 is not free; the record is then appended again with it, and the later line wins.
 
 A source may be an object-store prefix (``s3://...``): its version is then each object's size and
-ETag (one HEAD each), and the ``.idx`` and manifest are read from the node's cached copies.
+ETag (a listing per folder, or a HEAD each for a few: :func:`tokenloom.objstore.stat_many`), and the ``.idx`` and manifest are read from the node's cached copies.
 
 The digest is BLAKE3 over the ``.idx`` bytes and the manifest (with their base names, which a
 fetched copy keeps: a local and a remote copy of the same bytes get the same digest, so the
@@ -89,18 +89,16 @@ def clear_memo() -> None:
         _MEMO.clear()
 
 
-def _stamp(prefix: str) -> str:
+def _stamp(prefix: str, remote: dict[str, tuple[int, str] | None]) -> str:
     """The version of a source's files: (device, inode, size, mtime_ns) of ``.idx``, ``.bin`` and manifest;
-    for an object-store prefix, each object's URL, size and ETag."""
+    for an object-store prefix, each object's URL, size and ETag, from ``remote`` (:func:`tokenloom.objstore.stat_many`)."""
     parts = []
     if objstore.is_url(prefix):
         for path in (f"{prefix}.idx", f"{prefix}.bin", f"{prefix}.manifest.json"):
-            try:
-                parts.append("{}:{}:{}".format(path, *objstore.stat(path)))
-            except objstore.StoreError as exc:
-                if not path.endswith(".manifest.json") or "no such object" not in str(exc):
-                    raise
-                parts.append("-")
+            found = remote[path]
+            if found is None and not path.endswith(".manifest.json"):
+                raise objstore.StoreError(f"{path}: lookup failed: no such object or bucket")
+            parts.append("-" if found is None else "{}:{}:{}".format(path, *found))
         return "/".join(parts)
     for path in (f"{prefix}.idx", f"{prefix}.bin", f"{prefix}.manifest.json"):
         try:
@@ -179,7 +177,9 @@ def source_metadata(prefixes: list[str], memo_dir: str | os.PathLike | None = No
     :attr:`SourceMeta.max_id` of every source without a manifest (one pass over its ``.bin``
     the first time).
     """
-    stamps = {p: _stamp(p) for p in dict.fromkeys(prefixes)}
+    remote = objstore.stat_many([f"{p}{suffix}" for p in prefixes if objstore.is_url(p)
+                                 for suffix in (".idx", ".bin", ".manifest.json")])
+    stamps = {p: _stamp(p, remote) for p in dict.fromkeys(prefixes)}
 
     def wanted(p: str) -> bool:
         meta = _MEMO.get(stamps[p])

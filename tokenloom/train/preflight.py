@@ -101,10 +101,14 @@ def check_sources(cfg: TrainConfig) -> None:
     tok, unmanifested = None, []
     if cfg.tokenizer:
         tok = open_tokenizer(cfg.tokenizer)
+    remote = objstore.stat_many([path for _, prefix in blend.prefixes if objstore.is_url(prefix)
+                                 for path in (index_path(prefix), data_path(prefix))])  # denied, unreachable: one line
     for _, prefix in blend.prefixes:
         for path in (index_path(prefix), data_path(prefix)):
             if objstore.is_url(path):
-                objstore.stat(path)  # a missing object, denied access, an unreachable store: one line naming it
+                if remote[path] is None:
+                    raise objstore.StoreError(f"--data: {path}: no such object (a PREFIX names PREFIX.bin and "
+                                              "PREFIX.idx, as preprocess --output-prefix wrote them)")
             elif not Path(path).is_file():
                 raise TokenloomError(f"--data: {path} does not exist (a PREFIX names PREFIX.bin and PREFIX.idx, as "
                                      "preprocess --output-prefix wrote them)")
