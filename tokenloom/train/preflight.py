@@ -4,7 +4,8 @@ names the flag or file and what to type instead.
 The launching process runs :func:`check` (``cli.py train``, with or without
 ``--nproc-per-node``), so a typo costs a second, not a torchrun start-up and one
 traceback per rank. Everything here reads only the config and small files (``.idx``
-headers, manifests, a checkpoint's ``state.json``), except that a source without a manifest
+headers, manifests, a checkpoint's ``state.json``; an object-store source's ``.idx`` and manifest are fetched
+into the node's cache here, once, before the ranks that read them start), except that a source without a manifest
 has its largest token id read once per file version (cached with the cache directory's
 source records, :mod:`tokenloom.blending.sources`) to compare with the model's vocabulary,
 so ids from another tokenizer fail here instead of in every rank's embedding; what needs the built indices (enough
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenloom import objstore
 from tokenloom.blending.sources import source_metadata
 from tokenloom.blending.split import Split, split_documents, split_matrix
 from tokenloom.errors import TokenloomError
@@ -99,9 +101,15 @@ def check_sources(cfg: TrainConfig) -> None:
     tok, unmanifested = None, []
     if cfg.tokenizer:
         tok = open_tokenizer(cfg.tokenizer)
+    remote = objstore.stat_many([path for _, prefix in blend.prefixes if objstore.is_url(prefix)
+                                 for path in (index_path(prefix), data_path(prefix))])  # denied, unreachable: one line
     for _, prefix in blend.prefixes:
         for path in (index_path(prefix), data_path(prefix)):
-            if not Path(path).is_file():
+            if objstore.is_url(path):
+                if remote[path] is None:
+                    raise objstore.StoreError(f"--data: {path}: no such object (a PREFIX names PREFIX.bin and "
+                                              "PREFIX.idx, as preprocess --output-prefix wrote them)")
+            elif not Path(path).is_file():
                 raise TokenloomError(f"--data: {path} does not exist (a PREFIX names PREFIX.bin and PREFIX.idx, as "
                                      "preprocess --output-prefix wrote them)")
         num_sequences = read_header(index_path(prefix))[1]
