@@ -141,3 +141,17 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grou
         return torch._grouped_mm(x.to(dtype), weight.to(dtype), offs=offsets)
     parts = x.split(counts.tolist())
     return torch.cat([part @ w for part, w in zip(parts, weight, strict=True)])
+
+
+def log_fields(table: torch.Tensor, layers: list[int]) -> dict:
+    """Metrics of a log interval from ``table`` [MoE layers, E + 3] (each row a layer's
+    :meth:`~tokenloom.train.model.MoE.take_stats` summed over the ranks, in ``layers``' order):
+    ``moe_balance_loss`` and ``moe_z_loss`` (means over forwards and layers, coefficients not
+    applied), ``moe_min_expert_share`` (the smallest fraction of routed tokens any expert of any
+    layer got; ``1 / E`` is perfect balance) and ``moe_tokens_per_expert`` (per layer)."""
+    counts, balance, z, forwards = table[:, :-3], table[:, -3], table[:, -2], table[:, -1].clamp(min=1)
+    shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+    return {"moe_balance_loss": float((balance / forwards).mean()), "moe_z_loss": float((z / forwards).mean()),
+            "moe_min_expert_share": float(shares.min()),
+            "moe_tokens_per_expert": {str(i): [int(c) for c in row] for i, row in zip(layers, counts.tolist(),
+                                                                                       strict=True)}}
