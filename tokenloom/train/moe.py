@@ -117,12 +117,15 @@ def unpermute(out: torch.Tensor, order: torch.Tensor, gates: torch.Tensor, token
 
 def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs ``x`` [n, a] @ ``weight`` [E, a, b] here: the op exists,
-    rows are 16-byte aligned, and on CUDA the inputs are bf16 on a Hopper or newer GPU."""
+    rows are 16-byte aligned, and on CUDA the inputs are bf16 on a Hopper or newer GPU; under
+    ``torch.compile`` bf16 only (the op's shape function refuses other dtypes)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     size = torch.empty((), dtype=dtype, device="meta").element_size()
     if (x.shape[-1] * size) % 16 or (weight.shape[-1] * size) % 16:
+        return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
         return False
     if x.device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)

@@ -1,7 +1,7 @@
 """Mixture-of-experts models in the parallel layouts against their one-process run (issue 43,
 acceptance 2 without expert parallelism): 20-step losses, grad norms, the logged balance and z
 losses and tokens per expert, and the final parameters (experts and routers included) of dp 2,
-tp 2 with sequence parallelism, pp 2 and dp 2 with ZeRO-1, every layout trained with the process
+tp 2 with sequence parallelism (eager and compiled), pp 2 and dp 2 with ZeRO-1, every layout trained with the process
 default device set to ``meta`` (the meta default-device suite's check: no tensor made without
 naming the run's device).
 
@@ -20,6 +20,8 @@ LAYOUTS = {  # name -> TrainConfig overrides on 2 ranks; (dp, tp, pp)
     "dp1_tp2_pp1_sp": dict(tp=2, sp=True),
     "dp1_tp1_pp2": dict(pp=2),
     "dp2_tp1_pp1_zero1": dict(zero1=True, ddp_bucket_cap_mb=0.02),
+    # compiled blocks (compile's default on CUDA): fp32 experts fall back to the loop under compile
+    "dp1_tp2_pp1_sp_compile": dict(tp=2, sp=True, compile=True),
 }
 
 
