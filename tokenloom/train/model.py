@@ -11,6 +11,12 @@ features existed builds the same model. Any combination builds, in every layout 
 mode: each feature is its own op in every :class:`~tokenloom.train.kernels.KernelSet` (norm,
 activation, RoPE), so no combination falls back or is refused.
 
+Mixture of experts (``num_experts``, Megatron's MoE flags): blocks chosen by ``moe_layer_freq``
+hold a :class:`MoE` instead of the :class:`MLP` (:mod:`tokenloom.train.moe`: fp32 top-k router, no
+token dropped, experts as one grouped GEMM, balance and z losses joined to backward); expert weights
+are stacked on a leading expert dimension and drawn from the same generator in module order. Every
+rank holds every expert (no expert parallelism); at tp > 1 sequence parallelism is required.
+
 Layouts and their invariants:
 
 * **Tensor parallelism**: linears and the token embedding come from a
