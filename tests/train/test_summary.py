@@ -116,3 +116,13 @@ def test_a_run_prints_the_summary_once_before_training(tmp_path, capfd):
     list(r.steps())
     r.finish()
     assert "model     " not in capfd.readouterr().out
+
+
+def test_summary_shows_experts_top_k_and_active_parameters(tmp_path):
+    model = GPTConfig(arch="llama", vocab_size=1000, make_vocab_size_divisible_by=8, seq_len=64, n_layers=2, n_heads=4,
+                      d_model=64, ffn_hidden_size=128, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
+    lines = startup_summary(TrainConfig(model=model, output_dir=str(tmp_path)), facts()).splitlines()
+    # blocks 2 x (attention 20.5k + norms 128 + router 64 x 8 + experts 8 x 3 x 64 x 32); a token
+    # leaves 6 of 8 experts idle: 196,480 - 2 x 6 x 6144 = 122,752
+    assert lines[0].endswith("(embedding 64.0k, blocks 132.4k, head 64; 122.7k active per token)")
+    assert "SwiGLU MLP 128 wide (2 of 2 blocks mixture-of-experts: 8 experts 32 wide, top-2)" in lines[1]

@@ -428,6 +428,7 @@ class Trainer:
                                  "check the data")
         timing = self._timer.interval()
         bubble = self.strategy.bubble_for_log()
+        experts = self.strategy.moe_for_log()
         memory = memory_fields(self.world.device)
         per_source = {}
         if self._train_per_source is not None and self.data.source_names is not None:
@@ -436,7 +437,7 @@ class Trainer:
         self._record({"iter": self.iteration, "train_loss": loss, **per_source, "lr": lr, "grad_norm": float(norm),
                       **timing, "consumed_samples": self.data.consumed,
                       "mfu": mfu(self.flops_per_token, timing["tokens_per_s"], self.peak_total), **memory,
-                      **({} if bubble is None else {"pipeline_bubble": bubble})})
+                      **({} if bubble is None else {"pipeline_bubble": bubble}), **experts})
         device_mem = memory["device_mem_peak_gib"]
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}",
                         **({} if device_mem is None else {"dev_mem": f"{device_mem:.2f}G"}),

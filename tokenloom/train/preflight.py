@@ -77,6 +77,9 @@ def check_model_split(cfg: TrainConfig) -> None:
         problems.append(f"model.n_heads {m.n_heads} and model.n_kv_heads {m.kv_heads} must be divisible by --tp {tp}")
     if m.ffn_size % tp:
         problems.append(f"the MLP size {m.ffn_size} must be divisible by --tp {tp} (model.ffn_hidden_size)")
+    if m.num_experts is not None and tp > 1 and not cfg.sp:
+        problems.append(f"mixture-of-experts layers (model.num_experts) at --tp {tp} need sequence parallelism "
+                        "(--sequence-parallel), as in Megatron")
     if m.padded_vocab_size % tp:
         problems.append(f"the padded vocabulary {m.padded_vocab_size} must be divisible by --tp {tp} "
                         "(raise model.make_vocab_size_divisible_by)")

@@ -57,7 +57,7 @@ from torch import nn
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
-from tokenloom.train import fp8, reshard
+from tokenloom.train import fp8, moe, reshard
 from tokenloom.train.async_save import CheckpointSaver
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
@@ -139,6 +139,8 @@ class Strategy:
         self.chunks = self._build_chunks()
         if cfg.fp8:
             self._convert_to_fp8()
+        for chunk in self.chunks:  # MoE auxiliary losses weigh as the loss does (divided by micro-batches)
+            chunk.set_aux_loss_scale(1.0 / self.num_micro)
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
         self.saver = CheckpointSaver(cfg.ckpt_dir, rank=world.rank, world_size=world.size,
@@ -409,6 +411,23 @@ class Strategy:
         if self.cfg.pp > 1:
             collective(what, dist.broadcast, value, src=self.loss_src)
         return value
+
+    def moe_for_log(self) -> dict:
+        """The mixture-of-experts metrics of the train steps since the last call
+        (:func:`~tokenloom.train.moe.log_fields`: tokens per expert, balance, losses), on every rank;
+        empty for a dense model. Collective over the world (one all-reduce of a small table) when the
+        model has experts, so the loop asks once per log interval."""
+        model = self.cfg.model
+        if model.num_experts is None:
+            return {}
+        layers = [i for i in range(model.n_layers) if model.is_moe_layer(i)]
+        table = torch.zeros(len(layers), model.num_experts + 3, dtype=torch.float64, device=self.device)
+        for chunk in self.chunks:
+            for i, layer in chunk.moe_layers().items():
+                table[layers.index(i)] = layer.take_stats()
+        if self.world.size > 1:
+            collective("MoE statistics", dist.all_reduce, table)
+        return moe.log_fields(table, layers)
 
     def bubble_for_log(self) -> float | None:
         """The pipeline-wide bubble of the train steps since the last call, on every rank

@@ -53,8 +53,10 @@ def _uneven(cfg: TrainConfig) -> str:
 def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     """The summary text (several lines, each starting with its topic)."""
     m, o = cfg.model, cfg.optim
-    parts = GPT(m, device="meta").param_split()
-    split = ", ".join(f"{name} {_count(n)}" for name, n in parts.items())
+    meta = GPT(m, device="meta")
+    split = ", ".join(f"{name} {_count(n)}" for name, n in meta.param_split().items())
+    if m.num_experts is not None:
+        split += f"; {_count(meta.num_active_params())} active per token"
     tokens_per_step = cfg.global_batch_size * m.seq_len
     decay = o.lr_decay_iters or cfg.train_iters
     evals, interval, start = 0, cfg.eval_interval, facts.resumed_at
@@ -115,6 +117,10 @@ def features(m: GPTConfig) -> str:
     biases = "biases" if m.use_bias else "no biases"
     if m.norm == "layernorm" and bool(m.norm_bias) != m.use_bias:
         biases = "LayerNorm biases only" if m.norm_bias else "linear biases only"
+    if m.num_experts is not None:
+        moe_blocks = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+        mlp += (f" ({moe_blocks} of {m.n_layers} blocks mixture-of-experts: {m.num_experts} experts {m.moe_ffn_size} "
+                f"wide, top-{m.moe_router_topk})")
     return f"{style}: {norm}, {mlp}, {positions}, {biases}, {'tied' if m.tie_embeddings else 'untied'} embeddings"
 
 
