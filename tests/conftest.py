@@ -73,3 +73,16 @@ def pytest_collection_modifyitems(config, items):
     modules then start early instead of keeping one worker busy after the other has finished."""
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server on a free local port for the module (:class:`tl_testing.S3Server`); skips without
+    moto[server] (the dev extra) or s3fs (the s3 extra)."""
+    pytest.importorskip("moto.moto_server.werkzeug_app", reason="needs moto[server] (the dev extra)")
+    pytest.importorskip("s3fs", reason="needs s3fs (the s3 extra)")
+    from tl_testing import S3Server
+
+    server = S3Server()
+    yield server
+    server.close()

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -66,3 +67,159 @@ def import_megatron(module: str):
         warnings.simplefilter("ignore")
         return pytest.importorskip(module, reason="megatron-core not installed or not importable "
                                    "(pip install -e '.[interop]')", exc_type=ImportError)
+
+
+# --------------------------------------------------------------------------- object storage
+
+ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+                 b"<Message>Access Denied</Message></Error>")
+BAD_KEY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code>'
+           b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>")
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")
+S3_KEY = "testing"
+"""The access key (and secret) the test server accepts; any other key is refused with 403 InvalidAccessKeyId."""
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (an unreachable endpoint)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class S3Server:
+    """moto's S3 on 127.0.0.1 in a thread (the ``s3`` fixture of ``conftest.py`` starts one per module).
+
+    ``deny`` holds (methods, path prefix, path suffix) rules answered with ``403 AccessDenied`` (a
+    bucket policy that denies, seen by the client exactly as from a real store); a request signed
+    with an access key other than :data:`S3_KEY` is answered ``403 InvalidAccessKeyId``.
+    """
+
+    def __init__(self):
+        import threading
+
+        from moto.moto_server import werkzeug_app as moto_server
+        from werkzeug.serving import make_server
+
+        self.deny: list[tuple[set[str], str, str]] = []
+        app = moto_server.DomainDispatcherApplication(moto_server.create_backend_app)
+
+        def refuse(start_response, method: str, body: bytes):
+            body = b"" if method == "HEAD" else body
+            start_response("403 Forbidden", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+            return [body]
+
+        def guarded(environ, start_response):
+            path, method = environ.get("PATH_INFO", ""), environ["REQUEST_METHOD"]
+            auth = environ.get("HTTP_AUTHORIZATION", "")
+            if "Credential=" in auth and f"Credential={S3_KEY}/" not in auth:
+                return refuse(start_response, method, BAD_KEY)
+            if any(method in methods and path.startswith(start) and path.endswith(end)
+                   for methods, start, end in self.deny):
+                return refuse(start_response, method, ACCESS_DENIED)
+            return app(environ, start_response)
+
+        self.server = make_server("127.0.0.1", 0, guarded, threaded=True,
+                                  request_handler=moto_server.MotoRequestHandler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def env(self, endpoint: str | None = None, key: str = S3_KEY) -> dict[str, str]:
+        """:func:`cli_env` with only this server's endpoint and credentials among the AWS variables."""
+        env = cli_env()
+        for name in list(env):
+            if name.startswith("AWS_"):
+                del env[name]
+        env.update(AWS_ENDPOINT_URL=endpoint or self.endpoint, AWS_ACCESS_KEY_ID=key,
+                   AWS_SECRET_ACCESS_KEY=key, AWS_DEFAULT_REGION="us-east-1")
+        return env
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(key=S3_KEY, secret=S3_KEY, skip_instance_cache=True,
+                                 client_kwargs={"endpoint_url": self.endpoint})
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.thread.join()
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (a thread): every request waits ``latency``
+    seconds, and a share ``drop`` of them fails, half by closing the connection without an answer and
+    half with ``503 SlowDown`` (what a loaded S3 answers); a seeded draw, so runs see a similar mix.
+    ``requests`` and ``dropped`` count what it saw; ``log`` holds each request's (method, path, Range)."""
+
+    def __init__(self, upstream: str, drop: float = 0.0, latency: float = 0.0, seed: int = 0):
+        import http.client
+        import random
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream)
+        rng, lock, proxy = random.Random(seed), threading.Lock(), self
+        self.requests = self.dropped = 0
+        self.log: list[tuple[str, str, str | None]] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def relay(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if latency:
+                    time.sleep(latency)
+                with lock:
+                    draw = rng.random()
+                    proxy.requests += 1
+                    proxy.log.append((self.command, self.path, self.headers.get("Range")))
+                    proxy.dropped += draw < drop
+                if draw < drop / 2:
+                    self.close_connection = True  # no answer at all
+                    return
+                if draw < drop:
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(0 if self.command == "HEAD" else len(SLOW_DOWN)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(SLOW_DOWN)
+                    return
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                try:
+                    conn.request(self.command, self.path, body, dict(self.headers))
+                    answer = conn.getresponse()
+                    data = answer.read()
+                finally:
+                    conn.close()
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length", "date", "server"):
+                        self.send_header(name, value)
+                size = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", size if size is not None else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = relay
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()

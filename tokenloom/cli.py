@@ -332,8 +332,8 @@ MEGATRON_REFUSED = {
     "--use-mcore-models": "tokenloom has one implementation of its own layers",
     "--distributed-backend": "nccl on GPUs and gloo on CPU are chosen automatically",
     "--context-parallel-size": "context parallelism is not implemented",
-    "--expert-model-parallel-size": "mixture-of-experts models are not implemented",
-    "--num-experts": "mixture-of-experts models are not implemented",
+    "--expert-model-parallel-size": "expert parallelism is not implemented: every rank holds all experts",
+    "--moe-token-dispatcher-type": "tokens reach their experts on their own rank (no expert parallelism yet)",
     "--overlap-grad-reduce": "gradient buckets are always reduced while backward runs",
     "--pipeline-model-parallel-layout": "give the split as --decoder-first-pipeline-num-layers / "
                                         "--decoder-last-pipeline-num-layers, or --account-for-embedding-in-pipeline-"
@@ -459,6 +459,15 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--attention-dropout", type=float, help="Sets model.dropout (with --hidden-dropout: equal values).")
 @click.option("--hidden-dropout", type=float, help="Sets model.dropout (with --attention-dropout: equal values).")
 @click.option("--init-method-std", type=float, help=_help(_MODEL, "init_std"))
+@click.option("--num-experts", type=int, help=_help(_MODEL, "num_experts"))
+@click.option("--moe-router-topk", type=int, help=_help(_MODEL, "moe_router_topk"))
+@click.option("--moe-ffn-hidden-size", type=int, help=_help(_MODEL, "moe_ffn_hidden_size"))
+@click.option("--moe-layer-freq", type=int, help=_help(_MODEL, "moe_layer_freq"))
+@click.option("--moe-router-load-balancing-type", type=click.Choice(["aux_loss", "seq_aux_loss", "none"]),
+              help=_help(_MODEL, "moe_router_load_balancing_type"))
+@click.option("--moe-aux-loss-coeff", type=float, help=_help(_MODEL, "moe_aux_loss_coeff"))
+@click.option("--moe-z-loss-coeff", type=float, help=_help(_MODEL, "moe_z_loss_coeff"))
+@click.option("--moe-grouped-gemm", is_flag=True, default=None, help=_help(_MODEL, "moe_grouped_gemm"))
 @click.option("--max-position-embeddings", type=int,
               help="Accepted when >= the sequence length (the model's positions cover model.seq_len).")
 @click.option("--train-iters", type=int, help=_help(_TRAIN, "train_iters"))

@@ -26,9 +26,18 @@ Policy and its costs:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import fcntl
+import functools
+import hashlib
 import os
+import random
+import sys
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tokenloom.errors import TokenloomError
 
@@ -170,3 +179,334 @@ def remove(url: str) -> None:
         fs, inner = filesystem(url)
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(inner)
+
+
+# --------------------------------------------------------------------------- reading datasets in place
+#
+# ``build``, ``train``, ``merge``, ``inspect`` and ``verify`` read ``.bin/.idx`` pairs where they are.
+# Small objects (an ``.idx``, a manifest) are fetched whole, once per node, into a local cache keyed
+# by their content; a ``.bin`` is never copied whole: :class:`RangedReader` serves byte ranges of it
+# from a bounded cache of large blocks.
+
+CACHE_ENV = "TOKENLOOM_CACHE"
+"""Root of the node-local cache of fetched objects (default ``$XDG_CACHE_HOME/tokenloom``, else
+``~/.cache/tokenloom``); objects go under ``objects/``. Ranks of a node share it."""
+
+BLOCK_ENV, CACHE_SIZE_ENV, READ_AHEAD_ENV = "TOKENLOOM_READ_BLOCK_MIB", "TOKENLOOM_READ_CACHE_MIB", \
+    "TOKENLOOM_READ_AHEAD"
+DEFAULT_BLOCK_MIB = 16
+"""Bytes per ranged GET of a ``.bin``, in MiB (``TOKENLOOM_READ_BLOCK_MIB``)."""
+DEFAULT_CACHE_MIB = 256
+"""Block cache per process, shared by every object it reads, in MiB (``TOKENLOOM_READ_CACHE_MIB``): the memory bound."""
+DEFAULT_READ_AHEAD = 2
+"""Blocks fetched in the background past the one read (``TOKENLOOM_READ_AHEAD``; 0 turns it off)."""
+RETRIES = 6
+"""Attempts after the first for a ranged GET or a fetch that fails transiently (backoff doubles from
+``RETRY_BACKOFF`` seconds): a dropped connection, a 5xx, a timeout. A missing object or denied access
+is final at once."""
+RETRY_BACKOFF = 0.05
+
+
+_INHERITED: list = []
+
+
+def _keep_inherited_filesystems() -> None:
+    """In a forked child (a DataLoader worker), keep the parent's cached s3fs file systems alive, unused.
+
+    fsspec drops them from its instance cache in the child, and s3fs's finalizer would then close
+    the parent's connections from the child's event loop, which prints "Task exception was never
+    retrieved" on stderr for every worker. The child makes its own (see :class:`RangedReader`).
+    """
+    s3fs = sys.modules.get("s3fs.core")
+    if s3fs is not None:
+        _INHERITED.extend(getattr(s3fs.S3FileSystem, "_cache", {}).values())
+
+
+os.register_at_fork(after_in_child=_keep_inherited_filesystems)
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise TokenloomError(f"{name}={text!r}: expected an integer >= {minimum}")
+    return value
+
+
+def cache_root() -> str:
+    """The node-local object cache folder (see :data:`CACHE_ENV`)."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenloom")
+    return os.path.join(root, "objects")
+
+
+def stat(url: str) -> tuple[int, str]:
+    """``(size, version)`` of the object at ``url`` (version: ETag, else mtime), asked afresh and retried
+    on transient failures; :class:`StoreError` naming ``url`` when it is missing, denied or unreachable."""
+    fs, inner = filesystem(url)
+    info = _retrying(url, "lookup", lambda: fs.info(inner, refresh=True))
+    if info.get("type") == "directory":
+        raise StoreError(f"{url}: lookup failed: no such object (a folder)")
+    version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
+    return int(info["size"]), str(version)
+
+
+LIST_AT = 8
+"""Objects asked for in one folder from which :func:`stat_many` lists the folder instead of asking each."""
+
+
+def stat_many(urls: list[str]) -> dict[str, tuple[int, str] | None]:
+    """:func:`stat` of many objects, None for a missing one. Where :data:`LIST_AT` or more share a folder,
+    one listing of it (a request per thousand objects) answers for all of them instead of one HEAD each:
+    a blend of thousands of remote sources starts with a few requests. The trade-off: a folder holding
+    far more objects than those asked for is listed whole."""
+    folders: dict[str, list[str]] = collections.defaultdict(list)
+    for url in dict.fromkeys(urls):
+        folders[url.rsplit("/", 1)[0]].append(url)
+    out: dict[str, tuple[int, str] | None] = {}
+    for folder, members in folders.items():
+        if len(members) < LIST_AT:
+            for url in members:
+                try:
+                    out[url] = stat(url)
+                except StoreError as exc:
+                    if "no such object" not in str(exc):
+                        raise
+                    out[url] = None
+            continue
+        fs, inner = filesystem(folder)
+        try:
+            entries = _retrying(folder, "listing", functools.partial(fs.ls, inner, detail=True, refresh=True))
+        except StoreError as exc:
+            if "no such object" not in str(exc):
+                raise
+            entries = []
+        found = {e["name"].rsplit("/", 1)[-1]: e for e in entries if e.get("type") != "directory"}
+        for url in members:
+            e = found.get(url.rsplit("/", 1)[-1])
+            version = None if e is None else e.get("ETag") or e.get("mtime") or e.get("LastModified") or ""
+            out[url] = None if e is None else (int(e["size"]), str(version))
+    return out
+
+
+def _transient(exc: BaseException) -> bool:
+    """True unless retrying cannot help: a missing object, denied access, no credentials."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, TokenloomError)):
+        return False
+    return type(exc).__name__ not in ("NoCredentialsError", "PartialCredentialsError")
+
+
+_JITTER = random.Random()
+"""The retries' own generator: drawing from the global one would change a training run's saved RNG state."""
+
+
+def _retrying(url: str, action: str, fn):
+    """``fn()`` retried with doubling backoff on transient failures; the last one as a :class:`StoreError`."""
+    for attempt in range(RETRIES + 1):
+        try:
+            with store_errors(url, action):
+                try:
+                    return fn()
+                except _store_failures() as exc:
+                    if attempt == RETRIES or not _transient(exc):
+                        raise
+        except StoreError:
+            raise
+        time.sleep(RETRY_BACKOFF * (2 ** attempt) * (1 + _JITTER.random()))
+    raise AssertionError("unreachable")
+
+
+def _plain_md5(version: str) -> str | None:
+    """The MD5 an S3 ETag is for a single-part upload (None for a multipart one or another version)."""
+    tag = version.strip('"')
+    return tag if len(tag) == 32 and all(c in "0123456789abcdef" for c in tag) else None
+
+
+def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
+    """A local path holding the object at ``url``, fetched once per node into :func:`cache_root`.
+
+    The entry is keyed by the object's size and ETag (content, not name: the same bytes under
+    another URL share it) and keeps the object's base name. A fetch downloads into a temporary
+    file beside the entry, checks the size (and the MD5 a single-part ETag is), fsyncs and renames
+    it into place, under an exclusive ``flock`` so that the ranks of a node fetch once and the
+    others wait and reuse it; a killed fetcher leaves only a temporary file (the next fetch removes
+    it). The download streams to disk: memory stays bounded whatever the object's size. ``missing_ok``: None
+    for a missing object instead of an error (manifests are optional).
+    """
+    try:
+        size, version = stat(url)
+    except StoreError as exc:
+        if missing_ok and "no such object" in str(exc):
+            return None
+        raise
+    key = hashlib.sha256(f"{size}\0{version}".encode()).hexdigest()[:32]
+    entry = os.path.join(cache_root(), key)
+    path = os.path.join(entry, url.rstrip("/").rsplit("/", 1)[-1])
+    if os.path.isfile(path) and os.path.getsize(path) == size:
+        return path
+    try:
+        os.makedirs(entry, exist_ok=True)
+        with open(os.path.join(entry, ".lock"), "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            if os.path.isfile(path) and os.path.getsize(path) == size:
+                return path
+            for stale in os.listdir(entry):  # left by a killed fetcher (the lock is ours)
+                if ".tmp-" in stale:
+                    os.unlink(os.path.join(entry, stale))
+            fs, inner = filesystem(url)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            _retrying(url, "fetching", lambda: fs.get_file(inner, tmp))  # streamed: an .idx may be large
+            got, digest = os.path.getsize(tmp), hashlib.md5(usedforsecurity=False)
+            with open(tmp, "rb") as f:
+                for chunk in iter(lambda: f.read(READ_BLOCK), b""):
+                    digest.update(chunk)
+                os.fsync(f.fileno())
+            if got != size or _plain_md5(version) not in (None, digest.hexdigest()):
+                os.unlink(tmp)
+                raise StoreError(f"{url}: fetching failed: got {got} bytes that do not match the object's "
+                                 f"size {size} and ETag {version} (changed while read?); rerun")
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise TokenloomError(f"{entry}: cannot write the object cache ({exc.strerror}); set {CACHE_ENV} to a "
+                             "writable folder") from None
+    return path
+
+
+class BlockCache:
+    """An LRU of blocks of objects, keyed by (URL, block number), holding at most ``capacity`` bytes.
+
+    One per process serves every :class:`RangedReader` (:func:`block_cache`), so a blend of
+    thousands of remote sources holds at most ``TOKENLOOM_READ_CACHE_MIB`` of blocks in all;
+    thread-safe (read-ahead threads store into it).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self._blocks: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int]) -> bytes | None:
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is not None:
+                self._blocks.move_to_end(key)
+            return data
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def put(self, key: tuple[str, int], data: bytes) -> None:
+        with self._lock:
+            old = self._blocks.pop(key, None)
+            self.used += len(data) - (len(old) if old is not None else 0)
+            self._blocks[key] = data
+            while self.used > self.capacity and len(self._blocks) > 1:
+                self.used -= len(self._blocks.popitem(last=False)[1])
+
+
+_SHARED: list[tuple[int, BlockCache]] = []
+
+
+def block_cache() -> BlockCache:
+    """This process's shared :class:`BlockCache` (a forked child starts an empty one)."""
+    if not _SHARED or _SHARED[0][0] != os.getpid():
+        _SHARED[:] = [(os.getpid(), BlockCache(_env_int(CACHE_SIZE_ENV, DEFAULT_CACHE_MIB, 1) << 20))]
+    return _SHARED[0][1]
+
+
+class RangedReader:
+    """Random access to an object's bytes by ranged GETs of whole blocks through a bounded LRU cache.
+
+    ``read(offset, nbytes)`` serves bytes from cached blocks, fetching missing ones; a read of
+    block ``b`` also starts background fetches of the next ``read_ahead`` blocks, so a reader
+    moving forward (a merge, a hash, a verify, a loader walking its shard) finds them in memory.
+    Memory: the process's shared :func:`block_cache` (``TOKENLOOM_READ_CACHE_MIB`` for all open
+    objects together), or a cache of its own of ``cache_bytes``; plus at most ``read_ahead`` blocks in
+    flight per reader. Transient failures are retried with backoff (:data:`RETRIES`). A DataLoader
+    worker forked from a process that used the reader starts over with an empty cache and its own
+    threads and connections (neither survive a fork).
+
+    Trade-off: blocks are large (a GET's latency is paid per block, not per sample), so a shuffled
+    sample order over data much larger than the cache pays a block's transfer per miss; the
+    defaults suit data up to about the cache size per process and sequential passes of any size.
+    """
+
+    def __init__(self, url: str, size: int, block: int | None = None, cache_bytes: int | None = None,
+                 read_ahead: int | None = None):
+        self.url, self.size = url, size
+        self.block = block or _env_int(BLOCK_ENV, DEFAULT_BLOCK_MIB, 1) << 20
+        self.cache_bytes = cache_bytes
+        cache = cache_bytes if cache_bytes is not None else _env_int(CACHE_SIZE_ENV, DEFAULT_CACHE_MIB, 1) << 20
+        ahead = read_ahead if read_ahead is not None else _env_int(READ_AHEAD_ENV, DEFAULT_READ_AHEAD, 0)
+        self.read_ahead = min(ahead, max(1, cache // self.block) - 1)
+        self._pid = -1
+
+    def _fresh(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._fs, self._inner = filesystem(self.url)
+            self._cache = block_cache() if self.cache_bytes is None else BlockCache(self.cache_bytes)
+            self._pending: dict[int, Future] = {}
+            self._lock = threading.Lock()
+            self._pool = ThreadPoolExecutor(max(1, self.read_ahead), thread_name_prefix="tokenloom-read-ahead") \
+                if self.read_ahead else None
+
+    def _get(self, b: int) -> bytes:
+        start, end = b * self.block, min(self.size, (b + 1) * self.block)
+
+        def once() -> bytes:
+            data = self._fs.cat_file(self._inner, start=start, end=end)
+            if len(data) != end - start:
+                raise ConnectionError(f"short read: {len(data)} of {end - start} bytes")
+            return data
+
+        return _retrying(self.url, f"reading bytes {start}-{end}", once)
+
+    def _ahead(self, b: int) -> bytes:
+        data = self._get(b)
+        self._cache.put((self.url, b), data)
+        return data
+
+    def block_data(self, b: int) -> bytes:
+        """Block ``b`` (bytes ``b * block`` up to the next block or the end)."""
+        self._fresh()
+        data = self._cache.get((self.url, b))
+        with self._lock:
+            for done in [k for k, f in self._pending.items() if f.done()]:
+                del self._pending[done]  # stored by the thread (or failed: fetched again when needed)
+            pending = None if data is not None else self._pending.get(b)
+            if self._pool is not None:
+                last = (self.size - 1) // self.block
+                for ahead in range(b + 1, min(last, b + self.read_ahead) + 1):
+                    if ahead not in self._pending and (self.url, ahead) not in self._cache:
+                        self._pending[ahead] = self._pool.submit(self._ahead, ahead)
+        if data is not None:
+            return data
+        try:
+            data = pending.result() if pending is not None else self._get(b)
+        except StoreError:
+            if pending is None:
+                raise
+            data = self._get(b)  # a read-ahead that failed is retried by the reader that needs it
+        self._cache.put((self.url, b), data)
+        return data
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` bytes from ``offset`` (within the object)."""
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"{self.url}: bytes [{offset}, {offset + nbytes}) outside the object's {self.size}")
+        parts, pos, end = [], offset, offset + nbytes
+        while pos < end:
+            b = pos // self.block
+            data = self.block_data(b)
+            take = data[pos - b * self.block: min(end, (b + 1) * self.block) - b * self.block]
+            parts.append(take)
+            pos += len(take)
+        return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -1,7 +1,7 @@
 """Object storage: ``s3://`` inputs and output prefixes against a real S3 server on 127.0.0.1.
 
-The server is moto's (one per module, on a free port), wrapped in a small WSGI layer that
-answers ``403 AccessDenied`` to the requests a test names: a bucket policy that denies
+The server is moto's (the ``s3`` fixture: one per module, on a free port), wrapped in a small WSGI
+layer that answers ``403 AccessDenied`` to the requests a test names: a bucket policy that denies
 writes or reads, seen by the client exactly as from a real store. ``cli.py preprocess``
 runs in a subprocess with the endpoint and credentials in the standard AWS variables.
 """
@@ -9,68 +9,14 @@ runs in a subprocess with the endpoint and credentials in the standard AWS varia
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from pathlib import Path
 
 import pytest
 from preprocess_helpers import preprocess
-from tl_testing import cli_env, one_line_error, run_cli
+from tl_testing import closed_port, one_line_error, run_cli
 
-moto_server = pytest.importorskip("moto.moto_server.werkzeug_app", reason="needs moto[server] (the dev extra)")
+pytest.importorskip("moto.moto_server.werkzeug_app", reason="needs moto[server] (the dev extra)")
 pytest.importorskip("s3fs", reason="needs s3fs (the s3 extra)")
-
-from werkzeug.serving import make_server  # noqa: E402 - after the importorskip above
-
-DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
-          b"<Message>Access Denied</Message></Error>")
-
-
-class S3Server:
-    """moto's S3 in a thread; ``deny`` holds (methods, path prefix, path suffix) rules answered with 403."""
-
-    def __init__(self):
-        self.deny: list[tuple[set[str], str, str]] = []
-        app = moto_server.DomainDispatcherApplication(moto_server.create_backend_app)
-
-        def guarded(environ, start_response):
-            path = environ.get("PATH_INFO", "")
-            if any(environ["REQUEST_METHOD"] in methods and path.startswith(start) and path.endswith(end)
-                   for methods, start, end in self.deny):
-                body = b"" if environ["REQUEST_METHOD"] == "HEAD" else DENIED
-                start_response("403 Forbidden", [("Content-Type", "application/xml"),
-                                                  ("Content-Length", str(len(body)))])
-                return [body]
-            return app(environ, start_response)
-
-        self.server = make_server("127.0.0.1", 0, guarded, threaded=True,
-                                  request_handler=moto_server.MotoRequestHandler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def env(self, endpoint: str | None = None) -> dict[str, str]:
-        env = cli_env()
-        for name in list(env):
-            if name.startswith("AWS_"):
-                del env[name]
-        env.update(AWS_ENDPOINT_URL=endpoint or self.endpoint, AWS_ACCESS_KEY_ID="testing",
-                   AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-        return env
-
-    def fs(self):
-        import s3fs
-
-        return s3fs.S3FileSystem(key="testing", secret="testing", skip_instance_cache=True,
-                                 client_kwargs={"endpoint_url": self.endpoint})
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    yield server
-    server.server.shutdown()
-    server.thread.join()
 
 
 @pytest.fixture(scope="module")
@@ -173,17 +119,11 @@ def test_store_failure_mid_run_keeps_the_staged_checkpoint_and_the_rerun_resumes
     _same_as_reference(s3, prefix, corpus["ref"])
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", ["unreachable", "no bucket", "denied read", "denied output"])
 def test_bad_object_store_paths_are_one_line(s3, corpus, tmp_path, case):
     url, inputs, env, prefix = corpus["inputs"][0], None, s3.env(), "s3://out/bad/ds"
     if case == "unreachable":
-        env = dict(s3.env(f"http://127.0.0.1:{_closed_port()}"), AWS_MAX_ATTEMPTS="1")  # botocore: no retries
+        env = dict(s3.env(f"http://127.0.0.1:{closed_port()}"), AWS_MAX_ATTEMPTS="1")  # botocore: no retries
         prefix = str(tmp_path / "out")  # a local output: the input is what cannot be reached
         fragment = "cannot reach the object store"
     elif case == "no bucket":

@@ -306,3 +306,29 @@ def test_a_file_less_tokenizer_is_refused_in_one_line_naming_it(tmp_path):
     with pytest.raises(TokenloomError, match="a byte tokenizer has no transformers form"):
         hf.write_tokenizer(byte, tmp_path, 16)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_llama_moe_exports_as_mixtral_giving_our_logits_and_generates(tmp_path):
+    """A one-process llama MoE run (8 experts, top-2): ``generate``'s loader and
+    ``MixtralForCausalLM`` from the exported folder give the same logits; a GPT-2 MoE is refused."""
+    moe = ["--set", "model.arch=llama", "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+           "--moe-aux-loss-coeff", "0.01"]
+    train(tmp_path / "run", "--tokenizer", GPT2_TOKENIZER, *SHAPE, *moe)
+    root, folder = tmp_path / "run" / "checkpoints", tmp_path / "hf"
+    done = run_cli("export", "--checkpoint", root, "--output", folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours, _ = load_model(checkpoint.resolve(str(root), root), "cpu")
+    theirs = hf_model(folder)
+    assert type(theirs).__name__ == hf.MIXTRAL
+    assert (theirs.config.num_local_experts, theirs.config.num_experts_per_tok) == (8, 2)
+    ids = torch.randint(0, ours.cfg.vocab_size, (3, ours.cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine, hf_logits = ours(ids)[..., : ours.cfg.vocab_size], theirs(ids).logits
+    assert (mine - hf_logits).abs().max() < TOL
+    done = run_cli("generate", "--checkpoint", root, "--prompt", "To be", "--max-new-tokens", "4")
+    assert done.returncode == 0 and done.stdout.startswith("To be"), done.stderr[-3000:]
+    with pytest.raises(TokenloomError, match="model.num_experts on a GPT-2 model has no transformers form"):
+        hf.check_expressible(GPTConfig(num_experts=4))
+    with pytest.raises(TokenloomError, match="model.moe_layer_freq=2 / model.bias=False has no MixtralForCausalLM"):
+        hf.check_expressible(GPTConfig(arch="llama", num_experts=4, moe_layer_freq=2))

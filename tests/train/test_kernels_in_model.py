@@ -19,10 +19,11 @@ import torch
 from tokenloom.errors import TokenloomError
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
+from tokenloom.train.kernels import cross_entropy
 from tokenloom.train.kernels.compiled import compile_available, force_compiled
 from tokenloom.train.loop import run
 from tokenloom.train.metrics import read_metrics
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model import GPT, GPTConfig, masked_mean
 
 needs_compile = pytest.mark.skipif(not compile_available("cpu"), reason="no C++ compiler for inductor")
 
@@ -93,6 +94,32 @@ def test_forward_backward_compiled_matches_reference(arch):
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["reference", pytest.param("compiled", marks=needs_compile)])
+def test_token_losses_average_to_the_loss_with_its_gradients(mode, monkeypatch):
+    """``token_losses=True`` (losses per source): per-token losses [batch, seq] whose masked mean
+    is the scalar loss, with the same gradients; "compiled" through the chunked kernel's
+    per-token path against its fused gradients-in-forward (full logits are below its size switch
+    otherwise)."""
+    monkeypatch.setattr(cross_entropy, "FULL_LOGITS_BELOW", 0)
+    tokens, labels = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
+    mask = (torch.rand(2, 16) > 0.3).float()
+    losses, grads = [], []
+    for per_token in (False, True):
+        torch.manual_seed(0)
+        model = GPT(small(mode))
+        with force_compiled():
+            out = model(tokens, labels, mask, token_losses=per_token)
+            if per_token:
+                assert out.shape == (2, 16)
+                out = masked_mean(out.reshape(-1), mask)
+            out.backward()
+        losses.append(out.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def _train(tmp: Path, kernels: str) -> tuple[list[float], float, float]:

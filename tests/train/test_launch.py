@@ -191,3 +191,16 @@ def test_the_swiglu_flag_without_a_width_takes_megatrons_width():
     assert megatron_swiglu_width(cfg, False).model.ffn_size == cfg.model.ffn_size == 10944
     given = TrainConfig(model=GPTConfig(d_model=4096, n_heads=32, mlp="swiglu", ffn_hidden_size=11008))
     assert megatron_swiglu_width(given, True).model.ffn_size == 11008
+
+
+def test_megatron_moe_flags_reach_the_config():
+    from tokenloom.train.config import load_config
+
+    flags = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=96, moe_layer_freq=2,
+                 moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+                 moe_grouped_gemm=True)
+    m = load_config(None, launch_module.flag_overrides(**flags)).model
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_size, m.moe_layer_freq, m.moe_router_load_balancing_type,
+            m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_grouped_gemm) == (8, 2, 96, 2, "seq_aux_loss", 0.01,
+                                                                            0.001, True)
+    assert [m.is_moe_layer(i) for i in range(4)] == [True, False, True, False]

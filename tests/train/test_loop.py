@@ -84,7 +84,7 @@ def test_stepping_the_run_equals_run(tmp_path):
     summary = run(tiny(tmp_path / "a", train_iters=8))
     r = start_run(tiny(tmp_path / "b", train_iters=8))
     assert list(r.steps()) == list(range(1, 9))
-    timing = ("tokens_per_s", "first_step_s", "saves")  # wall-clock, differs between runs
+    timing = ("tokens_per_s", "first_step_s", "data_wait_share", "saves")  # wall-clock, differs between runs
     done = r.finish()
     assert [s["iter"] for s in done["saves"]] == [s["iter"] for s in summary["saves"]] == [8]
     stepped = {k: v for k, v in done.items() if k not in timing}

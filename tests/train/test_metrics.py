@@ -34,36 +34,41 @@ def test_first_step_alone_then_interval_means(clock):
     timer = StepTimer(tokens_per_step=1000, device=torch.device("cpu"))
     timer.start()
     clock.now += 7.0  # the first step: compile and warm-up
-    timer.step()
+    timer.step(data_wait_s=2.0)  # the loader's start: left out with the first step
     for _ in range(4):
         clock.now += 0.5
-        timer.step()
-    # mean of steps 2-5; the first step is reported once
-    assert timer.interval() == pytest.approx({"tokens_per_s": 2000.0, "step_time_s": 0.5, "first_step_s": 7.0})
+        timer.step(data_wait_s=0.1)
+    # mean of steps 2-5; the first step is reported once; the data wait is summed over the interval
+    assert timer.interval() == pytest.approx({"tokens_per_s": 2000.0, "step_time_s": 0.5, "first_step_s": 7.0,
+                                              "data_wait_s": 0.4, "data_wait_share": 0.2})
     for _ in range(2):
         clock.now += 0.25
         timer.step()
-    assert timer.interval() == pytest.approx({"tokens_per_s": 4000.0, "step_time_s": 0.25})
+    assert timer.interval() == pytest.approx({"tokens_per_s": 4000.0, "step_time_s": 0.25, "data_wait_s": 0.0,
+                                              "data_wait_share": 0.0})
     assert timer.first_step_s == 7.0
     assert timer.tokens_per_s == pytest.approx(1000 * 6 / 2.5)
-    assert timer.summary() == {"tokens_per_s": pytest.approx(2400.0), "first_step_s": 7.0}
+    assert timer.summary() == {"tokens_per_s": pytest.approx(2400.0), "first_step_s": 7.0,
+                               "data_wait_share": pytest.approx(0.4 / 2.5)}
 
 
 def test_interval_of_only_the_first_step_and_pauses(clock):
     timer = StepTimer(tokens_per_step=10, device=torch.device("cpu"))
     timer.start()
     clock.now += 3.0
-    timer.step()
-    # log interval 1: the record still has a step time
-    assert timer.interval() == pytest.approx({"tokens_per_s": 10 / 3, "step_time_s": 3.0, "first_step_s": 3.0})
-    assert timer.tokens_per_s is None  # nothing but the first step yet
+    timer.step(data_wait_s=1.5)
+    # log interval 1: the record still has a step time, and the first step's data wait
+    assert timer.interval() == pytest.approx({"tokens_per_s": 10 / 3, "step_time_s": 3.0, "first_step_s": 3.0,
+                                              "data_wait_s": 1.5, "data_wait_share": 0.5})
+    assert timer.tokens_per_s is None and timer.data_wait_share is None  # nothing but the first step yet
     clock.now += 1.0
     timer.step()
     with timer.paused():  # an evaluation or a checkpoint
         clock.now += 60.0
     clock.now += 1.0
     timer.step()
-    assert timer.interval() == pytest.approx({"tokens_per_s": 10.0, "step_time_s": 1.0})
+    assert timer.interval() == pytest.approx({"tokens_per_s": 10.0, "step_time_s": 1.0, "data_wait_s": 0.0,
+                                              "data_wait_share": 0.0})
     assert timer.tokens_per_s == pytest.approx(10.0)
 
 
@@ -130,12 +135,15 @@ def test_wandb_gets_the_numeric_fields_against_iter(tmp_path, monkeypatch):
     logger = metrics.MetricsLogger(tmp_path / "m.jsonl", wandb_project="proj", wandb_exp_name="exp",
                                    run_config={"train_iters": 3}, wandb_dir=tmp_path)
     logger.log({"iter": 2, "train_loss": 2.5, "mfu": None, "resumed_from": "x", "blend_changed": True})
+    logger.log({"iter": 4, "val_loss": 2.0, "val_loss_per_source": {"web": 2.5, "code": None}})
     logger.close()
     assert fake.calls == [
         ("init", {"project": "proj", "name": "exp", "config": {"train_iters": 3}, "dir": str(tmp_path),
                   "resume": "allow"}),
         ("define_metric", "iter", {}), ("define_metric", "*", {"step_metric": "iter"}),
-        ("log", {"iter": 2, "train_loss": 2.5}), ("finish",)]
+        ("log", {"iter": 2, "train_loss": 2.5}),
+        ("log", {"iter": 4, "val_loss": 2.0, "val_loss_per_source/web": 2.5}),  # a mapping: one scalar per key
+        ("finish",)]
 
 
 def test_the_loss_figure_has_a_learning_rate_panel_and_marks_resumes_and_blend_changes():

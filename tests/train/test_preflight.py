@@ -47,6 +47,12 @@ def test_model_split():
         check(tiny("x", tp=4, global_batch_size=2), 4)
     with pytest.raises(TokenloomError, match=r"model.n_layers 2 must be divisible by --pp 2 x --vpp 2"):
         check(tiny("x", pp=2, vpp=2), 2)
+    moe = GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2, n_heads=2, d_model=32,
+                    num_experts=4)
+    with pytest.raises(TokenloomError, match=r"mixture-of-experts layers \(model.num_experts\) at --tp 2 need "
+                                             r"sequence parallelism"):
+        check(tiny("x", tp=2, global_batch_size=2, model=moe), 2)
+    check(tiny("x", tp=2, sp=True, global_batch_size=2, model=moe), 2)
 
 
 def test_sources(tmp_path):

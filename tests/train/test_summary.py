@@ -3,14 +3,16 @@ prints it once on rank 0 before its first step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from test_loop import tiny
 
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.data import DataConfig
+from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.loop import start_run
 from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
-from tokenloom.train.summary import RunFacts, choices, regrets, startup_summary
+from tokenloom.train.summary import RunFacts, choices, data_wait_warning, regrets, startup_summary
 
 
 def facts(**kw) -> RunFacts:
@@ -88,9 +90,22 @@ def test_regrettable_settings_warn():
     assert any("mock data" in w for w in found)
     assert any("124.0M parameters but the run trains on 10.2k tokens" in w for w in found)
     assert any("warmup (100 steps) is not shorter than the run (10 steps)" in w for w in found)
+    one_source = TrainConfig(train_iters=10_000, optim=OptimConfig(warmup_iters=100), log_loss_per_source=True,
+                             data=DataConfig(blend=BlendDataConfig(prefixes=[(1.0, "x")])))
+    assert regrets(one_source, facts()) == ["log_loss_per_source is ignored: the data has one source, whose loss "
+                                            "is train_loss; give a blend of two or more sources"]
+    two = dataclasses.replace(one_source, data=DataConfig(blend=BlendDataConfig(prefixes=[(1.0, "x"), (1.0, "y")])))
+    assert regrets(two, facts()) == []
     quiet = TrainConfig(train_iters=10_000, optim=OptimConfig(warmup_iters=100),
                         data=DataConfig(blend={"prefixes": [[1.0, "x"]]}, mock=None))
     assert regrets(quiet, facts()) == []
+
+
+def test_a_run_that_waited_for_data_over_5_percent_ends_with_one_warning():
+    assert data_wait_warning(None, 0) is None and data_wait_warning(0.05, 0) is None
+    line = data_wait_warning(0.125, 2)
+    assert line is not None and "\n" not in line
+    assert line.startswith("the steps waited for data 12.5% of the training time") and "data.num_workers, now 2" in line
 
 
 def test_a_run_prints_the_summary_once_before_training(tmp_path, capfd):
@@ -101,3 +116,13 @@ def test_a_run_prints_the_summary_once_before_training(tmp_path, capfd):
     list(r.steps())
     r.finish()
     assert "model     " not in capfd.readouterr().out
+
+
+def test_summary_shows_experts_top_k_and_active_parameters(tmp_path):
+    model = GPTConfig(arch="llama", vocab_size=1000, make_vocab_size_divisible_by=8, seq_len=64, n_layers=2, n_heads=4,
+                      d_model=64, ffn_hidden_size=128, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
+    lines = startup_summary(TrainConfig(model=model, output_dir=str(tmp_path)), facts()).splitlines()
+    # blocks 2 x (attention 20.5k + norms 128 + router 64 x 8 + experts 8 x 3 x 64 x 32); a token
+    # leaves 6 of 8 experts idle: 196,480 - 2 x 6 x 6144 = 122,752
+    assert lines[0].endswith("(embedding 64.0k, blocks 132.4k, head 64; 122.7k active per token)")
+    assert "SwiGLU MLP 128 wide (2 of 2 blocks mixture-of-experts: 8 experts 32 wide, top-2)" in lines[1]

@@ -38,6 +38,23 @@ def parse_data_args(values: list[str]) -> list[tuple[float, str]]:
     return pairs
 
 
+def source_names(prefixes: list[str], names: list[str | None] | None = None, where: str = "the blend") -> list[str]:
+    """One display name per source (losses per source, plots): ``names[i]`` where given, else the
+    prefix's basename, or the whole prefix when another source has the same basename. Refuses
+    in one line, naming ``where``, names that do not match the sources one to one or repeat."""
+    given = names if names is not None else [None] * len(prefixes)
+    if len(given) != len(prefixes):
+        raise TokenloomError(f"{where}: {len(given)} names for {len(prefixes)} sources; give one name per source")
+    bases = [Path(p).name for p in prefixes]
+    out = [n if n is not None else (b if bases.count(b) == 1 else p)
+           for n, b, p in zip(given, bases, prefixes, strict=True)]
+    repeated = sorted({n for n in out if out.count(n) > 1})
+    if repeated:
+        raise TokenloomError(f"{where}: the source name(s) {', '.join(map(repr, repeated))} name more than one "
+                             "source; give each source its own name")
+    return out
+
+
 def load_blend_file(path: str) -> dict:
     """A YAML or JSON blend file: {"data": [[w, prefix], ...]} or {"train": [...], "valid": [...], ...}."""
     text = Path(path).read_text(encoding="utf-8")

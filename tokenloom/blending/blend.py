@@ -175,6 +175,10 @@ class BlendedDataset:
         """(member, sample within that member) of blended sample i."""
         return int(self.dataset_index[i]), int(self.dataset_sample_index[i])
 
+    def source_of(self, i: int) -> int:
+        """The member (position in ``datasets``) blended sample i comes from."""
+        return int(self.dataset_index[i])
+
     def __getitem__(self, i: int) -> np.ndarray:
         d, k = self.locate(i)
         return self.datasets[d][k]

@@ -19,7 +19,8 @@ the same samples in the same order.
 
 Each sample of ``seq_length + 1`` tokens becomes ``tokens = s[:-1]``, ``labels = s[1:]``,
 a float ``loss_mask`` (0 on padding, and on EOD inputs when ``eod_mask_loss``) and
-``position_ids`` (restarting after every EOD when ``reset_position_ids``).
+``position_ids`` (restarting after every EOD when ``reset_position_ids``); with ``source_ids``
+also ``source``, the position of its source in the blend (for losses per source).
 
 With ``inter_document_masking`` (megatron-core's option of that name) a sample also
 carries ``cu_seqlens``: int32, ``seq_length + 1`` entries, the starts of the documents
@@ -57,6 +58,9 @@ class SampleConfig:
     vocab_size: int | None = None
     """A sample holding an id at or above it raises an error naming its source: a guard (one max
     per sample) behind the train preflight, which checks every source before launch."""
+    source_ids: bool = False
+    """Add ``source``: the position of the sample's source in the blend (:func:`source_of`), for
+    losses per source."""
 
 
 class GPTSamples:
@@ -75,7 +79,7 @@ class GPTSamples:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, k: int) -> dict[str, np.ndarray | np.int32]:
+    def __getitem__(self, k: int) -> dict[str, np.ndarray | np.int32 | np.int64]:
         if self.cfg.inter_document_masking:
             sample, pieces = self.dataset.documents_of(k)
             sample = np.array(sample, dtype=np.int64)
@@ -103,11 +107,19 @@ class GPTSamples:
                 after = after[after < len(tokens)]
                 starts[after] = after
                 positions = positions - np.maximum.accumulate(starts)
-        out: dict[str, np.ndarray | np.int32] = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-                                                 "position_ids": positions}
+        out: dict[str, np.ndarray | np.int32 | np.int64] = {"tokens": tokens, "labels": labels,
+                                                            "loss_mask": loss_mask, "position_ids": positions}
         if self.cfg.inter_document_masking:
             out.update(document_boundaries(pieces, len(tokens)))
+        if self.cfg.source_ids:
+            out["source"] = np.int64(source_of(self.dataset, k))
         return out
+
+
+def source_of(dataset, k: int) -> int:
+    """The position of sample ``k``'s source among ``dataset``'s sources: a blend's member
+    (``dataset.source_of``), 0 for a dataset of one source."""
+    return dataset.source_of(k) if hasattr(dataset, "source_of") else 0
 
 
 def source_name(dataset, k: int) -> str:

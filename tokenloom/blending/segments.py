@@ -134,6 +134,15 @@ class SegmentedBlend:
                 if k and n and taken[d] > len(self.order(d)) and self.prefixes[d] not in self.wrapped:
                     self.wrapped.append(self.prefixes[d])
 
+    def source_of(self, i: int) -> int:
+        """The position of global sample i's source in the last segment's blend (the current
+        config's sources), -1 for a source it does not list (only samples before the last
+        segment's start, which a resumed run never reads, can have one)."""
+        k = bisect.bisect_right(self.starts, i) - 1
+        digest = self.digests[k][int(self.blends[k].dataset_index[i - self.starts[k]])]
+        current = self.digests[-1]
+        return current.index(digest) if digest in current else -1
+
     def order(self, digest: str) -> GPTDataset:
         """A source's order: its member in the first segment that listed it (made on first use)."""
         k, m = self.first[digest]

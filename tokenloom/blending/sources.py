@@ -22,7 +22,12 @@ tokens, so memory stays bounded whatever the file's size. It is computed only wh
 asks (``max_ids=True``), since a build never needs it and a pass over terabytes of tokens
 is not free; the record is then appended again with it, and the later line wins.
 
-The digest is BLAKE3 over the ``.idx`` bytes and the manifest: the ``.idx`` fixes every
+A source may be an object-store prefix (``s3://...``): its version is then each object's size and
+ETag (a listing per folder, or a HEAD each for a few: :func:`tokenloom.objstore.stat_many`), and the ``.idx`` and manifest are read from the node's cached copies.
+
+The digest is BLAKE3 over the ``.idx`` bytes and the manifest (with their base names, which a
+fetched copy keeps: a local and a remote copy of the same bytes get the same digest, so the
+index cache built from one serves the other): the ``.idx`` fixes every
 sequence length and document boundary, which is all an index depends on; the manifest
 adds the tokenizer and inputs, so a re-tokenized source with equal lengths still gets a
 new key. BLAKE3, not SHA-256: as strong a content address and faster per core.
@@ -43,6 +48,7 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from tokenloom import objstore
 from tokenloom.blending.cache import write_error
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import hash_file
@@ -83,9 +89,17 @@ def clear_memo() -> None:
         _MEMO.clear()
 
 
-def _stamp(prefix: str) -> str:
-    """The version of a source's files: (device, inode, size, mtime_ns) of ``.idx``, ``.bin`` and manifest."""
+def _stamp(prefix: str, remote: dict[str, tuple[int, str] | None]) -> str:
+    """The version of a source's files: (device, inode, size, mtime_ns) of ``.idx``, ``.bin`` and manifest;
+    for an object-store prefix, each object's URL, size and ETag, from ``remote`` (:func:`tokenloom.objstore.stat_many`)."""
     parts = []
+    if objstore.is_url(prefix):
+        for path in (f"{prefix}.idx", f"{prefix}.bin", f"{prefix}.manifest.json"):
+            found = remote[path]
+            if found is None and not path.endswith(".manifest.json"):
+                raise objstore.StoreError(f"{path}: lookup failed: no such object or bucket")
+            parts.append("-" if found is None else "{}:{}:{}".format(path, *found))
+        return "/".join(parts)
     for path in (f"{prefix}.idx", f"{prefix}.bin", f"{prefix}.manifest.json"):
         try:
             st = os.stat(path)
@@ -101,9 +115,11 @@ def _stamp(prefix: str) -> str:
 def _compute(prefix: str) -> SourceMeta:
     _, sequences, document_indices = read_header(f"{prefix}.idx")
     h = blake3.blake3()
-    for path in (Path(f"{prefix}.idx"), Path(f"{prefix}.manifest.json")):
-        if not path.exists():
+    for name in (f"{prefix}.idx", f"{prefix}.manifest.json"):  # a fetched copy keeps its object's name
+        local = objstore.local_copy(name, missing_ok=True) if objstore.is_url(name) else name
+        if local is None or not Path(local).exists():
             continue
+        path = Path(local)
         h.update(path.name.encode())
         hash_file(h, path)
     saved = manifest.read(prefix)
@@ -161,7 +177,9 @@ def source_metadata(prefixes: list[str], memo_dir: str | os.PathLike | None = No
     :attr:`SourceMeta.max_id` of every source without a manifest (one pass over its ``.bin``
     the first time).
     """
-    stamps = {p: _stamp(p) for p in dict.fromkeys(prefixes)}
+    remote = objstore.stat_many([f"{p}{suffix}" for p in prefixes if objstore.is_url(p)
+                                 for suffix in (".idx", ".bin", ".manifest.json")])
+    stamps = {p: _stamp(p, remote) for p in dict.fromkeys(prefixes)}
 
     def wanted(p: str) -> bool:
         meta = _MEMO.get(stamps[p])

@@ -34,6 +34,11 @@ Trade-offs chosen, against Megatron's ``IndexedDatasetBuilder``:
   preserves holes, so sparse test files stay sparse.
 * The reader memory-maps both files and returns zero-copy views; it validates the
   header and sizes on open and raises :class:`FormatError` naming the file.
+* A prefix may be an object-store URL (``s3://bucket/dir/name``, what fsspec serves): the
+  ``.idx`` is then fetched once per node into the content-keyed local cache of
+  :func:`tokenloom.objstore.local_copy` and mapped from there, and the ``.bin`` is read in
+  place through a bounded block cache (:class:`tokenloom.objstore.RangedReader`): reads return
+  copies instead of views, and nothing is copied whole to local disk.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from tokenloom import objstore
 from tokenloom.errors import FormatError, TokenloomError
 from tokenloom.fsio import naming, publish, temp_name
 
@@ -101,7 +107,27 @@ def normalize_prefix(path: str | os.PathLike) -> str:
 
 
 def exists(prefix: str | os.PathLike) -> bool:
+    if objstore.is_url(prefix):
+        try:
+            objstore.stat(index_path(prefix))
+            objstore.stat(data_path(prefix))
+        except objstore.StoreError as exc:
+            if "no such object" in str(exc):
+                return False
+            raise
+        return True
     return os.path.isfile(index_path(prefix)) and os.path.isfile(data_path(prefix))
+
+
+def file_size(path: str) -> int:
+    """Size of a local file or an object (:class:`~tokenloom.objstore.StoreError` naming a missing one)."""
+    return objstore.stat(path)[0] if objstore.is_url(path) else os.path.getsize(path)
+
+
+def local_file(path: str) -> str:
+    """``path`` itself, or for an object-store URL the node's cached copy of the object (small
+    files only: an ``.idx`` or a manifest, never a ``.bin``)."""
+    return objstore.local_copy(path) if objstore.is_url(path) else path  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- writing
@@ -416,8 +442,14 @@ class IndexedDatasetWriter:
                                  f"{self.prefix} (dtype {self.dtype}): token dtypes differ")
         self._bin.flush()
         start = self._bin.tell()
-        size = _copy_preserving_holes(data_path(other.path_prefix), self._bin.fileno(), start)
-        os.ftruncate(self._bin.fileno(), start + size)
+        if objstore.is_url(other.path_prefix):  # streamed through the reader's blocks
+            size = other.bin_bytes
+            for chunk in iter_token_chunks(other):
+                self._bin.write(chunk.data)
+            self._bin.flush()
+        else:
+            size = _copy_preserving_holes(data_path(other.path_prefix), self._bin.fileno(), start)
+            os.ftruncate(self._bin.fileno(), start + size)
         self._bin.seek(start + size)
         self._num_tokens += size // self.dtype.itemsize
         base = len(self._lengths)
@@ -545,6 +577,16 @@ class IndexedDataset:
         return self._open().bin_size // self.dtype.itemsize
 
     @property
+    def bin_bytes(self) -> int:
+        """Size of ``PREFIX.bin`` in bytes."""
+        return self._open().bin_size
+
+    @property
+    def idx_bytes(self) -> int:
+        """Size of ``PREFIX.idx`` in bytes."""
+        return self._open().idx_size
+
+    @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
 
@@ -555,7 +597,25 @@ class IndexedDataset:
         state = state or self._open()
         if count == 0:
             return np.empty(0, dtype=state.dtype)
+        if isinstance(state.bin_map, objstore.RangedReader):
+            return np.frombuffer(state.bin_map.read(pointer, count * state.dtype.itemsize), dtype=state.dtype)
         return np.frombuffer(state.bin_map, dtype=state.dtype, count=count, offset=pointer)
+
+    def tokens_at(self, positions: np.ndarray) -> np.ndarray:
+        """The tokens at the given token positions (ascending order reads a remote ``.bin`` in one pass)."""
+        state = self._open()
+        positions = np.asarray(positions, dtype=np.int64)
+        if not isinstance(state.bin_map, objstore.RangedReader):
+            stream = np.frombuffer(state.bin_map, dtype=state.dtype) if state.bin_size else np.empty(0, state.dtype)
+            return stream[positions]
+        reader, itemsize = state.bin_map, state.dtype.itemsize
+        out = np.empty(positions.shape, dtype=state.dtype)
+        blocks = positions * itemsize // reader.block  # a block holds whole tokens (its size is a power of 2)
+        for b in np.unique(blocks):
+            here = blocks == b
+            data = np.frombuffer(reader.block_data(int(b)), dtype=state.dtype)
+            out[here] = data[positions[here] - int(b) * reader.block // itemsize]
+        return out
 
     def __getitem__(self, idx):
         state = self._open()
@@ -596,7 +656,8 @@ class IndexedDataset:
 class _OpenFiles:
     """The mapped arrays of one open dataset."""
 
-    def __init__(self, dtype, lengths, pointers, doc_index, modes, idx_map, bin_map, bin_size):
+    def __init__(self, dtype, lengths, pointers, doc_index, modes, idx_map, bin_map, bin_size, idx_size):
+        self.idx_size = idx_size
         self.dtype = dtype
         self.lengths = lengths
         self.pointers = pointers
@@ -612,8 +673,13 @@ class _OpenFiles:
 
 
 def read_header(idx_file: str) -> tuple[np.dtype, int, int]:
-    """(dtype, N, M) from an ``.idx`` header, or :class:`FormatError` saying what is wrong."""
-    with open(idx_file, "rb") as f:
+    """(dtype, N, M) from an ``.idx`` header (a file or a URL), or :class:`FormatError` saying what is wrong."""
+    return _header(local_file(idx_file), idx_file)
+
+
+def _header(path: str, idx_file: str) -> tuple[np.dtype, int, int]:
+    """:func:`read_header` of the local file ``path``, errors naming ``idx_file`` (its URL, for a fetched copy)."""
+    with open(path, "rb") as f:
         head = f.read(HEADER_SIZE)
     if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
         found = head[: len(MAGIC)]
@@ -636,7 +702,7 @@ def described_bin_size(idx_file: str) -> int:
     dtype, n, _ = read_header(idx_file)
     if n == 0:
         return 0
-    with open(idx_file, "rb") as f:
+    with open(local_file(idx_file), "rb") as f:
         f.seek(HEADER_SIZE + 4 * (n - 1))
         (length,) = struct.unpack("<i", f.read(4))
         f.seek(HEADER_SIZE + 4 * n + 8 * (n - 1))
@@ -656,12 +722,14 @@ def size_mismatch(bin_file: str, idx_file: str, bin_size: int, expected: int, it
 
 def _open_files(prefix: str, multimodal: bool) -> _OpenFiles:
     idx_file, bin_file = index_path(prefix), data_path(prefix)
-    for path in (idx_file, bin_file):
+    remote = objstore.is_url(prefix)
+    for path in (() if remote else (idx_file, bin_file)):  # a missing object fails naming its URL
         if not os.path.exists(path):
             raise FormatError(f"{path}: no such file (expected a dataset written by `tokenloom preprocess` "
                               "or Megatron's preprocess_data.py)")
-    dtype, n, m = read_header(idx_file)
-    idx_size = os.path.getsize(idx_file)
+    idx_local = local_file(idx_file)
+    dtype, n, m = _header(idx_local, idx_file)
+    idx_size = os.path.getsize(idx_local)
     expected = HEADER_SIZE + 12 * n + 8 * m + (n if multimodal else 0)
     if idx_size < expected:
         raise FormatError(f"{idx_file}: truncated ({idx_size} bytes, the header's {n} sequences and {m} "
@@ -671,7 +739,7 @@ def _open_files(prefix: str, multimodal: bool) -> _OpenFiles:
                           f"(size {idx_size}, expected {expected})")
     if m < 1:
         raise FormatError(f"{idx_file}: empty document index (must hold at least the leading 0)")
-    with open(idx_file, "rb") as f:
+    with open(idx_local, "rb") as f:
         idx_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     lengths = np.frombuffer(idx_map, dtype="<i4", count=n, offset=HEADER_SIZE)
     pointers = np.frombuffer(idx_map, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
@@ -681,15 +749,17 @@ def _open_files(prefix: str, multimodal: bool) -> _OpenFiles:
     if int(doc_index[-1]) != n:
         raise FormatError(f"{idx_file}: document index ends at {int(doc_index[-1])}, expected the sequence "
                           f"count {n}")
-    bin_size = os.path.getsize(bin_file)
+    bin_size = file_size(bin_file)
     expected_bin = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize if n else 0
     if bin_size != expected_bin:
         raise FormatError(size_mismatch(bin_file, idx_file, bin_size, expected_bin, dtype.itemsize))
-    bin_map = None
-    if bin_size:
+    bin_map: mmap.mmap | objstore.RangedReader | None = None
+    if bin_size and remote:
+        bin_map = objstore.RangedReader(bin_file, bin_size)
+    elif bin_size:
         with open(bin_file, "rb") as f:
             bin_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return _OpenFiles(dtype, lengths, pointers, doc_index, modes, idx_map, bin_map, bin_size)
+    return _OpenFiles(dtype, lengths, pointers, doc_index, modes, idx_map, bin_map, bin_size, idx_size)
 
 
 def iter_token_chunks(ds: IndexedDataset, chunk_tokens: int = 1 << 24) -> Iterable[np.ndarray]:
@@ -703,5 +773,5 @@ def iter_token_chunks(ds: IndexedDataset, chunk_tokens: int = 1 << 24) -> Iterab
 __all__ = [
     "MAGIC", "VERSION", "DTYPE_CODES", "IndexedDataset", "IndexedDatasetWriter", "optimal_dtype",
     "read_header", "write_index", "sequence_pointers", "data_path", "index_path", "normalize_prefix",
-    "exists", "iter_token_chunks", "size_mismatch", "described_bin_size",
+    "exists", "iter_token_chunks", "size_mismatch", "described_bin_size", "file_size", "local_file",
 ]

@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from tokenloom import __version__
+from tokenloom import __version__, objstore
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer
 
@@ -62,12 +62,21 @@ def write(prefix: str | os.PathLike, manifest: dict, path: str | os.PathLike | N
 
 
 def read(prefix: str | os.PathLike) -> dict | None:
-    """The manifest beside ``prefix``, or None when there is none (e.g. Megatron-made files)."""
-    path = manifest_path(prefix)
-    if not path.exists():
+    """The manifest beside ``prefix``, or None when there is none (e.g. Megatron-made files); for an
+    object-store prefix, read from the node's cached copy (:func:`tokenloom.objstore.local_copy`)."""
+    path: str | Path = manifest_path(prefix)
+    if objstore.is_url(prefix):
+        path = manifest_url(os.fspath(prefix))
+        local = objstore.local_copy(path, missing_ok=True)
+        if local is None:
+            return None
+        text = Path(local).read_text(encoding="utf-8")
+    elif not Path(path).exists():
         return None
+    else:
+        text = Path(path).read_text(encoding="utf-8")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TokenloomError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if data.get("format") != FORMAT:

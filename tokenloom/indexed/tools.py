@@ -2,7 +2,7 @@
 
 All three stream over the index and the token file in bounded chunks (about
 16 M entries at a time), so they run in constant memory on datasets far larger
-than RAM. Problems are raised as :class:`FormatError` with the file and the first
+than RAM; inputs may be object-store URLs (read in place, see :mod:`tokenloom.indexed.format`). Problems are raised as :class:`FormatError` with the file and the first
 offending sequence/document, so a CLI can print one line and exit non-zero.
 """
 
@@ -63,8 +63,8 @@ def _check_structure(ds: IndexedDataset) -> None:
                               f"of the lengths before it ({int(starts[bad[0]])}): pointers are not monotonic "
                               "and contiguous")
         expected_next = int(starts[-1]) + int(lens[-1]) * itemsize
-    if os.path.getsize(bin_file) != expected_next:
-        raise FormatError(size_mismatch(bin_file, idx_file, os.path.getsize(bin_file), expected_next, itemsize))
+    if ds.bin_bytes != expected_next:
+        raise FormatError(size_mismatch(bin_file, idx_file, ds.bin_bytes, expected_next, itemsize))
     if int(doc_index[0]) != 0:
         raise FormatError(f"{idx_file}: document index starts at {int(doc_index[0])}, expected 0")
     if int(doc_index[-1]) != n:
@@ -100,12 +100,11 @@ def _check_document_edges(ds: IndexedDataset, token: int, name: str, last: bool,
     """Every non-empty document ends (``last``) or starts with ``token``."""
     bin_file = data_path(ds.path_prefix)
     doc_index = ds.document_indices
-    stream = ds._read(0, ds.num_tokens) if ds.num_tokens else np.empty(0, ds.dtype)
     missing, first = 0, None
     for a in range(0, len(doc_index) - 1, CHUNK):
         bounds = _token_offsets(ds, np.asarray(doc_index[a:a + CHUNK + 1]))
         nonempty = np.flatnonzero(bounds[1:] > bounds[:-1])
-        edge = stream[bounds[1:][nonempty] - 1] if last else stream[bounds[:-1][nonempty]]
+        edge = ds.tokens_at(bounds[1:][nonempty] - 1 if last else bounds[:-1][nonempty])
         wrong = nonempty[edge != token]
         if wrong.size:
             missing += int(wrong.size)
@@ -218,8 +217,8 @@ def inspect(prefix: str | os.PathLike, with_hash: bool = True) -> dict:
         "documents": ds.num_documents,
         "empty_documents": int((doc_sizes == 0).sum()),
         "tokens": ds.num_tokens,
-        "bin_bytes": os.path.getsize(data_path(ds.path_prefix)),
-        "idx_bytes": os.path.getsize(index_path(ds.path_prefix)),
+        "bin_bytes": ds.bin_bytes,
+        "idx_bytes": ds.idx_bytes,
         "sequence_length": summary.__dict__,
     }
     if with_hash:

@@ -37,7 +37,7 @@ def check_pair(prefix: str, saved: dict | None) -> None:
     where = manifest.manifest_path(prefix)
     said = (f"{idx_file} holds {sequences} sequences in {document_indices - 1} documents, but {where} records "
             f"{counts['sequences']} in {counts['documents']}")
-    bin_size = os.path.getsize(bin_file)
+    bin_size = indexed_format.file_size(bin_file)
     if "tokens" in counts and bin_size == counts["tokens"] * dtype.itemsize != _described(idx_file):
         raise FormatError(f"{said}, whose {counts['tokens']} tokens {bin_file} holds: the .idx is foreign "
                           "(it belongs to another .bin); preprocess again")
@@ -57,7 +57,7 @@ def verify_dataset(prefix: str | os.PathLike, vocab_size: int | None = None, eod
     the checks that could not run and why (empty when every check ran)."""
     prefix = indexed_format.normalize_prefix(prefix)
     data = manifest.read(prefix)
-    if data is not None and os.path.exists(indexed_format.index_path(prefix)):
+    if data is not None and indexed_format.exists(prefix):
         check_pair(prefix, data)
     sources = {name: f"given by {flag}" for name, flag, value in (("vocab", "--vocab-size", vocab_size),
                                                                      ("eod", "--eod", eod)) if value is not None}

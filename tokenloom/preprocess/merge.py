@@ -10,19 +10,24 @@ manifest goes first, then ``.bin``, ``.idx`` and the new manifest are published,
 killed merge leaves an unfinished pair (no manifest) that the rerun replaces, and
 temporary files of dead merges into the same output are removed when it starts. A
 full disk or another OS error ends in one line naming the path; the merge keeps
-nothing (it has no checkpoint: a rerun starts over).
+nothing (it has no checkpoint: a rerun starts over). Inputs may be object-store prefixes (read
+in place); an object-store output is merged in a local temporary folder (it must hold the
+output) and uploaded in the same commit order, index and manifest last.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
+from tokenloom import objstore
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import os_error_message, remove_dead_temps
 from tokenloom.indexed import manifest
 from tokenloom.indexed import merge as merge_indexed
 from tokenloom.indexed.format import data_path, index_path, normalize_prefix
-from tokenloom.preprocess.commit import uncommit
+from tokenloom.preprocess.commit import publish_dataset, uncommit
 
 
 def merge(output_prefix: str, prefixes: list[str], rerun: str = "rerun the merge") -> dict:
@@ -34,6 +39,8 @@ def merge(output_prefix: str, prefixes: list[str], rerun: str = "rerun the merge
 
 
 def _merge(output_prefix: str, prefixes: list[str]) -> dict:
+    if objstore.is_url(output_prefix):
+        return _merge_to_store(output_prefix, prefixes)
     prefixes = [normalize_prefix(p) for p in prefixes]
     manifests = [manifest.read(p) for p in prefixes]
     have = [m is not None for m in manifests]
@@ -52,4 +59,24 @@ def _merge(output_prefix: str, prefixes: list[str]) -> dict:
         report["manifest"] = str(manifest.manifest_path(report["path_prefix"]))
     elif any(have):
         report["manifest"] = "none (not every input has a manifest)"
+    return report
+
+
+def _merge_to_store(output_url: str, prefixes: list[str]) -> dict:
+    """Merge into a local staging folder, then upload ``.bin``, ``.idx`` and manifest in commit order
+    (:func:`tokenloom.preprocess.commit.publish_dataset`: the old manifest is removed first)."""
+    output = normalize_prefix(output_url)
+    if any(normalize_prefix(p) == output for p in prefixes):
+        raise TokenloomError(f"merge output {output} is also an input")
+    objstore.check_output(output)
+    staging = tempfile.mkdtemp(prefix="tokenloom-merge-")
+    try:
+        local = os.path.join(staging, output.rstrip("/").rsplit("/", 1)[-1])
+        report = _merge(local, prefixes)
+        publish_dataset(output, data_path(local), index_path(local), manifest.manifest_path(local))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    report["path_prefix"] = output
+    if "manifest" in report and objstore.is_url(output) and report["manifest"].startswith(staging):
+        report["manifest"] = manifest.manifest_url(output)
     return report

@@ -60,6 +60,11 @@ class TrainConfig:
     """Global batches of validation data per evaluation."""
     log_interval: int = 10
     """Write a metrics record every this many steps."""
+    log_loss_per_source: bool = False
+    """Also log the training loss of each source of the blend (token-weighted over the log
+    interval, ``train_loss_per_source`` in metrics.jsonl): summed on the device, read once per
+    log interval, no host sync per step. Costs a per-token loss and its sums per micro-batch;
+    with fused loss kernels the LM head's backward recomputes its logits (4/3 of its compute)."""
     gc_interval: int = 50
     """Python's automatic garbage collection is off while training and a young-generation
     collection runs every this many steps (torchtitan's gc_freq, Megatron's --manual-gc);

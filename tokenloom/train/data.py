@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from tokenloom.blending.args import source_names
 from tokenloom.blending.blend import build_mock_datasets
 from tokenloom.blending.build import BuildConfig
 from tokenloom.blending.build import build as build_blend
@@ -90,6 +91,9 @@ class BlendDataConfig:
 
     prefixes: list[tuple[float, str]]
     """(weight, path prefix) pairs, e.g. [[0.3, "data/web"], [0.7, "data/code"]]."""
+    names: list[str | None] | None = None
+    """A name per source, in ``prefixes`` order, for its losses in metrics.jsonl, the progress
+    line and loss.png (null, or a null entry: the prefix's basename); no two sources may share one."""
     split: str = "969,30,1"
     """Train/valid/test weights over each source's documents."""
     cache_dir: str | None = None
@@ -147,6 +151,10 @@ class Datasets:
     segment, this config's Megatron blend, until a resume changes the blend."""
     invariants: dict | None = None
     """Blend data: what a resume may not change (split, sequence length, seed, EOD masking)."""
+    source_names: list[str] | None = None
+    """Blend data of two or more sources: their names (:func:`~tokenloom.blending.args.source_names`),
+    in the order of the positions the samples carry as ``source``; None otherwise (one source: its
+    loss is the loss)."""
 
 
 def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, int, int],
@@ -185,6 +193,9 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
         out.invariants = {"data.blend.split": cfg.blend.split, "model.seq_len": seq_len, "data.seed": cfg.seed,
                           "data.eod_mask_loss": cfg.eod_mask_loss}
         out.train = SegmentedBlend(out.segments, [train])  # one segment: Megatron's blend itself
+        if len(cfg.blend.prefixes) > 1:
+            out.source_names = source_names([str(p) for _, p in cfg.blend.prefixes], cfg.blend.names,
+                                            "data.blend.names")
     return out
 
 
@@ -222,6 +233,11 @@ class TrainData:
     @property
     def plan(self) -> str:
         return self.datasets.plan
+
+    @property
+    def source_names(self) -> list[str] | None:
+        """The blend's source names when it has two or more sources (losses per source), else None."""
+        return self.datasets.source_names
 
     def state_dict(self) -> dict:
         """What a checkpoint's ``state.json`` keeps of the data: ``consumed_samples``,
@@ -348,9 +364,9 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
 def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: int, micro_batch_size: int,
            dp_rank: int, dp_size: int, num_workers: int = 0, pin_memory: bool = False,
            total_samples: int | None = None, inter_document_masking: bool = False,
-           vocab_size: int | None = None) -> DataLoader:
+           vocab_size: int | None = None, source_ids: bool = False) -> DataLoader:
     """Micro-batches of this rank (dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
-    and ``cu_seqlens``/``max_seqlen`` with ``inter_document_masking``).
+    ``cu_seqlens``/``max_seqlen`` with ``inter_document_masking``, ``source`` with ``source_ids``).
 
     The global order is the dataset's; rank ``r`` takes its slice of every global
     micro-step (see :class:`ConsumedSamplesSampler`). ``total_samples`` caps the samples used;
@@ -360,7 +376,7 @@ def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: i
     sampler = ConsumedSamplesSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size)
     samples = GPTSamples(dataset, SampleConfig(eod=eod, eod_mask_loss=eod_mask_loss,
                                                inter_document_masking=inter_document_masking,
-                                               vocab_size=vocab_size))
+                                               vocab_size=vocab_size, source_ids=source_ids))
     # A private generator: DataLoader draws its worker base seed from the *global* torch RNG
     # otherwise (even with num_workers=0), which would shift dropout's stream on resume.
     generator = torch.Generator().manual_seed(consumed_samples)

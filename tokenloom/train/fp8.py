@@ -71,8 +71,8 @@ def refusal(recipe: str, device: torch.device, *, tp: int, precision: str, kerne
 
 def convertible(module: nn.Module, fqn: str) -> bool:
     """Whether the linear at ``fqn`` (a name inside a model chunk) becomes a float8 linear:
-    a block's linear whose sizes are multiples of :data:`ALIGNMENT`."""
-    return (isinstance(module, nn.Linear) and fqn.startswith("blocks.")
+    a block's linear whose sizes are multiples of :data:`ALIGNMENT`, except an MoE router (fp32 by contract)."""
+    return (isinstance(module, nn.Linear) and fqn.startswith("blocks.") and not fqn.endswith(".router")
             and module.in_features % ALIGNMENT == 0 and module.out_features % ALIGNMENT == 0)
 
 

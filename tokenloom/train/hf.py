@@ -22,6 +22,10 @@ Name and layout mapping (both directions, :func:`to_hf` / :func:`from_hf`):
   permutation is needed (Meta's original interleaved checkpoints would need one; HF's do not).
   The SwiGLU ``fc`` is ``[gate | up]`` by rows; ``bias: true`` maps to ``attention_bias`` and
   ``mlp_bias`` (RMSNorm has none); RoPE base is ``rope_parameters.rope_theta``.
+* Mixture of experts (llama family, every block MoE, no biases): ``MixtralForCausalLM``; the router
+  is ``mlp.gate``, the experts ``mlp.experts.gate_up_proj`` [E, 2 inner, d] (gate rows, then up) and
+  ``down_proj`` [E, d, inner] (transformers 5's stacked form; ours is [E, in, out], transposed).
+  Mixtral's softmax, top-k and renormalisation equal our softmax over the top-k logits.
 * The vocabulary: our embedding and LM head have ``padded_vocab_size`` rows
   (``make_vocab_size_divisible_by``); the padded rows are dropped on export. On import the
   real rows come from the folder and the padded rows take the values a fresh model of the
@@ -85,6 +89,8 @@ from tokenloom.train.reshard import load_params
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"
+"""The class a llama-family model with experts exports as (export only: no import of Mixtral folders)."""
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
@@ -120,8 +126,13 @@ def _block_map(cfg: GPTConfig, i: int) -> list[tuple[str, str, Callable, Callabl
     hf = f"model.layers.{i}."
     out = [(f"{ours}norm1.weight", f"{hf}input_layernorm.weight", _same, _same),
            (f"{ours}norm2.weight", f"{hf}post_attention_layernorm.weight", _same, _same),
-           (f"{ours}attn.proj.weight", f"{hf}self_attn.o_proj.weight", _same, _same),
-           (f"{ours}mlp.proj.weight", f"{hf}mlp.down_proj.weight", _same, _same)]
+           (f"{ours}attn.proj.weight", f"{hf}self_attn.o_proj.weight", _same, _same)]
+    if cfg.is_moe_layer(i):  # Mixtral: experts stacked [E, out, in], ours [E, in, out]
+        out += [(f"{ours}mlp.router.weight", f"{hf}mlp.gate.weight", _same, _same),
+                (f"{ours}mlp.experts.fc", f"{hf}mlp.experts.gate_up_proj", _swap_last, _swap_last),
+                (f"{ours}mlp.experts.proj", f"{hf}mlp.experts.down_proj", _swap_last, _swap_last)]
+    else:
+        out.append((f"{ours}mlp.proj.weight", f"{hf}mlp.down_proj.weight", _same, _same))
     if cfg.use_bias:
         out += [(f"{ours}attn.proj.bias", f"{hf}self_attn.o_proj.bias", _same, _same),
                 (f"{ours}mlp.proj.bias", f"{hf}mlp.down_proj.bias", _same, _same)]
@@ -132,13 +143,18 @@ def _same(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def _swap_last(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(-2, -1)
+
+
 def _fused(cfg: GPTConfig, i: int) -> list[tuple[str, list[str], list[int]]]:
     """Llama's fused tensors of block ``i``: (ours, HF parts in row order, part sizes)."""
     hd, inner = cfg.head_dim, cfg.ffn_size
     ours, hf = f"blocks.{i}.", f"model.layers.{i}."
     qkv = [cfg.n_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd]
-    out = [(f"{ours}attn.qkv.weight", [f"{hf}self_attn.{p}_proj.weight" for p in "qkv"], qkv),
-           (f"{ours}mlp.fc.weight", [f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"], [inner, inner])]
+    out = [(f"{ours}attn.qkv.weight", [f"{hf}self_attn.{p}_proj.weight" for p in "qkv"], qkv)]
+    if not cfg.is_moe_layer(i):
+        out.append((f"{ours}mlp.fc.weight", [f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"], [inner, inner]))
     if cfg.use_bias:
         out += [(f"{ours}attn.qkv.bias", [f"{hf}self_attn.{p}_proj.bias" for p in "qkv"], qkv),
                 (f"{ours}mlp.fc.bias", [f"{hf}mlp.gate_proj.bias", f"{hf}mlp.up_proj.bias"], [inner, inner])]
@@ -166,6 +182,13 @@ def check_expressible(cfg: GPTConfig) -> None:
     if gpt2 and not cfg.use_bias:
         raise TokenloomError("model.bias=false has no GPT2LMHeadModel form: GPT-2's linears and LayerNorms always "
                              "have biases")
+    if cfg.num_experts is not None:
+        if gpt2:
+            raise TokenloomError("model.num_experts on a GPT-2 model has no transformers form; export a llama model "
+                                 "(MixtralForCausalLM)")
+        if cfg.moe_layer_freq != 1 or cfg.use_bias:
+            raise TokenloomError(f"model.moe_layer_freq={cfg.moe_layer_freq} / model.bias={cfg.use_bias} has no "
+                                 "MixtralForCausalLM form: every Mixtral block is mixture-of-experts, without biases")
     if gpt2 and not cfg.norm_bias:
         raise TokenloomError("model.norm_bias=false has no GPT2LMHeadModel form: GPT-2's LayerNorms always have "
                              "biases")
@@ -200,6 +223,15 @@ def hf_config(cfg: GPTConfig, eod: int | None, bos: int | None) -> dict[str, Any
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
                 "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    if cfg.num_experts is not None:  # Mixtral: softmax, top-k, renormalised = our top-k softmax
+        return {**common, "architectures": [MIXTRAL], "model_type": "mixtral", "hidden_size": cfg.d_model,
+                "intermediate_size": cfg.moe_ffn_size, "num_hidden_layers": cfg.n_layers,
+                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+                "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+                "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "output_router_logits": False,
+                "sliding_window": None, "attention_dropout": cfg.dropout}
     return {**common, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_size,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",

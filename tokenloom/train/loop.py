@@ -9,7 +9,9 @@ One iteration::
                                             embeddings, dp reduction), global norm,
                                             clip, AdamW or ZeRO-1 step
     every log_interval: loss reduced to every rank, a metrics record on rank 0
-                                            (pp > 1: with the interval's pipeline bubble)
+                                            (pp > 1: with the interval's pipeline bubble;
+                                            the interval's data wait; losses per source
+                                            with log_loss_per_source)
     by eval/save/exit interval (``due``): evaluation, checkpoint, stop
 
 What differs per layout (dp only, tensor/pipeline parallel, ZeRO-1) lives in
@@ -30,7 +32,13 @@ Choices and their costs:
   ``train_loss`` is the mean over the interval; the grad norm is that of the last step.
 * **Evaluation** runs the model in eval mode without gradients on the same first
   ``eval_iters`` validation batches every time, before the first step, every
-  ``eval_interval`` steps and at the end.
+  ``eval_interval`` steps and at the end. A blend of two or more sources also gets each
+  source's loss on its own samples among those batches (:mod:`.source_loss`), for the price
+  of per-token losses and one more small reduction per evaluation.
+* **Data wait**: the host time each step spends taking its batches from the loader is summed
+  per log interval (``data_wait_s``, ``data_wait_share``: host clocks, no device sync); the run
+  ends with a warning when it took more than :data:`~tokenloom.train.summary.DATA_WAIT_WARN`
+  of the training time.
 * **What a person sees** on rank 0's stderr, above the progress bar (loss, learning rate,
   tokens/s, peak device and host memory of the interval): one line per validation loss
   and one per completed checkpoint save; ``metrics.jsonl`` holds the same and more
@@ -58,6 +66,7 @@ import math
 import os
 import signal
 import sys
+import time
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,9 +96,10 @@ from tokenloom.train.runtime import (
     seed_everything,
     tune_host_memory,
 )
+from tokenloom.train.source_loss import SourceLosses, losses_by_name
 from tokenloom.train.stop import StopOnSignal, resume_command
 from tokenloom.train.strategy import Strategy
-from tokenloom.train.summary import RunFacts, startup_summary
+from tokenloom.train.summary import RunFacts, data_wait_warning, startup_summary
 
 
 def due(cfg: TrainConfig, iteration: int, done: bool, has_valid: bool) -> tuple[bool, bool, bool]:
@@ -262,19 +272,35 @@ class Trainer:
         else:
             saver.abandon()
 
-    def evaluate(self) -> float:
-        """Mean validation loss over the first ``eval_iters`` global batches, on every rank."""
-        cfg, s = self.cfg, self.strategy
+    def evaluate(self) -> tuple[float, dict[str, float | None] | None]:
+        """Mean validation loss over the first ``eval_iters`` global batches, on every rank, and
+        for a blend of two or more sources each one's loss over its samples among them
+        (:mod:`.source_loss`; None otherwise)."""
+        cfg, s, names = self.cfg, self.strategy, self.data.source_names
         batches = s.global_batches(self.data.valid, eod=self.data.eod, consumed=0,
-                                   total=cfg.eval_iters * cfg.global_batch_size)
+                                   total=cfg.eval_iters * cfg.global_batch_size, sources=names is not None)
+        per_source = SourceLosses(len(names), self.world.device) if names is not None else None
         total = torch.zeros((), device=self.world.device)
         try:
             for _ in range(cfg.eval_iters):
-                total += s.eval_loss_sum(next(batches))
+                total += s.eval_loss_sum(next(batches), per_source)
         except StopIteration:
             raise TokenloomError(f"the validation split has fewer than {cfg.eval_iters} x {cfg.global_batch_size} "
                                  "samples; set eval_interval=0, lower eval_iters or give it more data") from None
-        return s.loss_for_log(total / (cfg.eval_iters * s.num_micro), "validation loss reduction")
+        loss = s.loss_for_log(total / (cfg.eval_iters * s.num_micro), "validation loss reduction")
+        if per_source is None or names is None:
+            return loss, None
+        return loss, losses_by_name(names, s.sums_for_log(per_source.take(), "validation loss reduction"))
+
+    def _validate(self) -> None:
+        """:meth:`evaluate` at this iteration, with its metrics record and progress line."""
+        loss, per_source = self.evaluate()
+        self._last["val_loss"] = loss
+        record: dict = {"iter": self.iteration, "val_loss": loss}
+        if per_source is not None:
+            record["val_loss_per_source"] = self._last["val_loss_per_source"] = per_source
+        self._record(record)
+        self._say(f"iteration {self.iteration}: validation loss {loss:.4f}{_by_source(per_source)}")
 
     def train(self) -> dict:
         """The whole loop: :meth:`steps` to the end, then :meth:`finish`."""
@@ -311,6 +337,10 @@ class Trainer:
         self._bar = bar = tqdm(total=cfg.train_iters, initial=self.iteration,
                                disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True, unit="it")
         loss_sum, since = torch.zeros((), device=world.device), 0
+        names = self.data.source_names
+        self._train_per_source = None
+        if cfg.log_loss_per_source and names is not None:
+            self._train_per_source = SourceLosses(len(names), world.device)
         self._timer = timer = StepTimer(cfg.global_batch_size * cfg.model.seq_len, world.device)
         self._last: dict = {"train_loss": None, "val_loss": None}
         self._exited = False
@@ -320,22 +350,24 @@ class Trainer:
         batches: Iterator[list] = iter(())
         if self.iteration < cfg.train_iters:
             batches = s.global_batches(self.data.train, eod=self.data.eod, consumed=self.data.consumed,
-                                       total=cfg.train_iters * cfg.global_batch_size, workers=cfg.data.num_workers)
+                                       total=cfg.train_iters * cfg.global_batch_size, workers=cfg.data.num_workers,
+                                       sources=self._train_per_source is not None)
         if self.iteration == 0 and cfg.eval_interval and has_valid:
             # The starting point of the validation curve (eval mode: no RNG is consumed).
-            start = self.evaluate()
-            self._record({"iter": 0, "val_loss": start})
-            self._say(f"iteration 0: validation loss {start:.4f}")
+            self._validate()
         timer.start()
         while self.iteration < cfg.train_iters:
             lr = lr_at(self.iteration, cfg.optim, cfg.train_iters)
             set_lr(s.optimizer, lr)
-            loss, norm = s.train_step(next(batches))
+            fetch = time.perf_counter()
+            batch = next(batches)
+            waited = time.perf_counter() - fetch
+            loss, norm = s.train_step(batch, self._train_per_source)
             self.iteration += 1
             self.data.consumed += cfg.global_batch_size
             loss_sum += loss
             since += 1
-            timer.step()
+            timer.step(waited)
             bar.update(1)
             self._saves_done()  # a step boundary: a finished background write is reported (or its error raised)
             done = self.iteration == cfg.train_iters
@@ -351,9 +383,7 @@ class Trainer:
             if evaluating or saving:
                 with timer.paused():
                     if evaluating:
-                        last["val_loss"] = self.evaluate()
-                        self._record({"iter": self.iteration, "val_loss": last["val_loss"]})
-                        self._say(f"iteration {self.iteration}: validation loss {last['val_loss']:.4f}")
+                        self._validate()
                     if saving:
                         last["checkpoint"] = str(self._save())
                         if self._exited:  # the checkpoint named below must be complete
@@ -375,6 +405,9 @@ class Trainer:
         self._bar.close()
         if "checkpoint" not in last and self.resumed_from is not None:
             last["checkpoint"] = str(self.resumed_from)  # resumed a finished run: nothing new to save
+        warning = data_wait_warning(self._timer.data_wait_share, cfg.data.num_workers)
+        if warning:
+            self._say(f"warning: {warning}")
         if self.metrics:
             with self._writing(self.metrics_path):
                 self.metrics.close()
@@ -395,16 +428,28 @@ class Trainer:
                                  "check the data")
         timing = self._timer.interval()
         bubble = self.strategy.bubble_for_log()
+        experts = self.strategy.moe_for_log()
         memory = memory_fields(self.world.device)
-        self._record({"iter": self.iteration, "train_loss": loss, "lr": lr, "grad_norm": float(norm), **timing,
-                      "consumed_samples": self.data.consumed,
+        per_source = {}
+        if self._train_per_source is not None and self.data.source_names is not None:
+            sums = self.strategy.sums_for_log(self._train_per_source.take(), "loss reduction")
+            per_source = {"train_loss_per_source": losses_by_name(self.data.source_names, sums)}
+        self._record({"iter": self.iteration, "train_loss": loss, **per_source, "lr": lr, "grad_norm": float(norm),
+                      **timing, "consumed_samples": self.data.consumed,
                       "mfu": mfu(self.flops_per_token, timing["tokens_per_s"], self.peak_total), **memory,
-                      **({} if bubble is None else {"pipeline_bubble": bubble})})
+                      **({} if bubble is None else {"pipeline_bubble": bubble}), **experts})
         device_mem = memory["device_mem_peak_gib"]
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{timing['tokens_per_s']:,.0f}",
                         **({} if device_mem is None else {"dev_mem": f"{device_mem:.2f}G"}),
                         rss=f"{memory['host_rss_gib']:.2f}G")
         return loss
+
+
+def _by_source(losses: dict[str, float | None] | None) -> str:
+    """`` (web 3.2100, code 2.9800)`` for a progress line; "-" for a source without tokens."""
+    if not losses:
+        return ""
+    return " (" + ", ".join(f"{n} {'-' if v is None else f'{v:.4f}'}" for n, v in losses.items()) + ")"
 
 
 # --------------------------------------------------------------------------- entry point

@@ -3,10 +3,15 @@
 Every line of ``metrics.jsonl`` is one JSON object with an ``iter`` key (completed
 optimizer steps) and ``time`` (unix seconds when it was written): train records carry
 ``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``step_time_s``,
-``consumed_samples``, ``mfu`` (null when the device's peak is unknown) and the memory
+``consumed_samples``, ``mfu`` (null when the device's peak is unknown), ``data_wait_s`` and
+``data_wait_share`` (the interval's wait for data, :class:`StepTimer`) and the memory
 fields of :func:`memory_fields` (``device_mem_peak_gib``: the interval's peak of allocated
 device memory, null on CPU; ``host_rss_gib`` and ``host_rss_peak_gib``: the process's
-resident memory now and its peak so far); evaluation records carry ``val_loss``. A resumed
+resident memory now and its peak so far), and with ``log_loss_per_source``
+``train_loss_per_source`` (``{source name: loss}``, token-weighted over the interval); evaluation
+records carry ``val_loss`` and, for a blend of two or more sources, ``val_loss_per_source``
+(each source's loss on its own validation samples, null for a source without any,
+:mod:`tokenloom.train.source_loss`). A resumed
 run writes a record with ``resumed_from`` (the checkpoint) and ``blend_changed`` (whether
 the blend's weights or sources changed there) at the iteration it resumed at. The record whose
 interval holds the process's first step also carries ``first_step_s`` (see
@@ -71,7 +76,8 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_total: float | None) -
 
 
 class StepTimer:
-    """Wall time of training steps: each log interval's mean step time and the run's tokens/s.
+    """Wall time of training steps: each log interval's mean step time and data wait, and the
+    run's tokens/s and data wait share.
 
     The first step a process takes is timed on its own (``first_step_s``) and left out of
     the interval means and of :attr:`tokens_per_s`: it carries one-off costs a run pays
@@ -81,6 +87,11 @@ class StepTimer:
     choice is one device synchronisation after the first step. Evaluation and checkpoint
     time is taken out with :meth:`paused`. An interval holding only the first step (log
     interval 1) reports the first step's time, so every train record has a step time.
+
+    The data wait is what the loop passes to :meth:`step`: the host time the step spent taking
+    its batches from the loader (host clocks only, no device sync). On a GPU the host runs
+    ahead of the device, so a wait the device's queue covers costs the step nothing: the
+    figure bounds the stall from above. Its share is of the same wall time as the step times.
     """
 
     def __init__(self, tokens_per_step: int, device: torch.device) -> None:
@@ -91,6 +102,7 @@ class StepTimer:
         self._steps = 0  # timed steps since the last interval
         self._first_unreported = False
         self._total_steps, self._total_s = 0, 0.0
+        self._wait, self._first_wait, self._total_wait = 0.0, 0.0, 0.0  # data wait: interval, first step, run
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -101,29 +113,36 @@ class StepTimer:
         """Start the clock (right before the first step)."""
         self._t0 = time.perf_counter()
 
-    def step(self) -> None:
-        """Call after every optimizer step."""
+    def step(self, data_wait_s: float = 0.0) -> None:
+        """Call after every optimizer step, with the seconds it waited for its data."""
         if self.first_step_s is None:
             now = self._now()
             self.first_step_s, self._t0 = now - self._t0, now
             self._first_unreported = True
+            self._first_wait = data_wait_s
         else:
             self._steps += 1
+            self._wait += data_wait_s
 
     def interval(self) -> dict:
         """The timing fields of a train record for the steps since the previous call:
-        ``tokens_per_s``, ``step_time_s`` (the mean), and ``first_step_s`` when the first step
-        fell in this interval. Restarts the interval."""
+        ``tokens_per_s``, ``step_time_s`` (the mean), ``data_wait_s`` (summed over the interval's
+        steps) and ``data_wait_share`` (of their wall time), and ``first_step_s`` when the first
+        step fell in this interval. Restarts the interval."""
         now = self._now()
         first, self._first_unreported = (self.first_step_s if self._first_unreported else None), False
         if self._steps == 0:
             mean = self.first_step_s or 0.0
+            wait, span = self._first_wait, mean
         else:
             mean = (now - self._t0) / self._steps
             self._total_steps += self._steps
             self._total_s += now - self._t0
-        self._t0, self._steps = now, 0
-        timing = {"tokens_per_s": self.tokens_per_step / mean, "step_time_s": mean}
+            self._total_wait += self._wait
+            wait, span = self._wait, now - self._t0
+        self._t0, self._steps, self._wait = now, 0, 0.0
+        timing = {"tokens_per_s": self.tokens_per_step / mean, "step_time_s": mean, "data_wait_s": wait,
+                  "data_wait_share": wait / span if span > 0 else 0.0}
         if first is not None:
             timing["first_step_s"] = first
         return timing
@@ -142,8 +161,15 @@ class StepTimer:
         """Tokens/s over every step but the first that :meth:`interval` has closed; None before."""
         return self.tokens_per_step * self._total_steps / self._total_s if self._total_s > 0 else None
 
+    @property
+    def data_wait_share(self) -> float | None:
+        """The share of the wall time of every step but the first that :meth:`interval` has closed
+        spent waiting for data; None before."""
+        return self._total_wait / self._total_s if self._total_s > 0 else None
+
     def summary(self) -> dict:
-        return {"tokens_per_s": self.tokens_per_s, "first_step_s": self.first_step_s}
+        return {"tokens_per_s": self.tokens_per_s, "first_step_s": self.first_step_s,
+                "data_wait_share": self.data_wait_share}
 
 
 GIB = float(1 << 30)
@@ -187,7 +213,8 @@ class MetricsLogger:
     A logger whose package is missing is skipped with one line on stderr (:func:`missing_package`);
     the JSONL file is the record of truth either way. W&B gets every numeric field against
     ``iter`` as its step metric (checkpoint records arrive after later train records, which a
-    plain ``step=`` would drop)."""
+    plain ``step=`` would drop); a field holding a mapping (losses per source) goes to both as
+    ``field/key`` scalars."""
 
     def __init__(self, path: str | os.PathLike, *, resume_iteration: int | None = None,
                  tensorboard_dir: str | None = None, wandb_project: str | None = None,
@@ -230,7 +257,9 @@ class MetricsLogger:
         with naming(self.path):
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        numbers = {k: v for k, v in record.items()
+        flat = {f"{k}/{name}" if isinstance(v, dict) else k: x for k, v in record.items()
+                for name, x in (v.items() if isinstance(v, dict) else [(None, v)])}
+        numbers = {k: v for k, v in flat.items()
                    if k not in ("iter", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
                    and math.isfinite(v)}
         if self._tb is not None:
@@ -289,6 +318,8 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> P
 def loss_figure(records: list[dict]):
     """Two panels against iteration: train and validation loss above, the learning rate below.
     Every logged point gets a marker, so a short run (one train record) still shows its loss.
+    Losses per source (``val_loss_per_source``, ``train_loss_per_source``) are drawn thinner,
+    one colour per source, dashed for validation and dotted for training.
     Both panels carry a dotted vertical line where the run resumed and a dashed one where the
     blend changed (records with ``resumed_from``), so a jump in the loss has its cause in view.
     The caller closes the figure (``matplotlib.pyplot.close``)."""
@@ -299,6 +330,14 @@ def loss_figure(records: list[dict]):
         points = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
         if points:
             ax.plot(*zip(*points, strict=True), style, label=key.replace("_", " "), markersize=3 if len(points) > 1 else 6)
+    sources = list(dict.fromkeys(name for r in records for key in ("val_loss_per_source", "train_loss_per_source")
+                                 for name in r.get(key) or {}))
+    for i, name in enumerate(sources):
+        for key, style, what in (("val_loss_per_source", "o--", "val"), ("train_loss_per_source", ".:", "train")):
+            points = [(r["iter"], r[key][name]) for r in records if (r.get(key) or {}).get(name) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), style, color=f"C{(i + 3) % 10}", linewidth=1, markersize=2,
+                        label=f"{what} loss {name}")
     rates = [(r["iter"], r["lr"]) for r in records if r.get("lr") is not None]
     if rates:
         lr_ax.plot(*zip(*rates, strict=True), ".-", color="tab:green", markersize=3 if len(rates) > 1 else 6)

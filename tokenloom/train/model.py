@@ -11,6 +11,12 @@ features existed builds the same model. Any combination builds, in every layout 
 mode: each feature is its own op in every :class:`~tokenloom.train.kernels.KernelSet` (norm,
 activation, RoPE), so no combination falls back or is refused.
 
+Mixture of experts (``num_experts``, Megatron's MoE flags): blocks chosen by ``moe_layer_freq``
+hold a :class:`MoE` instead of the :class:`MLP` (:mod:`tokenloom.train.moe`: fp32 top-k router, no
+token dropped, experts as one grouped GEMM, balance and z losses joined to backward); expert weights
+are stacked on a leading expert dimension and drawn from the same generator in module order. Every
+rank holds every expert (no expert parallelism); at tp > 1 sequence parallelism is required.
+
 Layouts and their invariants:
 
 * **Tensor parallelism**: linears and the token embedding come from a
@@ -84,6 +90,15 @@ from tokenloom.train.kernels import (
     select_kernels,
 )
 from tokenloom.train.kernels.compiled import compiled
+from tokenloom.train.moe import (
+    AttachAuxLoss,
+    grouped_mm,
+    load_balancing_loss,
+    permute,
+    route,
+    unpermute,
+    z_loss,
+)
 from tokenloom.train.parallel.context import attention_mask as cp_attention_mask
 from tokenloom.train.parallel.context import gather_sequence, local_index
 from tokenloom.train.parallel.layers import TensorParallel, shard, tag
@@ -153,6 +168,22 @@ class GPTConfig:
     """Standard deviation of the normal weight init."""
     seed: int = 0
     """Seed of the private generator used for the weight init."""
+    num_experts: int | None = None
+    """Experts of each mixture-of-experts MLP (Megatron's --num-experts); None: dense MLPs everywhere."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (its k largest router logits, gates a softmax over them)."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner size of each expert; None means the dense MLP's (ffn_size)."""
+    moe_layer_freq: int = 1
+    """Block i has a mixture-of-experts MLP when i % moe_layer_freq == 0 (1: every block)."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    """Balance loss over each micro-batch's tokens (aux_loss), per sequence averaged (seq_aux_loss), or none."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss in the objective (Megatron's default 0: off)."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (mean squared logsumexp of the router logits); 0: off."""
+    moe_grouped_gemm: bool = True
+    """Run all experts as one torch._grouped_mm where the device supports it (else a loop over experts)."""
     kernels: str = "reference"
     """Op implementations: reference | compiled | triton | auto (see tokenloom.train.kernels), chosen
     once when the model is built; ``reference`` is the eager path, bit-identical to the model before
@@ -180,6 +211,15 @@ class GPTConfig:
                                  f"n_heads={self.n_heads} = {self.head_dim}")
         if self.kernels not in ("reference", "compiled", "triton", "auto"):
             raise TokenloomError(f"kernels must be reference, compiled, triton or auto, got {self.kernels!r}")
+        if self.num_experts is not None:
+            if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
+                raise TokenloomError(f"model.num_experts={self.num_experts} must be >= 1 and model.moe_router_topk="
+                                     f"{self.moe_router_topk} between 1 and it")
+            if self.moe_layer_freq < 1:
+                raise TokenloomError(f"model.moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+            if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+                raise TokenloomError("model.moe_router_load_balancing_type must be aux_loss, seq_aux_loss or none, "
+                                     f"got {self.moe_router_load_balancing_type!r}")
         bad = [i for i in self.recompute_layers if not 0 <= i < self.n_layers]
         if bad:
             raise TokenloomError(f"recompute_layers {bad} out of range for n_layers={self.n_layers}")
@@ -204,6 +244,15 @@ class GPTConfig:
         if self.mlp == "gelu":
             return 4 * self.d_model
         return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Inner size of each expert (``moe_ffn_hidden_size``, else the dense MLP's)."""
+        return self.ffn_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` has a mixture-of-experts MLP."""
+        return self.num_experts is not None and index % self.moe_layer_freq == 0
 
     @property
     def use_bias(self) -> bool:
@@ -338,6 +387,94 @@ class MLP(nn.Module):
         return _matmul_and_bias(self.proj, h)
 
 
+class Experts(nn.Module):
+    """The weights of ``E`` MLPs stacked on a leading expert dimension: ``fc`` [E, d, inner] (or
+    [E, d, 2 inner], gate then up, for SwiGLU) and ``proj`` [E, inner, d], with biases ``fc_bias``
+    [E, ...] and ``proj_bias`` [E, d] when the model has biases. Expert e alone is the dense
+    :class:`MLP` whose ``fc.weight`` is ``fc[e].T`` and ``proj.weight`` is ``proj[e].T``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        E, d, inner = cfg.num_experts or 1, cfg.d_model, cfg.moe_ffn_size
+        width = 2 * inner if cfg.mlp == "swiglu" else inner
+        self.fc = nn.Parameter(torch.empty(E, d, width, device="meta"))
+        self.proj = nn.Parameter(torch.empty(E, inner, d, device="meta"))
+        self.fc_bias = nn.Parameter(torch.empty(E, width, device="meta")) if cfg.use_bias else None
+        self.proj_bias = nn.Parameter(torch.empty(E, d, device="meta")) if cfg.use_bias else None
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts MLP (megatron-core's ``MoELayer`` on one rank): fp32 top-k router,
+    tokens sorted by expert, experts as grouped GEMMs, gate-weighted sum back per token; no token
+    dropped (:mod:`tokenloom.train.moe`). The balance and z losses (``cfg.moe_*_coeff``) join
+    backward through :class:`~tokenloom.train.moe.AttachAuxLoss` scaled by ``aux_loss_scale``
+    (1 / micro-batches, set by the trainer; 1 for a single forward and backward).
+
+    Tensor parallelism needs sequence parallelism (Megatron's rule): each tp rank routes its own
+    slice of the tokens through full (replicated) experts, whose grads are summed over tp like the
+    norms' (tag ``sequence_parallel``). ``stats`` accumulates, on the device and only in training
+    forwards, the tokens per expert, the balance and z losses and the number of forwards
+    (:meth:`take_stats` reads and clears it): no host sync per step."""
+
+    def __init__(self, cfg: GPTConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_experts, self.topk = cfg.num_experts or 1, cfg.moe_router_topk
+        self.swiglu, self.grouped = cfg.mlp == "swiglu", cfg.moe_grouped_gemm
+        self.balancing, self.aux_coeff, self.z_coeff = (cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff,
+                                                        cfg.moe_z_loss_coeff)
+        self.router = nn.Linear(cfg.d_model, self.num_experts, bias=False, device="meta")
+        self.experts = Experts(cfg)
+        if tp.sp:
+            for p in self.parameters():
+                tag(p, sequence_parallel=True)
+        self.tp = tp
+        self.aux_loss_scale = 1.0
+        self.stats: torch.Tensor | None = None  # [E + 3]: tokens per expert, balance, z, forwards
+        self.pending: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """x: [B, T, d] (or [T/tp, B, d] under sequence parallelism) -> (output, None): the gated
+        experts' outputs with their biases in, the shape of ``x``."""
+        shape, ex = x.shape, self.experts
+        flat = x.reshape(-1, shape[-1])
+        logits, chosen, gates = route(flat, self.router.weight, self.topk)
+        rows, order, expert_of_row, counts = permute(flat, chosen, self.num_experts)
+        h = grouped_mm(rows, ex.fc, counts, self.grouped)
+        if ex.fc_bias is not None:
+            h = h + ex.fc_bias[expert_of_row].to(h.dtype)
+        out = grouped_mm(mlp_activation(h, self.swiglu), ex.proj, counts, self.grouped)
+        if ex.proj_bias is not None:
+            out = out + ex.proj_bias[expert_of_row].to(out.dtype)
+        y = unpermute(out, order, gates, flat.shape[0]).view(*shape[:-1], out.shape[-1])
+        group = self.tp.group if self.tp.sp else None
+        zero = logits.new_zeros(())
+        balance = zero if self.balancing == "none" else load_balancing_loss(
+            logits, chosen, shape[1] if self.tp.sp else shape[0], self.balancing, group)
+        z = z_loss(logits, group) if self.z_coeff else zero
+        aux = self.aux_coeff * balance + self.z_coeff * z
+        if torch.is_grad_enabled() and aux.requires_grad:
+            y = AttachAuxLoss.apply(y, aux, self.aux_loss_scale)
+        if self.training:  # committed by the block, so a recomputed forward is not counted twice
+            self.pending = torch.cat([counts.to(torch.float64), torch.stack([balance, z]).detach().to(torch.float64),
+                                      torch.ones(1, dtype=torch.float64, device=x.device)])
+        return y, None
+
+    def commit_stats(self) -> None:
+        """Add the last training forward's statistics to ``stats``."""
+        if self.pending is not None:
+            self.stats = self.pending if self.stats is None else self.stats + self.pending
+            self.pending = None
+
+    def take_stats(self) -> torch.Tensor:
+        """The statistics since the last call, [E + 3] float64 on the device (zeros when none), and
+        clear them: tokens per expert, then the sums of the balance loss, the z-loss and the count
+        of forwards they were taken over."""
+        stats = self.stats
+        self.stats = None
+        return stats if stats is not None else torch.zeros(self.num_experts + 3, dtype=torch.float64,
+                                                             device=self.router.weight.device)
+
+
 def rope_at(rope: tuple[torch.Tensor, torch.Tensor], seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cos/sin for a sequence of ``seq``: the table's first rows, or the per-sample
     tables ([B, 1, T, d]) that positions restarting at each document gave."""
@@ -424,10 +561,11 @@ class Block(nn.Module):
     the tensor-parallel dropout stream too)."""
 
     def __init__(self, cfg: GPTConfig, tp: TensorParallel, recompute: bool = False,
-                 ops: KernelSet | None = None) -> None:
+                 ops: KernelSet | None = None, moe: bool = False) -> None:
         super().__init__()
         self.norm1, self.attn = make_norm(cfg, ops), Attention(cfg, tp, ops)
-        self.norm2, self.mlp = make_norm(cfg, ops), MLP(cfg, tp, ops)
+        self.norm2 = make_norm(cfg, ops)
+        self.mlp: MLP | MoE = MoE(cfg, tp) if moe else MLP(cfg, tp, ops)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute, self.ops, self.tp = recompute, ops, tp
 
@@ -451,9 +589,14 @@ class Block(nn.Module):
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             if self.tp.size > 1:
-                return tp_checkpoint(self._forward, x, rope, documents, tracker=get_rng_tracker(x.device))
-            return checkpoint(self._forward, x, rope, documents, use_reentrant=False)
-        return self._forward(x, rope, documents)
+                y = tp_checkpoint(self._forward, x, rope, documents, tracker=get_rng_tracker(x.device))
+            else:
+                y = checkpoint(self._forward, x, rope, documents, use_reentrant=False)
+        else:
+            y = self._forward(x, rope, documents)
+        if isinstance(self.mlp, MoE):
+            self.mlp.commit_stats()
+        return y
 
 
 def _given(t: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -473,8 +616,13 @@ def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.T
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
     """Mean next-token cross entropy of ``logits`` [..., vocab] (any float dtype, computed in
     fp32) against ``labels``, over the tokens ``loss_mask`` keeps: the reference loss at tp = 1."""
-    losses = F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
-    return masked_mean(losses, loss_mask)
+    return masked_mean(token_losses(logits, labels), loss_mask)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token next-token cross entropy [labels.numel()] of ``logits`` [..., vocab] (computed
+    in fp32) against ``labels``, unmasked: what :func:`lm_loss` averages."""
+    return F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
 
 
 class GPT(nn.Module):
@@ -516,12 +664,16 @@ class GPT(nn.Module):
         layers = range(cfg.n_layers) if layers is None else layers
         device = torch.device("cpu" if device is None else device)
         self.ops = ops = build_ops(cfg.kernels, device)  # chosen once, for every module below
-        self._lm_loss = lm_loss  # compile_blocks swaps in its compiled form
+        self._lm_loss, self._token_losses = lm_loss, token_losses  # compile_blocks swaps in compiled forms
         if pre:
             self.tok_emb = self.tp.embedding(cfg.padded_vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model, device="meta") if cfg.positions == "learned" else None
             self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.tp, i in cfg.recompute_layers, ops) for i in layers})
+        if cfg.num_experts is not None and self.tp.size > 1 and not self.tp.sp:
+            raise TokenloomError(f"mixture-of-experts layers at tp={self.tp.size} need sequence parallelism (sp=true), "
+                                 "as in Megatron")
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, self.tp, i in cfg.recompute_layers, ops, cfg.is_moe_layer(i))
+                                     for i in layers})
         if post:
             self.norm = make_norm(cfg, ops)
             self.lm_head = self.tp.column(cfg.d_model, cfg.padded_vocab_size, bias=False)
@@ -579,6 +731,16 @@ class GPT(nn.Module):
         gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
         std, resid_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         for name, module in GPT(cfg, device="meta").named_modules():  # the one-process order
+            if isinstance(module, Experts):  # every expert's weights, drawn as one stacked tensor
+                for pname, s in (("fc", std), ("proj", resid_std)):
+                    full = torch.empty(getattr(module, pname).shape, dtype=torch.float32, device="cpu")
+                    full.normal_(0.0, s, generator=gen)
+                    if f"{name}.{pname}" in mine:
+                        mine[f"{name}.{pname}"].copy_(full)
+                for pname in ("fc_bias", "proj_bias"):
+                    if f"{name}.{pname}" in mine:
+                        mine[f"{name}.{pname}"].zero_()
+                continue
             if not isinstance(module, (nn.Linear, nn.Embedding)) or (name == "lm_head" and cfg.tie_embeddings):
                 continue
             s = resid_std if getattr(module, "residual_scaled_init", False) else std
@@ -611,10 +773,15 @@ class GPT(nn.Module):
         hidden: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        token_losses: bool = False,
     ) -> torch.Tensor:
         """tokens/labels/loss_mask: [batch, seq]. Returns logits [batch, seq, padded_vocab]
         when ``labels`` is None, else the scalar cross-entropy averaged over tokens whose
-        ``loss_mask`` is nonzero (all tokens when ``loss_mask`` is None).
+        ``loss_mask`` is nonzero (all tokens when ``loss_mask`` is None); with ``token_losses``,
+        the unmasked per-token losses [batch, seq] instead (``loss_mask`` unused), whose
+        :func:`masked_mean` is that scalar up to float rounding. In training ``token_losses``
+        gives up the fused kernels' gradients-in-forward (the LM head's backward recomputes
+        its logits).
 
         A stage without ``pre`` takes the previous stage's activation as ``hidden``
         (``tokens`` unused); a stage without ``post`` returns its activation ([batch, seq,
@@ -645,6 +812,8 @@ class GPT(nn.Module):
             x = block(x, rope, mask)
         if not self.post:
             return x
+        if token_losses:
+            return self.token_head(self.norm(x), _given(labels, "labels"))
         return self.head(self.norm(x), labels, loss_mask)
 
     def context_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
@@ -654,8 +823,9 @@ class GPT(nn.Module):
         under inter-document masking; by default their global positions), and attention
         gathers every rank's keys and values."""
         self.cp = (group, size, rank)
-        for block in self.blocks.values():
-            block.attn.cp_group = group
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.cp_group = group
 
     def compile_blocks(self) -> None:
         """``torch.compile`` each transformer block in place (``compile: true``), torchtitan's
@@ -672,7 +842,7 @@ class GPT(nn.Module):
         for block in self.blocks.values():
             block.compile()
         if self.post:
-            self._lm_loss = compiled(lm_loss)
+            self._lm_loss, self._token_losses = compiled(lm_loss), compiled(token_losses)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T = tokens.shape
@@ -709,6 +879,26 @@ class GPT(nn.Module):
             losses = vocab_parallel_cross_entropy(self.lm_head(h).float(), labels, tp.group).reshape(-1)
         return masked_mean(losses, loss_mask)
 
+    def token_head(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """LM head and per-token losses [batch, seq] on the final hidden states (``token_losses``
+        of :meth:`forward`), by the same kernels as :meth:`head`."""
+        tp, ks = self.tp, self.ops
+        if tp.size == 1:
+            if ks is not None:
+                losses = ks.cross_entropy(h, self.lm_head.weight, labels, None, reduction="none")
+            else:
+                losses = self._token_losses(self.lm_head(h), labels)
+            return losses.view(labels.shape)
+        if tp.sp:  # the sequence-first layout of the activations: losses come out [seq, batch]
+            labels = labels.transpose(0, 1)
+        if ks is not None:
+            losses = vocab_parallel_lm_head_cross_entropy(h, self.lm_head.weight, labels, tp.group, None,
+                                                          reduction="none", sequence_parallel=tp.sp)
+        else:
+            losses = vocab_parallel_cross_entropy(self.lm_head(h).float(), labels, tp.group)
+        losses = losses.reshape(labels.shape)
+        return losses.transpose(0, 1) if tp.sp else losses
+
     def param_split(self) -> dict[str, int]:
         """Unique parameters of the whole model by part: ``embedding`` (token table, and position table
         if learned), ``blocks`` (the transformer blocks), ``head`` (final norm, and the LM head when
@@ -719,6 +909,26 @@ class GPT(nn.Module):
                                             *(model.pos_emb.parameters() if model.pos_emb is not None else ())))
         blocks = sum(p.numel() for p in model.blocks.parameters())
         return {"embedding": embedding, "blocks": blocks, "head": model.num_params() - embedding - blocks}
+
+    def moe_layers(self) -> dict[int, MoE]:
+        """This stage's mixture-of-experts MLPs by global block index."""
+        return {int(i): b.mlp for i, b in self.blocks.items() if isinstance(b.mlp, MoE)}
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The factor the trainer applies to the loss before backward (1 / micro-batches), given to
+        every MoE layer's auxiliary losses so they weigh as they would in one process."""
+        for layer in self.moe_layers().values():
+            layer.aux_loss_scale = scale
+
+    def num_active_params(self, exclude_embeddings: bool = False) -> int:
+        """:meth:`num_params` less the experts a token does not reach: per MoE layer, ``E - k`` of its
+        ``E`` experts' weights (the router counts as active)."""
+        inactive = 0
+        for module in GPT(self.cfg, device="meta").modules():
+            if isinstance(module, Experts):
+                E, k = self.cfg.num_experts or 1, self.cfg.moe_router_topk
+                inactive += sum(p.numel() for p in module.parameters()) // E * (E - k)
+        return self.num_params(exclude_embeddings) - inactive
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied embedding counts once) of the whole model, counted on

@@ -4,7 +4,8 @@ names the flag or file and what to type instead.
 The launching process runs :func:`check` (``cli.py train``, with or without
 ``--nproc-per-node``), so a typo costs a second, not a torchrun start-up and one
 traceback per rank. Everything here reads only the config and small files (``.idx``
-headers, manifests, a checkpoint's ``state.json``), except that a source without a manifest
+headers, manifests, a checkpoint's ``state.json``; an object-store source's ``.idx`` and manifest are fetched
+into the node's cache here, once, before the ranks that read them start), except that a source without a manifest
 has its largest token id read once per file version (cached with the cache directory's
 source records, :mod:`tokenloom.blending.sources`) to compare with the model's vocabulary,
 so ids from another tokenizer fail here instead of in every rank's embedding; what needs the built indices (enough
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenloom import objstore
 from tokenloom.blending.sources import source_metadata
 from tokenloom.blending.split import Split, split_documents, split_matrix
 from tokenloom.errors import TokenloomError
@@ -75,6 +77,12 @@ def check_model_split(cfg: TrainConfig) -> None:
         problems.append(f"model.n_heads {m.n_heads} and model.n_kv_heads {m.kv_heads} must be divisible by --tp {tp}")
     if m.ffn_size % tp:
         problems.append(f"the MLP size {m.ffn_size} must be divisible by --tp {tp} (model.ffn_hidden_size)")
+    if m.num_experts is not None and tp > 1 and not cfg.sp:
+        problems.append(f"mixture-of-experts layers (model.num_experts) at --tp {tp} need sequence parallelism "
+                        "(--sequence-parallel), as in Megatron")
+    if m.num_experts is not None and cfg.cp > 1:
+        problems.append(f"mixture-of-experts layers (model.num_experts) with --cp {cfg.cp}: their routing statistics "
+                        "under context parallelism are not implemented; use --cp 1")
     if m.padded_vocab_size % tp:
         problems.append(f"the padded vocabulary {m.padded_vocab_size} must be divisible by --tp {tp} "
                         "(raise model.make_vocab_size_divisible_by)")
@@ -99,9 +107,15 @@ def check_sources(cfg: TrainConfig) -> None:
     tok, unmanifested = None, []
     if cfg.tokenizer:
         tok = open_tokenizer(cfg.tokenizer)
+    remote = objstore.stat_many([path for _, prefix in blend.prefixes if objstore.is_url(prefix)
+                                 for path in (index_path(prefix), data_path(prefix))])  # denied, unreachable: one line
     for _, prefix in blend.prefixes:
         for path in (index_path(prefix), data_path(prefix)):
-            if not Path(path).is_file():
+            if objstore.is_url(path):
+                if remote[path] is None:
+                    raise objstore.StoreError(f"--data: {path}: no such object (a PREFIX names PREFIX.bin and "
+                                              "PREFIX.idx, as preprocess --output-prefix wrote them)")
+            elif not Path(path).is_file():
                 raise TokenloomError(f"--data: {path} does not exist (a PREFIX names PREFIX.bin and PREFIX.idx, as "
                                      "preprocess --output-prefix wrote them)")
         num_sequences = read_header(index_path(prefix))[1]
@@ -140,8 +154,9 @@ def check_max_ids(cfg: TrainConfig, prefixes: list[str]) -> None:
 def check_resume(cfg: TrainConfig) -> None:
     """A checkpoint to resume has the same model, the same learning-rate schedule unless
     ``override_opt_param_scheduler``, and the same data unless ``force_data``
-    (loader-only settings, ``num_workers`` and the cache directory, may change, and the blend's
-    weights and sources when the checkpoint keeps a data history: see ``blending/segments.py``)."""
+    (loader-only settings, ``num_workers`` and the cache directory, and the sources' display
+    ``names`` may change, and the blend's weights and sources when the checkpoint keeps a data
+    history: see ``blending/segments.py``)."""
     if cfg.resume is None:  # nothing to resume (check calls this with one only)
         return
     path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
@@ -154,7 +169,7 @@ def check_resume(cfg: TrainConfig) -> None:
     if cfg.force_data or saved.get("data") is None:
         return
     # a checkpoint with a data history continues each source exactly under other weights or sources
-    free = ("cache_dir", "build_timeout") + (("prefixes",) if "data_history" in state else ())
+    free = ("cache_dir", "build_timeout", "names") + (("prefixes",) if "data_history" in state else ())
 
     def order_defining(data: dict) -> dict:
         out = {k: v for k, v in data.items() if k != "num_workers"}

@@ -39,7 +39,9 @@ Invariants:
   (NCCL needs that); a test runs every layout with the default device set to ``meta``.
 * No host sync per step: :meth:`Strategy.train_step` returns the mean micro-batch loss as a
   device tensor (zero on ranks that compute none); it is reduced over dp and sent from the
-  last stage only when the loop logs (:meth:`Strategy.loss_for_log`).
+  last stage only when the loop logs (:meth:`Strategy.loss_for_log`). Losses per source
+  (:mod:`~tokenloom.train.source_loss`) are summed on the device by the last stage the same
+  way and read with :meth:`Strategy.sums_for_log`.
 """
 
 from __future__ import annotations
@@ -55,13 +57,13 @@ from torch import nn
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
-from tokenloom.train import fp8, reshard
+from tokenloom.train import fp8, moe, reshard
 from tokenloom.train.async_save import CheckpointSaver
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
 from tokenloom.train.flops import flops_per_token
 from tokenloom.train.kernels import choose_compile
-from tokenloom.train.model import GPT
+from tokenloom.train.model import GPT, masked_mean
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups, use_fused
 from tokenloom.train.parallel.context import loss_scale, take_local
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
@@ -80,6 +82,7 @@ from tokenloom.train.parallel.state import ParallelState
 from tokenloom.train.parallel.zero import ZeroAdamW
 from tokenloom.train.pipeline_split import pipeline_stage
 from tokenloom.train.runtime import World, autocast_for, collective, compute_dtype
+from tokenloom.train.source_loss import SourceLosses
 
 
 def parallel_state(cfg: TrainConfig, world: World) -> ParallelState:
@@ -138,6 +141,8 @@ class Strategy:
         self.chunks = self._build_chunks()
         if cfg.fp8:
             self._convert_to_fp8()
+        for chunk in self.chunks:  # MoE auxiliary losses weigh as the loss does (divided by micro-batches)
+            chunk.set_aux_loss_scale(1.0 / self.num_micro)
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
         self.saver = CheckpointSaver(cfg.ckpt_dir, rank=world.rank, world_size=world.size,
@@ -159,6 +164,7 @@ class Strategy:
         self.ddps = self._wrap_ddp() if st.dp_cp_size > 1 and not cfg.zero1 else []
         # the loss of the last stage reaches every rank from here (tp 0, dp 0, last pp rank)
         self.loss_src = st.layout.rank_of(0, 0, cfg.pp - 1)
+        self._per_source: SourceLosses | None = None  # where the running global batch's last stage adds
 
     # ------------------------------------------------------------------ building
 
@@ -181,6 +187,7 @@ class Strategy:
         chunks = [pipeline_stage(cfg.model, split, st.pp_rank, c, tp=tp, device=self.device)
                   for c in range(self.num_chunks)]
         if cfg.cp > 1:
+            assert st.cp_group is not None  # a cp > 1 layout has its groups
             for chunk in chunks:
                 chunk.context_parallel(st.cp_group, cfg.cp, st.cp_rank)
         return chunks
@@ -260,8 +267,9 @@ class Strategy:
         return self.state.is_last_stage(ignore_virtual=True)
 
     def global_batches(self, dataset, *, eod: int | None, consumed: int, total: int,
-                       workers: int = 0) -> Iterator[list]:
-        """This rank's micro-batches of each global batch, on the device (None where unread).
+                       workers: int = 0, sources: bool = False) -> Iterator[list]:
+        """This rank's micro-batches of each global batch, on the device (None where unread);
+        ``sources``: each carries ``source``, its samples' positions in the blend.
 
         Batches are assembled on the host (``torch.device("cpu")`` named explicitly, so the
         loader's own tensors never follow a process-wide default device) and then copied."""
@@ -274,6 +282,7 @@ class Strategy:
             micro_batch_size=cfg.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_workers=workers, pin_memory=self.device.type == "cuda", total_samples=total,
             inter_document_masking=cfg.data.inter_document_masking, vocab_size=cfg.model.vocab_size,
+            source_ids=sources,
         )
         host = torch.device("cpu")
         with host:
@@ -287,7 +296,9 @@ class Strategy:
 
     def _forward_step(self, module: nn.Module, hidden: torch.Tensor | None, batch: Any, last: bool) -> torch.Tensor:
         """One chunk on one micro-batch: the first stage reads the tokens (``hidden`` is None
-        there), the last returns the loss, the others their activation."""
+        there), the last returns the loss, the others their activation. With a per-source
+        accumulator set (:meth:`_run`), the last stage takes per-token losses, adds them to it
+        by the batch's ``source`` and returns their masked mean."""
         # document-isolated attention: every chunk needs the boundaries, the first the positions
         docs = {}
         if batch is not None and "cu_seqlens" in batch:  # a middle stage without masking reads no batch
@@ -299,42 +310,58 @@ class Strategy:
                 docs["positions"] = batch["position_ids"]
             if last:
                 scale = loss_scale(full_mask, batch["loss_mask"], self.cfg.cp, self.cfg.model.seq_len)
+        per_source = self._per_source if last or not self.staged else None
+        if per_source is not None:
+            docs["token_losses"] = True
         if not self.staged:
-            return module(batch["tokens"], batch["labels"], batch["loss_mask"], **docs) * scale
-        tokens = batch["tokens"] if hidden is None else None
-        if not last:
-            return module(tokens, hidden=hidden, **docs)
-        return module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden, **docs) * scale
+            out = module(batch["tokens"], batch["labels"], batch["loss_mask"], **docs)
+        else:
+            tokens = batch["tokens"] if hidden is None else None
+            if not last:
+                return module(tokens, hidden=hidden, **docs)
+            out = module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden, **docs)
+        if per_source is None:
+            return out * scale
+        per_source.add(out, batch["loss_mask"], batch["source"])  # this rank's tokens: summed over dp x cp
+        return masked_mean(out.reshape(-1), batch["loss_mask"]) * scale
 
     def _local_tokens(self, batch: dict) -> dict:
         """A micro-batch cut to this context-parallel rank's tokens (the per-token tensors;
-        ``cu_seqlens`` stays the whole sequence's)."""
+        ``cu_seqlens`` and the per-sample ``source`` stay whole)."""
         cp, rank = self.cfg.cp, self.state.cp_rank
         return {k: take_local(v, cp, rank) if k in ("tokens", "labels", "loss_mask", "position_ids") and v is not None
                 else v for k, v in batch.items()}
 
     def _run(self, modules: Sequence[nn.Module], batches: list, forward_only: bool,
-             no_sync: NoSync | list[NoSync] | None = None) -> torch.Tensor:
-        """Run one global batch; the sum of its micro-batch losses (zero off the last stage)."""
+             no_sync: NoSync | list[NoSync] | None = None, per_source: SourceLosses | None = None) -> torch.Tensor:
+        """Run one global batch; the sum of its micro-batch losses (zero off the last stage).
+        ``per_source``: the last stage also adds its tokens' losses there (batches with ``source``)."""
         model = modules if self.num_chunks > 1 else modules[0]
-        with self.autocast():
-            res = forward_backward(self.schedule, model, iter(batches), self.num_micro, self._forward_step,
-                                   comm=self.comm, forward_only=forward_only, no_sync=no_sync)
+        self._per_source = per_source
+        try:
+            with self.autocast():
+                res = forward_backward(self.schedule, model, iter(batches), self.num_micro, self._forward_step,
+                                       comm=self.comm, forward_only=forward_only, no_sync=no_sync)
+        finally:
+            self._per_source = None
         self.last_stats = res.stats
         total = torch.zeros((), device=self.device)
         for loss in res.losses:
             total += loss.detach().float()
         return total
 
-    def train_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, batches: list, per_source: SourceLosses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; (mean micro-batch loss, grad
-        norm before clipping), device tensors; the loss is zero on ranks without one."""
+        norm before clipping), device tensors; the loss is zero on ranks without one.
+        ``per_source``: the last stage adds each source's token losses there (no host sync)."""
         self.optimizer.zero_grad()  # set_to_none: DDP and ZeRO-1 copy each first grad into their buffers
         if self.ddps:
-            total = self._run(self.ddps, batches, False, no_sync=[ddp.no_sync for ddp in self.ddps])
+            total = self._run(self.ddps, batches, False, no_sync=[ddp.no_sync for ddp in self.ddps],
+                              per_source=per_source)
         else:
             overlap = self.cfg.zero1 and self.optimizer.overlap  # launches its buckets from the last backward
-            total = self._run(self.chunks, batches, False, no_sync=self.optimizer.no_sync if overlap else None)
+            total = self._run(self.chunks, batches, False, no_sync=self.optimizer.no_sync if overlap else None,
+                              per_source=per_source)
         self.train_time += self.last_stats
         norm = self._finish_grads_and_step()
         return total / self.num_micro, norm
@@ -375,13 +402,14 @@ class Strategy:
         return norm
 
     @torch.no_grad()
-    def eval_loss_sum(self, batches: list) -> torch.Tensor:
-        """Sum of the micro-batch losses of one global batch, forward only (eval mode)."""
+    def eval_loss_sum(self, batches: list, per_source: SourceLosses | None = None) -> torch.Tensor:
+        """Sum of the micro-batch losses of one global batch, forward only (eval mode);
+        ``per_source``: the last stage adds each source's token losses there."""
         modules = self.chunks
         for m in modules:
             m.eval()
         try:
-            return self._run(modules, batches, True)
+            return self._run(modules, batches, True, per_source=per_source)
         finally:
             for m in modules:
                 m.train()
@@ -390,14 +418,41 @@ class Strategy:
         """The data-parallel mean of a last-stage loss, on every rank (collective); with
         context parallelism the mean over the dp x cp ranks, whose losses are scaled so
         (:mod:`tokenloom.train.parallel.context`)."""
+        return float(self._to_every_rank(value, what, mean=True))
+
+    def sums_for_log(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        """The data-parallel sum of a last-stage tensor (e.g. :class:`SourceLosses` sums), on
+        every rank's host (collective; same shape on every rank); over dp x cp ranks with
+        context parallelism (each sums its own tokens)."""
+        return self._to_every_rank(value, what, mean=False).cpu()
+
+    def _to_every_rank(self, value: torch.Tensor, what: str, mean: bool) -> torch.Tensor:
         st = self.state
         value = value.detach().clone()
         if st.dp_cp_size > 1 and self.computes_loss:
             collective(what, dist.all_reduce, value, group=st.dp_cp_group)
-            value /= st.dp_cp_size
+            if mean:
+                value /= st.dp_cp_size
         if self.cfg.pp > 1:
             collective(what, dist.broadcast, value, src=self.loss_src)
-        return float(value)
+        return value
+
+    def moe_for_log(self) -> dict:
+        """The mixture-of-experts metrics of the train steps since the last call
+        (:func:`~tokenloom.train.moe.log_fields`: tokens per expert, balance, losses), on every rank;
+        empty for a dense model. Collective over the world (one all-reduce of a small table) when the
+        model has experts, so the loop asks once per log interval."""
+        model = self.cfg.model
+        if model.num_experts is None:
+            return {}
+        layers = [i for i in range(model.n_layers) if model.is_moe_layer(i)]
+        table = torch.zeros(len(layers), model.num_experts + 3, dtype=torch.float64, device=self.device)
+        for chunk in self.chunks:
+            for i, layer in chunk.moe_layers().items():
+                table[layers.index(i)] = layer.take_stats()
+        if self.world.size > 1:
+            collective("MoE statistics", dist.all_reduce, table)
+        return moe.log_fields(table, layers)
 
     def bubble_for_log(self) -> float | None:
         """The pipeline-wide bubble of the train steps since the last call, on every rank

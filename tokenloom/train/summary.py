@@ -53,8 +53,10 @@ def _uneven(cfg: TrainConfig) -> str:
 def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     """The summary text (several lines, each starting with its topic)."""
     m, o = cfg.model, cfg.optim
-    parts = GPT(m, device="meta").param_split()
-    split = ", ".join(f"{name} {_count(n)}" for name, n in parts.items())
+    meta = GPT(m, device="meta")
+    split = ", ".join(f"{name} {_count(n)}" for name, n in meta.param_split().items())
+    if m.num_experts is not None:
+        split += f"; {_count(meta.num_active_params())} active per token"
     tokens_per_step = cfg.global_batch_size * m.seq_len
     decay = o.lr_decay_iters or cfg.train_iters
     evals, interval, start = 0, cfg.eval_interval, facts.resumed_at
@@ -117,6 +119,10 @@ def features(m: GPTConfig) -> str:
     biases = "biases" if m.use_bias else "no biases"
     if m.norm == "layernorm" and bool(m.norm_bias) != m.use_bias:
         biases = "LayerNorm biases only" if m.norm_bias else "linear biases only"
+    if m.num_experts is not None:
+        moe_blocks = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+        mlp += (f" ({moe_blocks} of {m.n_layers} blocks mixture-of-experts: {m.num_experts} experts {m.moe_ffn_size} "
+                f"wide, top-{m.moe_router_topk})")
     return f"{style}: {norm}, {mlp}, {positions}, {biases}, {'tied' if m.tie_embeddings else 'untied'} embeddings"
 
 
@@ -144,7 +150,23 @@ def regrets(cfg: TrainConfig, facts: RunFacts) -> list[str]:
     if facts.parameters > tokens:
         out.append(f"the model has {_count(facts.parameters)} parameters but the run trains on {_count(tokens)} "
                    "tokens; a smaller model (model.n_layers / model.d_model) or more steps fit better")
+    if cfg.log_loss_per_source and (cfg.data.blend is None or len(cfg.data.blend.prefixes) < 2):
+        out.append("log_loss_per_source is ignored: the data has one source, whose loss is train_loss; give a "
+                   "blend of two or more sources")
     if cfg.optim.warmup_iters >= cfg.train_iters:
         out.append(f"warmup ({cfg.optim.warmup_iters} steps) is not shorter than the run ({cfg.train_iters} steps): "
                    "the learning rate never reaches its peak; lower optim.warmup_iters")
     return out
+
+
+DATA_WAIT_WARN = 0.05
+"""Share of the training time spent waiting for data above which the run ends with a warning."""
+
+
+def data_wait_warning(share: float | None, num_workers: int) -> str | None:
+    """The end-of-run warning when the steps waited for data more than :data:`DATA_WAIT_WARN` of
+    the time (``share``, :attr:`~tokenloom.train.metrics.StepTimer.data_wait_share`), else None."""
+    if share is None or share <= DATA_WAIT_WARN:
+        return None
+    return (f"the steps waited for data {share:.1%} of the training time (data_wait_share in metrics.jsonl); "
+            f"more loader processes (data.num_workers, now {num_workers}) or faster storage would help")

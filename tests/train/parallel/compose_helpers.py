@@ -31,13 +31,20 @@ STEPS = 20
 
 
 def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zero1: bool = False,
-             weight_decay: float = 0.1, dropout: float = 0.0, recompute: bool = False, **kw: Any) -> TrainConfig:
+             weight_decay: float = 0.1, dropout: float = 0.0, recompute: bool = False, moe: bool = False,
+             **kw: Any) -> TrainConfig:
     """4 layers, d_model 32, seq 16, vocab 64; no biases (see pp_helpers' note on the key
-    bias); global batch 8 of micro-batches of 2; clipping (0.5) active in early steps."""
+    bias); global batch 8 of micro-batches of 2; clipping (0.5) active in early steps. ``moe``:
+    blocks 0 and 2 mixture-of-experts (4 experts 64 wide, top-2, balance and z losses on)."""
+    experts = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_layer_freq=2,
+                   moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001) if moe else {}
     model = GPTConfig(bias=False, vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=4,
-                      n_heads=4, d_model=32, dropout=dropout, recompute_layers=(0, 1, 2, 3) if recompute else ())
+                      n_heads=4, d_model=32, dropout=dropout, recompute_layers=(0, 1, 2, 3) if recompute else (),
+                      **experts)
     data = DataConfig(mock=MockDataConfig(num_sequences=400, max_length=40, content="random"))
-    optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay, grad_clip=0.5)
+    # MoE: a lower peak lr, so that no token's top-k sits on a near-tie that rounding could flip
+    optim = OptimConfig(lr=3e-3 if moe else 1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay,
+                        grad_clip=0.5)
     base = dict(model=model, data=data, optim=optim, micro_batch_size=2, global_batch_size=8,
                 train_iters=STEPS, eval_interval=10, eval_iters=2, log_interval=1, save_interval=None, plot=False,
                 progress=False, dist_timeout_s=60.0, output_dir=str(out), tp=tp, pp=pp, vpp=vpp, zero1=zero1)
@@ -51,6 +58,13 @@ def read_losses(metrics: Path) -> list[float]:
 
 def read_norms(metrics: Path) -> list[float]:
     return [r["grad_norm"] for r in map(json.loads, metrics.read_text().splitlines()) if "grad_norm" in r]
+
+
+def read_moe(metrics: Path) -> list[tuple]:
+    """Each train record's mixture-of-experts metrics (balance loss, z-loss, tokens per expert); empty
+    for a dense model."""
+    return [(r["moe_balance_loss"], r["moe_z_loss"], r["moe_tokens_per_expert"])
+            for r in map(json.loads, metrics.read_text().splitlines()) if "moe_balance_loss" in r]
 
 
 def read_bubbles(metrics: Path) -> list[float | None]:
@@ -76,7 +90,7 @@ def reference(out: Path, **kw: Any) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     metrics = Path(out) / "metrics.jsonl"
-    return {"losses": read_losses(metrics), "summary": summary, "norms": read_norms(metrics),
+    return {"losses": read_losses(metrics), "summary": summary, "norms": read_norms(metrics), "moe": read_moe(metrics),
             "params": {n: t.detach().clone() for n, t in run.strategy.chunks[0].state_dict().items()}}
 
 
@@ -109,7 +123,8 @@ def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
         return {"losses": [], "norms": [], "params": {}, "summary": summary, **sizes}
     metrics = Path(out) / "metrics.jsonl"
     return {"losses": read_losses(metrics), "norms": read_norms(metrics), "bubbles": read_bubbles(metrics),
-            "summary": summary, "params": checkpoint_params(Path(summary["checkpoint"])), **sizes}
+            "moe": read_moe(metrics), "summary": summary, "params": checkpoint_params(Path(summary["checkpoint"])),
+            **sizes}
 
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:
@@ -156,12 +171,16 @@ def forward_tp(rank: int, arch: str = "llama", sp: bool = False, kernels: str = 
 def train_on_meta(rank: int, **kw: Any) -> dict[str, Any]:
     """:func:`train` with the process default device set to ``meta``: any tensor the run
     makes without naming its device is a meta tensor, and the run fails (no data, no
-    ``.item()``) or its losses differ from the one-process run's."""
+    ``.item()``) or its losses differ from the one-process run's. The final parameters are read
+    back once the default device is the host again."""
     torch.set_default_device("meta")
     try:
-        return train(rank, **kw)
+        result = train(rank, **kw)
     finally:
         torch.set_default_device(None)
+    if result["params"]:
+        result["params"] = checkpoint_params(Path(result["summary"]["checkpoint"]))
+    return result
 
 
 class _DropoutMasks(TorchDispatchMode):

@@ -99,7 +99,7 @@ def loss_scale(loss_mask: torch.Tensor | None, local_mask: torch.Tensor | None, 
     nonzero ones, the mean's count clamped at 1 as :func:`~tokenloom.train.model.masked_mean`
     does) into ``cp * local loss sum / sample token count`` (module docstring): the sum of the
     micro-batch's mask over all of its ``seq`` tokens is known to every cp rank."""
-    if loss_mask is None:
+    if loss_mask is None or local_mask is None:
         return 1.0  # every rank holds seq / cp of the tokens: cp * (seq / cp) / seq
     local = local_mask.float().sum().clamp(min=1.0)
     total = loss_mask.float().sum().clamp(min=1.0)
