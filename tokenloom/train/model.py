@@ -99,8 +99,8 @@ from tokenloom.train.moe import (
     unpermute,
     z_loss,
 )
+from tokenloom.train.parallel.context import additive_mask, gather_sequence, local_index
 from tokenloom.train.parallel.context import attention_mask as cp_attention_mask
-from tokenloom.train.parallel.context import gather_sequence, local_index
 from tokenloom.train.parallel.layers import TensorParallel, shard, tag
 from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
 from tokenloom.train.parallel.random import checkpoint as tp_checkpoint
@@ -800,7 +800,9 @@ class GPT(nn.Module):
         per_token = positions if positions is not None else tokens  # [batch, seq]
         mask: torch.Tensor | BlockMask | None = documents
         if self.cp is not None:  # this rank's queries against every rank's keys, by global position
-            mask = cp_attention_mask(self.cfg.seq_len, self.cp[1], self.cp[2], documents, x.device)
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            mask = additive_mask(cp_attention_mask(self.cfg.seq_len, self.cp[1], self.cp[2], documents, x.device),
+                                 dtype)
         elif documents is not None and per_token is not None:  # one mask for every block of this forward
             dropout = self.cfg.dropout if self.training else 0.0
             flex = flex_usable(x.device, dropout, self.cfg.head_dim)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compose_helpers import launch, logged_losses, merged_params, reference
+from compose_helpers import activation_bytes, launch, logged_losses, merged_params, reference
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.model import GPTConfig
@@ -104,15 +104,26 @@ def _kw(tmp, name: str, overrides: dict) -> dict:
     return kw
 
 
+# activation memory at seq 4096: a small llama (4 layers x 256, 4 query heads over 2 kv heads)
+MEMORY = dict(model=GPTConfig(arch="llama", vocab_size=64, make_vocab_size_divisible_by=64, seq_len=4096, n_layers=4,
+                              n_heads=4, n_kv_heads=2, d_model=256), micro_batch_size=1, global_batch_size=1,
+              train_iters=1, eval_interval=0)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every layout's results by name; "memory_cp4": the activation bytes of each rank of a
+    cp4 step at MEMORY's shape (in the 4-rank launch)."""
     tmp = tmp_path_factory.mktemp("cp")
     out = {}
     for world in (2, 4):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        scenarios = [("train", _kw(tmp, n, LAYOUTS[n][1])) for n in names]
+        if world == 4:
+            names.append("memory_cp4")
+            scenarios.append(("activation_bytes", dict(out=str(tmp / "memory_cp4"), cp=4, **MEMORY)))
         (tmp / f"w{world}").mkdir()
-        results = launch([("train", _kw(tmp, n, LAYOUTS[n][1])) for n in names], world, tmp / f"w{world}",
-                         deadline_s=280.0)
+        results = launch(scenarios, world, tmp / f"w{world}", deadline_s=280.0)
         for i, name in enumerate(names):
             out[name] = [rank_results[i] for rank_results in results]
     return tmp, out
@@ -138,3 +149,14 @@ def test_layout_matches_one_process(runs, refs, name):
     assert max(abs(a - b) for a, b in zip(norms, ref["norms"], strict=True)) < TOL
     params = merged_params(results[name])
     assert max((params[k] - v).abs().max().item() for k, v in ref["params"].items()) < TOL
+
+
+@pytest.mark.slow
+def test_activation_memory_per_rank_at_cp4_is_under_035_of_one_rank(runs, tmp_path):
+    """The tensors a training step saves for backward (parameters left out): each cp4 rank's
+    at most 0.35x the one-process run's, at seq 4096 (its own quarter of every activation,
+    the whole sequence's keys and values and one shared mask)."""
+    _, results = runs
+    one = activation_bytes(0, out=str(tmp_path / "one"), **MEMORY)["bytes"]
+    per_rank = [r["bytes"] for r in results["memory_cp4"]]
+    assert len(per_rank) == 4 and max(per_rank) <= 0.35 * one, (per_rank, one)

@@ -10,7 +10,8 @@ Attention: every layer all-gathers the keys and values of the cp group along the
 (:func:`gather_sequence`, whose backward reduce-scatters their gradients), and each rank
 attends its own queries to all of them under :func:`attention_mask`, the causal (and,
 with inter-document masking, same-document) relation of the *global* positions. Rotary
-embeddings are applied before the gather, at each token's own position. This is the
+embeddings are applied before the gather, at each token's own position. The mask is
+additive, built once per forward in the attention's dtype and shared by every layer. This is the
 all-gather variant of context parallelism (Megatron's ``a2a``/``allgather`` cp comm types
 alongside its ring ``p2p``): one collective per layer instead of ``cp - 1`` ring steps,
 whose trade-off is holding the whole sequence's keys and values (``2 * kv_heads *
@@ -92,6 +93,13 @@ def attention_mask(seq: int, cp: int, rank: int, cu_seqlens: torch.Tensor | None
         doc_k = torch.searchsorted(bounds, k.expand(bounds.shape[0], -1).contiguous(), right=True)
         mask = mask & (doc_q[:, :, None] == doc_k[:, None, :])
     return mask.unsqueeze(1)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`attention_mask` as attention adds it (0 where attended, -inf elsewhere), in the
+    attention's ``dtype``: built once per forward and given to every layer, so one copy is
+    held for backward instead of one conversion per layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def loss_scale(loss_mask: torch.Tensor | None, local_mask: torch.Tensor | None, cp: int, seq: int) -> torch.Tensor | float:
