@@ -156,6 +156,12 @@ class TrainConfig:
     instead of all-reduce around each tensor-parallel layer pair."""
     zero1: bool = False
     """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW)."""
+    fsdp: bool = False
+    """Fully sharded data parallelism (ZeRO-3, torch's fully_shard): parameters, gradients and AdamW
+    state sharded over data parallel, each block's parameters all-gathered just before its forward and
+    backward (the next block's prefetched) and its gradients reduce-scattered as its backward ends.
+    Composes with tp (+ sp) and pp; refuses zero1 (it shards more) and ddp_bucket_cap_mb (it
+    communicates per block). Checkpoints load into any layout, with or without fsdp."""
     overlap_grad_reduce: bool | None = None
     """ZeRO-1: reduce-scatter each gradient bucket (ddp_bucket_cap_mb) during the last micro-batch's
     backward of its model chunk, as soon as its grads are ready (Megatron's overlap_grad_reduce);
