@@ -1,7 +1,7 @@
 """What differs per parallel layout, behind one small object the training loop calls.
 
 The loop (:mod:`tokenloom.train.loop`) is the same for every layout; a :class:`Strategy`,
-built on every rank from ``(tp, pp, vpp, sp, zero1)`` and the world size (dp = world /
+built on every rank from ``(tp, pp, vpp, sp, zero1, fsdp)`` and the world size (dp = world /
 (tp x pp), Megatron's rank order tp-dp-pp), decides:
 
 ======================  ===================================  =======================================
@@ -21,6 +21,11 @@ checkpoint I/O          :mod:`~tokenloom.train.reshard`      the same: every ran
                         into :mod:`~tokenloom.train.ckpt_    (:mod:`~tokenloom.train.ckpt_format`),
                         format` (one process: one file)      loadable in any layout
 ======================  ===================================  =======================================
+
+``fsdp`` (:mod:`~tokenloom.train.parallel.fsdp`) replaces DDP or ZeRO-1 in any of these: each
+chunk's blocks and the chunk are sharded over dp (parameters, gradients, AdamW state), gathered
+per block in forward and backward and reduce-scattered in every micro-batch's backward; the
+sequence-parallel and tied-embedding sums and the clipping norm run on the local shards.
 
 The checkpoint writer hands its files to :attr:`Strategy.saver`
 (:mod:`~tokenloom.train.async_save`), which writes them in the background unless ``async_save`` is off.
@@ -106,13 +111,16 @@ def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
 def refuse_unsupported(cfg: TrainConfig) -> None:
     """Refuse, naming the field, a setting this layout would otherwise ignore."""
     if cfg.fsdp:
-        why = {"zero1": "fsdp shards the optimizer state already (and the parameters and gradients)",
-               "ddp_bucket_cap_mb": "fsdp gathers and reduce-scatters per transformer block, not in buckets",
-               "overlap_grad_reduce": "fsdp always reduce-scatters during backward",
-               "overlap_param_gather": "fsdp always gathers each block's parameters during the forward",
-               "fp8": "fsdp is not combined with torchao's float8 linears here"}
-        for field, reason in why.items():
-            if getattr(cfg, field) is not None and getattr(cfg, field) is not False:
+        clashes = [("zero1", cfg.zero1, "fsdp shards the optimizer state already (and the parameters and gradients)"),
+                   ("ddp_bucket_cap_mb", cfg.ddp_bucket_cap_mb is not None,
+                    "fsdp gathers and reduce-scatters per transformer block, not in buckets"),
+                   ("overlap_grad_reduce", cfg.overlap_grad_reduce is not None,
+                    "fsdp always reduce-scatters during backward"),
+                   ("overlap_param_gather", cfg.overlap_param_gather is not None,
+                    "fsdp always gathers each block's parameters during the forward"),
+                   ("fp8", cfg.fp8 is not None, "fsdp is not combined with torchao's float8 linears here")]
+        for field, given, reason in clashes:
+            if given:
                 raise TokenloomError(f"{field} cannot be combined with fsdp: {reason}; leave it unset")
     if cfg.overlap_grad_reduce is not None and not cfg.zero1:
         raise TokenloomError("overlap_grad_reduce applies to zero1 (DDP always overlaps); leave it unset or set "

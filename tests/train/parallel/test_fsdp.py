@@ -1,6 +1,6 @@
 """Fully sharded data parallelism (``fsdp``) through the one loop against its one-process run
 (issue 42's acceptance 1): 20-step losses, grad norms, validation loss and final parameters of
-dp 2, dp 4, dp 2 x tp 2 (with sequence parallelism) and dp 2 x pp 2 with fsdp; the dp 2 run's
+dp 2, dp 4, dp 2 x tp 2 (sequence parallelism, recomputed blocks) and dp 2 x pp 2 with fsdp; the dp 2 run's
 checkpoint at HALF resumed at dp 1 without fsdp and at dp 4 with it, equal to the run that went
 on; and each rank's optimizer state and checkpoint pieces being its dp shard.
 
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 LAYOUTS = {
     "dp2_fsdp": (2, dict(fsdp=True, save_interval=HALF)),
     "dp4_fsdp": (4, dict(fsdp=True)),
-    "dp2_tp2_sp_fsdp": (4, dict(fsdp=True, tp=2, sp=True)),
+    # blocks recomputed in backward: their parameters gathered a third time, inside the recompute
+    "dp2_tp2_sp_recompute_fsdp": (4, dict(fsdp=True, tp=2, sp=True, recompute=True)),
     "dp2_pp2_fsdp": (4, dict(fsdp=True, pp=2)),
 }
 SAVED = "dp2_fsdp"
