@@ -65,13 +65,15 @@ oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``f
   are split by tp and pp, replicated by dp;
 * unless ``--no-memory`` (``--memory-only``: nothing else): at dp 4 on 4 ranks, the same
   GPT-2-small shape (micro-batch 1, global batch 4) with DDP, ZeRO-1 and fsdp: the largest
-  rank's parameters + gradients + optimizer state (:func:`model_state_bytes`) and its peak RSS,
+  rank's parameters + gradients + optimizer state (:func:`model_state_bytes`), its peak RSS
+  and its resident memory after the step once glibc returns freed heap (:func:`resident_after_trim`),
   against DDP's.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import inspect
 import multiprocessing as mp
 import resource
@@ -107,7 +109,8 @@ class _Done:
 
 
 def _gather_locally(output: torch.Tensor, inp: torch.Tensor, *args, **kwargs) -> None:
-    output.view(-1, inp.numel()).copy_(inp.reshape(1, -1))  # this rank's piece into every slot
+    output.view(-1, inp.numel()).copy_(inp.reshape(1, -1).clone())  # this rank's piece into every slot (FSDP2's
+    # input is a view of the output)
 
 
 def _scatter_locally(output: torch.Tensor, inp: torch.Tensor, *args, **kwargs) -> None:
@@ -212,6 +215,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     comm = (counter.bytes - start_bytes) / args.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     model_state = model_state_bytes(run)
+    resident = resident_after_trim() if args.rss else 0.0
     silent = []  # the same steps with every collective and p2p a local no-op (the model is spoilt after)
     if not args.rss and not args.bubble and not args.split:
         for _ in range(args.steps):
@@ -221,7 +225,8 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
             run.train_step(next(batches))
             silent.append(time.perf_counter() - t0)
             counter.silent = False
-    t = torch.tensor([min(times), comm, rss, run.optimizer_state_bytes(), min(silent, default=0.0), model_state],
+    t = torch.tensor([min(times), comm, rss, run.optimizer_state_bytes(), min(silent, default=0.0), model_state,
+                      resident],
                      dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     step_times = torch.tensor(times, dtype=torch.float64)  # each step's slowest rank
@@ -231,6 +236,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
         torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubbles": bubbles, "busiest": busiest, "imbalance": imbalance,
                     "theory": theory, "num_micro": run.num_micro, "peak_rss": float(t[2]),
                     "state_bytes": float(t[3]), "silent_step_s": float(t[4]), "model_state_bytes": float(t[5]),
+                    "resident_bytes": float(t[6]),
                     "steps_s": step_times.tolist()},
                    Path(out) / "result.pt")
     dist.destroy_process_group()
@@ -244,6 +250,17 @@ def model_state_bytes(run) -> int:
     if run.cfg.zero1:  # the grads are views of one padded buffer
         grads = run.optimizer.grad_buffer.numel() * run.optimizer.grad_buffer.element_size()
     return params + grads + run.optimizer_state_bytes()
+
+
+def resident_after_trim() -> float:
+    """This process's resident bytes now, after glibc hands its freed heap back
+    (``malloc_trim``; the trainer keeps freed memory for the next step, see
+    :mod:`tokenloom.train.host_alloc`): what the live tensors and the runtime hold. 0 off Linux/glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    except (OSError, AttributeError):
+        return 0.0
 
 
 def compute_spread(compute_s: float, group) -> float:
@@ -470,6 +487,8 @@ def memory_rows(args) -> list[tuple[str, str, str, str]]:
                      f"{base['model_state_bytes'] / 1e6:.0f}", f"{r['model_state_bytes'] / base['model_state_bytes']:.2f}x"))
         rows.append((f"peak RSS MB ({name})", f"{r['peak_rss'] / 1e6:.0f}", f"{base['peak_rss'] / 1e6:.0f}",
                      f"{r['peak_rss'] / base['peak_rss']:.2f}x"))
+        rows.append((f"resident MB after the step, freed heap trimmed ({name})", f"{r['resident_bytes'] / 1e6:.0f}",
+                     f"{base['resident_bytes'] / 1e6:.0f}", f"{r['resident_bytes'] / base['resident_bytes']:.2f}x"))
     return rows
 
 
