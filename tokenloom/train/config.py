@@ -67,7 +67,9 @@ class TrainConfig:
     keep_freed_memory: bool = True
     """On CPU with glibc: malloc keeps freed activation memory for the next step instead of
     unmapping it and faulting it in again (faster CPU steps, a slightly higher peak RSS: the
-    process keeps its peak heap). See tokenloom.train.host_alloc. Off: malloc's defaults."""
+    process keeps its peak heap). See tokenloom.train.host_alloc. Off: malloc's defaults. With fsdp
+    on CPU, large freed blocks are returned to the OS instead (its per-block gathers fragment a heap
+    that keeps them), whatever this says."""
     save_interval: int | None = 500
     """Checkpoint every this many steps; a checkpoint is always written at the end."""
     keep_last_checkpoints: int = 0
