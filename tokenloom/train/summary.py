@@ -71,7 +71,7 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
         f"speed     {choices(cfg, facts.device)}",
         f"layout    {facts.world_size} rank(s) on {facts.device}: dp {facts.dp} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' (vpp {cfg.vpp})' if cfg.vpp else ''}{', sequence parallel' if cfg.sp else ''}"
-        f"{_uneven(cfg)}{', ZeRO-1' if cfg.zero1 else ''}; {facts.precision}",
+        f"{_uneven(cfg)}{', ZeRO-1' if cfg.zero1 else ''}{', FSDP' if cfg.fsdp else ''}; {facts.precision}",
         "data      " + facts.data_plan.replace("\n", "\n          "),
         f"batch     global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {facts.dp} x accumulation "
         f"{facts.accumulation}; {_count(tokens_per_step)} tokens/step, {cfg.train_iters} steps = "

@@ -29,6 +29,10 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     # ZeRO-1's bucketed, overlapped reductions and gathers under pp (tied embedding) and tp with sp
     "dp2_tp1_pp2_vpp2_zero1": (4, dict(pp=2, vpp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
     "dp2_tp2_pp1_sp_zero1": (4, dict(tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=0.02)),
+    # fully sharded: per-block gathers and reduce-scatters, alone, under tp with sp and under vpp
+    "dp2_tp1_pp1_fsdp": (2, dict(fsdp=True)),
+    "dp2_tp2_pp1_sp_fsdp": (4, dict(tp=2, sp=True, fsdp=True)),
+    "dp2_tp1_pp2_vpp2_fsdp": (4, dict(pp=2, vpp=2, fsdp=True)),
 }
 
 
