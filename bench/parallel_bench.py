@@ -3,15 +3,16 @@
     .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
         [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 32] [--bubble-micro-batches 4,8]
         [--bubble-steps 9] [--no-bubble | --bubble-only] [--split-last 4] [--no-split | --split-only]
-        [--no-rss | --rss-only]
+        [--no-rss | --rss-only] [--no-memory | --memory-only]
 
 Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-1
-(``zero1``), trains the same GPT with
+(``zero1``) or fully sharded (``fsdp``), trains the same GPT with
 :class:`tokenloom.train.strategy.Strategy` of the training loop on mock data: one warmup step, then
 ``--steps`` timed steps (best step kept: the box is shared). Every rank runs one torch
 thread (as under torchrun's ``OMP_NUM_THREADS=1``; two ranks on two cores do not
-oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``tp``, ``pp``,
-``vpp``, and at ``--world 4`` ``tp_pp``, ``dp_tp``, ``dp_pp``, ``dp_pp_zero1``). Reported per layout:
+oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``fsdp``, ``tp``, ``pp``,
+``vpp``, and at ``--world 4`` ``tp_pp``, ``dp_tp``, ``dp_pp``, ``dp_pp_zero1``, ``dp_tp_fsdp``,
+``dp_pp_fsdp``). Reported per layout:
 
 * step time of one global batch (the same for every layout: ``2 x world x
   --micro-batches`` sequences), against pure data parallelism on the same ranks;
@@ -61,12 +62,19 @@ oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``t
   (``ru_maxrss``) of the largest rank after a warmup and one training step of a
   GPT-2-small shape (124 M parameters, vocab 50304, seq 128, micro-batch 1) at dp 2,
   tp 2 and pp 2 on 2 ranks, against dp 2 (tp 1): parameters, gradients and AdamW state
-  are split by tp and pp, replicated by dp.
+  are split by tp and pp, replicated by dp;
+* unless ``--no-memory`` (``--memory-only``: nothing else): at dp 4 on 4 ranks, the same
+  GPT-2-small shape (micro-batch 1, global batch 4) with DDP, ZeRO-1 and fsdp: the largest
+  rank's parameters + gradients + optimizer state (:func:`model_state_bytes`), its peak RSS
+  and its resident memory after the step once glibc returns freed heap (:func:`resident_after_trim`),
+  against DDP's.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import inspect
 import multiprocessing as mp
 import resource
 import statistics
@@ -86,7 +94,7 @@ from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
 from tokenloom.train.model import GPTConfig  # noqa: E402
 from tokenloom.train.optim import OptimConfig  # noqa: E402
-from tokenloom.train.parallel import mappings  # noqa: E402
+from tokenloom.train.parallel import fsdp, mappings  # noqa: E402
 from tokenloom.train.parallel.schedules import pipeline_bubble_fraction, theoretical_bubble_fraction  # noqa: E402
 
 
@@ -101,7 +109,8 @@ class _Done:
 
 
 def _gather_locally(output: torch.Tensor, inp: torch.Tensor, *args, **kwargs) -> None:
-    output.view(-1, inp.numel()).copy_(inp.reshape(1, -1))  # this rank's piece into every slot
+    output.view(-1, inp.numel()).copy_(inp.reshape(1, -1).clone())  # this rank's piece into every slot (FSDP2's
+    # input is a view of the output)
 
 
 def _scatter_locally(output: torch.Tensor, inp: torch.Tensor, *args, **kwargs) -> None:
@@ -140,22 +149,26 @@ class _Counter:
         dist.batch_isend_irecv = batch_isend_irecv
 
     def _wrap(self, fn, arg: int, fake):
+        signature = inspect.signature(fn)
+
         def wrapped(*args, **kwargs):
-            t = args[arg] if len(args) > arg else None
+            given = list(signature.bind(*args, **kwargs).arguments.values())  # FSDP2 passes keywords
+            t = given[arg] if len(given) > arg else None
             if isinstance(t, torch.Tensor):
                 self.bytes += t.numel() * t.element_size()
             if not self.silent:
                 return fn(*args, **kwargs)
-            fake(*args)
+            fake(*given[:2])
             return _Done() if kwargs.get("async_op") else None
 
         return wrapped
 
 
-def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, zero1: bool) -> TrainConfig:
+def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, shard: str | None) -> TrainConfig:
+    """The run of one layout; ``shard``: None (DDP), "zero1" or "fsdp" over its dp ranks."""
     if args.rss:  # GPT-2 small (124 M parameters)
         model = GPTConfig(vocab_size=50257, seq_len=128, n_layers=12, n_heads=12, d_model=768)
-        micro, gbs = 1, 2
+        micro, gbs = 1, max(2, dp)
     elif args.split:  # GPT-2's vocabulary: the head and loss weigh several blocks
         model = GPTConfig(vocab_size=50257, seq_len=args.seq_len, n_layers=args.split_layers, n_heads=12,
                           d_model=args.split_d_model)
@@ -172,7 +185,7 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, zero1: b
                        optim=OptimConfig(warmup_iters=1), micro_batch_size=micro,
                        global_batch_size=gbs, train_iters=2 * args.steps + 1,
                        eval_interval=0, save_interval=None, plot=False, progress=False, output_dir=str(out),
-                       tp=tp, pp=pp, vpp=vpp, zero1=zero1, dist_timeout_s=120.0,
+                       tp=tp, pp=pp, vpp=vpp, zero1=shard == "zero1", fsdp=shard == "fsdp", dist_timeout_s=120.0,
                        num_layers_in_last_pipeline_stage=args.split_last if args.split else None)
 
 
@@ -183,8 +196,8 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     counter = _Counter()
-    dp, tp, pp, vpp, zero1 = layout
-    trainer = start_run(config(args, Path(out) / "run", dp, tp, pp, vpp, zero1))
+    dp, tp, pp, vpp, shard = layout
+    trainer = start_run(config(args, Path(out) / "run", dp, tp, pp, vpp, shard))
     run = trainer.strategy
     batches = run.global_batches(trainer.data.train, eod=trainer.data.eod, consumed=0,
                                  total=(2 * args.steps + 1) * run.cfg.global_batch_size)
@@ -201,6 +214,8 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
             imbalance.append(compute_spread(run.last_stats.compute_s, run.state.pp_group))
     comm = (counter.bytes - start_bytes) / args.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    model_state = model_state_bytes(run)
+    resident = resident_after_trim() if args.rss else 0.0
     silent = []  # the same steps with every collective and p2p a local no-op (the model is spoilt after)
     if not args.rss and not args.bubble and not args.split:
         for _ in range(args.steps):
@@ -210,7 +225,8 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
             run.train_step(next(batches))
             silent.append(time.perf_counter() - t0)
             counter.silent = False
-    t = torch.tensor([min(times), comm, rss, run.optimizer_state_bytes(), min(silent, default=0.0)],
+    t = torch.tensor([min(times), comm, rss, run.optimizer_state_bytes(), min(silent, default=0.0), model_state,
+                      resident],
                      dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     step_times = torch.tensor(times, dtype=torch.float64)  # each step's slowest rank
@@ -219,10 +235,32 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
         theory = theoretical_bubble_fraction(pp, run.num_micro, vpp or 1) if pp > 1 else 0.0
         torch.save({"step_s": float(t[0]), "comm_bytes": float(t[1]), "bubbles": bubbles, "busiest": busiest, "imbalance": imbalance,
                     "theory": theory, "num_micro": run.num_micro, "peak_rss": float(t[2]),
-                    "state_bytes": float(t[3]), "silent_step_s": float(t[4]),
+                    "state_bytes": float(t[3]), "silent_step_s": float(t[4]), "model_state_bytes": float(t[5]),
+                    "resident_bytes": float(t[6]),
                     "steps_s": step_times.tolist()},
                    Path(out) / "result.pt")
     dist.destroy_process_group()
+
+
+def model_state_bytes(run) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state after a step: the local
+    shards under fsdp, DDP's bucket views and ZeRO-1's full grad buffer as they are held."""
+    params = sum(fsdp.local(p).numel() * p.element_size() for p in run.params)
+    grads = sum(fsdp.local(p.grad).numel() * p.grad.element_size() for p in run.params if p.grad is not None)
+    if run.cfg.zero1:  # the grads are views of one padded buffer
+        grads = run.optimizer.grad_buffer.numel() * run.optimizer.grad_buffer.element_size()
+    return params + grads + run.optimizer_state_bytes()
+
+
+def resident_after_trim() -> float:
+    """This process's resident bytes now, after glibc hands its freed heap back
+    (``malloc_trim``; the trainer keeps freed memory for the next step, see
+    :mod:`tokenloom.train.host_alloc`): what the live tensors and the runtime hold. 0 off Linux/glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    except (OSError, AttributeError):
+        return 0.0
 
 
 def compute_spread(compute_s: float, group) -> float:
@@ -250,19 +288,20 @@ def measure(args, layout) -> dict:
         return torch.load(Path(tmp) / "result.pt")
 
 
-def layouts_of(world: int) -> dict[str, tuple[int, int, int, int | None, bool]]:
-    """Name -> (dp, tp, pp, vpp, zero1) of every layout measured on ``world`` ranks."""
+def layouts_of(world: int) -> dict[str, tuple[int, int, int, int | None, str | None]]:
+    """Name -> (dp, tp, pp, vpp, sharding: None, "zero1" or "fsdp") of every layout measured on ``world`` ranks."""
     w = world
-    layouts = {"dp": (w, 1, 1, None, False), "zero1": (w, 1, 1, None, True), "tp": (1, w, 1, None, False),
-               "pp": (1, 1, w, None, False), "vpp": (1, 1, w, 2, False)}
+    layouts = {"dp": (w, 1, 1, None, None), "zero1": (w, 1, 1, None, "zero1"), "fsdp": (w, 1, 1, None, "fsdp"),
+               "tp": (1, w, 1, None, None), "pp": (1, 1, w, None, None), "vpp": (1, 1, w, 2, None)}
     if w == 4:
-        layouts.update({"tp_pp": (1, 2, 2, None, False), "dp_tp": (2, 2, 1, None, False),
-                        "dp_pp": (2, 1, 2, None, False), "dp_pp_zero1": (2, 1, 2, None, True)})
+        layouts.update({"tp_pp": (1, 2, 2, None, None), "dp_tp": (2, 2, 1, None, None),
+                        "dp_pp": (2, 1, 2, None, None), "dp_pp_zero1": (2, 1, 2, None, "zero1"),
+                        "dp_tp_fsdp": (2, 2, 1, None, "fsdp"), "dp_pp_fsdp": (2, 1, 2, None, "fsdp")})
     return layouts
 
 
-def layout_name(dp: int, tp: int, pp: int, vpp: int | None, zero1: bool) -> str:
-    return f"dp{dp} tp{tp} pp{pp}" + (f" vpp{vpp}" if vpp else "") + (" zero1" if zero1 else "")
+def layout_name(dp: int, tp: int, pp: int, vpp: int | None, shard: str | None) -> str:
+    return f"dp{dp} tp{tp} pp{pp}" + (f" vpp{vpp}" if vpp else "") + (f" {shard}" if shard else "")
 
 
 def main() -> None:
@@ -299,10 +338,16 @@ def main() -> None:
     parser.add_argument("--no-rss", dest="with_rss", action="store_false",
                         help="skip the peak-memory rows (a 124 M-parameter model on 2 ranks)")
     parser.add_argument("--rss-only", action="store_true", help="only the peak-memory rows")
+    parser.add_argument("--no-memory", dest="with_memory", action="store_false",
+                        help="skip the dp 4 memory table (DDP, ZeRO-1 and fsdp, a 124 M-parameter model on 4 ranks)")
+    parser.add_argument("--memory-only", action="store_true", help="only the dp 4 memory table")
     args = parser.parse_args()
     args.rss = args.bubble = args.split = False
     if args.split_only:
         print_table(split_title(args), split_rows(args))
+        return
+    if args.memory_only:
+        print_table(MEMORY_TITLE, memory_rows(args))
         return
     if args.rss_only:
         print_table("peak RSS per rank, GPT-2 small (124 M parameters), 2 gloo ranks (baseline: dp2, tp1)",
@@ -327,6 +372,8 @@ def main() -> None:
     if args.with_rss and not args.bubble_only:
         print_table("peak RSS per rank, GPT-2 small (124 M parameters), 2 gloo ranks (baseline: dp2, tp1)",
                     rss_rows(args))
+    if args.with_memory and not args.bubble_only:
+        print_table(MEMORY_TITLE, memory_rows(args))
 
 
 def main_rows(args, layouts: list[tuple]) -> list[tuple[str, str, str, str]]:
@@ -397,7 +444,7 @@ def split_rows(args) -> list[tuple[str, str, str, str]]:
         for uneven in (False, True):
             run_args = argparse.Namespace(**{**vars(args), "split": True, "steps": args.split_steps,
                                              "split_last": args.split_last if uneven else None})
-            r = measure(run_args, (1, 1, 2, None, False))
+            r = measure(run_args, (1, 1, 2, None, None))
             steps[uneven] += r["steps_s"]
             spread[uneven] += r["imbalance"]
     even, uneven = statistics.median(steps[False]), statistics.median(steps[True])
@@ -413,11 +460,36 @@ def split_rows(args) -> list[tuple[str, str, str, str]]:
 def rss_rows(args) -> list[tuple[str, str, str, str]]:
     """Peak RSS of the largest rank after a warmup and one step, per 2-rank layout, vs dp2."""
     args = argparse.Namespace(**{**vars(args), "rss": True, "steps": 1})
-    layouts = [(2, 1, 1, None, False), (1, 2, 1, None, False), (1, 1, 2, None, False)]
+    layouts = [(2, 1, 1, None, None), (1, 2, 1, None, None), (1, 1, 2, None, None)]
     results = {lay: measure(args, lay) for lay in layouts}
     base = results[layouts[0]]["peak_rss"]
     return [(f"peak RSS MB (dp{dp} tp{tp} pp{pp})", f"{r['peak_rss'] / 1e6:.0f}", f"{base / 1e6:.0f}",
              f"{r['peak_rss'] / base:.2f}x") for (dp, tp, pp, _, _), r in results.items()]
+
+
+MEMORY_TITLE = ("memory per rank, GPT-2 small (124 M parameters), 4 gloo ranks, after a warmup and one step "
+                "(baseline: dp4 DDP)")
+
+
+def memory_rows(args) -> list[tuple[str, str, str, str]]:
+    """Parameters + gradients + optimizer state (:func:`model_state_bytes`) and peak RSS of the
+    largest rank at dp 4, DDP against ZeRO-1 and fsdp. FSDP's peak includes the full model each
+    rank builds before sharding it, and the embedding and head (the chunk's own parameters),
+    which stay gathered from the forward to the backward."""
+    args = argparse.Namespace(**{**vars(args), "rss": True, "steps": 1})
+    layouts = [(4, 1, 1, None, None), (4, 1, 1, None, "zero1"), (4, 1, 1, None, "fsdp")]
+    results = {lay: measure(args, lay) for lay in layouts}
+    base = results[layouts[0]]
+    rows = []
+    for lay, r in results.items():
+        name = layout_name(*lay)
+        rows.append((f"params + grads + optimizer state MB ({name})", f"{r['model_state_bytes'] / 1e6:.0f}",
+                     f"{base['model_state_bytes'] / 1e6:.0f}", f"{r['model_state_bytes'] / base['model_state_bytes']:.2f}x"))
+        rows.append((f"peak RSS MB ({name})", f"{r['peak_rss'] / 1e6:.0f}", f"{base['peak_rss'] / 1e6:.0f}",
+                     f"{r['peak_rss'] / base['peak_rss']:.2f}x"))
+        rows.append((f"resident MB after the step, freed heap trimmed ({name})", f"{r['resident_bytes'] / 1e6:.0f}",
+                     f"{base['resident_bytes'] / 1e6:.0f}", f"{r['resident_bytes'] / base['resident_bytes']:.2f}x"))
+    return rows
 
 
 if __name__ == "__main__":

@@ -527,6 +527,9 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
               help=_pair(_help(_TRAIN, "sp"), False, "--no-sp", "plain tensor parallelism"))
 @click.option("--zero1", "--use-distributed-optimizer", "zero1", is_flag=True, default=None,
               help="Shard the optimizer state over data-parallel ranks (ZeRO-1; Megatron's distributed optimizer).")
+@click.option("--fsdp", "--use-megatron-fsdp", "fsdp", is_flag=True, default=None,
+              help="Shard parameters, gradients and optimizer state over data-parallel ranks (ZeRO-3, torch's "
+              "fully_shard; Megatron's --use-megatron-fsdp maps here).")
 @click.option("--overlap-param-gather", "overlap_param_gather", is_flag=True, default=None,
               help="ZeRO-1: all-gather the updated parameters during the next forward (Megatron's flag; already "
               "the default with --zero1; --set overlap_param_gather=false gathers them in the step).")

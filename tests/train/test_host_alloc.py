@@ -63,3 +63,32 @@ def test_is_on_by_default_applies_on_glibc_and_once():
     libc, first, second, calls = out.stdout.split()
     assert calls == "1" and first == second
     assert first == ("True" if libc == "glibc" else "False")
+
+
+RELEASE_PROBE = r"""
+import json, os, sys
+import torch
+from tokenloom.train.host_alloc import release_large_blocks
+def resident():
+    return int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+applied = release_large_blocks() if sys.argv[1] == "on" else False
+before = resident()
+for _ in range(4):  # a gather's pattern: a large block, a small long-lived one, the large one freed
+    big = torch.ones(4 << 20)  # 16 MiB: under glibc's dynamic threshold's 32 MiB ceiling
+    keep = [torch.ones(1024) for _ in range(64)]
+    del big
+print(json.dumps({"applied": applied, "grown": resident() - before}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+def test_release_large_blocks_returns_freed_large_blocks_to_the_os():
+    """fsdp's tuning: a freed 16 MiB block is unmapped at once (the resident memory does not
+    keep it), where glibc's dynamic threshold heap-allocates the later ones and keeps them."""
+    off, on = (json.loads(subprocess.run([sys.executable, "-c", RELEASE_PROBE, mode], capture_output=True, text=True,
+                                         check=True, timeout=120).stdout.strip().splitlines()[-1])
+               for mode in ("off", "on"))
+    if not on["applied"]:
+        pytest.skip("the C library is not glibc (or refused mallopt): nothing to tune")
+    assert off["grown"] >= 8 << 20, off  # untuned: a freed block stays resident
+    assert on["grown"] < 4 << 20, on

@@ -39,6 +39,8 @@ LAYOUTS = {
     "dp1_tp1_pp2_vpp2_megatron": (2, ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
                                   dict(pp=2, vpp=2)),
     "dp2_tp1_pp1_zero1": (2, ["--use-distributed-optimizer"], dict(zero1=True)),
+    "dp2_tp1_pp1_fsdp": (2, ["--fsdp"], dict(fsdp=True)),  # the fsdp layouts: parallel/test_fsdp.py
+    "dp2_tp2_pp1_fsdp_megatron": (4, ["--tp", "2", "--use-megatron-fsdp"], dict(tp=2, fsdp=True)),
     "dp1_tp1_pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"],
                                  dict(pp=2, vpp=2, compile=True)),
     "dp1_tp1_pp2_first1": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "1"],
@@ -111,6 +113,7 @@ GPU_LAYOUTS = {
     "dp2": (2, []), "tp2": (2, ["--tp", "2"]), "tp2_sp": (2, ["--tp", "2", "--set", "sp=true"]),
     "pp2": (2, ["--pp", "2"]), "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]), "dp2_zero1": (2, ["--zero1"]),
     "dp2_tp2": (4, ["--tp", "2"]), "dp2_pp2": (4, ["--pp", "2"]),
+    "dp2_fsdp": (2, ["--fsdp"]), "dp2_tp2_fsdp": (4, ["--tp", "2", "--fsdp"]),
     # compiled blocks: tensor-parallel collectives captured in the graphs; pipeline stages of compiled blocks
     "tp2_sp_compile": (2, ["--tp", "2", "--set", "sp=true", "--set", "compile=true"]),
     "pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"]),
@@ -144,6 +147,9 @@ ONE_GPU_RUNS = {
     # head dim 8, below flex's least: SDPA with the dense mask on CUDA too (flex's lowering raised)
     "documents_narrow_heads": (None, DOCS[:2], DOCS[:2]),
     "torchrun_zero1": (1, ["--zero1"], []),  # a one-rank NCCL group: every collective gets CUDA tensors
+    # fully_shard over a one-rank NCCL group: gathers and reduce-scatters on CUDA, eager and compiled
+    "torchrun_fsdp": (1, ["--fsdp"], []),
+    "torchrun_fsdp_compile": (1, ["--fsdp", *COMPILE], []),
 }
 
 

@@ -35,6 +35,11 @@ def test_zero1_on_one_rank_checkpoints_layout_free_and_resumes_without_it(tmp_pa
     (dict(pp=2, overlap_grad_reduce=False), "overlap_grad_reduce applies to zero1"),
     (dict(overlap_param_gather=True), "overlap_param_gather applies to zero1"),
     (dict(tp=2, overlap_param_gather=False), "overlap_param_gather applies to zero1"),
+    (dict(fsdp=True, zero1=True), "zero1 cannot be combined with fsdp"),
+    (dict(fsdp=True, ddp_bucket_cap_mb=1.0), "ddp_bucket_cap_mb cannot be combined with fsdp"),
+    (dict(fsdp=True, overlap_grad_reduce=False), "overlap_grad_reduce cannot be combined with fsdp"),
+    (dict(fsdp=True, tp=2, overlap_param_gather=True), "overlap_param_gather cannot be combined with fsdp"),
+    (dict(fsdp=True, fp8="tensorwise"), "fp8 cannot be combined with fsdp"),
 ])
 def test_settings_a_layout_cannot_honour_are_refused(tmp_path: Path, overrides, match):
     with pytest.raises(TokenloomError, match=match):
@@ -59,3 +64,19 @@ def test_overlap_and_bucket_size_are_accepted_for_zero1_at_tp_pp_1(tmp_path: Pat
 def test_bucket_size_is_accepted_for_ddp_in_tp_and_pp_layouts(tmp_path: Path, overrides):
     """tp/pp layouts reduce over dp in DDP's buckets too (test_staged_ddp.py), so the cap applies."""
     refuse_unsupported(tiny(tmp_path, ddp_bucket_cap_mb=0.5, **overrides))
+
+
+def test_fsdp_in_one_process_without_torch_distributed_is_the_plain_run(tmp_path: Path):
+    """fsdp at dp 1 without a process group (``cli.py train --fsdp`` on one rank, no torchrun)
+    has nothing to shard: the same losses as the plain run, a checkpoint whose layout says fsdp,
+    and a plain run resumes it. (Sharded: parallel/test_fsdp.py; one NCCL rank: the GPU checks.)"""
+    kw = dict(train_iters=4, eval_interval=0)
+    r = start_run(tiny(tmp_path / "fsdp", fsdp=True, save_interval=2, **kw))
+    assert r.strategy.fsdp_group is None
+    r.train()
+    run(tiny(tmp_path / "plain", **kw))
+    assert losses(tmp_path / "fsdp") == losses(tmp_path / "plain")
+    saved = tmp_path / "fsdp" / "checkpoints" / "iter_0000002"
+    assert checkpoint.read_state(saved)["layout"]["fsdp"] is True
+    run(tiny(tmp_path / "resumed", resume=str(saved), **kw))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "plain")[2:]

@@ -21,6 +21,9 @@ fused qkv or SwiGLU weight). Who writes what (:func:`rank_file`):
   every dp rank), balanced to one element, and no collective;
 * **ZeRO-1's optimizer shards** are written by the rank that owns them, as the element ranges
   of its flat buffer that fall in each parameter (no gather);
+* **FSDP's shards** (the parameter and its moments, each rank's dim-0 rows: one element range
+  of the flattened tensor) are written by the rank that holds them, the parameter's own pieces
+  under ``own`` (then ``tensor`` gives only the local shape and may be a ``meta`` tensor);
 * nobody gathers the model; a tensor tied under several one-process names (a tied embedding in
   one stage) is written once, the other names recorded as aliases.
 
@@ -88,8 +91,9 @@ class LocalParam:
     saver before they are written); ``dim`` / ``sizes`` say how the tp shards make the full
     tensor (None: replicated over tp). ``aliases``: other one-process names of the same tensor.
     ``state``: optimizer states replicated over dp (plain AdamW's, or ZeRO-1's scalar step), in
-    the parameter's local shape or 0-dim. ``own``: ZeRO-1's pieces this rank owns, key ->
-    (start element in the flattened local tensor, 1-d piece)."""
+    the parameter's local shape or 0-dim. ``own``: the pieces this rank owns (ZeRO-1's, or
+    FSDP's, whose parameter pieces come under the key ``PARAM``), key -> (start element in the
+    flattened local tensor, 1-d piece)."""
 
     name: str
     tensor: torch.Tensor
@@ -130,7 +134,8 @@ def rank_file(params: Sequence[LocalParam], where: Placement) -> dict[str, Any]:
     of the live ones (copy them before writing)."""
     replicated: list[tuple[LocalParam, str, torch.Tensor]] = []
     for p in params:
-        replicated.append((p, PARAM, p.tensor))
+        if PARAM not in p.own:  # a parameter sharded over dp (fsdp) is written by its owners
+            replicated.append((p, PARAM, p.tensor))
         replicated += [(p, key, v) for key, v in p.state.items()]
     total = sum(t.numel() * t.element_size() for _, _, t in replicated)
     lo, hi = where.dp_rank * total // where.dp_size, (where.dp_rank + 1) * total // where.dp_size

@@ -72,7 +72,9 @@ class TrainConfig:
     keep_freed_memory: bool = True
     """On CPU with glibc: malloc keeps freed activation memory for the next step instead of
     unmapping it and faulting it in again (faster CPU steps, a slightly higher peak RSS: the
-    process keeps its peak heap). See tokenloom.train.host_alloc. Off: malloc's defaults."""
+    process keeps its peak heap). See tokenloom.train.host_alloc. Off: malloc's defaults. With fsdp
+    on CPU, large freed blocks are returned to the OS instead (its per-block gathers fragment a heap
+    that keeps them), whatever this says."""
     save_interval: int | None = 500
     """Checkpoint every this many steps; a checkpoint is always written at the end."""
     keep_last_checkpoints: int = 0
@@ -165,6 +167,12 @@ class TrainConfig:
     instead of all-reduce around each tensor-parallel layer pair."""
     zero1: bool = False
     """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW)."""
+    fsdp: bool = False
+    """Fully sharded data parallelism (ZeRO-3, torch's fully_shard): parameters, gradients and AdamW
+    state sharded over data parallel, each block's parameters all-gathered just before its forward and
+    backward (the next block's prefetched) and its gradients reduce-scattered as its backward ends.
+    Composes with tp (+ sp) and pp; refuses zero1 (it shards more) and ddp_bucket_cap_mb (it
+    communicates per block). Checkpoints load into any layout, with or without fsdp."""
     overlap_grad_reduce: bool | None = None
     """ZeRO-1: reduce-scatter each gradient bucket (ddp_bucket_cap_mb) during the last micro-batch's
     backward of its model chunk, as soon as its grads are ready (Megatron's overlap_grad_reduce);

@@ -19,6 +19,7 @@ own CPU launcher (``python -m torch.backends.xeon.run_cpu``) gets the same effec
 preloading jemalloc or tcmalloc; this needs no extra library and no relaunch. Only
 glibc is tuned: under another allocator (musl, or jemalloc/tcmalloc in ``LD_PRELOAD``)
 nothing is changed. The setting is process-wide and stays for the rest of the process.
+Fully sharded runs take the opposite setting (:func:`release_large_blocks`).
 """
 
 from __future__ import annotations
@@ -36,20 +37,52 @@ TRIM_THRESHOLD = (1 << 31) - 1
 _FALLBACK_MMAP_THRESHOLD = 32 << 20  # glibc's own upper bound for its dynamic threshold
 
 
-@functools.cache
-def keep_freed_memory() -> bool:
-    """Tune glibc malloc as the module docstring says, once per process. True when applied;
-    False when the allocator is not glibc's or refuses the setting."""
+def _mallopt():
+    """glibc's ``mallopt`` (argument and result types set), or None when the C library is not
+    glibc or an allocator is preloaded over it."""
     preload = os.environ.get("LD_PRELOAD", "")
     if "jemalloc" in preload or "tcmalloc" in preload or "mimalloc" in preload:
-        return False
+        return None
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 - raises AttributeError when the C library is not glibc
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):  # no C library handle (Windows) or not glibc
-        return False
+        return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Tune glibc malloc as the module docstring says, once per process. True when applied;
+    False when the allocator is not glibc's or refuses the setting."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
     if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and not mallopt(_M_MMAP_THRESHOLD, _FALLBACK_MMAP_THRESHOLD):
         return False
     return bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+RELEASE_MMAP_THRESHOLD = 1 << 20
+"""Under :func:`release_large_blocks`, blocks at least this large are mmapped and unmapped on free."""
+
+
+@functools.cache
+def release_large_blocks() -> bool:
+    """The opposite tuning, for fully sharded training (``fsdp``) on the CPU, once per process: a
+    fixed mmap threshold of :data:`RELEASE_MMAP_THRESHOLD` (glibc's dynamic threshold, which
+    climbs to 32 MiB after the first frees, is switched off) and the same trim threshold, so
+    every large block is mapped when allocated and unmapped when freed. FSDP gathers each
+    block's parameters and frees them again while activations that live until the backward are
+    allocated in between; a heap that keeps freed blocks fragments under that pattern and grows
+    by most of each gather, so the resident memory would no longer follow the sharded state.
+    The cost is the page faults of those blocks in every step (the ones
+    :func:`keep_freed_memory` saves). True when applied; False when the allocator is not
+    glibc's or refuses the setting."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, RELEASE_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, RELEASE_MMAP_THRESHOLD))

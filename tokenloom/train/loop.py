@@ -135,7 +135,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, world: World) -> None:
         cfg = hf.resolve_config(cfg)  # init_from_hf: the folder's model shape and tokenizer
         self.cfg, self.world = cfg, world
-        tune_host_memory(cfg.keep_freed_memory, world.device)
+        tune_host_memory(cfg.keep_freed_memory, world.device, fully_sharded=cfg.fsdp)
         seed_everything(cfg.seed)
         tok_eod = self._check_tokenizer()
         gbs, evals = cfg.global_batch_size, cfg.eval_iters

@@ -37,6 +37,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint, ckpt_format
 from tokenloom.train.model import GPT
 from tokenloom.train.optim import param_groups
+from tokenloom.train.parallel import fsdp
 from tokenloom.train.parallel.layers import shard
 
 if TYPE_CHECKING:
@@ -46,7 +47,11 @@ if TYPE_CHECKING:
 def _layout(run) -> dict[str, Any]:
     c = run.cfg
     layout = {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": run.state.dp_size, "zero1": c.zero1}
-    return {**layout, "cp": c.cp} if c.cp > 1 else layout  # a layout without cp is recorded as before
+    if c.cp > 1:  # the keys only where they are on: earlier layouts compare equal
+        layout["cp"] = c.cp
+    if c.fsdp:
+        layout["fsdp"] = True
+    return layout
 
 
 def _named_params(run) -> dict[str, torch.nn.Parameter]:
@@ -104,7 +109,7 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
     """The parameters this rank holds, each once (tied names as aliases), with their split
     info and optimizer states: plain AdamW's whole (replicated over dp), ZeRO-1's step
     (replicated) and this rank's own pieces. Views of the live tensors."""
-    zero = run.cfg.zero1
+    zero, sharded = run.cfg.zero1, run.fsdp_group is not None
     own = run.optimizer.own_param_states() if zero else []
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
     out = []
@@ -117,6 +122,16 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
                 step, pieces = own[zero_index[id(p)]]
                 if step is not None:
                     state["step"] = step
+        elif sharded:  # fsdp: this rank's rows of the parameter and of its moments; the step is replicated
+            pieces = {ckpt_format.PARAM: fsdp.own_piece(p, p.detach())}
+            for k, v in run.optimizer.state.get(p, {}).items():
+                if v.dim() == 0:
+                    state[k] = v.detach()
+                else:
+                    pieces[k] = fsdp.own_piece(p, v.detach())
+            out.append(ckpt_format.LocalParam(name, torch.empty(p.shape, device="meta"), dim, sizes, tuple(aliases),
+                                              state, pieces))
+            continue
         else:
             state = {k: v.detach() for k, v in run.optimizer.state.get(p, {}).items()}
         out.append(ckpt_format.LocalParam(name, p.detach(), dim, sizes, tuple(aliases), state, pieces))
@@ -158,7 +173,7 @@ def load(run, path: Path, state: dict) -> None:
                              "tokenloom, which this version does not read; resume it with the version that wrote it")
     # the RNG streams continue only where this rank's saved streams are its own: the same
     # layout, or (a one-process-format checkpoint, which records none) an unsharded one
-    same = saved == _layout(run) if saved is not None else not (run.staged or run.cfg.zero1)
+    same = saved == _layout(run) if saved is not None else not (run.staged or run.cfg.zero1 or run.cfg.fsdp)
     named = _named_params(run)
     params, optim = ckpt_format.read_any(path, state, set(named), order=lambda: optimizer_order(run.cfg.model),
                                          split=lambda name: split_info(run, name, named[name]),
@@ -199,18 +214,18 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
                 return full
             return shard(full, dim, tp_rank, tp, sizes)
 
-        value = local(params[name])
-        if value.shape != p.shape:
+        value, held = fsdp.cut(p, local(params[name])), fsdp.local(p)
+        if value.shape != held.shape:
             raise TokenloomError(f"{where} holds {name} of shape {list(value.shape)} where this rank's model has "
-                                 f"{list(p.shape)}; was it trained with another model?")
-        p.copy_(value)
+                                 f"{list(held.shape)}; was it trained with another model?")
+        held.copy_(value)
         if name not in optim:
             continue
         if cfg.zero1:
             if id(p) in zero_index:  # a trainable parameter (the only ones ZeRO-1 holds)
                 zero_states[zero_index[id(p)]] = {k: local(v) for k, v in optim[name].items()}
         else:  # the parameter is the plain AdamW's master copy: a ZeRO-1 master_param is not kept
-            run.optimizer.state[p] = {k: local(v).to(p.device).clone() for k, v in optim[name].items()
+            run.optimizer.state[p] = {k: fsdp.like(p, local(v)) for k, v in optim[name].items()
                                       if k != "master_param"}
     if cfg.zero1:
         run.optimizer.load_param_states(zero_states)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.dist import init_from_env, launch_env
-from tokenloom.train.host_alloc import keep_freed_memory
+from tokenloom.train.host_alloc import keep_freed_memory, release_large_blocks
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,15 @@ def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractC
     return nullcontext
 
 
-def tune_host_memory(keep_freed: bool, device: torch.device) -> None:
-    """:func:`~tokenloom.train.host_alloc.keep_freed_memory` when asked and the run computes
-    on the CPU (on a GPU, host allocations are few and small)."""
-    if keep_freed and device.type == "cpu":
+def tune_host_memory(keep_freed: bool, device: torch.device, *, fully_sharded: bool = False) -> None:
+    """When the run computes on the CPU (on a GPU, host allocations are few and small):
+    :func:`~tokenloom.train.host_alloc.release_large_blocks` for a ``fully_sharded`` run,
+    else :func:`~tokenloom.train.host_alloc.keep_freed_memory` when asked."""
+    if device.type != "cpu":
+        return
+    if fully_sharded:
+        release_large_blocks()
+    elif keep_freed:
         keep_freed_memory()
 
 

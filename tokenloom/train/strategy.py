@@ -1,7 +1,7 @@
 """What differs per parallel layout, behind one small object the training loop calls.
 
 The loop (:mod:`tokenloom.train.loop`) is the same for every layout; a :class:`Strategy`,
-built on every rank from ``(tp, pp, vpp, sp, zero1)`` and the world size (dp = world /
+built on every rank from ``(tp, pp, vpp, sp, zero1, fsdp)`` and the world size (dp = world /
 (tp x pp), Megatron's rank order tp-dp-pp), decides:
 
 ======================  ===================================  =======================================
@@ -21,6 +21,11 @@ checkpoint I/O          :mod:`~tokenloom.train.reshard`      the same: every ran
                         into :mod:`~tokenloom.train.ckpt_    (:mod:`~tokenloom.train.ckpt_format`),
                         format` (one process: one file)      loadable in any layout
 ======================  ===================================  =======================================
+
+``fsdp`` (:mod:`~tokenloom.train.parallel.fsdp`) replaces DDP or ZeRO-1 in any of these: each
+chunk's blocks and the chunk are sharded over dp (parameters, gradients, AdamW state), gathered
+per block in forward and backward and reduce-scattered in every micro-batch's backward; the
+sequence-parallel and tied-embedding sums and the clipping norm run on the local shards.
 
 The checkpoint writer hands its files to :attr:`Strategy.saver`
 (:mod:`~tokenloom.train.async_save`), which writes them in the background unless ``async_save`` is off.
@@ -65,8 +70,10 @@ from tokenloom.train.flops import flops_per_token
 from tokenloom.train.kernels import choose_compile
 from tokenloom.train.model import GPT, masked_mean
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups, use_fused
+from tokenloom.train.parallel import fsdp
 from tokenloom.train.parallel.context import loss_scale, take_local
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
+from tokenloom.train.parallel.mappings import all_reduce_in_place
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.random import RNGStatesTracker, get_rng_tracker, model_parallel_manual_seed
 from tokenloom.train.parallel.schedules import (
@@ -108,6 +115,18 @@ def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
 
 def refuse_unsupported(cfg: TrainConfig) -> None:
     """Refuse, naming the field, a setting this layout would otherwise ignore."""
+    if cfg.fsdp:
+        clashes = [("zero1", cfg.zero1, "fsdp shards the optimizer state already (and the parameters and gradients)"),
+                   ("ddp_bucket_cap_mb", cfg.ddp_bucket_cap_mb is not None,
+                    "fsdp gathers and reduce-scatters per transformer block, not in buckets"),
+                   ("overlap_grad_reduce", cfg.overlap_grad_reduce is not None,
+                    "fsdp always reduce-scatters during backward"),
+                   ("overlap_param_gather", cfg.overlap_param_gather is not None,
+                    "fsdp always gathers each block's parameters during the forward"),
+                   ("fp8", cfg.fp8 is not None, "fsdp is not combined with torchao's float8 linears here")]
+        for field, given, reason in clashes:
+            if given:
+                raise TokenloomError(f"{field} cannot be combined with fsdp: {reason}; leave it unset")
     if cfg.overlap_grad_reduce is not None and not cfg.zero1:
         raise TokenloomError("overlap_grad_reduce applies to zero1 (DDP always overlaps); leave it unset or set "
                              "zero1=true")
@@ -143,6 +162,9 @@ class Strategy:
             self._convert_to_fp8()
         for chunk in self.chunks:  # MoE auxiliary losses weigh as the loss does (divided by micro-batches)
             chunk.set_aux_loss_scale(1.0 / self.num_micro)
+        self.fsdp_group = self._shard_fully() if cfg.fsdp else None
+        """The group ``fsdp`` shards over (the dp group; None: not sharded, or one process without
+        ``torch.distributed``, where nothing is sharded and the run is the plain one)."""
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
         self.saver = CheckpointSaver(cfg.ckpt_dir, rank=world.rank, world_size=world.size,
@@ -158,10 +180,10 @@ class Strategy:
                 shape = (seq // cfg.tp, cfg.micro_batch_size, cfg.model.d_model)
             self.comm = P2PComm.from_group(st.pp_group, shape, compute_dtype(cfg.precision, self.device),
                                            self.device)
-        if self.compile:
+        if self.compile and self.fsdp_group is None:
             for chunk in self.chunks:
                 chunk.compile_blocks()
-        self.ddps = self._wrap_ddp() if st.dp_cp_size > 1 and not cfg.zero1 else []
+        self.ddps = self._wrap_ddp() if st.dp_cp_size > 1 and not (cfg.zero1 or cfg.fsdp) else []
         # the loss of the last stage reaches every rank from here (tp 0, dp 0, last pp rank)
         self.loss_src = st.layout.rank_of(0, 0, cfg.pp - 1)
         self._per_source: SourceLosses | None = None  # where the running global batch's last stage adds
@@ -203,6 +225,23 @@ class Strategy:
         if why:
             raise TokenloomError(why)
         fp8.convert(self.chunks, recipe)
+
+    def _shard_fully(self) -> dist.ProcessGroup | None:
+        """``fsdp``: compile the blocks (``compile``), then shard every chunk's blocks and the chunk
+        over the dp group, dp x cp with context parallelism (its ranks hold the same parameters;
+        :func:`~tokenloom.train.parallel.fsdp.shard_fully`). One process with
+        ``torch.distributed`` shards over its one rank; without it nothing is sharded (None)."""
+        group = self.state.dp_cp_group
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is None:
+            return None
+        if self.compile:
+            for chunk in self.chunks:
+                chunk.compile_blocks()
+        collective("FSDP setup", fsdp.shard_fully, self.chunks, [list(c.blocks.values()) for c in self.chunks],
+                   group, self.device)
+        return group
 
     def _wrap_ddp(self) -> list[DistributedDataParallel]:
         """One bucketed DDP per model chunk over this rank's dp group (its ranks hold the same
@@ -372,6 +411,8 @@ class Strategy:
         shard), then clipping and the optimizer step (ZeRO-1 clips in its step). The sums are
         linear, so running them after the dp average changes only rounding."""
         cfg, st = self.cfg, self.state
+        if self.fsdp_group is not None:
+            return self._finish_sharded_grads_and_step()
         if cfg.zero1:  # the sums on the reduced shard: each rank sums only the pieces it steps
             self.optimizer.finish_grad_sync()
             if cfg.sp:
@@ -398,6 +439,36 @@ class Strategy:
         else:
             torch._foreach_mul_(grads, coefficient)
         self.saver.before_update()  # a save in flight may still be copying the state
+        self.optimizer.step()
+        return norm
+
+    def _finish_sharded_grads_and_step(self) -> torch.Tensor:
+        """``fsdp``: the grads are dp-averaged shards already (reduce-scattered in backward); the
+        sequence-parallel and tied-embedding sums run on the local shards (cut alike on the tp
+        ranks and on the first and last stage), the norm sums the shards' squares over dp and
+        the model-parallel group, then the clipped step (fused AdamW: clipping in its kernel)."""
+        cfg, st = self.cfg, self.state
+        if cfg.sp:
+            all_reduce_in_place([fsdp.local(p.grad) for p in self.params
+                                 if is_sequence_parallel(p) and p.grad is not None], st.tp_group)
+        if cfg.pp > 1:
+            tied = []
+            for p in self.params:
+                if is_tied_embedding(p):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    tied.append(fsdp.local(p.grad))
+            all_reduce_in_place(tied, st.embedding_group)
+        grads = [fsdp.local(p.grad) for p in self.params if p.grad is not None]
+        counted = [fsdp.local(p.grad) for p in self.params if p.grad is not None and self._counts_in_norm(p)]
+        groups = [self.fsdp_group] + ([st.model_parallel_group] if self.staged else [])
+        norm = global_grad_norm(counted, groups, device=self.device)
+        coefficient = clip_coefficient(norm, cfg.optim.grad_clip)
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.grad_scale = coefficient.reciprocal()
+        else:
+            torch._foreach_mul_(grads, coefficient)
+        self.saver.before_update()  # a save in flight may still be copying the sharded state
         self.optimizer.step()
         return norm
 
@@ -470,10 +541,13 @@ class Strategy:
 
     def finish_param_sync(self) -> None:
         """Wait for ZeRO-1's parameter all-gathers still running from the last step
-        (``overlap_param_gather``; a forward waits for them by itself): before the parameters
-        are read or written outside a training or eval forward. A no-op for other optimizers."""
+        (``overlap_param_gather``; a forward waits for them by itself), or free FSDP's gathered
+        parameters (each module holds its shards again): before the parameters are read or
+        written outside a training or eval forward. A no-op for other layouts."""
         if self.cfg.zero1:
             self.optimizer.finish_param_sync()
+        if self.fsdp_group is not None:  # the chunks' own parameters stay gathered after a forward
+            fsdp.reshard(self.chunks)
 
     def save(self, iteration: int, state: dict) -> Path:
         """Collective: save the checkpoint of ``iteration`` (``state``: JSON-able run state) through
@@ -495,7 +569,7 @@ class Strategy:
         shard of them, :meth:`ZeroAdamW.state_bytes`); zero before the first step."""
         if self.cfg.zero1:
             return self.optimizer.state_bytes()
-        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+        return sum(fsdp.local(t).numel() * t.element_size() for state in self.optimizer.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor))
 
     def model_size(self) -> tuple[int, int]:
