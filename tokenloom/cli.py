@@ -508,7 +508,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--kernels", type=click.Choice(["auto", "reference", "compiled", "triton"]),
               help=_help(_MODEL, "kernels"))
 @click.option("--tp", "--tensor-model-parallel-size", "tp", type=int,
-              help="Tensor-parallel size (Megatron's layout: tp fastest, then dp, then pp).")
+              help="Tensor-parallel size (Megatron's layout: tp fastest, then cp, dp, pp).")
+@click.option("--cp", "--context-parallel-size", "cp", type=int, help=_help(_TRAIN, "cp"))
 @click.option("--pp", "--pipeline-model-parallel-size", "pp", type=int, help="Pipeline-parallel size (1F1B schedule).")
 @click.option("--vpp", "--virtual-pipeline-model-parallel-size", "vpp", type=int,
               help="Virtual pipeline stages (model chunks) per pipeline rank (interleaved 1F1B).")

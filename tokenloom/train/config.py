@@ -142,7 +142,11 @@ class TrainConfig:
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; None looks it up (known GPUs only)."""
     tp: int = 1
-    """Tensor-parallel size (Megatron's rank order tp-dp-pp)."""
+    """Tensor-parallel size (Megatron's rank order tp-cp-dp-pp)."""
+    cp: int = 1
+    """Context-parallel size: each of cp ranks holds 1/cp of every sequence (two chunks of
+    2 x cp, Megatron's load balancing) and attention all-gathers the keys and values
+    (tokenloom.train.parallel.context); seq_len must be divisible by 2 x cp (x tp with sp)."""
     pp: int = 1
     """Pipeline-parallel size (1F1B schedule; interleaved with vpp)."""
     vpp: int | None = None
@@ -188,8 +192,14 @@ class TrainConfig:
             raise TokenloomError("resume must be 'auto', a checkpoint path, or None")
         if self.gc_interval < 0:
             raise TokenloomError(f"gc_interval must be >= 0, got {self.gc_interval}")
-        if self.tp < 1 or self.pp < 1:
-            raise TokenloomError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if self.tp < 1 or self.pp < 1 or self.cp < 1:
+            raise TokenloomError(f"tp, cp and pp must be >= 1, got tp={self.tp} cp={self.cp} pp={self.pp}")
+        if self.cp > 1:
+            step = 2 * self.cp * (self.tp if self.sp else 1)
+            if self.model.seq_len % step:
+                what = "2 x cp x tp (sequence parallelism splits each rank's part)" if self.sp else "2 x cp"
+                raise TokenloomError(f"cp={self.cp}: model.seq_len={self.model.seq_len} must be divisible by "
+                                     f"{what} = {step}")
         if self.vpp is not None and (self.vpp < 1 or (self.vpp > 1 and self.pp < 2)):
             raise TokenloomError(f"vpp={self.vpp} needs pp >= 2 (virtual stages split a pipeline); "
                                  "leave vpp unset for pp = 1")

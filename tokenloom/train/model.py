@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -98,6 +99,8 @@ from tokenloom.train.moe import (
     unpermute,
     z_loss,
 )
+from tokenloom.train.parallel.context import additive_mask, gather_sequence, local_index
+from tokenloom.train.parallel.context import attention_mask as cp_attention_mask
 from tokenloom.train.parallel.layers import TensorParallel, shard, tag
 from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
 from tokenloom.train.parallel.random import checkpoint as tp_checkpoint
@@ -319,6 +322,7 @@ class Attention(nn.Module):
         self.proj = tp.row(cfg.d_model, cfg.d_model, bias=cfg.use_bias)
         tag(self.proj, residual_scaled_init=True)
         self.dropout, self.ops, self.tp = cfg.dropout, ops, tp
+        self.cp_group: dist.ProcessGroup | None = None  # context parallelism: GPT.context_parallel sets it
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -333,6 +337,11 @@ class Attention(nn.Module):
         q, k, v = split_qkv(qkv, self.n_heads, self.n_kv_heads, self.head_dim)
         p = self.dropout if self.training else 0.0
         ks = self.ops
+        if self.cp_group is not None:  # rotate at each token's own position, then every cp rank's keys/values
+            if rope is not None:
+                cos, sin = rope_at(rope, T)
+                q, k, rope = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), None
+            k, v = gather_sequence(k, 2, self.cp_group), gather_sequence(v, 2, self.cp_group)
         with self.tp.fork(p > 0, x.device):  # heads are split over tp: per-rank masks
             if ks is not None:
                 if rope is not None:
@@ -648,6 +657,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, tp or TensorParallel()
         self.pre, self.post = pre, post
+        self.cp: tuple[dist.ProcessGroup, int, int] | None = None  # context_parallel()
         if cfg.n_heads % self.tp.size or cfg.kv_heads % self.tp.size:  # the layers check the other splits
             raise TokenloomError(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.kv_heads} must be divisible by "
                                  f"tp={self.tp.size}")
@@ -783,10 +793,17 @@ class GPT(nn.Module):
         The attention mask is built from them once per forward, before the (possibly
         compiled) blocks, which all take it.
         """
+        if self.cp is not None and positions is None:  # the global positions of this rank's tokens
+            where = _given(tokens if self.pre else hidden, "tokens" if self.pre else "hidden").device
+            positions = local_index(self.cfg.seq_len, self.cp[1], self.cp[2], where).unsqueeze(0)
         x = self.embed(_given(tokens, "tokens"), positions) if self.pre else _given(hidden, "hidden")
         per_token = positions if positions is not None else tokens  # [batch, seq]
         mask: torch.Tensor | BlockMask | None = documents
-        if documents is not None and per_token is not None:  # one mask for every block of this forward
+        if self.cp is not None:  # this rank's queries against every rank's keys, by global position
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            mask = additive_mask(cp_attention_mask(self.cfg.seq_len, self.cp[1], self.cp[2], documents, x.device),
+                                 dtype)
+        elif documents is not None and per_token is not None:  # one mask for every block of this forward
             dropout = self.cfg.dropout if self.training else 0.0
             flex = flex_usable(x.device, dropout, self.cfg.head_dim)
             mask = document_attention_mask(documents, per_token.shape[-1], flex=flex)
@@ -800,6 +817,17 @@ class GPT(nn.Module):
         if token_losses:
             return self.token_head(self.norm(x), _given(labels, "labels"))
         return self.head(self.norm(x), labels, loss_mask)
+
+    def context_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
+        """Run as rank ``rank`` of a context-parallel group of ``size``
+        (:mod:`tokenloom.train.parallel.context`): :meth:`forward` then takes this rank's
+        tokens of each ``seq_len`` sequence (``positions``: theirs, within their documents
+        under inter-document masking; by default their global positions), and attention
+        gathers every rank's keys and values."""
+        self.cp = (group, size, rank)
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.cp_group = group
 
     def compile_blocks(self) -> None:
         """``torch.compile`` each transformer block in place (``compile: true``), torchtitan's

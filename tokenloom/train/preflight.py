@@ -80,6 +80,9 @@ def check_model_split(cfg: TrainConfig) -> None:
     if m.num_experts is not None and tp > 1 and not cfg.sp:
         problems.append(f"mixture-of-experts layers (model.num_experts) at --tp {tp} need sequence parallelism "
                         "(--sequence-parallel), as in Megatron")
+    if m.num_experts is not None and cfg.cp > 1:
+        problems.append(f"mixture-of-experts layers (model.num_experts) with --cp {cfg.cp}: their routing statistics "
+                        "under context parallelism are not implemented; use --cp 1")
     if m.padded_vocab_size % tp:
         problems.append(f"the padded vocabulary {m.padded_vocab_size} must be divisible by --tp {tp} "
                         "(raise model.make_vocab_size_divisible_by)")

@@ -47,7 +47,11 @@ if TYPE_CHECKING:
 def _layout(run) -> dict[str, Any]:
     c = run.cfg
     layout = {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": run.state.dp_size, "zero1": c.zero1}
-    return {**layout, "fsdp": True} if c.fsdp else layout  # the key only where it is on: earlier layouts compare equal
+    if c.cp > 1:  # the keys only where they are on: earlier layouts compare equal
+        layout["cp"] = c.cp
+    if c.fsdp:
+        layout["fsdp"] = True
+    return layout
 
 
 def _named_params(run) -> dict[str, torch.nn.Parameter]:
@@ -93,10 +97,12 @@ def save(run, iteration: int, run_state: dict, saver: CheckpointSaver) -> Path:
 
 
 def placement(run) -> ckpt_format.Placement:
-    """Where this rank of ``run`` sits, for the format."""
+    """Where this rank of ``run`` sits, for the format: the context-parallel ranks of a dp rank
+    hold the same state and count as data-parallel ranks here (dp x cp share each model
+    shard's files, as they share its gradient reduction and ZeRO-1's shards)."""
     st = run.state
     return ckpt_format.Placement(tp_rank=st.tp_rank, tp_size=st.tp_size, pp_rank=st.pp_rank,
-                                 dp_rank=st.dp_rank, dp_size=st.dp_size)
+                                 dp_rank=st.dp_cp_rank, dp_size=st.dp_cp_size)
 
 
 def local_params(run) -> list[ckpt_format.LocalParam]:

@@ -71,6 +71,7 @@ from tokenloom.train.kernels import choose_compile
 from tokenloom.train.model import GPT, masked_mean
 from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups, use_fused
 from tokenloom.train.parallel import fsdp
+from tokenloom.train.parallel.context import loss_scale, take_local
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.mappings import all_reduce_in_place
 from tokenloom.train.parallel.p2p import P2PComm
@@ -93,13 +94,14 @@ from tokenloom.train.source_loss import SourceLosses
 
 def parallel_state(cfg: TrainConfig, world: World) -> ParallelState:
     """This rank's place in the ``tp x dp x pp`` grid (collective when the world has more ranks)."""
-    mp = cfg.tp * cfg.pp
+    mp = cfg.tp * cfg.cp * cfg.pp
     if world.size % mp:
-        raise TokenloomError(f"tp x pp = {cfg.tp} x {cfg.pp} = {mp} does not divide the {world.size} ranks of "
-                             f"this launch; launch a multiple of {mp} ranks (--nproc-per-node) or change tp/pp")
+        what = f"tp x cp x pp = {cfg.tp} x {cfg.cp} x {cfg.pp}" if cfg.cp > 1 else f"tp x pp = {cfg.tp} x {cfg.pp}"
+        raise TokenloomError(f"{what} = {mp} does not divide the {world.size} ranks of this launch; launch a "
+                             f"multiple of {mp} ranks (--nproc-per-node) or change the sizes")
     if world.size == 1:
         return ParallelState.single_process()
-    return collective("parallel group setup", ParallelState.create, cfg.tp, cfg.pp, cfg.vpp,
+    return collective("parallel group setup", ParallelState.create, cfg.tp, cfg.pp, cfg.vpp, cfg.cp,
                       timeout=timedelta(seconds=cfg.dist_timeout_s))
 
 
@@ -172,15 +174,16 @@ class Strategy:
         self.comm = None
         self.train_time = PipelineStats()  # this rank's schedule time over the train steps since bubble_for_log
         if cfg.pp > 1:
-            shape = (cfg.micro_batch_size, cfg.model.seq_len, cfg.model.d_model)
+            seq = cfg.model.seq_len // cfg.cp  # this rank's tokens of each sequence
+            shape = (cfg.micro_batch_size, seq, cfg.model.d_model)
             if cfg.sp:  # stages exchange their slice of the sequence, sequence first
-                shape = (cfg.model.seq_len // cfg.tp, cfg.micro_batch_size, cfg.model.d_model)
+                shape = (seq // cfg.tp, cfg.micro_batch_size, cfg.model.d_model)
             self.comm = P2PComm.from_group(st.pp_group, shape, compute_dtype(cfg.precision, self.device),
                                            self.device)
         if self.compile and self.fsdp_group is None:
             for chunk in self.chunks:
                 chunk.compile_blocks()
-        self.ddps = self._wrap_ddp() if self.dp_size > 1 and not (cfg.zero1 or cfg.fsdp) else []
+        self.ddps = self._wrap_ddp() if st.dp_cp_size > 1 and not (cfg.zero1 or cfg.fsdp) else []
         # the loss of the last stage reaches every rank from here (tp 0, dp 0, last pp rank)
         self.loss_src = st.layout.rank_of(0, 0, cfg.pp - 1)
         self._per_source: SourceLosses | None = None  # where the running global batch's last stage adds
@@ -203,8 +206,13 @@ class Strategy:
         cfg, st = self.cfg, self.state
         tp = TensorParallel(st.tp_group if cfg.tp > 1 else None, cfg.sp)
         split = cfg.pipeline_split
-        return [pipeline_stage(cfg.model, split, st.pp_rank, c, tp=tp, device=self.device)
-                for c in range(self.num_chunks)]
+        chunks = [pipeline_stage(cfg.model, split, st.pp_rank, c, tp=tp, device=self.device)
+                  for c in range(self.num_chunks)]
+        if cfg.cp > 1:
+            assert st.cp_group is not None  # a cp > 1 layout has its groups
+            for chunk in chunks:
+                chunk.context_parallel(st.cp_group, cfg.cp, st.cp_rank)
+        return chunks
 
     def _convert_to_fp8(self) -> None:
         """``fp8``: the chunks' block linears become torchao's float8 linears (:mod:`tokenloom.train.fp8`),
@@ -220,9 +228,10 @@ class Strategy:
 
     def _shard_fully(self) -> dist.ProcessGroup | None:
         """``fsdp``: compile the blocks (``compile``), then shard every chunk's blocks and the chunk
-        over the dp group (:func:`~tokenloom.train.parallel.fsdp.shard_fully`). One process with
+        over the dp group, dp x cp with context parallelism (its ranks hold the same parameters;
+        :func:`~tokenloom.train.parallel.fsdp.shard_fully`). One process with
         ``torch.distributed`` shards over its one rank; without it nothing is sharded (None)."""
-        group = self.state.dp_group
+        group = self.state.dp_cp_group
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
         if group is None:
@@ -244,7 +253,7 @@ class Strategy:
         RoPE tables, computed alike on every rank from the config) are not re-broadcast
         before each synced forward, which runs mid-pipeline, where a blocking collective
         would stall the schedule."""
-        return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_group,
+        return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_cp_group,
                            bucket_cap_mb=self.cfg.ddp_bucket_cap_mb, broadcast_buffers=not self.staged,
                            finish_in_backward=not self.staged, grad_units=self._compiled_units(chunk))
                 for chunk in self.chunks]
@@ -267,7 +276,7 @@ class Strategy:
         # sequence-parallel and tied-embedding sums run on the reduced shard after (pp > 1: the
         # tied copies in a bucket of their own, cut alike on the first and last stage)
         cap = DEFAULT_BUCKET_CAP_MB if cfg.ddp_bucket_cap_mb is None else cfg.ddp_bucket_cap_mb
-        return ZeroAdamW([{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_group,
+        return ZeroAdamW([{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_cp_group,
                          lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, max_grad_norm=o.grad_clip,
                          norm_group=st.model_parallel_group if self.staged else None,
                          counts_in_norm=self._counts_in_norm,
@@ -333,6 +342,13 @@ class Strategy:
         docs = {}
         if batch is not None and "cu_seqlens" in batch:  # a middle stage without masking reads no batch
             docs = {"documents": batch["cu_seqlens"], "positions": batch["position_ids"]}
+        scale: torch.Tensor | float = 1.0
+        if self.cfg.cp > 1 and batch is not None:  # this rank's tokens of each sequence; the loss scaled
+            full_mask, batch = batch["loss_mask"], self._local_tokens(batch)
+            if "positions" in docs:
+                docs["positions"] = batch["position_ids"]
+            if last:
+                scale = loss_scale(full_mask, batch["loss_mask"], self.cfg.cp, self.cfg.model.seq_len)
         per_source = self._per_source if last or not self.staged else None
         if per_source is not None:
             docs["token_losses"] = True
@@ -344,9 +360,16 @@ class Strategy:
                 return module(tokens, hidden=hidden, **docs)
             out = module(tokens, batch["labels"], batch["loss_mask"], hidden=hidden, **docs)
         if per_source is None:
-            return out
-        per_source.add(out, batch["loss_mask"], batch["source"])
-        return masked_mean(out.reshape(-1), batch["loss_mask"])
+            return out * scale
+        per_source.add(out, batch["loss_mask"], batch["source"])  # this rank's tokens: summed over dp x cp
+        return masked_mean(out.reshape(-1), batch["loss_mask"]) * scale
+
+    def _local_tokens(self, batch: dict) -> dict:
+        """A micro-batch cut to this context-parallel rank's tokens (the per-token tensors;
+        ``cu_seqlens`` and the per-sample ``source`` stay whole)."""
+        cp, rank = self.cfg.cp, self.state.cp_rank
+        return {k: take_local(v, cp, rank) if k in ("tokens", "labels", "loss_mask", "position_ids") and v is not None
+                else v for k, v in batch.items()}
 
     def _run(self, modules: Sequence[nn.Module], batches: list, forward_only: bool,
              no_sync: NoSync | list[NoSync] | None = None, per_source: SourceLosses | None = None) -> torch.Tensor:
@@ -463,21 +486,24 @@ class Strategy:
                 m.train()
 
     def loss_for_log(self, value: torch.Tensor, what: str) -> float:
-        """The data-parallel mean of a last-stage loss, on every rank (collective)."""
+        """The data-parallel mean of a last-stage loss, on every rank (collective); with
+        context parallelism the mean over the dp x cp ranks, whose losses are scaled so
+        (:mod:`tokenloom.train.parallel.context`)."""
         return float(self._to_every_rank(value, what, mean=True))
 
     def sums_for_log(self, value: torch.Tensor, what: str) -> torch.Tensor:
         """The data-parallel sum of a last-stage tensor (e.g. :class:`SourceLosses` sums), on
-        every rank's host (collective; same shape on every rank)."""
+        every rank's host (collective; same shape on every rank); over dp x cp ranks with
+        context parallelism (each sums its own tokens)."""
         return self._to_every_rank(value, what, mean=False).cpu()
 
     def _to_every_rank(self, value: torch.Tensor, what: str, mean: bool) -> torch.Tensor:
         st = self.state
         value = value.detach().clone()
-        if self.dp_size > 1 and self.computes_loss:
-            collective(what, dist.all_reduce, value, group=st.dp_group)
+        if st.dp_cp_size > 1 and self.computes_loss:
+            collective(what, dist.all_reduce, value, group=st.dp_cp_group)
             if mean:
-                value /= self.dp_size
+                value /= st.dp_cp_size
         if self.cfg.pp > 1:
             collective(what, dist.broadcast, value, src=self.loss_src)
         return value

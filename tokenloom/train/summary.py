@@ -69,8 +69,10 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
         f"{_count(facts.parameters)} parameters ({split})",
         f"          {features(m)}",
         f"speed     {choices(cfg, facts.device)}",
-        f"layout    {facts.world_size} rank(s) on {facts.device}: dp {facts.dp} x tp {cfg.tp} x pp {cfg.pp}"
+        f"layout    {facts.world_size} rank(s) on {facts.device}: dp {facts.dp} x tp {cfg.tp}"
+        f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} x pp {cfg.pp}"
         f"{f' (vpp {cfg.vpp})' if cfg.vpp else ''}{', sequence parallel' if cfg.sp else ''}"
+        f"{f', context parallel: {cfg.model.seq_len // cfg.cp} tokens of each sequence per rank' if cfg.cp > 1 else ''}"
         f"{_uneven(cfg)}{', ZeRO-1' if cfg.zero1 else ''}{', FSDP' if cfg.fsdp else ''}; {facts.precision}",
         "data      " + facts.data_plan.replace("\n", "\n          "),
         f"batch     global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {facts.dp} x accumulation "

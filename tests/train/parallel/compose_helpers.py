@@ -377,3 +377,29 @@ def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, d
                                 collective_timeout_s=60)
 
 
+
+
+def activation_bytes(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
+    """Bytes of the tensors one training step saves for backward on this rank (activation
+    memory: parameters left out, each storage counted once), on one micro-batch of random
+    tokens (``global_batch_size`` = ``micro_batch_size`` x dp)."""
+    cfg = tiny_cfg(Path(out), **kw)
+    strategy = loop.start_run(cfg).strategy
+    params = {p.untyped_storage().data_ptr() for p in strategy.params}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    seq, micro = cfg.model.seq_len, cfg.micro_batch_size
+    tokens = torch.randint(cfg.model.vocab_size, (micro, seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(micro, seq)}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        strategy.train_step([batch] * strategy.num_micro)
+    return {"bytes": sum(saved.values())}
+
+
+SCENARIOS["activation_bytes"] = activation_bytes

@@ -22,6 +22,7 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     "dp1_tp1_pp2": (2, dict(pp=2)),
     "dp1_tp1_pp2_vpp2": (2, dict(pp=2, vpp=2)),
     "dp1_tp2_pp1_sp_compile": (2, dict(tp=2, sp=True, compile=True)),  # compiled blocks with tp collectives
+    "cp2": (2, dict(cp=2)),  # context parallelism: key/value gathers, the mask and the loss scale
     "dp2_tp1_pp1_zero1": (2, dict(zero1=True)),
     "dp2_tp2_pp1": (4, dict(tp=2)),
     "dp2_tp1_pp2": (4, dict(pp=2)),
@@ -29,10 +30,15 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     # ZeRO-1's bucketed, overlapped reductions and gathers under pp (tied embedding) and tp with sp
     "dp2_tp1_pp2_vpp2_zero1": (4, dict(pp=2, vpp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
     "dp2_tp2_pp1_sp_zero1": (4, dict(tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=0.02)),
+    "cp4": (4, dict(cp=4)),
+    "cp2_tp2_sp": (4, dict(cp=2, tp=2, sp=True)),
+    "cp2_pp2": (4, dict(cp=2, pp=2)),
+    "cp2_dp2_zero1": (4, dict(cp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
     # fully sharded: per-block gathers and reduce-scatters, alone, under tp with sp and under vpp
     "dp2_tp1_pp1_fsdp": (2, dict(fsdp=True)),
     "dp2_tp2_pp1_sp_fsdp": (4, dict(tp=2, sp=True, fsdp=True)),
     "dp2_tp1_pp2_vpp2_fsdp": (4, dict(pp=2, vpp=2, fsdp=True)),
+    "cp2_dp2_fsdp": (4, dict(cp=2, fsdp=True)),  # sharded over dp x cp
 }
 
 

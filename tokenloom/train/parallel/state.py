@@ -1,16 +1,21 @@
-"""Rank grid and process groups for tensor (tp), data (dp) and pipeline (pp) parallelism.
+"""Rank grid and process groups for tensor (tp), context (cp), data (dp) and pipeline (pp) parallelism.
 
-Mirrors Megatron-core's ``parallel_state`` with the default order ``tp-dp-pp`` (no
-context or expert parallelism): tp is the fastest-varying coordinate and pp the
-slowest, so ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``. Tensor-parallel
-peers are therefore adjacent ranks (one node, fastest links) and pipeline peers are
-``tp * dp`` ranks apart. Worked example, world 8, tp 2, pp 2 (so dp 2)::
+Mirrors Megatron-core's ``parallel_state`` with its default order ``tp-cp-dp-pp`` (no
+expert parallelism): tp is the fastest-varying coordinate and pp the slowest, so
+``rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``. Tensor-parallel
+peers are therefore adjacent ranks (one node, fastest links), context-parallel peers
+(which exchange keys and values every layer) next, and pipeline peers are
+``tp * cp * dp`` ranks apart. Worked example, world 8, tp 2, pp 2 (so dp 2, cp 1)::
 
     tp groups      [0, 1] [2, 3] [4, 5] [6, 7]
     dp groups      [0, 2] [1, 3] [4, 6] [5, 7]
     pp groups      [0, 4] [1, 5] [2, 6] [3, 7]
     model parallel [0, 1, 4, 5] [2, 3, 6, 7]      (tp x pp: one model replica)
     embedding      [0, 4] [1, 5] [2, 6] [3, 7]    (first + last rank of each pp group)
+
+Context-parallel ranks hold the same parameters and different parts of the same samples, so
+gradients are reduced over the ``dp_cp`` groups (dp x cp ranks of one model shard), as
+Megatron's data-parallel group "with context parallel"; the data is sharded over dp alone.
 
 Two layers, so that layouts can be checked without processes:
 
@@ -21,7 +26,7 @@ Two layers, so that layouts can be checked without processes:
   called by every rank for every group in the same order, so every rank walks all
   groups of every kind and keeps the ones it belongs to (Megatron's rule).
 
-Differences from Megatron: no context/expert/hierarchical groups, no gloo twins of
+Differences from Megatron: no expert/hierarchical groups, no gloo twins of
 the dp groups (on CPU everything is gloo already; on NCCL a caller that needs CPU
 object gathers must create them), no pipeline split rank (encoder-decoder). The
 virtual pipeline rank is mutable state on the object, as in Megatron, and
@@ -48,18 +53,22 @@ class ParallelLayout:
     pp: int = 1
     vpp: int | None = None
     """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved schedule."""
+    cp: int = 1
+    """Context-parallel size: ranks that split each sequence."""
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp"):
+        for name in ("world_size", "tp", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise TokenloomError(f"{name} must be a positive integer, got {value!r}")
-        model = self.tp * self.pp
+        model = self.tp * self.cp * self.pp
         if self.world_size % model:
+            what = f"tp * cp * pp = {self.tp} * {self.cp} * {self.pp}" if self.cp > 1 else \
+                f"tp * pp = {self.tp} * {self.pp}"
             raise TokenloomError(
-                f"world size {self.world_size} is not divisible by tp * pp = {self.tp} * {self.pp} = {model}; "
-                f"each data-parallel replica needs tp * pp ranks, so use a world size that is a multiple "
-                f"of {model} or change tp/pp"
+                f"world size {self.world_size} is not divisible by {what} = {model}; "
+                f"each data-parallel replica needs {model} ranks, so use a world size that is a multiple "
+                f"of {model} or change the sizes"
             )
         if self.vpp is not None:
             if not isinstance(self.vpp, int) or self.vpp < 1:
@@ -71,39 +80,50 @@ class ParallelLayout:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
+        """``(tp_rank, dp_rank, pp_rank)`` of a global rank (its cp rank: :meth:`cp_rank_of`)."""
         if not 0 <= rank < self.world_size:
             raise TokenloomError(f"rank {rank} is outside the world of {self.world_size} ranks")
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+        return rank % self.tp, (rank // (self.tp * self.cp)) % self.dp, rank // (self.tp * self.cp * self.dp)
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        """Global rank at the given coordinates (inverse of :meth:`coords`)."""
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+    def cp_rank_of(self, rank: int) -> int:
+        """The context-parallel rank of a global rank."""
+        return (rank // self.tp) % self.cp
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        """Global rank at the given coordinates (inverse of :meth:`coords` and :meth:`cp_rank_of`)."""
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
     def tp_groups(self) -> Groups:
         """Ranks that share one layer's shards: consecutive blocks of ``tp``."""
         return [list(range(start, start + self.tp)) for start in range(0, self.world_size, self.tp)]
 
+    def cp_groups(self) -> Groups:
+        """Ranks that split the same samples' sequences (keys and values exchanged per layer)."""
+        return [[self.rank_of(t, d, p, c) for c in range(self.cp)]
+                for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
+
     def dp_groups(self) -> Groups:
-        """Ranks that hold the same shard of the model (gradient all-reduce)."""
-        return [
-            [self.rank_of(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
-        ]
+        """Ranks that hold the same shard of the model and the same part of different samples."""
+        return [[self.rank_of(t, d, p, c) for d in range(self.dp)]
+                for p in range(self.pp) for c in range(self.cp) for t in range(self.tp)]
+
+    def dp_cp_groups(self) -> Groups:
+        """Ranks that hold the same shard of the model (gradient reduction): dp x cp."""
+        return [[self.rank_of(t, d, p, c) for d in range(self.dp) for c in range(self.cp)]
+                for p in range(self.pp) for t in range(self.tp)]
 
     def pp_groups(self) -> Groups:
-        """One pipeline: the same (tp, dp) coordinates on every stage, first stage first."""
-        return [
-            [self.rank_of(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
-        ]
+        """One pipeline: the same (tp, cp, dp) coordinates on every stage, first stage first."""
+        return [[self.rank_of(t, d, p, c) for p in range(self.pp)]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def model_parallel_groups(self) -> Groups:
-        """tp x pp ranks that together hold one model replica (same dp rank)."""
-        return [
-            [self.rank_of(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)
-        ]
+        """tp x pp ranks that together hold one model replica (same dp and cp rank)."""
+        return [[self.rank_of(t, d, p, c) for p in range(self.pp) for t in range(self.tp)]
+                for d in range(self.dp) for c in range(self.cp)]
 
     def embedding_groups(self) -> Groups:
         """First and last rank of each pipeline (one rank when pp = 1): tied-embedding grads."""
@@ -111,13 +131,16 @@ class ParallelLayout:
 
     def all_groups(self) -> dict[str, Groups]:
         """Every kind of group, in the (fixed) order :class:`ParallelState` creates them."""
-        return {
+        groups = {
             "tp": self.tp_groups(),
             "dp": self.dp_groups(),
             "pp": self.pp_groups(),
             "model_parallel": self.model_parallel_groups(),
             "embedding": self.embedding_groups(),
         }
+        if self.cp > 1:  # created only when used: a layout without cp creates the groups it always did
+            groups.update({"cp": self.cp_groups(), "dp_cp": self.dp_cp_groups()})
+        return groups
 
 
 class ParallelState:
@@ -133,6 +156,7 @@ class ParallelState:
         self.layout = layout
         self.rank = rank
         self.tp_rank, self.dp_rank, self.pp_rank = layout.coords(rank)
+        self.cp_rank = layout.cp_rank_of(rank)
         self._groups = groups
         self._ranks = {
             kind: next((g for g in kind_groups if rank in g), [])
@@ -142,14 +166,14 @@ class ParallelState:
         """Current virtual pipeline stage (model chunk); set by the interleaved schedule."""
 
     @classmethod
-    def create(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, **group_kwargs) -> ParallelState:
+    def create(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, **group_kwargs) -> ParallelState:
         """Create every group of the layout (collective over the default group).
 
         ``group_kwargs`` go to ``torch.distributed.new_group`` (e.g. ``timeout``, ``backend``).
         """
         if not dist.is_initialized():
             raise TokenloomError("ParallelState.create needs torch.distributed to be initialised first")
-        layout = ParallelLayout(dist.get_world_size(), tp, pp, vpp)
+        layout = ParallelLayout(dist.get_world_size(), tp, pp, vpp, cp)
         rank = dist.get_rank()
         mine: dict[str, dist.ProcessGroup | None] = {}
         for kind, kind_groups in layout.all_groups().items():
@@ -178,6 +202,29 @@ class ParallelState:
     @property
     def pp_size(self) -> int:
         return self.layout.pp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel group (None at cp 1: no communication)."""
+        return self._groups.get("cp")
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        """The group gradients are reduced over: dp x cp ranks (the dp group at cp 1)."""
+        return self._groups["dp_cp"] if self.layout.cp > 1 else self._groups["dp"]
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.layout.dp * self.layout.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in its :attr:`dp_cp_group` (dp-major, as the group lists them)."""
+        return self.dp_rank * self.layout.cp + self.cp_rank
 
     @property
     def vpp_size(self) -> int | None:
@@ -253,6 +300,6 @@ class ParallelState:
 
     def __repr__(self) -> str:
         return (
-            f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, "
+            f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp_size}, cp={self.cp_rank}/{self.cp_size}, "
             f"dp={self.dp_rank}/{self.dp_size}, pp={self.pp_rank}/{self.pp_size}, vpp={self.vpp_size})"
         )
