@@ -331,7 +331,6 @@ MEGATRON_REFUSED = {
     "--transformer-impl": "tokenloom has one implementation of its own layers",
     "--use-mcore-models": "tokenloom has one implementation of its own layers",
     "--distributed-backend": "nccl on GPUs and gloo on CPU are chosen automatically",
-    "--context-parallel-size": "context parallelism is not implemented",
     "--expert-model-parallel-size": "expert parallelism is not implemented: every rank holds all experts",
     "--moe-token-dispatcher-type": "tokens reach their experts on their own rank (no expert parallelism yet)",
     "--overlap-grad-reduce": "gradient buckets are always reduced while backward runs",

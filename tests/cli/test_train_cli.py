@@ -112,8 +112,8 @@ def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path
     assert done.stderr.strip().splitlines()[-1] == (
         "Error: --fp16 (Megatron) is not supported by tokenloom train: fp16 with loss scaling is not implemented; "
         "use --bf16 (or --set precision=bf16)")
-    done = run_cli("train", *MOCK, "--context-parallel-size", "--output-dir", tmp_path / "r")
-    assert "--context-parallel-size (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
+    done = run_cli("train", *MOCK, "--expert-model-parallel-size", "2", "--output-dir", tmp_path / "r")
+    assert "--expert-model-parallel-size (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
     done = run_cli("train", *MOCK, "--lr-wsd-decay-samples", "--output-dir", tmp_path / "r")
     assert "--lr-wsd-decay-samples (Megatron) is not supported" in done.stderr.strip().splitlines()[-1]
 

@@ -41,6 +41,8 @@ LAYOUTS = {
     "dp2_tp1_pp1_zero1": (2, ["--use-distributed-optimizer"], dict(zero1=True)),
     "dp2_tp1_pp1_fsdp": (2, ["--fsdp"], dict(fsdp=True)),  # the fsdp layouts: parallel/test_fsdp.py
     "dp2_tp2_pp1_fsdp_megatron": (4, ["--tp", "2", "--use-megatron-fsdp"], dict(tp=2, fsdp=True)),
+    "cp2": (2, ["--cp", "2"], dict(cp=2)),  # the cp layouts: parallel/test_context.py
+    "cp2_tp2_sp_megatron": (4, ["--context-parallel-size", "2", "--tp", "2", "--sp"], dict(cp=2, tp=2, sp=True)),
     "dp1_tp1_pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"],
                                  dict(pp=2, vpp=2, compile=True)),
     "dp1_tp1_pp2_first1": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "1"],
@@ -92,7 +94,8 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,ranks,flags", [("pp4", 4, ["--pp", "4"]),  # middle stages need boundaries too
-                                             ("tp2_sp", 2, ["--tp", "2", "--set", "sp=true"])])
+                                             ("tp2_sp", 2, ["--tp", "2", "--set", "sp=true"]),
+                                             ("cp2", 2, ["--cp", "2"])])  # documents split over cp ranks
 def test_document_masking_through_the_cli_equals_one_process(tmp_path, one_process, name, ranks, flags):
     """data.inter_document_masking in a pipeline and a sequence-parallel layout, launched through
     torchrun, equals the one-process run with it, and differs from the run without it (the masks
@@ -114,6 +117,7 @@ GPU_LAYOUTS = {
     "pp2": (2, ["--pp", "2"]), "pp2_vpp2": (2, ["--pp", "2", "--vpp", "2"]), "dp2_zero1": (2, ["--zero1"]),
     "dp2_tp2": (4, ["--tp", "2"]), "dp2_pp2": (4, ["--pp", "2"]),
     "dp2_fsdp": (2, ["--fsdp"]), "dp2_tp2_fsdp": (4, ["--tp", "2", "--fsdp"]),
+    "cp2": (2, ["--cp", "2"]), "cp2_dp2": (4, ["--cp", "2"]),
     # compiled blocks: tensor-parallel collectives captured in the graphs; pipeline stages of compiled blocks
     "tp2_sp_compile": (2, ["--tp", "2", "--set", "sp=true", "--set", "compile=true"]),
     "pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"]),
