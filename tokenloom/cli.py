@@ -296,6 +296,7 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
     if blend_file and sources:
         raise click.UsageError("give the sources either with --data or with --blend-file, not both")
     spec = load_blend_file(blend_file) if blend_file else {"data": parse_data_args(list(sources))}
+    spec.pop("names", None)  # display names: the train command's losses per source
     if not blend_file and not sources:
         raise click.UsageError("no sources: build --data 0.3 PREFIX1 0.7 PREFIX2 (or --blend-file FILE)")
     if "data_per_split" in spec:
@@ -427,6 +428,9 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--set", "overrides", multiple=True, help="Override any config field: --set optim.lr=3e-4 (repeatable).")
 @click.option("--data", "--data-path", "data", cls=_Greedy, multiple=True,
               help="Train on a blend of WEIGHT PREFIX pairs (or prefixes alone for equal weights).")
+@click.option("--blend-file", type=click.Path(exists=True, dir_okay=False),
+              help="YAML/JSON blend, as build takes it: {data: [[w, prefix], ...]} (an entry may be {weight, prefix, "
+                   "name}: the name of its losses per source); split by --split.")
 @click.option("--mock-data", is_flag=True, help="Train on synthetic data (no files needed).")
 @click.option("--tokenizer", "--tokenizer-model", "tokenizer",
               help="Tokenizer path (or 'byte'): checked against the data's manifests, stored for generate; sizes "

@@ -157,6 +157,26 @@ def test_the_first_failing_rank_is_named(tmp_path, monkeypatch, capfd):
                                              "RuntimeError: address already in use")
 
 
+def test_a_blend_file_gives_train_its_sources_and_their_names(tmp_path):
+    """``train --blend-file`` takes build's blend files: the weighted prefixes, and the names an
+    entry may give (losses per source); with --data too, or with a blend per split, it is refused."""
+    from tokenloom.train.config import load_config
+
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps({"data": [[0.3, "s3://bucket/web"], {"weight": 0.7, "prefix": "data/code",
+                                                                      "name": "code"}]}))
+    cfg = load_config(None, launch_module.flag_overrides(blend_file=str(blend)))
+    assert cfg.data.mock is None and cfg.data.blend is not None
+    assert [list(p) for p in cfg.data.blend.prefixes] == [[0.3, "s3://bucket/web"], [0.7, "data/code"]]
+    assert cfg.data.blend.names == [None, "code"]
+    with pytest.raises(TokenloomError, match="either as --data or as --blend-file"):
+        launch_module.flag_overrides(blend_file=str(blend), data=["1", "a"])
+    per_split = tmp_path / "split.json"
+    per_split.write_text(json.dumps({"train": [[1, "a"]], "valid": [[1, "b"]]}))
+    with pytest.raises(TokenloomError, match=rf"--blend-file {per_split}: train takes one blend"):
+        launch_module.flag_overrides(blend_file=str(per_split))
+
+
 def test_megatron_model_flags_reach_the_config():
     """The values ``train``'s Megatron flags hand over become the config fields they name."""
     from tokenloom.train.config import load_config

@@ -59,7 +59,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenloom.blending.args import parse_data_args
+from tokenloom.blending.args import load_blend_file, parse_data_args
 from tokenloom.errors import Stopped, TokenloomError
 from tokenloom.train import checkpoint
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
@@ -521,12 +521,14 @@ def report_unexpected(exc: Exception, rank: int, log: Path) -> typing.NoReturn:
     os._exit(1)
 
 
-def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, tokenizer: str | None = None,
+def flag_overrides(*, data: typing.Sequence[str] = (), blend_file: str | None = None, mock_data: bool = False,
+                   tokenizer: str | None = None,
                    attention_dropout: float | None = None, hidden_dropout: float | None = None,
                    group_query_attention: bool = False, **fields) -> list[str]:
     """``--set`` overrides for the ``train`` command's convenience flags (None means not given).
 
-    ``data`` holds WEIGHT PREFIX pairs and replaces the data section with that blend;
+    ``data`` holds WEIGHT PREFIX pairs and replaces the data section with that blend, as does
+    ``blend_file`` (:func:`~tokenloom.blending.args.load_blend_file`: one blend, its names too);
     ``tokenizer`` also sizes ``model.vocab_size`` to it (an explicit ``--set`` wins, as
     it is applied after these). ``fields`` maps flag names to config keys (:data:`FLAG_KEYS`),
     Megatron's spellings of a value becoming ours (:data:`MEGATRON_VALUES`).
@@ -545,6 +547,16 @@ def flag_overrides(*, data: typing.Sequence[str] = (), mock_data: bool = False, 
     if group_query_attention and fields.get("num_query_groups") is None:
         raise TokenloomError("--group-query-attention needs --num-query-groups N (the key/value heads)")
     out: list[str] = []
+    if data and blend_file:
+        raise TokenloomError("give the blend either as --data or as --blend-file, not both")
+    if blend_file:
+        spec = load_blend_file(blend_file)
+        if "data_per_split" in spec:
+            raise TokenloomError(f"--blend-file {blend_file}: train takes one blend ({{data: [...]}}) that --split "
+                                 "divides; a blend per split is for build")
+        out += ["data.mock=null", f"data.blend.prefixes={json.dumps([[w, p] for w, p in spec['data']])}"]
+        if "names" in spec:
+            out.append(f"data.blend.names={json.dumps(spec['names'])}")
     if data:
         pairs = [[w, p] for w, p in parse_data_args(list(data))]
         out += ["data.mock=null", f"data.blend.prefixes={json.dumps(pairs)}"]
