@@ -17,6 +17,7 @@ from tokenloom.train.config import (
     small_model_overrides,
     unknown_keys,
 )
+from tokenloom.train.model import GPTConfig
 from tokenloom.train.optim import OptimConfig
 
 
@@ -65,3 +66,18 @@ def test_the_small_model_default_applies_only_when_no_shape_is_given(tmp_path):
     path.write_text("model: {dropout: 0.1}\n")
     assert small_model_overrides(path, []) == list(SMALL_MODEL)
     assert TrainConfig().model.n_layers == 12  # the library keeps GPTConfig's defaults
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_run():
+    """ep needs experts it divides, and runs with plain data parallelism only in this version: each
+    unsupported companion is named."""
+    moe = GPTConfig(n_layers=2, num_experts=4, moe_router_topk=2)
+    assert TrainConfig(model=moe, ep=4).ep == 4
+    with pytest.raises(TokenloomError, match=r"^ep=2 splits the experts .* set model.num_experts"):
+        TrainConfig(ep=2)
+    with pytest.raises(TokenloomError, match=r"^ep=3 must divide model.num_experts=4$"):
+        TrainConfig(model=moe, ep=3)
+    with pytest.raises(TokenloomError, match=r"^ep must be >= 1, got ep=0$"):
+        TrainConfig(model=moe, ep=0)
+    with pytest.raises(TokenloomError, match=r"data parallelism only in this version; tp=2, pp=2, zero1=True is not"):
+        TrainConfig(model=moe, ep=2, tp=2, sp=True, pp=2, zero1=True)

@@ -126,3 +126,10 @@ def test_summary_shows_experts_top_k_and_active_parameters(tmp_path):
     # leaves 6 of 8 experts idle: 196,480 - 2 x 6 x 6144 = 122,752
     assert lines[0].endswith("(embedding 64.0k, blocks 132.4k, head 64; 122.7k active per token)")
     assert "SwiGLU MLP 128 wide (2 of 2 blocks mixture-of-experts: 8 experts 32 wide, top-2)" in lines[1]
+
+
+def test_summary_shows_expert_parallelism(tmp_path):
+    model = GPTConfig(n_layers=2, num_experts=8, moe_router_topk=2)
+    text = startup_summary(TrainConfig(model=model, ep=2, output_dir=str(tmp_path)), facts())
+    assert "dp 2 x tp 1 x pp 1, expert parallel: ep 2, 4 of 8 experts per rank; float32" in text
+    assert "expert parallel" not in startup_summary(TrainConfig(model=model, output_dir=str(tmp_path)), facts())

@@ -147,6 +147,12 @@ class TrainConfig:
     """Context-parallel size: each of cp ranks holds 1/cp of every sequence (two chunks of
     2 x cp, Megatron's load balancing) and attention all-gathers the keys and values
     (tokenloom.train.parallel.context); seq_len must be divisible by 2 x cp (x tp with sp)."""
+    ep: int = 1
+    """Expert-parallel size (Megatron's expert_model_parallel_size): ep data-parallel ranks split each
+    mixture-of-experts layer's experts (num_experts / ep each) and exchange tokens with them by
+    all-to-all; expert gradients are reduced over the dp ranks holding the same experts. Divides dp;
+    this version runs it with plain data parallelism only (tp, cp, pp, zero1 and fsdp at their
+    defaults)."""
     pp: int = 1
     """Pipeline-parallel size (1F1B schedule; interleaved with vpp)."""
     vpp: int | None = None
@@ -194,6 +200,19 @@ class TrainConfig:
             raise TokenloomError(f"gc_interval must be >= 0, got {self.gc_interval}")
         if self.tp < 1 or self.pp < 1 or self.cp < 1:
             raise TokenloomError(f"tp, cp and pp must be >= 1, got tp={self.tp} cp={self.cp} pp={self.pp}")
+        if self.ep < 1:
+            raise TokenloomError(f"ep must be >= 1, got ep={self.ep}")
+        if self.ep > 1:
+            if self.model.num_experts is None:
+                raise TokenloomError(f"ep={self.ep} splits the experts of mixture-of-experts layers; set "
+                                     "model.num_experts (--num-experts) or leave ep at 1")
+            if self.model.num_experts % self.ep:
+                raise TokenloomError(f"ep={self.ep} must divide model.num_experts={self.model.num_experts}")
+            clashes = [f"{k}={getattr(self, k)}" for k, off in (("tp", 1), ("cp", 1), ("pp", 1), ("zero1", False),
+                                                                 ("fsdp", False)) if getattr(self, k) != off]
+            if clashes:
+                raise TokenloomError(f"ep={self.ep} runs with plain data parallelism only in this version; "
+                                     f"{', '.join(clashes)} is not supported with it yet")
         if self.cp > 1:
             step = 2 * self.cp * (self.tp if self.sp else 1)
             if self.model.seq_len % step:

@@ -606,7 +606,7 @@ FLAG_KEYS = {
     "eval_interval": "eval_interval", "eval_iters": "eval_iters", "log_interval": "log_interval",
     "save_interval": "save_interval", "output_dir": "output_dir", "resume": "resume",
     "cache_dir": "data.blend.cache_dir", "split": "data.blend.split", "precision": "precision",
-    "tp": "tp", "cp": "cp", "pp": "pp", "vpp": "vpp", "sp": "sp", "zero1": "zero1", "fsdp": "fsdp",
+    "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "vpp": "vpp", "sp": "sp", "zero1": "zero1", "fsdp": "fsdp",
     "num_layers_in_first_pipeline_stage": "num_layers_in_first_pipeline_stage",
     "num_layers_in_last_pipeline_stage": "num_layers_in_last_pipeline_stage",
     "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",

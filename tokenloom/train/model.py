@@ -92,6 +92,8 @@ from tokenloom.train.kernels import (
 from tokenloom.train.kernels.compiled import compiled
 from tokenloom.train.moe import (
     AttachAuxLoss,
+    combine,
+    dispatch,
     grouped_mm,
     load_balancing_loss,
     permute,
@@ -391,7 +393,12 @@ class Experts(nn.Module):
     """The weights of ``E`` MLPs stacked on a leading expert dimension: ``fc`` [E, d, inner] (or
     [E, d, 2 inner], gate then up, for SwiGLU) and ``proj`` [E, inner, d], with biases ``fc_bias``
     [E, ...] and ``proj_bias`` [E, d] when the model has biases. Expert e alone is the dense
-    :class:`MLP` whose ``fc.weight`` is ``fc[e].T`` and ``proj.weight`` is ``proj[e].T``."""
+    :class:`MLP` whose ``fc.weight`` is ``fc[e].T`` and ``proj.weight`` is ``proj[e].T``. Under expert
+    parallelism (:meth:`MoE.expert_parallel`) the module holds experts ``first ..`` of the layer's,
+    as many as its leading dimension says."""
+
+    first: int = 0
+    """The layer's index of this module's first expert (nonzero on an expert-parallel rank)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -428,6 +435,7 @@ class MoE(nn.Module):
             for p in self.parameters():
                 tag(p, sequence_parallel=True)
         self.tp = tp
+        self.ep: tuple[dist.ProcessGroup, int] | None = None  # expert_parallel(): (group, size)
         self.aux_loss_scale = 1.0
         self.stats: torch.Tensor | None = None  # [E + 3]: tokens per expert, balance, z, forwards
         self.pending: torch.Tensor | None = None
@@ -439,12 +447,17 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         logits, chosen, gates = route(flat, self.router.weight, self.topk)
         rows, order, expert_of_row, counts = permute(flat, chosen, self.num_experts)
+        routed, plan = counts, None
+        if self.ep is not None:  # to the ranks holding the experts, sorted by local expert
+            rows, expert_of_row, counts, plan = dispatch(rows, counts, *self.ep)
         h = grouped_mm(rows, ex.fc, counts, self.grouped)
         if ex.fc_bias is not None:
             h = h + ex.fc_bias[expert_of_row].to(h.dtype)
         out = grouped_mm(mlp_activation(h, self.swiglu), ex.proj, counts, self.grouped)
         if ex.proj_bias is not None:
             out = out + ex.proj_bias[expert_of_row].to(out.dtype)
+        if plan is not None:
+            out = combine(out, plan)
         y = unpermute(out, order, gates, flat.shape[0]).view(*shape[:-1], out.shape[-1])
         group = self.tp.group if self.tp.sp else None
         zero = logits.new_zeros(())
@@ -455,9 +468,28 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and aux.requires_grad:
             y = AttachAuxLoss.apply(y, aux, self.aux_loss_scale)
         if self.training:  # committed by the block, so a recomputed forward is not counted twice
-            self.pending = torch.cat([counts.to(torch.float64), torch.stack([balance, z]).detach().to(torch.float64),
+            self.pending = torch.cat([routed.to(torch.float64), torch.stack([balance, z]).detach().to(torch.float64),
                                       torch.ones(1, dtype=torch.float64, device=x.device)])
         return y, None
+
+    @torch.no_grad()
+    def expert_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
+        """Keep experts ``rank * E / size`` to ``(rank + 1) * E / size`` of the initialised layer (the
+        one-process values) and exchange tokens with the other ranks of ``group`` in every forward
+        (:func:`~tokenloom.train.moe.dispatch`). Call before the optimizer or DDP sees the
+        parameters (they are replaced). The expert parameters are tagged ``expert_parallel``:
+        reduced over the expert-data-parallel group, not with the dense ones."""
+        if self.num_experts % size:
+            raise TokenloomError(f"num_experts={self.num_experts} is not divisible by ep={size}")
+        local = self.num_experts // size
+        ex = self.experts
+        ex.first = rank * local
+        for name in ("fc", "proj", "fc_bias", "proj_bias"):
+            p = getattr(ex, name)
+            if p is not None:
+                setattr(ex, name, nn.Parameter(p[ex.first:ex.first + local].clone()))
+                tag(getattr(ex, name), expert_parallel=True)
+        self.ep = (group, size)
 
     def commit_stats(self) -> None:
         """Add the last training forward's statistics to ``stats``."""
@@ -735,8 +767,12 @@ class GPT(nn.Module):
                 for pname, s in (("fc", std), ("proj", resid_std)):
                     full = torch.empty(getattr(module, pname).shape, dtype=torch.float32, device="cpu")
                     full.normal_(0.0, s, generator=gen)
-                    if f"{name}.{pname}" in mine:
-                        mine[f"{name}.{pname}"].copy_(full)
+                    if f"{name}.{pname}" in mine:  # the experts this rank holds (all but under ep)
+                        held = mine[f"{name}.{pname}"]
+                        experts = self.get_submodule(name)
+                        assert isinstance(experts, Experts)  # the same module as the meta model's
+                        first = experts.first
+                        held.copy_(full[first:first + held.shape[0]])
                 for pname in ("fc_bias", "proj_bias"):
                     if f"{name}.{pname}" in mine:
                         mine[f"{name}.{pname}"].zero_()
@@ -828,6 +864,14 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.cp_group = group
+
+    def expert_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
+        """Run as rank ``rank`` of an expert-parallel group of ``size``: every MoE layer keeps its
+        share of the experts and exchanges tokens over ``group``
+        (:meth:`MoE.expert_parallel`). The trade-off: the layers are initialised whole first
+        (one-process values by construction), so a rank briefly holds every expert."""
+        for layer in self.moe_layers().values():
+            layer.expert_parallel(group, size, rank)
 
     def compile_blocks(self) -> None:
         """``torch.compile`` each transformer block in place (``compile: true``), torchtitan's
@@ -936,8 +980,9 @@ class GPT(nn.Module):
         """Unique parameters (a tied embedding counts once) of the whole model, counted on
         a ``meta`` copy for a stage or a tensor-parallel shard. ``exclude_embeddings`` drops
         the position table and, when untied, the input token table (lookups, not matmuls)."""
-        model = self if self.tp.size == 1 and self.pre and self.post and len(self.blocks) == self.cfg.n_layers \
-            else GPT(self.cfg, device="meta")
+        whole = self.tp.size == 1 and self.pre and self.post and len(self.blocks) == self.cfg.n_layers \
+            and all(layer.ep is None for layer in self.moe_layers().values())
+        model = self if whole else GPT(self.cfg, device="meta")
         n = sum(p.numel() for p in model.parameters())
         if exclude_embeddings:
             if model.pos_emb is not None:

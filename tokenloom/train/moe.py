@@ -13,6 +13,13 @@ Contracts:
 * **Experts** (:func:`grouped_mm`): ``torch._grouped_mm`` over the sorted tokens (one kernel
   for all experts, no host sync) where the device runs it (:func:`grouped_mm_usable`), else a
   loop over experts, which reads the counts on the host (one sync per MoE layer and pass).
+* **Expert parallelism** (:func:`dispatch`, :func:`combine`): at ep > 1 each rank of the ep group
+  holds ``E / ep`` consecutive experts. After :func:`permute` (global expert ids) each rank's rows
+  for ep rank ``r``'s experts are one contiguous slice; the counts go first (one small
+  ``all_to_all_single``), then the rows (:class:`AllToAll`, whose backward is the reverse
+  exchange), and the received rows are sorted by local expert (stable: source rank, then token
+  order). :func:`combine` undoes both. gloo runs ``all_to_all_single`` on CPU, with uneven splits.
+  The router, the auxiliary losses and the statistics stay on the source rank's tokens.
 * **Auxiliary losses** (:func:`load_balancing_loss`, :func:`z_loss`) are computed over the
   tokens of a micro-batch; under sequence parallelism each tp rank holds a slice of them, so
   the sums are all-reduced over tp (forward only: each rank's backward reaches its own tokens)
@@ -94,6 +101,49 @@ class AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
         return grad, torch.full_like(aux, ctx.scale), None
+
+
+class AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` of the rows of ``x`` over ``group`` with uneven splits (rows sent to
+    each rank, rows received from each), differentiable: backward sends the gradients back by the
+    reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def dispatch(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, size: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """Send ``rows`` (sorted by global expert, ``counts`` [E] per expert) to the ep ranks holding
+    their experts -> (the received rows sorted by local expert, the local expert of each, tokens
+    per local expert [E / ep], the plan :func:`combine` needs). Host sync on the split sizes (the exchange needs them)."""
+    local = counts.numel() // size
+    send_counts = counts.view(size, local)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    received = AllToAll.apply(rows, send, recv, group)
+    expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(size), recv_counts.reshape(-1),
+                                     output_size=sum(recv))
+    order = expert.argsort(stable=True)
+    return received[order], expert[order], recv_counts.sum(0), (order, send, recv, group)
+
+
+def combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
+    """Inverse of :func:`dispatch`: the experts' outputs back to their source ranks, in the order
+    the rows were sent."""
+    order, send, recv, group = plan
+    return AllToAll.apply(out[order.argsort()], recv, send, group)
 
 
 def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint, ckpt_format
@@ -51,6 +52,8 @@ def _layout(run) -> dict[str, Any]:
         layout["cp"] = c.cp
     if c.fsdp:
         layout["fsdp"] = True
+    if c.ep > 1:
+        layout["ep"] = c.ep
     return layout
 
 
@@ -74,6 +77,27 @@ def split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[
             continue
         return p.partition_dim, getattr(module, "split_sizes", None)  # type: ignore[attr-defined]  # Megatron's tag on the Parameter
     raise TokenloomError(f"no module owns {name}")
+
+
+def expert_rows(run, name: str, p: torch.nn.Parameter) -> int | None:
+    """The first of the layer's experts that parameter ``name`` holds when it is an expert-parallel
+    rank's share of them (its leading dimension counts the experts); None for any other parameter."""
+    if not getattr(p, "expert_parallel", False):
+        return None
+    module_name = name.rsplit(".", 1)[0]
+    for stage in run.chunks:
+        try:
+            return stage.get_submodule(module_name).first
+        except AttributeError:
+            continue
+    raise TokenloomError(f"no module owns {name}")
+
+
+def _gather_experts(run, t: torch.Tensor) -> torch.Tensor:
+    """The whole layer's experts from every ep rank's share ``t`` (collective over the ep group)."""
+    parts = [torch.empty_like(t) for _ in range(run.cfg.ep)]
+    dist.all_gather(parts, t.contiguous(), group=run.state.ep_group)
+    return torch.cat(parts)
 
 
 def _each_once(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter, list[str]]]:
@@ -108,7 +132,9 @@ def placement(run) -> ckpt_format.Placement:
 def local_params(run) -> list[ckpt_format.LocalParam]:
     """The parameters this rank holds, each once (tied names as aliases), with their split
     info and optimizer states: plain AdamW's whole (replicated over dp), ZeRO-1's step
-    (replicated) and this rank's own pieces. Views of the live tensors."""
+    (replicated) and this rank's own pieces. Views of the live tensors, but for expert-parallel
+    experts: gathered whole over the ep group (collective), so the files hold every expert under its
+    one-process name and any ep loads them."""
     zero, sharded = run.cfg.zero1, run.fsdp_group is not None
     own = run.optimizer.own_param_states() if zero else []
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
@@ -134,6 +160,11 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
             continue
         else:
             state = {k: v.detach() for k, v in run.optimizer.state.get(p, {}).items()}
+        if expert_rows(run, name, p) is not None:
+            state = {k: v if v.dim() == 0 else _gather_experts(run, v) for k, v in state.items()}
+            out.append(ckpt_format.LocalParam(name, _gather_experts(run, p.detach()), dim, sizes, tuple(aliases),
+                                              state, pieces))
+            continue
         out.append(ckpt_format.LocalParam(name, p.detach(), dim, sizes, tuple(aliases), state, pieces))
     return out
 
@@ -208,8 +239,11 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
         if name not in params:
             raise TokenloomError(f"{where} has no tensor {name}; was it trained with another model?")
         dim, sizes = split_info(run, name, p)
+        first, rows = expert_rows(run, name, p), p.shape[0] if p.dim() else 0
 
-        def local(full: torch.Tensor, dim=dim, sizes=sizes) -> torch.Tensor:
+        def local(full: torch.Tensor, dim=dim, sizes=sizes, first=first, rows=rows) -> torch.Tensor:
+            if first is not None and full.dim() > 0:  # this ep rank's experts
+                return full[first:first + rows]
             if sharded or dim is None or full.dim() == 0:
                 return full
             return shard(full, dim, tp_rank, tp, sizes)

@@ -101,7 +101,10 @@ def parallel_state(cfg: TrainConfig, world: World) -> ParallelState:
                              f"multiple of {mp} ranks (--nproc-per-node) or change the sizes")
     if world.size == 1:
         return ParallelState.single_process()
-    return collective("parallel group setup", ParallelState.create, cfg.tp, cfg.pp, cfg.vpp, cfg.cp,
+    if (world.size // mp) % cfg.ep:
+        raise TokenloomError(f"ep={cfg.ep} does not divide the {world.size // mp} data-parallel ranks of this launch; "
+                             "launch a multiple of ep ranks (--nproc-per-node) or change ep")
+    return collective("parallel group setup", ParallelState.create, cfg.tp, cfg.pp, cfg.vpp, cfg.cp, cfg.ep,
                       timeout=timedelta(seconds=cfg.dist_timeout_s))
 
 
@@ -111,6 +114,12 @@ def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
     if getattr(param, "shared", False):
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def is_expert(param: nn.Parameter) -> bool:
+    """Whether ``param`` is one rank's share of an expert-parallel layer's experts (tag
+    ``expert_parallel``, :meth:`~tokenloom.train.model.MoE.expert_parallel`)."""
+    return bool(getattr(param, "expert_parallel", False))
 
 
 def refuse_unsupported(cfg: TrainConfig) -> None:
@@ -212,6 +221,10 @@ class Strategy:
             assert st.cp_group is not None  # a cp > 1 layout has its groups
             for chunk in chunks:
                 chunk.context_parallel(st.cp_group, cfg.cp, st.cp_rank)
+        if cfg.ep > 1:
+            assert st.ep_group is not None  # an ep > 1 layout has its groups
+            for chunk in chunks:
+                chunk.expert_parallel(st.ep_group, cfg.ep, st.ep_rank)
         return chunks
 
     def _convert_to_fp8(self) -> None:
@@ -254,6 +267,7 @@ class Strategy:
         before each synced forward, which runs mid-pipeline, where a blocking collective
         would stall the schedule."""
         return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_cp_group,
+                           params_and_buffers_to_ignore=[n for n, p in chunk.named_parameters() if is_expert(p)],
                            bucket_cap_mb=self.cfg.ddp_bucket_cap_mb, broadcast_buffers=not self.staged,
                            finish_in_backward=not self.staged, grad_units=self._compiled_units(chunk))
                 for chunk in self.chunks]
@@ -408,7 +422,7 @@ class Strategy:
     def _finish_grads_and_step(self) -> torch.Tensor:
         """After the schedule: the dp averages (DDP's or ZeRO-1's buckets, launched during it,
         waited for here), the sequence-parallel and tied-embedding sums (ZeRO-1: on its reduced
-        shard), then clipping and the optimizer step (ZeRO-1 clips in its step). The sums are
+        shard), the expert-parallel experts' reduction (:meth:`_reduce_expert_grads`), then clipping and the optimizer step (ZeRO-1 clips in its step). The sums are
         linear, so running them after the dp average changes only rounding."""
         cfg, st = self.cfg, self.state
         if self.fsdp_group is not None:
@@ -427,10 +441,14 @@ class Strategy:
             for chunk in self.chunks:
                 sync_sequence_parallel_grads(chunk, st.tp_group)
         allreduce_tied_embedding_grads(self.chunks, st.embedding_group if cfg.pp > 1 else None)
+        experts = self._reduce_expert_grads()
         grads = [p.grad for p in self.params if p.grad is not None]
-        counted = [p.grad for p in self.params if p.grad is not None and self._counts_in_norm(p)]
+        counted = [p.grad for p in self.params if p.grad is not None and self._counts_in_norm(p) and not is_expert(p)]
         groups = [st.model_parallel_group] if self.staged else []
         norm = global_grad_norm(counted, groups, device=self.device)
+        if experts:  # each ep rank holds other experts: their squares summed over the ep group
+            expert_norm = global_grad_norm(experts, [st.ep_group], device=self.device)
+            norm = (norm.double().square() + expert_norm.double().square()).sqrt().float()
         coefficient = clip_coefficient(norm, cfg.optim.grad_clip)
         if self.optimizer.defaults.get("fused"):
             # torch's fused AdamW divides each grad by ``grad_scale`` inside its kernel (and stores
@@ -441,6 +459,18 @@ class Strategy:
         self.saver.before_update()  # a save in flight may still be copying the state
         self.optimizer.step()
         return norm
+
+    def _reduce_expert_grads(self) -> list[torch.Tensor]:
+        """At ep > 1, the expert parameters' grads (kept out of DDP's buckets) made the one-process
+        gradient, and returned (empty at ep 1). After the all-to-all's backward an ep rank holds,
+        for its experts, the sum of its ep peers' contributions; the one-process gradient is
+        ``1 / dp`` times the sum over every dp rank's, so sum over the expert-data-parallel group
+        (the dp ranks holding the same experts) and divide by dp."""
+        grads = [p.grad for p in self.params if is_expert(p) and p.grad is not None]
+        if grads:
+            all_reduce_in_place(grads, self.state.expert_dp_group)
+            torch._foreach_div_(grads, self.state.dp_size)
+        return grads
 
     def _finish_sharded_grads_and_step(self) -> torch.Tensor:
         """``fsdp``: the grads are dp-averaged shards already (reduce-scattered in backward); the

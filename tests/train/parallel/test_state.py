@@ -113,3 +113,16 @@ def _state_worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_real_groups_on_4_ranks(tmp_path):
     run_ranks(_state_worker, 4, tmp_path)
+
+
+def test_expert_groups_are_carved_out_of_dp():
+    """ep consecutive dp ranks split the experts; the dp ranks with the same ep rank hold the same
+    experts (Megatron's data-modulo-expert-parallel group); no expert groups at ep 1."""
+    layout = ParallelLayout(8, tp=2, ep=2)  # dp 4
+    assert layout.ep_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert layout.expert_dp_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    state = ParallelState(layout, 6, {})
+    assert (state.dp_rank, state.ep_rank, state.ep_size) == (3, 1, 2)
+    assert "ep" not in ParallelLayout(8, tp=2).all_groups()
+    with pytest.raises(TokenloomError, match="expert-parallel size 3 does not divide the data-parallel size 4"):
+        ParallelLayout(8, tp=2, ep=3)

@@ -1,7 +1,7 @@
 """Rank grid and process groups for tensor (tp), context (cp), data (dp) and pipeline (pp) parallelism.
 
-Mirrors Megatron-core's ``parallel_state`` with its default order ``tp-cp-dp-pp`` (no
-expert parallelism): tp is the fastest-varying coordinate and pp the slowest, so
+Mirrors Megatron-core's ``parallel_state`` with its default order ``tp-cp-dp-pp`` (expert
+parallelism ``ep`` carved out of dp: :meth:`ParallelLayout.ep_groups`): tp is the fastest-varying coordinate and pp the slowest, so
 ``rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``. Tensor-parallel
 peers are therefore adjacent ranks (one node, fastest links), context-parallel peers
 (which exchange keys and values every layer) next, and pipeline peers are
@@ -26,7 +26,7 @@ Two layers, so that layouts can be checked without processes:
   called by every rank for every group in the same order, so every rank walks all
   groups of every kind and keeps the ones it belongs to (Megatron's rule).
 
-Differences from Megatron: no expert/hierarchical groups, no gloo twins of
+Differences from Megatron: no hierarchical groups, expert groups only inside dp (not over tp x cp), no gloo twins of
 the dp groups (on CPU everything is gloo already; on NCCL a caller that needs CPU
 object gathers must create them), no pipeline split rank (encoder-decoder). The
 virtual pipeline rank is mutable state on the object, as in Megatron, and
@@ -55,9 +55,11 @@ class ParallelLayout:
     """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved schedule."""
     cp: int = 1
     """Context-parallel size: ranks that split each sequence."""
+    ep: int = 1
+    """Expert-parallel size: dp ranks that split each mixture-of-experts layer's experts (divides dp)."""
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "cp"):
+        for name in ("world_size", "tp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise TokenloomError(f"{name} must be a positive integer, got {value!r}")
@@ -70,6 +72,9 @@ class ParallelLayout:
                 f"each data-parallel replica needs {model} ranks, so use a world size that is a multiple "
                 f"of {model} or change the sizes"
             )
+        if self.dp % self.ep:
+            raise TokenloomError(f"expert-parallel size {self.ep} does not divide the data-parallel size {self.dp}; "
+                                 "expert parallelism is carved out of data parallelism, so pick an ep that divides it")
         if self.vpp is not None:
             if not isinstance(self.vpp, int) or self.vpp < 1:
                 raise TokenloomError(f"virtual pipeline size must be a positive integer, got {self.vpp!r}")
@@ -115,6 +120,19 @@ class ParallelLayout:
         return [[self.rank_of(t, d, p, c) for d in range(self.dp) for c in range(self.cp)]
                 for p in range(self.pp) for t in range(self.tp)]
 
+    def ep_groups(self) -> Groups:
+        """Ranks that split the experts of a layer and exchange tokens with them: ``ep`` consecutive dp
+        ranks (the ep rank is ``dp_rank % ep``, Megatron's order with ep inside dp)."""
+        return [[self.rank_of(t, d + e, p, c) for e in range(self.ep)]
+                for p in range(self.pp) for c in range(self.cp) for t in range(self.tp)
+                for d in range(0, self.dp, self.ep)]
+
+    def expert_dp_groups(self) -> Groups:
+        """Ranks that hold the same experts (Megatron's data-modulo-expert-parallel group): the dp
+        ranks with the same ep rank; expert gradients are reduced over it."""
+        return [[self.rank_of(t, d, p, c) for d in range(e, self.dp, self.ep)]
+                for p in range(self.pp) for c in range(self.cp) for t in range(self.tp) for e in range(self.ep)]
+
     def pp_groups(self) -> Groups:
         """One pipeline: the same (tp, cp, dp) coordinates on every stage, first stage first."""
         return [[self.rank_of(t, d, p, c) for p in range(self.pp)]
@@ -140,6 +158,8 @@ class ParallelLayout:
         }
         if self.cp > 1:  # created only when used: a layout without cp creates the groups it always did
             groups.update({"cp": self.cp_groups(), "dp_cp": self.dp_cp_groups()})
+        if self.ep > 1:  # likewise
+            groups.update({"ep": self.ep_groups(), "expert_dp": self.expert_dp_groups()})
         return groups
 
 
@@ -166,14 +186,15 @@ class ParallelState:
         """Current virtual pipeline stage (model chunk); set by the interleaved schedule."""
 
     @classmethod
-    def create(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, **group_kwargs) -> ParallelState:
+    def create(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep: int = 1,
+               **group_kwargs) -> ParallelState:
         """Create every group of the layout (collective over the default group).
 
         ``group_kwargs`` go to ``torch.distributed.new_group`` (e.g. ``timeout``, ``backend``).
         """
         if not dist.is_initialized():
             raise TokenloomError("ParallelState.create needs torch.distributed to be initialised first")
-        layout = ParallelLayout(dist.get_world_size(), tp, pp, vpp, cp)
+        layout = ParallelLayout(dist.get_world_size(), tp, pp, vpp, cp, ep)
         rank = dist.get_rank()
         mine: dict[str, dist.ProcessGroup | None] = {}
         for kind, kind_groups in layout.all_groups().items():
@@ -225,6 +246,26 @@ class ParallelState:
     def dp_cp_rank(self) -> int:
         """This rank's index in its :attr:`dp_cp_group` (dp-major, as the group lists them)."""
         return self.dp_rank * self.layout.cp + self.cp_rank
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its :attr:`ep_group` (which experts it holds)."""
+        return self.dp_rank % self.layout.ep
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel group (None at ep 1: every rank holds every expert)."""
+        return self._groups.get("ep")
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        """The group expert gradients are reduced over (None at ep 1, where they go with the dense ones);
+        one rank when ep = dp."""
+        return self._groups.get("expert_dp")
 
     @property
     def vpp_size(self) -> int | None:
