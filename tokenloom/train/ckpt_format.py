@@ -251,7 +251,7 @@ def _tp_shard(path: Path, name: str, state: str, by_rank: dict[int, list[dict[st
 def _assemble(path: Path, name: str, state: str, records: list[dict[str, Any]]) -> torch.Tensor:
     """One tp rank's local tensor from its pieces."""
     shape = records[0]["shape"]
-    flat = torch.empty(int(torch.Size(shape).numel()), dtype=records[0]["data"].dtype)
+    flat = torch.empty(int(torch.Size(shape).numel()), dtype=records[0]["data"].dtype, device="cpu")
     covered = 0
     for r in records:
         flat[r["start"]:r["start"] + r["data"].numel()].copy_(r["data"])
