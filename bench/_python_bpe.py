@@ -17,21 +17,15 @@ import json
 
 import regex
 
+from tokenloom.tokenizers.tiktoken_bpe import byte_characters
+
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def byte_alphabet() -> dict[int, str]:
-    """Map every byte to a printable unicode character (printable bytes map to themselves)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
+    """Map every byte to a printable unicode character (printable bytes map to themselves):
+    GPT-2's table, the one tokenloom's tiktoken export uses."""
+    return dict(enumerate(byte_characters()))
 
 
 class PythonGPT2BPE:

@@ -363,6 +363,17 @@ def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+def deltas(results: list[dict], ref: dict[str, Any], first: int = 0) -> tuple[int, float, float]:
+    """(steps logged, max loss difference, max final-parameter difference) of a layout's
+    results against the one-process ``ref`` (:func:`reference`), from its step ``first`` on."""
+    losses = logged_losses(results)
+    params = merged_params(results)
+    assert sorted(params) == sorted(ref["params"])
+    dl = max(abs(a - b) for a, b in zip(losses, ref["losses"][first:], strict=True))
+    dp = max((params[n] - t).abs().max().item() for n, t in ref["params"].items())
+    return len(losses), dl, dp
+
+
 def logged_losses(results: list[dict]) -> list[float]:
     """Losses of a last-stage rank (every last-stage rank holds the dp mean)."""
     return next(r["losses"] for r in results if r["losses"])

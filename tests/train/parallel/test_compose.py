@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from compose_helpers import STEPS, launch, logged_losses, merged_params, reference
+from compose_helpers import STEPS, deltas, launch, logged_losses, merged_params, reference
 
 TOL = 1e-5
 HALF = STEPS // 2
@@ -184,15 +184,6 @@ def runs(tmp, ref):
     return out
 
 
-def _deltas(rs, ref, first: int = 0):
-    losses = logged_losses(rs)
-    params = merged_params(rs)
-    assert sorted(params) == sorted(ref["params"])
-    dl = max(abs(a - b) for a, b in zip(losses, ref["losses"][first:], strict=True))
-    dp = max((params[n] - t).abs().max().item() for n, t in ref["params"].items())
-    return len(losses), dl, dp
-
-
 @pytest.mark.parametrize("name", list(CROSS))
 def test_a_checkpoint_of_any_layout_continues_in_another_as_in_its_own(runs, name):
     """Issue 38's acceptance 3: the continuation in another layout (or one process) equals the
@@ -247,7 +238,7 @@ def test_each_rank_writes_its_share_of_the_state_once(tmp, runs, src):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(runs, ref, name):
-    n, dl, dp = _deltas(runs[name], ref)
+    n, dl, dp = deltas(runs[name], ref)
     print(f"{name}: max loss delta {dl:.2e}, max param delta {dp:.2e}")
     assert n == STEPS
     assert dl < TOL and dp < TOL
@@ -268,7 +259,7 @@ def test_layout_matches_one_process(runs, ref, name):
 def test_resharded_resume_continues_exactly(runs, ref, name):
     save_losses = logged_losses(runs["save_122"])
     assert max(abs(a - b) for a, b in zip(save_losses, ref["losses"][:HALF], strict=True)) < TOL
-    n, dl, dp = _deltas(runs[name], ref, first=HALF)
+    n, dl, dp = deltas(runs[name], ref, first=HALF)
     print(f"{name}: max loss delta {dl:.2e}, max param delta {dp:.2e}")
     assert n == STEPS - HALF
     assert dl < TOL and dp < TOL
@@ -281,7 +272,7 @@ def test_zero1_checkpoint_resumes_at_any_dp(runs, ref, name):
     """Optimizer state is saved per parameter, layout-free: ZeRO-1 at dp 2 resumes at dp 4 and
     dp 1 with and without ZeRO-1, and a one-process checkpoint with ZeRO-1, equal to the run
     that went on (ZeRO-1 at dp 2, or the one-process run) and to the one-process run."""
-    n, dl, dp = _deltas(runs[name], ref, first=HALF)
+    n, dl, dp = deltas(runs[name], ref, first=HALF)
     went_on = logged_losses(runs[ZERO_SAVED] if ZERO_RESUMES[name][1] == "z2" else [{"losses": ref["losses"]}])
     dc = max(abs(a - b) for a, b in zip(logged_losses(runs[name]), went_on[HALF:], strict=True))
     print(f"{name}: max loss delta vs one process {dl:.2e} (params {dp:.2e}), vs the run that went on {dc:.2e}")

@@ -1,7 +1,9 @@
 """Context parallelism (``cp``) through the one loop against its one-process run: losses, grad
 norms and final parameters of cp2, cp4, cp2 x tp2 (sequence parallel), cp2 x pp2 and cp2 x dp2,
-with and without inter-document masking, at seq 1024 on a small llama (RoPE, GQA); the unit
-pieces (chunk layout, the gathered mask, the loss scale) without processes.
+with and without inter-document masking, on a small llama (RoPE, GQA) at seq SEQ (the same
+run at seq 4096 passes too, in minutes: see bench/RESULTS.md's notes); each cp4 rank's
+activation memory at seq 4096 against one process's; the unit pieces (chunk layout, the
+gathered mask, the loss scale) without processes.
 
 Two launches (2 and 4 gloo ranks), so the multi-process part is ``slow``."""
 
@@ -23,7 +25,7 @@ from tokenloom.train.parallel.context import (
 from tokenloom.train.parallel.state import ParallelLayout
 
 TOL = 1e-5
-SEQ = 1024
+SEQ = 512
 STEPS = 6
 
 

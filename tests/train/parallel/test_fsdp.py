@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from compose_helpers import STEPS, launch, logged_losses, merged_params, reference
+from compose_helpers import STEPS, deltas, launch, logged_losses, reference
 
 TOL = 1e-5
 HALF = STEPS // 2
@@ -57,18 +57,9 @@ def runs(tmp, ref):
     return out
 
 
-def _deltas(rs, ref, first: int = 0):
-    losses = logged_losses(rs)
-    params = merged_params(rs)
-    assert sorted(params) == sorted(ref["params"])
-    dl = max(abs(a - b) for a, b in zip(losses, ref["losses"][first:], strict=True))
-    dp = max((params[n] - t).abs().max().item() for n, t in ref["params"].items())
-    return len(losses), dl, dp
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_fsdp_layout_matches_one_process(runs, ref, name):
-    n, dl, dp = _deltas(runs[name], ref)
+    n, dl, dp = deltas(runs[name], ref)
     print(f"{name}: max loss delta {dl:.2e}, max param delta {dp:.2e}")
     assert n == STEPS
     assert dl < TOL and dp < TOL
@@ -82,7 +73,7 @@ def test_fsdp_layout_matches_one_process(runs, ref, name):
 
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_fsdp_checkpoint_resumes_at_another_dp_with_or_without_fsdp(runs, ref, name):
-    n, dl, dp = _deltas(runs[name], ref, first=HALF)
+    n, dl, dp = deltas(runs[name], ref, first=HALF)
     went_on = logged_losses(runs[SAVED])
     dc = max(abs(a - b) for a, b in zip(logged_losses(runs[name]), went_on[HALF:], strict=True))
     print(f"{name}: max loss delta vs one process {dl:.2e} (params {dp:.2e}), vs the run that went on {dc:.2e}")
