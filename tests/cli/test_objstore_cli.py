@@ -176,3 +176,6 @@ def test_a_wrong_key_or_an_unreachable_endpoint_is_one_line_naming_the_url(s3, d
         env, fragment = _env(s3, tmp_path, f"http://127.0.0.1:{closed_port()}"), "cannot reach the object store"
     for command in ("verify", "inspect")[: 2 if case == "wrong key" else 1]:  # unreachable: retried for seconds
         one_line_error(run_cli(command, data["remote"][0], env=env), data["remote"][0], fragment)
+    done = _train(tmp_path / "run", [data["remote"][0]], env=env)  # train: in its checks, before any rank
+    one_line_error(done, data["remote"][0], fragment)
+    assert not (tmp_path / "run").exists(), "no rank started"
