@@ -374,6 +374,21 @@ def deltas(results: list[dict], ref: dict[str, Any], first: int = 0) -> tuple[in
     return len(losses), dl, dp
 
 
+def assert_matches_one_process(results: list[dict], ref: dict[str, Any], steps: int, tol: float) -> None:
+    """A layout's run equals the one-process ``ref`` within ``tol``: every step's loss, the final
+    parameters, the final validation loss and every grad norm (relative), with clipping active."""
+    n, dl, dp = deltas(results, ref)
+    print(f"max loss delta {dl:.2e}, max param delta {dp:.2e}")
+    assert n == steps
+    assert dl < tol and dp < tol
+    summary = results[0]["summary"]
+    assert summary["iteration"] == steps
+    assert abs(summary["val_loss"] - ref["summary"]["val_loss"]) < tol
+    norms = results[0]["norms"]
+    assert max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)) < tol
+    assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
+
+
 def logged_losses(results: list[dict]) -> list[float]:
     """Losses of a last-stage rank (every last-stage rank holds the dp mean)."""
     return next(r["losses"] for r in results if r["losses"])

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from compose_helpers import STEPS, deltas, launch, logged_losses, merged_params, reference
+from compose_helpers import (
+    STEPS,
+    assert_matches_one_process,
+    deltas,
+    launch,
+    logged_losses,
+    merged_params,
+    reference,
+)
 
 TOL = 1e-5
 HALF = STEPS // 2
@@ -238,16 +246,7 @@ def test_each_rank_writes_its_share_of_the_state_once(tmp, runs, src):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(runs, ref, name):
-    n, dl, dp = deltas(runs[name], ref)
-    print(f"{name}: max loss delta {dl:.2e}, max param delta {dp:.2e}")
-    assert n == STEPS
-    assert dl < TOL and dp < TOL
-    summary = runs[name][0]["summary"]
-    assert summary["iteration"] == STEPS
-    assert abs(summary["val_loss"] - ref["summary"]["val_loss"]) < TOL
-    norms = runs[name][0]["norms"]
-    assert max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)) < TOL
-    assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
+    assert_matches_one_process(runs[name], ref, STEPS, TOL)
     # with a pipeline, each train record of metrics.jsonl carries the measured bubble of its interval
     bubbles = runs[name][0]["bubbles"]
     assert all(0 < b < 1 for b in bubbles) if LAYOUTS[name][1].get("pp", 1) > 1 else bubbles == [None] * STEPS, bubbles

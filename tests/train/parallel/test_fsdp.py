@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from compose_helpers import STEPS, deltas, launch, logged_losses, reference
+from compose_helpers import STEPS, assert_matches_one_process, deltas, launch, logged_losses, reference
 
 TOL = 1e-5
 HALF = STEPS // 2
@@ -59,16 +59,7 @@ def runs(tmp, ref):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_fsdp_layout_matches_one_process(runs, ref, name):
-    n, dl, dp = deltas(runs[name], ref)
-    print(f"{name}: max loss delta {dl:.2e}, max param delta {dp:.2e}")
-    assert n == STEPS
-    assert dl < TOL and dp < TOL
-    summary = runs[name][0]["summary"]
-    assert summary["iteration"] == STEPS
-    assert abs(summary["val_loss"] - ref["summary"]["val_loss"]) < TOL
-    norms = runs[name][0]["norms"]
-    assert max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)) < TOL
-    assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
+    assert_matches_one_process(runs[name], ref, STEPS, TOL)
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
