@@ -11,8 +11,8 @@ Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-
 ``--steps`` timed steps (best step kept: the box is shared). Every rank runs one torch
 thread (as under torchrun's ``OMP_NUM_THREADS=1``; two ranks on two cores do not
 oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``fsdp``, ``tp``, ``pp``,
-``vpp``, and at ``--world 4`` ``tp_pp``, ``dp_tp``, ``dp_pp``, ``dp_pp_zero1``, ``dp_tp_fsdp``,
-``dp_pp_fsdp``). Reported per layout:
+``vpp``, ``cp`` (context parallelism over every rank), and at ``--world 4`` ``tp_pp``, ``dp_tp``,
+``dp_pp``, ``dp_pp_zero1``, ``dp_tp_fsdp``, ``dp_pp_fsdp``, ``dp_cp``). Reported per layout:
 
 * step time of one global batch (the same for every layout: ``2 x world x
   --micro-batches`` sequences), against pure data parallelism on the same ranks;
@@ -164,8 +164,9 @@ class _Counter:
         return wrapped
 
 
-def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, shard: str | None) -> TrainConfig:
-    """The run of one layout; ``shard``: None (DDP), "zero1" or "fsdp" over its dp ranks."""
+def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, shard: str | None, cp: int = 1) -> TrainConfig:
+    """The run of one layout; ``shard``: None (DDP), "zero1" or "fsdp" over its dp ranks; ``cp``:
+    context-parallel ranks splitting each sequence."""
     if args.rss:  # GPT-2 small (124 M parameters)
         model = GPTConfig(vocab_size=50257, seq_len=128, n_layers=12, n_heads=12, d_model=768)
         micro, gbs = 1, max(2, dp)
@@ -185,7 +186,7 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, shard: s
                        optim=OptimConfig(warmup_iters=1), micro_batch_size=micro,
                        global_batch_size=gbs, train_iters=2 * args.steps + 1,
                        eval_interval=0, save_interval=None, plot=False, progress=False, output_dir=str(out),
-                       tp=tp, pp=pp, vpp=vpp, zero1=shard == "zero1", fsdp=shard == "fsdp", dist_timeout_s=120.0,
+                       tp=tp, pp=pp, vpp=vpp, cp=cp, zero1=shard == "zero1", fsdp=shard == "fsdp", dist_timeout_s=120.0,
                        num_layers_in_last_pipeline_stage=args.split_last if args.split else None)
 
 
@@ -196,8 +197,8 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     counter = _Counter()
-    dp, tp, pp, vpp, shard = layout
-    trainer = start_run(config(args, Path(out) / "run", dp, tp, pp, vpp, shard))
+    dp, tp, pp, vpp, shard, *rest = layout
+    trainer = start_run(config(args, Path(out) / "run", dp, tp, pp, vpp, shard, *rest))
     run = trainer.strategy
     batches = run.global_batches(trainer.data.train, eod=trainer.data.eod, consumed=0,
                                  total=(2 * args.steps + 1) * run.cfg.global_batch_size)
@@ -275,7 +276,7 @@ def compute_spread(compute_s: float, group) -> float:
 
 def measure(args, layout) -> dict:
     dp, tp, pp = layout[:3]
-    world = dp * tp * pp
+    world = dp * tp * pp * (layout[5] if len(layout) > 5 else 1)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=worker, args=(r, world, f"{tmp}/init", args, layout, tmp)) for r in range(world)]
@@ -288,20 +289,24 @@ def measure(args, layout) -> dict:
         return torch.load(Path(tmp) / "result.pt")
 
 
-def layouts_of(world: int) -> dict[str, tuple[int, int, int, int | None, str | None]]:
-    """Name -> (dp, tp, pp, vpp, sharding: None, "zero1" or "fsdp") of every layout measured on ``world`` ranks."""
+def layouts_of(world: int) -> dict[str, tuple]:
+    """Name -> (dp, tp, pp, vpp, sharding: None, "zero1" or "fsdp"[, cp]) of every layout measured on
+    ``world`` ranks."""
     w = world
     layouts = {"dp": (w, 1, 1, None, None), "zero1": (w, 1, 1, None, "zero1"), "fsdp": (w, 1, 1, None, "fsdp"),
-               "tp": (1, w, 1, None, None), "pp": (1, 1, w, None, None), "vpp": (1, 1, w, 2, None)}
+               "tp": (1, w, 1, None, None), "pp": (1, 1, w, None, None), "vpp": (1, 1, w, 2, None),
+               "cp": (1, 1, 1, None, None, w)}
     if w == 4:
         layouts.update({"tp_pp": (1, 2, 2, None, None), "dp_tp": (2, 2, 1, None, None),
                         "dp_pp": (2, 1, 2, None, None), "dp_pp_zero1": (2, 1, 2, None, "zero1"),
-                        "dp_tp_fsdp": (2, 2, 1, None, "fsdp"), "dp_pp_fsdp": (2, 1, 2, None, "fsdp")})
+                        "dp_tp_fsdp": (2, 2, 1, None, "fsdp"), "dp_pp_fsdp": (2, 1, 2, None, "fsdp"),
+                        "dp_cp": (2, 1, 1, None, None, 2)})
     return layouts
 
 
-def layout_name(dp: int, tp: int, pp: int, vpp: int | None, shard: str | None) -> str:
-    return f"dp{dp} tp{tp} pp{pp}" + (f" vpp{vpp}" if vpp else "") + (f" {shard}" if shard else "")
+def layout_name(dp: int, tp: int, pp: int, vpp: int | None, shard: str | None, cp: int = 1) -> str:
+    return (f"dp{dp} tp{tp}" + (f" cp{cp}" if cp > 1 else "") + f" pp{pp}" + (f" vpp{vpp}" if vpp else "")
+            + (f" {shard}" if shard else ""))
 
 
 def main() -> None:
