@@ -12,12 +12,14 @@ attends its own queries to all of them under :func:`attention_mask`, the causal 
 with inter-document masking, same-document) relation of the *global* positions. Rotary
 embeddings are applied before the gather, at each token's own position. The mask is
 additive, built once per forward in the attention's dtype and shared by every layer. This is the
-all-gather variant of context parallelism (Megatron's ``a2a``/``allgather`` cp comm types
-alongside its ring ``p2p``): one collective per layer instead of ``cp - 1`` ring steps,
-whose trade-off is holding the whole sequence's keys and values (``2 * kv_heads *
-head_dim`` per token, a small share of a layer's activations) and a dense mask of local
-queries x all keys, where a ring with a flash kernel per chunk and a log-sum-exp merge
-holds one peer's chunk at a time and needs no mask. Queries, the MLPs, norms and the loss
+all-gather variant of context parallelism (Megatron's ``all_gather`` cp comm type, beside
+its ring ``p2p``): one collective per layer instead of ``cp - 1`` ring steps, whose
+trade-offs are holding the whole sequence's keys and values (``2 * kv_heads * head_dim`` per
+token, a small share of a layer's activations), a dense mask of local queries x all keys,
+and attention computing the masked-out half of that block too (no causal kernel skips it),
+where a ring with a flash kernel per chunk and a log-sum-exp merge holds one peer's chunk
+at a time, needs no mask and skips the blocks a causal mask hides (bench/RESULTS.md's
+notes have the cost on CPU). Queries, the MLPs, norms and the loss
 run on the local ``T / cp`` tokens, which is where the activation memory goes.
 
 Loss and gradients: rank ``r``'s loss is ``cp * (its tokens' loss sum) / (the sample's
