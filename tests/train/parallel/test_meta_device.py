@@ -33,6 +33,7 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     "cp4": (4, dict(cp=4)),
     "cp2_tp2_sp": (4, dict(cp=2, tp=2, sp=True)),
     "cp2_pp2": (4, dict(cp=2, pp=2)),
+    "cp2_pp2_vpp2": (4, dict(cp=2, pp=2, vpp=2)),
     "cp2_dp2_zero1": (4, dict(cp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
     # fully sharded: per-block gathers and reduce-scatters, alone, under tp with sp and under vpp
     "dp2_tp1_pp1_fsdp": (2, dict(fsdp=True)),
