@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tokenloom.errors import TokenloomError
+from tokenloom.fsio import hash_file, publish, temp_name
 
 READ_BLOCK = 8 << 20
 """Bytes per ranged GET when reading an object (read-ahead keeps one more in memory)."""
@@ -359,18 +360,16 @@ def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
                 if ".tmp-" in stale:
                     os.unlink(os.path.join(entry, stale))
             fs, inner = filesystem(url)
-            tmp = f"{path}.tmp-{os.getpid()}"
+            tmp = temp_name(path)
             _retrying(url, "fetching", lambda: fs.get_file(inner, tmp))  # streamed: an .idx may be large
-            got, digest = os.path.getsize(tmp), hashlib.md5(usedforsecurity=False)
-            with open(tmp, "rb") as f:
-                for chunk in iter(lambda: f.read(READ_BLOCK), b""):
-                    digest.update(chunk)
-                os.fsync(f.fileno())
-            if got != size or _plain_md5(version) not in (None, digest.hexdigest()):
+            got, digest = os.path.getsize(tmp), hash_file(hashlib.md5(usedforsecurity=False), tmp).hexdigest()
+            if got != size or _plain_md5(version) not in (None, digest):
                 os.unlink(tmp)
                 raise StoreError(f"{url}: fetching failed: got {got} bytes that do not match the object's "
                                  f"size {size} and ETag {version} (changed while read?); rerun")
-            os.replace(tmp, path)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            publish(tmp, path)
     except OSError as exc:
         raise TokenloomError(f"{entry}: cannot write the object cache ({exc.strerror}); set {CACHE_ENV} to a "
                              "writable folder") from None

@@ -193,14 +193,13 @@ def read(path: Path, names: set[str] | None = None, *, tp_rank: int = 0, tp_size
             dim, sizes = split(name if reader_name is None else reader_name[name])
         if first["dim"] is None or not first["shape"]:  # saved replicated over tp: one saving rank's copy
             tensor = _assemble(path, name, state, by_rank[min(by_rank)])
-            if dim is not None:
-                tensor = shard(tensor, dim, tp_rank, tp_size, sizes)
+            tensor = tp_part(tensor, dim, sizes, tp_rank, tp_size)
         elif dim is None:  # read whole
             tensor = _tp_shard(path, name, state, by_rank, 0, 1)
         elif dim == first["dim"] and list(sizes or []) == list(first["sizes"] or []):
             tensor = _tp_shard(path, name, state, by_rank, tp_rank, tp_size)
         else:  # split another way than it was saved
-            tensor = shard(_tp_shard(path, name, state, by_rank, 0, 1), dim, tp_rank, tp_size, sizes)
+            tensor = tp_part(_tp_shard(path, name, state, by_rank, 0, 1), dim, sizes, tp_rank, tp_size)
         if state == PARAM:
             params[name] = tensor
         else:
@@ -211,6 +210,15 @@ def read(path: Path, names: set[str] | None = None, *, tp_rank: int = 0, tp_size
             if name in optim:
                 optim[alias] = optim[name]
     return params, optim
+
+
+def tp_part(full: torch.Tensor, dim: int | None, sizes: Sequence[int] | None, rank: int, size: int) -> torch.Tensor:
+    """Tp rank ``rank`` of ``size``'s part of the full tensor ``full`` split on ``dim`` in fused
+    blocks ``sizes`` (:func:`~tokenloom.train.parallel.layers.shard`); ``full`` itself when it is
+    held whole (``dim`` None, a 0-dim state, or one tp rank)."""
+    if dim is None or full.dim() == 0 or size == 1:
+        return full
+    return shard(full, dim, rank, size, sizes)
 
 
 def _tp_shard(path: Path, name: str, state: str, by_rank: dict[int, list[dict[str, Any]]], rank: int,
@@ -224,16 +232,15 @@ def _tp_shard(path: Path, name: str, state: str, by_rank: dict[int, list[dict[st
     first = by_rank[min(by_rank)][0]
     saved, dim, local_shape = first["tp_size"], first["dim"], first["shape"]
     blocks = list(first["sizes"] or [local_shape[dim] * saved])
-    needed = [t for t in range(saved) if t * size < (rank + 1) * saved and (t + 1) * size > rank * saved]
-    if any(b % saved or b % size for b in blocks):
-        needed = list(range(saved))
+    uneven = any(b % saved or b % size for b in blocks)
+    needed = list(range(saved)) if uneven else \
+        [t for t in range(saved) if t * size < (rank + 1) * saved and (t + 1) * size > rank * saved]
     missing = [t for t in needed if t not in by_rank]
     if missing:
         raise TokenloomError(f"{path}: {name} {state or 'parameter'} lacks tp ranks {missing} of {saved}")
     locals_ = {t: _assemble(path, name, state, by_rank[t]) for t in needed}
-    if any(b % saved or b % size for b in blocks):
-        full = unshard([locals_[t] for t in needed], dim, first["sizes"])
-        return full if size == 1 else shard(full, dim, rank, size, first["sizes"])
+    if uneven:
+        return tp_part(unshard([locals_[t] for t in needed], dim, first["sizes"]), dim, first["sizes"], rank, size)
     if saved == size:
         return locals_[rank]
     out, offset = [], 0  # offset: where the block starts in a saving rank's local tensor
@@ -339,8 +346,7 @@ def read_any(path: Path, state: dict, names: set[str] | None = None,
         raise ValueError("read_any: tp_size > 1 needs split")
 
     def cut(name: str, full: torch.Tensor) -> torch.Tensor:
-        dim, sizes = split(name)
-        return full if dim is None or full.dim() == 0 else shard(full, dim, tp_rank, tp_size, sizes)
+        return tp_part(full, *split(name), tp_rank, tp_size)
 
     return ({n: cut(n, t) for n, t in params.items() if names is None or n in names},
             {n: {k: cut(n, v) for k, v in st.items()} for n, st in optim.items() if names is None or n in names})

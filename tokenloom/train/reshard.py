@@ -39,7 +39,6 @@ from tokenloom.train import checkpoint, ckpt_format
 from tokenloom.train.model import GPT
 from tokenloom.train.optim import param_groups
 from tokenloom.train.parallel import fsdp
-from tokenloom.train.parallel.layers import shard
 
 if TYPE_CHECKING:
     from tokenloom.train.async_save import CheckpointSaver
@@ -244,9 +243,7 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
         def local(full: torch.Tensor, dim=dim, sizes=sizes, first=first, rows=rows) -> torch.Tensor:
             if first is not None and full.dim() > 0:  # this ep rank's experts
                 return full[first:first + rows]
-            if sharded or dim is None or full.dim() == 0:
-                return full
-            return shard(full, dim, tp_rank, tp, sizes)
+            return full if sharded else ckpt_format.tp_part(full, dim, sizes, tp_rank, tp)
 
         value, held = fsdp.cut(p, local(params[name])), fsdp.local(p)
         if value.shape != held.shape:
