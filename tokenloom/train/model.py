@@ -690,6 +690,7 @@ class GPT(nn.Module):
         self.cfg, self.tp = cfg, tp or TensorParallel()
         self.pre, self.post = pre, post
         self.cp: tuple[dist.ProcessGroup, int, int] | None = None  # context_parallel()
+        self._cp_causal: dict[torch.dtype, torch.Tensor] = {}  # cp without documents: its mask, kept by dtype
         if cfg.n_heads % self.tp.size or cfg.kv_heads % self.tp.size:  # the layers check the other splits
             raise TokenloomError(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.kv_heads} must be divisible by "
                                  f"tp={self.tp.size}")
@@ -837,8 +838,12 @@ class GPT(nn.Module):
         mask: torch.Tensor | BlockMask | None = documents
         if self.cp is not None:  # this rank's queries against every rank's keys, by global position
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            mask = additive_mask(cp_attention_mask(self.cfg.seq_len, self.cp[1], self.cp[2], documents, x.device),
-                                 dtype)
+            mask = self._cp_causal.get(dtype) if documents is None else None  # the same every forward
+            if mask is None:
+                mask = additive_mask(cp_attention_mask(self.cfg.seq_len, self.cp[1], self.cp[2], documents, x.device),
+                                     dtype)
+                if documents is None:
+                    self._cp_causal[dtype] = mask
         elif documents is not None and per_token is not None:  # one mask for every block of this forward
             dropout = self.cfg.dropout if self.training else 0.0
             flex = flex_usable(x.device, dropout, self.cfg.head_dim)
