@@ -1,7 +1,7 @@
 """Mixture of experts: quality and speed against a dense GPT of the same active parameters.
 
     .venv/bin/python bench/moe_bench.py [--steps 200] [--d-model 64] [--experts 8] [--topk 2]
-        [--aux-loss-coeff 0.05] [--speed-iters 5] [--quality-only | --speed-only]
+        [--aux-loss-coeff 0.05] [--speed-iters 5] [--quality-only | --speed-only] [--device cpu|cuda]
 
 Quality (issue 43, acceptance 4): a Llama-style MoE (``--experts`` experts of inner size F, top
 ``--topk``, balance loss weighted ``--aux-loss-coeff``) and a dense model whose MLP is ``topk x F``
@@ -15,8 +15,9 @@ Speed: tokens/s of one training step (forward, backward, AdamW) of the MoE vs th
 of the same active parameters (target: as close to 1 as the routing allows; the MoE does the
 same matmul FLOPs plus routing and permutation), and of the MoE's experts as one grouped GEMM
 (``torch._grouped_mm``) vs a loop over experts (``model.moe_grouped_gemm``; higher is better),
-steps taken in turn, best of ``--speed-iters``. Expert parallelism is not implemented, so there
-is no ep 2 vs ep 1 row.
+steps taken in turn, best of ``--speed-iters``, eager, on ``--device`` (CUDA: bf16 autocast and
+fused AdamW, where ``torch._grouped_mm`` runs on Hopper; what ``run_all.py --gpu`` measures). Expert
+parallelism is not implemented, so there is no ep 2 vs ep 1 row.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ PREFIX = Path("/work/shared/data/megatron-reference/tinyshakespeare_gpt2_eod")
 def model_config(args, *, moe: bool, **kw) -> GPTConfig:
     """The MoE (``moe``) or its dense twin: the dense MLP is ``topk x`` the expert's width."""
     inner = 2 * args.d_model
-    shape = dict(arch="llama", vocab_size=50257, seq_len=args.seq_len, n_layers=args.n_layers, n_heads=4,
+    shape = dict(arch="llama", vocab_size=50257, seq_len=args.seq_len, n_layers=args.n_layers,
+                 n_heads=max(4, args.d_model // 128),
                  d_model=args.d_model)
     if moe:
         shape.update(ffn_hidden_size=inner, num_experts=args.experts, moe_router_topk=args.topk,
@@ -74,21 +76,29 @@ def train(args, out: Path, *, moe: bool) -> dict:
 
 
 def step_time(model: GPT, tokens: torch.Tensor, opt: torch.optim.Optimizer) -> float:
+    cuda = tokens.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def speed(args) -> list[tuple]:
     """Tokens/s of the MoE (grouped GEMM and loop) and the dense twin, steps in turn."""
     torch.manual_seed(0)
-    models = {"moe": GPT(model_config(args, moe=True, vocab_size=4096)),
-              "moe_loop": GPT(model_config(args, moe=True, vocab_size=4096, moe_grouped_gemm=False)),
-              "dense": GPT(model_config(args, moe=False, vocab_size=4096))}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-    tokens = torch.randint(0, 4096, (args.micro, args.seq_len + 1))
+    device = torch.device(args.device)
+    models = {"moe": GPT(model_config(args, moe=True, vocab_size=4096), device=device),
+              "moe_loop": GPT(model_config(args, moe=True, vocab_size=4096, moe_grouped_gemm=False), device=device),
+              "dense": GPT(model_config(args, moe=False, vocab_size=4096), device=device)}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device.type == "cuda") for k, m in models.items()}
+    tokens = torch.randint(0, 4096, (args.micro, args.seq_len + 1), device=device)
     best = dict.fromkeys(models, float("inf"))
     for i in range(args.speed_iters + 1):
         for k, m in models.items():
@@ -116,6 +126,7 @@ def main() -> None:
     p.add_argument("--prefix", type=Path, default=PREFIX)
     p.add_argument("--quality-only", action="store_true")
     p.add_argument("--speed-only", action="store_true")
+    p.add_argument("--device", default="cpu", help="where the speed rows run (cuda: bf16 autocast)")
     args = p.parse_args()
     shape = f"{args.n_layers} layers x {args.d_model}, seq {args.seq_len}, micro {args.micro}"
     if not args.speed_only:
@@ -133,7 +144,10 @@ def main() -> None:
                     f"{args.steps} steps on tinyshakespeare (GPT-2 tokens), {shape} (tokenloom = MoE, baseline = dense)",
                     rows)
     if not args.quality_only:
-        print_table(f"MoE step speed, cpu ({torch.get_num_threads()} threads), {shape}, vocab 4096 (tokenloom = MoE)",
+        where = (f"cuda ({torch.cuda.get_device_name()}, bf16)" if args.device == "cuda"
+                 else f"cpu ({torch.get_num_threads()} threads)")
+        print_table(f"MoE step speed, {where}, {shape}, {args.experts} experts top-{args.topk}, vocab 4096 "
+                    "(tokenloom = MoE)",
                     speed(args))
 
 

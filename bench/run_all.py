@@ -66,6 +66,9 @@ GPU_ARGS: dict[str, list[list[str]]] = {
     "fp8_bench": [[]],  # its defaults: the GPT-2 shape above, 300 steps, data from TOKENLOOM_BENCH_DATA
     # the ~1 B-parameter state this CPU box cannot hold twice: a warm-up and one timed round of the three sides
     "checkpoint_bench": [["--sizes", "1b", "--rounds", "1"]],
+    # experts as one grouped GEMM (Hopper) vs the loop, and the MoE vs its dense twin, bf16 eager
+    "moe_bench": [["--speed-only", "--device", "cuda", "--d-model", "1024", "--n-layers", "8", "--seq-len", "2048",
+                   "--micro", "4"]],
 }
 GPU_BEGIN, GPU_END = "<!-- gpu-rows -->", "<!-- /gpu-rows -->"
 NOTES_BEGIN, NOTES_END = "## Notes from measurements", "<!-- /notes: hand-written, kept by bench/run_all.py -->"
@@ -126,7 +129,8 @@ def machine() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--full", action="store_true", help="each script's default sizes")
-    parser.add_argument("--only", nargs="*", help="bench names (e.g. kernels_bench): rewrite only their sections")
+    parser.add_argument("--only", nargs="*", help="bench names (e.g. kernels_bench): rewrite only their sections "
+                        "(with --gpu: run only those GPU rows, keep the block's others)")
     parser.add_argument("--out", default=str(BENCH / "RESULTS.md"))
     parser.add_argument("--gpu", action="store_true", help="run only the GPU rows (needs CUDA) and rewrite only them")
     args = parser.parse_args()
@@ -137,7 +141,8 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             raise SystemExit("run_all.py --gpu: no CUDA device visible")
-        runs = [(BENCH / f"{name}.py", extra) for name, arg_lists in GPU_ARGS.items() for extra in arg_lists]
+        runs = [(BENCH / f"{name}.py", extra) for name, arg_lists in GPU_ARGS.items() for extra in arg_lists
+                if not args.only or name in args.only]
     else:
         if args.only:
             scripts = [s for s in scripts if s.stem in args.only]
@@ -164,6 +169,8 @@ def main() -> None:
         os.unlink(tables.name)
         print(output[-4000:], flush=True)
         when = f", re-run alone on {started:%Y-%m-%d %H:%M} UTC" if args.only else ""
+        if args.gpu and args.only:  # the block's header names the machine of its first rows
+            when += f" on {machine()[2].removeprefix('- GPU: ')}"
         head = f"## {script.stem}\n\n`python bench/{script.name} {' '.join(extra)}` ({elapsed:.0f} s{when})\n\n"
         if rc != 0 or not body.strip():
             tail = "\n".join(output.strip().splitlines()[-15:])
@@ -173,6 +180,13 @@ def main() -> None:
     out = Path(args.out)
     old = out.read_text() if out.exists() else ""
     kept_gpu = old[old.index(GPU_BEGIN):old.index(GPU_END) + len(GPU_END)] if GPU_END in old else ""
+    if args.gpu and args.only and kept_gpu:  # those benches' sections replaced, the others kept
+        head, *olds = kept_gpu.removesuffix(GPU_END).split("\n## ")
+        kept = ["## " + o for o in olds if o.split("\n", 1)[0] not in args.only]
+        block = "\n".join([head.rstrip(), "", *kept, *sections, GPU_END])
+        out.write_text(old.replace(kept_gpu, block).rstrip() + "\n")
+        print(f"rewrote the GPU rows of {', '.join(args.only)} in {args.out}")
+        return
     if args.gpu:
         block = "\n".join([GPU_BEGIN, f"GPU rows: `bench/run_all.py --gpu` on {started:%Y-%m-%d %H:%M} UTC",
                            "", *machine(), "", *sections, GPU_END])

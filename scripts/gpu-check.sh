@@ -11,20 +11,29 @@
 #      --fp8 where the GPU has float8), then fp8's loss against bf16 after 300 steps on real text
 #      (TOKENLOOM_BENCH_DATA=PREFIX, TOKENLOOM_BENCH_TOKENIZER=DIR; without them that row says
 #      so), written into bench/RESULTS.md's GPU block;
+#      --rows NAME[,NAME...] runs only those benches' rows (run_all.py --gpu --only: the block's
+#      other rows are kept), e.g. --rows moe_bench,checkpoint_bench;
 #   2. a profile of our step at the GPT-2 shape (bench/profile_step.py: kernels by device time,
-#      host synchronisations per step) into gpu-check-profile.txt;
+#      host synchronisations per step) into gpu-check-profile.txt, when train_bench's rows ran;
 #   3. unless --bench-only: the gpu-marked tests (kernels on the device, the fused loss, one-GPU
 #      cli.py train runs against the CPU, every layout on NCCL when 2+ GPUs are visible), then the
-#      kernels test directory on the device; each stops at the budget's end, saying so.
+#      kernels test directory on the device, each on GPU_TEST_WORKERS pytest-xdist workers
+#      (default 4: most are cli.py runs of tiny models, bound by process start and compilation;
+#      GPU_CHECK_TESTS narrows the first run to some paths); each stops at the budget's end
+#      with SIGINT, so pytest still names the tests that failed before it, and says so.
 # Without CUDA it prints one line and does nothing. Output also goes to gpu-check.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bench_only=0
-for arg in "$@"; do
-    case "$arg" in
+rows=""
+while [ $# -gt 0 ]; do
+    case "$1" in
         --bench-only) bench_only=1 ;;
-        *) echo "gpu-check: unknown argument $arg (use --bench-only for the bench rows alone)" >&2; exit 2 ;;
+        --rows) [ $# -ge 2 ] || { echo "gpu-check: --rows needs bench names, e.g. --rows moe_bench" >&2; exit 2; }
+                rows=${2//,/ }; shift ;;
+        *) echo "gpu-check: unknown argument $1 (--bench-only, --rows NAME[,NAME...])" >&2; exit 2 ;;
     esac
+    shift
 done
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
@@ -53,11 +62,14 @@ else
     fi
 fi
 echo "== 1. bench rows (bench/RESULTS.md's GPU block), $(left) s of the budget left"
-"$PY" bench/run_all.py --gpu
+# shellcheck disable=SC2086  # $rows: one word per bench name
+"$PY" bench/run_all.py --gpu ${rows:+--only $rows}
 sed -n '/<!-- gpu-rows -->/,/<!-- \/gpu-rows -->/p' bench/RESULTS.md
-echo "== 2. profile of our step (gpu-check-profile.txt), $(left) s of the budget left"
-"$PY" bench/profile_step.py > gpu-check-profile.txt 2>&1 || echo "gpu-check: the profile failed (see gpu-check-profile.txt)"
-tail -n 60 gpu-check-profile.txt
+if [ -z "$rows" ] || [[ " $rows " == *" train_bench "* ]]; then
+    echo "== 2. profile of our step (gpu-check-profile.txt), $(left) s of the budget left"
+    "$PY" bench/profile_step.py > gpu-check-profile.txt 2>&1 || echo "gpu-check: the profile failed (see gpu-check-profile.txt)"
+    tail -n 60 gpu-check-profile.txt
+fi
 if [ "$bench_only" = 1 ]; then
     echo "gpu-check: done, bench only (log: gpu-check.log)"
     exit 0
@@ -69,14 +81,19 @@ run_within_budget() {  # name, command...: the command, cut off where the budget
         return 0
     fi
     local rc=0
-    timeout "$(left)" "$@" || rc=$?
-    if [ "$rc" = 124 ]; then
-        echo "gpu-check: $name stopped at the ${budget} s budget (GPU_CHECK_BUDGET_S raises it)"
+    # SIGINT first: pytest then prints the summary of what failed so far before it stops
+    timeout -s INT -k 30 "$(left)" "$@" || rc=$?
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then  # timeout's: the budget ended (137: SIGINT was not enough)
+        echo "gpu-check: $name stopped at the ${budget} s budget (GPU_CHECK_BUDGET_S raises it); any FAILED above failed before it"
     elif [ "$rc" != 0 ]; then
         return "$rc"
     fi
 }
 echo "== 3. gpu-marked tests, then the kernels on the device"
-run_within_budget "gpu-marked tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
-run_within_budget "kernels tests" "$PY" -m pytest -q -p no:cacheprovider -rs tests/train/kernels
+# GPU_CHECK_TESTS: the test paths for the gpu-marked run (default tests: all of them), e.g. the
+# files an issue's GPU items live in, so they are not the ones the budget cuts off
+workers=(-n "${GPU_TEST_WORKERS:-4}" --durations=10 --tb=short -rfEs)
+# shellcheck disable=SC2086  # one word per path
+run_within_budget "gpu-marked tests" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" -m gpu ${GPU_CHECK_TESTS:-tests}
+run_within_budget "kernels tests" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" tests/train/kernels
 echo "gpu-check: done (log: gpu-check.log)"

@@ -11,6 +11,7 @@ on NCCL."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -123,6 +124,7 @@ GPU_LAYOUTS = {
     "pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"]),
 }
 GPU_TOL = 1e-4  # NCCL's reduction order differs from one process's sums
+BF16_TOL = 0.05  # bf16 against fp32 over 20 steps of the tiny model
 
 
 @pytest.mark.gpu
@@ -143,6 +145,9 @@ def test_layout_on_nccl_equals_one_gpu(tmp_path, name):
 # evaluates at step 10 and at the end. name -> (ranks, GPU flags, the CPU run's flags)
 COMPILE = ["--set", "compile=true"]
 DOCS = ["--set", "data.inter_document_masking=true", "--set", "model.n_heads=2"]  # head dim 16: flex's least
+# compose_helpers' MoE learning rate: no token's top-k sits on a near-tie that the CPU's and the GPU's
+# different summation orders could flip
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--set", "optim.lr=0.003"]
 ONE_GPU_RUNS = {
     "plain": (None, [], []),
     "compile": (None, COMPILE, []),
@@ -154,6 +159,9 @@ ONE_GPU_RUNS = {
     # fully_shard over a one-rank NCCL group: gathers and reduce-scatters on CUDA, eager and compiled
     "torchrun_fsdp": (1, ["--fsdp"], []),
     "torchrun_fsdp_compile": (1, ["--fsdp", *COMPILE], []),
+    # mixture of experts: fp32 takes the loop over experts (grouped GEMM is bf16-only on CUDA)
+    "moe": (None, MOE, MOE),
+    "moe_compile": (None, [*COMPILE, *MOE], MOE),
 }
 
 
@@ -169,3 +177,20 @@ def test_one_gpu_run_equals_the_cpu_run(tmp_path, name):
     cpu_losses, gpu_losses = read_losses(cpu / "metrics.jsonl"), read_losses(gpu / "metrics.jsonl")
     assert len(gpu_losses) == len(cpu_losses) == 20
     assert max(abs(a - b) for a, b in zip(gpu_losses, cpu_losses, strict=True)) < GPU_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,flags", [("moe", MOE), ("fsdp", ["--fsdp"])])
+def test_one_gpu_run_with_no_performance_flag_follows_the_cpu_run(tmp_path, name, flags):
+    """What a one-GPU user runs: the defaults (bf16, compile and kernels as chosen for the device;
+    for MoE the experts as one grouped GEMM), launched as one process and, for fsdp, through torchrun
+    on a one-rank NCCL group. bf16 rounding keeps it from equalling the fp32 CPU run exactly: its
+    losses stay within bf16's reach of them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cpu_flags = [*(flags if name == "moe" else []), "--set", "precision=fp32"]
+    cpu = train(tmp_path, "cpu", None, cpu_flags, env=dict(cli_env(), CUDA_VISIBLE_DEVICES=""), device="cpu")
+    gpu = train(tmp_path, name, 1 if name == "fsdp" else None, flags, device="cuda")
+    cpu_losses, gpu_losses = read_losses(cpu / "metrics.jsonl"), read_losses(gpu / "metrics.jsonl")
+    assert len(gpu_losses) == len(cpu_losses) == 20 and all(map(math.isfinite, gpu_losses)), gpu_losses
+    assert max(abs(a - b) for a, b in zip(gpu_losses, cpu_losses, strict=True)) < BF16_TOL, (gpu_losses, cpu_losses)
