@@ -117,13 +117,17 @@ def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path
 
 
 def test_expert_parallel_flags_reach_the_config_or_are_refused_in_one_line(tmp_path):
-    """--ep and Megatron's --expert-model-parallel-size set ep (checked before any rank starts);
-    --moe-token-dispatcher-type takes alltoall only."""
+    """--ep and Megatron's --expert-model-parallel-size set ep (checked before any rank starts: MoE at
+    tp needs sp, ep refuses cp); --moe-token-dispatcher-type takes alltoall only."""
     done = run_cli("train", *MOCK, "--expert-model-parallel-size", "2", "--output-dir", tmp_path)
     one_line_error(done, "ep=2 splits the experts of mixture-of-experts layers; set model.num_experts (--num-experts)")
     done = run_cli("train", *MOCK, "--ep", "2", "--num-experts", "4", "--moe-router-topk", "2", "--tp", "2",
                    "--moe-token-dispatcher-type", "alltoall", "--output-dir", tmp_path)
-    one_line_error(done, "ep=2 runs with plain data parallelism only in this version; tp=2 is not supported")
+    one_line_error(done, "model.num_experts=4 at tp=2 needs sequence parallelism (sp=true, --sequence-parallel)")
+    done = run_cli("train", *MOCK, "--ep", "2", "--num-experts", "4", "--moe-router-topk", "2", "--cp", "2",
+                   "--output-dir", tmp_path)
+    one_line_error(done, "ep=2 runs with data, tensor (+ sequence) and pipeline parallelism only in this version; "
+                         "cp=2 is not supported")
     done = run_cli("train", *MOCK, "--moe-token-dispatcher-type", "allgather", "--output-dir", tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "Invalid value for '--moe-token-dispatcher-type'" in done.stderr

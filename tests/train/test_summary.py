@@ -133,3 +133,7 @@ def test_summary_shows_expert_parallelism(tmp_path):
     text = startup_summary(TrainConfig(model=model, ep=2, output_dir=str(tmp_path)), facts())
     assert "dp 2 x tp 1 x pp 1, expert parallel: ep 2, 4 of 8 experts per rank; float32" in text
     assert "expert parallel" not in startup_summary(TrainConfig(model=model, output_dir=str(tmp_path)), facts())
+    text = startup_summary(TrainConfig(model=model, ep=2, tp=2, sp=True, output_dir=str(tmp_path)),
+                           facts(world_size=8))
+    assert "dp 2 x tp 2 x pp 1, sequence parallel, expert parallel: ep 2, 4 of 8 experts per rank (whole on each " \
+        "tp rank); float32" in text

@@ -150,9 +150,10 @@ class TrainConfig:
     ep: int = 1
     """Expert-parallel size (Megatron's expert_model_parallel_size): ep data-parallel ranks split each
     mixture-of-experts layer's experts (num_experts / ep each) and exchange tokens with them by
-    all-to-all; expert gradients are reduced over the dp ranks holding the same experts. Divides dp;
-    this version runs it with plain data parallelism only (tp, cp, pp, zero1 and fsdp at their
-    defaults)."""
+    all-to-all; expert gradients are reduced over the dp ranks holding the same experts. Divides dp.
+    Composes with tp (sequence parallelism required, as for any MoE at tp > 1: the experts are
+    replicated over tp and each tp rank dispatches its own slice of the tokens) and pp (each stage's
+    experts split over the ep ranks of that stage); cp, zero1 and fsdp stay at their defaults."""
     pp: int = 1
     """Pipeline-parallel size (1F1B schedule; interleaved with vpp)."""
     vpp: int | None = None
@@ -208,11 +209,14 @@ class TrainConfig:
                                      "model.num_experts (--num-experts) or leave ep at 1")
             if self.model.num_experts % self.ep:
                 raise TokenloomError(f"ep={self.ep} must divide model.num_experts={self.model.num_experts}")
-            clashes = [f"{k}={getattr(self, k)}" for k, off in (("tp", 1), ("cp", 1), ("pp", 1), ("zero1", False),
+            clashes = [f"{k}={getattr(self, k)}" for k, off in (("cp", 1), ("zero1", False),
                                                                  ("fsdp", False)) if getattr(self, k) != off]
             if clashes:
-                raise TokenloomError(f"ep={self.ep} runs with plain data parallelism only in this version; "
-                                     f"{', '.join(clashes)} is not supported with it yet")
+                raise TokenloomError(f"ep={self.ep} runs with data, tensor (+ sequence) and pipeline parallelism only "
+                                     f"in this version; {', '.join(clashes)} is not supported with it yet")
+        if self.model.num_experts is not None and self.tp > 1 and not self.sp:
+            raise TokenloomError(f"model.num_experts={self.model.num_experts} at tp={self.tp} needs sequence "
+                                 "parallelism (sp=true, --sequence-parallel), as in Megatron")
         if self.cp > 1:
             step = 2 * self.cp * (self.tp if self.sp else 1)
             if self.model.seq_len % step:

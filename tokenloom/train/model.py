@@ -15,7 +15,8 @@ Mixture of experts (``num_experts``, Megatron's MoE flags): blocks chosen by ``m
 hold a :class:`MoE` instead of the :class:`MLP` (:mod:`tokenloom.train.moe`: fp32 top-k router, no
 token dropped, experts as one grouped GEMM, balance and z losses joined to backward); expert weights
 are stacked on a leading expert dimension and drawn from the same generator in module order. Every
-rank holds every expert (no expert parallelism); at tp > 1 sequence parallelism is required.
+rank holds every expert unless :meth:`GPT.expert_parallel` splits them over an ep group; at tp > 1
+sequence parallelism is required (the experts are replicated over tp).
 
 Layouts and their invariants:
 
@@ -478,7 +479,8 @@ class MoE(nn.Module):
         one-process values) and exchange tokens with the other ranks of ``group`` in every forward
         (:func:`~tokenloom.train.moe.dispatch`). Call before the optimizer or DDP sees the
         parameters (they are replaced). The expert parameters are tagged ``expert_parallel``:
-        reduced over the expert-data-parallel group, not with the dense ones."""
+        reduced over the expert-data-parallel group, not with the dense ones; under sequence
+        parallelism also ``sequence_parallel`` (summed over tp first, like the router's)."""
         if self.num_experts % size:
             raise TokenloomError(f"num_experts={self.num_experts} is not divisible by ep={size}")
         local = self.num_experts // size
@@ -488,7 +490,8 @@ class MoE(nn.Module):
             p = getattr(ex, name)
             if p is not None:
                 setattr(ex, name, nn.Parameter(p[ex.first:ex.first + local].clone()))
-                tag(getattr(ex, name), expert_parallel=True)
+                # keeps the tp tag: under sequence parallelism the share's grad is partial per tp rank too
+                tag(getattr(ex, name), expert_parallel=True, sequence_parallel=self.tp.sp)
         self.ep = (group, size)
 
     def commit_stats(self) -> None:

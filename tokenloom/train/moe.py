@@ -20,6 +20,17 @@ Contracts:
   exchange), and the received rows are sorted by local expert (stable: source rank, then token
   order). :func:`combine` undoes both. gloo runs ``all_to_all_single`` on CPU, with uneven splits.
   The router, the auxiliary losses and the statistics stay on the source rank's tokens.
+* **Experts under tensor parallelism** (sequence parallelism required, as in Megatron): each
+  expert is whole on every tp rank (replicated over tp, not Megatron's expert tensor parallelism),
+  and each tp rank routes and dispatches its own ``1 / tp`` slice of the sequence over its ep group
+  (the ep rank's peers with the same tp rank). The expert grads are then partial per tp rank and
+  are summed over tp like the router's (tag ``sequence_parallel``) before the expert-data-parallel
+  reduction. Why: the layer needs no tp collective of its own (the tokens arrive sliced already,
+  where split experts would all-gather them over tp and reduce-scatter the outputs), each tp rank's
+  exchange is ``1 / tp`` of the tokens, and at the small expert widths MoE models use a split
+  expert's GEMMs would be ``1 / tp`` as wide; the price is expert memory ``tp`` times that of
+  split experts. Under pipeline parallelism each stage's experts split over the ep ranks of that
+  stage, and each stage's aux losses reach backward through its own :class:`AttachAuxLoss`.
 * **Auxiliary losses** (:func:`load_balancing_loss`, :func:`z_loss`) are computed over the
   tokens of a micro-batch; under sequence parallelism each tp rank holds a slice of them, so
   the sums are all-reduced over tp (forward only: each rank's backward reaches its own tokens)

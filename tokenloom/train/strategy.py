@@ -446,8 +446,11 @@ class Strategy:
         counted = [p.grad for p in self.params if p.grad is not None and self._counts_in_norm(p) and not is_expert(p)]
         groups = [st.model_parallel_group] if self.staged else []
         norm = global_grad_norm(counted, groups, device=self.device)
-        if experts:  # each ep rank holds other experts: their squares summed over the ep group
-            expert_norm = global_grad_norm(experts, [st.ep_group], device=self.device)
+        if cfg.ep > 1:  # each ep rank holds other experts: their squares summed over the ep group, then
+            # over the stages (replicated over tp: every tp rank holds the same sums); on every rank,
+            # with or without experts on its stage, as the collectives need
+            groups = [st.ep_group] + ([st.pp_group] if cfg.pp > 1 else [])
+            expert_norm = global_grad_norm(experts, groups, device=self.device)
             norm = (norm.double().square() + expert_norm.double().square()).sqrt().float()
         coefficient = clip_coefficient(norm, cfg.optim.grad_clip)
         if self.optimizer.defaults.get("fused"):

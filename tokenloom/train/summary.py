@@ -74,6 +74,7 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
         f"{f' (vpp {cfg.vpp})' if cfg.vpp else ''}{', sequence parallel' if cfg.sp else ''}"
         f"{f', context parallel: {cfg.model.seq_len // cfg.cp} tokens of each sequence per rank' if cfg.cp > 1 else ''}"
         f"{f', expert parallel: ep {cfg.ep}, {(m.num_experts or 0) // cfg.ep} of {m.num_experts} experts per rank' if cfg.ep > 1 else ''}"
+        f"{' (whole on each tp rank)' if cfg.ep > 1 and cfg.tp > 1 else ''}"
         f"{_uneven(cfg)}{', ZeRO-1' if cfg.zero1 else ''}{', FSDP' if cfg.fsdp else ''}; {facts.precision}",
         "data      " + facts.data_plan.replace("\n", "\n          "),
         f"batch     global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {facts.dp} x accumulation "

@@ -91,7 +91,19 @@ def reference(out: Path, **kw: Any) -> dict[str, Any]:
         torch.set_num_threads(threads)
     metrics = Path(out) / "metrics.jsonl"
     return {"losses": read_losses(metrics), "summary": summary, "norms": read_norms(metrics), "moe": read_moe(metrics),
-            "params": {n: t.detach().clone() for n, t in run.strategy.chunks[0].state_dict().items()}}
+            "params": {n: t.detach().clone() for n, t in run.strategy.chunks[0].state_dict().items()},
+            "expert_grads": expert_grads(run.strategy.chunks)}
+
+
+def expert_grads(chunks: list[GPT]) -> dict[str, tuple[int, torch.Tensor]]:
+    """The last step's (clipped) gradients of the experts these chunks hold, by one-process name:
+    (the layer's index of the first expert held, the grad of the held experts)."""
+    out = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if ".mlp.experts." in name and p.grad is not None:
+                out[name] = (chunk.get_submodule(name.rsplit(".", 1)[0]).first, p.grad.detach().clone())
+    return out
 
 
 # ---------------------------------------------------------------------- scenarios (run on every rank)
@@ -118,7 +130,8 @@ def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
     sizes = {"state_bytes": trainer.strategy.optimizer_state_bytes(),
              "numel": sum(p.numel() for p in trainer.strategy.params),
              "zero_shard": (opt.shard_size, len(opt.main_shards)) if cfg.zero1 else None,
-             "chunks_compiled": (sum(any(c is m for m in compiled) for c in chunks), len(chunks))}
+             "chunks_compiled": (sum(any(c is m for m in compiled) for c in chunks), len(chunks)),
+             "expert_grads": expert_grads(chunks)}
     if rank != 0:
         return {"losses": [], "norms": [], "params": {}, "summary": summary, **sizes}
     metrics = Path(out) / "metrics.jsonl"

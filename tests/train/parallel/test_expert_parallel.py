@@ -1,10 +1,12 @@
-"""Expert parallelism (issue 43, acceptance 2 and 3 for ep with plain data parallelism) through the
-one loop against its one-process MoE run: 20-step losses, grad norms, the logged balance and z
-losses and tokens per expert, and the final checkpoint's parameters (every expert under its
-one-process name) of ep 2 at dp 2 and of ep 2 at dp 4 (two expert-data-parallel ranks per expert);
-the ep 2 checkpoint at step 10 resumed at ep 1 and at ep 4 logs the losses ep 2 went on to log; each
-rank holds its share of the experts. The ep 2 runs have the process default device set to ``meta``
-(the meta default-device suite's check: the dispatch makes no tensor without naming the run's device).
+"""Expert parallelism (issue 43, acceptance 2 and 3 for ep with data, tensor (+ sequence) and
+pipeline parallelism) through the one loop against its one-process MoE run: 20-step losses, grad
+norms, the logged balance and z losses and tokens per expert, the final checkpoint's parameters
+(every expert under its one-process name) and every rank's last-step expert gradients of ep 2 at
+dp 2, ep 2 at dp 4 (two expert-data-parallel ranks per expert), ep 2 x tp 2 with sequence
+parallelism and ep 2 x pp 2; the ep 2 checkpoint at step 10 resumed at ep 1 and at ep 4, and the
+ep 2 x tp 2 one resumed at ep 1 x dp 4, log the losses the saving run went on to log; each rank
+holds its share of the experts. The ep runs have the process default device set to ``meta`` (the
+meta default-device suite's check: the dispatch makes no tensor without naming the run's device).
 
 Two launches (2 and 4 gloo ranks), so ``slow``."""
 
@@ -22,9 +24,12 @@ pytestmark = pytest.mark.slow
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep")
     saved = str(tmp / "ep2_dp2" / "checkpoints" / f"iter_{HALF:07d}")
+    saved_tp = str(tmp / "ep2_tp2_sp" / "checkpoints" / f"iter_{HALF:07d}")
     out = {"reference": reference(tmp / "reference", moe=True)}
     worlds = {2: [("ep2_dp2", dict(ep=2, save_interval=HALF)), ("ep2_at_ep1", dict(resume=saved))],
-              4: [("ep2_dp4", dict(ep=2)), ("ep2_at_ep4", dict(ep=4, resume=saved))]}
+              4: [("ep2_dp4", dict(ep=2)), ("ep2_at_ep4", dict(ep=4, resume=saved)),
+                  ("ep2_tp2_sp", dict(ep=2, tp=2, sp=True, save_interval=HALF)), ("ep2_pp2", dict(ep=2, pp=2)),
+                  ("ep2_tp2_at_ep1", dict(resume=saved_tp))]}
     for world, layouts in worlds.items():
         (tmp / f"w{world}").mkdir()
         # resuming reads checkpoints with host tensors made without a device: not on meta
@@ -36,7 +41,8 @@ def runs(tmp_path_factory):
             ranks = [r[i] for r in results]
             last = next(r for r in ranks if r["losses"])
             out[name] = {"losses": logged_losses(ranks), "norms": last["norms"], "moe": last["moe"],
-                         "params": merged_params(ranks), "numel": [r["numel"] for r in ranks]}
+                         "params": merged_params(ranks), "numel": [r["numel"] for r in ranks],
+                         "expert_grads": [r["expert_grads"] for r in ranks]}
     return out
 
 
@@ -48,7 +54,10 @@ def test_each_rank_holds_its_share_of_the_experts(runs, name, ep):
     assert experts and runs[name]["numel"] == [total - experts + experts // ep] * len(runs[name]["numel"])
 
 
-@pytest.mark.parametrize("name", ["ep2_dp2", "ep2_dp4"])
+EP_LAYOUTS = ["ep2_dp2", "ep2_dp4", "ep2_tp2_sp", "ep2_pp2"]
+
+
+@pytest.mark.parametrize("name", EP_LAYOUTS)
 def test_expert_parallel_equals_one_process(runs, name):
     got, ref = runs[name], runs["reference"]
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
@@ -65,12 +74,26 @@ def test_expert_parallel_equals_one_process(runs, name):
     assert diff < TOL
 
 
-@pytest.mark.parametrize("name", ["ep2_at_ep1", "ep2_at_ep4"])
-def test_expert_parallel_checkpoint_resumes_at_another_ep(runs, name):
-    went_on = runs["ep2_dp2"]["losses"][HALF:]
+@pytest.mark.parametrize("name", EP_LAYOUTS)
+def test_expert_gradients_equal_one_process(runs, name):
+    """Every rank's last-step expert grads (after the tp, expert-dp and clipping) are the one-process
+    grads of the experts it holds; together the ranks hold every expert of every MoE layer."""
+    ref = runs["reference"]["expert_grads"]
+    held = set()
+    for rank in runs[name]["expert_grads"]:
+        for n, (first, grad) in rank.items():
+            assert (grad - ref[n][1][first:first + grad.shape[0]]).abs().max().item() < TOL
+            held.update((n, e) for e in range(first, first + grad.shape[0]))
+    assert held == {(n, e) for n, (_, grad) in ref.items() for e in range(grad.shape[0])}
+
+
+@pytest.mark.parametrize(("name", "saved"), [("ep2_at_ep1", "ep2_dp2"), ("ep2_at_ep4", "ep2_dp2"),
+                                             ("ep2_tp2_at_ep1", "ep2_tp2_sp")])
+def test_expert_parallel_checkpoint_resumes_at_another_ep(runs, name, saved):
+    went_on = runs[saved]["losses"][HALF:]
     resumed = runs[name]["losses"]
     assert len(resumed) == len(went_on) == STEPS - HALF
     assert max(abs(a - b) for a, b in zip(resumed, went_on, strict=True)) < TOL
-    diff = max((runs[name]["params"][n] - runs["ep2_dp2"]["params"][n]).abs().max().item()
-               for n in runs["ep2_dp2"]["params"])
+    diff = max((runs[name]["params"][n] - runs[saved]["params"][n]).abs().max().item()
+               for n in runs[saved]["params"])
     assert diff < TOL
