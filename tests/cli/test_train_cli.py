@@ -123,7 +123,7 @@ def test_expert_parallel_flags_reach_the_config_or_are_refused_in_one_line(tmp_p
     one_line_error(done, "ep=2 splits the experts of mixture-of-experts layers; set model.num_experts (--num-experts)")
     done = run_cli("train", *MOCK, "--ep", "2", "--num-experts", "4", "--moe-router-topk", "2", "--tp", "2",
                    "--moe-token-dispatcher-type", "alltoall", "--output-dir", tmp_path)
-    one_line_error(done, "ep=2 runs with plain data parallelism only in this version; tp=2 is not supported")
+    one_line_error(done, "ep=2 runs with data parallelism (and zero1) only in this version; tp=2 is not supported")
     done = run_cli("train", *MOCK, "--moe-token-dispatcher-type", "allgather", "--output-dir", tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "Invalid value for '--moe-token-dispatcher-type'" in done.stderr

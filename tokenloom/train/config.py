@@ -150,8 +150,9 @@ class TrainConfig:
     ep: int = 1
     """Expert-parallel size (Megatron's expert_model_parallel_size): ep data-parallel ranks split each
     mixture-of-experts layer's experts (num_experts / ep each) and exchange tokens with them by
-    all-to-all; expert gradients are reduced over the dp ranks holding the same experts. Divides dp;
-    this version runs it with plain data parallelism only (tp, cp, pp, zero1 and fsdp at their
+    all-to-all; expert gradients are reduced over the dp ranks holding the same experts (with zero1,
+    the experts' AdamW state is sharded over those ranks, the dense state over dp). Divides dp; this
+    version runs it with data parallelism, with or without zero1 (tp, cp, pp and fsdp at their
     defaults)."""
     pp: int = 1
     """Pipeline-parallel size (1F1B schedule; interleaved with vpp)."""
@@ -172,7 +173,8 @@ class TrainConfig:
     the sequence (activation memory / tp there), at the price of all-gather + reduce-scatter
     instead of all-reduce around each tensor-parallel layer pair."""
     zero1: bool = False
-    """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW)."""
+    """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW); with
+    ep > 1 the experts' state over the dp ranks holding the same experts (Megatron's expert buffers)."""
     fsdp: bool = False
     """Fully sharded data parallelism (ZeRO-3, torch's fully_shard): parameters, gradients and AdamW
     state sharded over data parallel, each block's parameters all-gathered just before its forward and
@@ -208,10 +210,10 @@ class TrainConfig:
                                      "model.num_experts (--num-experts) or leave ep at 1")
             if self.model.num_experts % self.ep:
                 raise TokenloomError(f"ep={self.ep} must divide model.num_experts={self.model.num_experts}")
-            clashes = [f"{k}={getattr(self, k)}" for k, off in (("tp", 1), ("cp", 1), ("pp", 1), ("zero1", False),
+            clashes = [f"{k}={getattr(self, k)}" for k, off in (("tp", 1), ("cp", 1), ("pp", 1),
                                                                  ("fsdp", False)) if getattr(self, k) != off]
             if clashes:
-                raise TokenloomError(f"ep={self.ep} runs with plain data parallelism only in this version; "
+                raise TokenloomError(f"ep={self.ep} runs with data parallelism (and zero1) only in this version; "
                                      f"{', '.join(clashes)} is not supported with it yet")
         if self.cp > 1:
             step = 2 * self.cp * (self.tp if self.sp else 1)

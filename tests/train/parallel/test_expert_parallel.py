@@ -1,10 +1,14 @@
-"""Expert parallelism (issue 43, acceptance 2 and 3 for ep with plain data parallelism) through the
-one loop against its one-process MoE run: 20-step losses, grad norms, the logged balance and z
-losses and tokens per expert, and the final checkpoint's parameters (every expert under its
-one-process name) of ep 2 at dp 2 and of ep 2 at dp 4 (two expert-data-parallel ranks per expert);
-the ep 2 checkpoint at step 10 resumed at ep 1 and at ep 4 logs the losses ep 2 went on to log; each
-rank holds its share of the experts. The ep 2 runs have the process default device set to ``meta``
-(the meta default-device suite's check: the dispatch makes no tensor without naming the run's device).
+"""Expert parallelism (issue 43, acceptance 2 and 3 for ep with data parallelism, with and without
+ZeRO-1) through the one loop against its one-process MoE run: 20-step losses, grad norms, the logged
+balance and z losses and tokens per expert, and the final checkpoint's parameters (every expert under
+its one-process name) of ep 2 at dp 2 and of ep 2 at dp 4 (two expert-data-parallel ranks per expert),
+each also with ZeRO-1 (the experts' state sharded over the expert-data-parallel ranks: at dp 4 in
+small buckets, reduce-scattered and gathered overlapped; at dp 2 without the overlaps); the ep 2
+checkpoint at step 10 resumed at ep 1 and at ep 4, and the ep 2 + ZeRO-1 one at dp 4 resumed at ep 1
+without ZeRO-1, log the losses their run went on to log; each rank holds its share of the experts,
+and ZeRO-1 its piece of their AdamW state. The ep 2 runs have the process default device set to
+``meta`` (the meta default-device suite's check: the dispatch and ZeRO-1's expert buckets make no
+tensor without naming the run's device).
 
 Two launches (2 and 4 gloo ranks), so ``slow``."""
 
@@ -23,8 +27,12 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep")
     saved = str(tmp / "ep2_dp2" / "checkpoints" / f"iter_{HALF:07d}")
     out = {"reference": reference(tmp / "reference", moe=True)}
-    worlds = {2: [("ep2_dp2", dict(ep=2, save_interval=HALF)), ("ep2_at_ep1", dict(resume=saved))],
-              4: [("ep2_dp4", dict(ep=2)), ("ep2_at_ep4", dict(ep=4, resume=saved))]}
+    saved_zero1 = str(tmp / "ep2_dp4_zero1" / "checkpoints" / f"iter_{HALF:07d}")
+    worlds = {2: [("ep2_dp2", dict(ep=2, save_interval=HALF)), ("ep2_at_ep1", dict(resume=saved)),
+                  ("ep2_dp2_zero1", dict(ep=2, zero1=True, overlap_grad_reduce=False, overlap_param_gather=False))],
+              4: [("ep2_dp4", dict(ep=2)), ("ep2_at_ep4", dict(ep=4, resume=saved)),
+                  ("ep2_dp4_zero1", dict(ep=2, zero1=True, ddp_bucket_cap_mb=0.02, save_interval=HALF)),
+                  ("ep2_zero1_at_ep1", dict(resume=saved_zero1))]}
     for world, layouts in worlds.items():
         (tmp / f"w{world}").mkdir()
         # resuming reads checkpoints with host tensors made without a device: not on meta
@@ -36,11 +44,13 @@ def runs(tmp_path_factory):
             ranks = [r[i] for r in results]
             last = next(r for r in ranks if r["losses"])
             out[name] = {"losses": logged_losses(ranks), "norms": last["norms"], "moe": last["moe"],
-                         "params": merged_params(ranks), "numel": [r["numel"] for r in ranks]}
+                         "params": merged_params(ranks), "numel": [r["numel"] for r in ranks],
+                         "state_bytes": [r["state_bytes"] for r in ranks]}
     return out
 
 
-@pytest.mark.parametrize(("name", "ep"), [("ep2_dp2", 2), ("ep2_dp4", 2), ("ep2_at_ep4", 4)])
+@pytest.mark.parametrize(("name", "ep"), [("ep2_dp2", 2), ("ep2_dp4", 2), ("ep2_at_ep4", 4), ("ep2_dp2_zero1", 2),
+                                          ("ep2_dp4_zero1", 2)])
 def test_each_rank_holds_its_share_of_the_experts(runs, name, ep):
     ref = runs["reference"]["params"]
     experts = sum(t.numel() for n, t in ref.items() if ".mlp.experts." in n)
@@ -48,7 +58,19 @@ def test_each_rank_holds_its_share_of_the_experts(runs, name, ep):
     assert experts and runs[name]["numel"] == [total - experts + experts // ep] * len(runs[name]["numel"])
 
 
-@pytest.mark.parametrize("name", ["ep2_dp2", "ep2_dp4"])
+@pytest.mark.parametrize(("name", "dp", "expert_dp"), [("ep2_dp2_zero1", 2, 1), ("ep2_dp4_zero1", 4, 2)])
+def test_zero1_shards_dense_state_over_dp_and_expert_state_over_expert_dp(runs, name, dp, expert_dp):
+    """Two fp32 moments per element: each rank holds 1/dp of the dense parameters' and 1/expert-dp of
+    its experts' (plus under a bucket of padding and a step count per bucket)."""
+    ref = runs["reference"]["params"]
+    experts = sum(t.numel() for n, t in ref.items() if ".mlp.experts." in n) // 2  # this ep rank's share
+    dense = sum(t.numel() for n, t in ref.items() if ".mlp.experts." not in n and n != "lm_head.weight")
+    for got in runs[name]["state_bytes"]:
+        moments = 8 * (dense / dp + experts / expert_dp)
+        assert moments <= got < moments + 1024
+
+
+@pytest.mark.parametrize("name", ["ep2_dp2", "ep2_dp4", "ep2_dp2_zero1", "ep2_dp4_zero1"])
 def test_expert_parallel_equals_one_process(runs, name):
     got, ref = runs[name], runs["reference"]
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
@@ -65,12 +87,13 @@ def test_expert_parallel_equals_one_process(runs, name):
     assert diff < TOL
 
 
-@pytest.mark.parametrize("name", ["ep2_at_ep1", "ep2_at_ep4"])
-def test_expert_parallel_checkpoint_resumes_at_another_ep(runs, name):
-    went_on = runs["ep2_dp2"]["losses"][HALF:]
+@pytest.mark.parametrize(("name", "saved"), [("ep2_at_ep1", "ep2_dp2"), ("ep2_at_ep4", "ep2_dp2"),
+                                             ("ep2_zero1_at_ep1", "ep2_dp4_zero1")])
+def test_expert_parallel_checkpoint_resumes_at_another_ep(runs, name, saved):
+    went_on = runs[saved]["losses"][HALF:]
     resumed = runs[name]["losses"]
     assert len(resumed) == len(went_on) == STEPS - HALF
     assert max(abs(a - b) for a, b in zip(resumed, went_on, strict=True)) < TOL
-    diff = max((runs[name]["params"][n] - runs["ep2_dp2"]["params"][n]).abs().max().item()
-               for n in runs["ep2_dp2"]["params"])
+    diff = max((runs[name]["params"][n] - runs[saved]["params"][n]).abs().max().item()
+               for n in runs[saved]["params"])
     assert diff < TOL

@@ -2,7 +2,8 @@
 acceptance 3): model and strategy construction, steps, evaluation and a checkpoint save.
 A tensor made anywhere in the run without naming the run's device would be a ``meta``
 tensor, and the run would crash (a collective, ``.item()`` or data on ``meta``) or log
-losses that differ from the plain one-process run's.
+losses that differ from the plain one-process run's (the one-process MoE run's for the
+expert-parallel layouts).
 
 Two launches (2 and 4 gloo ranks), so ``slow``."""
 
@@ -40,13 +41,18 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     "dp2_tp2_pp1_sp_fsdp": (4, dict(tp=2, sp=True, fsdp=True)),
     "dp2_tp1_pp2_vpp2_fsdp": (4, dict(pp=2, vpp=2, fsdp=True)),
     "cp2_dp2_fsdp": (4, dict(cp=2, fsdp=True)),  # sharded over dp x cp
+    # mixture of experts split over ep 2 with ZeRO-1: the experts in buckets of their own, sharded over the
+    # expert-data-parallel ranks (one at world 2, two at world 4); compared with the one-process MoE run
+    "ep2_dp2_zero1": (2, dict(moe=True, ep=2, zero1=True, ddp_bucket_cap_mb=0.02)),
+    "ep2_dp4_zero1": (4, dict(moe=True, ep=2, zero1=True, ddp_bucket_cap_mb=0.02)),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("meta")
-    out = {"reference": reference(tmp / "reference", **RUN)["losses"]}
+    out = {"reference": reference(tmp / "reference", **RUN)["losses"],
+           "reference_moe": reference(tmp / "reference_moe", moe=True, **RUN)["losses"]}
     for world in (2, 4):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
         scenarios = [("train_on_meta", dict(out=str(tmp / n), **LAYOUTS[n][1], **RUN)) for n in names]
@@ -58,6 +64,6 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_runs_with_meta_default_device(runs, name):
-    losses, ref = runs[name], runs["reference"]
+    losses, ref = runs[name], runs["reference_moe" if LAYOUTS[name][1].get("moe") else "reference"]
     assert len(losses) == len(ref) == STEPS
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-5
