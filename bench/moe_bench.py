@@ -15,8 +15,8 @@ Speed: tokens/s of one training step (forward, backward, AdamW) of the MoE vs th
 of the same active parameters (target: as close to 1 as the routing allows; the MoE does the
 same matmul FLOPs plus routing and permutation), and of the MoE's experts as one grouped GEMM
 (``torch._grouped_mm``) vs a loop over experts (``model.moe_grouped_gemm``; higher is better),
-steps taken in turn, best of ``--speed-iters``. Expert parallelism is not implemented, so there
-is no ep 2 vs ep 1 row.
+steps taken in turn, best of ``--speed-iters``. Expert parallelism (ep 2 vs ep 1, with and without
+ZeRO-1, on gloo ranks) is ``parallel_bench.py``'s expert-parallel table (``--ep-only``).
 """
 
 from __future__ import annotations
