@@ -6,7 +6,8 @@ each also with ZeRO-1 (the experts' state sharded over the expert-data-parallel 
 small buckets, reduce-scattered and gathered overlapped; at dp 2 without the overlaps); the ep 2
 checkpoint at step 10 resumed at ep 1 and at ep 4, and the ep 2 + ZeRO-1 one at dp 4 resumed at ep 1
 without ZeRO-1, log the losses their run went on to log; each rank holds its share of the experts,
-and ZeRO-1 its piece of their AdamW state. The ep 2 runs have the process default device set to
+and ZeRO-1 its piece of their AdamW state; the final checkpoints' expert AdamW moments (every step's
+expert gradients, decayed) equal the one-process run's. The ep 2 runs have the process default device set to
 ``meta`` (the meta default-device suite's check: the dispatch and ZeRO-1's expert buckets make no
 tensor without naming the run's device).
 
@@ -14,8 +15,12 @@ Two launches (2 and 4 gloo ranks), so ``slow``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from compose_helpers import STEPS, launch, logged_losses, merged_params, reference
+
+from tokenloom.train import ckpt_format
 
 TOL = 1e-5
 HALF = STEPS // 2
@@ -45,7 +50,8 @@ def runs(tmp_path_factory):
             last = next(r for r in ranks if r["losses"])
             out[name] = {"losses": logged_losses(ranks), "norms": last["norms"], "moe": last["moe"],
                          "params": merged_params(ranks), "numel": [r["numel"] for r in ranks],
-                         "state_bytes": [r["state_bytes"] for r in ranks]}
+                         "state_bytes": [r["state_bytes"] for r in ranks],
+                         "checkpoint": last["summary"]["checkpoint"]}
     return out
 
 
@@ -85,6 +91,23 @@ def test_expert_parallel_equals_one_process(runs, name):
     assert experts and all(got["params"][n].shape == ref["params"][n].shape for n in experts)
     diff = max((got["params"][n] - ref["params"][n]).abs().max().item() for n in ref["params"])
     assert diff < TOL
+
+
+@pytest.mark.parametrize("name", ["ep2_dp2", "ep2_dp4", "ep2_dp2_zero1", "ep2_dp4_zero1"])
+def test_expert_gradients_equal_one_process(runs, name):
+    """The final checkpoint's AdamW moments of every expert (``exp_avg``: the decayed sum of the
+    clipped gradients of every step; ``exp_avg_sq``: of their squares), written by each rank's
+    pieces under ZeRO-1, equal the one-process run's: the expert gradients were the one-process
+    ones at every step, scale included."""
+    ref = ckpt_format.read(Path(runs["reference"]["summary"]["checkpoint"]))[1]
+    got = ckpt_format.read(Path(runs[name]["checkpoint"]))[1]
+    experts = [n for n in ref if ".mlp.experts." in n]
+    assert experts and sorted(got) == sorted(ref)
+    for n in experts:
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = ref[n][key].abs().max().item()
+            assert scale > 0 and (got[n][key] - ref[n][key]).abs().max().item() < 1e-4 * scale, (n, key)
+        assert float(got[n]["step"]) == float(ref[n]["step"]) == STEPS
 
 
 @pytest.mark.parametrize(("name", "saved"), [("ep2_at_ep1", "ep2_dp2"), ("ep2_at_ep4", "ep2_dp2"),
