@@ -17,7 +17,8 @@ same matmul FLOPs plus routing and permutation), and of the MoE's experts as one
 (``torch._grouped_mm``) vs a loop over experts (``model.moe_grouped_gemm``; higher is better),
 steps taken in turn, best of ``--speed-iters``, eager, on ``--device`` (CUDA: bf16 autocast and
 fused AdamW, where ``torch._grouped_mm`` runs on Hopper; what ``run_all.py --gpu`` measures). Expert
-parallelism is not implemented, so there is no ep 2 vs ep 1 row.
+parallelism (ep 2 vs ep 1, with and without ZeRO-1, on gloo ranks) is ``parallel_bench.py``'s
+expert-parallel table (``--ep-only``).
 """
 
 from __future__ import annotations

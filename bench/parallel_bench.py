@@ -3,7 +3,7 @@
     .venv/bin/python bench/parallel_bench.py [--world 2] [--steps 5] [--d-model 64] [--micro-batches 4]
         [--layouts dp,zero1,tp,pp,vpp] [--bubble-d-model 512] [--bubble-layers 32] [--bubble-micro-batches 4,8]
         [--bubble-steps 9] [--no-bubble | --bubble-only] [--split-last 4] [--no-split | --split-only]
-        [--no-rss | --rss-only] [--no-memory | --memory-only]
+        [--no-rss | --rss-only] [--no-memory | --memory-only] [--no-ep | --ep-only] [--ep-rounds 2]
 
 Every layout of ``--world`` ranks (2 or 4), and pure data parallelism with ZeRO-1
 (``zero1``) or fully sharded (``fsdp``), trains the same GPT with
@@ -67,7 +67,16 @@ oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``f
   GPT-2-small shape (micro-batch 1, global batch 4) with DDP, ZeRO-1 and fsdp: the largest
   rank's parameters + gradients + optimizer state (:func:`model_state_bytes`), its peak RSS
   and its resident memory after the step once glibc returns freed heap (:func:`resident_after_trim`),
-  against DDP's.
+  against DDP's;
+* unless ``--no-ep`` (``--ep-only``: nothing else), expert parallelism at dp 2 on 2 ranks
+  (:func:`ep_rows`): a mixture-of-experts GPT (``--ep-layers`` blocks ``--ep-d-model`` wide, every
+  block's MLP ``--ep-experts`` experts of inner size 2 x d_model, top-2) trained at ep 2 (each rank
+  holds half the experts; tokens exchanged by all-to-all, the experts' grads not reduced) and at
+  ep 2 with ZeRO-1, against ep 1 (every rank holds every expert; the experts' grads all-reduced
+  with the dense ones): tokens/s, the payload of every collective (all-to-all included) and the
+  optimizer state, runs alternated over ``--ep-rounds`` rounds, each side's step times pooled and
+  the median taken. These runs time no step without communication: an all-to-all has no local
+  stand-in (its exchanged split sizes drive the rest of the step).
 """
 
 from __future__ import annotations
@@ -117,6 +126,11 @@ def _scatter_locally(output: torch.Tensor, inp: torch.Tensor, *args, **kwargs) -
     output.copy_(inp.reshape(-1)[: output.numel()].view_as(output))  # the first piece, unreduced
 
 
+def _no_local_exchange(*args, **kwargs) -> None:
+    raise RuntimeError("parallel_bench: all_to_all_single has no local stand-in (the split sizes it exchanges "
+                       "drive the step); expert-parallel runs are timed with their communication only")
+
+
 class _Counter:
     """Wraps the collectives tokenloom.train.parallel calls: counts their payload bytes and, while
     ``silent``, replaces each by a no-op of equal shape (the result buffer written locally, as a
@@ -130,7 +144,8 @@ class _Counter:
         nothing = lambda *args, **kwargs: None  # noqa: E731
         for name, arg, fake in (("all_reduce", 0, nothing), ("broadcast", 0, nothing),
                                 ("all_gather_single", 1, _gather_locally),
-                                ("reduce_scatter_single", 0, _scatter_locally)):
+                                ("reduce_scatter_single", 0, _scatter_locally),
+                                ("all_to_all_single", 1, _no_local_exchange)):  # expert parallelism's tokens
             if hasattr(dist, name):
                 setattr(dist, name, self._wrap(getattr(dist, name), arg, fake))
         mappings._all_gather_flat = self._wrap(mappings._all_gather_flat, 1, _gather_locally)
@@ -164,10 +179,17 @@ class _Counter:
         return wrapped
 
 
-def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, shard: str | None, cp: int = 1) -> TrainConfig:
+def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, shard: str | None, cp: int = 1,
+           ep: int = 1) -> TrainConfig:
     """The run of one layout; ``shard``: None (DDP), "zero1" or "fsdp" over its dp ranks; ``cp``:
-    context-parallel ranks splitting each sequence."""
-    if args.rss:  # GPT-2 small (124 M parameters)
+    context-parallel ranks splitting each sequence; ``ep``: expert-parallel ranks (the MoE model
+    of the ep table when ``args.moe``)."""
+    if args.moe:  # every block's MLP a mixture of experts
+        model = GPTConfig(bias=False, vocab_size=1000, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
+                          n_layers=args.ep_layers, n_heads=4, d_model=args.ep_d_model, num_experts=args.ep_experts,
+                          moe_router_topk=2, moe_ffn_hidden_size=2 * args.ep_d_model)
+        micro, gbs = 2, 2 * args.world * args.micro_batches
+    elif args.rss:  # GPT-2 small (124 M parameters)
         model = GPTConfig(vocab_size=50257, seq_len=128, n_layers=12, n_heads=12, d_model=768)
         micro, gbs = 1, max(2, dp)
     elif args.split:  # GPT-2's vocabulary: the head and loss weigh several blocks
@@ -186,7 +208,8 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, shard: s
                        optim=OptimConfig(warmup_iters=1), micro_batch_size=micro,
                        global_batch_size=gbs, train_iters=2 * args.steps + 1,
                        eval_interval=0, save_interval=None, plot=False, progress=False, output_dir=str(out),
-                       tp=tp, pp=pp, vpp=vpp, cp=cp, zero1=shard == "zero1", fsdp=shard == "fsdp", dist_timeout_s=120.0,
+                       tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, zero1=shard == "zero1", fsdp=shard == "fsdp",
+                       dist_timeout_s=120.0,
                        num_layers_in_last_pipeline_stage=args.split_last if args.split else None)
 
 
@@ -218,7 +241,7 @@ def worker(rank: int, world: int, init: str, args, layout, out: str) -> None:
     model_state = model_state_bytes(run)
     resident = resident_after_trim() if args.rss else 0.0
     silent = []  # the same steps with every collective and p2p a local no-op (the model is spoilt after)
-    if not args.rss and not args.bubble and not args.split:
+    if not args.rss and not args.bubble and not args.split and not args.moe:
         for _ in range(args.steps):
             dist.barrier()
             counter.silent = True
@@ -304,9 +327,9 @@ def layouts_of(world: int) -> dict[str, tuple]:
     return layouts
 
 
-def layout_name(dp: int, tp: int, pp: int, vpp: int | None, shard: str | None, cp: int = 1) -> str:
+def layout_name(dp: int, tp: int, pp: int, vpp: int | None, shard: str | None, cp: int = 1, ep: int = 1) -> str:
     return (f"dp{dp} tp{tp}" + (f" cp{cp}" if cp > 1 else "") + f" pp{pp}" + (f" vpp{vpp}" if vpp else "")
-            + (f" {shard}" if shard else ""))
+            + (f" ep{ep}" if ep > 1 else "") + (f" {shard}" if shard else ""))
 
 
 def main() -> None:
@@ -346,8 +369,19 @@ def main() -> None:
     parser.add_argument("--no-memory", dest="with_memory", action="store_false",
                         help="skip the dp 4 memory table (DDP, ZeRO-1 and fsdp, a 124 M-parameter model on 4 ranks)")
     parser.add_argument("--memory-only", action="store_true", help="only the dp 4 memory table")
+    parser.add_argument("--no-ep", dest="with_ep", action="store_false",
+                        help="skip the expert-parallel table (a mixture-of-experts GPT at dp 2, ep 2 vs ep 1)")
+    parser.add_argument("--ep-only", action="store_true", help="only the expert-parallel table")
+    parser.add_argument("--ep-layers", type=int, default=4, help="blocks of the expert-parallel table's MoE")
+    parser.add_argument("--ep-d-model", type=int, default=128, help="model width of the expert-parallel table")
+    parser.add_argument("--ep-experts", type=int, default=8, help="experts per block in the expert-parallel table")
+    parser.add_argument("--ep-rounds", type=int, default=2,
+                        help="runs of each side of the expert-parallel table, alternating (ep1, ep2, ep2 zero1, ...)")
     args = parser.parse_args()
-    args.rss = args.bubble = args.split = False
+    args.rss = args.bubble = args.split = args.moe = False
+    if args.ep_only:
+        print_table(ep_title(args), ep_rows(args))
+        return
     if args.split_only:
         print_table(split_title(args), split_rows(args))
         return
@@ -379,6 +413,8 @@ def main() -> None:
                     rss_rows(args))
     if args.with_memory and not args.bubble_only:
         print_table(MEMORY_TITLE, memory_rows(args))
+    if args.with_ep and not args.bubble_only:
+        print_table(ep_title(args), ep_rows(args))
 
 
 def main_rows(args, layouts: list[tuple]) -> list[tuple[str, str, str, str]]:
@@ -494,6 +530,48 @@ def memory_rows(args) -> list[tuple[str, str, str, str]]:
                      f"{r['peak_rss'] / base['peak_rss']:.2f}x"))
         rows.append((f"resident MB after the step, freed heap trimmed ({name})", f"{r['resident_bytes'] / 1e6:.0f}",
                      f"{base['resident_bytes'] / 1e6:.0f}", f"{r['resident_bytes'] / base['resident_bytes']:.2f}x"))
+    return rows
+
+
+def ep_title(args) -> str:
+    return (f"expert parallelism on 2 gloo ranks (dp 2), MoE GPT {args.ep_layers} layers x {args.ep_d_model} wide, "
+            f"{args.ep_experts} experts of {2 * args.ep_d_model} per block, top-2, seq {args.seq_len}, global batch "
+            f"{4 * args.micro_batches}, median step of {args.ep_rounds} alternating runs of {args.steps} steps "
+            "(baseline: ep 1; tokens/s higher is better)")
+
+
+def ep_rows(args) -> list[tuple[str, str, str, str]]:
+    """ep 2 and ep 2 with ZeRO-1 against ep 1 at dp 2, the same MoE model and batches: tokens/s of
+    the median step (each side's steps pooled over ``--ep-rounds`` alternating runs: the box's
+    load drifts over minutes), collective payload per rank and step, optimizer state of the
+    largest rank.
+
+    At ep 1 each rank runs every expert on its own tokens and all-reduces every expert's grads;
+    at ep 2 each rank runs half the experts on both ranks' tokens routed to them (the same
+    FLOPs), exchanging the routed rows by all-to-all (forward and backward, plus a host sync on
+    the split sizes per MoE layer and pass), and its experts' grads need no reduction (one rank
+    per expert-data-parallel group)."""
+    sides = {"ep1": (2, 1, 1, None, None, 1, 1), "ep2": (2, 1, 1, None, None, 1, 2),
+             "ep2 zero1": (2, 1, 1, None, "zero1", 1, 2)}
+    moe_args = argparse.Namespace(**{**vars(args), "world": 2, "moe": True})
+    steps: dict[str, list[float]] = {k: [] for k in sides}
+    last: dict[str, dict] = {}
+    for _ in range(args.ep_rounds):
+        for name, lay in sides.items():
+            last[name] = r = measure(moe_args, lay)
+            steps[name] += r["steps_s"]
+    tokens = 4 * args.micro_batches * args.seq_len  # global batch x sequence
+    per_s = {k: tokens / statistics.median(v) for k, v in steps.items()}
+    base = per_s["ep1"]
+    rows = []
+    for name in sides:
+        rows.append((f"tokens/s ({name} vs ep1)", f"{per_s[name]:,.0f}", f"{base:,.0f}", f"{per_s[name] / base:.2f}x"))
+        rows.append((f"comm MB/rank/step ({name} vs ep1)", f"{last[name]['comm_bytes'] / 1e6:.2f}",
+                     f"{last['ep1']['comm_bytes'] / 1e6:.2f}",
+                     f"{last[name]['comm_bytes'] / last['ep1']['comm_bytes']:.2f}x"))
+        rows.append((f"optimizer state bytes/rank ({name} vs ep1)", f"{last[name]['state_bytes']:.0f}",
+                     f"{last['ep1']['state_bytes']:.0f}",
+                     f"{last[name]['state_bytes'] / last['ep1']['state_bytes']:.3f}x"))
     return rows
 
 

@@ -126,7 +126,7 @@ def test_expert_parallel_flags_reach_the_config_or_are_refused_in_one_line(tmp_p
     one_line_error(done, "model.num_experts=4 at tp=2 needs sequence parallelism (sp=true, --sequence-parallel)")
     done = run_cli("train", *MOCK, "--ep", "2", "--num-experts", "4", "--moe-router-topk", "2", "--cp", "2",
                    "--output-dir", tmp_path)
-    one_line_error(done, "ep=2 runs with data, tensor (+ sequence) and pipeline parallelism only in this version; "
+    one_line_error(done, "ep=2 runs with data, tensor (+ sequence) and pipeline parallelism and zero1 only in this version; "
                          "cp=2 is not supported")
     done = run_cli("train", *MOCK, "--moe-token-dispatcher-type", "allgather", "--output-dir", tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr

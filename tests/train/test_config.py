@@ -70,17 +70,18 @@ def test_the_small_model_default_applies_only_when_no_shape_is_given(tmp_path):
 
 def test_expert_parallelism_is_refused_where_it_cannot_run():
     """ep needs experts it divides, and runs with data, tensor (+ sequence) and pipeline parallelism
-    only in this version: each unsupported companion is named."""
+    and zero1 only in this version: each unsupported companion is named."""
     moe = GPTConfig(n_layers=2, num_experts=4, moe_router_topk=2)
     assert TrainConfig(model=moe, ep=4).ep == 4
+    assert TrainConfig(model=moe, ep=2, zero1=True).zero1
     with pytest.raises(TokenloomError, match=r"^ep=2 splits the experts .* set model.num_experts"):
         TrainConfig(ep=2)
     with pytest.raises(TokenloomError, match=r"^ep=3 must divide model.num_experts=4$"):
         TrainConfig(model=moe, ep=3)
     with pytest.raises(TokenloomError, match=r"^ep must be >= 1, got ep=0$"):
         TrainConfig(model=moe, ep=0)
-    assert TrainConfig(model=moe, ep=2, tp=2, sp=True, pp=2).ep == 2
+    assert TrainConfig(model=moe, ep=2, tp=2, sp=True, pp=2, zero1=True).ep == 2
     with pytest.raises(TokenloomError, match=r"^model.num_experts=4 at tp=2 needs sequence parallelism \(sp=true"):
         TrainConfig(model=moe, ep=2, tp=2)
-    with pytest.raises(TokenloomError, match=r"pipeline parallelism only in this version; cp=2, zero1=True is not"):
-        TrainConfig(model=moe, ep=2, tp=2, sp=True, pp=2, cp=2, zero1=True)
+    with pytest.raises(TokenloomError, match=r"pipeline parallelism and zero1 only in this version; cp=2, fsdp=True is not"):
+        TrainConfig(model=moe, ep=2, tp=2, sp=True, pp=2, cp=2, fsdp=True)

@@ -152,8 +152,9 @@ class TrainConfig:
     mixture-of-experts layer's experts (num_experts / ep each) and exchange tokens with them by
     all-to-all; expert gradients are reduced over the dp ranks holding the same experts. Divides dp.
     Composes with tp (sequence parallelism required, as for any MoE at tp > 1: the experts are
-    replicated over tp and each tp rank dispatches its own slice of the tokens) and pp (each stage's
-    experts split over the ep ranks of that stage); cp, zero1 and fsdp stay at their defaults."""
+    replicated over tp and each tp rank dispatches its own slice of the tokens), pp (each stage's
+    experts split over the ep ranks of that stage) and zero1 (the experts' AdamW state sharded over
+    the ranks holding the same experts, the dense state over dp); cp and fsdp stay at their defaults."""
     pp: int = 1
     """Pipeline-parallel size (1F1B schedule; interleaved with vpp)."""
     vpp: int | None = None
@@ -173,7 +174,8 @@ class TrainConfig:
     the sequence (activation memory / tp there), at the price of all-gather + reduce-scatter
     instead of all-reduce around each tensor-parallel layer pair."""
     zero1: bool = False
-    """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW)."""
+    """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW); with
+    ep > 1 the experts' state over the dp ranks holding the same experts (Megatron's expert buffers)."""
     fsdp: bool = False
     """Fully sharded data parallelism (ZeRO-3, torch's fully_shard): parameters, gradients and AdamW
     state sharded over data parallel, each block's parameters all-gathered just before its forward and
@@ -209,11 +211,10 @@ class TrainConfig:
                                      "model.num_experts (--num-experts) or leave ep at 1")
             if self.model.num_experts % self.ep:
                 raise TokenloomError(f"ep={self.ep} must divide model.num_experts={self.model.num_experts}")
-            clashes = [f"{k}={getattr(self, k)}" for k, off in (("cp", 1), ("zero1", False),
-                                                                 ("fsdp", False)) if getattr(self, k) != off]
+            clashes = [f"{k}={getattr(self, k)}" for k, off in (("cp", 1), ("fsdp", False)) if getattr(self, k) != off]
             if clashes:
-                raise TokenloomError(f"ep={self.ep} runs with data, tensor (+ sequence) and pipeline parallelism only "
-                                     f"in this version; {', '.join(clashes)} is not supported with it yet")
+                raise TokenloomError(f"ep={self.ep} runs with data, tensor (+ sequence) and pipeline parallelism and "
+                                     f"zero1 only in this version; {', '.join(clashes)} is not supported with it yet")
         if self.model.num_experts is not None and self.tp > 1 and not self.sp:
             raise TokenloomError(f"model.num_experts={self.model.num_experts} at tp={self.tp} needs sequence "
                                  "parallelism (sp=true, --sequence-parallel), as in Megatron")

@@ -133,7 +133,8 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
     info and optimizer states: plain AdamW's whole (replicated over dp), ZeRO-1's step
     (replicated) and this rank's own pieces. Views of the live tensors, but for expert-parallel
     experts: gathered whole over the ep group (collective), so the files hold every expert under its
-    one-process name and any ep loads them."""
+    one-process name and any ep loads them; ZeRO-1's pieces of them are not gathered, their
+    element ranges moved to where this rank's experts sit in the whole tensor."""
     zero, sharded = run.cfg.zero1, run.fsdp_group is not None
     own = run.optimizer.own_param_states() if zero else []
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
@@ -159,8 +160,13 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
             continue
         else:
             state = {k: v.detach() for k, v in run.optimizer.state.get(p, {}).items()}
-        if expert_rows(run, name, p) is not None:
+        first = expert_rows(run, name, p)
+        if first is not None:
             state = {k: v if v.dim() == 0 else _gather_experts(run, v) for k, v in state.items()}
+            # ZeRO-1's pieces of this rank's experts: the same elements of the whole layer's tensor,
+            # whose leading dimension counts the experts (no gather)
+            shift = first * (p.numel() // p.shape[0] if p.dim() else 0)
+            pieces = {k: (start + shift, piece) for k, (start, piece) in pieces.items()}
             out.append(ckpt_format.LocalParam(name, _gather_experts(run, p.detach()), dim, sizes, tuple(aliases),
                                               state, pieces))
             continue

@@ -27,6 +27,10 @@ chunk's blocks and the chunk are sharded over dp (parameters, gradients, AdamW s
 per block in forward and backward and reduce-scattered in every micro-batch's backward; the
 sequence-parallel and tied-embedding sums and the clipping norm run on the local shards.
 
+At ``ep`` > 1 the experts' grads stay out of DDP's buckets and are summed over the expert-data-parallel
+group after them (:meth:`Strategy._reduce_expert_grads`); with ZeRO-1 they sit in buckets of their own,
+reduce-scattered and sharded over that group (:class:`~tokenloom.train.parallel.zero.ZeroAdamW`'s ``is_expert``).
+
 The checkpoint writer hands its files to :attr:`Strategy.saver`
 (:mod:`~tokenloom.train.async_save`), which writes them in the background unless ``async_save`` is off.
 
@@ -300,7 +304,9 @@ class Strategy:
                          modules=self.chunks,
                          grad_units=[m for c in self.chunks for m in self._compiled_units(c)],
                          own_bucket=is_tied_embedding if cfg.pp > 1 else None,
-                         fused=use_fused(o, self.params))
+                         fused=use_fused(o, self.params),
+                         # ep > 1: the experts in buckets of their own over the ranks holding them
+                         is_expert=is_expert if cfg.ep > 1 else None, expert_dp_group=st.expert_dp_group)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         return counts_in_grad_norm(p, self.state.tp_rank)

@@ -45,6 +45,13 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     # against the one-process MoE run
     "ep2_tp2_sp": (4, dict(moe=True, ep=2, tp=2, sp=True)),
     "ep2_pp2": (4, dict(moe=True, ep=2, pp=2)),
+    # mixture of experts split over ep 2 with ZeRO-1: the experts in buckets of their own, sharded over the
+    # expert-data-parallel ranks (one at world 2, two at world 4); compared with the one-process MoE run
+    "ep2_dp2_zero1": (2, dict(moe=True, ep=2, zero1=True, ddp_bucket_cap_mb=0.02)),
+    "ep2_dp4_zero1": (4, dict(moe=True, ep=2, zero1=True, ddp_bucket_cap_mb=0.02)),
+    # ZeRO-1's expert buckets with tp (+ sp: experts whole on each tp rank) and with pp
+    "ep2_tp2_sp_zero1": (4, dict(moe=True, ep=2, tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=0.02)),
+    "ep2_pp2_zero1": (4, dict(moe=True, ep=2, pp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
 }
 
 

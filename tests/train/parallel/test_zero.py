@@ -277,3 +277,27 @@ def test_grad_units_are_never_cut_into_two_buckets():
     assert sizes([]) == [64, 72, 72, 8]
     assert sizes([0, 1, 2]) == [72, 72, 72]
     assert sizes([1]) == [64, 80, 64, 8]
+
+
+def test_expert_parameters_get_buckets_of_their_own_and_step_as_adamw():
+    """``is_expert``: each run of expert parameters is cut out of the dense buckets (a bucket never
+    mixes the two), in order, and their group defaults to this rank alone (one rank: one piece per
+    bucket, its whole size); the update is torch's AdamW's with the same decay groups."""
+    torch.manual_seed(0)
+    sizes = (10, 20, 30, 40, 50)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    experts = {id(params[1]), id(params[2]), id(params[4])}
+    opt = ZeroAdamW([{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}],
+                    lr=1e-2, is_expert=lambda p: id(p) in experts)
+    assert [m.numel() for m in opt.main_shards] == [10, 50, 40, 50]
+    ref = torch.optim.AdamW([{"params": plain[:3], "weight_decay": 0.1}, {"params": plain[3:], "weight_decay": 0.0}],
+                            lr=1e-2)
+    for step in range(3):
+        for p, q in zip(params, plain, strict=True):
+            p.grad = torch.full_like(p, 0.5 + step) * torch.arange(p.numel())
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(params, plain, strict=True):
+        assert (p - q).abs().max() < 1e-6

@@ -54,6 +54,15 @@ Invariants and trade-offs:
   gives the full form ``torch.optim.AdamW`` keeps on dp rank 0 (a collective, for comparisons).
   One flat AdamW has one step count: states saved with different counts load the largest.
 * **dp = 1** runs the same code and writes the same checkpoints, with no collective.
+* **Expert parameters** (``is_expert``, under expert parallelism; Megatron's expert buffers):
+  each run of them gets buckets of its own, sharded, reduce-scattered and all-gathered over
+  ``expert_dp_group`` (the dp ranks holding the same experts, Megatron's data-modulo-expert-
+  parallel group) instead of ``dp_group``. Their grads are still divided by the whole dp size
+  as they enter: an ep rank's experts get the grads of every ep peer's tokens, so the sum over
+  the expert-dp group of 1/dp of each is the one-process gradient. Each element of every
+  expert lies in the piece of exactly one dp rank, so the grad norm's sum over ``dp_group``
+  counts dense and expert pieces alike, once each; weight decay is per parameter as for the
+  dense ones. A bucket sharded over one rank is stepped and copied in place, with no collective.
 
 ``bench/parallel_bench.py`` measures the step time, communication and optimizer state
 of the ``zero1`` layouts against plain data parallelism.
@@ -118,6 +127,9 @@ class ZeroAdamW:
             :meth:`all_reduce_grads` can sum their reduced pieces.
         grad_units: submodules compiled in place (one autograd node each): no bucket ends
             inside one (:func:`~tokenloom.train.ddp.grad_unit_ids`), as in DDP.
+        is_expert: the expert-parallel parameters (each rank's share of a layer's experts),
+            kept in buckets of their own sharded over ``expert_dp_group`` (module docstring).
+        expert_dp_group: the dp ranks holding this rank's experts (None: this rank alone).
         fused: ``torch.optim.AdamW``'s ``fused`` for the inner AdamW on the fp32 shard (one
             kernel per step over all its pieces where torch has it for the device, see
             :func:`~tokenloom.train.optim.use_fused`; None: torch's default). The same update
@@ -143,6 +155,8 @@ class ZeroAdamW:
         own_bucket: Callable[[nn.Parameter], bool] | None = None,
         grad_units: Iterable[nn.Module] = (),
         fused: bool | None = None,
+        is_expert: Callable[[nn.Parameter], bool] | None = None,
+        expert_dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if counts_in_norm is None:
             def counts_in_norm(p: nn.Parameter) -> bool:
@@ -169,16 +183,23 @@ class ZeroAdamW:
             raise TokenloomError("ZeroAdamW needs every parameter on one device")
 
         # buckets: contiguous runs of parameters (one dtype and device: ddp.py's assignment
-        # gives runs in order), each padded to a multiple of dp and cut into dp equal pieces
+        # gives runs in order), each padded to a multiple of its group's size (dp, or the
+        # expert-dp size for experts) and cut into that many equal pieces
         dp = self.dp_size
         assignment = [list(range(len(self.params)))] if bucket_bytes is None else \
             compute_bucket_assignment_by_size(self.params, [bucket_bytes],
                                               units=grad_unit_ids(self.params, grad_units))[0]
+        expert = [bool(is_expert is not None and is_expert(p)) for p in self.params]
+        if any(expert):
+            assignment = _split_runs(assignment, expert)
         if own_bucket is not None:
             assignment = _isolate(assignment, [own_bucket(p) for p in self.params])
+        expert_shards = (expert_dp_group, dist.get_world_size(expert_dp_group) if expert_dp_group else 1,
+                         dist.get_rank(expert_dp_group) if expert_dp_group else 0)
         self._bucket_of = [0] * len(self.params)
         self._offsets: list[tuple[int, int]] = []  # each parameter's [start, end) in the flat buffers
         self._buckets: list[tuple[int, int]] = []  # each bucket's [start, end) in the flat buffers
+        self._shards: list[tuple[dist.ProcessGroup | None, int, int]] = []  # each bucket's (group, size, rank)
         offset = 0
         for k, indices in enumerate(assignment):
             start = offset
@@ -186,12 +207,15 @@ class ZeroAdamW:
                 self._bucket_of[i] = k
                 self._offsets.append((offset, offset + self.params[i].numel()))
                 offset += self.params[i].numel()
-            offset = start + -(-(offset - start) // dp) * dp
+            shards = expert_shards if expert[indices[0]] else (dp_group, dp, self.dp_rank)
+            offset = start + -(-(offset - start) // shards[1]) * shards[1]
             self._buckets.append((start, offset))
-        self._pieces = [slice(a + self.dp_rank * (b - a) // dp, a + (self.dp_rank + 1) * (b - a) // dp)
-                        for a, b in self._buckets]  # this rank's piece of each bucket
+            self._shards.append(shards)
+        self._pieces = [slice(a + rank * (b - a) // size, a + (rank + 1) * (b - a) // size)
+                        for (a, b), (_, size, rank) in zip(self._buckets, self._shards, strict=True)]
         self.shard_size = sum(pc.stop - pc.start for pc in self._pieces)
-        """Elements of the flat buffers this rank owns: ceil(numel / dp) per bucket."""
+        """Elements of the flat buffers this rank owns: ceil(numel / dp) per bucket (per expert
+        bucket ceil(numel / expert-dp size))."""
 
         self.param_buffer = torch.zeros(offset, dtype=dtype, device=device)
         self.grad_buffer = torch.zeros(offset, dtype=dtype, device=device)
@@ -320,13 +344,14 @@ class ZeroAdamW:
         return hook
 
     def _launch(self, k: int, async_op: bool) -> None:
-        """Reduce-scatter bucket ``k`` (the average) into this rank's grad piece."""
-        a, b = self._buckets[k]
-        if self.dp_size == 1:
+        """Reduce-scatter bucket ``k`` (the average) into this rank's grad piece, over the
+        bucket's group."""
+        (a, b), (group, size, _) = self._buckets[k], self._shards[k]
+        if size == 1:
             self._grad_pieces[k].copy_(self.grad_buffer[a:b])
         else:  # its parameters' grads were averaged into the buffer (_into_view)
             self._works[k] = dist.reduce_scatter_single(self._grad_pieces[k], self.grad_buffer[a:b],
-                                                        group=self.dp_group, async_op=async_op)
+                                                        group=group, async_op=async_op)
         self._next = k - 1
 
     @torch.no_grad()
@@ -395,7 +420,9 @@ class ZeroAdamW:
         return norm
 
     def grad_norm(self, grad_shard: torch.Tensor) -> torch.Tensor:
-        """L2 norm of the full gradient from this rank's (reduced) shard (a device tensor)."""
+        """L2 norm of the full gradient from this rank's (reduced) shard (a device tensor): its
+        squares summed over ``dp_group`` (expert pieces included: each lies on one dp rank),
+        then ``norm_group``."""
         groups = ([self.dp_group] if self.dp_size > 1 else []) + ([self.norm_group] if self.norm_group is not None else [])
         return global_grad_norm([grad_shard * self._norm_weight], groups, device=grad_shard.device)
 
@@ -411,16 +438,18 @@ class ZeroAdamW:
         """Every bucket's updated pieces into ``param_buffer``, first bucket first; left in
         flight with ``overlap_param_gather``."""
         gathers: list[tuple[Any, torch.Tensor | None]] = []
-        for (a, b), pc, master in zip(self._buckets, self._pieces, self.main_shards, strict=True):
+        for (a, b), pc, master, (group, size, _) in zip(self._buckets, self._pieces, self.main_shards, self._shards,
+                                                       strict=True):
             own = self.param_buffer[pc]
-            if self.dp_size == 1:
+            if size == 1:
                 if master.data_ptr() != own.data_ptr():
                     own.copy_(master.detach())
+                gathers.append((None, None))  # bucket k stays entry k
                 continue
             # an fp32 master piece is a view of the output: send a copy (one piece per bucket,
             # kept until its gather is waited for)
             piece = master.detach().clone() if master.dtype == own.dtype else master.detach().to(own.dtype)
-            work = dist.all_gather_single(self.param_buffer[a:b], piece, group=self.dp_group,
+            work = dist.all_gather_single(self.param_buffer[a:b], piece, group=group,
                                           async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 gathers.append((work, piece))
@@ -441,7 +470,9 @@ class ZeroAdamW:
         """Wait for the all-gathers of buckets ``0..last`` (those not waited for yet)."""
         last = min(last, len(self._gathers) - 1)
         while self._gathered <= last:
-            self._gathers[self._gathered][0].wait()
+            work = self._gathers[self._gathered][0]
+            if work is not None:
+                work.wait()
             self._gathers[self._gathered] = (None, None)  # frees the sent piece
             self._gathered += 1
         if self._gathered == len(self._gathers):
@@ -482,8 +513,9 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def gathered_param_states(self) -> list[dict[str, torch.Tensor]] | None:
-        """Collective over ``dp_group``: the full AdamW state of every parameter, in
-        :attr:`params` order, on dp rank 0 (None on the others). An entry holds
+        """Collective over ``dp_group`` (and ``expert_dp_group``): the full AdamW state of every
+        parameter, in :attr:`params` order, on dp rank 0 (None on the others); of an expert
+        parameter, the state of the experts dp rank 0 holds. An entry holds
         ``exp_avg``, ``exp_avg_sq`` (fp32, the parameter's shape; views into one gathered
         tensor, clone them to save them alone) and ``step``, as ``torch.optim.AdamW``
         keeps them, plus ``master_param`` when the parameters are not fp32. Entries are
@@ -570,15 +602,32 @@ class ZeroAdamW:
         self.optimizer.load_state_dict(inner)
 
     def _gather_to_first(self, pieces: list[torch.Tensor]) -> torch.Tensor | None:
-        """The flat (padded) buffer whose pieces the ranks hold, on dp rank 0 (None elsewhere)."""
-        if self.dp_size == 1:
-            return torch.cat(pieces)  # one piece per bucket: the whole bucket
-        first = self.dp_rank == 0
+        """The flat (padded) buffer whose pieces the ranks hold, on dp rank 0 (None elsewhere);
+        each bucket gathered over its group (an expert bucket: this ep rank's experts)."""
+        first = any(rank == 0 for _, _, rank in self._shards)  # some bucket gathers here
         full = torch.empty(len(self.param_buffer), dtype=pieces[0].dtype, device=pieces[0].device) if first else None
-        for (a, b), piece in zip(self._buckets, pieces, strict=True):
-            dist.gather(piece.contiguous(), list(full[a:b].chunk(self.dp_size)) if full is not None else None,
-                        group=self.dp_group, group_dst=0)
-        return full
+        for (a, b), piece, (group, size, rank) in zip(self._buckets, pieces, self._shards, strict=True):
+            here = full[a:b] if full is not None and rank == 0 else None
+            if size == 1 and here is not None:  # rank 0 of a one-rank group: the whole bucket is its piece
+                here.copy_(piece)
+            elif size > 1:
+                dist.gather(piece.contiguous(), list(here.chunk(size)) if here is not None else None, group=group,
+                            group_dst=0)
+        return full if self.dp_rank == 0 else None
+
+
+def _split_runs(assignment: list[list[int]], kind: list[bool]) -> list[list[int]]:
+    """``assignment``'s buckets, each cut where ``kind`` changes between neighbours (a bucket holds
+    expert or dense parameters, never both)."""
+    out: list[list[int]] = []
+    for bucket in assignment:
+        out.append([bucket[0]])
+        for i in bucket[1:]:
+            if kind[i] == kind[out[-1][-1]]:
+                out[-1].append(i)
+            else:
+                out.append([i])
+    return out
 
 
 def _isolate(assignment: list[list[int]], alone: list[bool]) -> list[list[int]]:
