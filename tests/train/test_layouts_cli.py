@@ -51,9 +51,9 @@ LAYOUTS = {
 }
 
 
-def write_config(tmp_path: Path, name: str) -> tuple[Path, Path]:
+def write_config(tmp_path: Path, name: str, moe: bool = False) -> tuple[Path, Path]:
     config, out = tmp_path / f"{name}.json", tmp_path / name
-    config.write_text(json.dumps(config_to_dict(tiny_cfg(out, save_interval=None))))
+    config.write_text(json.dumps(config_to_dict(tiny_cfg(out, save_interval=None, moe=moe))))
     return config, out
 
 
@@ -72,9 +72,10 @@ def test_layout_flags_reach_the_config_and_the_launch(tmp_path, monkeypatch, nam
 
 
 def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str], env: dict | None = None,
-          device: str | None = None) -> Path:
-    """Run ``cli.py train`` on the tiny config; ``device``: the start-up summary must name it."""
-    config, out = write_config(tmp_path, name)
+          device: str | None = None, moe: bool = False) -> Path:
+    """Run ``cli.py train`` on the tiny config (``moe``: its mixture-of-experts form); ``device``:
+    the start-up summary must name it."""
+    config, out = write_config(tmp_path, name, moe)
     launch = ["--nproc-per-node", str(ranks)] if ranks else []
     done = run_cli("train", "--config", config, *launch, *flags, timeout=280, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -109,6 +110,20 @@ def test_document_masking_through_the_cli_equals_one_process(tmp_path, one_proce
     assert max(abs(a - b) for a, b in zip(one, plain, strict=True)) > 1e-3
     bubbles = read_bubbles(out / "metrics.jsonl")
     assert all(0 < b < 1 for b in bubbles) if name == "pp4" else bubbles == [None] * 20, bubbles
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_tp_sp_and_zero1_through_the_cli_equals_one_process(tmp_path):
+    """Megatron's flag spellings of ep 2 x tp 2 with sequence parallelism and the distributed
+    optimizer (world 4: dp 2 carved into ep 2), launched through torchrun, log the one-process
+    MoE run's losses (balance and z losses included); the layouts' parameters and gradients are
+    proven in-process by parallel/test_expert_parallel.py and the meta suite."""
+    one = read_losses(train(tmp_path, "moe_ref", None, [], moe=True) / "metrics.jsonl")
+    flags = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--use-distributed-optimizer"]
+    losses = read_losses(train(tmp_path, "ep2_tp2_sp_zero1", 4, flags, moe=True) / "metrics.jsonl")
+    assert len(losses) == len(one) == 20
+    assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < TOL
 
 
 # On CUDA (scripts/gpu-check.sh): every layout on NCCL, one GPU per rank, fp32 (bf16 would
