@@ -126,7 +126,8 @@ def shared_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     adds the second into it in place only when the first owns its storage; ``F.linear``'s is a
     transposed view, so their sum would be a third weight-sized tensor next to both (under
     autocast the cast back to the weight's dtype already owns its storage). Under autocast the
-    operands are cast as autocast casts them and autograd casts the gradients back. Without grad (or for a weight that needs none) it is ``F.linear``."""
+    operands are cast as autocast casts them and autograd casts the gradients back. Without
+    grad (or for a weight that needs none) it is ``F.linear``."""
     if torch.is_grad_enabled() and weight.requires_grad:
         return _SharedWeightLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -27,8 +27,8 @@ The chunk's own parameters (the embeddings, the final norm and the LM head, tied
 embedding by default) are the FSDP root's: ``fully_shard`` gathers them before the forward and
 keeps them gathered for the backward (torch's rule for a root, whose parameters the backward
 would gather again at once). Left at that, the tied table stays gathered to the end of the
-backward, where a rank's memory peaks: autograd holds the head's full gradient until the embedding's
-backward adds its own, and that sum lands next to the gathered table. The final norm's forward
+backward, where a rank's memory peaks: autograd holds the head's full gradient until the
+embedding's backward adds its own, next to the gathered table. The final norm's forward
 pre-hook therefore frees them as soon as the backward is back through the norm
 (:func:`_reshard_once_back_through`): the norm and the head are the chunk's only own modules
 whose backward reads their weights; the embeddings' backward reads the token ids only. The
