@@ -516,7 +516,7 @@ def memory_rows(args) -> list[tuple[str, str, str, str]]:
     """Parameters + gradients + optimizer state (:func:`model_state_bytes`) and peak RSS of the
     largest rank at dp 4, DDP against ZeRO-1 and fsdp. FSDP's peak includes the full model each
     rank builds before sharding it, and the embedding and head (the chunk's own parameters),
-    which stay gathered from the forward to the backward."""
+    which stay gathered from the forward until the backward is back through the final norm."""
     args = argparse.Namespace(**{**vars(args), "rss": True, "steps": 1})
     layouts = [(4, 1, 1, None, None), (4, 1, 1, None, "zero1"), (4, 1, 1, None, "fsdp")]
     results = {lay: measure(args, lay) for lay in layouts}

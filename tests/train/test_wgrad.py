@@ -297,3 +297,45 @@ def test_compiled_weight_without_a_sink_gets_autograds_grad_while_sinks_exist(we
     for (name, p), q in zip(lin.named_parameters(), ref.parameters(), strict=True):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+def test_a_tied_weight_gets_autograds_grads_bit_for_bit_summed_into_the_heads_own_tensor(autocast):
+    """The LM head (``wgrad_fusion`` off) tied to an embedding: output and gradients equal
+    ``F.linear``'s exactly, and the embedding's gradient is added into the head's weight gradient
+    in place (``weight.grad`` is that tensor), not into a third weight-sized one (under autocast
+    ``F.linear``'s did too: its gradient cast back to fp32 is a tensor of its own)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 40, (2, 6), generator=g)
+    up = torch.randn(2, 6, 40, generator=g)
+    results = []
+    for shared in (True, False):
+        torch.manual_seed(0)
+        emb, head = torch.nn.Embedding(40, 8), Linear(8, 40, bias=False)
+        head.wgrad_fusion = False
+        head.weight = emb.weight
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            x = emb(tokens) * 2.0
+            out = head(x) if shared else F.linear(x, head.weight)
+        head_grad = _watch_first_grad_into(out, emb.weight)
+        out.float().backward(up)
+        results.append((out.detach(), emb.weight.grad, head_grad == [emb.weight.grad.data_ptr()]))
+    (out, grad, summed_in_place), (ref_out, ref_grad, _) = results
+    assert torch.equal(out, ref_out) and torch.equal(grad, ref_grad)
+    assert summed_in_place
+
+
+def _watch_first_grad_into(out: torch.Tensor, leaf: torch.Tensor) -> list[int]:
+    """A list that the backward of ``out`` fills with the address of the gradient for ``leaf``
+    from the autograd node nearest ``out`` that feeds ``leaf`` (the head's, here)."""
+    seen, frontier, addresses = set(), [out.grad_fn], []
+    while frontier:
+        node = frontier.pop(0)
+        for i, (child, _) in enumerate(node.next_functions):
+            if child is not None and getattr(child, "variable", None) is leaf:
+                node.register_hook(lambda grad_inputs, _, i=i: addresses.append(grad_inputs[i].data_ptr()))
+                return addresses
+            if child is not None and child not in seen:
+                seen.add(child)
+                frontier.append(child)
+    raise AssertionError("no node feeds the leaf")

@@ -116,16 +116,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def shared_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a weight with a second consumer in the same backward
+    (the LM head tied to the token embedding): its backward returns the weight's gradient as a
+    tensor that owns its storage, ``grad^T x`` in one GEMM, the product ``F.linear``'s backward
+    computes, bit for bit (no sink: the other consumer's gradient is not scaled).
+
+    Why: autograd holds the first gradient of a weight used twice until the second arrives and
+    adds the second into it in place only when the first owns its storage; ``F.linear``'s is a
+    transposed view, so their sum would be a third weight-sized tensor next to both (under
+    autocast the cast back to the weight's dtype already owns its storage). Under autocast the
+    operands are cast as autocast casts them and autograd casts the gradients back. Without
+    grad (or for a weight that needs none) it is ``F.linear``."""
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return _SharedWeightLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, names, state dict and forward numerics) whose forward
     is :func:`linear`: the one-rank layer the model's ``TensorParallel`` factories return."""
 
     wgrad_fusion: bool = True
     """Hand the weight gradient to the weight's sink: only for a weight used once per
-    backward (the model turns it off on its LM head, which may be tied)."""
+    backward (the model turns it off on its LM head, which may be tied). Off, the forward is
+    :func:`shared_weight_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias) if self.wgrad_fusion else F.linear(x, self.weight, self.bias)
+        if self.wgrad_fusion:
+            return linear(x, self.weight, self.bias)
+        return shared_weight_linear(x, self.weight, self.bias)
 
 
 @functools.cache
@@ -186,6 +206,24 @@ class _LinearWgradFusion(torch.autograd.Function):
             if sink is None or not sink(grad2, x2):
                 grad_w = grad2.t().mm(x2)
         return grad_x, grad_w, grad_b
+
+
+class _SharedWeightLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        if torch.is_autocast_enabled(x.device.type):  # saved as autocast's linear saves it
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight.to(grad.dtype)) if need_x else None
+        grad_w = grad2.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
+        return grad_x, grad_w, grad2.sum(0) if need_b else None
 
 
 @torch.library.custom_op("tokenloom::linear_backward_to_sink", mutates_args=())

@@ -23,6 +23,23 @@ and checkpoints stay in :mod:`~tokenloom.train.ckpt_format`: a dim-0 shard of a 
 tensor is one contiguous element range of it, so each rank writes its own pieces
 (:func:`own_piece`) and any layout loads them, and loading cuts this rank's rows (:func:`cut`).
 
+The chunk's own parameters (the embeddings, the final norm and the LM head, tied to the token
+embedding by default) are the FSDP root's: ``fully_shard`` gathers them before the forward and
+keeps them gathered for the backward (torch's rule for a root, whose parameters the backward
+would gather again at once). Left at that, the tied table stays gathered to the end of the
+backward, where a rank's memory peaks: autograd holds the head's full gradient until the
+embedding's backward adds its own, next to the gathered table. The final norm's forward
+pre-hook therefore frees them as soon as the backward is back through the norm
+(:func:`_reshard_once_back_through`): the norm and the head are the chunk's only own modules
+whose backward reads their weights; the embeddings' backward reads the token ids only. The
+trade-off: a module of the chunk's own whose backward reads its weight and runs after the
+final norm's would find them freed (and fail loudly), so the hook rests on that layout of
+:class:`~tokenloom.train.model.GPT`. Their gradients are still reduce-scattered at the end of
+the backward. Without a pipeline each forward gathers them once, as before; under a pipeline
+schedule a micro-batch whose forward ran before the previous micro-batch's backward freed
+them gathers them once more at the start of its own backward (more traffic for the chunks
+with the head, for a lower peak).
+
 Mixed precision is the trainer's: fp32 parameters (the master weights), bf16 autocast
 compute, so gathers and reduce-scatters run in fp32 (no ``MixedPrecisionPolicy``), the
 trade-off being fp32 gather traffic where a bf16 gather would halve it.
@@ -34,6 +51,7 @@ sharded one, so :func:`shard_fully` copies every tag across.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -57,12 +75,26 @@ def shard_fully(chunks: Sequence[nn.Module], blocks: Sequence[Sequence[nn.Module
         for block in chunk_blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(chunk, mesh=mesh)
+        norm = getattr(chunk, "norm", None)  # a chunk with the head: its final norm
+        if isinstance(norm, nn.Module):
+            norm.register_forward_pre_hook(functools.partial(_reshard_once_back_through, chunk))
         for name, p in chunk.named_parameters(remove_duplicate=False):
             for key, value in tags[name].items():
                 setattr(p, key, value)
         for before, after in zip(chunk_blocks, chunk_blocks[1:], strict=False):
             before.set_modules_to_forward_prefetch([after])  # type: ignore[operator]  # fully_shard's mixin
             after.set_modules_to_backward_prefetch([before])  # type: ignore[operator]
+
+
+def _reshard_once_back_through(chunk: nn.Module, norm: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of ``chunk``'s final norm: once the backward has come back through it
+    (its input's gradient is computed), free the chunk's own gathered parameters, which
+    ``fully_shard`` would keep to the end of the backward. The norm and the LM head are the
+    only modules of the chunk's own that read their weights in backward; what is left of it
+    (the embeddings) reads only the token ids. A later forward gathers them again."""
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.requires_grad:
+        x.register_hook(lambda grad: chunk.reshard())  # type: ignore[operator]  # fully_shard's mixin
 
 
 def reshard(chunks: Sequence[nn.Module]) -> None:
