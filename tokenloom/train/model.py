@@ -102,7 +102,13 @@ from tokenloom.train.moe import (
     unpermute,
     z_loss,
 )
-from tokenloom.train.parallel.context import additive_mask, gather_sequence, local_index
+from tokenloom.train.parallel.context import (
+    CausalChunks,
+    additive_mask,
+    causal_chunks_attention,
+    gather_sequence,
+    local_index,
+)
 from tokenloom.train.parallel.context import attention_mask as cp_attention_mask
 from tokenloom.train.parallel.layers import TensorParallel, shard, tag
 from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
@@ -346,7 +352,9 @@ class Attention(nn.Module):
                 q, k, rope = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), None
             k, v = gather_sequence(k, 2, self.cp_group), gather_sequence(v, 2, self.cp_group)
         with self.tp.fork(p > 0, x.device):  # heads are split over tp: per-rank masks
-            if ks is not None:
+            if isinstance(documents, CausalChunks):  # cp, causal: SDPA per query chunk, no mask
+                y = causal_chunks_attention(q, k, v, documents, dropout_p=p)
+            elif ks is not None:
                 if rope is not None:
                     cos, sin = rope_at(rope, T)
                     per_sample = cos.dim() == 4  # positions restart per document: the elementwise form
@@ -693,7 +701,6 @@ class GPT(nn.Module):
         self.cfg, self.tp = cfg, tp or TensorParallel()
         self.pre, self.post = pre, post
         self.cp: tuple[dist.ProcessGroup, int, int] | None = None  # context_parallel()
-        self._cp_causal: dict[torch.dtype, torch.Tensor] = {}  # cp without documents: its mask, kept by dtype
         if cfg.n_heads % self.tp.size or cfg.kv_heads % self.tp.size:  # the layers check the other splits
             raise TokenloomError(f"n_heads={cfg.n_heads} and n_kv_heads={cfg.kv_heads} must be divisible by "
                                  f"tp={self.tp.size}")
@@ -838,15 +845,14 @@ class GPT(nn.Module):
             positions = local_index(self.cfg.seq_len, self.cp[1], self.cp[2], where).unsqueeze(0)
         x = self.embed(_given(tokens, "tokens"), positions) if self.pre else _given(hidden, "hidden")
         per_token = positions if positions is not None else tokens  # [batch, seq]
-        mask: torch.Tensor | BlockMask | None = documents
-        if self.cp is not None:  # this rank's queries against every rank's keys, by global position
+        mask: torch.Tensor | BlockMask | CausalChunks | None = documents
+        if self.cp is not None:
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            mask = self._cp_causal.get(dtype) if documents is None else None  # the same every forward
-            if mask is None:
+            if documents is None:  # causal: each query chunk against the keys up to it
+                mask = CausalChunks.of(self.cfg.seq_len, self.cp[1], self.cp[2], x.device, dtype)
+            else:  # this rank's queries against every rank's keys, by global position and document
                 mask = additive_mask(cp_attention_mask(self.cfg.seq_len, self.cp[1], self.cp[2], documents, x.device),
                                      dtype)
-                if documents is None:
-                    self._cp_causal[dtype] = mask
         elif documents is not None and per_token is not None:  # one mask for every block of this forward
             dropout = self.cfg.dropout if self.training else 0.0
             flex = flex_usable(x.device, dropout, self.cfg.head_dim)

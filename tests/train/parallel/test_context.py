@@ -3,7 +3,7 @@ norms and final parameters of cp2, cp4, cp2 x tp2 (sequence parallel), cp2 x pp2
 with and without inter-document masking, on a small llama (RoPE, GQA) at seq SEQ (the same
 run at seq 4096 passes too, in minutes: see bench/RESULTS.md's notes); each cp4 rank's
 activation memory at seq 4096 against one process's; the unit pieces (chunk layout, the
-gathered mask, the loss scale) without processes.
+gathered mask, the per-chunk causal attention, the loss scale) without processes.
 
 Two launches (2 and 4 gloo ranks), so the multi-process part is ``slow``."""
 
@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from compose_helpers import activation_bytes, launch, logged_losses, merged_params, reference
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.model import GPTConfig
 from tokenloom.train.parallel.context import (
+    CausalChunks,
+    additive_mask,
     attention_mask,
+    causal_chunks_attention,
+    global_order,
     gathered_index,
     local_index,
     loss_scale,
@@ -157,8 +162,41 @@ def test_layout_matches_one_process(runs, refs, name):
 def test_activation_memory_per_rank_at_cp4_is_under_035_of_one_rank(runs, tmp_path):
     """The tensors a training step saves for backward (parameters left out): each cp4 rank's
     at most 0.35x the one-process run's, at seq 4096 (its own quarter of every activation,
-    the whole sequence's keys and values and one shared mask)."""
+    the whole sequence's keys and values and the two query chunks' shared masks)."""
     _, results = runs
     one = activation_bytes(0, out=str(tmp_path / "one"), **MEMORY)["bytes"]
     per_rank = [r["bytes"] for r in results["memory_cp4"]]
     assert len(per_rank) == 4 and max(per_rank) <= 0.35 * one, (per_rank, one)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_causal_chunks_attention_equals_the_gathered_dense_mask(cp):
+    """Each rank's two query chunks, each against the keys up to its end under a lower-right
+    causal mask (the shared additive masks on CPU, and torch's CausalBias, what CUDA runs), give
+    the output and gradients of its queries against all gathered keys under the dense mask,
+    grouped heads included."""
+    seq, heads, kv_heads, dim = 64, 4, 2, 8
+    gen = torch.Generator().manual_seed(cp)
+    for rank in range(cp):
+        q, k, v = (torch.randn(2, h, n, dim, generator=gen) for h, n in ((heads, seq // cp), (kv_heads, seq),
+                                                                          (kv_heads, seq)))
+        chunks = CausalChunks.of(seq, cp, rank, torch.device("cpu"), torch.float32)
+        bias = CausalChunks(cp, rank, chunks.chunk, chunks.ends,
+                            tuple(torch.nn.attention.bias.causal_lower_right(chunks.chunk, e) for e in chunks.ends))
+        dense = additive_mask(attention_mask(seq, cp, rank, None, "cpu"), torch.float32)
+        results = []
+        for attend in (lambda *t: F.scaled_dot_product_attention(*t, attn_mask=dense, enable_gqa=True),
+                       lambda *t: causal_chunks_attention(*t, chunks), lambda *t: causal_chunks_attention(*t, bias)):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attend(*inputs)
+            out.square().sum().backward()
+            results.append([out, *(t.grad for t in inputs)])
+        for got in results[1:]:
+            for a, b in zip(got, results[0], strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_global_order_undoes_the_gathered_order():
+    seq, cp = 24, 3
+    gathered = gathered_index(seq, cp).float().view(1, 1, seq, 1)
+    assert global_order(gathered, cp, seq // (2 * cp)).flatten().tolist() == list(range(seq))

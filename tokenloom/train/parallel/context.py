@@ -7,20 +7,29 @@ only the first chunk would idle while the last one works). :func:`local_index` g
 rank's token positions; :func:`take_local` cuts a batch tensor to them.
 
 Attention: every layer all-gathers the keys and values of the cp group along the sequence
-(:func:`gather_sequence`, whose backward reduce-scatters their gradients), and each rank
-attends its own queries to all of them under :func:`attention_mask`, the causal (and,
-with inter-document masking, same-document) relation of the *global* positions. Rotary
-embeddings are applied before the gather, at each token's own position. The mask is
-additive, built once per forward in the attention's dtype and shared by every layer. This is the
-all-gather variant of context parallelism (Megatron's ``all_gather`` cp comm type, beside
-its ring ``p2p``): one collective per layer instead of ``cp - 1`` ring steps, whose
-trade-offs are holding the whole sequence's keys and values (``2 * kv_heads * head_dim`` per
-token, a small share of a layer's activations), a dense mask of local queries x all keys,
-and attention computing the masked-out half of that block too (no causal kernel skips it),
-where a ring with a flash kernel per chunk and a log-sum-exp merge holds one peer's chunk
-at a time, needs no mask and skips the blocks a causal mask hides (bench/RESULTS.md's
-notes have the cost on CPU). Queries, the MLPs, norms and the loss
-run on the local ``T / cp`` tokens, which is where the activation memory goes.
+(:func:`gather_sequence`, whose backward reduce-scatters their gradients). Rotary embeddings
+are applied before the gather, at each token's own position. Then each rank attends its own
+queries to the gathered keys:
+
+* causal, no inter-document masking (:class:`CausalChunks`, :func:`causal_chunks_attention`):
+  the gathered keys are put in global order and each of the rank's two query chunks runs one
+  SDPA call over the keys up to its own end, with a lower-right-aligned causal mask (torch's
+  ``causal_lower_right``, no mask tensor: a flash or memory-efficient kernel on CUDA, which
+  skips the masked blocks). A query chunk never sees the keys after it, so no work goes to
+  them, and no mask is held. One call over the whole visible prefix needs no log-sum-exp
+  merge (a ring, holding one peer's chunk at a time, does).
+* with inter-document masking: a dense mask of local queries x all keys
+  (:func:`attention_mask`, the causal and same-document relation of the *global* positions),
+  additive, built once per forward in the attention's dtype and shared by every layer; the
+  attention computes its masked part too.
+
+This is the all-gather variant of context parallelism (Megatron's ``all_gather`` cp comm
+type, beside its ring ``p2p``): one collective per layer instead of ``cp - 1`` ring steps, at
+the price of holding the whole sequence's keys and values (``2 * kv_heads * head_dim`` per
+token, a small share of a layer's activations) and of the collective not overlapping the
+attention (a ring overlaps each step's exchange with the previous chunk's compute).
+Queries, the MLPs, norms and the loss run on the local ``T / cp`` tokens, which is where the
+activation memory goes.
 
 Loss and gradients: rank ``r``'s loss is ``cp * (its tokens' loss sum) / (the sample's
 token count)`` (:func:`loss_scale` turns the model's local mean into it), so that the
@@ -31,8 +40,12 @@ cp average of that.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from tokenloom.train.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 
@@ -78,6 +91,61 @@ def gather_sequence(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
     return _GatherSequence.apply(x, dim, group)
+
+
+@dataclass(frozen=True)
+class CausalChunks:
+    """Causal attention of one cp rank's queries (no inter-document masking), in place of a mask:
+    the rank's two chunks of ``chunk`` tokens are global chunks ``rank`` and ``2 * cp - 1 - rank``,
+    whose queries see the keys up to ``ends`` (in global order), each under ``masks``' lower-right
+    causal relation: on CUDA torch's ``CausalBias`` (no tensor; SDPA runs a causal kernel), elsewhere
+    the additive mask it would materialise, built once per forward in the attention's dtype and
+    shared by every layer (SDPA would otherwise make one per call and keep it for backward). Built
+    outside any compiled region: dynamo cannot construct a ``CausalBias``, but takes one as input."""
+
+    cp: int
+    rank: int
+    chunk: int
+    ends: tuple[int, int]
+    masks: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, seq: int, cp: int, rank: int, device: torch.device, dtype: torch.dtype) -> CausalChunks:
+        chunk = seq // (2 * cp)
+        ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
+        masks: tuple[torch.Tensor, ...]
+        if device.type == "cuda":
+            masks = tuple(causal_lower_right(chunk, end) for end in ends)
+        else:  # query i of the chunk sees keys up to end - chunk + i
+            masks = tuple(additive_mask(torch.ones(chunk, end, dtype=torch.bool, device=device).tril(end - chunk), dtype)
+                          for end in ends)
+        return cls(cp, rank, chunk, ends, (masks[0], masks[1]))
+
+
+def global_order(t: torch.Tensor, cp: int, chunk: int) -> torch.Tensor:
+    """``t`` [B, heads, T, d] in :func:`gather_sequence`'s order (every rank's two chunks, rank by
+    rank) -> the same tokens in global order: the ranks' first chunks in rank order, then their
+    second chunks in reverse rank order."""
+    parts = t.unflatten(2, (cp, 2, chunk))  # [B, heads, cp, 2, chunk, d]
+    return torch.cat([parts[:, :, :, 0], parts[:, :, :, 1].flip(2)], 2).flatten(2, 3)
+
+
+def causal_chunks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: CausalChunks,
+                            dropout_p: float = 0.0) -> torch.Tensor:
+    """q [B, h, 2 chunk, d] (this rank's tokens), k/v [B, h_kv, T, d] (:func:`gather_sequence`'s
+    order) -> [B, h, 2 chunk, d]: each query chunk attends causally to the keys up to its own end
+    (module docstring). Grouped heads are SDPA's ``enable_gqa`` on CPU and repeated key/value
+    heads on CUDA (its lower-right causal kernel takes equal head counts)."""
+    k, v = global_order(k, chunks.cp, chunks.chunk), global_order(v, chunks.cp, chunks.chunk)
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and q.device.type != "cpu":
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    c = chunks.chunk
+    out = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end], attn_mask=mask,
+                                          dropout_p=dropout_p, enable_gqa=gqa)
+           for i, (end, mask) in enumerate(zip(chunks.ends, chunks.masks, strict=True))]
+    return torch.cat(out, 2)
 
 
 def attention_mask(seq: int, cp: int, rank: int, cu_seqlens: torch.Tensor | None,
