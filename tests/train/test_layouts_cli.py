@@ -180,32 +180,43 @@ ONE_GPU_RUNS = {
 }
 
 
+@pytest.fixture(scope="module")
+def cpu_losses(tmp_path_factory):
+    """The eager fp32 run's losses on the CPU (CUDA hidden) for a flag set, run once per module
+    (per xdist worker) and flag set."""
+    runs: dict[tuple[str, ...], list[float]] = {}
+
+    def losses(flags: list[str]) -> list[float]:
+        if tuple(flags) not in runs:
+            out = train(tmp_path_factory.mktemp("cpu"), "cpu", None, [*flags, "--set", "precision=fp32"],
+                        env=dict(cli_env(), CUDA_VISIBLE_DEVICES=""), device="cpu")
+            runs[tuple(flags)] = read_losses(out / "metrics.jsonl")
+        return runs[tuple(flags)]
+    return losses
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(ONE_GPU_RUNS))
-def test_one_gpu_run_equals_the_cpu_run(tmp_path, name):
+def test_one_gpu_run_equals_the_cpu_run(tmp_path, cpu_losses, name):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     ranks, flags, cpu_flags = ONE_GPU_RUNS[name]
-    fp32 = ["--set", "precision=fp32"]
-    cpu = train(tmp_path, "cpu", None, [*cpu_flags, *fp32], env=dict(cli_env(), CUDA_VISIBLE_DEVICES=""), device="cpu")
-    gpu = train(tmp_path, name, ranks, [*flags, *fp32], device="cuda")
-    cpu_losses, gpu_losses = read_losses(cpu / "metrics.jsonl"), read_losses(gpu / "metrics.jsonl")
+    gpu = train(tmp_path, name, ranks, [*flags, "--set", "precision=fp32"], device="cuda")
+    cpu_losses, gpu_losses = cpu_losses(cpu_flags), read_losses(gpu / "metrics.jsonl")
     assert len(gpu_losses) == len(cpu_losses) == 20
     assert max(abs(a - b) for a, b in zip(gpu_losses, cpu_losses, strict=True)) < GPU_TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,flags", [("moe", MOE), ("fsdp", ["--fsdp"])])
-def test_one_gpu_run_with_no_performance_flag_follows_the_cpu_run(tmp_path, name, flags):
+def test_one_gpu_run_with_no_performance_flag_follows_the_cpu_run(tmp_path, cpu_losses, name, flags):
     """What a one-GPU user runs: the defaults (bf16, compile and kernels as chosen for the device;
     for MoE the experts as one grouped GEMM), launched as one process and, for fsdp, through torchrun
     on a one-rank NCCL group. bf16 rounding keeps it from equalling the fp32 CPU run exactly: its
     losses stay within bf16's reach of them."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    cpu_flags = [*(flags if name == "moe" else []), "--set", "precision=fp32"]
-    cpu = train(tmp_path, "cpu", None, cpu_flags, env=dict(cli_env(), CUDA_VISIBLE_DEVICES=""), device="cpu")
     gpu = train(tmp_path, name, 1 if name == "fsdp" else None, flags, device="cuda")
-    cpu_losses, gpu_losses = read_losses(cpu / "metrics.jsonl"), read_losses(gpu / "metrics.jsonl")
+    cpu_losses, gpu_losses = cpu_losses(flags if name == "moe" else []), read_losses(gpu / "metrics.jsonl")
     assert len(gpu_losses) == len(cpu_losses) == 20 and all(map(math.isfinite, gpu_losses)), gpu_losses
     assert max(abs(a - b) for a, b in zip(gpu_losses, cpu_losses, strict=True)) < BF16_TOL, (gpu_losses, cpu_losses)

@@ -21,8 +21,8 @@ from tokenloom.train.parallel.context import (
     additive_mask,
     attention_mask,
     causal_chunks_attention,
-    global_order,
     gathered_index,
+    global_order,
     local_index,
     loss_scale,
     take_local,
@@ -185,10 +185,10 @@ def test_causal_chunks_attention_equals_the_gathered_dense_mask(cp):
                             tuple(torch.nn.attention.bias.causal_lower_right(chunks.chunk, e) for e in chunks.ends))
         dense = additive_mask(attention_mask(seq, cp, rank, None, "cpu"), torch.float32)
         results = []
-        for attend in (lambda *t: F.scaled_dot_product_attention(*t, attn_mask=dense, enable_gqa=True),
-                       lambda *t: causal_chunks_attention(*t, chunks), lambda *t: causal_chunks_attention(*t, bias)):
+        for form in ("dense", chunks, bias):
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = attend(*inputs)
+            out = (F.scaled_dot_product_attention(*inputs, attn_mask=dense, enable_gqa=True) if form == "dense"
+                   else causal_chunks_attention(*inputs, form))
             out.square().sum().backward()
             results.append([out, *(t.grad for t in inputs)])
         for got in results[1:]:
