@@ -208,14 +208,7 @@ class _LinearWgradFusion(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-class _SharedWeightLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        if torch.is_autocast_enabled(x.device.type):  # saved as autocast's linear saves it
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
-
+class _SharedWeightLinear(_LinearWgradFusion):  # the same forward; a backward with no sink
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
