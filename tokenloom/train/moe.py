@@ -198,7 +198,7 @@ def gather_dispatch(x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor,
 
 
 def gather_combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
-    """The allgather dispatcher's backward half: each of :func:`gather_dispatch`'s rows' expert
+    """The allgather dispatcher's return half: each of :func:`gather_dispatch`'s rows' expert
     output (the tail's values ignored) scaled by its gate and summed into its token, the group's
     partial sums reduce-scattered -> this rank's tokens [N, d]."""
     order, mine, gates, tokens, group = plan
