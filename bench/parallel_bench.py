@@ -71,9 +71,9 @@ oversubscribe them). ``--layouts`` picks layouts by name (``dp``, ``zero1``, ``f
 * unless ``--no-ep`` (``--ep-only``: nothing else), expert parallelism at dp 2 on 2 ranks
   (:func:`ep_rows`): a mixture-of-experts GPT (``--ep-layers`` blocks ``--ep-d-model`` wide, every
   block's MLP ``--ep-experts`` experts of inner size 2 x d_model, top-2) trained at ep 2 (each rank
-  holds half the experts; tokens exchanged by all-to-all, the experts' grads not reduced) and at
-  ep 2 with ZeRO-1, against ep 1 (every rank holds every expert; the experts' grads all-reduced
-  with the dense ones): tokens/s, the payload of every collective (all-to-all included) and the
+  holds half the experts; tokens exchanged by all-to-all, the experts' grads not reduced), at ep 2
+  with ZeRO-1 and at ep 2 with the allgather token dispatcher, against ep 1 (every rank holds every
+  expert; the experts' grads all-reduced with the dense ones): tokens/s, the payload of every collective (all-to-all included) and the
   optimizer state, runs alternated over ``--ep-rounds`` rounds, each side's step times pooled and
   the median taken. These runs time no step without communication: an all-to-all has no local
   stand-in (its exchanged split sizes drive the rest of the step).
@@ -187,7 +187,8 @@ def config(args, out: Path, dp: int, tp: int, pp: int, vpp: int | None, shard: s
     if args.moe:  # every block's MLP a mixture of experts
         model = GPTConfig(bias=False, vocab_size=1000, make_vocab_size_divisible_by=128, seq_len=args.seq_len,
                           n_layers=args.ep_layers, n_heads=4, d_model=args.ep_d_model, num_experts=args.ep_experts,
-                          moe_router_topk=2, moe_ffn_hidden_size=2 * args.ep_d_model)
+                          moe_router_topk=2, moe_ffn_hidden_size=2 * args.ep_d_model,
+                          moe_token_dispatcher_type=getattr(args, "ep_dispatcher", "alltoall"))
         micro, gbs = 2, 2 * args.world * args.micro_batches
     elif args.rss:  # GPT-2 small (124 M parameters)
         model = GPTConfig(vocab_size=50257, seq_len=128, n_layers=12, n_heads=12, d_model=768)
@@ -550,15 +551,18 @@ def ep_rows(args) -> list[tuple[str, str, str, str]]:
     at ep 2 each rank runs half the experts on both ranks' tokens routed to them (the same
     FLOPs), exchanging the routed rows by all-to-all (forward and backward, plus a host sync on
     the split sizes per MoE layer and pass), and its experts' grads need no reduction (one rank
-    per expert-data-parallel group)."""
+    per expert-data-parallel group). ``ep2 allgather``: Megatron's allgather dispatcher instead of
+    the all-to-all (every token's hidden state and routing gathered, the outputs reduce-scattered:
+    fixed-size collectives, no host sync on the grouped GEMM)."""
     sides = {"ep1": (2, 1, 1, None, None, 1, 1), "ep2": (2, 1, 1, None, None, 1, 2),
-             "ep2 zero1": (2, 1, 1, None, "zero1", 1, 2)}
+             "ep2 zero1": (2, 1, 1, None, "zero1", 1, 2), "ep2 allgather": (2, 1, 1, None, None, 1, 2)}
     moe_args = argparse.Namespace(**{**vars(args), "world": 2, "moe": True})
+    gather_args = argparse.Namespace(**{**vars(moe_args), "ep_dispatcher": "allgather"})
     steps: dict[str, list[float]] = {k: [] for k in sides}
     last: dict[str, dict] = {}
     for _ in range(args.ep_rounds):
         for name, lay in sides.items():
-            last[name] = r = measure(moe_args, lay)
+            last[name] = r = measure(gather_args if name.endswith("allgather") else moe_args, lay)
             steps[name] += r["steps_s"]
     tokens = 4 * args.micro_batches * args.seq_len  # global batch x sequence
     per_s = {k: tokens / statistics.median(v) for k, v in steps.items()}

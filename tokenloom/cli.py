@@ -512,8 +512,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
               help="Tensor-parallel size (Megatron's layout: tp fastest, then cp, dp, pp).")
 @click.option("--cp", "--context-parallel-size", "cp", type=int, help=_help(_TRAIN, "cp"))
 @click.option("--ep", "--expert-model-parallel-size", "ep", type=int, help=_help(_TRAIN, "ep"))
-@click.option("--moe-token-dispatcher-type", "moe_token_dispatcher_type", type=click.Choice(["alltoall"]),
-              help="Megatron's token dispatcher: tokens reach the expert-parallel ranks by all-to-all (the only one).")
+@click.option("--moe-token-dispatcher-type", "moe_token_dispatcher_type", type=click.Choice(["alltoall", "allgather"]),
+              help=_help(_MODEL, "moe_token_dispatcher_type"))
 @click.option("--pp", "--pipeline-model-parallel-size", "pp", type=int, help="Pipeline-parallel size (1F1B schedule).")
 @click.option("--vpp", "--virtual-pipeline-model-parallel-size", "vpp", type=int,
               help="Virtual pipeline stages (model chunks) per pipeline rank (interleaved 1F1B).")
@@ -569,7 +569,6 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
 
     stdout_outlives_its_reader()
 
-    flags.pop("moe_token_dispatcher_type")  # alltoall, the one dispatcher (click refuses the others)
     if vocab_file or merge_file:
         flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])
     given = [*flag_overrides(**flags), *overrides]

@@ -118,7 +118,8 @@ def test_megatron_flags_that_mean_something_else_are_refused_one_by_one(tmp_path
 
 def test_expert_parallel_flags_reach_the_config_or_are_refused_in_one_line(tmp_path):
     """--ep and Megatron's --expert-model-parallel-size set ep (checked before any rank starts: MoE at
-    tp needs sp, ep refuses cp); --moe-token-dispatcher-type takes alltoall only."""
+    tp needs sp, ep refuses cp); --moe-token-dispatcher-type takes alltoall and allgather (the run's
+    config.json holds it) and refuses any other."""
     done = run_cli("train", *MOCK, "--expert-model-parallel-size", "2", "--output-dir", tmp_path)
     one_line_error(done, "ep=2 splits the experts of mixture-of-experts layers; set model.num_experts (--num-experts)")
     done = run_cli("train", *MOCK, "--ep", "2", "--num-experts", "4", "--moe-router-topk", "2", "--tp", "2",
@@ -128,7 +129,12 @@ def test_expert_parallel_flags_reach_the_config_or_are_refused_in_one_line(tmp_p
                    "--output-dir", tmp_path)
     one_line_error(done, "ep=2 runs with data, tensor (+ sequence) and pipeline parallelism and zero1 only in this version; "
                          "cp=2 is not supported")
-    done = run_cli("train", *MOCK, "--moe-token-dispatcher-type", "allgather", "--output-dir", tmp_path)
+    done = run_cli("train", *MOCK, "--num-experts", "4", "--moe-token-dispatcher-type", "allgather", "--train-iters",
+                   "1", "--output-dir", tmp_path / "run")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["moe_token_dispatcher_type"] == \
+        "allgather"
+    done = run_cli("train", *MOCK, "--moe-token-dispatcher-type", "allscatter", "--output-dir", tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "Invalid value for '--moe-token-dispatcher-type'" in done.stderr
 

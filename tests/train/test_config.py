@@ -11,6 +11,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train.config import (
     SMALL_MODEL,
     TrainConfig,
+    check_resumable_model,
     check_resumable_schedule,
     config_to_dict,
     load_config,
@@ -85,3 +86,14 @@ def test_expert_parallelism_is_refused_where_it_cannot_run():
         TrainConfig(model=moe, ep=2, tp=2)
     with pytest.raises(TokenloomError, match=r"pipeline parallelism and zero1 only in this version; cp=2, fsdp=True is not"):
         TrainConfig(model=moe, ep=2, tp=2, sp=True, pp=2, cp=2, fsdp=True)
+
+
+def test_a_resume_may_change_the_token_dispatcher_but_not_the_experts():
+    """The dispatcher moves tokens, not parameters: a checkpoint of either resumes with the other."""
+    saved = config_to_dict(TrainConfig(model=GPTConfig(n_layers=2, num_experts=4)))["model"]
+    check_resumable_model("ckpt", TrainConfig(model=GPTConfig(n_layers=2, num_experts=4,
+                                                              moe_token_dispatcher_type="allgather")), saved)
+    with pytest.raises(TokenloomError, match=r"^ckpt was trained with a different model \(model.num_experts 4 -> 8\)"):
+        check_resumable_model("ckpt", TrainConfig(model=GPTConfig(n_layers=2, num_experts=8)), saved)
+    with pytest.raises(TokenloomError, match=r"^model.moe_token_dispatcher_type must be alltoall or allgather, got 'x'$"):
+        GPTConfig(num_experts=4, moe_token_dispatcher_type="x")  # type: ignore[arg-type]

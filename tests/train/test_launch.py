@@ -218,9 +218,9 @@ def test_megatron_moe_flags_reach_the_config():
 
     flags = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=96, moe_layer_freq=2,
                  moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
-                 moe_grouped_gemm=True)
+                 moe_grouped_gemm=True, moe_token_dispatcher_type="allgather")
     m = load_config(None, launch_module.flag_overrides(**flags)).model
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_size, m.moe_layer_freq, m.moe_router_load_balancing_type,
-            m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_grouped_gemm) == (8, 2, 96, 2, "seq_aux_loss", 0.01,
-                                                                            0.001, True)
+            m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_grouped_gemm, m.moe_token_dispatcher_type) == (
+        8, 2, 96, 2, "seq_aux_loss", 0.01, 0.001, True, "allgather")
     assert [m.is_moe_layer(i) for i in range(4)] == [True, False, True, False]

@@ -131,9 +131,11 @@ def test_summary_shows_experts_top_k_and_active_parameters(tmp_path):
 def test_summary_shows_expert_parallelism(tmp_path):
     model = GPTConfig(n_layers=2, num_experts=8, moe_router_topk=2)
     text = startup_summary(TrainConfig(model=model, ep=2, output_dir=str(tmp_path)), facts())
-    assert "dp 2 x tp 1 x pp 1, expert parallel: ep 2, 4 of 8 experts per rank; float32" in text
-    assert "expert parallel" not in startup_summary(TrainConfig(model=model, output_dir=str(tmp_path)), facts())
-    text = startup_summary(TrainConfig(model=model, ep=2, tp=2, sp=True, output_dir=str(tmp_path)),
+    assert "dp 2 x tp 1 x pp 1, expert parallel: ep 2, 4 of 8 experts per rank, tokens by all-to-all; float32" in text
+    one = startup_summary(TrainConfig(model=model, output_dir=str(tmp_path)), facts())
+    assert "expert parallel" not in one and "tokens by" not in one  # ep 1: no dispatch
+    gathered = dataclasses.replace(model, moe_token_dispatcher_type="allgather")
+    text = startup_summary(TrainConfig(model=gathered, ep=2, tp=2, sp=True, output_dir=str(tmp_path)),
                            facts(world_size=8))
     assert "dp 2 x tp 2 x pp 1, sequence parallel, expert parallel: ep 2, 4 of 8 experts per rank (whole on each " \
-        "tp rank); float32" in text
+        "tp rank), tokens by all-gather; float32" in text

@@ -378,7 +378,8 @@ def read_raw(path: str | os.PathLike | None = None, overrides: typing.Sequence[s
     return raw
 
 
-MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", "init_std", "kernels"})
+MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", "init_std", "kernels",
+                                         "moe_token_dispatcher_type"})
 """Model settings that may change on resume (they do not change the parameters' meaning)."""
 
 

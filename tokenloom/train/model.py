@@ -95,6 +95,8 @@ from tokenloom.train.moe import (
     AttachAuxLoss,
     combine,
     dispatch,
+    gather_combine,
+    gather_dispatch,
     grouped_mm,
     load_balancing_loss,
     permute,
@@ -193,6 +195,12 @@ class GPTConfig:
     """Weight of the router z-loss (mean squared logsumexp of the router logits); 0: off."""
     moe_grouped_gemm: bool = True
     """Run all experts as one torch._grouped_mm where the device supports it (else a loop over experts)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach the experts at ep > 1 (at ep 1 both are the same computation, no collective).
+    alltoall: only the routed rows move, but the split sizes need a host sync each layer and pass;
+    allgather: every ep rank receives all tokens of the ep group and their routing, computes its
+    experts on the rows routed to them and returns the outputs by reduce-scatter: fixed-size
+    collectives, no host sync where the experts run as one grouped GEMM, more bytes at large ep."""
     kernels: str = "reference"
     """Op implementations: reference | compiled | triton | auto (see tokenloom.train.kernels), chosen
     once when the model is built; ``reference`` is the eager path, bit-identical to the model before
@@ -226,6 +234,9 @@ class GPTConfig:
                                      f"{self.moe_router_topk} between 1 and it")
             if self.moe_layer_freq < 1:
                 raise TokenloomError(f"model.moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+            if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+                raise TokenloomError("model.moe_token_dispatcher_type must be alltoall or allgather, "
+                                     f"got {self.moe_token_dispatcher_type!r}")
             if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
                 raise TokenloomError("model.moe_router_load_balancing_type must be aux_loss, seq_aux_loss or none, "
                                      f"got {self.moe_router_load_balancing_type!r}")
@@ -428,7 +439,9 @@ class MoE(nn.Module):
 
     Tensor parallelism needs sequence parallelism (Megatron's rule): each tp rank routes its own
     slice of the tokens through full (replicated) experts, whose grads are summed over tp like the
-    norms' (tag ``sequence_parallel``). ``stats`` accumulates, on the device and only in training
+    norms' (tag ``sequence_parallel``). Under expert parallelism the tokens reach the ranks holding
+    their experts by all-to-all or all-gather (``cfg.moe_token_dispatcher_type``), with equal results.
+    ``stats`` accumulates, on the device and only in training
     forwards, the tokens per expert, the balance and z losses and the number of forwards
     (:meth:`take_stats` reads and clears it): no host sync per step."""
 
@@ -436,6 +449,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.topk = cfg.num_experts or 1, cfg.moe_router_topk
         self.swiglu, self.grouped = cfg.mlp == "swiglu", cfg.moe_grouped_gemm
+        self.dispatcher = cfg.moe_token_dispatcher_type
         self.balancing, self.aux_coeff, self.z_coeff = (cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff,
                                                         cfg.moe_z_loss_coeff)
         self.router = nn.Linear(cfg.d_model, self.num_experts, bias=False, device="meta")
@@ -455,19 +469,29 @@ class MoE(nn.Module):
         shape, ex = x.shape, self.experts
         flat = x.reshape(-1, shape[-1])
         logits, chosen, gates = route(flat, self.router.weight, self.topk)
-        rows, order, expert_of_row, counts = permute(flat, chosen, self.num_experts)
-        routed, plan = counts, None
-        if self.ep is not None:  # to the ranks holding the experts, sorted by local expert
-            rows, expert_of_row, counts, plan = dispatch(rows, counts, *self.ep)
-        h = grouped_mm(rows, ex.fc, counts, self.grouped)
+        valid, plan, gathered = None, None, None
+        if self.ep is not None and self.dispatcher == "allgather":  # every token of the ep group here
+            rows, expert_of_row, counts, valid, gathered = gather_dispatch(flat, chosen, gates, self.ep[0], ex.first,
+                                                                           ex.fc.shape[0])
+            routed = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        else:
+            rows, order, expert_of_row, counts = permute(flat, chosen, self.num_experts)
+            routed = counts
+            if self.ep is not None:  # to the ranks holding the experts, sorted by local expert
+                rows, expert_of_row, counts, plan = dispatch(rows, counts, *self.ep)
+        h = grouped_mm(rows, ex.fc, counts, self.grouped, valid)
         if ex.fc_bias is not None:
             h = h + ex.fc_bias[expert_of_row].to(h.dtype)
-        out = grouped_mm(mlp_activation(h, self.swiglu), ex.proj, counts, self.grouped)
+        out = grouped_mm(mlp_activation(h, self.swiglu), ex.proj, counts, self.grouped, valid)
         if ex.proj_bias is not None:
             out = out + ex.proj_bias[expert_of_row].to(out.dtype)
-        if plan is not None:
-            out = combine(out, plan)
-        y = unpermute(out, order, gates, flat.shape[0]).view(*shape[:-1], out.shape[-1])
+        if gathered is not None:
+            y = gather_combine(out, gathered)
+        else:
+            if plan is not None:
+                out = combine(out, plan)
+            y = unpermute(out, order, gates, flat.shape[0])
+        y = y.view(*shape[:-1], out.shape[-1])
         group = self.tp.group if self.tp.sp else None
         zero = logits.new_zeros(())
         balance = zero if self.balancing == "none" else load_balancing_loss(
@@ -485,7 +509,8 @@ class MoE(nn.Module):
     def expert_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
         """Keep experts ``rank * E / size`` to ``(rank + 1) * E / size`` of the initialised layer (the
         one-process values) and exchange tokens with the other ranks of ``group`` in every forward
-        (:func:`~tokenloom.train.moe.dispatch`). Call before the optimizer or DDP sees the
+        (:func:`~tokenloom.train.moe.dispatch` or, with the allgather dispatcher,
+        :func:`~tokenloom.train.moe.gather_dispatch`). Call before the optimizer or DDP sees the
         parameters (they are replaced). The expert parameters are tagged ``expert_parallel``:
         reduced over the expert-data-parallel group, not with the dense ones; under sequence
         parallelism also ``sequence_parallel`` (summed over tp first, like the router's)."""

@@ -20,6 +20,19 @@ Contracts:
   exchange), and the received rows are sorted by local expert (stable: source rank, then token
   order). :func:`combine` undoes both. gloo runs ``all_to_all_single`` on CPU, with uneven splits.
   The router, the auxiliary losses and the statistics stay on the source rank's tokens.
+* **The allgather dispatcher** (:func:`gather_dispatch`, :func:`gather_combine`; megatron-core's
+  ``MoEAllGatherTokenDispatcher``, ``moe_token_dispatcher_type="allgather"``): every ep rank
+  all-gathers the group's hidden states and routing (gates and expert ids, one collective), runs its
+  experts on the rows routed to them (sorted by local expert: source rank, then token order, the rows
+  :func:`dispatch` receives), scales each result by its gate, sums it into its token and
+  reduce-scatters the partial sums back to the source ranks. Fixed-size collectives and no host sync
+  where the grouped GEMM runs: the rows sit in a buffer of the most rows the rank can be routed
+  (``ep N min(k, E / ep)``), the unused tail masked to zero. Bytes per rank grow with ep (every
+  token's hidden state reaches every rank), where all-to-all moves only the routed rows but needs
+  the split sizes on the host. The gradients flow back by the reverse collectives (reduce-scatter of
+  the hidden states' and gates' gradients, all-gather of the outputs'). Each token's sum over its
+  experts is taken per rank and then over ranks, so the result equals the all-to-all path's up to
+  rounding. Every rank of the group passes the same number of tokens (equal micro-batch shapes).
 * **Experts under tensor parallelism** (sequence parallelism required, as in Megatron): each
   expert is whole on every tp rank (replicated over tp, not Megatron's expert tensor parallelism),
   and each tp rank routes and dispatches its own ``1 / tp`` slice of the sequence over its ep group
@@ -48,7 +61,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tokenloom.train.parallel.mappings import reduce_from_region
+from tokenloom.train.parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_from_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 BalancingType = Literal["aux_loss", "seq_aux_loss", "none"]
 
@@ -157,6 +174,40 @@ def combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
     return AllToAll.apply(out[order.argsort()], recv, send, group)
 
 
+def gather_dispatch(x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, group: dist.ProcessGroup,
+                    first: int, local: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """The allgather dispatcher's forward half: ``x`` [N, d] with its routing (``experts`` [N, k]
+    global ids, ``gates`` [N, k] fp32) gathered from every rank of ``group`` -> (the rows routed to
+    experts ``first .. first + local`` sorted by local expert, in a fixed buffer of
+    ``ep N min(k, local)`` rows whose tail, past the routed rows, belongs to no expert; the local
+    expert of each row (the tail: the last); tokens per local expert [local]; which rows are routed
+    ([rows, 1] bool, :func:`grouped_mm`'s ``valid``); the plan :func:`gather_combine` needs).
+    Differentiable in ``x`` and ``gates``; no host sync."""
+    k = experts.shape[-1]
+    hidden = gather_from_sequence_parallel_region(x, group)
+    # one collective for both: expert ids are exact in fp32 (E < 2**24); their grad is dropped
+    routing = gather_from_sequence_parallel_region(torch.cat([gates, experts.to(gates.dtype)], dim=-1), group)
+    all_gates, key = routing[:, :k], routing[:, k:].detach().long().reshape(-1) - first
+    key = torch.where((key >= 0) & (key < local), key, local)  # rows for other ranks' experts sort last
+    order = key.argsort(stable=True)[:hidden.shape[0] * min(k, local)]
+    expert_of_row, counts = key[order], torch.bincount(key, minlength=local + 1)[:local]
+    mine = (expert_of_row < local).unsqueeze(-1)
+    return (hidden[order // k], expert_of_row.clamp(max=local - 1), counts, mine,
+            (order, mine, all_gates, hidden.shape[0], group))
+
+
+def gather_combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
+    """The allgather dispatcher's return half: each of :func:`gather_dispatch`'s rows' expert
+    output (the tail's values ignored) scaled by its gate and summed into its token, the group's
+    partial sums reduce-scattered -> this rank's tokens [N, d]."""
+    order, mine, gates, tokens, group = plan
+    k = gates.shape[-1]
+    scaled = torch.where(mine, out, 0) * gates.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    summed = out.new_zeros(tokens, out.shape[-1]).index_add_(0, order // k, scaled)
+    return reduce_scatter_to_sequence_parallel_region(summed, group)
+
+
 def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, expert) pairs by expert: (tokens' rows in that order [N k, d], the order
@@ -193,18 +244,26 @@ def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of ``x`` [n, a], sorted by expert with ``counts`` [E] per expert, times their expert's
     ``weight`` [E, a, b] -> [n, b]. ``grouped`` and :func:`grouped_mm_usable`: one
     ``torch._grouped_mm`` (inputs in the autocast dtype, as a matmul would be); else a loop over
-    experts (host sync on ``counts``)."""
+    experts (host sync on ``counts``). Rows past ``counts.sum()`` belong to no expert; ``valid``
+    [n, 1] bool marks the others: the rows it leaves out get zero outputs and zero input gradients
+    (the grouped GEMM leaves both unset there). None: every row belongs to an expert."""
+    if valid is not None:
+        x = torch.where(valid, x, 0)
     if grouped and grouped_mm_usable(x, weight):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x.to(dtype), weight.to(dtype), offs=offsets)
-    parts = x.split(counts.tolist())
-    return torch.cat([part @ w for part, w in zip(parts, weight, strict=True)])
+        out = torch._grouped_mm(x.to(dtype), weight.to(dtype), offs=offsets)
+        return out if valid is None else torch.where(valid, out, 0)
+    sizes = counts.tolist()
+    parts = x.split([*sizes, x.shape[0] - sum(sizes)])  # the last: the rows of no expert
+    out = torch.cat([part @ w for part, w in zip(parts, weight, strict=False)])
+    return F.pad(out, (0, 0, 0, parts[-1].shape[0]))
 
 
 def log_fields(table: torch.Tensor, layers: list[int]) -> dict:

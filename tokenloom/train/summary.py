@@ -75,6 +75,7 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
         f"{f', context parallel: {cfg.model.seq_len // cfg.cp} tokens of each sequence per rank' if cfg.cp > 1 else ''}"
         f"{f', expert parallel: ep {cfg.ep}, {(m.num_experts or 0) // cfg.ep} of {m.num_experts} experts per rank' if cfg.ep > 1 else ''}"
         f"{' (whole on each tp rank)' if cfg.ep > 1 and cfg.tp > 1 else ''}"
+        f"{f', tokens by {DISPATCHERS[m.moe_token_dispatcher_type]}' if cfg.ep > 1 else ''}"
         f"{_uneven(cfg)}{', ZeRO-1' if cfg.zero1 else ''}{', FSDP' if cfg.fsdp else ''}; {facts.precision}",
         "data      " + facts.data_plan.replace("\n", "\n          "),
         f"batch     global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {facts.dp} x accumulation "
@@ -104,6 +105,9 @@ def _decay(o: OptimConfig, decay: int) -> str:
         return f"inverse-square-root (not below {o.min_lr:g}), {o.min_lr:g} from step {decay}"
     return f"{o.decay_style} to {o.min_lr:g} at step {decay}"
 
+
+DISPATCHERS = {"alltoall": "all-to-all", "allgather": "all-gather"}
+"""How the layout line names each ``model.moe_token_dispatcher_type`` (shown at ep > 1 only)."""
 
 STYLES = {"gpt2": "GPT-2", "llama": "Llama"}
 """The name of the model each arch preset's features describe."""

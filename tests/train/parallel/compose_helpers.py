@@ -32,12 +32,13 @@ STEPS = 20
 
 def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zero1: bool = False,
              weight_decay: float = 0.1, dropout: float = 0.0, recompute: bool = False, moe: bool = False,
-             **kw: Any) -> TrainConfig:
+             dispatcher: str = "alltoall", **kw: Any) -> TrainConfig:
     """4 layers, d_model 32, seq 16, vocab 64; no biases (see pp_helpers' note on the key
     bias); global batch 8 of micro-batches of 2; clipping (0.5) active in early steps. ``moe``:
-    blocks 0 and 2 mixture-of-experts (4 experts 64 wide, top-2, balance and z losses on)."""
+    blocks 0 and 2 mixture-of-experts (4 experts 64 wide, top-2, balance and z losses on, tokens
+    reaching the experts by ``dispatcher`` at ep > 1)."""
     experts = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_layer_freq=2,
-                   moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001) if moe else {}
+                   moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_token_dispatcher_type=dispatcher) if moe else {}
     model = GPTConfig(bias=False, vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=4,
                       n_heads=4, d_model=32, dropout=dropout, recompute_layers=(0, 1, 2, 3) if recompute else (),
                       **experts)

@@ -1,7 +1,8 @@
 """Expert parallelism (issue 43, acceptance 2 and 3) through the one loop against its one-process
 MoE run: 20-step losses, grad norms, the logged balance and z losses and tokens per expert, the final
 checkpoint's parameters (every expert under its one-process name) of ep 2 at dp 2, ep 2 at dp 4 (two
-expert-data-parallel ranks per expert), ep 2 x tp 2 with sequence parallelism, ep 2 x pp 2, and ep 2
+expert-data-parallel ranks per expert), ep 2 x tp 2 with sequence parallelism, ep 2 x pp 2, ep 2 at dp 2
+and ep 2 x tp 2 + sp with the allgather token dispatcher (every other layout: all-to-all), and ep 2
 at dp 2 and dp 4 with ZeRO-1 (the experts' state sharded over the expert-data-parallel ranks: at dp 4
 in small buckets, reduce-scattered and gathered overlapped; at dp 2 without the overlaps); every
 rank's last-step expert gradients (the layouts without ZeRO-1, whose grads are whole tensors) and
@@ -37,12 +38,14 @@ def runs(tmp_path_factory):
     out = {"reference": reference(tmp / "reference", moe=True)}
     saved_zero1 = str(tmp / "ep2_dp4_zero1" / "checkpoints" / f"iter_{HALF:07d}")
     worlds = {2: [("ep2_dp2", dict(ep=2, save_interval=HALF)), ("ep2_at_ep1", dict(resume=saved)),
-                  ("ep2_dp2_zero1", dict(ep=2, zero1=True, overlap_grad_reduce=False, overlap_param_gather=False))],
+                  ("ep2_dp2_zero1", dict(ep=2, zero1=True, overlap_grad_reduce=False, overlap_param_gather=False)),
+                  ("ep2_dp2_allgather", dict(ep=2, dispatcher="allgather"))],
               4: [("ep2_dp4", dict(ep=2)), ("ep2_at_ep4", dict(ep=4, resume=saved)),
                   ("ep2_tp2_sp", dict(ep=2, tp=2, sp=True, save_interval=HALF)), ("ep2_pp2", dict(ep=2, pp=2)),
                   ("ep2_tp2_at_ep1", dict(resume=saved_tp)),
                   ("ep2_dp4_zero1", dict(ep=2, zero1=True, ddp_bucket_cap_mb=0.02, save_interval=HALF)),
-                  ("ep2_zero1_at_ep1", dict(resume=saved_zero1))]}
+                  ("ep2_zero1_at_ep1", dict(resume=saved_zero1)),
+                  ("ep2_tp2_sp_allgather", dict(ep=2, tp=2, sp=True, dispatcher="allgather"))]}
     for world, layouts in worlds.items():
         (tmp / f"w{world}").mkdir()
         # resuming reads checkpoints with host tensors made without a device: not on meta
@@ -62,7 +65,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("name", "ep"), [("ep2_dp2", 2), ("ep2_dp4", 2), ("ep2_at_ep4", 4), ("ep2_dp2_zero1", 2),
-                                          ("ep2_dp4_zero1", 2)])
+                                          ("ep2_dp4_zero1", 2), ("ep2_dp2_allgather", 2)])
 def test_each_rank_holds_its_share_of_the_experts(runs, name, ep):
     ref = runs["reference"]["params"]
     experts = sum(t.numel() for n, t in ref.items() if ".mlp.experts." in n)
@@ -70,7 +73,7 @@ def test_each_rank_holds_its_share_of_the_experts(runs, name, ep):
     assert experts and runs[name]["numel"] == [total - experts + experts // ep] * len(runs[name]["numel"])
 
 
-EP_LAYOUTS = ["ep2_dp2", "ep2_dp4", "ep2_tp2_sp", "ep2_pp2"]
+EP_LAYOUTS = ["ep2_dp2", "ep2_dp4", "ep2_tp2_sp", "ep2_pp2", "ep2_dp2_allgather", "ep2_tp2_sp_allgather"]
 ZERO1_LAYOUTS = ["ep2_dp2_zero1", "ep2_dp4_zero1"]
 
 

@@ -52,6 +52,8 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     # ZeRO-1's expert buckets with tp (+ sp: experts whole on each tp rank) and with pp
     "ep2_tp2_sp_zero1": (4, dict(moe=True, ep=2, tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=0.02)),
     "ep2_pp2_zero1": (4, dict(moe=True, ep=2, pp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
+    # the allgather token dispatcher: gathered tokens and routing, a fixed-size buffer of expert rows
+    "ep2_allgather": (2, dict(moe=True, ep=2, dispatcher="allgather")),
 }
 
 
