@@ -77,9 +77,6 @@ def check_model_split(cfg: TrainConfig) -> None:
         problems.append(f"model.n_heads {m.n_heads} and model.n_kv_heads {m.kv_heads} must be divisible by --tp {tp}")
     if m.ffn_size % tp:
         problems.append(f"the MLP size {m.ffn_size} must be divisible by --tp {tp} (model.ffn_hidden_size)")
-    if m.num_experts is not None and tp > 1 and not cfg.sp:
-        problems.append(f"mixture-of-experts layers (model.num_experts) at --tp {tp} need sequence parallelism "
-                        "(--sequence-parallel), as in Megatron")
     if m.num_experts is not None and cfg.cp > 1:
         problems.append(f"mixture-of-experts layers (model.num_experts) with --cp {cfg.cp}: their routing statistics "
                         "under context parallelism are not implemented; use --cp 1")
