@@ -106,12 +106,10 @@ from tokenloom.train.moe import (
 )
 from tokenloom.train.parallel.context import (
     CausalChunks,
-    additive_mask,
     causal_chunks_attention,
     gather_sequence,
     local_index,
 )
-from tokenloom.train.parallel.context import attention_mask as cp_attention_mask
 from tokenloom.train.parallel.layers import TensorParallel, shard, tag
 from tokenloom.train.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
 from tokenloom.train.parallel.random import checkpoint as tp_checkpoint
@@ -871,13 +869,9 @@ class GPT(nn.Module):
         x = self.embed(_given(tokens, "tokens"), positions) if self.pre else _given(hidden, "hidden")
         per_token = positions if positions is not None else tokens  # [batch, seq]
         mask: torch.Tensor | BlockMask | CausalChunks | None = documents
-        if self.cp is not None:
+        if self.cp is not None:  # each query chunk against the keys up to it, by global position (and document)
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            if documents is None:  # causal: each query chunk against the keys up to it
-                mask = CausalChunks.of(self.cfg.seq_len, self.cp[1], self.cp[2], x.device, dtype)
-            else:  # this rank's queries against every rank's keys, by global position and document
-                mask = additive_mask(cp_attention_mask(self.cfg.seq_len, self.cp[1], self.cp[2], documents, x.device),
-                                     dtype)
+            mask = CausalChunks.of(self.cfg.seq_len, self.cp[1], self.cp[2], x.device, dtype, documents)
         elif documents is not None and per_token is not None:  # one mask for every block of this forward
             dropout = self.cfg.dropout if self.training else 0.0
             flex = flex_usable(x.device, dropout, self.cfg.head_dim)

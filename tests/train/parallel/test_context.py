@@ -19,12 +19,12 @@ from tokenloom.train.model import GPTConfig
 from tokenloom.train.parallel.context import (
     CausalChunks,
     additive_mask,
-    attention_mask,
     causal_chunks_attention,
     gathered_index,
     global_order,
     local_index,
     loss_scale,
+    relation,
     take_local,
 )
 from tokenloom.train.parallel.state import ParallelLayout
@@ -64,10 +64,15 @@ def test_each_rank_holds_two_chunks_mirrored_and_the_gather_covers_the_sequence(
     assert torch.equal(take_local(x, 4, 3), x[:, [6, 7, 8, 9]])
 
 
+def dense_relation(seq: int, cp: int, rank: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """The reference: this rank's queries against every rank's keys in the gathered order."""
+    return relation(local_index(seq, cp, rank), gathered_index(seq, cp), cu_seqlens)
+
+
 def test_the_mask_is_causal_by_global_position_and_within_documents():
     cu = torch.tensor([[0, 5, 16, 16]])  # two documents, padded boundary
     for rank in range(2):
-        mask = attention_mask(16, 2, rank, cu, "cpu")[0, 0]
+        mask = dense_relation(16, 2, rank, cu)[0, 0]
         q, k = local_index(16, 2, rank), gathered_index(16, 2)
         doc = lambda i: int(i >= 5)  # noqa: E731
         expected = torch.tensor([[int(kk) <= int(qq) and doc(kk) == doc(qq) for kk in k] for qq in q])
@@ -169,23 +174,29 @@ def test_activation_memory_per_rank_at_cp4_is_under_035_of_one_rank(runs, tmp_pa
     assert len(per_rank) == 4 and max(per_rank) <= 0.35 * one, (per_rank, one)
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_causal_chunks_attention_equals_the_gathered_dense_mask(cp):
-    """Each rank's two query chunks, each against the keys up to its end under a lower-right
-    causal mask (the shared additive masks on CPU, and torch's CausalBias, what CUDA runs), give
-    the output and gradients of its queries against all gathered keys under the dense mask,
-    grouped heads included."""
+def test_causal_chunks_attention_equals_the_gathered_dense_mask(cp, documents):
+    """Each rank's two query chunks, each against the keys up to its end (the shared additive
+    masks on CPU; without documents also torch's lower-right CausalBias, what CUDA runs), give the
+    output and gradients of its queries against all gathered keys under the dense relation of
+    global positions (and documents: two samples with different boundaries), grouped heads
+    included."""
     seq, heads, kv_heads, dim = 64, 4, 2, 8
+    cu = torch.tensor([[0, 5, 30, 64], [0, 40, 64, 64]]) if documents else None
     gen = torch.Generator().manual_seed(cp)
     for rank in range(cp):
         q, k, v = (torch.randn(2, h, n, dim, generator=gen) for h, n in ((heads, seq // cp), (kv_heads, seq),
                                                                           (kv_heads, seq)))
-        chunks = CausalChunks.of(seq, cp, rank, torch.device("cpu"), torch.float32)
-        bias = CausalChunks(cp, rank, chunks.chunk, chunks.ends,
-                            tuple(torch.nn.attention.bias.causal_lower_right(chunks.chunk, e) for e in chunks.ends))
-        dense = additive_mask(attention_mask(seq, cp, rank, None, "cpu"), torch.float32)
+        chunks = CausalChunks.of(seq, cp, rank, torch.device("cpu"), torch.float32, cu)
+        forms: list = ["dense", chunks]
+        if not documents:
+            forms.append(CausalChunks(cp, rank, chunks.chunk, chunks.ends,
+                                      tuple(torch.nn.attention.bias.causal_lower_right(chunks.chunk, e)
+                                            for e in chunks.ends)))
+        dense = additive_mask(dense_relation(seq, cp, rank, cu), torch.float32)
         results = []
-        for form in ("dense", chunks, bias):
+        for form in forms:
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
             out = (F.scaled_dot_product_attention(*inputs, attn_mask=dense, enable_gqa=True) if form == "dense"
                    else causal_chunks_attention(*inputs, form))

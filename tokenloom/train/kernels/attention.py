@@ -151,14 +151,8 @@ def attention_sdpa(
     """q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim];
     ``documents``: optional, causal within each document: a :func:`document_attention_mask`
     (a ``BlockMask`` or the dense boolean mask), or the ``cu_seqlens`` [batch, seq + 1] it
-    is built from here; or a floating additive mask over keys of any length (context
-    parallelism's, :func:`~tokenloom.train.parallel.context.additive_mask`)."""
-    if isinstance(documents, torch.Tensor) and documents.is_floating_point():  # an additive mask, keys of any length
-        if q.device.type == "cpu":  # grouped heads without expanded copies of k and v saved for backward
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=documents, dropout_p=dropout_p, scale=scale,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
-        k, v = _expand_kv(q, k, v)  # CUDA: the memory-efficient kernel takes the mask, not grouped heads
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=documents, dropout_p=dropout_p, scale=scale)
+    is built from here (context parallelism's masks go to
+    :func:`~tokenloom.train.parallel.context.causal_chunks_attention` instead)."""
     k, v = _expand_kv(q, k, v)
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)

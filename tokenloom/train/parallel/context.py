@@ -8,20 +8,16 @@ rank's token positions; :func:`take_local` cuts a batch tensor to them.
 
 Attention: every layer all-gathers the keys and values of the cp group along the sequence
 (:func:`gather_sequence`, whose backward reduce-scatters their gradients). Rotary embeddings
-are applied before the gather, at each token's own position. Then each rank attends its own
-queries to the gathered keys:
-
-* causal, no inter-document masking (:class:`CausalChunks`, :func:`causal_chunks_attention`):
-  the gathered keys are put in global order and each of the rank's two query chunks runs one
-  SDPA call over the keys up to its own end, with a lower-right-aligned causal mask (torch's
-  ``causal_lower_right``, no mask tensor: a flash or memory-efficient kernel on CUDA, which
-  skips the masked blocks). A query chunk never sees the keys after it, so no work goes to
-  them, and no mask is held. One call over the whole visible prefix needs no log-sum-exp
-  merge (a ring, holding one peer's chunk at a time, does).
-* with inter-document masking: a dense mask of local queries x all keys
-  (:func:`attention_mask`, the causal and same-document relation of the *global* positions),
-  additive, built once per forward in the attention's dtype and shared by every layer; the
-  attention computes its masked part too.
+are applied before the gather, at each token's own position. Then the gathered keys are put
+in global order and each of the rank's two query chunks runs one SDPA call over the keys up to
+its own end (:class:`CausalChunks`, :func:`causal_chunks_attention`): a query chunk never sees
+the keys after it, so no work goes to them, and one call over the whole visible prefix needs
+no log-sum-exp merge (a ring, holding one peer's chunk at a time, does). Each call's mask is
+the causal (and, with inter-document masking, same-document) relation of the chunk's *global*
+positions to the prefix's (:func:`relation`): without documents on CUDA, torch's lower-right
+``CausalBias`` (no mask tensor: a flash or memory-efficient kernel, which skips the masked
+blocks); otherwise additive masks, built once per forward in the attention's dtype and shared
+by every layer.
 
 This is the all-gather variant of context parallelism (Megatron's ``all_gather`` cp comm
 type, beside its ring ``p2p``): one collective per layer instead of ``cp - 1`` ring steps, at
@@ -95,13 +91,14 @@ def gather_sequence(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CausalChunks:
-    """Causal attention of one cp rank's queries (no inter-document masking), in place of a mask:
-    the rank's two chunks of ``chunk`` tokens are global chunks ``rank`` and ``2 * cp - 1 - rank``,
-    whose queries see the keys up to ``ends`` (in global order), each under ``masks``' lower-right
-    causal relation: on CUDA torch's ``CausalBias`` (no tensor; SDPA runs a causal kernel), elsewhere
-    the additive mask it would materialise, built once per forward in the attention's dtype and
-    shared by every layer (SDPA would otherwise make one per call and keep it for backward). Built
-    outside any compiled region: dynamo cannot construct a ``CausalBias``, but takes one as input."""
+    """The attention of one cp rank's queries, in place of one mask: the rank's two chunks of
+    ``chunk`` tokens are global chunks ``rank`` and ``2 * cp - 1 - rank``, whose queries see the keys
+    up to ``ends`` (in global order), each under its ``masks`` entry: :func:`relation` as an
+    additive mask [batch or 1, 1, chunk, end], built once per forward in the attention's dtype and
+    shared by every layer (SDPA would otherwise convert a boolean one per call and keep it for
+    backward); or, causal without documents on CUDA, torch's lower-right ``CausalBias`` (no tensor;
+    SDPA runs a causal kernel). Built outside any compiled region: dynamo cannot construct a
+    ``CausalBias``, but takes one as input."""
 
     cp: int
     rank: int
@@ -110,14 +107,18 @@ class CausalChunks:
     masks: tuple[torch.Tensor, torch.Tensor]
 
     @classmethod
-    def of(cls, seq: int, cp: int, rank: int, device: torch.device, dtype: torch.dtype) -> CausalChunks:
+    def of(cls, seq: int, cp: int, rank: int, device: torch.device, dtype: torch.dtype,
+           cu_seqlens: torch.Tensor | None = None) -> CausalChunks:
+        """``cu_seqlens``: the batch's document boundaries ([batch, seq + 1]) under inter-document
+        masking, else None."""
         chunk = seq // (2 * cp)
         ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
         masks: tuple[torch.Tensor, ...]
-        if device.type == "cuda":
+        if cu_seqlens is None and device.type == "cuda":
             masks = tuple(causal_lower_right(chunk, end) for end in ends)
-        else:  # query i of the chunk sees keys up to end - chunk + i
-            masks = tuple(additive_mask(torch.ones(chunk, end, dtype=torch.bool, device=device).tril(end - chunk), dtype)
+        else:
+            masks = tuple(additive_mask(relation(torch.arange(end - chunk, end, device=device),
+                                                 torch.arange(end, device=device), cu_seqlens), dtype)
                           for end in ends)
         return cls(cp, rank, chunk, ends, (masks[0], masks[1]))
 
@@ -135,7 +136,7 @@ def causal_chunks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """q [B, h, 2 chunk, d] (this rank's tokens), k/v [B, h_kv, T, d] (:func:`gather_sequence`'s
     order) -> [B, h, 2 chunk, d]: each query chunk attends causally to the keys up to its own end
     (module docstring). Grouped heads are SDPA's ``enable_gqa`` on CPU and repeated key/value
-    heads on CUDA (its lower-right causal kernel takes equal head counts)."""
+    heads on CUDA (its lower-right causal kernel and its masked kernel take equal head counts)."""
     k, v = global_order(k, chunks.cp, chunks.chunk), global_order(v, chunks.cp, chunks.chunk)
     gqa = k.shape[1] != q.shape[1]
     if gqa and q.device.type != "cpu":
@@ -148,17 +149,14 @@ def causal_chunks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return torch.cat(out, 2)
 
 
-def attention_mask(seq: int, cp: int, rank: int, cu_seqlens: torch.Tensor | None,
-                   device: torch.device | str) -> torch.Tensor:
-    """Which keys of :func:`gather_sequence`'s order each of this rank's queries attends to:
-    boolean ``[batch or 1, 1, T / cp, T]``, True where the key's global position is at most
-    the query's and, with ``cu_seqlens`` (``[batch, T + 1]`` document boundaries of the full
+def relation(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Which keys at global positions ``k`` the queries at global positions ``q`` attend to:
+    boolean ``[batch or 1, 1, len(q), len(k)]``, True where the key's position is at most the
+    query's and, with ``cu_seqlens`` (``[batch, T + 1]`` document boundaries of the full
     sequence), in the same document."""
-    q = local_index(seq, cp, rank, device)
-    k = gathered_index(seq, cp, device)
     mask = (k[None, :] <= q[:, None]).unsqueeze(0)  # [1, Tq, Tk]
     if cu_seqlens is not None:
-        bounds = cu_seqlens.to(device=device, dtype=torch.long)
+        bounds = cu_seqlens.to(device=q.device, dtype=torch.long)
         doc_q = torch.searchsorted(bounds, q.expand(bounds.shape[0], -1).contiguous(), right=True)
         doc_k = torch.searchsorted(bounds, k.expand(bounds.shape[0], -1).contiguous(), right=True)
         mask = mask & (doc_q[:, :, None] == doc_k[:, None, :])
@@ -166,8 +164,8 @@ def attention_mask(seq: int, cp: int, rank: int, cu_seqlens: torch.Tensor | None
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`attention_mask` as attention adds it (0 where attended, -inf elsewhere), in the
-    attention's ``dtype``: built once per forward and given to every layer, so one copy is
+    """A boolean mask (:func:`relation`) as attention adds it (0 where attended, -inf elsewhere),
+    in the attention's ``dtype``: built once per forward and given to every layer, so one copy is
     held for backward instead of one conversion per layer."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
