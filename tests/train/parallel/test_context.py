@@ -15,16 +15,15 @@ import torch.nn.functional as F
 from compose_helpers import activation_bytes, launch, logged_losses, merged_params, reference
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.kernels.attention import document_mask
 from tokenloom.train.model import GPTConfig
 from tokenloom.train.parallel.context import (
     CausalChunks,
     additive_mask,
     causal_chunks_attention,
-    gathered_index,
     global_order,
     local_index,
     loss_scale,
-    relation,
     take_local,
 )
 from tokenloom.train.parallel.state import ParallelLayout
@@ -64,19 +63,29 @@ def test_each_rank_holds_two_chunks_mirrored_and_the_gather_covers_the_sequence(
     assert torch.equal(take_local(x, 4, 3), x[:, [6, 7, 8, 9]])
 
 
+def gathered_index(seq: int, cp: int) -> torch.Tensor:
+    """Positions of the tokens of gather_sequence's output: every rank's local_index, in rank order."""
+    return torch.cat([local_index(seq, cp, r) for r in range(cp)])
+
+
 def dense_relation(seq: int, cp: int, rank: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """The reference: this rank's queries against every rank's keys in the gathered order."""
-    return relation(local_index(seq, cp, rank), gathered_index(seq, cp), cu_seqlens)
+    """The reference: this rank's queries against every rank's keys in the gathered order, cut from
+    the one-process mask of the whole sequence (causal, and within documents with ``cu_seqlens``)."""
+    whole = (torch.ones(seq, seq, dtype=torch.bool).tril()[None, None] if cu_seqlens is None
+             else document_mask(cu_seqlens, seq))
+    return whole[:, :, local_index(seq, cp, rank)][..., gathered_index(seq, cp)]
 
 
-def test_the_mask_is_causal_by_global_position_and_within_documents():
+def test_the_chunk_masks_are_causal_by_global_position_and_within_documents():
     cu = torch.tensor([[0, 5, 16, 16]])  # two documents, padded boundary
+    doc = lambda i: int(i >= 5)  # noqa: E731
     for rank in range(2):
-        mask = dense_relation(16, 2, rank, cu)[0, 0]
-        q, k = local_index(16, 2, rank), gathered_index(16, 2)
-        doc = lambda i: int(i >= 5)  # noqa: E731
-        expected = torch.tensor([[int(kk) <= int(qq) and doc(kk) == doc(qq) for kk in k] for qq in q])
-        assert torch.equal(mask, expected)
+        chunks = CausalChunks.of(16, 2, rank, torch.device("cpu"), torch.float32, cu)
+        for first, end, mask in zip((rank * 4, (3 - rank) * 4), chunks.ends, chunks.masks, strict=True):
+            assert end == first + 4
+            expected = torch.tensor([[kk <= qq and doc(kk) == doc(qq) for kk in range(end)]
+                                     for qq in range(first, end)])
+            assert torch.equal(mask[0, 0] == 0, expected)
 
 
 def test_the_loss_scale_makes_the_cp_sum_the_sample_mean():
@@ -191,7 +200,7 @@ def test_causal_chunks_attention_equals_the_gathered_dense_mask(cp, documents):
         chunks = CausalChunks.of(seq, cp, rank, torch.device("cpu"), torch.float32, cu)
         forms: list = ["dense", chunks]
         if not documents:
-            forms.append(CausalChunks(cp, rank, chunks.chunk, chunks.ends,
+            forms.append(CausalChunks(cp, chunks.chunk, chunks.ends,
                                       tuple(torch.nn.attention.bias.causal_lower_right(chunks.chunk, e)
                                             for e in chunks.ends)))
         dense = additive_mask(dense_relation(seq, cp, rank, cu), torch.float32)

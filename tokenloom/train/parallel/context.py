@@ -14,7 +14,7 @@ its own end (:class:`CausalChunks`, :func:`causal_chunks_attention`): a query ch
 the keys after it, so no work goes to them, and one call over the whole visible prefix needs
 no log-sum-exp merge (a ring, holding one peer's chunk at a time, does). Each call's mask is
 the causal (and, with inter-document masking, same-document) relation of the chunk's *global*
-positions to the prefix's (:func:`relation`): without documents on CUDA, torch's lower-right
+positions to the prefix's (:func:`chunk_mask`): without documents on CUDA, torch's lower-right
 ``CausalBias`` (no mask tensor: a flash or memory-efficient kernel, which skips the masked
 blocks); otherwise additive masks, built once per forward in the attention's dtype and shared
 by every layer.
@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from tokenloom.train.kernels.attention import document_ids
 from tokenloom.train.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 
 Group = dist.ProcessGroup | None
@@ -56,12 +57,6 @@ def local_index(seq: int, cp: int, rank: int, device: torch.device | str = "cpu"
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
     return torch.cat([first, second])
-
-
-def gathered_index(seq: int, cp: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Positions of the tokens of :func:`gather_sequence`'s output: every rank's
-    :func:`local_index`, in rank order."""
-    return torch.cat([local_index(seq, cp, r, device) for r in range(cp)])
 
 
 def take_local(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
@@ -82,8 +77,8 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Every cp rank's ``x`` joined along ``dim`` in rank order (tokens at
-    :func:`gathered_index`); the backward sums the gradients and keeps this rank's part."""
+    """Every cp rank's ``x`` joined along ``dim`` in rank order (each rank's tokens at its
+    :func:`local_index`); the backward sums the gradients and keeps this rank's part."""
     if group is None or dist.get_world_size(group) == 1:
         return x
     return _GatherSequence.apply(x, dim, group)
@@ -93,7 +88,7 @@ def gather_sequence(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 class CausalChunks:
     """The attention of one cp rank's queries, in place of one mask: the rank's two chunks of
     ``chunk`` tokens are global chunks ``rank`` and ``2 * cp - 1 - rank``, whose queries see the keys
-    up to ``ends`` (in global order), each under its ``masks`` entry: :func:`relation` as an
+    up to ``ends`` (in global order), each under its ``masks`` entry: :func:`chunk_mask` as an
     additive mask [batch or 1, 1, chunk, end], built once per forward in the attention's dtype and
     shared by every layer (SDPA would otherwise convert a boolean one per call and keep it for
     backward); or, causal without documents on CUDA, torch's lower-right ``CausalBias`` (no tensor;
@@ -101,7 +96,6 @@ class CausalChunks:
     ``CausalBias``, but takes one as input."""
 
     cp: int
-    rank: int
     chunk: int
     ends: tuple[int, int]
     masks: tuple[torch.Tensor, torch.Tensor]
@@ -117,10 +111,8 @@ class CausalChunks:
         if cu_seqlens is None and device.type == "cuda":
             masks = tuple(causal_lower_right(chunk, end) for end in ends)
         else:
-            masks = tuple(additive_mask(relation(torch.arange(end - chunk, end, device=device),
-                                                 torch.arange(end, device=device), cu_seqlens), dtype)
-                          for end in ends)
-        return cls(cp, rank, chunk, ends, (masks[0], masks[1]))
+            masks = tuple(additive_mask(chunk_mask(end, chunk, cu_seqlens, device), dtype) for end in ends)
+        return cls(cp, chunk, ends, (masks[0], masks[1]))
 
 
 def global_order(t: torch.Tensor, cp: int, chunk: int) -> torch.Tensor:
@@ -149,22 +141,20 @@ def causal_chunks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return torch.cat(out, 2)
 
 
-def relation(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """Which keys at global positions ``k`` the queries at global positions ``q`` attend to:
-    boolean ``[batch or 1, 1, len(q), len(k)]``, True where the key's position is at most the
-    query's and, with ``cu_seqlens`` (``[batch, T + 1]`` document boundaries of the full
-    sequence), in the same document."""
-    mask = (k[None, :] <= q[:, None]).unsqueeze(0)  # [1, Tq, Tk]
+def chunk_mask(end: int, chunk: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Which of the keys at global positions ``0 .. end`` the ``chunk`` queries ending at ``end``
+    attend to: boolean ``[batch or 1, 1, chunk, end]``, lower-right causal (query ``i`` sees keys up
+    to ``end - chunk + i``) and, with ``cu_seqlens`` (``[batch, T + 1]`` document boundaries of the
+    full sequence), within the query's document (:func:`~tokenloom.train.kernels.attention.document_ids`)."""
+    mask = torch.ones(chunk, end, dtype=torch.bool, device=device).tril(end - chunk)[None]  # [1, chunk, end]
     if cu_seqlens is not None:
-        bounds = cu_seqlens.to(device=q.device, dtype=torch.long)
-        doc_q = torch.searchsorted(bounds, q.expand(bounds.shape[0], -1).contiguous(), right=True)
-        doc_k = torch.searchsorted(bounds, k.expand(bounds.shape[0], -1).contiguous(), right=True)
-        mask = mask & (doc_q[:, :, None] == doc_k[:, None, :])
+        docs = document_ids(cu_seqlens.to(device), end)  # [batch, end]
+        mask = mask & (docs[:, -chunk:, None] == docs[:, None, :])
     return mask.unsqueeze(1)
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (:func:`relation`) as attention adds it (0 where attended, -inf elsewhere),
+    """A boolean mask (:func:`chunk_mask`) as attention adds it (0 where attended, -inf elsewhere),
     in the attention's ``dtype``: built once per forward and given to every layer, so one copy is
     held for backward instead of one conversion per layer."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
