@@ -458,7 +458,12 @@ class Strategy:
             groups = [st.ep_group] + ([st.pp_group] if cfg.pp > 1 else [])
             expert_norm = global_grad_norm(experts, groups, device=self.device)
             norm = (norm.double().square() + expert_norm.double().square()).sqrt().float()
-        coefficient = clip_coefficient(norm, cfg.optim.grad_clip)
+        return self._clipped_step(grads, norm)
+
+    def _clipped_step(self, grads: list[torch.Tensor], norm: torch.Tensor) -> torch.Tensor:
+        """Clip ``grads`` (what the optimizer steps: whole tensors or local shards) to the global
+        ``norm``, wait for a save's copy, step; returns ``norm``."""
+        coefficient = clip_coefficient(norm, self.cfg.optim.grad_clip)
         if self.optimizer.defaults.get("fused"):
             # torch's fused AdamW divides each grad by ``grad_scale`` inside its kernel (and stores
             # the result back): clipping costs no pass of its own over every gradient
@@ -501,15 +506,7 @@ class Strategy:
         grads = [fsdp.local(p.grad) for p in self.params if p.grad is not None]
         counted = [fsdp.local(p.grad) for p in self.params if p.grad is not None and self._counts_in_norm(p)]
         groups = [self.fsdp_group] + ([st.model_parallel_group] if self.staged else [])
-        norm = global_grad_norm(counted, groups, device=self.device)
-        coefficient = clip_coefficient(norm, cfg.optim.grad_clip)
-        if self.optimizer.defaults.get("fused"):
-            self.optimizer.grad_scale = coefficient.reciprocal()
-        else:
-            torch._foreach_mul_(grads, coefficient)
-        self.saver.before_update()  # a save in flight may still be copying the sharded state
-        self.optimizer.step()
-        return norm
+        return self._clipped_step(grads, global_grad_norm(counted, groups, device=self.device))
 
     @torch.no_grad()
     def eval_loss_sum(self, batches: list, per_source: SourceLosses | None = None) -> torch.Tensor:
