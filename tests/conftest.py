@@ -4,16 +4,27 @@ Under ``CI=true`` a skip is a failure unless the test needs a GPU: a test skips 
 part it needs is missing (megatron-core, the native extension, the shared data, Triton's
 interpreter), and CI installs all of them, so a skip there means an install step broke
 and a whole capability went untested. Locally such tests still skip, with the reason.
+
+The timing check: every test's time (setup, call and teardown, which pytest-timeout bounds
+together) is recorded against its timeout, every module- or session-scoped fixture's setup
+against the timeout of the test whose setup ran it, and every timed wait inside a test
+(``tl_testing.timed``: ``run_cli``, the rank launchers) against its own limit. The end of the
+run prints the tightest ratios; above ``$TL_TIMING_LIMIT`` (0.33 under ``CI=true``, else
+report only) the run fails, so a machine three times slower than the one that ran it still
+passes. ``$TL_TIMEOUT_SCALE`` scales every timeout (``tl_testing.TIMEOUT_SCALE``); the ratios
+are taken against the unscaled timeouts.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
+import tl_testing
 import torch
-from tl_testing import shared_data_dir
+from tl_testing import TIMEOUT_SCALE, shared_data_dir
 
 # Triton reads TRITON_INTERPRET when its @jit functions are decorated, including its own
 # standard library (tl.sum, ...) at import; any test module may import Triton first (torch
@@ -24,6 +35,10 @@ if not torch.cuda.is_available():
 
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+TIMING_LIMIT = float(os.environ.get("TL_TIMING_LIMIT", "0.33" if IN_CI else "inf"))
+"""The largest time / timeout ratio the run accepts (module docstring)."""
+TIMING_SHOWN = 12
+"""How many of the tightest ratios the end of the run prints."""
 GPU_REASON = "needs a CUDA device"
 """The one skip reason CI accepts (no CI machine has a GPU); GPU tests use exactly it."""
 
@@ -42,8 +57,96 @@ def _fail_skip_in_ci(report, needs_gpu: bool) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    # timed waits of this phase (run_cli, rank launchers) travel on the report (xdist included)
+    item.user_properties.extend(("tl_wait", what, took, limit / TIMEOUT_SCALE)
+                                for what, took, limit in tl_testing.DEADLINES)
+    tl_testing.DEADLINES.clear()
     outcome = yield
     _fail_skip_in_ci(outcome.get_result(), item.get_closest_marker("gpu") is not None)
+
+
+def _base_timeout(item) -> float:
+    """The item's timeout before :data:`TIMEOUT_SCALE`: its ``timeout`` marker's or the ini's."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        return float(marker.args[0] if marker.args else marker.kwargs["timeout"])
+    return float(item.config.getini("timeout") or 0)
+
+
+_running: list = []  # the item whose protocol runs now (its setup runs the module fixtures)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    start = time.monotonic()
+    yield
+    if fixturedef.scope != "function" and _running:
+        item = _running[-1]
+        item.user_properties.append(("tl_fixture", f"{fixturedef.argname} ({fixturedef.scope})",
+                                     time.monotonic() - start, item.stash.get(_TIMEOUT, 0.0)))
+
+
+_TIMEOUT = pytest.StashKey[float]()
+_times: dict[str, list] = {}  # nodeid -> [seconds, timeout, waits and fixtures]
+
+
+def pytest_runtest_logreport(report):
+    """Collects the timing records (on the xdist controller, from every worker's reports)."""
+    entry = _times.setdefault(report.nodeid, [0.0, 0.0, []])
+    entry[0] += report.duration
+    for prop in report.user_properties:
+        if prop[0] == "tl_timeout":
+            entry[1] = prop[1]
+        elif prop[0] in ("tl_wait", "tl_fixture") and prop not in entry[2]:
+            entry[2].append(prop)
+
+
+def timing_ratios() -> list[tuple[float, str, float, float]]:
+    """``(ratio, what, seconds, timeout)`` of every test, module fixture and timed wait, tightest first."""
+    rows = []
+    for nodeid, (took, limit, extra) in _times.items():
+        if limit > 0:
+            rows.append((took / limit, f"test {nodeid}", took, limit))
+        for kind, what, secs, lim in extra:
+            if lim > 0:
+                rows.append((secs / lim, f"{'wait' if kind == 'tl_wait' else 'fixture'} {what} in {nodeid}",
+                             secs, lim))
+    return sorted(rows, reverse=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller prints it
+    rows = timing_ratios()
+    if not rows:
+        return
+    terminalreporter.section("time over timeout (tightest first)")
+    for ratio, what, took, limit in rows[:TIMING_SHOWN]:
+        terminalreporter.write_line(f"{ratio:6.3f}  {took:7.1f} s of {limit:6.0f} s  {what}")
+    over = [r for r in rows if r[0] > TIMING_LIMIT]
+    if over:
+        terminalreporter.write_line(f"timing check: {len(over)} above the limit {TIMING_LIMIT} "
+                                    "(TL_TIMING_LIMIT): size their timeouts by their work", red=True)
+        config.stash[_TIMING_FAILED] = True
+    else:
+        terminalreporter.write_line(f"timing check: tightest {rows[0][0]:.3f} <= {TIMING_LIMIT}")
+
+
+_TIMING_FAILED = pytest.StashKey[bool]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.stash.get(_TIMING_FAILED, False) and session.exitstatus == 0:
+        session.exitstatus = 1
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -70,9 +173,16 @@ def _own_user_cache(tmp_path_factory, monkeypatch):
 def pytest_collection_modifyitems(config, items):
     """Modules holding a ``slow`` test run first, in their order; the rest keep theirs. Under
     pytest-xdist (``scripts/test.sh`` runs whole modules on two workers) the long multi-process
-    modules then start early instead of keeping one worker busy after the other has finished."""
+    modules then start early instead of keeping one worker busy after the other has finished.
+    Each item's timeout is recorded for the timing check, and scaled by :data:`TIMEOUT_SCALE`."""
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+    for item in items:
+        base = _base_timeout(item)
+        item.stash[_TIMEOUT] = base
+        item.user_properties.append(("tl_timeout", base))
+        if TIMEOUT_SCALE != 1 and base > 0:
+            item.add_marker(pytest.mark.timeout(base * TIMEOUT_SCALE))
 
 
 @pytest.fixture(scope="module")

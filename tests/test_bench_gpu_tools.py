@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tl_testing import limit_s
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -19,7 +20,7 @@ def _bench(script: str, *args: str, tmp_path: Path) -> tuple[subprocess.Complete
     env = dict(os.environ, BENCH_RESULTS_MD=str(tables), PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     env.pop("TOKENLOOM_BENCH_DATA", None)
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=limit_s(240))
     return proc, tables.read_text() if tables.exists() else ""
 
 

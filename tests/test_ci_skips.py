@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tl_testing import REPO
+from tl_testing import REPO, limit_s
 
 
 def run_interop(tmp_path, ci: bool) -> subprocess.CompletedProcess:
@@ -21,7 +21,7 @@ def run_interop(tmp_path, ci: bool) -> subprocess.CompletedProcess:
         env["CI"] = "true"
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                            "tests/interop", "-k", "interop"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=limit_s(240))
 
 
 def test_missing_megatron_fails_in_ci_and_skips_locally(tmp_path):

@@ -13,7 +13,7 @@ import re
 import subprocess
 
 import pytest
-from tl_testing import REPO
+from tl_testing import REPO, limit_s
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_the_main_job_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
     done = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh"), "--max-documents", "120", "--vocab-size", "512",
                            "--train-iters", "30", "--output-dir", str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=REPO,
+                          capture_output=True, text=True, timeout=limit_s(900), cwd=REPO,
                           env=dict(os.environ, TOKENLOOM_SKIP_SETUP="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     losses = re.search(r"^validation loss: (.*)$", done.stdout, re.M)

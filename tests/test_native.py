@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 import pytest
-from tl_testing import REPO
+from tl_testing import REPO, limit_s
 
 from tokenloom import native
 
@@ -47,7 +47,7 @@ EXPECTED = "[1, 0, 1, 1, 0, 1, 1, 1] [0, 0, 1, 2, 1, 3, 4, 5] [[0, 0], [0, 4], [
 
 def test_works_without_the_extension_with_one_warning():
     out = subprocess.run([sys.executable, "-c", WITHOUT_EXTENSION], capture_output=True, text=True, cwd=REPO,
-                         timeout=120)
+                         timeout=limit_s(120))
     assert out.returncode == 0, out.stderr
     count_line, result_line = out.stdout.strip().splitlines()
     assert count_line.startswith("1 ") and "native extension unavailable" in count_line

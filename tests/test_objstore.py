@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from tl_testing import FaultProxy
+from tl_testing import FaultProxy, limit_s
 
 from tokenloom import objstore
 
@@ -112,8 +112,8 @@ def test_a_forked_worker_reads_with_its_own_cache_and_connections(store):
     queue = ctx.Queue()
     child = ctx.Process(target=_read_in_child, args=(reader, queue))
     child.start()
-    got = queue.get(timeout=60)
-    child.join(timeout=60)
+    got = queue.get(timeout=limit_s(60))
+    child.join(timeout=limit_s(60))
     assert child.exitcode == 0 and got == DATA[3 * BLOCK: 3 * BLOCK + 10]
     assert reader.read(BLOCK, 10) == DATA[BLOCK: BLOCK + 10], "the parent reads on"
 

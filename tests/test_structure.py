@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tl_testing import REPO
+from tl_testing import REPO, limit_s
 
 # lowest first; a module may import its own layer and those before it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -275,7 +275,7 @@ def test_each_side_imports_first_in_a_fresh_interpreter(module):
         import {module}
         print(" ".join(m for m in sys.modules if m.startswith({FIRST_IMPORTS[module]!r})))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=limit_s(120))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [], f"importing {module} loaded {proc.stdout.strip()}"
 

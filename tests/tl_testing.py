@@ -12,11 +12,42 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+TIMEOUT_SCALE = float(os.environ.get("TL_TIMEOUT_SCALE", "1"))
+"""Every timeout of the suite is multiplied by ``$TL_TIMEOUT_SCALE`` (default 1): pytest-timeout's per
+test (``tests/conftest.py``), ``run_cli``'s, and the rank launchers' hang deadlines (:func:`limit_s`).
+``TL_TIMEOUT_SCALE=0.333 bash scripts/test.sh`` proves that every test fits in a third of its timeout
+here, so a machine three times slower still passes. Collective timeouts inside ranks are not scaled:
+they bound one wait on a peer, not the test's work."""
+
+DEADLINES: list[tuple[str, float, float]] = []
+"""``(what, seconds taken, limit in seconds)`` of each timed wait since ``tests/conftest.py`` last moved
+them onto the running test's report (:func:`timed`); the conftest prints the tightest ratios."""
+
+
+def limit_s(seconds: float) -> float:
+    """A timeout of ``seconds`` on this suite's scale (:data:`TIMEOUT_SCALE`)."""
+    return seconds * TIMEOUT_SCALE
+
+
+@contextmanager
+def timed(what: str, seconds: float) -> Iterator[float]:
+    """Yield the scaled limit for a wait of at most ``seconds``, and record how long the block took
+    against it (:data:`DEADLINES`): a wait inside a test has a timeout of its own, tighter than the test's,
+    and the suite's timing check must see it too."""
+    limit = limit_s(seconds)
+    start = time.monotonic()
+    try:
+        yield limit
+    finally:
+        DEADLINES.append((what, time.monotonic() - start, limit))
 
 
 def shared_data_dir() -> Path:
@@ -28,8 +59,9 @@ def run_cli(*args, cwd: Path | None = None, timeout: float = 300, env: dict | No
             ) -> subprocess.CompletedProcess:
     """Run ``python cli.py ARGS`` in a subprocess, exactly as a user would; this checkout comes
     first on ``PYTHONPATH``, so processes it starts (torchrun's ranks) import it too."""
-    return subprocess.run([sys.executable, str(REPO / "cli.py"), *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, timeout=timeout, env=env or cli_env())
+    with timed(f"cli.py {args[0] if args else ''}", timeout) as limit:
+        return subprocess.run([sys.executable, str(REPO / "cli.py"), *map(str, args)], capture_output=True,
+                              text=True, cwd=cwd, timeout=limit, env=env or cli_env())
 
 
 def one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from tl_testing import run_cli
+from tl_testing import limit_s, run_cli
 
 from tokenloom.blending.args import load_blend_file, parse_data_args
 from tokenloom.blending.build import BuildConfig, build
@@ -77,7 +77,7 @@ def test_eight_concurrent_builders_build_once(sources, tmp_path):
     procs = [ctx.Process(target=_build_in_child, args=(sources, tmp_path, out)) for _ in range(8)]
     for p in procs:
         p.start()
-    results = [out.get(timeout=120) for _ in procs]
+    results = [out.get(timeout=limit_s(120)) for _ in procs]
     for p in procs:
         p.join(60)
     assert sum(r[0] for r in results) == 3  # every entry built exactly once across the 8 processes
@@ -215,7 +215,7 @@ def test_distributed_build_once_per_filesystem(sources, tmp_path, layout):
     ]
     for p in procs:
         p.start()
-    results = sorted(out.get(timeout=180) for _ in procs)
+    results = sorted(out.get(timeout=limit_s(180)) for _ in procs)
     for p in procs:
         p.join(60)
     builds = [r[1] for r in results]
@@ -261,7 +261,7 @@ def test_node_local_caches_build_once_per_node_and_waiters_outlive_the_collectiv
              for r in range(world)]
     for p in procs:
         p.start()
-    results = sorted(out.get(timeout=300) for _ in procs)
+    results = sorted(out.get(timeout=limit_s(300)) for _ in procs)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0

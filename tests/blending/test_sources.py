@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from tl_testing import REPO
+from tl_testing import REPO, limit_s
 
 from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig
 from tokenloom.blending.build import BuildConfig, build
@@ -94,7 +94,7 @@ def test_ten_thousand_sources_build_under_a_low_descriptor_limit(tmp_path):
         return subprocess.run(
             [sys.executable, str(REPO / "cli.py"), "build", "--blend-file", blend, "--seq-length", "16",
              "--num-samples", "20000", "--cache-dir", tmp_path / "cache", "--json", *args],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True, text=True, timeout=limit_s(600),
             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
 
     cold = cli()

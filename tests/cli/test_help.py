@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 import pytest
 from click.testing import CliRunner
+from tl_testing import limit_s
 
 from tokenloom.cli import main
 
@@ -79,6 +80,6 @@ def test_preprocess_does_not_import_torch(tmp_path):
              f"'--no-progress']\ntry:\n    runpy.run_path({str(REPO / 'cli.py')!r}, run_name='__main__')\n"
              "except SystemExit as e:\n    assert not e.code, e.code\n"
              "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=limit_s(120), cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from tl_testing import REPO, cli_env, one_line_error, run_cli
+from tl_testing import REPO, cli_env, limit_s, one_line_error, run_cli
 
 
 def test_train_prints_its_summary(tmp_path):
@@ -101,7 +101,7 @@ def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path, launch):
                             env=cli_env())
     assert proc.stdout.readline().startswith("model ")
     proc.stdout.close()  # the reader goes away
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=limit_s(300))
     assert proc.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
     assert (out / "checkpoints" / "iter_0000006").is_dir()
 
@@ -204,7 +204,7 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
             time.sleep(0.05)
         (pid_file,) = (out / "logs").glob("*/rank1.pid")
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=limit_s(120))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -237,7 +237,7 @@ def test_two_torchrun_agents_with_nnodes_2_form_one_job(tmp_path):
     agents = [subprocess.Popen([*common, flag, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=env) for rank, flag in ((1, "--node_rank"), (0, "--node-rank"))]
     try:
-        outputs = [a.communicate(timeout=240) for a in agents]
+        outputs = [a.communicate(timeout=limit_s(240)) for a in agents]
     finally:
         for a in agents:
             if a.poll() is None:

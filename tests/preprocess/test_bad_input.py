@@ -7,6 +7,7 @@ from collections import namedtuple
 
 import pytest
 from preprocess_helpers import REPO, preprocess, write_jsonl
+from tl_testing import limit_s
 
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDataset, manifest
@@ -155,7 +156,7 @@ def test_cli_user_errors_are_one_line(tmp_path, args, message):
     _file(tmp_path, CASES["invalid-json"].line)
     cmd = [sys.executable, str(REPO / "cli.py"), "preprocess", "--no-progress",
            *[a.format(tmp=tmp_path) for a in args]]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s(120))
     assert out.returncode == 1, out
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
@@ -178,7 +179,7 @@ def test_cli_corrupt_parquet_is_one_line(tmp_path, damage):
     bad.write_bytes(b"PAR1" + bytes(range(256)) * 4 if damage == "garbage" else data[: len(data) // 2])
     cmd = [sys.executable, str(REPO / "cli.py"), "preprocess", "--no-progress", "--input", str(good),
            "--input", str(bad), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "byte"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s(120))
     assert out.returncode == 1, out
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 from preprocess_helpers import REPO, preprocess, same_bytes, write_jsonl
+from tl_testing import limit_s
 
 from tokenloom.indexed import manifest
 from tokenloom.preprocess.merge import merge
@@ -72,7 +73,7 @@ def test_sigkill_then_resume_gives_identical_bytes(tmp_path):
     proc.wait()
     assert not (tmp_path / "resumed.bin").exists() and not (tmp_path / "resumed.idx").exists(), \
         "the run finished before it could be killed; make the corpus larger"
-    again = subprocess.run(_cli([*common, "--output-prefix", out]), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(_cli([*common, "--output-prefix", out]), capture_output=True, text=True, timeout=limit_s(300))
     assert again.returncode == 0, again.stderr
     assert "resuming from" in again.stdout
     assert same_bytes(out, tmp_path / "straight")

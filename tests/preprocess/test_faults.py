@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from preprocess_helpers import REPO, preprocess, same_bytes, write_jsonl
-from tl_testing import cli_env, fault_env, one_line_error, shared_data_dir
+from tl_testing import cli_env, fault_env, limit_s, one_line_error, shared_data_dir
 
 from tokenloom.cli import main
 from tokenloom.indexed import format as indexed_format
@@ -331,7 +331,7 @@ def _checkpoint_kept_and_rerun_resumes(tmp_path: Path, out: Path, path: Path, ar
     """After a stop: nothing left behind but the checkpoint, and the same command resumes from it
     to the bytes of an uninterrupted run."""
     assert _left_behind(tmp_path) == [] and (tmp_path / "out.partial" / "checkpoint.npz").exists()
-    again = subprocess.run(_cli(args), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(_cli(args), capture_output=True, text=True, timeout=limit_s(300))
     assert again.returncode == 0, again.stderr
     assert f"resuming from {out}.partial" in again.stdout
     assert same_bytes(out, preprocess(tmp_path, [path], name="ref", append_eod=True))
@@ -341,7 +341,7 @@ def test_a_killed_worker_keeps_the_checkpoint_and_the_rerun_resumes(tmp_path):
     out = tmp_path / "out"
     path, args, proc, workers = _start_two_worker_run(tmp_path, out)
     os.kill(min(workers), signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=limit_s(120))
     one_line_error(subprocess.CompletedProcess(args, proc.returncode, "", stderr),
                    "error: a tokenizer worker process died",
                    f"rerun the same command to resume from the checkpoint in {out}.partial")
@@ -354,7 +354,7 @@ def test_sigterm_saves_a_checkpoint_names_it_and_the_rerun_resumes(tmp_path):
     out = tmp_path / "out"
     path, args, proc, workers = _start_two_worker_run(tmp_path, out)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=limit_s(120))
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
     lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and lines[0].startswith("error: interrupted; rerun the same command to resume from the "
@@ -399,9 +399,9 @@ def _two_worker_run(path: Path, out: Path, env=None, close_stdout=False) -> subp
     if close_stdout:  # every write to stdout now fails with EPIPE, as under ``| head -0``
         proc.stdout.close()
         stderr, stdout = proc.stderr.read(), ""
-        proc.wait(timeout=300)
+        proc.wait(timeout=limit_s(300))
     else:
-        stdout, stderr = proc.communicate(timeout=300)
+        stdout, stderr = proc.communicate(timeout=limit_s(300))
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 from preprocess_helpers import preprocess, same_bytes
-from tl_testing import REPO, cli_env, one_line_error, run_cli
+from tl_testing import REPO, cli_env, limit_s, one_line_error, run_cli
 
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import manifest
@@ -66,7 +66,7 @@ def cluster(tmp_path_factory):
     assert address, "the Ray cluster did not start"
     yield address, work
     proc.stdin.close()
-    proc.wait(timeout=60)
+    proc.wait(timeout=limit_s(60))
 
 
 @pytest.fixture(scope="module")

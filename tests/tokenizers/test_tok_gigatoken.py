@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tl_testing import limit_s
 from tok_helpers import TOK, load_shared, needs_shared
 
 from tokenloom.errors import TokenloomError
@@ -312,7 +313,7 @@ def test_a_bounded_encoder_is_rebuilt_keeps_its_ids_and_stays_within_the_bound()
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), str(here.parents[1])]))
     done = subprocess.run([sys.executable, "-c", "import test_tok_gigatoken as t; t.bounded_run()"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=here)
+                          capture_output=True, text=True, timeout=limit_s(300), env=env, cwd=here)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["rebuilds"] >= 2

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from tl_testing import timed
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -72,13 +73,14 @@ def _launch(
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, str(WORKER), scenario, str(out)]
         procs.append((subprocess.Popen(cmd, env=env_r, stdout=log, stderr=subprocess.STDOUT), log))
-    end = time.monotonic() + deadline_s
     try:
-        for proc, _ in procs:
-            proc.wait(timeout=max(1.0, end - time.monotonic()))
+        with timed(f"{scenario} at world {world_size}", deadline_s) as limit:
+            end = time.monotonic() + limit
+            for proc, _ in procs:
+                proc.wait(timeout=max(1.0, end - time.monotonic()))
     except subprocess.TimeoutExpired:
         logs = "\n".join((out / f"rank{r}.log").read_text()[-2000:] for r in range(world_size))
-        pytest.fail(f"{scenario} at world size {world_size} hung for {deadline_s} s; logs:\n{logs}")
+        pytest.fail(f"{scenario} at world size {world_size} hung for {limit:.0f} s; logs:\n{logs}")
     finally:
         for proc, log in procs:
             if proc.poll() is None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from tl_testing import limit_s
 
 from tokenloom.train.config import TrainConfig
 
@@ -35,7 +36,7 @@ print(json.dumps({"applied": applied, "faults": faults}))
 
 
 def _probe(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True, timeout=limit_s(120))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -59,7 +60,7 @@ def test_is_on_by_default_applies_on_glibc_and_once():
     out = subprocess.run([sys.executable, "-c", (
         "import ctypes, platform; from tokenloom.train import host_alloc as h; "
         "print(platform.libc_ver()[0], h.keep_freed_memory(), h.keep_freed_memory(), "
-        "h.keep_freed_memory.cache_info().misses)")], capture_output=True, text=True, check=True, timeout=60)
+        "h.keep_freed_memory.cache_info().misses)")], capture_output=True, text=True, check=True, timeout=limit_s(60))
     libc, first, second, calls = out.stdout.split()
     assert calls == "1" and first == second
     assert first == ("True" if libc == "glibc" else "False")
@@ -86,7 +87,7 @@ def test_release_large_blocks_returns_freed_large_blocks_to_the_os():
     """fsdp's tuning: a freed 16 MiB block is unmapped at once (the resident memory does not
     keep it), where glibc's dynamic threshold heap-allocates the later ones and keeps them."""
     off, on = (json.loads(subprocess.run([sys.executable, "-c", RELEASE_PROBE, mode], capture_output=True, text=True,
-                                         check=True, timeout=120).stdout.strip().splitlines()[-1])
+                                         check=True, timeout=limit_s(120)).stdout.strip().splitlines()[-1])
                for mode in ("off", "on"))
     if not on["applied"]:
         pytest.skip("the C library is not glibc (or refused mallopt): nothing to tune")

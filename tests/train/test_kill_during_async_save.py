@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tl_testing import REPO, cli_env, fault_env
+from tl_testing import REPO, cli_env, fault_env, limit_s
 
 from tokenloom.train import checkpoint, ckpt_format
 
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 def _train(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "cli.py"), "train", *RUN, "--output-dir", str(out), *extra],
-                          capture_output=True, text=True, timeout=240, env=env or cli_env(),
+                          capture_output=True, text=True, timeout=limit_s(240), env=env or cli_env(),
                           start_new_session=True)  # the kill reaches the job's process group, not pytest
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tl_testing import limit_s
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import checkpoint, ckpt_format
@@ -55,7 +56,7 @@ def run_subprocess(cfg: TrainConfig, path: Path) -> subprocess.CompletedProcess:
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     return subprocess.run([sys.executable, "-m", "tokenloom.train.loop", "--config", str(path)], env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=limit_s(240))
 
 
 def test_loss_falls_and_outputs_are_written(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tl_testing import limit_s
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +83,7 @@ def test_dead_rank_stops_the_others_with_one_line_error(tmp_path):
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     start = time.monotonic()
     try:
-        outputs = [p.communicate(timeout=120) for p in procs]
+        outputs = [p.communicate(timeout=limit_s(120)) for p in procs]
     except subprocess.TimeoutExpired:
         pytest.fail("a rank hung after its peer died")
     finally:

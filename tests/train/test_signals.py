@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tl_testing import REPO, cli_env
+from tl_testing import REPO, cli_env, limit_s
 
 from tokenloom.train.launch import process_alive
 
@@ -38,7 +38,7 @@ def losses(out: Path) -> list[float]:
 
 def finished(proc: subprocess.Popen) -> tuple[str, str]:
     try:
-        return proc.communicate(timeout=240)
+        return proc.communicate(timeout=limit_s(240))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -59,7 +59,7 @@ def job_pids(launcher: int, out: Path) -> list[int]:
 
 def test_sigterm_to_the_launcher_or_one_rank_saves_the_step_and_resume_continues_exactly(tmp_path):
     reference = train(tmp_path / "reference")
-    assert reference.wait(timeout=240) == 0, finished(reference)
+    assert reference.wait(timeout=limit_s(240)) == 0, finished(reference)
     expected = losses(tmp_path / "reference")
     assert len(expected) == ITERS
 
@@ -87,6 +87,6 @@ def test_sigterm_to_the_launcher_or_one_rank_saves_the_step_and_resume_continues
         assert len(losses(out)) == int(it)
 
         resumed = subprocess.run([sys.executable, str(REPO / "cli.py"), *command.split()[2:]], capture_output=True,
-                                 text=True, timeout=240, env=dict(cli_env(), OMP_NUM_THREADS="1"))
+                                 text=True, timeout=limit_s(240), env=dict(cli_env(), OMP_NUM_THREADS="1"))
         assert resumed.returncode == 0, resumed.stderr
         assert losses(out) == expected, target

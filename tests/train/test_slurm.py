@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
 from compose_helpers import read_losses, tiny_cfg  # noqa: E402
-from tl_testing import REPO, run_cli  # noqa: E402
+from tl_testing import REPO, limit_s, run_cli  # noqa: E402
 
 from tokenloom.errors import TokenloomError  # noqa: E402
 from tokenloom.train.config import config_to_dict  # noqa: E402
@@ -83,7 +83,7 @@ def test_two_srun_tasks_form_one_job_equal_to_torchrun_dp2(tmp_path):
                               text=True) for t in range(2)]
     start = time.monotonic()
     try:
-        outs = [p.communicate(timeout=240) for p in procs]
+        outs = [p.communicate(timeout=limit_s(240)) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 import torch
+from tl_testing import limit_s
 
 from tokenloom.train.kernels import compiled as compiled_mod
 from tokenloom.train.kernels import select_kernels
@@ -106,5 +107,5 @@ def test_a_small_model_never_starts_the_compiler():
         model(tokens, tokens).backward()
         print(len(compiled._CACHE), torch._dynamo.utils.counters["stats"]["calls_captured"])
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=limit_s(300), check=True)
     assert out.stdout.split() == ["0", "0"], out.stdout + out.stderr

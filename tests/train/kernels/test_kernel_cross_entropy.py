@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tl_testing import limit_s
 from torch.autograd import gradcheck
 
 from tokenloom.train.kernels.compiled import compile_available, compiled
@@ -183,7 +184,7 @@ def _probe(mode: str, *args: int) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(HERE / "_ce_memory_probe.py"), mode, *map(str, args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, check=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit_s(240), check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -241,7 +242,7 @@ def test_vocab_parallel_two_ranks_gloo(tmp_path):
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=120)[0])
+            outputs.append(proc.communicate(timeout=limit_s(120))[0])
     finally:
         for proc in procs:
             if proc.poll() is None:

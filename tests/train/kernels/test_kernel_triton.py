@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tl_testing import limit_s
 
 from tokenloom.train.kernels import select_kernels
 from tokenloom.train.kernels.triton_ops import triton_available
@@ -100,6 +101,6 @@ def test_triton_kernels_compile_for_h100_without_a_gpu():
     )
     script = Path(__file__).with_name("_triton_aot_compile.py")
     out = subprocess.run(
-        [sys.executable, str(script), "90"], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(script), "90"], capture_output=True, text=True, env=env, timeout=limit_s(300)
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ALL OK"), out.stdout + out.stderr

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from tl_testing import timed
 
 
 def launch(module: str, scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, *,
@@ -30,13 +31,14 @@ def launch(module: str, scenarios: list[tuple[str, dict]], world_size: int, tmp_
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world_size)]
     for proc in procs:
         proc.start()
-    end = time.monotonic() + deadline_s
     try:
-        for proc in procs:
-            proc.join(timeout=max(1.0, end - time.monotonic()))
+        with timed(f"{module} x{len(scenarios)} at world {world_size}", deadline_s) as limit:
+            end = time.monotonic() + limit
+            for proc in procs:
+                proc.join(timeout=max(1.0, end - time.monotonic()))
         hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
         if hung:
-            pytest.fail(f"ranks {hung} still running after {deadline_s} s (hang?) in {scenarios}")
+            pytest.fail(f"ranks {hung} still running after {limit:.0f} s (hang?) in {scenarios}")
     finally:
         for proc in procs:
             if proc.is_alive():

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tl_testing import timed
 
 
 def run_ranks(fn, world_size: int, tmp_path: Path, *args, deadline_s: float = 120.0) -> None:
@@ -29,11 +30,12 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args, deadline_s: float = 12
         join=False,
         start_method="spawn",
     )
-    end = time.monotonic() + deadline_s
     try:
-        while not ctx.join(timeout=max(0.1, min(5.0, end - time.monotonic()))):
-            if time.monotonic() > end:
-                pytest.fail(f"{fn.__name__} at world size {world_size} hung for {deadline_s} s")
+        with timed(f"{fn.__name__} at world {world_size}", deadline_s) as limit:
+            end = time.monotonic() + limit
+            while not ctx.join(timeout=max(0.1, min(5.0, end - time.monotonic()))):
+                if time.monotonic() > end:
+                    pytest.fail(f"{fn.__name__} at world size {world_size} hung for {limit:.0f} s")
     finally:
         for proc in ctx.processes:
             if proc.is_alive():
