@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 import rank_launcher
 import torch
 import torch.distributed as dist
@@ -411,10 +412,26 @@ def logged_losses(results: list[dict]) -> list[float]:
 # ---------------------------------------------------------------------- launching
 
 
-def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float = 280.0):
-    """Run ``scenarios`` (name, kwargs) of this module on ``world_size`` ranks; per-rank result lists."""
-    return rank_launcher.launch(__name__, scenarios, world_size, tmp_path, deadline_s=deadline_s,
-                                collective_timeout_s=60)
+SCENARIO_BUDGET_S = 30.0
+"""A launch's hang deadline is this per scenario it runs: a scenario (a few steps of a tiny model,
+compile's first graphs the slowest) takes a few seconds on the developers' machine, 4 ranks
+oversubscribing 2 cores, so a launch that passes its deadline hung rather than ran slow."""
+REFERENCE_BUDGET_S = 60.0
+"""A one-process reference run's share of a module's timeout (a few seconds here)."""
+
+
+def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float | None = None):
+    """Run ``scenarios`` (name, kwargs) of this module on ``world_size`` ranks; per-rank result lists.
+    The hang deadline is sized by the work: :data:`SCENARIO_BUDGET_S` per scenario unless given."""
+    return rank_launcher.launch(__name__, scenarios, world_size, tmp_path,
+                                deadline_s=deadline_s or SCENARIO_BUDGET_S * len(scenarios), collective_timeout_s=60)
+
+
+def launches_timeout(scenarios: int, references: int = 1) -> pytest.MarkDecorator:
+    """The timeout of a module's tests whose module fixtures launch ``scenarios`` scenarios in all and
+    run ``references`` one-process references: the first test's setup runs all of them, so its timeout
+    is the sum of their budgets (the timeouts catch hangs; the work sizes them)."""
+    return pytest.mark.timeout(REFERENCE_BUDGET_S * references + SCENARIO_BUDGET_S * scenarios)
 
 
 

@@ -24,6 +24,7 @@ from compose_helpers import (
     assert_matches_one_process,
     deltas,
     launch,
+    launches_timeout,
     logged_losses,
     merged_params,
     reference,
@@ -32,7 +33,6 @@ from compose_helpers import (
 TOL = 1e-5
 HALF = STEPS // 2
 ZERO_BUCKET_MB = 0.02
-pytestmark = pytest.mark.slow
 
 # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
 LAYOUTS = {
@@ -145,51 +145,96 @@ def _zero_resumes(world: int, tmp) -> list[tuple[str, dict]]:
                            **kw)) for name, (w, src, kw) in ZERO_RESUMES.items() if w == world]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp, ref):
-    """Every launch once: layout runs, then the (1, 2, 2) and ZeRO-1 checkpoints' continuations."""
+def _w2(tmp) -> list[tuple[str, str, dict]]:
+    """(result name, scenario, kwargs) of the 2-rank launch: the layouts, tp forwards, dropout
+    resumes, cross-layout continuations and the legacy-format save and load."""
+    forwards = [("llama_tp2", {}), ("llama_tp2_sp", {"sp": True}),
+                ("gpt2_tp2_compiled", {"arch": "gpt2", "kernels": "compiled"}),
+                ("llama_tp2_sp_compiled", {"sp": True, "kernels": "compiled"})]
+    drop = [  # dropout on: a resume in the same layout must restore every rank's RNG state too
+        ("drop_tp2", dict(out=str(tmp / "drop_tp2"), tp=2, dropout=0.1)),
+        ("drop_save", dict(out=str(tmp / "drop_save"), tp=2, dropout=0.1, exit_interval=HALF,
+                           checkpoint_dir=str(tmp / "ckpt_drop"))),
+        ("drop_cont", dict(out=str(tmp / "drop_cont"), tp=2, dropout=0.1, checkpoint_dir=str(tmp / "ckpt_drop_cont"),
+                           resume=str(tmp / "ckpt_drop" / f"iter_{HALF:07d}")))]
+    return ([(n, *sc) for n, sc in zip([n for n, (w, _) in LAYOUTS.items() if w == 2], _scenarios(2, tmp), strict=True)]
+            + [(n, "forward_tp", kw) for n, kw in forwards] + [(n, "train", kw) for n, kw in drop]
+            + [(n, *sc) for n, sc in zip([n for n, c in CROSS.items() if c[0] == "w2"], _cross("w2", tmp), strict=True)]
+            + [(n, *sc) for n, sc in zip(["legacy_save", "legacy_at_pp2"], _legacy(tmp)[:2], strict=True)])
+
+
+def _w4(tmp) -> list[tuple[str, str, dict]]:
+    """The 4-rank launch: the layouts, the (1, 2, 2) checkpoint saved and continued in three layouts,
+    and the 2-rank ZeRO-1 checkpoint (the 2-rank launch's) resumed at dp 4."""
     ckpt = tmp / "ckpt_122"
     saved = ckpt / f"iter_{HALF:07d}"
-    w2 = _scenarios(2, tmp) + [
-        ("forward_tp", {}),
-        ("forward_tp", {"sp": True}),
-        ("forward_tp", {"arch": "gpt2", "kernels": "compiled"}),
-        ("forward_tp", {"sp": True, "kernels": "compiled"}),
-        # dropout on: a resume in the same layout must restore every rank's RNG state too
-        ("train", dict(out=str(tmp / "drop_tp2"), tp=2, dropout=0.1)),
-        ("train", dict(out=str(tmp / "drop_save"), tp=2, dropout=0.1, exit_interval=HALF,
-                       checkpoint_dir=str(tmp / "ckpt_drop"))),
-        ("train", dict(out=str(tmp / "drop_cont"), tp=2, dropout=0.1, checkpoint_dir=str(tmp / "ckpt_drop_cont"),
-                       resume=str(tmp / "ckpt_drop" / f"iter_{HALF:07d}"))),
-    ] + _cross("w2", tmp) + _legacy(tmp)[:2]
-    w4 = _scenarios(4, tmp) + [
-        ("train", dict(out=str(tmp / "save_122"), tp=2, pp=2, exit_interval=HALF, checkpoint_dir=str(ckpt))),
-        ("train", dict(out=str(tmp / "cont_122"), tp=2, pp=2, resume=str(saved),
-                       checkpoint_dir=str(tmp / "ckpt_cont_122"))),
-        ("train", dict(out=str(tmp / "cont_411"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_411"))),
-        ("train", dict(out=str(tmp / "cont_212_last1"), pp=2, num_layers_in_last_pipeline_stage=1, resume=str(saved),
-                       checkpoint_dir=str(tmp / "ckpt_212_last1"))),
-    ] + _zero_resumes(4, tmp)
-    w1 = [
-        ("train", dict(out=str(tmp / "cont_111"), resume=str(saved), checkpoint_dir=str(tmp / "ckpt_111"))),
-        ("forward_tp", {}),
-    ] + _zero_resumes(1, tmp) + _cross("w1", tmp) + _legacy(tmp)[2:]
-    names = {4: [n for n, (w, _) in LAYOUTS.items() if w == 4] + ["save_122", "cont_122", "cont_411", "cont_212_last1"]
-             + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 4],
-             2: [n for n, (w, _) in LAYOUTS.items() if w == 2] + ["llama_tp2", "llama_tp2_sp",
-                                                                  "gpt2_tp2_compiled", "llama_tp2_sp_compiled",
-                                                                  "drop_tp2", "drop_save", "drop_cont"]
-             + [n for n, c in CROSS.items() if c[0] == "w2"] + ["legacy_save", "legacy_at_pp2"],
-             1: ["cont_111", "llama_tp1"] + [n for n, (w, _, _) in ZERO_RESUMES.items() if w == 1]
-             + [n for n, c in CROSS.items() if c[0] == "w1"] + ["legacy_at_one"],
-             "2b": [n for n, c in CROSS.items() if c[0] == "w2b"]}
-    out = {}
-    for world, scen in ((2, w2), (4, w4), (1, w1), ("2b", _cross("w2b", tmp))):
-        (tmp / f"w{world}").mkdir()
-        results = launch(scen, 2 if world == "2b" else world, tmp / f"w{world}")
-        for i, name in enumerate(names[world]):
-            out[name] = [r[i] for r in results]
-    return out
+    return ([(n, *sc) for n, sc in zip([n for n, (w, _) in LAYOUTS.items() if w == 4], _scenarios(4, tmp), strict=True)]
+            + [("save_122", "train", dict(out=str(tmp / "save_122"), tp=2, pp=2, exit_interval=HALF,
+                                          checkpoint_dir=str(ckpt))),
+               ("cont_122", "train", dict(out=str(tmp / "cont_122"), tp=2, pp=2, resume=str(saved),
+                                          checkpoint_dir=str(tmp / "ckpt_cont_122"))),
+               ("cont_411", "train", dict(out=str(tmp / "cont_411"), resume=str(saved),
+                                          checkpoint_dir=str(tmp / "ckpt_411"))),
+               ("cont_212_last1", "train", dict(out=str(tmp / "cont_212_last1"), pp=2,
+                                                num_layers_in_last_pipeline_stage=1, resume=str(saved),
+                                                checkpoint_dir=str(tmp / "ckpt_212_last1")))]
+            + [(n, *sc) for n, sc in zip([n for n, (w, _, _) in ZERO_RESUMES.items() if w == 4], _zero_resumes(4, tmp),
+                                         strict=True)])
+
+
+def _w1(tmp) -> list[tuple[str, str, dict]]:
+    """The 1-rank launch: the (1, 2, 2) and ZeRO-1 checkpoints and the cross-layout savers' states
+    continued in one process, a tp forward, the legacy format loaded."""
+    saved = tmp / "ckpt_122" / f"iter_{HALF:07d}"
+    return ([("cont_111", "train", dict(out=str(tmp / "cont_111"), resume=str(saved),
+                                        checkpoint_dir=str(tmp / "ckpt_111"))), ("llama_tp1", "forward_tp", {})]
+            + [(n, *sc) for n, sc in zip([n for n, (w, _, _) in ZERO_RESUMES.items() if w == 1], _zero_resumes(1, tmp),
+                                         strict=True)]
+            + [(n, *sc) for n, sc in zip([n for n, c in CROSS.items() if c[0] == "w1"], _cross("w1", tmp), strict=True)]
+            + [("legacy_at_one", *_legacy(tmp)[2])])
+
+
+def _w2b(tmp) -> list[tuple[str, str, dict]]:
+    """A second 2-rank launch: the (2, 1, 2) saver's state (the 4-rank launch's) continued at 2 ranks."""
+    return [(n, *sc) for n, sc in zip([n for n, c in CROSS.items() if c[0] == "w2b"], _cross("w2b", tmp), strict=True)]
+
+
+def _launched(plan: list[tuple[str, str, dict]], world: int, tmp) -> dict[str, list]:
+    """One launch of ``plan`` at ``world`` ranks, its deadline sized by the scenarios it runs;
+    result name -> per-rank results."""
+    (tmp / f"w{world}_{plan[0][0]}").mkdir()
+    results = launch([(sc, kw) for _, sc, kw in plan], world, tmp / f"w{world}_{plan[0][0]}")
+    return {name: [r[i] for r in results] for i, (name, _, _) in enumerate(plan)}
+
+
+_PLANS = (_w2, _w4, _w1, _w2b)  # every launch, in the fixtures' order; each one fixture of its own
+pytestmark = [pytest.mark.slow, launches_timeout(sum(len(plan(Path("/sizes-only"))) for plan in _PLANS))]
+
+
+@pytest.fixture(scope="module")
+def w2(tmp):
+    return _launched(_w2(tmp), 2, tmp)
+
+
+@pytest.fixture(scope="module")
+def w4(tmp, w2):  # resumes the 2-rank launch's ZeRO-1 checkpoint
+    return _launched(_w4(tmp), 4, tmp)
+
+
+@pytest.fixture(scope="module")
+def w1(tmp, w2, w4):  # continues checkpoints of both
+    return _launched(_w1(tmp), 1, tmp)
+
+
+@pytest.fixture(scope="module")
+def w2b(tmp, w4):  # continues the 4-rank launch's (2, 1, 2) checkpoint
+    return _launched(_w2b(tmp), 2, tmp)
+
+
+@pytest.fixture(scope="module")
+def runs(w2, w4, w1, w2b):
+    """Every launch's results by name."""
+    return {**w2, **w4, **w1, **w2b}
 
 
 @pytest.mark.parametrize("name", list(CROSS))

@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from compose_helpers import activation_bytes, launch, logged_losses, merged_params, reference
+from compose_helpers import (
+    activation_bytes,
+    launch,
+    launches_timeout,
+    logged_losses,
+    merged_params,
+    reference,
+)
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.kernels.attention import document_mask
@@ -53,6 +60,8 @@ LAYOUTS = {
     "cp2_dp2": (4, dict(cp=2)),
     "cp2_dp2_masked": (4, dict(cp=2, masked=True)),
 }
+# the launches' layouts and the cp4 memory probe, then the two one-process references (``refs``)
+pytestmark = launches_timeout(len(LAYOUTS) + 1, references=2)
 
 
 def test_each_rank_holds_two_chunks_mirrored_and_the_gather_covers_the_sequence():
@@ -144,7 +153,7 @@ def runs(tmp_path_factory):
             names.append("memory_cp4")
             scenarios.append(("activation_bytes", dict(out=str(tmp / "memory_cp4"), cp=4, **MEMORY)))
         (tmp / f"w{world}").mkdir()
-        results = launch(scenarios, world, tmp / f"w{world}", deadline_s=280.0)
+        results = launch(scenarios, world, tmp / f"w{world}")
         for i, name in enumerate(names):
             out[name] = [rank_results[i] for rank_results in results]
     return tmp, out

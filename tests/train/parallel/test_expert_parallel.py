@@ -21,23 +21,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from compose_helpers import STEPS, launch, logged_losses, merged_params, reference
+from compose_helpers import STEPS, launch, launches_timeout, logged_losses, merged_params, reference
 
 from tokenloom.train import ckpt_format
 
 TOL = 1e-5
 HALF = STEPS // 2
-pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ep")
+def _worlds(tmp) -> dict[int, list[tuple[str, dict]]]:
+    """World size -> (name, overrides) of the layouts launched at it."""
     saved = str(tmp / "ep2_dp2" / "checkpoints" / f"iter_{HALF:07d}")
     saved_tp = str(tmp / "ep2_tp2_sp" / "checkpoints" / f"iter_{HALF:07d}")
-    out = {"reference": reference(tmp / "reference", moe=True)}
     saved_zero1 = str(tmp / "ep2_dp4_zero1" / "checkpoints" / f"iter_{HALF:07d}")
-    worlds = {2: [("ep2_dp2", dict(ep=2, save_interval=HALF)), ("ep2_at_ep1", dict(resume=saved)),
+    return {2: [("ep2_dp2", dict(ep=2, save_interval=HALF)), ("ep2_at_ep1", dict(resume=saved)),
                   ("ep2_dp2_zero1", dict(ep=2, zero1=True, overlap_grad_reduce=False, overlap_param_gather=False)),
                   ("ep2_dp2_allgather", dict(ep=2, dispatcher="allgather"))],
               4: [("ep2_dp4", dict(ep=2)), ("ep2_at_ep4", dict(ep=4, resume=saved)),
@@ -46,7 +43,16 @@ def runs(tmp_path_factory):
                   ("ep2_dp4_zero1", dict(ep=2, zero1=True, ddp_bucket_cap_mb=0.02, save_interval=HALF)),
                   ("ep2_zero1_at_ep1", dict(resume=saved_zero1)),
                   ("ep2_tp2_sp_allgather", dict(ep=2, tp=2, sp=True, dispatcher="allgather"))]}
-    for world, layouts in worlds.items():
+
+
+pytestmark = [pytest.mark.slow, launches_timeout(sum(len(w) for w in _worlds(Path("/sizes-only")).values()))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep")
+    out = {"reference": reference(tmp / "reference", moe=True)}
+    for world, layouts in _worlds(tmp).items():
         (tmp / f"w{world}").mkdir()
         # resuming reads checkpoints with host tensors made without a device: not on meta
         scenarios = [("train" if "resume" in kw else "train_on_meta",

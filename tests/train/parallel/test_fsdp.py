@@ -13,11 +13,18 @@ import json
 
 import pytest
 import torch
-from compose_helpers import STEPS, assert_matches_one_process, deltas, launch, logged_losses, reference
+from compose_helpers import (
+    STEPS,
+    assert_matches_one_process,
+    deltas,
+    launch,
+    launches_timeout,
+    logged_losses,
+    reference,
+)
 
 TOL = 1e-5
 HALF = STEPS // 2
-pytestmark = pytest.mark.slow
 
 # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
 LAYOUTS = {
@@ -29,6 +36,7 @@ LAYOUTS = {
 }
 SAVED = "dp2_fsdp"
 RESUMES = {"dp2_fsdp_at_dp4_fsdp": (4, dict(fsdp=True)), "dp2_fsdp_at_dp1": (1, {})}
+pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS) + len(RESUMES))]
 
 
 @pytest.fixture(scope="module")

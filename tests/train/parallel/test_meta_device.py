@@ -10,9 +10,8 @@ Two launches (2 and 4 gloo ranks), so ``slow``."""
 from __future__ import annotations
 
 import pytest
-from compose_helpers import launch, logged_losses, reference
+from compose_helpers import launch, launches_timeout, logged_losses, reference
 
-pytestmark = pytest.mark.slow
 STEPS = 4
 RUN = dict(train_iters=STEPS, eval_interval=2, save_interval=2)
 
@@ -48,6 +47,8 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     "ep2_tp2_sp_zero1": (4, dict(moe=True, ep=2, tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=0.02)),
     "ep2_pp2_zero1": (4, dict(moe=True, ep=2, pp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
 }
+
+pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS), references=2)]
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,9 @@ One launch of 2 gloo ranks, so ``slow``."""
 from __future__ import annotations
 
 import pytest
-from compose_helpers import launch, merged_params, reference
+from compose_helpers import launch, launches_timeout, merged_params, reference
 
 TOL = 1e-5
-pytestmark = pytest.mark.slow
 
 LAYOUTS = {  # name -> TrainConfig overrides on 2 ranks; (dp, tp, pp)
     "dp2_tp1_pp1": {},
@@ -23,6 +22,7 @@ LAYOUTS = {  # name -> TrainConfig overrides on 2 ranks; (dp, tp, pp)
     # compiled blocks (compile's default on CUDA): fp32 experts fall back to the loop under compile
     "dp1_tp2_pp1_sp_compile": dict(tp=2, sp=True, compile=True),
 }
+pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS))]
 
 
 @pytest.fixture(scope="module")
