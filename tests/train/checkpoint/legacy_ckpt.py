@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from tokenloom.train import checkpoint
-from tokenloom.train.async_save import CheckpointSaver
-from tokenloom.train.reshard import split_info
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint.async_save import CheckpointSaver
+from tokenloom.train.checkpoint.reshard import split_info
 from tokenloom.train.runtime import collective
 
 

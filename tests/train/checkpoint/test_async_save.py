@@ -13,8 +13,9 @@ import torch
 from test_loop import losses, tiny
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint, loop
-from tokenloom.train.async_save import CheckpointSaver, HostStaging
+from tokenloom.train import loop
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint.async_save import CheckpointSaver, HostStaging
 from tokenloom.train.loop import run
 from tokenloom.train.metrics import read_metrics
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint
+from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.loop import start_run
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model.config import GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import legacy_ckpt  # noqa: E402  # the one-process format's writer, kept for its reader

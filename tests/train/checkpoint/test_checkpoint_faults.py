@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tl_testing import fault_env, run_cli
 
-from tokenloom.train import checkpoint
+from tokenloom.train.checkpoint import commit as checkpoint
 
 RUN = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
        "--set", "model.vocab_size=64", "--set", "progress=false", "--set", "plot=false", "--eval-interval", "0",

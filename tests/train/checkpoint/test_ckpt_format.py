@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import ckpt_format, reshard
-from tokenloom.train.async_save import HostStaging
-from tokenloom.train.ckpt_format import LocalParam, Placement
-from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.optim import OptimConfig, build_optimizer
+from tokenloom.train.checkpoint import format as ckpt_format
+from tokenloom.train.checkpoint import reshard
+from tokenloom.train.checkpoint.async_save import HostStaging
+from tokenloom.train.checkpoint.format import LocalParam, Placement
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.optim.adamw import OptimConfig, build_optimizer
 from tokenloom.train.parallel.layers import shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -120,7 +122,7 @@ def test_the_one_process_format_of_earlier_versions_still_loads(tmp_path):
 def test_each_dp_rank_file_on_disk_is_within_a_tenth_over_its_share(tmp_path, dp):
     """Issue 38's bytes-per-rank bound on the files themselves, framing included: a trained GPT's
     replicated state (parameters and AdamW states) spread over ``dp`` ranks, each rank's piece file
-    copied as the saver copies it (:class:`~tokenloom.train.async_save.HostStaging`) and written,
+    copied as the saver copies it (:class:`~tokenloom.train.checkpoint.async_save.HostStaging`) and written,
     is at most 1.1x the state's bytes over ``dp``; the payloads add up to the state exactly. The
     per-record framing is a fixed cost, so the model is wide enough (d_model 64) that the bound
     is about the payload, as it is for a real model."""

@@ -21,13 +21,15 @@ from tl_testing import run_cli, shared_data_dir
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers.load import load_tokenizer
-from tokenloom.train import checkpoint, hf
-from tokenloom.train.ckpt_format import model_tensors
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint import hf
+from tokenloom.train.checkpoint.format import model_tensors
 from tokenloom.train.config import load_config
 from tokenloom.train.data import open_tokenizer
 from tokenloom.train.generate import load_model
 from tokenloom.train.loop import start_run
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
 
 transformers = pytest.importorskip("transformers", reason="the [interop] extra (transformers) is the oracle")
 TikTokenConverter = pytest.importorskip("transformers.convert_slow_tokenizer").TikTokenConverter

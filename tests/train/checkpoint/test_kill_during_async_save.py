@@ -22,7 +22,8 @@ import pytest
 import torch
 from tl_testing import REPO, cli_env, fault_env
 
-from tokenloom.train import checkpoint, ckpt_format
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint import format as ckpt_format
 
 ITERS, KILLS = 24, 10
 RUN = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",

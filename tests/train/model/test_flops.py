@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tokenloom.train.flops import flops_per_token
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.flops import flops_per_token
+from tokenloom.train.model.gpt import GPT
 
 
 def test_flops_per_token_formula():
@@ -14,8 +15,9 @@ def test_flops_per_token_formula():
 
 
 def test_moe_flops_count_the_experts_a_token_reaches():
-    from tokenloom.train.flops import flops_per_token
-    from tokenloom.train.model import GPT, GPTConfig
+    from tokenloom.train.model.config import GPTConfig
+    from tokenloom.train.model.flops import flops_per_token
+    from tokenloom.train.model.gpt import GPT
 
     dense = GPTConfig(vocab_size=64, seq_len=8, n_layers=2, n_heads=2, d_model=16, ffn_hidden_size=32)
     moe = GPTConfig(**{**vars(dense), "num_experts": 4, "moe_router_topk": 1})

@@ -10,10 +10,11 @@ import torch
 from test_loop import tiny
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import fp8
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.loop import start_run
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model import fp8
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
 from tokenloom.train.summary import choices
 
 CUDA = torch.device("cuda", 0)

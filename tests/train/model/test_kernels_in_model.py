@@ -23,7 +23,8 @@ from tokenloom.train.kernels import cross_entropy
 from tokenloom.train.kernels.compiled import compile_available, force_compiled
 from tokenloom.train.loop import run
 from tokenloom.train.metrics import read_metrics
-from tokenloom.train.model import GPT, GPTConfig, masked_mean
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT, masked_mean
 
 needs_compile = pytest.mark.skipif(not compile_available("cpu"), reason="no C++ compiler for inductor")
 
@@ -58,7 +59,7 @@ def test_state_dict_and_pickle_are_mode_neutral(arch):
 
 @needs_compile
 def test_kernels_are_chosen_once_at_build_never_in_forward(monkeypatch):
-    from tokenloom.train import model as model_module
+    from tokenloom.train.model import gpt as model_module
 
     gpt = GPT(small("compiled", arch="llama", n_kv_heads=1))
     held = [m.ops for m in gpt.modules() if hasattr(m, "ops")]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
 
 
 def cfg(**kw) -> GPTConfig:
@@ -205,7 +206,7 @@ def test_the_document_mask_is_built_once_per_forward(monkeypatch):
     """Every block of one forward takes the mask the model built before them (a mask built
     per layer would repeat the work in each, and inside compiled blocks)."""
     import tokenloom.train.kernels.attention as attention_module
-    import tokenloom.train.model as model_module
+    import tokenloom.train.model.gpt as model_module
 
     built = []
     real = attention_module.document_attention_mask

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layer (tokenloom.train.moe and model.MoE), issue 43 acceptance 1: with
+"""Mixture-of-experts layer (tokenloom.train.model.moe and model.MoE), issue 43 acceptance 1: with
 k = E and a uniform router the layer is a dense MLP of the experts' stacked weights scaled by the
 routing probabilities, and the auxiliary losses equal their closed forms on hand-built routings."""
 
@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, MLP, GPTConfig, MoE
-from tokenloom.train.moe import (
+from tokenloom.train.model.blocks import MLP, MoE
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.model.moe import (
     AttachAuxLoss,
     grouped_mm,
     grouped_mm_usable,

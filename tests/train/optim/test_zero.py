@@ -1,5 +1,5 @@
 """ZeRO-1 (:class:`ZeroAdamW`) at dp = 2 against one process on the full global batch, both
-with optim.py's decay / no-decay parameter groups; at dp = 1 (no process group) against
+with optim/adamw.py's decay / no-decay parameter groups; at dp = 1 (no process group) against
 torch's AdamW, and its layout-free optimizer state in both directions. The parameter
 all-gather overlapped with the next forward (overlap_param_gather), with gathers that land
 only when waited for: modules wait before they read, checkpoints, loads and eval with
@@ -8,15 +8,20 @@ gathers pending, a weight read outside its module, compiled blocks."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from pp_helpers import launch, reference_train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))  # the pipeline launch helpers
+from pp_helpers import launch, reference_train  # noqa: E402
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.optim import param_groups
-from tokenloom.train.parallel.zero import ZeroAdamW
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.optim.adamw import param_groups
+from tokenloom.train.optim.zero import ZeroAdamW
 
 TOL = 1e-5
 STEPS, RESUME_AT, MAX_NORM = 5, 3, 1.0
@@ -162,7 +167,7 @@ def test_grads_accumulated_under_no_sync_and_missing_ones_are_averaged_as_adamw_
         res = r[4]
         assert res["buckets overlap=True"] > 2
         assert res["overlap=True"] < 1e-6 and res["overlap=False"] < 1e-6, res
-        # weight grads written by the GEMMs (tokenloom.train.wgrad): 3 steps x (a, b | a, c), d in step 0 twice
+        # weight grads written by the GEMMs (tokenloom.train.parallel.wgrad): 3 steps x (a, b | a, c), d in step 0 twice
         assert res["overlap=True fused"] < 1e-6, res
         assert res["sink calls overlap=True fused"] == 3 * 4 + 2, res
         assert res["sink calls overlap=False"] == 0, res  # no hooks, no sinks: step() copies

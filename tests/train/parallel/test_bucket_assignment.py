@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tokenloom.train.ddp import FIRST_BUCKET_BYTES, compute_bucket_assignment_by_size
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.parallel.ddp import FIRST_BUCKET_BYTES, compute_bucket_assignment_by_size
 
 MiB = 1024 * 1024
 LIMITS = {

@@ -16,7 +16,7 @@ from compose_helpers import activation_bytes, launch, logged_losses, merged_para
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.kernels.attention import document_mask
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model.config import GPTConfig
 from tokenloom.train.parallel.context import (
     CausalChunks,
     additive_mask,

@@ -6,8 +6,13 @@ conftest.py) to keep the multi-process cost to one start-up per world size.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-from _dist_worker import CONFIGS, tiny_gpt  # test-local helper module (tests/train is on sys.path)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/train: _dist_worker, the ranks' scenarios
+from _dist_worker import CONFIGS, tiny_gpt  # noqa: E402
 
 TOL = 1e-6
 pytestmark = pytest.mark.slow  # multi-process: one interpreter start-up per rank

@@ -12,9 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.ddp import DistributedDataParallel
 from tokenloom.train.dist import init_from_env
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.parallel.ddp import DistributedDataParallel
 from tokenloom.train.parallel.schedules import backward_from, release_output
 
 

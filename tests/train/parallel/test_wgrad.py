@@ -1,4 +1,4 @@
-"""Weight-gradient accumulation fusion (:mod:`tokenloom.train.wgrad`): the linear's backward
+"""Weight-gradient accumulation fusion (:mod:`tokenloom.train.parallel.wgrad`): the linear's backward
 against autograd's, the cases where it must fall back, and our DDP's sink on a 1-rank gloo
 group (fresh writes, accumulation under no_sync, a declined write) against a model without DDP.
 The scaled (world > 1) path is checked against torch DDP in test_ddp.py."""
@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.train import wgrad
-from tokenloom.train.ddp import DistributedDataParallel, wgrad_into_view
-from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.wgrad import Linear, gemm_into, linear, set_wgrad_sink, wgrad_sink
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.parallel import wgrad
+from tokenloom.train.parallel.ddp import DistributedDataParallel, wgrad_into_view
+from tokenloom.train.parallel.wgrad import Linear, gemm_into, linear, set_wgrad_sink, wgrad_sink
 
 
 def _inputs(bias: bool = True, dtype=torch.float32):

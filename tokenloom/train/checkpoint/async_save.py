@@ -13,7 +13,7 @@ on every rank) has three parts:
    loop goes on meanwhile: the next forward and backward only read the state. Whatever
    updates it (the optimizer step) first calls :meth:`CheckpointSaver.before_update`, which
    waits for the copy; that wait and the capture are the save's **stall**;
-3. **the write**, on the same thread: :func:`tokenloom.train.checkpoint.save_files`,
+3. **the write**, on the same thread: :func:`tokenloom.train.checkpoint.commit.save_files`,
    the commit protocol (temp dir, fsync, ``COMPLETE``, rename, ``latest``, ``keep_last``)
    unchanged, so a checkpoint is only ever published whole. Its barriers run on a gloo group
    created once for checkpointing and used by that thread alone: two threads' collectives are
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenloom.train import checkpoint
+from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.runtime import collective
 
 Barrier = Callable[[], None]
@@ -185,7 +185,7 @@ class HostStaging:
 class CheckpointSaver:
     """One rank's checkpoint writer into ``root``: synchronous, or one background write at a time
     (module docstring). ``rank``, ``world_size`` and ``keep_last`` are those of
-    :func:`tokenloom.train.checkpoint.save_files`. ``world_size > 1``: the background thread's
+    :func:`tokenloom.train.checkpoint.commit.save_files`. ``world_size > 1``: the background thread's
     barriers use a gloo group of its own (``timeout_s``), created by the first asynchronous save
     (collective: every rank saves at the same iteration).
     """

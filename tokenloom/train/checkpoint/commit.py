@@ -3,7 +3,7 @@
 Layout (one directory per saved iteration)::
 
     CKPT_DIR/iter_0000100/tp*_pp*_dp*.pt   every rank's pieces of the model and optimizer
-                                           (:mod:`tokenloom.train.ckpt_format`)
+                                           (:mod:`tokenloom.train.checkpoint.format`)
                           rng_rank<r>.pt   RNG states of rank r, as tensors
                           state.json       iteration, consumed samples, data fingerprint, config
                           COMPLETE         written last: without it the directory is ignored
@@ -20,15 +20,15 @@ back in time). A disk-full, I/O or permission error while saving ends in one lin
 checkpoint and the last complete one (:func:`save_files`); the temporary folder is removed
 then, or by the next save when other ranks may still be writing into it.
 
-A save's files are named and captured first (:func:`tokenloom.train.reshard.files`) and written
+A save's files are named and captured first (:func:`tokenloom.train.checkpoint.reshard.files`) and written
 by :func:`save_files`, which may run on a background thread after the state was copied to host
-memory (:mod:`tokenloom.train.async_save`): the protocol above is the same either way.
+memory (:mod:`tokenloom.train.checkpoint.async_save`): the protocol above is the same either way.
 
 Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
 stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
 Trade-offs: this module owns the directory, its markers and the commit, not the tensors' layout
-(one format for every layout, :mod:`tokenloom.train.ckpt_format`, which also reads the earlier
-versions' formats); :mod:`tokenloom.train.reshard` loads any of them into any layout.
+(one format for every layout, :mod:`tokenloom.train.checkpoint.format`, which also reads the earlier
+versions' formats); :mod:`tokenloom.train.checkpoint.reshard` loads any of them into any layout.
 All ranks write into one directory, so multi-node runs need ``CKPT_DIR`` on a shared
 filesystem.
 """

@@ -1,7 +1,7 @@
 """The on-disk tensor format of training checkpoints: one format for every layout, each rank writing what it owns.
 
 Layout of a checkpoint (``CKPT_DIR/iter_NNNNNNN/``; ``state.json``, ``COMPLETE``, ``latest``
-and the atomic commit are :mod:`tokenloom.train.checkpoint`'s)::
+and the atomic commit are :mod:`tokenloom.train.checkpoint.commit`'s)::
 
     tp{t}_pp{p}_dp{d}.pt    written by the rank at (tp t, pp p, dp d): its pieces (below)
     rng_rank{r}.pt          every rank's RNG states (the caller's file, not this module's)

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` folders, out and in: the one module that owns that format.
 
-Out (:func:`export`): a checkpoint of any layout (:func:`~tokenloom.train.ckpt_format.model_tensors`)
+Out (:func:`export`): a checkpoint of any layout (:func:`~tokenloom.train.checkpoint.format.model_tensors`)
 becomes a folder ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` loads (the class whose layers the
 model's features are, :func:`family`: LayerNorm + GELU + learned positions, or RMSNorm + SwiGLU + RoPE,
 whatever the ``arch`` preset; other combinations are refused naming the fields): ``config.json``,
@@ -29,7 +29,7 @@ Name and layout mapping (both directions, :func:`to_hf` / :func:`from_hf`):
 * The vocabulary: our embedding and LM head have ``padded_vocab_size`` rows
   (``make_vocab_size_divisible_by``); the padded rows are dropped on export. On import the
   real rows come from the folder and the padded rows take the values a fresh model of the
-  same config holds (:meth:`~tokenloom.train.model.GPT.init_weights`, drawn from
+  same config holds (:meth:`~tokenloom.train.model.gpt.GPT.init_weights`, drawn from
   ``model.seed``), so a run is as deterministic as a fresh one. Our softmax covers the padded
   rows, so the step-0 loss equals ``transformers``' only without padding (e.g.
   ``make_vocab_size_divisible_by`` dividing the vocabulary size); the logits of real ids agree.
@@ -48,7 +48,7 @@ starts fresh at iteration 0.
 Trade-offs: export reads the full model into host memory (one process, as ``generate`` does);
 import memory-maps the safetensors and every rank reads the full tensors of the parameters it
 holds (a pipeline stage its own, a tensor-parallel rank whole tensors) before cutting its shard
-(:func:`~tokenloom.train.reshard.load_params`), plus one draw of the fresh init for the
+(:func:`~tokenloom.train.checkpoint.reshard.load_params`), plus one draw of the fresh init for the
 padded rows (as every rank's own init draws the whole model). Tokenizers exported are those built on the
 ``tokenizers`` library (``tokenizer.json``, GPT-2 vocab/merges, WordPiece) and SentencePiece
 ``.model`` files (copied, encoded by ``sentencepiece`` in ``transformers`` too: a conversion to
@@ -79,12 +79,13 @@ from tokenloom.fsio import fsync_dir, naming, os_error_message
 from tokenloom.tokenizers.base import Tokenizer
 from tokenloom.tokenizers.sp import SentencePieceTokenizer
 from tokenloom.tokenizers.tiktoken_bpe import TiktokenTokenizer
-from tokenloom.train import checkpoint
-from tokenloom.train.ckpt_format import model_tensors
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint.format import model_tensors
+from tokenloom.train.checkpoint.reshard import load_params
 from tokenloom.train.config import TrainConfig, config_from_dict
 from tokenloom.train.data import open_tokenizer
-from tokenloom.train.model import ARCH_FEATURES, FEATURE_VALUES, GPT, GPTConfig
-from tokenloom.train.reshard import load_params
+from tokenloom.train.model.config import ARCH_FEATURES, FEATURE_VALUES, GPTConfig
+from tokenloom.train.model.gpt import GPT
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -1,11 +1,11 @@
 """Checkpoints of a :class:`~tokenloom.train.strategy.Strategy` of any layout: the adapter between a
-run and the on-disk format of :mod:`tokenloom.train.ckpt_format`.
+run and the on-disk format of :mod:`tokenloom.train.checkpoint.format`.
 
 Saving (:func:`save`, :func:`files`): every rank lists the parameters it holds under their
-one-process names (:class:`~tokenloom.train.ckpt_format.LocalParam`: the local tp shard, its
+one-process names (:class:`~tokenloom.train.checkpoint.format.LocalParam`: the local tp shard, its
 partition dim and fused split sizes, its optimizer states; with ZeRO-1 the rank's own pieces of
-them from :meth:`~tokenloom.train.parallel.zero.ZeroAdamW.own_param_states`, no gather) and
-writes its piece file (:func:`~tokenloom.train.ckpt_format.rank_file`: the replicated state
+them from :meth:`~tokenloom.train.optim.zero.ZeroAdamW.own_param_states`, no gather) and
+writes its piece file (:func:`~tokenloom.train.checkpoint.format.rank_file`: the replicated state
 spread over the dp replicas, its own ZeRO-1 shard) and its RNG states ``rng_rank{r}.pt`` (with
 the tensor-parallel dropout stream at tp > 1). A one-process run writes the same format.
 ``state.json`` gets the layout.
@@ -16,7 +16,7 @@ or the one-process ``model.pt`` + ``optimizer.pt``, whose optimizer order is reb
 ``meta`` copy of the model), and cuts out the shard its own ``(tp, pp, vpp)`` layout and stage
 hold (:func:`load_params`). AdamW moments are elementwise, so they are resharded exactly like
 their parameters; a ZeRO-1 rank then cuts its dp shard out of them
-(:meth:`~tokenloom.train.parallel.zero.ZeroAdamW.load_param_states`). The data position is the
+(:meth:`~tokenloom.train.optim.zero.ZeroAdamW.load_param_states`). The data position is the
 consumed-samples count, valid at any dp size.
 
 Trade-offs: a rank reads the full tensors of the parameters it holds (host memory of those,
@@ -35,13 +35,14 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint, ckpt_format
-from tokenloom.train.model import GPT
-from tokenloom.train.optim import param_groups
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint import format as ckpt_format
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.optim.adamw import param_groups
 from tokenloom.train.parallel import fsdp
 
 if TYPE_CHECKING:
-    from tokenloom.train.async_save import CheckpointSaver
+    from tokenloom.train.checkpoint.async_save import CheckpointSaver
 
 
 def _layout(run) -> dict[str, Any]:
@@ -115,7 +116,7 @@ def save(run, iteration: int, run_state: dict, saver: CheckpointSaver) -> Path:
     :class:`~tokenloom.train.strategy.Strategy`) through ``saver`` (synchronously or in the
     background); ``run_state`` (consumed samples, data fingerprint, config...) goes into
     ``state.json`` with the layout. Returns its directory. Written, committed and failing as
-    :func:`tokenloom.train.checkpoint.save_files` says."""
+    :func:`tokenloom.train.checkpoint.commit.save_files` says."""
     return saver.save(iteration, lambda: files(run), {**run_state, "layout": _layout(run)}, fresh_copies=True)
 
 
@@ -176,8 +177,8 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
 
 def files(run) -> dict[str, Any]:
     """This rank's files (name -> what ``torch.save`` writes): its RNG states and its piece file
-    (:func:`~tokenloom.train.ckpt_format.rank_file`, whose tensors are live views, to be copied
-    before they are written: :class:`~tokenloom.train.async_save.HostStaging`). No collective."""
+    (:func:`~tokenloom.train.checkpoint.format.rank_file`, whose tensors are live views, to be copied
+    before they are written: :class:`~tokenloom.train.checkpoint.async_save.HostStaging`). No collective."""
     st = run.state
     rng = checkpoint.capture_rng()
     if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
@@ -190,7 +191,7 @@ def files(run) -> dict[str, Any]:
 
 def optimizer_order(model_cfg) -> list[list[str]]:
     """The one-process names of each position of the one-process optimizer's parameters
-    (:func:`~tokenloom.train.optim.param_groups` order), from a ``meta`` copy of the model."""
+    (:func:`~tokenloom.train.optim.adamw.param_groups` order), from a ``meta`` copy of the model."""
     model = GPT(model_cfg, device="meta")
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -228,10 +229,10 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
                 where: str, *, sharded: bool = False) -> None:
     """Set ``run``'s parameters (any layout) from one-process tensors ``params`` by name: full
     ones, each rank cutting out the shard it holds, or, ``sharded``, already this rank's tp
-    shards (:func:`~tokenloom.train.ckpt_format.read` at its tp rank and size); ``optim``: AdamW
+    shards (:func:`~tokenloom.train.checkpoint.format.read` at its tp rank and size); ``optim``: AdamW
     states by the same names, alike (the parameters without one, or all when it is empty, start
     with fresh moments). ``where`` names the source in errors. The parameter part of
-    :func:`load`, also used to start from a Hugging Face model (:mod:`tokenloom.train.hf`)."""
+    :func:`load`, also used to start from a Hugging Face model (:mod:`tokenloom.train.checkpoint.hf`)."""
     cfg, st = run.cfg, run.state
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if cfg.zero1 else {}
     zero_states: list[dict[str, torch.Tensor] | None] = [None] * len(zero_index)
@@ -271,7 +272,7 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
 def module_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[ckpt_format.LocalParam]:
     """:func:`local_params` of a plain, unsharded module and its torch optimizer (one process,
     no :class:`~tokenloom.train.strategy.Strategy`), for
-    :func:`~tokenloom.train.ckpt_format.rank_file` at ``Placement(0, 1, 0, 0, 1)``."""
+    :func:`~tokenloom.train.checkpoint.format.rank_file` at ``Placement(0, 1, 0, 0, 1)``."""
     return [ckpt_format.LocalParam(name, p.detach(), aliases=tuple(aliases),
                                    state={k: v.detach() for k, v in optimizer.state.get(p, {}).items()})
             for name, p, aliases in _each_once(model.named_parameters(remove_duplicate=False))]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenloom.train.model import GPT
+from tokenloom.train.model.gpt import GPT
 
 
 def flops_per_token(model: GPT, seq_len: int | None = None) -> int:

@@ -14,7 +14,7 @@ sizes are multiples of 16 (the float8 GEMM's alignment). The LM head stays bf16 
 tied to the embedding, and its logits are the most precision-sensitive matmul, torchao's
 own advice), as do the embeddings and norms. The price of the swap: torchao's linear
 replaces ours, so these weights' gradients take autograd's path into the DDP/ZeRO-1 buckets
-instead of the weight-gradient fusion (:mod:`tokenloom.train.wgrad`).
+instead of the weight-gradient fusion (:mod:`tokenloom.train.parallel.wgrad`).
 
 Where it runs (:func:`refusal` says why not, in one line): a CUDA GPU with float8 tensor
 cores (compute capability 8.9: Ada, Hopper and later), bf16 autocast, the reference ops

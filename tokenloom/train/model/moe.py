@@ -1,5 +1,5 @@
 """Mixture-of-experts pieces of the one GPT (megatron-core's ``TopKRouter``, token permutation,
-grouped experts and auxiliary losses); the layer itself is :class:`tokenloom.train.model.MoE`.
+grouped experts and auxiliary losses); the layer itself is :class:`tokenloom.train.model.blocks.MoE`.
 
 Contracts:
 
@@ -268,7 +268,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grou
 
 def log_fields(table: torch.Tensor, layers: list[int]) -> dict:
     """Metrics of a log interval from ``table`` [MoE layers, E + 3] (each row a layer's
-    :meth:`~tokenloom.train.model.MoE.take_stats` summed over the ranks, in ``layers``' order):
+    :meth:`~tokenloom.train.model.blocks.MoE.take_stats` summed over the ranks, in ``layers``' order):
     ``moe_balance_loss`` and ``moe_z_loss`` (means over forwards and layers, coefficients not
     applied), ``moe_min_expert_share`` (the smallest fraction of routed tokens any expert of any
     layer got; ``1 / E`` is perfect balance) and ``moe_tokens_per_expert`` (per layer)."""

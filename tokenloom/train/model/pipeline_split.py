@@ -1,6 +1,6 @@
 """Pipeline layout policy: which transformer blocks each pipeline rank's model chunks hold
 (:class:`PipelineSplit`, Megatron's rules), and :func:`pipeline_stage`, the model chunk a
-rank builds from it. The model itself (:mod:`tokenloom.train.model`) knows only the block
+rank builds from it. The model itself (:mod:`tokenloom.train.model.gpt`) knows only the block
 indices it is given; the rules for choosing them live here.
 """
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
 from tokenloom.train.parallel.layers import TensorParallel
 
 

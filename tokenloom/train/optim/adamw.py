@@ -1,4 +1,5 @@
-"""AdamW with the usual no-decay groups, and warmup + decay learning rate as a pure function.
+"""AdamW with the usual no-decay groups, the one gradient norm, and :class:`OptimConfig` (the
+optimizer's and the learning-rate schedule's settings; the schedule is :mod:`tokenloom.train.optim.schedule`).
 
 Choices and their costs:
 
@@ -6,19 +7,6 @@ Choices and their costs:
   tables; biases, norm weights and the token/position embeddings (and so a tied LM head,
   which is the same tensor) are not decayed (nanoGPT / Megatron convention). Grouping is
   by parameter identity, so a tied weight is listed once.
-* **The schedule is a function of the iteration** (:func:`lr_at`), not a stateful torch
-  scheduler: the learning rate of step ``it`` is recomputed and written into every param
-  group before the step. Resume therefore needs no scheduler state beyond the iteration,
-  and a resume that changes the schedule (``train_iters`` among it) is refused unless
-  ``override_opt_param_scheduler`` (:func:`tokenloom.train.config.check_resumable_schedule`);
-  with it the rate from the resume step on is exactly the new schedule's.
-  Warmup is linear, ``lr * (it + 1) / warmup_iters`` (the first step does not waste a
-  zero learning rate), then Megatron's ``--lr-decay-style``: cosine (the default) or linear
-  from ``lr`` to ``min_lr`` at ``lr_decay_iters``; WSD (warmup-stable-decay: ``lr`` until the
-  last ``wsd_decay_iters`` before ``lr_decay_iters``, then ``wsd_decay_style`` down to
-  ``min_lr``); inverse-square-root (``lr * sqrt(warmup_iters / it)``, not below ``min_lr``);
-  each constant ``min_lr`` from ``lr_decay_iters`` on, as Megatron's. Or constant ``lr``
-  (``min_lr`` unused).
 * **Fused AdamW by default** where torch has the kernel for the parameters' device (CPU
   and CUDA): one kernel over every parameter instead of a loop of ops per tensor, several
   times faster than the for-loop and foreach ones on CPU (see bench/RESULTS.md, notes),
@@ -99,7 +87,7 @@ class OptimConfig:
 
 
 DECAY_STYLES = ("cosine", "linear", "constant", "WSD", "inverse-square-root")
-"""The learning-rate decays :func:`lr_at` implements (:attr:`OptimConfig.decay_style`)."""
+"""The learning-rate decays :func:`~tokenloom.train.optim.schedule.lr_at` implements (:attr:`OptimConfig.decay_style`)."""
 
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 """The shapes of WSD's final decay (:attr:`OptimConfig.wsd_decay_style`)."""
@@ -171,33 +159,3 @@ def use_fused(cfg: OptimConfig, params: list[torch.Tensor]) -> bool | None:
         devices = sorted({p.device.type for p in params})
         raise TokenloomError(f"optim.fused: torch has no fused AdamW for parameters on {devices}")
     return None
-
-
-def lr_at(it: int, cfg: OptimConfig, train_iters: int) -> float:
-    """Learning rate of 0-based step ``it``: linear warmup, then ``decay_style`` (Megatron's
-    ``OptimizerParamScheduler.get_lr``, in steps): constant ``lr``; or cosine, linear, WSD or
-    inverse-square-root, each ``min_lr`` from ``lr_decay_iters`` on."""
-    decay_iters = cfg.lr_decay_iters or train_iters
-    if it < cfg.warmup_iters:
-        return cfg.lr * (it + 1) / cfg.warmup_iters
-    if cfg.decay_style == "constant":
-        return cfg.lr
-    if it >= decay_iters:
-        return cfg.min_lr
-    if cfg.decay_style == "inverse-square-root":
-        return max(cfg.min_lr, cfg.lr * math.sqrt(max(cfg.warmup_iters, 1) / max(it, 1)))
-    if cfg.decay_style == "WSD":
-        wsd_iters = cfg.wsd_decay_iters or 1
-        progress = max(0.0, (it - (decay_iters - wsd_iters)) / wsd_iters)
-        coeff = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
-                 "exponential": 2.0 * 0.5 ** progress - 1.0, "minus_sqrt": 1.0 - math.sqrt(progress)}
-        return cfg.min_lr + coeff[cfg.wsd_decay_style] * (cfg.lr - cfg.min_lr)
-    progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
-    if cfg.decay_style == "linear":
-        return cfg.min_lr + (1.0 - progress) * (cfg.lr - cfg.min_lr)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr

@@ -5,7 +5,7 @@ Follows Megatron-core's distributed optimizer (``distrib_optimizer.py``).
 Layout: the parameters, in the order given, live in one flat ``param_buffer`` (their
 ``.data`` re-pointed into it) and one flat ``grad_buffer`` (each ``.grad`` a view into it),
 cut into buckets of whole parameters (``bucket_bytes``;
-:func:`~tokenloom.train.ddp.compute_bucket_assignment_by_size`). Each bucket is padded to a
+:func:`~tokenloom.train.parallel.ddp.compute_bucket_assignment_by_size`). Each bucket is padded to a
 multiple of dp and cut into dp equal pieces; rank ``r`` owns piece ``r`` of every bucket, across
 parameter boundaries. Parameters share one dtype; there is no 64-element alignment of starts.
 
@@ -48,7 +48,7 @@ Invariants and trade-offs:
 * **Checkpoints are layout-free without a gather**: each rank saves its own pieces
   (:meth:`own_param_states`: the element ranges of every parameter's ``exp_avg`` /
   ``exp_avg_sq`` (plus ``master_param`` for lower-precision parameters) in its shard, and the
-  step) into the checkpoint format of :mod:`tokenloom.train.ckpt_format`, which records where
+  step) into the checkpoint format of :mod:`tokenloom.train.checkpoint.format`, which records where
   each range sits in the parameter, so any dp size, with or without ZeRO-1, loads them
   (:meth:`load_param_states`, from full per-parameter states). :meth:`gathered_param_states`
   gives the full form ``torch.optim.AdamW`` keeps on dp rank 0 (a collective, for comparisons).
@@ -79,15 +79,15 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.ddp import (
+from tokenloom.train.optim.adamw import clip_coefficient, global_grad_norm
+from tokenloom.train.parallel.ddp import (
     compute_bucket_assignment_by_size,
     grad_into_view,
     grad_unit_ids,
     wgrad_into_view,
 )
-from tokenloom.train.optim import clip_coefficient, global_grad_norm
 from tokenloom.train.parallel.mappings import all_reduce_in_place
-from tokenloom.train.wgrad import WgradSink, set_wgrad_sink
+from tokenloom.train.parallel.wgrad import WgradSink, set_wgrad_sink
 
 
 class ZeroAdamW:
@@ -111,7 +111,7 @@ class ZeroAdamW:
             each once per replica). Default: all but those tagged ``shared = True`` (the
             last stage's copy of a tied embedding).
         bucket_bytes: cut the flat buffers into buckets of about this many bytes
-            (:func:`~tokenloom.train.ddp.compute_bucket_assignment_by_size`; None: one
+            (:func:`~tokenloom.train.parallel.ddp.compute_bucket_assignment_by_size`; None: one
             bucket), each reduce-scattered and all-gathered on its own.
         overlap_grad_reduce: launch each bucket's reduce-scatter from gradient hooks as
             soon as its grads are ready in backward (run every micro-batch backward but the
@@ -126,13 +126,13 @@ class ZeroAdamW:
             so that the first and the last stage cut it into the same dp pieces and
             :meth:`all_reduce_grads` can sum their reduced pieces.
         grad_units: submodules compiled in place (one autograd node each): no bucket ends
-            inside one (:func:`~tokenloom.train.ddp.grad_unit_ids`), as in DDP.
+            inside one (:func:`~tokenloom.train.parallel.ddp.grad_unit_ids`), as in DDP.
         is_expert: the expert-parallel parameters (each rank's share of a layer's experts),
             kept in buckets of their own sharded over ``expert_dp_group`` (module docstring).
         expert_dp_group: the dp ranks holding this rank's experts (None: this rank alone).
         fused: ``torch.optim.AdamW``'s ``fused`` for the inner AdamW on the fp32 shard (one
             kernel per step over all its pieces where torch has it for the device, see
-            :func:`~tokenloom.train.optim.use_fused`; None: torch's default). The same update
+            :func:`~tokenloom.train.optim.adamw.use_fused`; None: torch's default). The same update
             as the other implementations up to rounding.
     """
 
@@ -313,13 +313,13 @@ class ZeroAdamW:
 
     def _into_view(self, i: int, p: torch.Tensor, *, average: bool) -> None:
         """Make ``p.grad`` parameter ``i``'s view of the grad buffer, averaged over dp when
-        ``average`` (DDP's :func:`~tokenloom.train.ddp.grad_into_view`)."""
+        ``average`` (DDP's :func:`~tokenloom.train.parallel.ddp.grad_into_view`)."""
         grad_into_view(p, self._grad_views[i], self.dp_size if average else 1)
 
     def _make_sink(self, i: int) -> WgradSink:
         def sink(grad_out: torch.Tensor, inp: torch.Tensor) -> bool:
             """Parameter ``i``'s weight grad written by its GEMM into its view, averaged when
-            its hook will launch (DDP's :func:`~tokenloom.train.ddp.wgrad_into_view`)."""
+            its hook will launch (DDP's :func:`~tokenloom.train.parallel.ddp.wgrad_into_view`)."""
             synced = self._sync and not self._ready[i]
             p, view = self.params[i], self._grad_views[i]
             self._in_view[i] = wgrad_into_view(p, view, self.dp_size if synced else 1, grad_out, inp)

@@ -3,7 +3,7 @@
 One synced iteration: ``forward()`` rebuilds the buckets once (after iteration 0),
 broadcasts buffers from rank 0 and runs the module (with ``find_unused_parameters``, then
 walks the graph for parameters it cannot reach). In backward, the fused linears
-(:mod:`tokenloom.train.wgrad`) write their weight grads into their bucket views; a
+(:mod:`tokenloom.train.parallel.wgrad`) write their weight grads into their bucket views; a
 post-accumulate-grad hook per parameter makes ``param.grad`` its bucket view, divided by the
 world size, and marks it ready; complete buckets launch as async all_reduce(SUM), strictly in
 bucket order. A callback queued on the autograd engine waits for every bucket, so
@@ -31,7 +31,7 @@ Invariants and trade-offs:
   ``alpha``/``beta`` (:func:`wgrad_into_view`), with no grad-sized allocation. It changes the
   autograd graph and so the rebuilt layout; ``wgrad_fusion=False`` gives torch's. Compiled
   blocks have it too, and so do bf16-autocast GEMMs writing the fp32 view (see
-  :mod:`tokenloom.train.wgrad`).
+  :mod:`tokenloom.train.parallel.wgrad`).
 * **Completion in backward** (torch's ``queue_callback``): the loop cannot forget to wait;
   the cost is exactly one backward per synced forward. ``finish_in_backward=False`` (the
   tp/pp layouts) waits in :meth:`finish_grad_sync` after the schedule instead (Megatron's),
@@ -68,7 +68,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.wgrad import gemm_into, set_wgrad_sink, wgrad_sink
+from tokenloom.train.parallel.wgrad import gemm_into, set_wgrad_sink, wgrad_sink
 
 FIRST_BUCKET_BYTES = 1024 * 1024
 """Cap of the small first bucket when ``bucket_cap_mb`` is left at its default (torch's value)."""
@@ -185,7 +185,7 @@ class DistributedDataParallel(nn.Module):
         grad_units: submodules whose backward is one autograd node (compiled in place, as
             ``GPT.compile_blocks`` does each block): their parameters' grads all arrive when
             it ends, so no bucket ends inside one (:func:`grad_unit_ids`).
-        wgrad_fusion: let the model's fused linears (:func:`tokenloom.train.wgrad.linear`)
+        wgrad_fusion: let the model's fused linears (:func:`tokenloom.train.parallel.wgrad.linear`)
             write their weight gradients straight into the buckets, scaled in the GEMM
             (Megatron's gradient accumulation fusion); False: every grad comes from autograd
             and is copied in, as in torch DDP (whose grad-ready order, and so rebuilt
@@ -421,7 +421,7 @@ class DistributedDataParallel(nn.Module):
         return sink
 
     def _take_wgrad(self, i: int, grad_out: torch.Tensor, inp: torch.Tensor) -> bool:
-        """Parameter ``i``'s weight-gradient sink (:mod:`tokenloom.train.wgrad`): the GEMM
+        """Parameter ``i``'s weight-gradient sink (:mod:`tokenloom.train.parallel.wgrad`): the GEMM
         writes into its bucket view (:func:`wgrad_into_view`), averaged when this backward
         syncs, and the hook that follows only marks it ready."""
         synced = self._expect_hooks and self._sync_enabled
@@ -529,7 +529,7 @@ def grad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int) -> Non
     pass; a grad already accumulated in the view is divided in place while it is still in
     cache; no grad at all (a custom autograd.Function returned None) zeroes the view. So no
     pass over a whole bucket precedes its collective. ``divisor`` 1: no scaling. Our DDP and
-    ZeRO-1 (``parallel/zero.py``) both fill their buffers through it."""
+    ZeRO-1 (``optim/zero.py``) both fill their buffers through it."""
     grad = param.grad
     if grad is None:
         view.zero_()
@@ -551,9 +551,9 @@ def wgrad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int, grad_
     ``beta``: ``view = g^T x / d`` for a fresh grad (``beta=0``: the stale view is not read),
     ``view = (view + g^T x) / d`` for one accumulated there; then ``param.grad`` is ``view``.
     Saves grad_into_view's pass over the grad and autograd's grad-sized allocation; bf16
-    operands (autocast) write the fp32 view directly (:func:`~tokenloom.train.wgrad.gemm_into`). Returns
+    operands (autocast) write the fp32 view directly (:func:`~tokenloom.train.parallel.wgrad.gemm_into`). Returns
     False, writing nothing, when ``param.grad`` is some other tensor. The sink of
-    :mod:`tokenloom.train.wgrad`, for our DDP and ZeRO-1 alike."""
+    :mod:`tokenloom.train.parallel.wgrad`, for our DDP and ZeRO-1 alike."""
     grad, s = param.grad, 1.0 / divisor
     if grad is None:
         gemm_into(view, grad_out.t(), inp, beta=0, alpha=s)
