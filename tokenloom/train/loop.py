@@ -3,7 +3,7 @@
 
 One iteration::
 
-    lr = lr_at(it)                          pure function of the iteration (optim.py)
+    lr = lr_at(it)                          pure function of the iteration (optim/schedule.py)
     strategy.train_step(micro-batches)      forward/backward by the layout's schedule,
                                             gradients finalised (DDP buckets, tied
                                             embeddings, dp reduction), global norm,

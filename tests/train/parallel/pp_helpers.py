@@ -86,7 +86,7 @@ def reference_train(
 ) -> dict[str, Any]:
     """One process, torch AdamW: per step micro-batches ``0..num_micro-1``, either
     accumulated (loss / num_micro each) or concatenated into one full batch. ``groups``:
-    optim.py's decay / no-decay groups instead of decay on every parameter."""
+    optim/adamw.py's decay / no-decay groups instead of decay on every parameter."""
     torch.manual_seed(0)
     model = GPT(tiny_cfg(n_layers))
     opt = torch.optim.AdamW(param_groups(model, WD) if groups else model.parameters(), lr=LR, weight_decay=WD)
@@ -318,7 +318,7 @@ def schedule_trace(rank: int, *, runs: list[tuple[str, int, int]]) -> dict:
 
 
 def zero_train(rank: int, *, steps: int, max_grad_norm: float | None, resume_at: int) -> dict:
-    """ZeRO-1 over the whole world (dp = world size) with optim.py's decay / no-decay
+    """ZeRO-1 over the whole world (dp = world size) with optim/adamw.py's decay / no-decay
     groups and 4 KB buckets reduce-scattered during backward: rank d trains on micro-batch
     d of each global batch. Also checkpoints after
     ``resume_at`` steps (the parameters and :meth:`ZeroAdamW.gathered_param_states`, rank
