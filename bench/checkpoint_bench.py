@@ -12,7 +12,7 @@ turns within a round, the first side moving each round so no side always follows
 followed, untimed, by removing its files and ``os.sync``, so every side starts with no write-back
 of another's gigabytes in flight):
 
-* ``async``: tokenloom's :class:`~tokenloom.train.async_save.CheckpointSaver` as a ``train`` run
+* ``async``: tokenloom's :class:`~tokenloom.train.checkpoint.async_save.CheckpointSaver` as a ``train`` run
   uses it (``async_save`` on): save, then the step, whose optimizer update waits for the
   background copy (``before_update``, as ``Strategy`` calls it); the write goes on behind;
 * ``sync``: the same saver with ``async_save=false``;
@@ -57,10 +57,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
 
-from tokenloom.train import checkpoint, ckpt_format, reshard  # noqa: E402
-from tokenloom.train.async_save import CheckpointSaver  # noqa: E402
-from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
-from tokenloom.train.optim import OptimConfig, build_optimizer  # noqa: E402
+from tokenloom.train.checkpoint import commit as checkpoint  # noqa: E402
+from tokenloom.train.checkpoint import format as ckpt_format
+from tokenloom.train.checkpoint import reshard
+from tokenloom.train.checkpoint.async_save import CheckpointSaver  # noqa: E402
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT  # noqa: E402
+from tokenloom.train.optim.adamw import OptimConfig, build_optimizer  # noqa: E402
 
 SIZES = {  # (n_layers, d_model, n_heads, vocab)
     "124m": (12, 768, 12, 50304),

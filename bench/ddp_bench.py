@@ -9,7 +9,7 @@ Issue 16's setting: ``--d-model 768 --layers 8 --micro 1`` (58 M parameters, 9 b
 
 Each rank runs forward + backward + AdamW step on the same model and batches, once
 wrapped in ours (as the trainer wraps it: the blocks' weight-gradient GEMMs write into
-its buckets, eager or compiled, ``tokenloom.train.wgrad``) and once in torch's (default settings: 25 MiB
+its buckets, eager or compiled, ``tokenloom.train.parallel.wgrad``) and once in torch's (default settings: 25 MiB
 buckets), with and without
 4-micro-batch accumulation (``no_sync``); a third side, torch's with
 ``gradient_as_bucket_view=True`` (its opt-in mode whose grads are bucket views, like ours),
@@ -44,10 +44,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import print_table  # noqa: E402
 
-from tokenloom.train.ddp import DistributedDataParallel  # noqa: E402
 from tokenloom.train.dist import init_from_env  # noqa: E402
 from tokenloom.train.host_alloc import keep_freed_memory  # noqa: E402
-from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT  # noqa: E402
+from tokenloom.train.parallel.ddp import DistributedDataParallel  # noqa: E402
 
 
 def make(args, wrapper: str):

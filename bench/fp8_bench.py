@@ -35,11 +35,11 @@ from _table import print_table  # noqa: E402
 
 from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import BlendDataConfig, DataConfig  # noqa: E402
-from tokenloom.train.fp8 import refusal  # noqa: E402
 from tokenloom.train.loop import start_run  # noqa: E402
 from tokenloom.train.metrics import read_metrics  # noqa: E402
-from tokenloom.train.model import GPTConfig  # noqa: E402
-from tokenloom.train.optim import OptimConfig  # noqa: E402
+from tokenloom.train.model.config import GPTConfig  # noqa: E402
+from tokenloom.train.model.fp8 import refusal  # noqa: E402
+from tokenloom.train.optim.adamw import OptimConfig  # noqa: E402
 
 LAST_RECORDS = 3  # logged intervals averaged at the end
 

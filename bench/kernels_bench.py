@@ -60,11 +60,12 @@ from _table import print_table  # noqa: E402
 
 from tokenloom.train.config import TrainConfig, config_to_dict  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
-from tokenloom.train.flops import flops_per_token  # noqa: E402
 from tokenloom.train.host_alloc import keep_freed_memory  # noqa: E402
 from tokenloom.train.kernels import cross_entropy_reference, select_kernels  # noqa: E402
 from tokenloom.train.metrics import mfu, peak_flops, read_metrics  # noqa: E402
-from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.flops import flops_per_token  # noqa: E402
+from tokenloom.train.model.gpt import GPT  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "tests" / "train" / "kernels" / "_ce_memory_probe.py"

@@ -45,7 +45,8 @@ from tl_testing import FaultProxy, S3Server  # noqa: E402
 from tokenloom.blending.build import BuildConfig, build  # noqa: E402
 from tokenloom.blending.loader import GPTSamples, SampleConfig  # noqa: E402
 from tokenloom.indexed import IndexedDatasetWriter  # noqa: E402
-from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
+from tokenloom.train.model.config import GPTConfig  # noqa: E402
+from tokenloom.train.model.gpt import GPT  # noqa: E402
 
 SEQ = 2048
 BATCH = 8

@@ -38,8 +38,9 @@ from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import BlendDataConfig, DataConfig  # noqa: E402
 from tokenloom.train.loop import start_run  # noqa: E402
 from tokenloom.train.metrics import read_metrics  # noqa: E402
-from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
-from tokenloom.train.optim import OptimConfig  # noqa: E402
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT  # noqa: E402
+from tokenloom.train.optim.adamw import OptimConfig  # noqa: E402
 from tokenloom.train.runtime import World  # noqa: E402
 
 PREFIX = Path("/work/shared/data/megatron-reference/tinyshakespeare_gpt2_eod")

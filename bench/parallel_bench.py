@@ -101,8 +101,8 @@ from _table import print_table  # noqa: E402
 
 from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
-from tokenloom.train.model import GPTConfig  # noqa: E402
-from tokenloom.train.optim import OptimConfig  # noqa: E402
+from tokenloom.train.model.config import GPTConfig  # noqa: E402
+from tokenloom.train.optim.adamw import OptimConfig  # noqa: E402
 from tokenloom.train.parallel import fsdp, mappings  # noqa: E402
 from tokenloom.train.parallel.schedules import pipeline_bubble_fraction, theoretical_bubble_fraction  # noqa: E402
 

@@ -28,7 +28,7 @@ from train_bench import model_config  # noqa: E402
 from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
 from tokenloom.train.loop import start_run  # noqa: E402
-from tokenloom.train.optim import OptimConfig  # noqa: E402
+from tokenloom.train.optim.adamw import OptimConfig  # noqa: E402
 
 SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "Memcpy DtoH",
               "aten::item", "aten::_local_scalar_dense", "aten::nonzero")

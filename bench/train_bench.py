@@ -56,11 +56,12 @@ from _table import print_table  # noqa: E402
 
 from tokenloom.train.config import TrainConfig  # noqa: E402
 from tokenloom.train.data import DataConfig, MockDataConfig  # noqa: E402
-from tokenloom.train.flops import flops_per_token  # noqa: E402
 from tokenloom.train.loop import start_run  # noqa: E402
 from tokenloom.train.metrics import mfu, peak_flops  # noqa: E402
-from tokenloom.train.model import GPT, GPTConfig  # noqa: E402
-from tokenloom.train.optim import OptimConfig, build_optimizer  # noqa: E402
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.flops import flops_per_token  # noqa: E402
+from tokenloom.train.model.gpt import GPT  # noqa: E402
+from tokenloom.train.optim.adamw import OptimConfig, build_optimizer  # noqa: E402
 from tokenloom.train.runtime import tune_host_memory  # noqa: E402
 
 
@@ -149,7 +150,7 @@ DESCRIBED = {
 
 def _gpu_sides(device: torch.device) -> tuple[str, ...]:
     """The default sides on a GPU: ours, the compiled and the eager loop, and ours in fp8 where it runs."""
-    from tokenloom.train.fp8 import refusal
+    from tokenloom.train.model.fp8 import refusal
 
     fp8 = refusal("tensorwise", device, tp=1, precision="auto", kernels="reference") is None
     return ("ours", "compiled", "base") + (("ours_fp8",) if fp8 else ())

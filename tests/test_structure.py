@@ -10,6 +10,7 @@ when there is one, else to ``pkg``. The implicit "a submodule imports its packag
 Checks (each shown to fail on a planted violation in a fake package below):
 
 * stage order: a module imports only its own layer or layers below it (``LAYERS``);
+* room order inside ``train``: a module imports only its own room or rooms below it (``ROOMS``);
 * no import circle (strongly connected components of more than one module, or a self-loop);
 * no private (``_name``) name imported across modules (a private *module* may be imported
   from inside its own package: the underscore makes it package-private);
@@ -41,6 +42,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("tokenloom.demo", "tokenloom.cli")),
 ]
 LAZY_MARK = "# lazy:"
+
+# the rooms of the train stage, lowest first (the same rule as LAYERS, one level down): a module
+# takes the room of its longest matching prefix, so "run" holds what no other room names
+ROOMS: list[tuple[str, tuple[str, ...]]] = [
+    ("kernels", ("tokenloom.train.kernels",)),
+    ("parallel", ("tokenloom.train.parallel",)),
+    ("model", ("tokenloom.train.model",)),
+    ("optim", ("tokenloom.train.optim",)),
+    ("run setup", ("tokenloom.train.config", "tokenloom.train.data", "tokenloom.train.dist",
+                   "tokenloom.train.runtime", "tokenloom.train.host_alloc")),
+    ("checkpoint", ("tokenloom.train.checkpoint",)),
+    ("run", ("tokenloom.train",)),
+]
 
 
 @dataclass(frozen=True)
@@ -110,13 +124,24 @@ def imports(root: Path) -> list[Import]:
     return out
 
 
-def layer(module: str) -> int:
+def layer(module: str, order: list[tuple[str, tuple[str, ...]]] = LAYERS) -> int:
+    """The index in ``order`` of the entry whose longest prefix covers ``module``; -1 for none."""
     best, index = "", -1
-    for i, (_, prefixes) in enumerate(LAYERS):
+    for i, (_, prefixes) in enumerate(order):
         for prefix in prefixes:
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
                 best, index = prefix, i
     return index
+
+
+def cross_room_imports(found: list[Import]) -> list[str]:
+    """Imports between train modules that go up ``ROOMS`` (a module outside train has no room)."""
+    bad = []
+    for imp in found:
+        here, there = layer(imp.module, ROOMS), layer(imp.target, ROOMS)
+        if here >= 0 and there > here:
+            bad.append(f"{imp.module}:{imp.line} (room {ROOMS[here][0]}) imports {imp.target} (room {ROOMS[there][0]})")
+    return bad
 
 
 def upward_imports(found: list[Import]) -> list[str]:
@@ -220,6 +245,19 @@ def test_stage_order_only_downwards(found):
     assert not bad, "\n".join(bad)
 
 
+def test_train_rooms_only_downwards(found):
+    bad = cross_room_imports(found)
+    assert not bad, "\n".join(bad)
+
+
+def test_every_train_package_is_a_room():
+    """Each folder of ``tokenloom/train`` is named in ``ROOMS`` (a new one takes its place in the order)."""
+    rooms = {prefix for _, prefixes in ROOMS for prefix in prefixes}
+    bad = [f"tokenloom.train.{p.parent.name}" for p in sorted((REPO / "tokenloom" / "train").glob("*/__init__.py"))
+           if f"tokenloom.train.{p.parent.name}" not in rooms]
+    assert not bad, f"train packages in no room of ROOMS: {bad}"
+
+
 def test_no_import_circle(found):
     assert not cycles(found), cycles(found)
 
@@ -252,6 +290,7 @@ def test_architecture_page_names_every_layer_and_package():
     packages = sorted(p.parent.name for p in (REPO / "tokenloom").glob("*/__init__.py"))
     missing = [f"{name}/" for name in packages if f"`{name}/`" not in page]
     missing += [f"layer {name}" for name, _ in LAYERS if f"| {name} |" not in page]
+    missing += [f"room {name}" for name, _ in ROOMS if f"| {name} |" not in page]
     assert not missing, f"ARCHITECTURE.md does not mention {missing}"
 
 
@@ -310,6 +349,21 @@ def test_planted_upward_import_fails(tmp_path):
     })
     assert upward_imports(imports(root)) == [
         "tokenloom.tokenizers.train:1 (tokenizers) imports tokenloom.preprocess.pipeline (preprocess)"]
+
+
+def test_planted_cross_room_import_fails(tmp_path):
+    root = plant(tmp_path, {
+        "tokenloom/train/model/gpt.py": "from tokenloom.train.checkpoint import commit\n",  # model up to checkpoint
+        "tokenloom/train/checkpoint/commit.py": "from tokenloom.train.model import gpt\nimport tokenloom.train.config\n",
+        "tokenloom/train/config.py": "from . import loop\n",  # run setup up to the run, relative
+        "tokenloom/train/loop.py": "from tokenloom.train.checkpoint import commit\nfrom tokenloom.indexed import x\n",
+        "tokenloom/train/parallel/ddp.py": "from tokenloom.train.kernels import rope\n",
+        "tokenloom/train/kernels/rope.py": "",
+    })
+    assert cross_room_imports(imports(root)) == [
+        "tokenloom.train.config:1 (room run setup) imports tokenloom.train.loop (room run)",
+        "tokenloom.train.model.gpt:1 (room model) imports tokenloom.train.checkpoint.commit (room checkpoint)",
+    ]
 
 
 def test_planted_circle_fails(tmp_path):

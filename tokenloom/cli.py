@@ -311,8 +311,8 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
             click.echo(f"plot: {plot}")
 
 
-_TRAIN, _MODEL, _OPTIM = "tokenloom.train.config:TrainConfig", "tokenloom.train.model:GPTConfig", \
-    "tokenloom.train.optim:OptimConfig"
+_TRAIN, _MODEL, _OPTIM = "tokenloom.train.config:TrainConfig", "tokenloom.train.model.config:GPTConfig", \
+    "tokenloom.train.optim.adamw:OptimConfig"
 _NODES = "tokenloom.train.launch:Nodes"
 
 MEGATRON_REFUSED = {
@@ -598,7 +598,7 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
     try:
         summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo)
     except KeyboardInterrupt:  # Ctrl-C before the steps (they save and stop instead)
-        from tokenloom.train.checkpoint import resume_advice  # lazy: start-up time, as the train stack above
+        from tokenloom.train.checkpoint.commit import resume_advice  # lazy: start-up time (the train stack)
 
         raise Stopped(f"interrupted (SIGINT) before training; {resume_advice(cfg.ckpt_dir)}", signal.SIGINT) from None
     if nproc_per_node is None and int(os.environ.get("RANK", "0")) == 0:  # torchrun's rank 0 printed its own
@@ -634,7 +634,7 @@ def config_show(config, overrides):
     click.echo(format_rows(field_rows(load_config(config, overrides))))
 
 
-_EXPORT = "tokenloom.train.hf:ExportConfig"
+_EXPORT = "tokenloom.train.checkpoint.hf:ExportConfig"
 
 
 @main.command()
@@ -644,8 +644,8 @@ _EXPORT = "tokenloom.train.hf:ExportConfig"
 def export(**options):
     """Write a checkpoint (any layout) as a Hugging Face transformers folder (GPT2LMHeadModel or
     LlamaForCausalLM in model.safetensors, with the tokenizer for AutoTokenizer); prints its path."""
-    from tokenloom.train.hf import ExportConfig  # lazy: start-up time
-    from tokenloom.train.hf import export as run  # lazy: start-up time
+    from tokenloom.train.checkpoint.hf import ExportConfig  # lazy: start-up time
+    from tokenloom.train.checkpoint.hf import export as run  # lazy: start-up time
 
     click.echo(run(ExportConfig(**options)))
 

@@ -34,8 +34,8 @@ from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.generate import GenerateConfig, generate
 from tokenloom.train.launch import launch
 from tokenloom.train.metrics import read_metrics
-from tokenloom.train.model import GPTConfig
-from tokenloom.train.optim import OptimConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.optim.adamw import OptimConfig
 
 # Tests, vendored packages and the codec tables of encodings/ (hex dumps, not code anyone writes).
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__",

@@ -37,8 +37,8 @@ def test_help_and_every_option_documented(path):
             assert param.help, f"{' '.join(path)} {param.opts[0]} has no help text"
 
 
-@pytest.mark.parametrize("path", ["tokenloom.train.config:TrainConfig", "tokenloom.train.model:GPTConfig",
-                                  "tokenloom.train.optim:OptimConfig", "tokenloom.train.launch:Nodes",
+@pytest.mark.parametrize("path", ["tokenloom.train.config:TrainConfig", "tokenloom.train.model.config:GPTConfig",
+                                  "tokenloom.train.optim.adamw:OptimConfig", "tokenloom.train.launch:Nodes",
                                   "tokenloom.preprocess.config:PreprocessConfig",
                                   "tokenloom.blending.build:BuildConfig",
                                   "tokenloom.tokenizers.train:TrainTokenizerConfig", "tokenloom.demo:DemoConfig"])

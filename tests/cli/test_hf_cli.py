@@ -11,9 +11,10 @@ import pytest
 from safetensors.torch import save_file
 from tl_testing import fault_env, one_line_error, run_cli, shared_data_dir
 
-from tokenloom.train import hf
+from tokenloom.train.checkpoint import hf
 from tokenloom.train.data import open_tokenizer
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
 
 TOKENIZER = shared_data_dir() / "tokenizers" / "gpt2"
 TRAIN = ["train", "--mock-data", "--train-iters", "1", "--micro-batch-size", "2", "--global-batch-size", "2",

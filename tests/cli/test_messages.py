@@ -38,7 +38,7 @@ def options(*names: str) -> set[str]:
 
 SCOPES = [
     ("train/generate.py", ["generate"]),
-    ("train/hf.py", ["export", "train"]),
+    ("train/checkpoint/hf.py", ["export", "train"]),
     ("train/", ["train", "demo"]),
     ("blending/", ["build", "train"]),
     ("indexed/validate.py", ["verify"]),

@@ -1,4 +1,4 @@
-"""Our pipeline split (:class:`tokenloom.train.pipeline_split.PipelineSplit`) against megatron-core's
+"""Our pipeline split (:class:`tokenloom.train.model.pipeline_split.PipelineSplit`) against megatron-core's
 ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` on a grid of layouts: even,
 first/last stage layers, embedding and loss counted as layers, with and without vpp.
 
@@ -14,7 +14,7 @@ import torch
 from tl_testing import import_megatron
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.pipeline_split import PipelineSplit
+from tokenloom.train.model.pipeline_split import PipelineSplit
 
 block = import_megatron("megatron.core.transformer.transformer_block")
 layer = import_megatron("megatron.core.transformer.transformer_layer")

@@ -21,9 +21,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.ddp import DistributedDataParallel
 from tokenloom.train.dist import init_from_env
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.parallel.ddp import DistributedDataParallel
 
 VOCAB, SEQ, BATCH = 96, 16, 2
 

@@ -17,13 +17,13 @@ import pytest
 
 from tokenloom.blending.segments import SegmentedBlend
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint
+from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.launch import launch
 from tokenloom.train.metrics import read_metrics
-from tokenloom.train.model import GPTConfig
-from tokenloom.train.optim import OptimConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.optim.adamw import OptimConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

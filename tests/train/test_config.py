@@ -18,8 +18,8 @@ from tokenloom.train.config import (
     small_model_overrides,
     unknown_keys,
 )
-from tokenloom.train.model import GPTConfig
-from tokenloom.train.optim import OptimConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.optim.adamw import OptimConfig
 
 
 def test_unknown_keys_lists_every_misspelling_with_the_nearest_field():

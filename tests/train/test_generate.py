@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import ckpt_format
+from tokenloom.train.checkpoint import format as ckpt_format
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
 from tokenloom.train.generate import GenerateConfig, generate, load_model
 from tokenloom.train.loop import run
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model.config import GPTConfig
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_greedy_text_is_the_models_argmax_continuation(trained):
     import torch
 
     from tokenloom.tokenizers import load_tokenizer
-    from tokenloom.train.model import GPT
+    from tokenloom.train.model.gpt import GPT
 
     path = Path(trained)
     stored = json.loads((path / "state.json").read_text())["config"]["model"]

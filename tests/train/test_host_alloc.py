@@ -18,7 +18,8 @@ PROBE = r"""
 import json, resource, sys
 import torch
 from tokenloom.train.host_alloc import keep_freed_memory
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.model.config import GPTConfig
 applied = keep_freed_memory() if sys.argv[1] == "on" else False
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=4096, seq_len=256, n_layers=2, n_heads=4, d_model=256))

@@ -11,7 +11,6 @@ import pytest
 from tokenloom.errors import TokenloomError
 from tokenloom.train import launch as launch_module
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.flops import flops_per_token
 from tokenloom.train.launch import (
     Nodes,
     RankWatch,
@@ -21,7 +20,9 @@ from tokenloom.train.launch import (
     without_error_lines,
 )
 from tokenloom.train.metrics import read_metrics
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.flops import flops_per_token
+from tokenloom.train.model.gpt import GPT
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = dict(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2, n_heads=2, d_model=32)

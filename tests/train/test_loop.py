@@ -16,13 +16,16 @@ import torch
 from tl_testing import limit_s
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint, ckpt_format
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint import format as ckpt_format
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig
 from tokenloom.train.loop import run, start_run
 from tokenloom.train.metrics import read_metrics
-from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.optim import OptimConfig, lr_at, param_groups
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.optim.adamw import OptimConfig, param_groups
+from tokenloom.train.optim.schedule import lr_at
 
 REPO = Path(__file__).resolve().parents[2]
 

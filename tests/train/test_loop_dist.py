@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 def tiny(tmp: Path, **overrides):
     from tokenloom.train.config import TrainConfig
     from tokenloom.train.data import DataConfig, MockDataConfig
-    from tokenloom.train.model import GPTConfig
-    from tokenloom.train.optim import OptimConfig
+    from tokenloom.train.model.config import GPTConfig
+    from tokenloom.train.optim.adamw import OptimConfig
 
     kw = dict(
         model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=2, n_heads=2,
@@ -47,7 +47,8 @@ def records(out: Path, key: str) -> list[tuple[int, float]]:
 
 
 def test_two_ranks_under_torchrun_equal_one_process(tmp_path, monkeypatch):
-    from tokenloom.train import checkpoint, ckpt_format
+    from tokenloom.train.checkpoint import commit as checkpoint
+    from tokenloom.train.checkpoint import format as ckpt_format
     from tokenloom.train.launch import launch
 
     monkeypatch.setenv("PYTHONPATH", str(REPO))

@@ -11,7 +11,7 @@ from tokenloom.indexed import manifest
 from tokenloom.indexed.format import IndexedDatasetWriter
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig
 from tokenloom.train.loop import run
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model.config import GPTConfig
 from tokenloom.train.preflight import check
 
 

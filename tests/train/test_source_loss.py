@@ -18,13 +18,13 @@ from tokenloom.blending.args import source_names
 from tokenloom.blending.loader import GPTSamples, SampleConfig
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDatasetWriter
-from tokenloom.train import checkpoint
+from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.loop import start_run
 from tokenloom.train.metrics import loss_figure, read_metrics
-from tokenloom.train.model import GPTConfig
-from tokenloom.train.optim import OptimConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.optim.adamw import OptimConfig
 from tokenloom.train.preflight import check_resume
 from tokenloom.train.source_loss import SourceLosses, losses_by_name
 

@@ -9,7 +9,8 @@ import pytest
 from test_loop import losses, tiny
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint, ckpt_format
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint import format as ckpt_format
 from tokenloom.train.loop import run, start_run
 from tokenloom.train.strategy import refuse_unsupported
 

@@ -10,8 +10,8 @@ from test_loop import tiny
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.loop import start_run
-from tokenloom.train.model import GPTConfig
-from tokenloom.train.optim import OptimConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.optim.adamw import OptimConfig
 from tokenloom.train.summary import RunFacts, choices, data_wait_warning, regrets, startup_summary
 
 

@@ -26,10 +26,10 @@ from tokenloom.config import field_docs
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
 from tokenloom.train.data import DataConfig
-from tokenloom.train.fp8 import RECIPES as FP8_RECIPES
-from tokenloom.train.model import ARCH_FEATURES, GPTConfig
-from tokenloom.train.optim import OptimConfig
-from tokenloom.train.pipeline_split import PipelineSplit
+from tokenloom.train.model.config import ARCH_FEATURES, GPTConfig
+from tokenloom.train.model.fp8 import RECIPES as FP8_RECIPES
+from tokenloom.train.model.pipeline_split import PipelineSplit
+from tokenloom.train.optim.adamw import OptimConfig
 
 
 @dataclass(kw_only=True)
@@ -37,7 +37,7 @@ class TrainConfig:
     """Everything one training run needs; nested sections ``model``, ``data``, ``optim``."""
 
     model: GPTConfig = field(default_factory=GPTConfig)
-    """Model shape (see tokenloom.train.model.GPTConfig)."""
+    """Model shape (see tokenloom.train.model.config.GPTConfig)."""
     data: DataConfig = field(default_factory=lambda: DataConfig(mock=train_data.MockDataConfig()))
     """Training data: data.mock (synthetic) or data.blend (weighted .bin/.idx prefixes)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -94,7 +94,7 @@ class TrainConfig:
     """A local transformers GPT-2 or Llama folder (config.json, model.safetensors or its index, tokenizer.json)
     to start from: its model shape and tokenizer replace the configured ones (a conflicting non-default value
     is refused), the optimizer starts fresh at iteration 0. A checkpoint that resume finds wins: the run
-    continues from it and the folder is not loaded again. See tokenloom.train.hf."""
+    continues from it and the folder is not loaded again. See tokenloom.train.checkpoint.hf."""
     force_data: bool = False
     """Resume even if the checkpoint was trained on different data, taking the new data's order as it is
     (samples may repeat or be skipped). Not needed to change a blend's weights or sources, or train_iters (that
@@ -236,7 +236,7 @@ class TrainConfig:
 
     @property
     def pipeline_split(self) -> PipelineSplit:
-        """Which blocks each pipeline rank's chunks hold (:class:`~tokenloom.train.pipeline_split.PipelineSplit`)."""
+        """Which blocks each pipeline rank's chunks hold (:class:`~tokenloom.train.model.pipeline_split.PipelineSplit`)."""
         return PipelineSplit(self.model.n_layers, self.pp, self.vpp or 1, self.num_layers_in_first_pipeline_stage,
                              self.num_layers_in_last_pipeline_stage, self.account_for_embedding_in_pipeline_split,
                              self.account_for_loss_in_pipeline_split)

@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train import checkpoint
-from tokenloom.train.ckpt_format import model_tensors
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint.format import model_tensors
 from tokenloom.train.config import config_from_dict
 from tokenloom.train.data import open_tokenizer
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
 
 
 @dataclass(kw_only=True)
@@ -56,7 +57,7 @@ class GenerateConfig:
 def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
     """The model of the checkpoint directory ``path`` in eval mode, and its ``state.json``. A
     checkpoint of any layout, its pieces gathered back into the one-process model
-    (:func:`tokenloom.train.ckpt_format.model_tensors`)."""
+    (:func:`tokenloom.train.checkpoint.format.model_tensors`)."""
     path = Path(path)
     state = checkpoint.read_state(path)
     # built on ``device``: the model chooses its kernels for the device it is built on

@@ -61,7 +61,7 @@ from pathlib import Path
 
 from tokenloom.blending.args import load_blend_file, parse_data_args
 from tokenloom.errors import Stopped, TokenloomError
-from tokenloom.train import checkpoint
+from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.data import open_tokenizer
 
@@ -172,7 +172,7 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     if not isinstance(cfg, TrainConfig):
         cfg = load_config(cfg)
     if cfg.init_from_hf is not None:  # before the checks: the folder's model shape and tokenizer
-        from tokenloom.train.hf import resolve_config  # lazy: start-up time (torch, the model)
+        from tokenloom.train.checkpoint.hf import resolve_config  # lazy: start-up time (torch, the model)
 
         cfg = resolve_config(cfg)
     if nproc_per_node is None:
@@ -577,7 +577,7 @@ def megatron_swiglu_width(cfg: TrainConfig, swiglu_flag: bool) -> TrainConfig:
     """``cfg`` with Megatron's default SwiGLU width when its ``--swiglu`` flag was given without a
     width (no ``--ffn-hidden-size``, no ``model.ffn_hidden_size``): ``int(4 * h * 2 / 3 / 64) * 64``,
     rounded down as Megatron rounds. ``model.mlp=swiglu`` alone keeps tokenloom's own default
-    (:attr:`~tokenloom.train.model.GPTConfig.ffn_size`, rounded up, the Llama preset's), so a
+    (:attr:`~tokenloom.train.model.config.GPTConfig.ffn_size`, rounded up, the Llama preset's), so a
     config written for tokenloom builds the model it always built."""
     if not swiglu_flag or cfg.model.ffn_hidden_size is not None:
         return cfg

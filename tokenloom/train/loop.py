@@ -3,7 +3,7 @@
 
 One iteration::
 
-    lr = lr_at(it)                          pure function of the iteration (optim.py)
+    lr = lr_at(it)                          pure function of the iteration (optim/schedule.py)
     strategy.train_step(micro-batches)      forward/backward by the layout's schedule,
                                             gradients finalised (DDP buckets, tied
                                             embeddings, dp reduction), global norm,
@@ -77,7 +77,8 @@ from tqdm import tqdm
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
-from tokenloom.train import checkpoint, hf
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint import hf
 from tokenloom.train.config import (
     TrainConfig,
     check_resumable_model,
@@ -87,7 +88,7 @@ from tokenloom.train.config import (
 )
 from tokenloom.train.data import TrainData, open_tokenizer
 from tokenloom.train.metrics import MetricsLogger, StepTimer, memory_fields, mfu, peak_flops, plot_loss
-from tokenloom.train.optim import lr_at, set_lr
+from tokenloom.train.optim.schedule import lr_at, set_lr
 from tokenloom.train.runtime import (
     ManualGC,
     World,
@@ -114,7 +115,7 @@ def due(cfg: TrainConfig, iteration: int, done: bool, has_valid: bool) -> tuple[
 def run(cfg: TrainConfig) -> dict:
     """Train as configured; returns ``{"iteration", "train_loss", "val_loss", "checkpoint", "exited",
     "tokens_per_s", "first_step_s", "saves"}`` (``saves``: per checkpoint written, its ``iter``,
-    ``save_stall_s`` and ``save_write_s``, :class:`~tokenloom.train.async_save.SaveReport`)."""
+    ``save_stall_s`` and ``save_write_s``, :class:`~tokenloom.train.checkpoint.async_save.SaveReport`)."""
     r = start_run(cfg)
     summary = r.train()
     if r.world.owns_group:

@@ -24,7 +24,7 @@ iterations, and a killed run may lack the last one. On resume the file is cut ba
 checkpoint's iteration (by each record's ``iter``), so it never holds two records of one kind
 for one step and the loss curve of a resumed run looks like that of an uninterrupted one.
 
-MFU uses :func:`tokenloom.train.flops.flops_per_token` against the device's dense
+MFU uses :func:`tokenloom.train.model.flops.flops_per_token` against the device's dense
 bf16 peak from :data:`PEAK_BF16_FLOPS` (matched on the CUDA device name), times the
 number of devices; CPUs have no entry (MFU is null) unless ``peak_flops`` is given. An
 fp32 GPU run is still measured against the bf16 peak (the convention of nanoGPT and

@@ -26,7 +26,7 @@ from tokenloom.errors import TokenloomError
 from tokenloom.indexed import manifest
 from tokenloom.indexed.format import data_path, index_path, read_header
 from tokenloom.indexed.manifest import ids_key
-from tokenloom.train import checkpoint
+from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import (
     TrainConfig,
     check_resumable_model,

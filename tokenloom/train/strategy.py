@@ -17,8 +17,8 @@ gradient finalisation   bucketed DDP (ZeRO-1: bucketed       the same over dp, o
 norm groups (clipping)  none                                 the model-parallel group
 optimizer               fused AdamW, or ZeRO-1 (its inner    the same two
                         AdamW fused where torch has one)
-checkpoint I/O          :mod:`~tokenloom.train.reshard`      the same: every rank writes its pieces
-                        into :mod:`~tokenloom.train.ckpt_    (:mod:`~tokenloom.train.ckpt_format`),
+checkpoint I/O          :mod:`~tokenloom.train.checkpoint.reshard`      the same: every rank writes its pieces
+                        into :mod:`~tokenloom.train.ckpt_    (:mod:`~tokenloom.train.checkpoint.format`),
                         format` (one process: one file)      loadable in any layout
 ======================  ===================================  =======================================
 
@@ -29,10 +29,10 @@ sequence-parallel and tied-embedding sums and the clipping norm run on the local
 
 At ``ep`` > 1 the experts' grads stay out of DDP's buckets and are summed over the expert-data-parallel
 group after them (:meth:`Strategy._reduce_expert_grads`); with ZeRO-1 they sit in buckets of their own,
-reduce-scattered and sharded over that group (:class:`~tokenloom.train.parallel.zero.ZeroAdamW`'s ``is_expert``).
+reduce-scattered and sharded over that group (:class:`~tokenloom.train.optim.zero.ZeroAdamW`'s ``is_expert``).
 
 The checkpoint writer hands its files to :attr:`Strategy.saver`
-(:mod:`~tokenloom.train.async_save`), which writes them in the background unless ``async_save`` is off.
+(:mod:`~tokenloom.train.checkpoint.async_save`), which writes them in the background unless ``async_save`` is off.
 
 Invariants:
 
@@ -66,16 +66,25 @@ from torch import nn
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
-from tokenloom.train import fp8, moe, reshard
-from tokenloom.train.async_save import CheckpointSaver
+from tokenloom.train.checkpoint import reshard
+from tokenloom.train.checkpoint.async_save import CheckpointSaver
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
-from tokenloom.train.flops import flops_per_token
 from tokenloom.train.kernels import choose_compile
-from tokenloom.train.model import GPT, masked_mean
-from tokenloom.train.optim import build_optimizer, clip_coefficient, global_grad_norm, param_groups, use_fused
+from tokenloom.train.model import fp8, moe
+from tokenloom.train.model.flops import flops_per_token
+from tokenloom.train.model.gpt import GPT, masked_mean
+from tokenloom.train.model.pipeline_split import pipeline_stage
+from tokenloom.train.optim.adamw import (
+    build_optimizer,
+    clip_coefficient,
+    global_grad_norm,
+    param_groups,
+    use_fused,
+)
+from tokenloom.train.optim.zero import ZeroAdamW
 from tokenloom.train.parallel import fsdp
 from tokenloom.train.parallel.context import loss_scale, take_local
+from tokenloom.train.parallel.ddp import DEFAULT_BUCKET_CAP_MB, DistributedDataParallel
 from tokenloom.train.parallel.layers import TensorParallel, is_sequence_parallel, sync_sequence_parallel_grads
 from tokenloom.train.parallel.mappings import all_reduce_in_place
 from tokenloom.train.parallel.p2p import P2PComm
@@ -90,8 +99,6 @@ from tokenloom.train.parallel.schedules import (
     pipeline_bubble_fraction,
 )
 from tokenloom.train.parallel.state import ParallelState
-from tokenloom.train.parallel.zero import ZeroAdamW
-from tokenloom.train.pipeline_split import pipeline_stage
 from tokenloom.train.runtime import World, autocast_for, collective, compute_dtype
 from tokenloom.train.source_loss import SourceLosses
 
@@ -122,7 +129,7 @@ def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
 
 def is_expert(param: nn.Parameter) -> bool:
     """Whether ``param`` is one rank's share of an expert-parallel layer's experts (tag
-    ``expert_parallel``, :meth:`~tokenloom.train.model.MoE.expert_parallel`)."""
+    ``expert_parallel``, :meth:`~tokenloom.train.model.blocks.MoE.expert_parallel`)."""
     return bool(getattr(param, "expert_parallel", False))
 
 
@@ -183,7 +190,7 @@ class Strategy:
         self.saver = CheckpointSaver(cfg.ckpt_dir, rank=world.rank, world_size=world.size,
                                      keep_last=cfg.keep_last_checkpoints, asynchronous=cfg.async_save,
                                      pin_memory=self.device.type == "cuda", timeout_s=cfg.dist_timeout_s)
-        """Checkpoint writes (:mod:`tokenloom.train.async_save`): the loop polls it, waits for it at the end."""
+        """Checkpoint writes (:mod:`tokenloom.train.checkpoint.async_save`): the loop polls it, waits for it at the end."""
         self.comm = None
         self.train_time = PipelineStats()  # this rank's schedule time over the train steps since bubble_for_log
         if cfg.pp > 1:
@@ -232,7 +239,7 @@ class Strategy:
         return chunks
 
     def _convert_to_fp8(self) -> None:
-        """``fp8``: the chunks' block linears become torchao's float8 linears (:mod:`tokenloom.train.fp8`),
+        """``fp8``: the chunks' block linears become torchao's float8 linears (:mod:`tokenloom.train.model.fp8`),
         before anything compiles them or holds their modules; refused in one line where it cannot run."""
         recipe = self.cfg.fp8
         assert recipe is not None  # called only for an fp8 run
@@ -546,7 +553,7 @@ class Strategy:
 
     def moe_for_log(self) -> dict:
         """The mixture-of-experts metrics of the train steps since the last call
-        (:func:`~tokenloom.train.moe.log_fields`: tokens per expert, balance, losses), on every rank;
+        (:func:`~tokenloom.train.model.moe.log_fields`: tokens per expert, balance, losses), on every rank;
         empty for a dense model. Collective over the world (one all-reduce of a small table) when the
         model has experts, so the loop asks once per log interval."""
         model = self.cfg.model
@@ -594,7 +601,7 @@ class Strategy:
 
     def load(self, path: Path, saved: dict) -> None:
         """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank: any
-        layout's, in any format, an earlier tokenloom's included (:mod:`tokenloom.train.reshard`)."""
+        layout's, in any format, an earlier tokenloom's included (:mod:`tokenloom.train.checkpoint.reshard`)."""
         self.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
         reshard.load(self, path, saved)
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.kernels import choose_compile, resolve_mode
-from tokenloom.train.model import ARCH_FEATURES, GPT, GPTConfig
-from tokenloom.train.optim import OptimConfig
+from tokenloom.train.model.config import ARCH_FEATURES, GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.optim.adamw import OptimConfig
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
 
 
 def _decay(o: OptimConfig, decay: int) -> str:
-    """The schedule after warmup in words (:func:`tokenloom.train.optim.lr_at`)."""
+    """The schedule after warmup in words (:func:`tokenloom.train.optim.schedule.lr_at`)."""
     if o.decay_style == "constant":
         return "then constant"
     if o.decay_style == "WSD":

@@ -32,7 +32,8 @@ from tokenloom.train.kernels import (  # noqa: E402  (after TRITON_INTERPRET)
     rope_reference,
     swiglu_reference,
 )
-from tokenloom.train.model import GPTConfig, rope_tables  # noqa: E402
+from tokenloom.train.model.blocks import rope_tables
+from tokenloom.train.model.config import GPTConfig  # noqa: E402
 
 
 @dataclass(frozen=True)

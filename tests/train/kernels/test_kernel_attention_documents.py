@@ -81,7 +81,8 @@ def test_compiled_blocks_with_documents_on_cuda_equal_eager():
     """``compile: true`` with document masking (each block compiled, the mask built once per
     forward outside them) equals the eager model, in training and under no_grad (evaluation;
     the mask built inside the compiled blocks made an illegal memory access there)."""
-    from tokenloom.train.model import GPT, GPTConfig
+    from tokenloom.train.model.config import GPTConfig
+    from tokenloom.train.model.gpt import GPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, make_vocab_size_divisible_by=128, seq_len=256, n_layers=2, n_heads=4, d_model=128)
@@ -185,7 +186,8 @@ def test_a_compiled_block_takes_the_block_mask_in_one_graph():
     2.11's CPU inductor cannot lower flex when q, k and v are views of one buffer (seen on
     the H100 machine), 2.13's can."""
     from tokenloom.train.kernels.attention import document_attention_mask
-    from tokenloom.train.model import GPT, GPTConfig
+    from tokenloom.train.model.config import GPTConfig
+    from tokenloom.train.model.gpt import GPT
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

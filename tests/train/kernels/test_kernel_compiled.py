@@ -100,7 +100,8 @@ def test_a_small_model_never_starts_the_compiler():
     code = textwrap.dedent("""
         import torch
         from tokenloom.train.kernels import compiled
-        from tokenloom.train.model import GPT, GPTConfig
+        from tokenloom.train.model.gpt import GPT
+        from tokenloom.train.model.config import GPTConfig
         model = GPT(GPTConfig(arch="llama", vocab_size=96, seq_len=16, n_layers=2, n_heads=2, d_model=32,
                               kernels="compiled"))  # llama: rms_norm, rope, swiglu switch on size
         tokens = torch.randint(0, 96, (2, 16))

@@ -24,7 +24,8 @@ from tokenloom.train.kernels import (
     rope_reference,
     swiglu_reference,
 )
-from tokenloom.train.model import GPTConfig, rope_tables
+from tokenloom.train.model.blocks import rope_tables
+from tokenloom.train.model.config import GPTConfig
 
 
 def _rope(seq, dim, theta=10000.0):

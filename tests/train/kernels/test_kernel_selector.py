@@ -9,7 +9,8 @@ import torch
 
 from tokenloom.train.kernels import OPS, KernelSet, choose_compile, select_kernels, selector
 from tokenloom.train.kernels.compiled import compile_available
-from tokenloom.train.model import GPTConfig, rope_tables
+from tokenloom.train.model.blocks import rope_tables
+from tokenloom.train.model.config import GPTConfig
 
 
 def test_reference_mode_exposes_every_op():

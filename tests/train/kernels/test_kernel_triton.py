@@ -76,7 +76,8 @@ def test_rope_triton_rejects_untrimmed_tables():
     if not triton_available("cpu") and not torch.cuda.is_available():
         pytest.skip("no device for Triton")
     from tokenloom.train.kernels.triton_ops import rope_triton
-    from tokenloom.train.model import GPTConfig, rope_tables
+    from tokenloom.train.model.blocks import rope_tables
+    from tokenloom.train.model.config import GPTConfig
 
     cos, sin = rope_tables(GPTConfig(arch="llama", seq_len=16, d_model=8, n_heads=1))
     with pytest.raises(ValueError, match="slice the tables"):

@@ -21,11 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenloom.train import checkpoint, ckpt_format, loop
+from tokenloom.train import loop
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint import format as ckpt_format
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import DataConfig, MockDataConfig
-from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.optim import OptimConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.optim.adamw import OptimConfig
 from tokenloom.train.runtime import World, seed_everything
 
 STEPS = 20
@@ -336,9 +339,9 @@ def dp_reduction_timeline(rank: int, *, out: str, steps: int = 2, **kw: Any) -> 
 def legacy_save(rank: int, *, out: str, legacy: str, **kw: Any) -> dict[str, str]:
     """Train the tiny config in this layout to its exit (``exit_interval``: its checkpoint in
     today's format), then write the same state in the earlier per-(tp, pp) shard format under
-    ``legacy`` (``tests/train/legacy_ckpt.py``). Returns both checkpoints' directories."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import legacy_ckpt  # lazy: tests/train, its folder, is put on the path just above
+    ``legacy`` (``tests/train/checkpoint/legacy_ckpt.py``). Returns both checkpoints' directories."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoint"))
+    import legacy_ckpt  # lazy: tests/train/checkpoint, its folder, is put on the path just above
 
     trainer = loop.start_run(tiny_cfg(Path(out), **kw))
     summary = trainer.train()

@@ -21,8 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.optim import param_groups
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.model.pipeline_split import PipelineSplit, pipeline_stage
+from tokenloom.train.optim.adamw import param_groups
+from tokenloom.train.optim.zero import ZeroAdamW
 from tokenloom.train.parallel import p2p, schedules
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.schedules import (
@@ -30,10 +33,8 @@ from tokenloom.train.parallel.schedules import (
     forward_backward,
     get_schedule,
 )
-from tokenloom.train.parallel.zero import ZeroAdamW
-from tokenloom.train.pipeline_split import PipelineSplit, pipeline_stage
-from tokenloom.train.wgrad import linear as wgrad_linear
-from tokenloom.train.wgrad import set_wgrad_sink, wgrad_sink
+from tokenloom.train.parallel.wgrad import linear as wgrad_linear
+from tokenloom.train.parallel.wgrad import set_wgrad_sink, wgrad_sink
 
 VOCAB, SEQ, D_MODEL, MB = 64, 16, 32, 2
 LR, WD = 1e-2, 0.1
@@ -85,7 +86,7 @@ def reference_train(
 ) -> dict[str, Any]:
     """One process, torch AdamW: per step micro-batches ``0..num_micro-1``, either
     accumulated (loss / num_micro each) or concatenated into one full batch. ``groups``:
-    optim.py's decay / no-decay groups instead of decay on every parameter."""
+    optim/adamw.py's decay / no-decay groups instead of decay on every parameter."""
     torch.manual_seed(0)
     model = GPT(tiny_cfg(n_layers))
     opt = torch.optim.AdamW(param_groups(model, WD) if groups else model.parameters(), lr=LR, weight_decay=WD)
@@ -317,7 +318,7 @@ def schedule_trace(rank: int, *, runs: list[tuple[str, int, int]]) -> dict:
 
 
 def zero_train(rank: int, *, steps: int, max_grad_norm: float | None, resume_at: int) -> dict:
-    """ZeRO-1 over the whole world (dp = world size) with optim.py's decay / no-decay
+    """ZeRO-1 over the whole world (dp = world size) with optim/adamw.py's decay / no-decay
     groups and 4 KB buckets reduce-scattered during backward: rank d trains on micro-batch
     d of each global batch. Also checkpoints after
     ``resume_at`` steps (the parameters and :meth:`ZeroAdamW.gathered_param_states`, rank
@@ -532,7 +533,9 @@ def zero_overlap_checkpoint(rank: int, *, out: str) -> dict:
     same eval once they are done."""
     import compose_helpers
 
-    from tokenloom.train import checkpoint, ckpt_format, loop
+    from tokenloom.train import loop
+    from tokenloom.train.checkpoint import commit as checkpoint
+    from tokenloom.train.checkpoint import format as ckpt_format
 
     cfg = compose_helpers.tiny_cfg(Path(out), zero1=True, ddp_bucket_cap_mb=0.004, train_iters=3, eval_interval=0)
     trainer = loop.start_run(cfg)
@@ -568,7 +571,7 @@ def zero_accumulation(rank: int, *, steps: int = 3) -> dict:
     ``a`` has grads in both micro-batches, ``b`` only in the ``no_sync`` one (no hook in the
     reducing backward), ``c`` only in the reducing one, ``d`` in step 0 only (its view must not
     keep step 0's grad; the flat buffer gives it zeros, as Megatron's does). ``fused``: the
-    layers run as :func:`tokenloom.train.wgrad.linear`, so with overlap the weight grads are
+    layers run as :func:`tokenloom.train.parallel.wgrad.linear`, so with overlap the weight grads are
     written by their GEMMs (fresh, accumulated, averaged or not) and must step the same."""
     torch.manual_seed(0)
     base = nn.ModuleDict({k: nn.Linear(8, 8) for k in "abcd"})

@@ -54,7 +54,7 @@ LAYOUTS = {
     "dp1_tp1_pp2_last1": (2, dict(pp=2, num_layers_in_last_pipeline_stage=1)),
     "dp2_tp1_pp2_first1_zero1": (4, dict(pp=2, num_layers_in_first_pipeline_stage=1, zero1=True,
                                          ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
-    # weight decay per group, as optim.py's; ~10 buckets of 20 KB reduce-scattered during backward
+    # weight decay per group, as optim/adamw.py's; ~10 buckets of 20 KB reduce-scattered during backward
     # and all-gathered during the next forward (overlap_grad_reduce's and overlap_param_gather's
     # default); its checkpoint at HALF is resumed in other layouts
     "dp2_tp1_pp1_zero1": (2, dict(zero1=True, save_interval=HALF, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),

@@ -7,10 +7,11 @@ import torch
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.config import TrainConfig
-from tokenloom.train.flops import flops_per_token
-from tokenloom.train.model import GPT, GPTConfig
-from tokenloom.train.optim import param_groups
-from tokenloom.train.pipeline_split import PipelineSplit, pipeline_stage
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.flops import flops_per_token
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.model.pipeline_split import PipelineSplit, pipeline_stage
+from tokenloom.train.optim.adamw import param_groups
 from tokenloom.train.strategy import counts_in_grad_norm
 
 

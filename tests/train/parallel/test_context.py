@@ -23,7 +23,7 @@ from compose_helpers import (
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.kernels.attention import document_mask
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model.config import GPTConfig
 from tokenloom.train.parallel.context import (
     CausalChunks,
     additive_mask,

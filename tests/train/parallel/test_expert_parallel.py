@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from compose_helpers import STEPS, launch, launches_timeout, logged_losses, merged_params, reference
 
-from tokenloom.train import ckpt_format
+from tokenloom.train.checkpoint import format as ckpt_format
 
 TOL = 1e-5
 HALF = STEPS // 2

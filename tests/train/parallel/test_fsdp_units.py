@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
 from tokenloom.train.parallel import fsdp
 
 CFG = GPTConfig(vocab_size=50, make_vocab_size_divisible_by=64, seq_len=8, n_layers=2, n_heads=4, d_model=16)

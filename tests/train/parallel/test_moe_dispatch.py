@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from tp_helpers import run_ranks
 
-from tokenloom.train.model import GPTConfig, MoE
+from tokenloom.train.model.blocks import MoE
+from tokenloom.train.model.config import GPTConfig
 from tokenloom.train.parallel.layers import TensorParallel
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,8 @@ import torch
 from pp_helpers import D_MODEL, MB, SEQ, gpt_step, launch, microbatch, reference_train, tiny_cfg
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.model.pipeline_split import PipelineSplit, pipeline_stage
 from tokenloom.train.parallel.p2p import P2PComm
 from tokenloom.train.parallel.schedules import (
     backward_from,
@@ -22,7 +23,6 @@ from tokenloom.train.parallel.schedules import (
     release_output,
     theoretical_bubble_fraction,
 )
-from tokenloom.train.pipeline_split import PipelineSplit, pipeline_stage
 
 TOL = 1e-5
 STEPS = 3

@@ -19,7 +19,8 @@ from torch import nn
 from tp_helpers import assert_close, det_randn, run_ranks
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.model import GPT, GPTConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.model.gpt import GPT
 from tokenloom.train.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

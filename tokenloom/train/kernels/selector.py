@@ -95,7 +95,7 @@ class KernelSet:
     def __reduce__(self):
         """Pickled (and deep-copied) as its recipe, ``select_kernels(mode, device_type)``: the
         compiled wrappers are closures that do not pickle, and a model holding its set (built
-        once, :mod:`tokenloom.train.model`) must pickle in every mode."""
+        once, :mod:`tokenloom.train.model.gpt`) must pickle in every mode."""
         return select_kernels, (self.mode, self.device_type)
 
 

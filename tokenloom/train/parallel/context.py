@@ -162,7 +162,7 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def loss_scale(loss_mask: torch.Tensor | None, local_mask: torch.Tensor | None, cp: int, seq: int) -> torch.Tensor | float:
     """The factor that turns the model's mean loss over this rank's tokens (``local_mask``'s
-    nonzero ones, the mean's count clamped at 1 as :func:`~tokenloom.train.model.masked_mean`
+    nonzero ones, the mean's count clamped at 1 as :func:`~tokenloom.train.model.gpt.masked_mean`
     does) into ``cp * local loss sum / sample token count`` (module docstring): the sum of the
     micro-batch's mask over all of its ``seq`` tokens is known to every cp rank."""
     if loss_mask is None or local_mask is None:

@@ -10,7 +10,7 @@ gradients reduce-scattered (averaged over dp) as its backward ends. Every micro-
 reduce-scatters into the sharded gradient (no ``no_sync``): accumulating full gradients would
 hold what FSDP exists to shard.
 
-Why FSDP2 and not our own buckets (ZeRO-1's flat ranges of :mod:`~tokenloom.train.parallel.zero`
+Why FSDP2 and not our own buckets (ZeRO-1's flat ranges of :mod:`~tokenloom.train.optim.zero`
 plus freeing and per-block gathers): FSDP2's per-parameter sharding shards the *local* tensor a
 rank holds, so it composes with our tensor-parallel layers (their weights are plain tp-local
 tensors and their collectives are our own: FSDP2 never sees tp) and with our pipeline schedules
@@ -19,7 +19,7 @@ It brings the gather/free/prefetch/reduce-scatter machinery, its streams on CUDA
 ``torch.compile`` support, which a second hand-written ZeRO-3 would have to re-derive and
 maintain; the sharded ``DTensor`` parameters work with torch's fused AdamW as they are. What we
 keep our own: the clipping norm and the tp/pp gradient sums run on the local shards (:func:`local`),
-and checkpoints stay in :mod:`~tokenloom.train.ckpt_format`: a dim-0 shard of a contiguous
+and checkpoints stay in :mod:`~tokenloom.train.checkpoint.format`: a dim-0 shard of a contiguous
 tensor is one contiguous element range of it, so each rank writes its own pieces
 (:func:`own_piece`) and any layout loads them, and loading cuts this rank's rows (:func:`cut`).
 
@@ -34,7 +34,7 @@ pre-hook therefore frees them as soon as the backward is back through the norm
 whose backward reads their weights; the embeddings' backward reads the token ids only. The
 trade-off: a module of the chunk's own whose backward reads its weight and runs after the
 final norm's would find them freed (and fail loudly), so the hook rests on that layout of
-:class:`~tokenloom.train.model.GPT`. Their gradients are still reduce-scattered at the end of
+:class:`~tokenloom.train.model.gpt.GPT`. Their gradients are still reduce-scattered at the end of
 the backward. Without a pipeline each forward gathers them once, as before; under a pipeline
 schedule a micro-batch whose forward ran before the previous micro-batch's backward freed
 them gathers them once more at the start of its own backward (more traffic for the chunks

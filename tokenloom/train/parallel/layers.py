@@ -15,7 +15,7 @@ Follow Megatron-core's ``tensor_parallel/layers.py`` (training-stack.md section 
   to ``[s, b, h]`` and reduce-scatter, Megatron's ``reduce_scatter_embeddings``).
 
 Both linears hand their weight gradient to the weight's sink when it has one
-(:mod:`tokenloom.train.wgrad`, our ``gradient_accumulation_fusion``: the GEMM writes into the
+(:mod:`tokenloom.train.parallel.wgrad`, our ``gradient_accumulation_fusion``: the GEMM writes into the
 DDP / ZeRO-1 buffer rather than ``main_grad``), unless ``wgrad_fusion`` is off.
 
 Invariants:
@@ -30,7 +30,7 @@ Invariants:
   ``[gate, up]``), each split evenly so every rank gets a slice of each; Megatron's ``stride``
   covers equal blocks only. Blocks must split on head boundaries (the caller's job).
 * Initialisation equals the one-process layer's: on ``device="meta"`` a layer has shapes only
-  and the GPT fills its shards (:meth:`tokenloom.train.model.GPT.init_weights`); otherwise
+  and the GPT fills its shards (:meth:`tokenloom.train.model.gpt.GPT.init_weights`); otherwise
   every rank draws the full fp32 weight with ``init_method`` and keeps its shard (Megatron's
   ``_initialize_affine_weight_cpu``), at a full-size temporary per layer. Megatron's GPU path
   draws each shard under the model-parallel RNG and does not equal the one-process model.
@@ -63,8 +63,8 @@ from tokenloom.train.parallel.mappings import (
     scatter_to_region,
 )
 from tokenloom.train.parallel.random import get_rng_tracker
-from tokenloom.train.wgrad import Linear, fusion_sink
-from tokenloom.train.wgrad import linear as wgrad_linear
+from tokenloom.train.parallel.wgrad import Linear, fusion_sink
+from tokenloom.train.parallel.wgrad import linear as wgrad_linear
 
 InitMethod = Callable[[torch.Tensor], object]
 """Fills a full fp32 master weight in place."""
@@ -73,7 +73,7 @@ InitMethod = Callable[[torch.Tensor], object]
 def normal_init(std: float = 0.02, generator: torch.Generator | None = None) -> InitMethod:
     """normal(0, std) with ``generator`` (the global RNG when None), Megatron's default init.
 
-    Pass the generator the one-process model uses (e.g. :class:`~tokenloom.train.model.GPT`'s
+    Pass the generator the one-process model uses (e.g. :class:`~tokenloom.train.model.gpt.GPT`'s
     seeded private generator, drawn in the same module order) to get identical weights.
     """
 
@@ -178,7 +178,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
         if need_w:
             total = all_gather_first_dim(x, ctx.group)
             total = total.reshape(-1, total.shape[-1])
-            if ctx.sink is None or not ctx.sink(grad_2d, total):  # the sink: tokenloom.train.wgrad
+            if ctx.sink is None or not ctx.sink(grad_2d, total):  # the sink: tokenloom.train.parallel.wgrad
                 grad_w = grad_2d.T @ total
         grad_b = grad_2d.sum(0) if ctx.has_bias and need_b else None
         return grad_x, grad_w, grad_b, None, None
@@ -188,7 +188,7 @@ class ColumnParallelLinear(nn.Module):
     """Linear with the output features split over the tp group. See the module docstring."""
 
     wgrad_fusion: bool = True
-    """Hand the weight gradient to the weight's sink (:mod:`tokenloom.train.wgrad`): only for a
+    """Hand the weight gradient to the weight's sink (:mod:`tokenloom.train.parallel.wgrad`): only for a
     weight used once per backward (the model turns it off on its LM head, which may be tied)."""
 
     def __init__(
@@ -455,11 +455,11 @@ class TensorParallel:
     """The tensor-parallel context a model is built with: its layers and its dropout stream.
 
     With one rank (``group`` None or of size 1) the factories return ``nn.Linear`` (as
-    :class:`tokenloom.train.wgrad.Linear`, whose weight gradient may go straight into a
+    :class:`tokenloom.train.parallel.wgrad.Linear`, whose weight gradient may go straight into a
     gradient buffer) / ``nn.Embedding`` (same parameters, names and numerics as a model
     that never heard of tensor parallelism); with more, Megatron's column/row/vocab-parallel
     layers above. Layers are made on ``meta`` (shapes only): the model materialises and
-    initialises its shards itself (:meth:`tokenloom.train.model.GPT.init_weights`), so no
+    initialises its shards itself (:meth:`tokenloom.train.model.gpt.GPT.init_weights`), so no
     rank ever holds a full weight it does not own.
     """
 

@@ -17,11 +17,11 @@ through this rank's stage module(s) and leaves the accumulated gradients in ``.g
 Contract: the loss is computed on the last (virtual) stage only, divided by ``M`` before
 backward (Megatron's non per-token mode); that rank gets the unscaled per-micro-batch losses,
 the others an empty list. Stage modules are whatever ``forward_step`` runs (the trainer's
-:func:`tokenloom.train.pipeline_split.pipeline_stage` chunks).
+:func:`tokenloom.train.model.pipeline_split.pipeline_stage` chunks).
 
 Data-parallel reduction is gated here, not done: each chunk's forwards and backwards run
 inside its ``no_sync`` (Megatron's ``no_sync_func``) except the chunk's last micro-batch, so a
-bucketed DDP per chunk (:class:`tokenloom.train.ddp.DistributedDataParallel`) launches its
+bucketed DDP per chunk (:class:`tokenloom.train.parallel.ddp.DistributedDataParallel`) launches its
 buckets during that last backward. After the schedule call
 :func:`allreduce_tied_embedding_grads`, then the optimizer step; Megatron's
 ``finalize_model_grads`` takes the same order (both are sums).
@@ -456,7 +456,7 @@ def allreduce_tied_embedding_grads(
     """Sum the grads of ``shared_embedding`` parameters over the embedding group (first
     and last pipeline stage), Megatron's ``_allreduce_word_embedding_grads``; call it
     after the schedule, before the optimizer step (and before the DP reduction when the
-    optimizer does it, as :class:`~tokenloom.train.parallel.zero.ZeroAdamW`). A no-op when
+    optimizer does it, as :class:`~tokenloom.train.optim.zero.ZeroAdamW`). A no-op when
     ``embedding_group`` is None (pp = 1: the weight is one tensor already)."""
     if embedding_group is None:
         return

@@ -1,0 +1,278 @@
+"""Checkpoints of a :class:`~tokenloom.train.strategy.Strategy` of any layout: the adapter between a
+run and the on-disk format of :mod:`tokenloom.train.checkpoint.format`.
+
+Saving (:func:`save`, :func:`files`): every rank lists the parameters it holds under their
+one-process names (:class:`~tokenloom.train.checkpoint.format.LocalParam`: the local tp shard, its
+partition dim and fused split sizes, its optimizer states; with ZeRO-1 the rank's own pieces of
+them from :meth:`~tokenloom.train.optim.zero.ZeroAdamW.own_param_states`, no gather) and
+writes its piece file (:func:`~tokenloom.train.checkpoint.format.rank_file`: the replicated state
+spread over the dp replicas, its own ZeRO-1 shard) and its RNG states ``rng_rank{r}.pt`` (with
+the tensor-parallel dropout stream at tp > 1). A one-process run writes the same format.
+``state.json`` gets the layout.
+
+Loading (:func:`load`): every rank reads the full tensors of the parameters it holds, by
+one-process name, from the checkpoint's format (this one, the earlier per-(tp, pp) shard files,
+or the one-process ``model.pt`` + ``optimizer.pt``, whose optimizer order is rebuilt from a
+``meta`` copy of the model), and cuts out the shard its own ``(tp, pp, vpp)`` layout and stage
+hold (:func:`load_params`). AdamW moments are elementwise, so they are resharded exactly like
+their parameters; a ZeRO-1 rank then cuts its dp shard out of them
+(:meth:`~tokenloom.train.optim.zero.ZeroAdamW.load_param_states`). The data position is the
+consumed-samples count, valid at any dp size.
+
+Trade-offs: a rank reads the full tensors of the parameters it holds (host memory of those,
+not of the model), where Megatron reads only its slices. RNG states are restored only when the
+layout is unchanged (dropout streams have no meaning across layouts). Per-rank
+``zero_rank{r}.pt`` optimizer files of an earlier tokenloom are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.checkpoint import commit as checkpoint
+from tokenloom.train.checkpoint import format as ckpt_format
+from tokenloom.train.model.gpt import GPT
+from tokenloom.train.optim.adamw import param_groups
+from tokenloom.train.parallel import fsdp
+
+if TYPE_CHECKING:
+    from tokenloom.train.checkpoint.async_save import CheckpointSaver
+
+
+def _layout(run) -> dict[str, Any]:
+    c = run.cfg
+    layout = {"tp": c.tp, "pp": c.pp, "vpp": c.vpp, "dp": run.state.dp_size, "zero1": c.zero1}
+    if c.cp > 1:  # the keys only where they are on: earlier layouts compare equal
+        layout["cp"] = c.cp
+    if c.fsdp:
+        layout["fsdp"] = True
+    if c.ep > 1:
+        layout["ep"] = c.ep
+    return layout
+
+
+def _named_params(run) -> dict[str, torch.nn.Parameter]:
+    out = {}
+    for stage in run.chunks:
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            out[name] = p
+    return out
+
+
+def split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[int] | None]:
+    """How the tp ranks' local copies of parameter ``name`` make the full tensor: (partition dim,
+    fused split sizes); (None, None) when it is replicated over tp."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None, None
+    for stage in run.chunks:
+        try:
+            module = stage.get_submodule(name.rsplit(".", 1)[0])
+        except AttributeError:
+            continue
+        return p.partition_dim, getattr(module, "split_sizes", None)  # type: ignore[attr-defined]  # Megatron's tag on the Parameter
+    raise TokenloomError(f"no module owns {name}")
+
+
+def expert_rows(run, name: str, p: torch.nn.Parameter) -> int | None:
+    """The first of the layer's experts that parameter ``name`` holds when it is an expert-parallel
+    rank's share of them (its leading dimension counts the experts); None for any other parameter."""
+    if not getattr(p, "expert_parallel", False):
+        return None
+    module_name = name.rsplit(".", 1)[0]
+    for stage in run.chunks:
+        try:
+            return stage.get_submodule(module_name).first
+        except AttributeError:
+            continue
+    raise TokenloomError(f"no module owns {name}")
+
+
+def _gather_experts(run, t: torch.Tensor) -> torch.Tensor:
+    """The whole layer's experts from every ep rank's share ``t`` (collective over the ep group)."""
+    parts = [torch.empty_like(t) for _ in range(run.cfg.ep)]
+    dist.all_gather(parts, t.contiguous(), group=run.state.ep_group)
+    return torch.cat(parts)
+
+
+def _each_once(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter, list[str]]]:
+    """Each parameter once, under its first name, with its other names (tied weights) as aliases."""
+    by_id: dict[int, tuple[str, torch.nn.Parameter, list[str]]] = {}
+    for name, p in named:
+        if id(p) in by_id:
+            by_id[id(p)][2].append(name)
+        else:
+            by_id[id(p)] = (name, p, [])
+    return list(by_id.values())
+
+
+def save(run, iteration: int, run_state: dict, saver: CheckpointSaver) -> Path:
+    """Collective: save ``iteration``'s checkpoint of ``run`` (a
+    :class:`~tokenloom.train.strategy.Strategy`) through ``saver`` (synchronously or in the
+    background); ``run_state`` (consumed samples, data fingerprint, config...) goes into
+    ``state.json`` with the layout. Returns its directory. Written, committed and failing as
+    :func:`tokenloom.train.checkpoint.commit.save_files` says."""
+    return saver.save(iteration, lambda: files(run), {**run_state, "layout": _layout(run)}, fresh_copies=True)
+
+
+def placement(run) -> ckpt_format.Placement:
+    """Where this rank of ``run`` sits, for the format: the context-parallel ranks of a dp rank
+    hold the same state and count as data-parallel ranks here (dp x cp share each model
+    shard's files, as they share its gradient reduction and ZeRO-1's shards)."""
+    st = run.state
+    return ckpt_format.Placement(tp_rank=st.tp_rank, tp_size=st.tp_size, pp_rank=st.pp_rank,
+                                 dp_rank=st.dp_cp_rank, dp_size=st.dp_cp_size)
+
+
+def local_params(run) -> list[ckpt_format.LocalParam]:
+    """The parameters this rank holds, each once (tied names as aliases), with their split
+    info and optimizer states: plain AdamW's whole (replicated over dp), ZeRO-1's step
+    (replicated) and this rank's own pieces. Views of the live tensors, but for expert-parallel
+    experts: gathered whole over the ep group (collective), so the files hold every expert under its
+    one-process name and any ep loads them; ZeRO-1's pieces of them are not gathered, their
+    element ranges moved to where this rank's experts sit in the whole tensor."""
+    zero, sharded = run.cfg.zero1, run.fsdp_group is not None
+    own = run.optimizer.own_param_states() if zero else []
+    zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
+    out = []
+    for name, p, aliases in _each_once(_named_params(run).items()):
+        dim, sizes = split_info(run, name, p)
+        state: dict[str, torch.Tensor] = {}
+        pieces: dict[str, tuple[int, torch.Tensor]] = {}
+        if zero:
+            if id(p) in zero_index:  # ZeRO-1 holds the trainable parameters only
+                step, pieces = own[zero_index[id(p)]]
+                if step is not None:
+                    state["step"] = step
+        elif sharded:  # fsdp: this rank's rows of the parameter and of its moments; the step is replicated
+            pieces = {ckpt_format.PARAM: fsdp.own_piece(p, p.detach())}
+            for k, v in run.optimizer.state.get(p, {}).items():
+                if v.dim() == 0:
+                    state[k] = v.detach()
+                else:
+                    pieces[k] = fsdp.own_piece(p, v.detach())
+            out.append(ckpt_format.LocalParam(name, torch.empty(p.shape, device="meta"), dim, sizes, tuple(aliases),
+                                              state, pieces))
+            continue
+        else:
+            state = {k: v.detach() for k, v in run.optimizer.state.get(p, {}).items()}
+        first = expert_rows(run, name, p)
+        if first is not None:
+            state = {k: v if v.dim() == 0 else _gather_experts(run, v) for k, v in state.items()}
+            # ZeRO-1's pieces of this rank's experts: the same elements of the whole layer's tensor,
+            # whose leading dimension counts the experts (no gather)
+            shift = first * (p.numel() // p.shape[0] if p.dim() else 0)
+            pieces = {k: (start + shift, piece) for k, (start, piece) in pieces.items()}
+            out.append(ckpt_format.LocalParam(name, _gather_experts(run, p.detach()), dim, sizes, tuple(aliases),
+                                              state, pieces))
+            continue
+        out.append(ckpt_format.LocalParam(name, p.detach(), dim, sizes, tuple(aliases), state, pieces))
+    return out
+
+
+def files(run) -> dict[str, Any]:
+    """This rank's files (name -> what ``torch.save`` writes): its RNG states and its piece file
+    (:func:`~tokenloom.train.checkpoint.format.rank_file`, whose tensors are live views, to be copied
+    before they are written: :class:`~tokenloom.train.checkpoint.async_save.HostStaging`). No collective."""
+    st = run.state
+    rng = checkpoint.capture_rng()
+    if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
+        rng["tp_tracker"] = run.rng_tracker.get_states()
+    where = placement(run)
+    return {f"rng_rank{st.rank}.pt": rng,
+            ckpt_format.piece_file(where.tp_rank, where.pp_rank, where.dp_rank): ckpt_format.rank_file(
+                local_params(run), where)}
+
+
+def optimizer_order(model_cfg) -> list[list[str]]:
+    """The one-process names of each position of the one-process optimizer's parameters
+    (:func:`~tokenloom.train.optim.adamw.param_groups` order), from a ``meta`` copy of the model."""
+    model = GPT(model_cfg, device="meta")
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [names[id(p)] for g in param_groups(model, 0.0) for p in g["params"]]
+
+
+@torch.no_grad()
+def load(run, path: Path, state: dict) -> None:
+    """Load the checkpoint at ``path`` (``state``: its ``state.json``) of any layout and format
+    into ``run``, a :class:`~tokenloom.train.strategy.Strategy` of any layout."""
+    st = run.state
+    saved = state.get("layout")
+    if saved is not None and (path / "zero_rank0.pt").exists():
+        raise TokenloomError(f"{path} holds ZeRO-1 optimizer state in the per-rank zero_rank*.pt files of an earlier "
+                             "tokenloom, which this version does not read; resume it with the version that wrote it")
+    # the RNG streams continue only where this rank's saved streams are its own: the same
+    # layout, or (a one-process-format checkpoint, which records none) an unsharded one
+    same = saved == _layout(run) if saved is not None else not (run.staged or run.cfg.zero1 or run.cfg.fsdp)
+    named = _named_params(run)
+    params, optim = ckpt_format.read_any(path, state, set(named), order=lambda: optimizer_order(run.cfg.model),
+                                         split=lambda name: split_info(run, name, named[name]),
+                                         tp_rank=st.tp_rank, tp_size=st.tp_size)
+    load_params(run, params, optim, str(path), sharded=True)
+    rng = path / f"rng_rank{st.rank}.pt"
+    if same and rng.exists():
+        rng_state = torch.load(rng, weights_only=True)
+        checkpoint.restore_rng(rng_state)
+        if run.rng_tracker is not None and "tp_tracker" in rng_state:
+            run.rng_tracker.set_states(rng_state["tp_tracker"])
+
+
+@torch.no_grad()
+def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dict[str, torch.Tensor]],
+                where: str, *, sharded: bool = False) -> None:
+    """Set ``run``'s parameters (any layout) from one-process tensors ``params`` by name: full
+    ones, each rank cutting out the shard it holds, or, ``sharded``, already this rank's tp
+    shards (:func:`~tokenloom.train.checkpoint.format.read` at its tp rank and size); ``optim``: AdamW
+    states by the same names, alike (the parameters without one, or all when it is empty, start
+    with fresh moments). ``where`` names the source in errors. The parameter part of
+    :func:`load`, also used to start from a Hugging Face model (:mod:`tokenloom.train.checkpoint.hf`)."""
+    cfg, st = run.cfg, run.state
+    zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if cfg.zero1 else {}
+    zero_states: list[dict[str, torch.Tensor] | None] = [None] * len(zero_index)
+    tp_rank, tp = st.tp_rank, st.tp_size
+    done = set()
+    for name, p in _named_params(run).items():
+        if id(p) in done:
+            continue
+        done.add(id(p))
+        if name not in params:
+            raise TokenloomError(f"{where} has no tensor {name}; was it trained with another model?")
+        dim, sizes = split_info(run, name, p)
+        first, rows = expert_rows(run, name, p), p.shape[0] if p.dim() else 0
+
+        def local(full: torch.Tensor, dim=dim, sizes=sizes, first=first, rows=rows) -> torch.Tensor:
+            if first is not None and full.dim() > 0:  # this ep rank's experts
+                return full[first:first + rows]
+            return full if sharded else ckpt_format.tp_part(full, dim, sizes, tp_rank, tp)
+
+        value, held = fsdp.cut(p, local(params[name])), fsdp.local(p)
+        if value.shape != held.shape:
+            raise TokenloomError(f"{where} holds {name} of shape {list(value.shape)} where this rank's model has "
+                                 f"{list(held.shape)}; was it trained with another model?")
+        held.copy_(value)
+        if name not in optim:
+            continue
+        if cfg.zero1:
+            if id(p) in zero_index:  # a trainable parameter (the only ones ZeRO-1 holds)
+                zero_states[zero_index[id(p)]] = {k: local(v) for k, v in optim[name].items()}
+        else:  # the parameter is the plain AdamW's master copy: a ZeRO-1 master_param is not kept
+            run.optimizer.state[p] = {k: fsdp.like(p, local(v)) for k, v in optim[name].items()
+                                      if k != "master_param"}
+    if cfg.zero1:
+        run.optimizer.load_param_states(zero_states)
+
+
+def module_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[ckpt_format.LocalParam]:
+    """:func:`local_params` of a plain, unsharded module and its torch optimizer (one process,
+    no :class:`~tokenloom.train.strategy.Strategy`), for
+    :func:`~tokenloom.train.checkpoint.format.rank_file` at ``Placement(0, 1, 0, 0, 1)``."""
+    return [ckpt_format.LocalParam(name, p.detach(), aliases=tuple(aliases),
+                                   state={k: v.detach() for k, v in optimizer.state.get(p, {}).items()})
+            for name, p, aliases in _each_once(model.named_parameters(remove_duplicate=False))]

@@ -1,0 +1,161 @@
+"""AdamW with the usual no-decay groups, the one gradient norm, and :class:`OptimConfig` (the
+optimizer's and the learning-rate schedule's settings; the schedule is :mod:`tokenloom.train.optim.schedule`).
+
+Choices and their costs:
+
+* **Weight decay** only on matrices used in matmuls (``dim >= 2``) that are not embedding
+  tables; biases, norm weights and the token/position embeddings (and so a tied LM head,
+  which is the same tensor) are not decayed (nanoGPT / Megatron convention). Grouping is
+  by parameter identity, so a tied weight is listed once.
+* **Fused AdamW by default** where torch has the kernel for the parameters' device (CPU
+  and CUDA): one kernel over every parameter instead of a loop of ops per tensor, several
+  times faster than the for-loop and foreach ones on CPU (see bench/RESULTS.md, notes),
+  and torchtitan's default on GPU. It is the same update but not bit-identical to torch's
+  default implementation, so a comparison against a plain ``torch.optim.AdamW`` sets
+  ``fused=False``. Every tokenloom path builds its optimizer here, so single-process,
+  DDP, tensor/pipeline-parallel and resumed runs all use the same implementation.
+* **One gradient norm** (:func:`global_grad_norm`) for every layout and both optimizers:
+  torch's ``get_total_norm`` over the gradients this rank counts (Megatron's rule: each
+  parameter once per model replica), squared and summed over the groups that hold the
+  other pieces (model-parallel, and data-parallel for ZeRO-1 shards), on the device with
+  no host sync. With no groups it is exactly ``clip_grad_norm_``'s norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenloom.errors import TokenloomError
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW, warmup + decay (cosine, linear or constant), gradient clipping."""
+
+    lr: float = 6e-4
+    """Peak learning rate (reached after warmup)."""
+    min_lr: float = 6e-5
+    """Learning rate at the end of the decay and after it (not used by decay_style constant)."""
+    warmup_iters: int = 100
+    """Iterations of linear warmup from lr/warmup_iters to lr."""
+    lr_decay_iters: int | None = None
+    """Iteration at which the decay reaches min_lr; None means train_iters."""
+    decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
+    """After warmup: cosine or linear from lr to min_lr at lr_decay_iters; WSD (lr, then the last
+    wsd_decay_iters before lr_decay_iters decay to min_lr); inverse-square-root (lr x sqrt(warmup /
+    step), not below min_lr); or constant lr (Megatron's --lr-decay-style)."""
+    wsd_decay_iters: int | None = None
+    """WSD: iterations of the final decay, ending at lr_decay_iters (Megatron's --lr-wsd-decay-iters);
+    needed by decay_style WSD."""
+    wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """WSD: the shape of the final decay (Megatron's --lr-wsd-decay-style, the same default)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matmul weights (not on biases, norms, embeddings)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    fused: bool | None = None
+    """Fused AdamW kernel: None uses it where torch has one for the device (CPU, CUDA), False never."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise TokenloomError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0, got lr={self.lr}, "
+                                 f"min_lr={self.min_lr}")
+        if self.warmup_iters < 0 or self.grad_clip < 0:
+            raise TokenloomError("optim.warmup_iters and optim.grad_clip must be >= 0")
+        if self.decay_style not in DECAY_STYLES:
+            raise TokenloomError(f"optim.decay_style must be one of {', '.join(DECAY_STYLES)}, got "
+                                 f"{self.decay_style!r}")
+        if self.wsd_decay_style not in WSD_DECAY_STYLES:
+            raise TokenloomError(f"optim.wsd_decay_style must be one of {', '.join(WSD_DECAY_STYLES)}, got "
+                                 f"{self.wsd_decay_style!r}")
+        if self.decay_style == "WSD" and (self.wsd_decay_iters is None or self.wsd_decay_iters < 1):
+            raise TokenloomError(f"optim.decay_style WSD needs optim.wsd_decay_iters >= 1 (--lr-wsd-decay-iters), "
+                                 f"got {self.wsd_decay_iters}")
+
+
+DECAY_STYLES = ("cosine", "linear", "constant", "WSD", "inverse-square-root")
+"""The learning-rate decays :func:`~tokenloom.train.optim.schedule.lr_at` implements (:attr:`OptimConfig.decay_style`)."""
+
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+"""The shapes of WSD's final decay (:attr:`OptimConfig.wsd_decay_style`)."""
+
+
+def param_groups(modules: nn.Module | Iterable[nn.Module], weight_decay: float) -> list[dict]:
+    """Two AdamW groups over the parameters of ``modules`` (a model, or a rank's pipeline
+    chunks): decayed matmul weights, and everything else (biases, norms, embedding tables:
+    ``nn.Embedding`` weights and parameters tagged ``is_embedding``, such as a tied LM head
+    or a vocab-parallel table). Tied tensors are listed once, in first-seen order."""
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    embeddings = {id(m.weight) for mod in modules for m in mod.modules() if isinstance(m, nn.Embedding)}
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for module in modules:
+        for p in module.parameters():  # parameters() de-duplicates tied tensors within a module
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            embedding = id(p) in embeddings or getattr(p, "is_embedding", False)
+            (decay if p.dim() >= 2 and not embedding else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(modules: nn.Module | Iterable[nn.Module], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over :func:`param_groups`; the learning rate is set per step from :func:`lr_at`."""
+    groups = param_groups(modules, cfg.weight_decay)
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=use_fused(cfg, [p for g in groups for p in g["params"]]),
+    )
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] = (),
+                     *, device: torch.device) -> torch.Tensor:
+    """L2 norm of a gradient spread over ranks, as a 0-dim fp32 tensor on ``device``.
+
+    ``grads``: the pieces this rank counts; ``groups``: the groups whose members hold the
+    other pieces (the squared norm is all-reduced over each in turn). With no groups this
+    is ``torch.nn.utils.clip_grad_norm_``'s norm exactly."""
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    if not groups:
+        return local
+    sq = local.double().square()
+    for group in groups:
+        dist.all_reduce(sq, group=group)
+    return sq.sqrt().float()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clipping factor ``min(1, max_norm / (norm + 1e-6))`` (1 when ``max_norm <= 0``),
+    a device tensor (no host sync)."""
+    max_norm = max_norm if max_norm > 0 else math.inf
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def use_fused(cfg: OptimConfig, params: list[torch.Tensor]) -> bool | None:
+    """torch's ``fused`` argument for these parameters (None: torch's default implementation)."""
+    if cfg.fused is False or not params:
+        return None
+    supported = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+    if all(p.device.type in supported and p.is_floating_point() for p in params):
+        return True
+    if cfg.fused:
+        devices = sorted({p.device.type for p in params})
+        raise TokenloomError(f"optim.fused: torch has no fused AdamW for parameters on {devices}")
+    return None

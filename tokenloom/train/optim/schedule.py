@@ -1,0 +1,54 @@
+"""The learning rate of a step as a pure function of the iteration: warmup, then Megatron's decays.
+
+The schedule is a function of the iteration (:func:`lr_at`), not a stateful torch
+scheduler: the learning rate of step ``it`` is recomputed and written into every param
+group before the step. Resume therefore needs no scheduler state beyond the iteration,
+and a resume that changes the schedule (``train_iters`` among it) is refused unless
+``override_opt_param_scheduler`` (:func:`tokenloom.train.config.check_resumable_schedule`);
+with it the rate from the resume step on is exactly the new schedule's.
+Warmup is linear, ``lr * (it + 1) / warmup_iters`` (the first step does not waste a
+zero learning rate), then Megatron's ``--lr-decay-style``: cosine (the default) or linear
+from ``lr`` to ``min_lr`` at ``lr_decay_iters``; WSD (warmup-stable-decay: ``lr`` until the
+last ``wsd_decay_iters`` before ``lr_decay_iters``, then ``wsd_decay_style`` down to
+``min_lr``); inverse-square-root (``lr * sqrt(warmup_iters / it)``, not below ``min_lr``);
+each constant ``min_lr`` from ``lr_decay_iters`` on, as Megatron's. Or constant ``lr``
+(``min_lr`` unused).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenloom.train.optim.adamw import OptimConfig
+
+
+def lr_at(it: int, cfg: OptimConfig, train_iters: int) -> float:
+    """Learning rate of 0-based step ``it``: linear warmup, then ``decay_style`` (Megatron's
+    ``OptimizerParamScheduler.get_lr``, in steps): constant ``lr``; or cosine, linear, WSD or
+    inverse-square-root, each ``min_lr`` from ``lr_decay_iters`` on."""
+    decay_iters = cfg.lr_decay_iters or train_iters
+    if it < cfg.warmup_iters:
+        return cfg.lr * (it + 1) / cfg.warmup_iters
+    if cfg.decay_style == "constant":
+        return cfg.lr
+    if it >= decay_iters:
+        return cfg.min_lr
+    if cfg.decay_style == "inverse-square-root":
+        return max(cfg.min_lr, cfg.lr * math.sqrt(max(cfg.warmup_iters, 1) / max(it, 1)))
+    if cfg.decay_style == "WSD":
+        wsd_iters = cfg.wsd_decay_iters or 1
+        progress = max(0.0, (it - (decay_iters - wsd_iters)) / wsd_iters)
+        coeff = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+                 "exponential": 2.0 * 0.5 ** progress - 1.0, "minus_sqrt": 1.0 - math.sqrt(progress)}
+        return cfg.min_lr + coeff[cfg.wsd_decay_style] * (cfg.lr - cfg.min_lr)
+    progress = (it - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    if cfg.decay_style == "linear":
+        return cfg.min_lr + (1.0 - progress) * (cfg.lr - cfg.min_lr)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

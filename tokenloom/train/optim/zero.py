@@ -1,0 +1,674 @@
+"""ZeRO-1: AdamW whose fp32 master weights and moments are sharded over data parallel.
+
+Follows Megatron-core's distributed optimizer (``distrib_optimizer.py``).
+
+Layout: the parameters, in the order given, live in one flat ``param_buffer`` (their
+``.data`` re-pointed into it) and one flat ``grad_buffer`` (each ``.grad`` a view into it),
+cut into buckets of whole parameters (``bucket_bytes``;
+:func:`~tokenloom.train.parallel.ddp.compute_bucket_assignment_by_size`). Each bucket is padded to a
+multiple of dp and cut into dp equal pieces; rank ``r`` owns piece ``r`` of every bucket, across
+parameter boundaries. Parameters share one dtype; there is no 64-element alignment of starts.
+
+One step: backward writes grads into the buffer, each divided by dp as it enters (torch
+DDP's reducer; Megatron's default ``average_in_collective=False``, exact for power-of-two dp);
+each bucket is reduce-scattered (SUM) into this rank's piece, launched from its grads' hooks
+with ``overlap_grad_reduce``, last bucket first, on every rank in the same order; a bucket
+whose grads never all arrive, and those after it, are reduced in :meth:`step`. Then the
+global grad norm (over dp, then ``norm_group``; clipping as ``clip_grad_norm_``), decoupled
+weight decay per parameter group on the shard's runs of decayed parameters, AdamW on the
+fp32 shard, and one all-gather per bucket back into ``param_buffer``.
+
+Invariants and trade-offs:
+
+* **Memory**: an fp32 parameter's shard of the buffer is its own master copy, stepped in
+  place, so a rank holds 1/dp of AdamW's moments (:meth:`ZeroAdamW.state_bytes`) plus < dp
+  padding elements per bucket; lower-precision parameters add an fp32 master shard.
+* **Every rank issues the same collectives in the same order**; each bucket costs one launch.
+* **Parameter all-gather overlapped with the next forward** (Megatron's
+  ``overlap_param_gather``, ``modules`` given): :meth:`step` returns with the gathers in
+  flight, first bucket first; a forward pre-hook per layer (a transformer block is one
+  layer, as FSDP2 wraps torchtitan's blocks) waits for every bucket up to the last one
+  holding its parameters *or the next layer's*, because a parent may read a child's weight
+  without calling it (``GPT.head`` reads ``lm_head.weight``). Until then parameters are
+  stale: code reading them outside a forward calls :meth:`finish_param_sync` first
+  (:meth:`step`, :meth:`gathered_param_states`, :meth:`load_param_states` do). The gathered
+  bits equal the synchronous gather's, so losses match with and without overlap. The cost:
+  one layer less overlap at each bucket boundary, and each gather's send copy (1/dp of the
+  parameters; gloo cannot gather in place) lives until it is waited for. Hooks are disabled
+  under ``torch.compile`` (a compiled block runs its own hook eagerly, without a graph break).
+* **Sums over other groups follow the dp reduction** (Megatron's ``finalize_model_grads``):
+  :meth:`all_reduce_grads` sums sequence-parallel norms' grads over tp and the tied
+  embedding's copies over the first and last stage on the reduced shard, which needs the
+  same cut on both sides; the embedding copies therefore get a bucket of their own
+  (``own_bucket``, Megatron's ``_does_param_require_new_bucket``).
+* **Weight decay per group, other hyperparameters shared**: one flat AdamW cannot hold
+  per-element decay, so the inner AdamW has ``weight_decay=0`` and ``p *= 1 - lr * wd`` is
+  applied here before the update, where ``torch.optim.AdamW`` applies it. A ZeRO-1 run thus
+  equals the one-process run with the same groups.
+* **Checkpoints are layout-free without a gather**: each rank saves its own pieces
+  (:meth:`own_param_states`: the element ranges of every parameter's ``exp_avg`` /
+  ``exp_avg_sq`` (plus ``master_param`` for lower-precision parameters) in its shard, and the
+  step) into the checkpoint format of :mod:`tokenloom.train.checkpoint.format`, which records where
+  each range sits in the parameter, so any dp size, with or without ZeRO-1, loads them
+  (:meth:`load_param_states`, from full per-parameter states). :meth:`gathered_param_states`
+  gives the full form ``torch.optim.AdamW`` keeps on dp rank 0 (a collective, for comparisons).
+  One flat AdamW has one step count: states saved with different counts load the largest.
+* **dp = 1** runs the same code and writes the same checkpoints, with no collective.
+* **Expert parameters** (``is_expert``, under expert parallelism; Megatron's expert buffers):
+  each run of them gets buckets of its own, sharded, reduce-scattered and all-gathered over
+  ``expert_dp_group`` (the dp ranks holding the same experts, Megatron's data-modulo-expert-
+  parallel group) instead of ``dp_group``. Their grads are still divided by the whole dp size
+  as they enter: an ep rank's experts get the grads of every ep peer's tokens, so the sum over
+  the expert-dp group of 1/dp of each is the one-process gradient. Each element of every
+  expert lies in the piece of exactly one dp rank, so the grad norm's sum over ``dp_group``
+  counts dense and expert pieces alike, once each; weight decay is per parameter as for the
+  dense ones. A bucket sharded over one rank is stepped and copied in place, with no collective.
+
+``bench/parallel_bench.py`` measures the step time, communication and optimizer state
+of the ``zero1`` layouts against plain data parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenloom.errors import TokenloomError
+from tokenloom.train.optim.adamw import clip_coefficient, global_grad_norm
+from tokenloom.train.parallel.ddp import (
+    compute_bucket_assignment_by_size,
+    grad_into_view,
+    grad_unit_ids,
+    wgrad_into_view,
+)
+from tokenloom.train.parallel.mappings import all_reduce_in_place
+from tokenloom.train.parallel.wgrad import WgradSink, set_wgrad_sink
+
+
+class ZeroAdamW:
+    """AdamW with ZeRO-1 sharding over ``dp_group``; use it like a torch optimizer.
+
+    Args:
+        params: the model parameters, or torch-style groups of them (dicts with
+            ``"params"`` and optionally ``"weight_decay"``; other keys are refused).
+            Duplicates by identity are dropped (the first group wins). Their ``.data``
+            are moved into a flat buffer at construction; they must be equal on every
+            DP rank (same init).
+        dp_group: data-parallel group (None: the default group, or a single rank when
+            ``torch.distributed`` is not initialised).
+        lr, betas, eps: as ``torch.optim.AdamW``.
+        weight_decay: decoupled weight decay for parameters (or groups) that do not set
+            their own.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        norm_group: extra group the squared norm is summed over after DP, e.g. the
+            model-parallel group, so every stage clips by the whole model's norm.
+        counts_in_norm: which parameters this rank counts in the norm (Megatron's rule:
+            each once per replica). Default: all but those tagged ``shared = True`` (the
+            last stage's copy of a tied embedding).
+        bucket_bytes: cut the flat buffers into buckets of about this many bytes
+            (:func:`~tokenloom.train.parallel.ddp.compute_bucket_assignment_by_size`; None: one
+            bucket), each reduce-scattered and all-gathered on its own.
+        overlap_grad_reduce: launch each bucket's reduce-scatter from gradient hooks as
+            soon as its grads are ready in backward (run every micro-batch backward but the
+            last inside :meth:`no_sync`); False: all of them in :meth:`step`.
+        overlap_param_gather: :meth:`step` launches each bucket's parameter all-gather and
+            returns; forward pre-hooks on the layers of ``modules`` wait for the buckets they
+            read (:meth:`finish_param_sync` waits for all). False: :meth:`step` waits.
+        modules: the model chunk(s) holding the parameters (needed by ``overlap_param_gather``;
+            every parameter must be in them).
+        own_bucket: parameters that get a bucket of their own (Megatron's
+            ``_does_param_require_new_bucket``): a tied embedding under pipeline parallelism,
+            so that the first and the last stage cut it into the same dp pieces and
+            :meth:`all_reduce_grads` can sum their reduced pieces.
+        grad_units: submodules compiled in place (one autograd node each): no bucket ends
+            inside one (:func:`~tokenloom.train.parallel.ddp.grad_unit_ids`), as in DDP.
+        is_expert: the expert-parallel parameters (each rank's share of a layer's experts),
+            kept in buckets of their own sharded over ``expert_dp_group`` (module docstring).
+        expert_dp_group: the dp ranks holding this rank's experts (None: this rank alone).
+        fused: ``torch.optim.AdamW``'s ``fused`` for the inner AdamW on the fp32 shard (one
+            kernel per step over all its pieces where torch has it for the device, see
+            :func:`~tokenloom.train.optim.adamw.use_fused`; None: torch's default). The same update
+            as the other implementations up to rounding.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+        dp_group: dist.ProcessGroup | None = None,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        max_grad_norm: float | None = None,
+        norm_group: dist.ProcessGroup | None = None,
+        counts_in_norm: Callable[[nn.Parameter], bool] | None = None,
+        bucket_bytes: int | None = None,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        modules: Iterable[nn.Module] = (),
+        own_bucket: Callable[[nn.Parameter], bool] | None = None,
+        grad_units: Iterable[nn.Module] = (),
+        fused: bool | None = None,
+        is_expert: Callable[[nn.Parameter], bool] | None = None,
+        expert_dp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if counts_in_norm is None:
+            def counts_in_norm(p: nn.Parameter) -> bool:
+                return not getattr(p, "shared", False)
+        unique: dict[int, tuple[nn.Parameter, float]] = {}
+        for p, wd in _flatten_groups(params, weight_decay):
+            if p.requires_grad:
+                unique.setdefault(id(p), (p, wd))
+        self.params = [p for p, _ in unique.values()]
+        decays = [wd for _, wd in unique.values()]
+        if not self.params:
+            raise TokenloomError("ZeroAdamW got no trainable parameters")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise TokenloomError(f"ZeroAdamW needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+        self.dp_group, self.norm_group = dp_group, norm_group
+        distributed = dp_group is not None or dist.is_initialized()
+        self.dp_size = dist.get_world_size(dp_group) if distributed else 1
+        self.dp_rank = dist.get_rank(dp_group) if distributed else 0
+        self.max_grad_norm = max_grad_norm
+        self.numel = sum(p.numel() for p in self.params)
+        dtype, device = self.params[0].dtype, self.params[0].device
+        if any(p.device != device for p in self.params):
+            raise TokenloomError("ZeroAdamW needs every parameter on one device")
+
+        # buckets: contiguous runs of parameters (one dtype and device: ddp.py's assignment
+        # gives runs in order), each padded to a multiple of its group's size (dp, or the
+        # expert-dp size for experts) and cut into that many equal pieces
+        dp = self.dp_size
+        assignment = [list(range(len(self.params)))] if bucket_bytes is None else \
+            compute_bucket_assignment_by_size(self.params, [bucket_bytes],
+                                              units=grad_unit_ids(self.params, grad_units))[0]
+        expert = [bool(is_expert is not None and is_expert(p)) for p in self.params]
+        if any(expert):
+            assignment = _split_runs(assignment, expert)
+        if own_bucket is not None:
+            assignment = _isolate(assignment, [own_bucket(p) for p in self.params])
+        expert_shards = (expert_dp_group, dist.get_world_size(expert_dp_group) if expert_dp_group else 1,
+                         dist.get_rank(expert_dp_group) if expert_dp_group else 0)
+        self._bucket_of = [0] * len(self.params)
+        self._offsets: list[tuple[int, int]] = []  # each parameter's [start, end) in the flat buffers
+        self._buckets: list[tuple[int, int]] = []  # each bucket's [start, end) in the flat buffers
+        self._shards: list[tuple[dist.ProcessGroup | None, int, int]] = []  # each bucket's (group, size, rank)
+        offset = 0
+        for k, indices in enumerate(assignment):
+            start = offset
+            for i in indices:
+                self._bucket_of[i] = k
+                self._offsets.append((offset, offset + self.params[i].numel()))
+                offset += self.params[i].numel()
+            shards = expert_shards if expert[indices[0]] else (dp_group, dp, self.dp_rank)
+            offset = start + -(-(offset - start) // shards[1]) * shards[1]
+            self._buckets.append((start, offset))
+            self._shards.append(shards)
+        self._pieces = [slice(a + rank * (b - a) // size, a + (rank + 1) * (b - a) // size)
+                        for (a, b), (_, size, rank) in zip(self._buckets, self._shards, strict=True)]
+        self.shard_size = sum(pc.stop - pc.start for pc in self._pieces)
+        """Elements of the flat buffers this rank owns: ceil(numel / dp) per bucket (per expert
+        bucket ceil(numel / expert-dp size))."""
+
+        self.param_buffer = torch.zeros(offset, dtype=dtype, device=device)
+        self.grad_buffer = torch.zeros(offset, dtype=dtype, device=device)
+        self._grad_views: list[torch.Tensor] = []
+        norm_weight = torch.ones(offset, dtype=torch.float32, device=device)
+        runs: list[tuple[int, int, float]] = []  # (start, end, weight decay) over the flat buffer
+        with torch.no_grad():
+            for p, wd, (a, b) in zip(self.params, decays, self._offsets, strict=True):
+                self.param_buffer[a:b].copy_(p.reshape(-1))
+                p.data = self.param_buffer[a:b].view(p.shape)
+                view = self.grad_buffer[a:b].view(p.shape)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._grad_views.append(view)
+                if not counts_in_norm(p):
+                    norm_weight[a:b] = 0.0
+                if wd != 0.0:
+                    runs.append((a, b, wd))
+
+        # this rank's shard: the pieces, back to back (grads, norm weights), and one master
+        # tensor per piece for the inner AdamW: fp32 parameters' own piece of the buffer
+        # (stepped in place), else an fp32 copy
+        self._grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
+        self._norm_weight = torch.cat([norm_weight[pc] for pc in self._pieces])
+        self._grad_pieces, self.main_shards, self._decay_runs = [], [], []
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        at = 0
+        for k, pc in enumerate(self._pieces):
+            size = pc.stop - pc.start
+            self._grad_pieces.append(self._grad_shard[at : at + size])
+            own = self.param_buffer[pc]
+            self.main_shards.append(nn.Parameter(own if dtype == torch.float32 else own.float()))
+            self._decay_runs += [(k, max(a, pc.start) - pc.start, min(b, pc.stop) - pc.start, wd)
+                                 for a, b, wd in runs if a < pc.stop and b > pc.start]
+            at += size
+        self.optimizer = torch.optim.AdamW(self.main_shards, lr=lr, betas=betas, eps=eps, weight_decay=0.0,
+                                           fused=fused)
+
+        # overlap: a hook per parameter launches its bucket's reduce-scatter once the bucket is
+        # complete, buckets strictly from the last to the first (the same order on every rank)
+        self.overlap = overlap_grad_reduce and dp > 1
+        self._sync = True  # flipped by no_sync()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self.params)] if self.overlap else []
+        # with the hooks, the model's fused linears write weight grads into their views (as in DDP)
+        self._in_view = [False] * len(self.params)
+        if self.overlap:
+            for i, p in enumerate(self.params):
+                set_wgrad_sink(p, self._make_sink(i))
+        self._reset_reduction()
+
+        # overlap_param_gather: step() leaves the all-gathers in flight; buckets [0, _gathered)
+        # of _gathers (work, sent piece) are done, layers' forward pre-hooks wait for the rest
+        self.overlap_param_gather = overlap_param_gather and dp > 1
+        self._gathers: list[tuple[Any, torch.Tensor | None]] = []
+        self._gathered = 0
+        self._gather_hooks = self._register_gather_hooks(list(modules)) if self.overlap_param_gather else []
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (set ``lr`` here for a schedule)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a step's gradients. ``set_to_none`` (torch's default, and the trainer's):
+        every ``.grad`` is None and the flat buffer is left as it is; each first grad of the
+        step is copied into its view by its hook (averaged there when that backward
+        reduces), so no memset, no add and no pass over the buffer. False: zero the buffer
+        and point every ``.grad`` back at its view (autograd then adds into the views)."""
+        for p, view in zip(self.params, self._grad_views, strict=True):
+            p.grad = None if set_to_none else view
+        if not set_to_none:
+            self.grad_buffer.zero_()
+        self._reset_reduction()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside only accumulate into the grad buffer (no reduce-scatter is
+        launched): every micro-batch of a step but the last (the schedules' ``no_sync``)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _reset_reduction(self) -> None:
+        self._reduced = False
+        self._pending = [0] * len(self._buckets)
+        for k in self._bucket_of:
+            self._pending[k] += 1
+        self._ready = [False] * len(self.params)
+        self._works: list[Any] = [None] * len(self._buckets)
+        self._next = len(self._buckets) - 1  # the next bucket to launch
+
+    def _into_view(self, i: int, p: torch.Tensor, *, average: bool) -> None:
+        """Make ``p.grad`` parameter ``i``'s view of the grad buffer, averaged over dp when
+        ``average`` (DDP's :func:`~tokenloom.train.parallel.ddp.grad_into_view`)."""
+        grad_into_view(p, self._grad_views[i], self.dp_size if average else 1)
+
+    def _make_sink(self, i: int) -> WgradSink:
+        def sink(grad_out: torch.Tensor, inp: torch.Tensor) -> bool:
+            """Parameter ``i``'s weight grad written by its GEMM into its view, averaged when
+            its hook will launch (DDP's :func:`~tokenloom.train.parallel.ddp.wgrad_into_view`)."""
+            synced = self._sync and not self._ready[i]
+            p, view = self.params[i], self._grad_views[i]
+            self._in_view[i] = wgrad_into_view(p, view, self.dp_size if synced else 1, grad_out, inp)
+            return self._in_view[i]
+
+        return sink
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            synced = self._sync and not self._ready[i]
+            if self._in_view[i]:  # its sink wrote it, averaged as synced says
+                self._in_view[i] = False
+            else:
+                self._into_view(i, p, average=synced)
+            if not synced:
+                return
+            self._ready[i] = True
+            self._pending[self._bucket_of[i]] -= 1
+            while self._next >= 0 and self._pending[self._next] == 0:
+                self._launch(self._next, async_op=True)
+
+        return hook
+
+    def _launch(self, k: int, async_op: bool) -> None:
+        """Reduce-scatter bucket ``k`` (the average) into this rank's grad piece, over the
+        bucket's group."""
+        (a, b), (group, size, _) = self._buckets[k], self._shards[k]
+        if size == 1:
+            self._grad_pieces[k].copy_(self.grad_buffer[a:b])
+        else:  # its parameters' grads were averaged into the buffer (_into_view)
+            self._works[k] = dist.reduce_scatter_single(self._grad_pieces[k], self.grad_buffer[a:b],
+                                                        group=group, async_op=async_op)
+        self._next = k - 1
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Reduce: wait for the buckets launched during backward, launch (and wait for) the
+        others. This rank's grad shard then holds the dp average; :meth:`step` calls it when
+        it was not called since the last backward."""
+        if self._reduced:
+            return
+        self.finish_param_sync()  # buckets no forward waited for: the gathers write the master shard
+        for i, p in enumerate(self.params):  # grads no hook averaged (no overlap, or not in this backward)
+            if not self._ready[i]:
+                self._into_view(i, p, average=True)
+        while self._next >= 0:  # not launched during backward (no overlap, or a grad never came)
+            self._launch(self._next, async_op=False)
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._reset_reduction()
+        self._reduced = True
+
+    @torch.no_grad()
+    def all_reduce_grads(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        """Sum over ``group`` the reduced grads of ``params`` that this rank's shard holds (one
+        all-reduce; a collective over ``group`` whenever the shard holds any; None: one rank). Between
+        :meth:`finish_grad_sync` and :meth:`step`: Megatron's sequence-parallel and
+        tied-embedding sums after the dp reduction. Each rank of ``group`` must cut these
+        parameters into the same pieces: the same layout (tp ranks), or the parameter in a
+        bucket of its own (``own_bucket``: the first and last stage's embedding copies)."""
+        if not self._reduced:
+            raise TokenloomError("ZeroAdamW.all_reduce_grads: call finish_grad_sync() first")
+        held = []
+        for p in params:
+            i = self._index[id(p)]
+            (a, b), k = self._offsets[i], self._bucket_of[i]
+            pc = self._pieces[k]
+            lo, hi = max(a, pc.start), min(b, pc.stop)
+            if lo < hi:
+                held.append(self._grad_pieces[k][lo - pc.start : hi - pc.start])
+        all_reduce_in_place(held, group)
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor | None:
+        """Reduce (:meth:`finish_grad_sync`, unless called already), clip, update this shard,
+        all-gather. Returns the global grad norm (before clipping, a device tensor) when
+        ``max_grad_norm`` is set, else None. With ``overlap_param_gather`` the all-gathers are
+        still running when it returns."""
+        self.finish_grad_sync()
+        self._reduced = False
+        grad = self._grad_shard.float()
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = self.grad_norm(grad)
+            grad.mul_(clip_coefficient(norm, self.max_grad_norm))
+        at = 0
+        for master in self.main_shards:
+            master.grad = grad[at : at + master.numel()]
+            at += master.numel()
+        lr = self.optimizer.param_groups[0]["lr"]
+        for k, a, b, wd in self._decay_runs:
+            self.main_shards[k][a:b].mul_(1 - lr * wd)
+        self.optimizer.step()
+        for master in self.main_shards:
+            master.grad = None
+        self._all_gather_params()
+        return norm
+
+    def grad_norm(self, grad_shard: torch.Tensor) -> torch.Tensor:
+        """L2 norm of the full gradient from this rank's (reduced) shard (a device tensor): its
+        squares summed over ``dp_group`` (expert pieces included: each lies on one dp rank),
+        then ``norm_group``."""
+        groups = ([self.dp_group] if self.dp_size > 1 else []) + ([self.norm_group] if self.norm_group is not None else [])
+        return global_grad_norm([grad_shard * self._norm_weight], groups, device=grad_shard.device)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: its pieces of the two AdamW moments and
+        their steps, plus the fp32 master pieces when the parameters are not fp32."""
+        tensors = [t for m in self.main_shards for t in self.optimizer.state.get(m, {}).values()]
+        tensors += [m for m, pc in zip(self.main_shards, self._pieces, strict=True)
+                    if m.data_ptr() != self.param_buffer[pc].data_ptr()]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    def _all_gather_params(self) -> None:
+        """Every bucket's updated pieces into ``param_buffer``, first bucket first; left in
+        flight with ``overlap_param_gather``."""
+        gathers: list[tuple[Any, torch.Tensor | None]] = []
+        for (a, b), pc, master, (group, size, _) in zip(self._buckets, self._pieces, self.main_shards, self._shards,
+                                                       strict=True):
+            own = self.param_buffer[pc]
+            if size == 1:
+                if master.data_ptr() != own.data_ptr():
+                    own.copy_(master.detach())
+                gathers.append((None, None))  # bucket k stays entry k
+                continue
+            # an fp32 master piece is a view of the output: send a copy (one piece per bucket,
+            # kept until its gather is waited for)
+            piece = master.detach().clone() if master.dtype == own.dtype else master.detach().to(own.dtype)
+            work = dist.all_gather_single(self.param_buffer[a:b], piece, group=group,
+                                          async_op=self.overlap_param_gather)
+            if self.overlap_param_gather:
+                gathers.append((work, piece))
+        if self.overlap_param_gather:
+            self._gathers, self._gathered = gathers, 0
+
+    @property
+    def param_sync_pending(self) -> bool:
+        """Whether some bucket's all-gather has not been waited for (its parameters may be stale)."""
+        return self._gathered < len(self._gathers)
+
+    def finish_param_sync(self) -> None:
+        """Wait for every pending parameter all-gather: call it before reading parameters
+        outside a forward of ``modules`` (saving, loading into them, the end of training)."""
+        self._wait_gathers(len(self._gathers) - 1)
+
+    def _wait_gathers(self, last: int) -> None:
+        """Wait for the all-gathers of buckets ``0..last`` (those not waited for yet)."""
+        last = min(last, len(self._gathers) - 1)
+        while self._gathered <= last:
+            work = self._gathers[self._gathered][0]
+            if work is not None:
+                work.wait()
+            self._gathers[self._gathered] = (None, None)  # frees the sent piece
+            self._gathered += 1
+        if self._gathered == len(self._gathers):
+            self._gathers, self._gathered = [], 0
+
+    def _register_gather_hooks(self, modules: list[nn.Module]) -> list[Any]:
+        """A forward pre-hook per layer of ``modules`` (see the module docstring): it waits for
+        every bucket up to the last one holding its parameters or the next layer's."""
+        if not modules:
+            raise TokenloomError("ZeroAdamW: overlap_param_gather needs the model chunk(s) as modules")
+        bucket = {id(p): k for p, k in zip(self.params, self._bucket_of, strict=True)}
+        layers = []  # (layer, last bucket holding its parameters)
+        covered: set[int] = set()
+        for module in modules:
+            for layer, recurse in _layers(module):
+                held = [bucket[id(p)] for p in layer.parameters(recurse=recurse) if id(p) in bucket]
+                covered.update(id(p) for p in layer.parameters(recurse=recurse))
+                if held:
+                    layers.append((layer, max(held)))
+        missing = [tuple(p.shape) for p in self.params if id(p) not in covered]
+        if missing:
+            raise TokenloomError(f"ZeroAdamW: overlap_param_gather needs every parameter in modules; "
+                                 f"{len(missing)} are not, shapes {missing[:3]}")
+        hooks = []
+        for j, (layer, last) in enumerate(layers):
+            ahead = layers[j + 1][1] if j + 1 < len(layers) else last
+            hooks.append(layer.register_forward_pre_hook(self._gather_hook(max(last, ahead))))
+        return hooks
+
+    def _gather_hook(self, last: int) -> Callable[[nn.Module, Any], None]:
+        @torch.compiler.disable  # a compiled block runs it eagerly before its graph, no break inside
+        def hook(module: nn.Module, args: Any) -> None:
+            self._wait_gathers(last)
+
+        return hook
+
+    # ------------------------------------------------------------------ checkpoint
+
+    @torch.no_grad()
+    def gathered_param_states(self) -> list[dict[str, torch.Tensor]] | None:
+        """Collective over ``dp_group`` (and ``expert_dp_group``): the full AdamW state of every
+        parameter, in :attr:`params` order, on dp rank 0 (None on the others); of an expert
+        parameter, the state of the experts dp rank 0 holds. An entry holds
+        ``exp_avg``, ``exp_avg_sq`` (fp32, the parameter's shape; views into one gathered
+        tensor, clone them to save them alone) and ``step``, as ``torch.optim.AdamW``
+        keeps them, plus ``master_param`` when the parameters are not fp32. Entries are
+        empty before the first step. Finishes the pending parameter all-gathers first."""
+        self.finish_param_sync()
+        inner = [st for st in (self.optimizer.state.get(m) for m in self.main_shards) if st]
+        if len(inner) != len(self.main_shards):  # a shard without state yet
+            return [{} for _ in self.params] if self.dp_rank == 0 else None
+        pieces = {"exp_avg": [st["exp_avg"] for st in inner], "exp_avg_sq": [st["exp_avg_sq"] for st in inner]}
+        if self.param_buffer.dtype != torch.float32:
+            pieces["master_param"] = [m.detach() for m in self.main_shards]
+        flats = {key: self._gather_to_first(values) for key, values in pieces.items()}
+        if self.dp_rank != 0:
+            return None
+        out = []
+        for p, (a, b) in zip(self.params, self._offsets, strict=True):
+            state = {key: flat[a:b].view(p.shape) for key, flat in flats.items() if flat is not None}  # all, here
+            state["step"] = inner[0]["step"].detach().clone()
+            out.append(state)
+        return out
+
+    @torch.no_grad()
+    def own_param_states(self) -> list[tuple[torch.Tensor | None, dict[str, tuple[int, torch.Tensor]]]]:
+        """Not a collective: this rank's part of every parameter's AdamW state, in :attr:`params`
+        order, as (``step``, pieces): the shared 0-dim step count (None before the first step)
+        and, for the parameter's elements in this rank's pieces, key -> (start element in the
+        flattened parameter, 1-d view of the state), keys ``exp_avg``, ``exp_avg_sq`` and
+        ``master_param`` when the parameters are not fp32. A parameter lies in one bucket, so
+        it has at most one range here. Finishes the pending parameter all-gathers first."""
+        self.finish_param_sync()
+        inner = [self.optimizer.state.get(m) for m in self.main_shards]
+        if not all(inner):  # before the first step
+            return [(None, {}) for _ in self.params]
+        states = [st for st in inner if st]
+        step = states[0]["step"].detach()
+        out: list[tuple[torch.Tensor | None, dict[str, tuple[int, torch.Tensor]]]] = []
+        for a, b in self._offsets:
+            own: dict[str, tuple[int, torch.Tensor]] = {}
+            for k, pc in enumerate(self._pieces):
+                lo, hi = max(a, pc.start), min(b, pc.stop)
+                if lo >= hi:
+                    continue
+                window = slice(lo - pc.start, hi - pc.start)
+                own = {key: (lo - a, states[k][key][window]) for key in ("exp_avg", "exp_avg_sq")}
+                if self.param_buffer.dtype != torch.float32:
+                    own["master_param"] = (lo - a, self.main_shards[k].detach()[window])
+            out.append((step, own))
+        return out
+
+    @torch.no_grad()
+    def load_param_states(self, states: list[dict[str, torch.Tensor] | None]) -> None:
+        """Set this rank's shard from full per-parameter states (the form of
+        :meth:`gathered_param_states`, in :attr:`params` order, saved at any dp size or by
+        the plain AdamW); None or ``{}`` for a parameter without state (zero moments).
+        The parameters must already hold the loaded values: the master shard is cut from
+        them (or from ``master_param`` where given). Not a collective: every rank reads
+        the full tensors and keeps its pieces. Pending parameter all-gathers must be finished
+        before the parameters are loaded (:meth:`finish_param_sync`), or they overwrite them."""
+        self.finish_param_sync()
+        if len(states) != len(self.params):
+            raise TokenloomError(f"ZeRO-1 got optimizer states for {len(states)} parameters, it has "
+                                 f"{len(self.params)}")
+        given = [s for s in states if s]
+        master = self.param_buffer.float().clone()  # fp32 parameters hold the master values already
+        moments = {key: torch.zeros_like(master) for key in ("exp_avg", "exp_avg_sq")}
+        for p, (a, b), state in zip(self.params, self._offsets, states, strict=True):
+            for key, flat in (*moments.items(), ("master_param", master)):
+                if state and key in state:
+                    if state[key].numel() != p.numel():
+                        raise TokenloomError(f"ZeRO-1 optimizer state {key} has {state[key].numel()} elements, "
+                                             f"its parameter {tuple(p.shape)}")
+                    flat[a:b].copy_(state[key].reshape(-1))
+        for m, pc in zip(self.main_shards, self._pieces, strict=True):
+            m.copy_(master[pc])
+        if not given:  # a checkpoint written before the first step: nothing but the parameters
+            self.optimizer.state.clear()
+            return
+        step = max(float(s["step"]) for s in given)
+        inner = self.optimizer.state_dict()
+        inner["state"] = {k: {"step": torch.tensor(step, dtype=torch.float32, device="cpu"), **{key: flat[pc].clone() for key, flat in moments.items()}}
+                          for k, pc in enumerate(self._pieces)}
+        # AdamW keeps a non-fused step on the CPU whatever the parameters' device (a fused one on the
+        # device); load_state_dict moves the step and moments there, as torch's own resume does.
+        self.optimizer.load_state_dict(inner)
+
+    def _gather_to_first(self, pieces: list[torch.Tensor]) -> torch.Tensor | None:
+        """The flat (padded) buffer whose pieces the ranks hold, on dp rank 0 (None elsewhere);
+        each bucket gathered over its group (an expert bucket: this ep rank's experts)."""
+        first = any(rank == 0 for _, _, rank in self._shards)  # some bucket gathers here
+        full = torch.empty(len(self.param_buffer), dtype=pieces[0].dtype, device=pieces[0].device) if first else None
+        for (a, b), piece, (group, size, rank) in zip(self._buckets, pieces, self._shards, strict=True):
+            here = full[a:b] if full is not None and rank == 0 else None
+            if size == 1 and here is not None:  # rank 0 of a one-rank group: the whole bucket is its piece
+                here.copy_(piece)
+            elif size > 1:
+                dist.gather(piece.contiguous(), list(here.chunk(size)) if here is not None else None, group=group,
+                            group_dst=0)
+        return full if self.dp_rank == 0 else None
+
+
+def _split_runs(assignment: list[list[int]], kind: list[bool]) -> list[list[int]]:
+    """``assignment``'s buckets, each cut where ``kind`` changes between neighbours (a bucket holds
+    expert or dense parameters, never both)."""
+    out: list[list[int]] = []
+    for bucket in assignment:
+        out.append([bucket[0]])
+        for i in bucket[1:]:
+            if kind[i] == kind[out[-1][-1]]:
+                out[-1].append(i)
+            else:
+                out.append([i])
+    return out
+
+
+def _isolate(assignment: list[list[int]], alone: list[bool]) -> list[list[int]]:
+    """``assignment``'s buckets, each parameter flagged in ``alone`` cut out into a bucket of its own."""
+    out: list[list[int]] = []
+    for bucket in assignment:
+        run: list[int] = []
+        for i in bucket:
+            if alone[i]:
+                out += [run, [i]] if run else [[i]]
+                run = []
+            else:
+                run.append(i)
+        if run:
+            out.append(run)
+    return out
+
+
+def _layers(module: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """(module, recurse) pairs in registration order: the root's own parameters, then each
+    child with its parameters, ``ModuleDict`` / ``ModuleList`` containers (never called) opened."""
+    out = [(module, False)]
+    for child in module.children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            out += [(m, recurse) for m, recurse in _layers(child) if m is not child]
+        else:
+            out.append((child, True))
+    return out
+
+
+def _flatten_groups(params: Iterable[Any], default_wd: float) -> list[tuple[nn.Parameter, float]]:
+    """(parameter, weight decay) pairs from parameters or torch-style groups, in order."""
+    out: list[tuple[nn.Parameter, float]] = []
+    for item in params:
+        if not isinstance(item, dict):
+            out.append((item, default_wd))
+            continue
+        extra = set(item) - {"params", "weight_decay"}
+        if extra:
+            raise TokenloomError(f"ZeroAdamW groups take only 'params' and 'weight_decay', got {sorted(extra)}")
+        group = item["params"]
+        group = [group] if isinstance(group, torch.Tensor) else list(group)
+        out.extend((p, float(item.get("weight_decay", default_wd))) for p in group)
+    return out
