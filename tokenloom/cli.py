@@ -319,7 +319,6 @@ MEGATRON_REFUSED = {
     "--fp16": "fp16 with loss scaling is not implemented; use --bf16 (or --set precision=bf16)",
     "--load": "resume with --resume auto (latest checkpoint under --output-dir) or --resume CHECKPOINT_DIR",
     "--save": "checkpoints go to OUTPUT_DIR/checkpoints; use --output-dir (or --set checkpoint_dir=DIR)",
-    "--tokenizer-type": "the tokenizer's kind is detected from its files; pass --tokenizer PATH",
     "--train-samples": "the run is sized in steps; use --train-iters",
     "--lr-warmup-samples": "warmup is counted in steps; use --lr-warmup-iters",
     "--lr-warmup-fraction": "warmup is counted in steps; use --lr-warmup-iters",
@@ -433,6 +432,9 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--tokenizer", "--tokenizer-model", "tokenizer",
               help="Tokenizer path (or 'byte'): checked against the data's manifests, stored for generate; sizes "
               "model.vocab_size.")
+@click.option("--tokenizer-type", help="Megatron's tokenizer class (HuggingFaceTokenizer, GPT2BPETokenizer, "
+              "SentencePieceTokenizer, TikTokenizer, NullTokenizer, ...): checked against the kind detected from the "
+              "files of --tokenizer-model (or --vocab-file/--merge-file), which decide the backend.")
 @click.option("--vocab-file", help="GPT-2 vocab file (Megatron); with --merge-file in the same folder it is "
               "--tokenizer FOLDER.")
 @click.option("--merge-file", help="GPT-2 merges file (Megatron); see --vocab-file.")
@@ -551,7 +553,7 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
               "unchanged instead of rank 0's on the terminal and the rest in OUTPUT_DIR/logs/.")
 @_megatron_refused
 def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
-          verbose, vocab_file, merge_file, layers_per_virtual_stage, max_position_embeddings, **flags):
+          verbose, vocab_file, merge_file, tokenizer_type, layers_per_virtual_stage, max_position_embeddings, **flags):
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step, saves) last.
 
@@ -571,6 +573,10 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
 
     if vocab_file or merge_file:
         flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])
+    if tokenizer_type is not None:
+        from tokenloom.tokenizers.load import check_megatron_type  # lazy: start-up time
+
+        check_megatron_type(flags["tokenizer"], tokenizer_type)
     given = [*flag_overrides(**flags), *overrides]
     small = small_model_overrides(config, given)
     if small:
