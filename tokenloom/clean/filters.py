@@ -5,7 +5,7 @@ filter of the same name in datatrove (``GopherQualityFilter``, ``GopherRepetitio
 ``C4QualityFilter``, ``FineWebQualityFilter``) does on the same text with the same thresholds:
 the rules, their order, their ``>``/``<``/``<=`` and their float ratios are datatrove's, and
 words and sentences come from the same spaCy English rules (see :mod:`tokenloom.clean.words`).
-The tests hold every decision equal to datatrove's on the shared corpora. English only.
+The tests compare every decision with datatrove's on the shared corpora and crafted texts. English only.
 
 Thresholds are one dataclass per filter whose defaults are datatrove's and whose field
 docstrings are the ``--help`` text; :func:`build_filters` takes ``"NAME.FIELD"`` overrides as

@@ -17,11 +17,11 @@ datatrove gives the first such text).
 
 spaCy is imported on first use, not with the package: a command that filters nothing does not
 pay for its import. spaCy keeps every new word it meets (its vocabulary, and a cache of how it
-split each whitespace-free chunk), which makes repeated words cheap but grows without bound on
-a long run; datatrove forgets them after each text (``memory_zone``), which costs speed. Here
-the pipeline is rebuilt once its vocabulary passes ``VOCAB_LIMIT`` words: what spaCy remembers
-never changes how it splits. The last few word splits are cached by text, so filters chained
-on one document split it once.
+split each whitespace-free chunk), which grows without bound on a long run; datatrove makes it
+forget them after each text (``memory_zone``). Here the pipeline keeps them and is rebuilt once
+its vocabulary passes ``VOCAB_LIMIT`` words: what spaCy remembers never changes how it splits
+(the tests compare against datatrove's forgetting split). The last few word splits are cached
+by text, so filters chained on one document split it once.
 
 ``PUNCTUATION`` and ``TERMINAL_PUNCTUATION`` are datatrove's character sets (its English
 punctuation string and its sentence terminals: Unicode's ``Sentence_Terminal`` characters of
@@ -74,8 +74,9 @@ PUNCTUATION: frozenset[str] = frozenset(_chars(_PUNCTUATION_RANGES) + TERMINAL_P
 Unicode punctuation, the control characters other than tab and newline, and the sentence terminals."""
 
 _CACHED_SPLITS = 8
-VOCAB_LIMIT = 1 << 20
-"""Distinct words the spaCy pipeline may remember before it is rebuilt (bounds its memory)."""
+VOCAB_LIMIT = 1 << 18
+"""Distinct words the spaCy pipeline may remember before it is rebuilt: bounds its memory (a few
+hundred bytes a word) at the cost of relearning the common words after each rebuild."""
 
 
 class _Pipeline:
