@@ -739,5 +739,44 @@ def demo(**options):
     run(DemoConfig(**options), echo=click.echo)
 
 
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "info": ("tokenloom info",),
+    "inspect": ("tokenloom inspect data/corpus_text_document", "tokenloom inspect data/corpus_text_document --json"),
+    "verify": ("tokenloom verify data/corpus_text_document --vocab-size 50257",),
+    "merge": ("tokenloom merge --output-prefix data/all data/part0 data/part1",),
+    "preprocess": ("tokenloom preprocess --input corpus.jsonl.zst --output-prefix data/corpus --tokenizer tok/gpt2 "
+                   "--append-eod",
+                   "tokenloom preprocess --input 's3://bucket/raw/*.parquet' --output-prefix data/web --tokenizer "
+                   "tok/llama3 --workers 8"),
+    "build": ("tokenloom build --data 0.7 data/web 0.3 data/code --seq-length 1024 --num-samples 100000",
+              "tokenloom build --blend-file blend.yaml --seq-length 2048 --num-samples 1000000,10000,0 --plot plan.png"),
+    "train": ("tokenloom train --mock-data --train-iters 20",
+              "tokenloom train --data data/corpus --tokenizer tok/gpt2 --num-layers 12 --hidden-size 768 "
+              "--num-attention-heads 12 --seq-length 1024 --nproc-per-node 8 --tensor-model-parallel-size 2"),
+    "config": ("tokenloom config show",),
+    "config show": ("tokenloom config show --set optim.lr=3e-4", "tokenloom config show --config run.yaml"),
+    "export": ("tokenloom export --checkpoint out/checkpoints --output hf-model",),
+    "generate": ("tokenloom generate --checkpoint out/checkpoints --prompt 'Once upon a time' --max-new-tokens 50",),
+    "tokenizer": ("tokenloom tokenizer inspect tok/gpt2",),
+    "tokenizer train": ("tokenloom tokenizer train --input corpus.jsonl --output tok/mine --vocab-size 32000",),
+    "tokenizer inspect": ("tokenloom tokenizer inspect tok/llama3/tokenizer.model",),
+    "demo": ("tokenloom demo", "tokenloom demo --nproc-per-node 1 --train-iters 50"),
+}
+"""One or two lines a user can paste, shown at the end of each command's ``--help`` (and checked by
+``tests/cli/test_help.py``: every command has them and every flag they name exists)."""
+
+
+def _add_examples(group: click.Group, prefix: str = "") -> None:
+    for name, command in group.commands.items():
+        full = f"{prefix}{name}"
+        lines = "\n".join(f"  {line}" for line in EXAMPLES[full])
+        command.epilog = (f"{command.epilog}\n\n" if command.epilog else "") + f"\b\nExamples:\n{lines}"
+        if isinstance(command, click.Group):
+            _add_examples(command, f"{full} ")
+
+
+_add_examples(main)
+
+
 if __name__ == "__main__":
     main()
