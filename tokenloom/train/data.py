@@ -301,7 +301,9 @@ def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, 
     if not isinstance(data.train, SegmentedBlend) or data.segments is None or data.invariants is None:
         raise TokenloomError(f"{where} has a blend history: it resumes with data.blend only")
     invariants, segments = read_history(history, where)
-    changed = [f"{k} {invariants.get(k)!r} -> {v!r}" for k, v in data.invariants.items() if invariants.get(k) != v]
+    unpacked = {"data.packing": "concat"}  # what a history without the key (concat, or older) means
+    was, now = unpacked | invariants, unpacked | data.invariants
+    changed = [f"{k} {was.get(k)!r} -> {v!r}" for k, v in now.items() if was.get(k) != v]
     if changed:
         raise TokenloomError(f"{where} was trained with other data settings ({'; '.join(changed)}); a resume may "
                              "change only the blend's weights and sources and train_iters: restore them, or pass "
