@@ -619,9 +619,9 @@ def _plan_rows(builder, split: Split, ds) -> list[SourceRow]:
             member = members[m]
             lo, hi = (member.documents.start, member.documents.stop) if isinstance(member.documents, range) \
                 else (None, None)
-            lengths = member.source.sequence_lengths
-            lengths = lengths[lo:hi] if lo is not None else lengths[np.asarray(member.documents)]
-            cost = packing_cost(member.indices, lengths, builder.config.gpt)
+            all_lengths = np.asarray(member.source.sequence_lengths)
+            doc_lengths = all_lengths[lo:hi] if lo is not None else all_lengths[np.asarray(member.documents)]
+            cost = packing_cost(member.indices, doc_lengths, builder.config.gpt)
             row.packed_samples, row.padding, row.padding_share = cost.samples, cost.padding, cost.padding_share
             row.cut, row.concat_cut = cost.cut, cost.concat_cut
     return rows

@@ -13,7 +13,7 @@ from tokenloom.blending.split import Split
 
 
 def format_plan(result: BuildResult, cfg: BuildConfig) -> str:
-    head = (
+    head: tuple[str, ...] = (
         "split",
         "source",
         "documents",
@@ -24,7 +24,7 @@ def format_plan(result: BuildResult, cfg: BuildConfig) -> str:
         "epochs",
         "cache key",
     )
-    rows = [head] + [
+    rows: list[tuple[str, ...]] = [head] + [
         (
             r.split,
             r.prefix,
