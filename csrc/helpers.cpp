@@ -457,9 +457,10 @@ in single precision like Megatron unless exact_ceil is true.)doc";
 // order: a stable counting sort), each into the open sample with the least room that holds it,
 // else into a new one. The open samples are kept by room in stacks (latest first), and a
 // segment tree over room values finds the least room >= a length in O(log capacity).
-// Output: parts int32 [P, 3] (document, offset, length) grouped by sample, and sample_index
-// int64 [S + 1], where sample s's parts are rows sample_index[s] .. sample_index[s + 1]. The
-// best-fit samples come first, then the full pieces in doc_idx order. Runs without the GIL.
+// Output: parts int32 [P, 3] (document, offset, length) grouped by sample, in doc_idx order
+// within a sample, and sample_index int64 [S + 1], where sample s's parts are rows
+// sample_index[s] .. sample_index[s + 1]. The best-fit samples come first (in the order they
+// were opened), then the full pieces in doc_idx order. Runs without the GIL.
 
 struct RoomTree {  // which room values 1..capacity-1 have an open sample
     int64_t size = 1;
@@ -493,6 +494,22 @@ struct RoomTree {  // which room values 1..capacity-1 have an open sample
     }
 };
 
+// The length of the piece of a `length`-token document left for best fit (0: none), and how
+// many full (`capacity`-token) pieces precede it.
+inline void split_document(int64_t length, int64_t capacity, int64_t step, int64_t *full, int64_t *last) {
+    *full = 0;
+    *last = length;
+    if (length > capacity) {
+        const int64_t pieces = (length - (capacity - step) + step - 1) / step;
+        *last = length - (pieces - 1) * step;
+        *full = pieces - 1;
+    }
+    if (*last == capacity) {
+        ++*full;
+        *last = 0;
+    }
+}
+
 py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t capacity, int32_t step) {
     auto sizes = checked_array<int32_t>(sizes_obj, "sizes", false);
     auto doc_idx = checked_array<int32_t>(doc_idx_obj, "doc_idx", false);
@@ -503,66 +520,58 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
     const int64_t n = doc_idx.shape(0), num_sizes = sizes.shape(0);
     if (n > std::numeric_limits<int32_t>::max()) throw py::value_error("doc_idx has more than 2^31 - 1 entries");
     const int32_t *sz = sizes.data(), *docs = doc_idx.data();
-    const int64_t overlap = capacity - step;
     std::string error;
-    std::vector<int32_t> tail(static_cast<size_t>(n));     // length of the piece left for best fit (0: none)
-    std::vector<int64_t> full_start(static_cast<size_t>(n + 1));  // prefix count of full pieces
-    std::vector<int32_t> order, bin_of;
-    std::vector<int32_t> bin_count;
-    int64_t bins = 0, items = 0;
+    // Scratch is kept to 4 bytes per document beside the output (bin_of) while the output is
+    // written; the sort's arrays are freed before it is allocated.
+    std::vector<int32_t> bin_of;  // sample of each position's best-fit piece (-1: none)
+    std::vector<int64_t> bin_count;
+    int64_t bins = 0, num_full = 0, items = 0;
     {
         py::gil_scoped_release release;
-        full_start[0] = 0;
-        for (int64_t p = 0; p < n && error.empty(); ++p) {
+        std::vector<int32_t> tail(static_cast<size_t>(n));
+        for (int64_t p = 0; p < n; ++p) {
             const int32_t d = docs[p];
             if (d < 0 || d >= num_sizes) {
                 error = "doc_idx[" + std::to_string(p) + "] = " + std::to_string(d) +
                         " is out of range for sizes of length " + std::to_string(num_sizes);
                 break;
             }
-            const int64_t length = sz[d];
-            if (length < 0) {
-                error = "sizes[" + std::to_string(d) + "] = " + std::to_string(length) + " is negative";
+            if (sz[d] < 0) {
+                error = "sizes[" + std::to_string(d) + "] = " + std::to_string(sz[d]) + " is negative";
                 break;
             }
-            int64_t full = 0, last = length;
-            if (length > capacity) {
-                const int64_t pieces = (length - overlap + step - 1) / step;
-                last = length - (pieces - 1) * step;
-                full = pieces - 1;
-            }
-            if (last == capacity) {
-                ++full;
-                last = 0;
-            }
+            int64_t full, last;
+            split_document(sz[d], capacity, step, &full, &last);
             tail[static_cast<size_t>(p)] = static_cast<int32_t>(last);
-            full_start[static_cast<size_t>(p + 1)] = full_start[static_cast<size_t>(p)] + full;
+            num_full += full;
             items += last > 0;
         }
         if (error.empty()) {
             // stable counting sort of the tails, longest first
-            std::vector<int64_t> start(static_cast<size_t>(capacity) + 1, 0);
-            for (int64_t p = 0; p < n; ++p) {
-                const int32_t t = tail[static_cast<size_t>(p)];
-                if (t > 0) ++start[static_cast<size_t>(capacity - t)];
+            std::vector<int32_t> order(static_cast<size_t>(items));
+            {
+                std::vector<int64_t> start(static_cast<size_t>(capacity) + 1, 0);
+                for (int64_t p = 0; p < n; ++p) {
+                    const int32_t t = tail[static_cast<size_t>(p)];
+                    if (t > 0) ++start[static_cast<size_t>(capacity - t)];
+                }
+                int64_t acc = 0;
+                for (auto &v : start) {
+                    const int64_t c = v;
+                    v = acc;
+                    acc += c;
+                }
+                for (int64_t p = 0; p < n; ++p) {
+                    const int32_t t = tail[static_cast<size_t>(p)];
+                    if (t > 0) order[static_cast<size_t>(start[static_cast<size_t>(capacity - t)]++)] = static_cast<int32_t>(p);
+                }
             }
-            int64_t acc = 0;
-            for (auto &v : start) {
-                const int64_t c = v;
-                v = acc;
-                acc += c;
-            }
-            order.resize(static_cast<size_t>(items));
-            for (int64_t p = 0; p < n; ++p) {
-                const int32_t t = tail[static_cast<size_t>(p)];
-                if (t > 0) order[static_cast<size_t>(start[static_cast<size_t>(capacity - t)]++)] = static_cast<int32_t>(p);
-            }
-            // best fit
+            bin_of.assign(static_cast<size_t>(n), -1);
             RoomTree tree(capacity);
             std::vector<std::vector<int32_t>> open(static_cast<size_t>(capacity));  // room -> samples
-            bin_of.resize(static_cast<size_t>(items));
             for (int64_t k = 0; k < items; ++k) {
-                const int64_t t = tail[static_cast<size_t>(order[static_cast<size_t>(k)])];
+                const int64_t p = order[static_cast<size_t>(k)];
+                const int64_t t = tail[static_cast<size_t>(p)];
                 const int64_t room = tree.first_at_least(t);
                 int64_t bin, left;
                 if (room < 0) {
@@ -581,13 +590,12 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
                     if (stack.empty()) tree.mark(left, true);
                     stack.push_back(static_cast<int32_t>(bin));
                 }
-                bin_of[static_cast<size_t>(k)] = static_cast<int32_t>(bin);
+                bin_of[static_cast<size_t>(p)] = static_cast<int32_t>(bin);
                 ++bin_count[static_cast<size_t>(bin)];
             }
         }
     }
     if (!error.empty()) throw py::value_error(error);
-    const int64_t num_full = full_start[static_cast<size_t>(n)];
     const int64_t num_samples = bins + num_full;
     py::array_t<int32_t> parts({items + num_full, static_cast<int64_t>(3)});
     py::array_t<int64_t> sample_index(num_samples + 1);
@@ -598,23 +606,24 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
         si[0] = 0;
         for (int64_t b = 0; b < bins; ++b) si[b + 1] = si[b] + bin_count[static_cast<size_t>(b)];
         for (int64_t f = 0; f < num_full; ++f) si[bins + f + 1] = si[bins + f] + 1;
-        std::vector<int64_t> cursor(si, si + bins);
-        for (int64_t k = 0; k < items; ++k) {
-            const int64_t p = order[static_cast<size_t>(k)];
-            const int64_t length = sz[docs[p]];
-            const int64_t t = tail[static_cast<size_t>(p)];
-            int32_t *row = out + 3 * cursor[static_cast<size_t>(bin_of[static_cast<size_t>(k)])]++;
-            row[0] = docs[p];
-            row[1] = static_cast<int32_t>(length - t);
-            row[2] = static_cast<int32_t>(t);
-        }
-        int32_t *row = out + 3 * si[bins];
+        // bin_count becomes each best-fit sample's write cursor
+        for (int64_t b = 0; b < bins; ++b) bin_count[static_cast<size_t>(b)] = si[b];
+        int32_t *full_row = out + 3 * si[bins];
         for (int64_t p = 0; p < n; ++p) {
-            for (int64_t f = 0; f < full_start[static_cast<size_t>(p + 1)] - full_start[static_cast<size_t>(p)]; ++f) {
+            const int64_t length = sz[docs[p]];
+            int64_t full, last;
+            split_document(length, capacity, step, &full, &last);
+            const int32_t bin = bin_of[static_cast<size_t>(p)];
+            if (bin >= 0) {
+                int32_t *row = out + 3 * bin_count[static_cast<size_t>(bin)]++;
                 row[0] = docs[p];
-                row[1] = static_cast<int32_t>(f * step);
-                row[2] = capacity;
-                row += 3;
+                row[1] = static_cast<int32_t>(length - last);
+                row[2] = static_cast<int32_t>(last);
+            }
+            for (int64_t f = 0; f < full; ++f, full_row += 3) {
+                full_row[0] = docs[p];
+                full_row[1] = static_cast<int32_t>(f * step);
+                full_row[2] = capacity;
             }
         }
     }

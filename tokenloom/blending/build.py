@@ -86,7 +86,7 @@ class BuildConfig:
     cut at sample boundaries. best-fit: each document (a longer one cut into sample-sized
     pieces) lies whole in one sample, packed by best-fit decreasing; the room left is padding
     the loss skips. Pick best-fit for document-level attention masking, short documents and
-    evaluation on whole documents; concat for Megatron's arrays and resumption."""
+    evaluation on whole documents; concat for Megatron-identical arrays and caches."""
 
 
 @dataclass

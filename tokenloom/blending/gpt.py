@@ -265,30 +265,35 @@ def build_packed_indices(
     rng = helpers.SeededStream(config.seed)
     tokens_per_epoch = _total_length(sequence_lengths, documents)
     parts: list[np.ndarray] = []
-    starts: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+    starts: list[np.ndarray] = []
     orders: list[np.ndarray] = []
     built = 0
     while not orders or (num_samples is not None and built < num_samples):
         order = np.array(documents, dtype=np.int32)
         helpers.shuffle(rng, order)
         epoch_parts, epoch_starts = helpers.pack_best_fit(sequence_lengths, order, capacity, step)
+        del order
         count = len(epoch_starts) - 1
         if count == 0:
             if num_samples:
                 raise TokenloomError(f"{num_samples} samples requested from a split with no tokens")
             break
-        samples = np.arange(built, built + count, dtype=np.int64)
+        samples = np.arange(built, built + count, dtype=np.uint32 if built + count < 2**32 - 1 else np.int64)
         helpers.shuffle(rng, samples)
+        if starts:  # later epochs' pointers continue the earlier ones'
+            epoch_starts = epoch_starts[1:] + starts[-1][-1]
         parts.append(epoch_parts)
-        starts.append(epoch_starts[1:] + (starts[-1][-1] if len(starts) > 1 else 0))
+        starts.append(epoch_starts)
         orders.append(samples)
         built += count
-    shuffle = np.concatenate(orders) if orders else np.zeros(0, dtype=np.int64)
+    if not orders:
+        parts, starts, orders = [np.zeros((0, 3), np.int32)], [np.zeros(1, np.int64)], [np.zeros(0, np.uint32)]
     dtype = np.uint32 if built < np.iinfo(np.uint32).max - 1 else np.int64
+    one = len(orders) == 1  # one epoch: the packer's arrays as they are (no copies)
     return GPTIndices(
-        np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int32),
-        np.concatenate(starts),
-        shuffle.astype(dtype),
+        parts[0] if one else np.concatenate(parts),
+        starts[0] if one else np.concatenate(starts),
+        orders[0].astype(dtype, copy=False) if one else np.concatenate([o.astype(dtype) for o in orders]),
         num_epochs=max(1, len(orders)),
         separate_final_epoch=False,
         tokens_per_epoch=tokens_per_epoch,

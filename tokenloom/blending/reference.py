@@ -307,7 +307,7 @@ def pack_best_fit(sizes: np.ndarray, doc_idx: np.ndarray, capacity: int, step: i
                 bisect.insort(rooms, left)
             stack.append(b)
         members[b].append(p)
-    rows = [(int(doc_idx[p]), int(lengths[p] - tail[p]), int(tail[p])) for m in members for p in m]
+    rows = [(int(doc_idx[p]), int(lengths[p] - tail[p]), int(tail[p])) for m in members for p in sorted(m)]
     rows += [(int(doc_idx[p]), f * step, capacity) for p in range(len(doc_idx)) for f in range(int(full[p]))]
     counts = [len(m) for m in members] + [1] * int(full.sum())
     sample_index = np.zeros(len(counts) + 1, dtype=np.int64)
