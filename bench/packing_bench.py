@@ -10,6 +10,10 @@ Rows:
   alternated, best of 3);
 * the packing's peak memory: the process's peak RSS during the build minus its RSS just
   before, over the bytes of the index arrays it returns - target <= 2x;
+* on the shared corpora (tinyshakespeare, WikiText-2, the English novels cut into
+  paragraphs; GPT-2 tokens) at seq 1024 and 2048, from the dumped samples: documents of up to
+  seq + 1 tokens whole in exactly one sample, the padding share (target <= 1%) and the samples
+  over ceil(tokens / seq) (target <= 1.01x);
 * training on real text: the same small GPT trained once on concat samples and once on
   best-fit samples of the byte-tokenized tinyshakespeare (train split, one pass, same seed,
   steps and batch), then both scored on whole held-out documents (the valid split packed
@@ -17,13 +21,15 @@ Rows:
   train tokens/s of each (best-fit also per trained label, padding and document ends
   excluded). Lower held-out loss is better.
 
-Usage: python bench/packing_bench.py [--documents N] [--seq-length N] [--train-seq N] [--skip-train]
+Usage: python bench/packing_bench.py [--documents N] [--seq-length N] [--train-seq N] [--skip-corpora]
+       [--skip-train]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -96,6 +102,61 @@ def build_rows(documents: int, seq: int) -> list[tuple[str, str, str, str]]:
         ("best-fit peak memory over its index arrays (target <= 2x)", f"{fit['extra'] / 2**20:.0f} MiB",
          f"{fit['index'] / 2**20:.0f} MiB", f"{fit['extra'] / fit['index']:.2f}x"),
     ]
+
+
+def novels_paragraphs(tmp: Path) -> str:
+    """The shared English novels cut into paragraphs (blank-line separated), GPT-2 tokens + EOD."""
+    import io  # lazy: only this row reads the novels
+
+    import zstandard  # lazy: as above
+
+    path = tmp / "novels_paragraphs.jsonl"
+    with open(SHARED / "english-novels" / "english_novels.jsonl.zst", "rb") as raw, \
+            open(path, "w", encoding="utf-8") as out:
+        for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True),
+                                     encoding="utf-8"):
+            for paragraph in json.loads(line)["text"].split("\n\n"):
+                if paragraph.strip():
+                    out.write(json.dumps({"text": paragraph}, ensure_ascii=False) + "\n")
+    prefix = tmp / "novels_gpt2_eod"
+    subprocess.run([sys.executable, str(REPO / "cli.py"), "preprocess", "--input", str(path), "--output-prefix",
+                    str(prefix), "--tokenizer", str(SHARED / "tokenizers" / "gpt2"), "--append-eod"], check=True,
+                   capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return str(prefix)
+
+
+def corpus_rows() -> list[tuple[str, str, str, str]]:
+    """Acceptance on the shared corpora at seq 1024 and 2048, from the dumped samples: documents
+    of up to seq + 1 tokens whole in exactly one sample, padding share, samples over the
+    ceil(tokens / seq) that concat gives."""
+    from collections import Counter  # lazy: only these rows
+
+    from tokenloom.blending.build import BuildConfig, build  # lazy: bench start-up
+    from tokenloom.blending.dump import sample_layouts  # lazy: as above
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        prefixes = {c.split("_")[0]: str(SHARED / "megatron-reference" / c) for c in CORPORA}
+        prefixes["novels (paragraphs)"] = novels_paragraphs(Path(tmp))
+        for name, prefix in prefixes.items():
+            for seq in (1024, 2048):
+                result = build(BuildConfig(data=[(1.0, prefix)], split="1,0,0", seq_length=seq, exhaustive=True,
+                                           packing="best-fit"))
+                records = list(sample_layouts(result.train))
+                lengths = result.train.source.sequence_lengths
+                parts = Counter(d for r in records for _, d, _, _ in r["parts"])
+                whole = Counter(d for r in records for _, d, o, n in r["parts"] if o == 0 and n == lengths[d])
+                fits = np.flatnonzero((lengths > 0) & (lengths <= seq + 1)).tolist()
+                ok = sum(whole[d] == 1 == parts[d] for d in fits)
+                padding = sum(r["padding"] for r in records) / (len(records) * (seq + 1))
+                bound = math.ceil(int(lengths.sum(dtype=np.int64)) / seq)
+                rows += [(f"{name} seq {seq}: documents <= seq + 1 whole in one sample", f"{ok}", f"{len(fits)}",
+                          f"{ok / len(fits):.2f}x"),
+                         (f"{name} seq {seq}: padding share (target <= 1%)", f"{100 * padding:.2f}%", "1%",
+                          f"{padding / 0.01:.2f}x"),
+                         (f"{name} seq {seq}: samples vs ceil(tokens / seq) (target <= 1.01x)", f"{len(records)}",
+                          f"{bound}", f"{len(records) / bound:.3f}x")]
+    return rows
 
 
 def byte_corpus(tmp: Path) -> str:
@@ -183,10 +244,14 @@ def main() -> None:
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--train-seq", type=int, default=256)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--skip-corpora", action="store_true")
     args = ap.parse_args()
     print_table(f"best-fit packing at scale: {args.documents} documents (lengths drawn from the shared corpora), "
                 f"seq {args.seq_length}, fresh process per side on one core, best of 3 alternating",
                 build_rows(args.documents, args.seq_length))
+    if not args.skip_corpora:
+        print_table("best-fit packing on the shared corpora (GPT-2, EOD per document; split 1,0,0, one epoch), "
+                    "checked from the dumped samples", corpus_rows())
     if not args.skip_train:
         title, rows = train_rows(args.train_seq)
         print_table(title, rows)

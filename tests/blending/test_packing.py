@@ -23,6 +23,7 @@ from tokenloom.blending.gpt import GPTDatasetConfig, build_gpt_indices, concat_c
 from tokenloom.blending.helpers import pack_best_fit
 from tokenloom.blending.loader import GPTSamples, SampleConfig
 from tokenloom.blending.mock import MockSource
+from tokenloom.blending.plan import format_plan
 from tokenloom.blending.split import Split
 from tokenloom.cli import main
 from tokenloom.errors import TokenloomError
@@ -165,6 +166,9 @@ def test_a_packed_blend_caches_dumps_and_reads_what_it_dumps(tmp_path):
     assert first.fingerprint == second.fingerprint != build(BuildConfig(**{**vars(cfg), "packing": "concat"})).fingerprint
     row = first.plan[0]
     assert row.padding is not None and row.cut is not None and row.concat_cut is not None and row.cut <= row.concat_cut
+    text = format_plan(first, cfg)
+    assert "padding" in text.splitlines()[0] and "cut (concat)" in text and "packing best-fit" in text
+    assert f"{row.padding} ({100 * row.padding_share:.2f}%)" in text.splitlines()[1]
     opened = {p: IndexedDataset(p) for p in (a, b)}
     records = list(sample_layouts(second.train))
     assert [r["sample"] for r in records] == list(range(len(second.train)))
