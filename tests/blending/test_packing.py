@@ -27,7 +27,7 @@ from tokenloom.blending.plan import format_plan
 from tokenloom.blending.split import Split
 from tokenloom.cli import main
 from tokenloom.errors import TokenloomError
-from tokenloom.indexed import IndexedDataset
+from tokenloom.indexed import IndexedDataset, IndexedDatasetWriter
 
 BEST_FIT = dict(packing="best-fit")
 
@@ -144,8 +144,6 @@ def test_loader_keeps_labels_inside_documents():
 
 
 def two_sources(tmp: Path) -> tuple[str, str]:
-    from tokenloom.indexed import IndexedDatasetWriter
-
     rng = np.random.default_rng(0)
     out = []
     for name, top in (("short", 30), ("long", 90)):

@@ -11,7 +11,12 @@ import pytest
 
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDatasetWriter
+from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig, TrainData
+from tokenloom.train.loop import run
+from tokenloom.train.metrics import read_metrics
+from tokenloom.train.model import GPTConfig
+from tokenloom.train.optim import OptimConfig
 
 SIZES = (40, 0, 0)
 
@@ -117,12 +122,6 @@ def test_blend_saved_without_history_on_other_data_is_refused(blend_sources, tmp
 def test_best_fit_resume_mid_epoch_continues_exactly(tmp_path, blend_sources):
     """A best-fit blend run of 8 steps equals 4 steps, a checkpoint (mid-epoch), ``resume="auto"``
     and 4 more, loss for loss; a resume that switches the packing is refused by name."""
-    from tokenloom.train.config import TrainConfig  # lazy: the loop's imports, only for this test
-    from tokenloom.train.loop import run
-    from tokenloom.train.metrics import read_metrics
-    from tokenloom.train.model import GPTConfig
-    from tokenloom.train.optim import OptimConfig
-
     a, b = blend_sources
 
     def cfg(out: Path, packing: str = "best-fit", **kw) -> TrainConfig:
