@@ -188,7 +188,7 @@ def train_rows(seq: int) -> tuple[str, list[tuple[str, str, str, str]]]:
         tmp = Path(tmp_dir)
         prefix = byte_corpus(tmp)
         split = "95,5,0"
-        gbs, micro = 16, 8
+        gbs, micro = 16, 16
         heldout = BlendBuilder(BlendConfig(gpt=GPTDatasetConfig(seq_length=seq, split=split, packing="best-fit"),
                                            blend=Blend((prefix,)))).build([1, None, 0])[Split.valid]
         train_tokens = int(np.sum(heldout.source.sequence_lengths, dtype=np.int64)) * 95 // 100
@@ -199,10 +199,10 @@ def train_rows(seq: int) -> tuple[str, list[tuple[str, str, str, str]]]:
             data = DataConfig(blend=BlendDataConfig(prefixes=[(1.0, prefix)], split=split,
                                                     cache_dir=str(tmp / "cache")), packing=packing)
             cfg = TrainConfig(model=GPTConfig(vocab_size=257, make_vocab_size_divisible_by=64, seq_len=seq,
-                                              n_layers=4, n_heads=4, d_model=128),
+                                              n_layers=2, n_heads=4, d_model=64),
                               data=data, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=20),
                               micro_batch_size=micro, global_batch_size=gbs, train_iters=steps, eval_interval=0,
-                              log_interval=50, output_dir=str(tmp / packing), progress=False, plot=False)
+                              log_interval=10, output_dir=str(tmp / packing), progress=False, plot=False)
             run = loop.start_run(cfg, World(0, 1, torch.device("cpu"), False))
             start = time.perf_counter()
             run.train()
@@ -223,7 +223,7 @@ def train_rows(seq: int) -> tuple[str, list[tuple[str, str, str, str]]]:
                           for i in range(trained)) if packing == "best-fit" else trained * seq)
             results[packing] = (total / count, trained * seq / seconds, labels / seconds)
     (cat_loss, cat_tps, _), (fit_loss, fit_tps, fit_labels) = results["concat"], results["best-fit"]
-    title = (f"concat vs best-fit training, byte-level tinyshakespeare (EOD per paragraph), GPT 4 x 128, seq {seq}, "
+    title = (f"concat vs best-fit training, byte-level tinyshakespeare (EOD per paragraph), GPT 2 x 64, seq {seq}, "
              f"batch {gbs}, {steps} steps (one pass over the train split); held-out: {len(evals)} best-fit samples "
              f"of whole valid documents (baseline = concat; loss lower is better)")
     return title, [
