@@ -181,7 +181,7 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
         train, valid, test = build_mock_datasets(gpt, sizes, source)
         description = {"kind": "mock", **asdict(m), "eod": eod, "vocab_size": vocab_size}
         plan = (f"mock data ({m.content}): {m.num_sequences} synthetic documents of 1-{m.max_length - 1} tokens, "
-                f"eod {eod}")
+                f"eod {eod}" + ("" if cfg.packing == "concat" else f"; packing {cfg.packing}"))
     else:
         if tokenizer_eod is None and cfg.eod_mask_loss:
             raise TokenloomError("data.eod_mask_loss needs the EOD id: set tokenizer")
