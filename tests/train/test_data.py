@@ -120,8 +120,8 @@ def test_blend_saved_without_history_on_other_data_is_refused(blend_sources, tmp
 
 
 def test_best_fit_resume_mid_epoch_continues_exactly(tmp_path, blend_sources):
-    """A best-fit blend run of 8 steps equals 4 steps, a checkpoint (mid-epoch), ``resume="auto"``
-    and 4 more, loss for loss; a resume that switches the packing is refused by name."""
+    """A best-fit blend run of 6 steps equals 3 steps, a checkpoint (mid-epoch), ``resume="auto"``
+    and 3 more, loss for loss; a resume that switches the packing is refused by name."""
     a, b = blend_sources
 
     def cfg(out: Path, packing: str = "best-fit", **kw) -> TrainConfig:
@@ -130,7 +130,7 @@ def test_best_fit_resume_mid_epoch_continues_exactly(tmp_path, blend_sources):
         base = dict(model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=1,
                                     n_heads=2, d_model=32),
                     data=data, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2), micro_batch_size=2,
-                    global_batch_size=4, train_iters=8, eval_interval=4, eval_iters=1, log_interval=1,
+                    global_batch_size=4, train_iters=6, eval_interval=3, eval_iters=1, log_interval=1,
                     output_dir=str(out), progress=False, plot=False)
         return TrainConfig(**(base | kw))
 
@@ -138,14 +138,14 @@ def test_best_fit_resume_mid_epoch_continues_exactly(tmp_path, blend_sources):
         return [(r["iter"], r[key]) for r in read_metrics(out / "metrics.jsonl") if key in r]
 
     run(cfg(tmp_path / "straight"))
-    run(cfg(tmp_path / "split", exit_interval=4, resume="auto"))
-    assert [i for i, _ in losses(tmp_path / "split")] == [1, 2, 3, 4]
+    run(cfg(tmp_path / "split", exit_interval=3, resume="auto"))
+    assert [i for i, _ in losses(tmp_path / "split")] == [1, 2, 3]
     run(cfg(tmp_path / "split", resume="auto"))
-    assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # exact, all 8 steps
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # exact, all 6 steps
     assert losses(tmp_path / "split", "val_loss") == losses(tmp_path / "straight", "val_loss")
     built = TrainData(cfg(tmp_path / "x").data, seq_len=32, vocab_size=96, sizes=(32, 4, 0))
     member = built.train.blends[0].datasets[0]
-    assert member.indices.packed and len(member.indices) > 4 * 4  # the checkpoint falls inside epoch 1
+    assert member.indices.packed and len(member.indices) > 3 * 4  # the checkpoint falls inside epoch 1
     built.consumed = 16
     concat = TrainData(cfg(tmp_path / "x", packing="concat").data, seq_len=32, vocab_size=96, sizes=(32, 4, 0))
     with pytest.raises(TokenloomError, match="data.packing 'best-fit' -> 'concat'"):

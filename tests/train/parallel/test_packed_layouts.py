@@ -15,12 +15,13 @@ from tokenloom.blending.blend import build_mock_datasets
 from tokenloom.blending.gpt import GPTDatasetConfig
 from tokenloom.blending.mock import MockSource
 from tokenloom.train.data import DataConfig, MockDataConfig
+from tokenloom.train.model import GPTConfig
 
-# one launch of four 6-step runs at 2 ranks and the 6-step reference take well under 30 s here
+# one launch of four 4-step runs at 2 ranks and the one-process reference: about 20 s on a quiet 2-core box
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOL = 1e-5
-STEPS = 6
+STEPS = 4
 SEQ = 16
 MOCK = dict(num_sequences=400, max_length=12, content="random")
 
@@ -33,8 +34,11 @@ LAYOUTS = {
 
 
 def _kw(**kw) -> dict:
+    """tiny_cfg's run on best-fit packed mock data, with two of its four layers (pp2 takes one each)."""
     data = DataConfig(mock=MockDataConfig(**MOCK), packing="best-fit")
-    return dict(data=data, train_iters=STEPS, eval_interval=3, eval_iters=1, **kw)
+    model = GPTConfig(bias=False, vocab_size=64, make_vocab_size_divisible_by=64, seq_len=SEQ, n_layers=2, n_heads=4,
+                      d_model=32)
+    return dict(model=model, data=data, train_iters=STEPS, eval_interval=2, eval_iters=1, **kw)
 
 
 def test_the_data_is_packed_and_documents_cross_cp2_chunks():
