@@ -47,6 +47,6 @@ def dump_samples(dataset: GPTDataset | BlendedDataset, path: str | os.PathLike, 
             for record in sample_layouts(dataset, num):
                 f.write(json.dumps(record, separators=(",", ":")) + "\n")
                 count += 1
-    except OSError as exc:
-        raise TokenloomError(os_error_message(exc, path)) from None
+    except OSError as exc:  # named by the file asked for, not its temporary name
+        raise TokenloomError(os_error_message(OSError(exc.errno, exc.strerror, os.fspath(path)))) from None
     return count
