@@ -195,6 +195,10 @@ def test_dump_of_a_megatron_build_matches_its_samples(tmp_path):
         assert r["padding"] == 0 and np.array_equal(tokens, train[r["sample"]])
     bad = CliRunner().invoke(main, ["build", "--data", a, "--num", "3"])
     assert bad.exit_code != 0 and "--num goes with --dump-samples FILE" in bad.output
+    gone = tmp_path / "missing" / "dump.jsonl"
+    bad = CliRunner().invoke(main, ["build", "--data", a, "--seq-length", "16", "--num-samples", "50",
+                                    "--dump-samples", str(gone)])
+    assert bad.exit_code == 1 and f"No such file or directory on {gone}" in bad.output and not gone.parent.exists()
 
 
 CORPORA = ["tinyshakespeare_gpt2_eod", "wikitext-2_gpt2_eod"]
