@@ -19,7 +19,8 @@ Rows:
   steps and batch), then both scored on whole held-out documents (the valid split packed
   best-fit: each document alone in its attention span, from position 0, loss inside it);
   train tokens/s of each (best-fit also per trained label, padding and document ends
-  excluded). Lower held-out loss is better.
+  excluded), the two runs side by side (one thread each) so that other load reaches both.
+  Lower held-out loss is better.
 
 Usage: python bench/packing_bench.py [--documents N] [--seq-length N] [--train-seq N] [--skip-corpora]
        [--skip-train]
@@ -169,13 +170,28 @@ def byte_corpus(tmp: Path) -> str:
     return str(prefix)
 
 
-def train_rows(seq: int) -> tuple[str, list[tuple[str, str, str, str]]]:
-    import torch  # lazy: only the training rows need it
+SPLIT, GBS, MICRO = "95,5,0", 16, 16
 
-    from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig  # lazy: as above
+
+def heldout_samples(prefix: str, seq: int):
+    """The valid split of ``prefix`` packed best-fit, as the loader gives it (whole documents, each
+    alone in its attention span, loss inside it)."""
+    from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig  # lazy: only the training rows
     from tokenloom.blending.gpt import GPTDatasetConfig  # lazy: as above
     from tokenloom.blending.loader import GPTSamples, SampleConfig  # lazy: as above
     from tokenloom.blending.split import Split  # lazy: as above
+
+    valid = BlendBuilder(BlendConfig(gpt=GPTDatasetConfig(seq_length=seq, split=SPLIT, packing="best-fit"),
+                                     blend=Blend((prefix,)))).build([1, None, 0])[Split.valid]
+    return GPTSamples(valid, SampleConfig(inter_document_masking=True, labels_within_documents=True))
+
+
+def train_child(packing: str, prefix: str, tmp: str, seq: int, steps: int) -> None:
+    """Train one side on one thread (the other side runs beside it), score it on the held-out
+    documents; prints loss, seconds and the tokens and labels trained."""
+    import torch  # lazy: only the training rows need it
+
+    from tokenloom.blending.loader import GPTSamples, SampleConfig  # lazy: as above
     from tokenloom.train import loop  # lazy: as above
     from tokenloom.train.config import TrainConfig  # lazy: as above
     from tokenloom.train.data import BlendDataConfig, DataConfig  # lazy: as above
@@ -183,61 +199,77 @@ def train_rows(seq: int) -> tuple[str, list[tuple[str, str, str, str]]]:
     from tokenloom.train.optim import OptimConfig  # lazy: as above
     from tokenloom.train.runtime import World  # lazy: as above
 
-    torch.set_num_threads(2)
-    with tempfile.TemporaryDirectory() as tmp_dir:
-        tmp = Path(tmp_dir)
-        prefix = byte_corpus(tmp)
-        split = "95,5,0"
-        gbs, micro = 16, 16
-        heldout = BlendBuilder(BlendConfig(gpt=GPTDatasetConfig(seq_length=seq, split=split, packing="best-fit"),
-                                           blend=Blend((prefix,)))).build([1, None, 0])[Split.valid]
-        train_tokens = int(np.sum(heldout.source.sequence_lengths, dtype=np.int64)) * 95 // 100
-        steps = train_tokens // (seq * gbs)  # one pass over the train split
-        evals = GPTSamples(heldout, SampleConfig(inter_document_masking=True, labels_within_documents=True))
+    torch.set_num_threads(1)
+    data = DataConfig(blend=BlendDataConfig(prefixes=[(1.0, prefix)], split=SPLIT, cache_dir=f"{tmp}/cache-{packing}"),
+                      packing=packing)  # type: ignore[arg-type]
+    cfg = TrainConfig(model=GPTConfig(vocab_size=257, make_vocab_size_divisible_by=64, seq_len=seq, n_layers=2,
+                                      n_heads=4, d_model=64),
+                      data=data, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=20), micro_batch_size=MICRO,
+                      global_batch_size=GBS, train_iters=steps, eval_interval=0, log_interval=10,
+                      output_dir=f"{tmp}/{packing}", progress=False, plot=False)
+    run = loop.start_run(cfg, World(0, 1, torch.device("cpu"), False))
+    start = time.perf_counter()
+    run.train()
+    seconds = time.perf_counter() - start
+    model = run.strategy.chunks[0].eval()
+    evals = heldout_samples(prefix, seq)
+    total = count = 0.0
+    with torch.no_grad():
+        for k in range(0, len(evals), MICRO):
+            batch = [evals[i] for i in range(k, min(k + MICRO, len(evals)))]
+            t = {key: torch.as_tensor(np.stack([b[key] for b in batch])) for key in batch[0]}
+            losses = model(t["tokens"], t["labels"], documents=t["cu_seqlens"], positions=t["position_ids"],
+                           token_losses=True)
+            total += float((losses * t["loss_mask"]).sum())
+            count += float(t["loss_mask"].sum())
+    trained = steps * GBS
+    within = GPTSamples(run.data.train, SampleConfig(labels_within_documents=True))
+    labels = sum(float(within[i]["loss_mask"].sum()) for i in range(trained)) if packing == "best-fit" \
+        else trained * seq
+    print(json.dumps({"loss": total / count, "seconds": seconds, "tokens": trained * seq, "labels": labels,
+                      "heldout": len(evals)}))
+
+
+def train_rows(seq: int) -> tuple[str, list[tuple[str, str, str, str]]]:
+    """Both sides at once, one thread each on the 2 cores, so load from elsewhere reaches both alike."""
+    from tokenloom.indexed import IndexedDataset  # lazy: bench start-up
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = byte_corpus(Path(tmp))
+        tokens = int(np.sum(IndexedDataset(prefix).sequence_lengths, dtype=np.int64))
+        steps = tokens * 95 // 100 // (seq * GBS)  # about one pass over the train split
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        procs = {side: subprocess.Popen([sys.executable, __file__, "--train-child", side, prefix, tmp, str(seq),
+                                         str(steps)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True)
+                 for side in ("concat", "best-fit")}
         results = {}
-        for packing in ("concat", "best-fit"):
-            data = DataConfig(blend=BlendDataConfig(prefixes=[(1.0, prefix)], split=split,
-                                                    cache_dir=str(tmp / "cache")), packing=packing)
-            cfg = TrainConfig(model=GPTConfig(vocab_size=257, make_vocab_size_divisible_by=64, seq_len=seq,
-                                              n_layers=2, n_heads=4, d_model=64),
-                              data=data, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=20),
-                              micro_batch_size=micro, global_batch_size=gbs, train_iters=steps, eval_interval=0,
-                              log_interval=10, output_dir=str(tmp / packing), progress=False, plot=False)
-            run = loop.start_run(cfg, World(0, 1, torch.device("cpu"), False))
-            start = time.perf_counter()
-            run.train()
-            seconds = time.perf_counter() - start
-            model = run.strategy.chunks[0].eval()
-            total = count = 0.0
-            with torch.no_grad():
-                for k in range(0, len(evals), micro):
-                    batch = [evals[i] for i in range(k, min(k + micro, len(evals)))]
-                    t = {key: torch.as_tensor(np.stack([b[key] for b in batch])) for key in batch[0]}
-                    losses = model(t["tokens"], t["labels"], documents=t["cu_seqlens"], positions=t["position_ids"],
-                                   token_losses=True)
-                    total += float((losses * t["loss_mask"]).sum())
-                    count += float(t["loss_mask"].sum())
-            trained = steps * gbs
-            train = run.data.train
-            labels = (sum(float(GPTSamples(train, SampleConfig(labels_within_documents=True))[i]["loss_mask"].sum())
-                          for i in range(trained)) if packing == "best-fit" else trained * seq)
-            results[packing] = (total / count, trained * seq / seconds, labels / seconds)
-    (cat_loss, cat_tps, _), (fit_loss, fit_tps, fit_labels) = results["concat"], results["best-fit"]
+        for side, proc in procs.items():
+            out, _ = proc.communicate()
+            if proc.returncode:
+                raise SystemExit(f"the {side} training run failed (exit {proc.returncode})")
+            results[side] = json.loads(out.splitlines()[-1])
+    cat, fit = results["concat"], results["best-fit"]
+    cat_tps, fit_tps = cat["tokens"] / cat["seconds"], fit["tokens"] / fit["seconds"]
     title = (f"concat vs best-fit training, byte-level tinyshakespeare (EOD per paragraph), GPT 2 x 64, seq {seq}, "
-             f"batch {gbs}, {steps} steps (one pass over the train split); held-out: {len(evals)} best-fit samples "
-             f"of whole valid documents (baseline = concat; loss lower is better)")
+             f"batch {GBS}, {steps} steps (one pass over the train split), the two runs side by side on one thread "
+             f"each; held-out: {fit['heldout']} best-fit samples of whole valid documents (baseline = concat; loss "
+             f"lower is better)")
     return title, [
-        ("held-out loss on whole documents (nats/token)", f"{fit_loss:.4f}", f"{cat_loss:.4f}",
-         f"{fit_loss / cat_loss:.3f}x"),
+        ("held-out loss on whole documents (nats/token)", f"{fit['loss']:.4f}", f"{cat['loss']:.4f}",
+         f"{fit['loss'] / cat['loss']:.3f}x"),
         ("train tokens/s (sample slots)", f"{fit_tps:.0f}", f"{cat_tps:.0f}", f"{fit_tps / cat_tps:.2f}x"),
-        ("trained labels/s (best-fit: padding and document ends excluded)", f"{fit_labels:.0f}", f"{cat_tps:.0f}",
-         f"{fit_labels / cat_tps:.2f}x"),
+        ("trained labels/s (best-fit: padding and document ends excluded)", f"{fit['labels'] / fit['seconds']:.0f}",
+         f"{cat_tps:.0f}", f"{fit['labels'] / fit['seconds'] / cat_tps:.2f}x"),
     ]
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--train-child":
+        train_child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--documents", type=int, default=10_000_000)
