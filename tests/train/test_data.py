@@ -15,8 +15,8 @@ from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig, TrainData
 from tokenloom.train.loop import run
 from tokenloom.train.metrics import read_metrics
-from tokenloom.train.model import GPTConfig
-from tokenloom.train.optim import OptimConfig
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.optim.adamw import OptimConfig
 
 SIZES = (40, 0, 0)
 

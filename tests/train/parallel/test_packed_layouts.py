@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from compose_helpers import launch, logged_losses, merged_params, reference
+from compose_helpers import launch, launches_timeout, logged_losses, merged_params, reference
 
 from tokenloom.blending.blend import build_mock_datasets
 from tokenloom.blending.gpt import GPTDatasetConfig
 from tokenloom.blending.mock import MockSource
 from tokenloom.train.data import DataConfig, MockDataConfig
-from tokenloom.train.model import GPTConfig
+from tokenloom.train.model.config import GPTConfig
 
 # one launch of four 4-step runs at 2 ranks and the one-process reference: about 20 s on a quiet 2-core box
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOL = 1e-5
 STEPS = 4
@@ -31,6 +30,7 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "cp2": dict(cp=2),
 }
+pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS))]
 
 
 def _kw(**kw) -> dict:
@@ -61,7 +61,7 @@ def test_the_data_is_packed_and_documents_cross_cp2_chunks():
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("packing")
     scenarios = [("train", dict(_kw(**kw), out=str(tmp / name))) for name, kw in LAYOUTS.items()]
-    results = launch(scenarios, 2, tmp, deadline_s=280.0)
+    results = launch(scenarios, 2, tmp)
     out = {name: [rank[i] for rank in results] for i, name in enumerate(LAYOUTS)}
     return out, reference(tmp / "ref", **_kw())
 
