@@ -98,28 +98,9 @@ def long_module_docstrings(files: list[Path]) -> list[str]:
     return found
 
 
-NOT_YET_TRIMMED: dict[str, int] = {
-    "train/checkpoint/format.py": 58,
-    "train/checkpoint/hf.py": 59,
-    "train/model/moe.py": 54,
-    "train/parallel/ddp.py": 56,
-    "train/strategy.py": 54,
-}
-"""Modules whose docstrings are still over the limit (path under tokenloom/ -> today's length, which
-they may not exceed): to be trimmed of their repetition, then removed from here (the test below
-fails for an entry that already fits, so this list only shrinks)."""
-
-
 def test_no_module_docstring_over_40_lines():
-    files = sorted(PACKAGE.rglob("*.py"))
-    found = long_module_docstrings(files)
-    over = [f for f in found if f.split(": ")[0].removeprefix(f"{PACKAGE}/") not in NOT_YET_TRIMMED]
-    grown = [f for f in found if int(f.split(": ")[1].split()[0])
-             > NOT_YET_TRIMMED.get(f.split(": ")[0].removeprefix(f"{PACKAGE}/"), MAX_MODULE_DOCSTRING)]
-    fits = sorted(set(NOT_YET_TRIMMED) - {f.split(": ")[0].removeprefix(f"{PACKAGE}/") for f in found})
-    assert not over + grown, f"module docstrings over {MAX_MODULE_DOCSTRING} lines (trim the repetition):\n" + \
-        "\n".join(over + grown)
-    assert not fits, f"these fit now; remove them from NOT_YET_TRIMMED: {fits}"
+    found = long_module_docstrings(sorted(PACKAGE.rglob("*.py")))
+    assert not found, f"module docstrings over {MAX_MODULE_DOCSTRING} lines (trim the repetition):\n" + "\n".join(found)
 
 
 def test_a_planted_long_module_docstring_fails(tmp_path):
