@@ -283,13 +283,22 @@ def _parse_counts(text: str | None) -> tuple:
 @click.option("--max-repeat", type=float, default=4.0, show_default=True, help=_bd_help("max_repeat"))
 @click.option("--exhaustive", is_flag=True, help=_bd_help("exhaustive"))
 @click.option("--dry-run", is_flag=True, help=_bd_help("dry_run"))
+@click.option("--packing", type=click.Choice(["concat", "best-fit"]), default="concat", show_default=True,
+              help=_bd_help("packing"))
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of requested vs realised shares.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def build(sources, blend_file, num_samples, plot, as_json, **options):
+@click.option("--dump-samples", "dump", type=click.Path(dir_okay=False),
+              help="Write the samples of --dump-split in training order, one JSON line each: "
+                   '{"sample": i, "parts": [[source, document, offset, length], ...], "padding": p}.')
+@click.option("--num", "dump_num", type=click.IntRange(min=0), help="With --dump-samples: only the first N samples.")
+@click.option("--dump-split", type=click.Choice(["train", "valid", "test"]), default="train", show_default=True,
+              help="With --dump-samples: the split to write.")
+def build(sources, blend_file, num_samples, plot, as_json, dump, dump_num, dump_split, **options):
     """Build GPT train/valid/test sample indices for a blend: build --data W1 PREFIX1 W2 PREFIX2 ..."""
     from tokenloom.blending.args import load_blend_file, parse_data_args  # lazy: start-up time
     from tokenloom.blending.build import BuildConfig  # lazy: start-up time
     from tokenloom.blending.build import build as run  # lazy: start-up time
+    from tokenloom.blending.dump import dump_samples  # lazy: start-up time
     from tokenloom.blending.plan import format_plan, plan_json  # lazy: start-up time
     from tokenloom.blending.plot import plot_plan  # lazy: start-up time
 
@@ -301,10 +310,19 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
         raise click.UsageError("no sources: build --data 0.3 PREFIX1 0.7 PREFIX2 (or --blend-file FILE)")
     if "data_per_split" in spec:
         options["split"] = None
+    if dump_num is not None and not dump:
+        raise click.UsageError("--num goes with --dump-samples FILE")
     cfg = BuildConfig(**spec, num_samples=_parse_counts(num_samples), **options)
     with _sigterm_interrupts("build"):  # the cache gains whole entries only (blending/cache.py)
         result = run(cfg)
+        if dump:
+            dataset = result.datasets[["train", "valid", "test"].index(dump_split)]
+            if dataset is None or isinstance(dataset, list):
+                raise click.UsageError(f"--dump-split {dump_split}: this blend builds no single {dump_split} dataset")
+            written = dump_samples(dataset, dump, dump_num)
     click.echo(plan_json(result) if as_json else format_plan(result, cfg))
+    if dump and not as_json:
+        click.echo(f"samples: {written} of the {dump_split} split written to {dump}")
     if plot:
         plot_plan(result, plot)
         if not as_json:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from tl_testing import REPO, cli_env, limit_s, one_line_error, run_cli
