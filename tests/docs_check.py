@@ -6,7 +6,7 @@
   are examples that are only flag-checked.
 * **Flags**: every ``--flag`` on a ``cli.py COMMAND`` line of any shell block exists on that
   command (click's own option names, what ``--help`` prints); every ``--set KEY=`` names a
-  config field (:func:`flag_errors`).
+  config field; a flag quoted in prose (in backticks) is some command's (:func:`flag_errors`).
 * **Defaults**: ``<!-- default: KEY -->`` before a sentence: the first ``code`` span after it on
   that line must be the value the code gives KEY (:func:`default_errors`, :data:`RULES`).
 * **Fields**: the generated field reference in docs/config.md (between ``<!-- fields -->`` and
@@ -95,6 +95,7 @@ def flag_errors(pages: dict[str, str]) -> list[str]:
     """``page:line: ...`` for each flag a ``cli.py`` line names that its command lacks, and each
     ``--set KEY=`` whose KEY is no config field."""
     group, fields = _cli_group(), set(_config_fields())
+    every_flag = _all_flags(group)
     errors = []
     for name, text in pages.items():
         for line, body, _ in shell_blocks(text):
@@ -114,7 +115,17 @@ def flag_errors(pages: dict[str, str]) -> list[str]:
                         key = rest[i + 1].split("=", 1)[0]
                         if key not in fields:
                             errors.append(f"{name}:{line}: --set {key}: no such config field")
+        # a flag quoted in prose (`--name ...`) must be some command's (`--moe-*`: a family, skipped)
+        for m in re.finditer(r"`(--[\w-]*\w)(?![\w-]*\*)", text):
+            if m.group(1) not in every_flag:
+                errors.append(f"{name}:{text.count(chr(10), 0, m.start()) + 1}: no command has {m.group(1)}")
     return errors
+
+
+def _all_flags(cmd: click.Command) -> set[str]:
+    if isinstance(cmd, click.Group):
+        return set().union(*(_all_flags(c) for c in cmd.commands.values()))
+    return _options(cmd)
 
 
 def _field_default(key: str) -> object:

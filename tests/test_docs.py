@@ -98,6 +98,8 @@ def test_a_planted_wrong_flag_fails(pages):
     assert any("has no --train-itres" in e for e in flag_errors(planted))
     planted["docs/train.md"] += "\n```bash\npython cli.py train --set optim.lrr=1\n```\n"
     assert any("--set optim.lrr" in e for e in flag_errors(planted))
+    planted["docs/train.md"] += "\nThe `--eval-intervall` flag.\n"
+    assert any("no command has --eval-intervall" in e for e in flag_errors(planted))
 
 
 def test_a_planted_stale_default_fails(pages):
