@@ -19,7 +19,7 @@ from docs_check import (
     shell_blocks,
 )
 from test_docstrings import PATTERNS
-from tl_testing import limit_s, shared_data_dir
+from tl_testing import limit_s
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +82,9 @@ def test_no_measurement_is_quoted_in_prose(pages):
 # verify and a dry-run build: about 20 s of CPU, up to 70 s on the shared 2-core dev box under
 # load, hence a timeout of 900 (0.1 of it is 90 s).
 @pytest.mark.timeout(900)
-def test_runnable_blocks_run(pages, tmp_path):
-    data = shared_data_dir()
-    if not (data / "tinyshakespeare").is_dir():
-        pytest.skip("needs the shared data (tinyshakespeare, tokenizers/gpt2)")
+def test_runnable_blocks_run(pages, tmp_path, shared_data):
     assert sum(r for t in pages.values() for _, _, r in shell_blocks(t)) >= 4
-    assert run_blocks(pages, tmp_path, data, timeout=limit_s(300)) == []
+    assert run_blocks(pages, tmp_path, shared_data, timeout=limit_s(300)) == []
 
 
 # --- each check fails on a planted violation -------------------------------------------------
