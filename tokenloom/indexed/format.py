@@ -34,11 +34,9 @@ Trade-offs chosen, against Megatron's ``IndexedDatasetBuilder``:
   preserves holes, so sparse test files stay sparse.
 * The reader memory-maps both files and returns zero-copy views; it validates the
   header and sizes on open and raises :class:`FormatError` naming the file.
-* A prefix may be an object-store URL (``s3://bucket/dir/name``, what fsspec serves): the
-  ``.idx`` is then fetched once per node into the content-keyed local cache of
-  :func:`tokenloom.objstore.local_copy` and mapped from there, and the ``.bin`` is read in
-  place through a bounded block cache (:class:`tokenloom.objstore.RangedReader`): reads return
-  copies instead of views, and nothing is copied whole to local disk.
+* A prefix may be an object-store URL (``s3://bucket/dir/name``): the ``.idx`` is mapped from a
+  node-local copy (:func:`tokenloom.objstore.local_copy`), the ``.bin`` read in place through a block
+  cache (:class:`tokenloom.objstore.RangedReader`); reads then return copies, not views.
 """
 
 from __future__ import annotations

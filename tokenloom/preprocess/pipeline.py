@@ -7,54 +7,36 @@
 
 Policy and its costs:
 
-* Ordered and deterministic: chunks are numbered and written in order, and a
-  record's tokens depend only on that record, so the bytes are the same for any
-  ``--workers`` and equal Megatron's ``preprocess_data.py`` output.
-* Bounded memory: at most ``2 x workers`` chunks are in flight (backpressure on
-  the reader); index arrays grow by 12 bytes per sequence.
-* Scaling: for a local jsonl the main process reads no input: it cuts byte ranges
-  (one 64 KB read per chunk to find a line end) and the workers read and parse them.
-  What stays in the main process is receiving each chunk's tokens (one pickle over a
-  pipe) and appending them to the ``.bin``, so one main process keeps up with several
-  workers at gigatoken's speed. Compressed inputs are decompressed and split into lines
-  by the main process, which bounds one stream's rate (``bench/preprocess_bench.py``
-  measures the throughput; the per-process rates are in bench/RESULTS.md's notes).
-  Beyond that, a node runs several shards (``--num-shards``, one main process each,
-  or ``--executor ray``), joined by ``tokenloom merge`` with in-kernel copies. Input
-  digests are computed by a child process (BLAKE3, several threads per file) on the
-  cores that start-up leaves idle.
-* Resumable: every ``checkpoint_interval`` seconds the partial ``.bin`` files are
-  fsynced and a checkpoint (index arrays + input position + counters) is written
-  atomically into ``OUTPUT.partial/``. Rerunning the same command continues from
-  there; anything written after the checkpoint is truncated away, so the result
-  is byte-identical to an uninterrupted run. A different command starts afresh.
-* Faults: a full disk, too many open files, an I/O or permission error ends the run
-  with one line naming the path and what to do; everything written after the last
-  checkpoint is cut away (it may be what filled the disk) and the checkpoint is kept,
-  so rerunning the same command resumes. A dead worker process (killed, out of
-  memory) first checkpoints everything already written, then stops the same way;
-  Ctrl-C (exit status 130) and a closed stdout (the CLI's line) keep the checkpoint too.
-  Every stop is one line: the clean-up closes the result stream before the pool.
-  Workers die with the main process (see ``worker``).
-* Publishing: every output is completed inside ``OUTPUT.partial/`` (``.bin``,
-  ``.idx``, manifest), a ``staged.json`` marker records that, and then each output is
-  committed ``.bin``, ``.idx``, manifest (:mod:`tokenloom.preprocess.commit`): the
-  manifest is the commit point. A run killed while publishing is finished by the
-  next run of the same command without tokenizing again; temporary files of dead
-  runs of the same output are removed when it starts.
-* Bad records: by default the first one stops the run with ``file:line: reason``.
-  With ``max_bad_fraction`` they go to ``OUTPUT.rejects.jsonl`` and the run fails
-  only if their share of records exceeds it. On failure nothing is published
-  under a final name (the rejects file is, to explain the failure).
-* Object storage: inputs and the output prefix may be ``s3://`` URLs
-  (:mod:`tokenloom.objstore`). Inputs are streamed. An object-store output is
-  completed in a local staging directory (``--staging-dir``, default the system temp
-  dir, one folder per output URL), which holds the ``.partial`` state above, so
-  resume works the same; then it is uploaded ``.bin``, ``.idx``, manifest. Costs: the
-  staging disk must hold the whole output, and the upload starts only when
-  tokenizing ends.
-* Input digests (BLAKE3) are computed by a child process started before the tokenizer
-  loads, reading the files a second time (:mod:`tokenloom.preprocess.hashing`).
+* Ordered and deterministic: chunks are numbered and written in order, and a record's tokens
+  depend only on that record, so the bytes are the same for any ``--workers`` and equal Megatron's
+  ``preprocess_data.py`` output.
+* Bounded memory: at most ``2 x workers`` chunks in flight (backpressure on the reader); index
+  arrays grow by 12 bytes per sequence.
+* Scaling: for a local jsonl the main process reads no input: it cuts byte ranges (one 64 KB read
+  per chunk to find a line end) and only receives and appends each chunk's tokens. Compressed
+  inputs are decompressed and split by the main process, which bounds one stream's rate
+  (``bench/preprocess_bench.py``; rates in bench/RESULTS.md's notes). Beyond that, shards
+  (``--num-shards``, or ``--executor ray``) joined by ``tokenloom merge``.
+* Resumable: every ``checkpoint_interval`` seconds the partial ``.bin`` files are fsynced and a
+  checkpoint (index arrays, input position, counters) is written atomically into
+  ``OUTPUT.partial/``. The same command continues from there, truncating what was written after
+  it, so the result is byte-identical to an uninterrupted run; a different command starts afresh.
+* Faults: a full disk, too many open files, an I/O or permission error ends the run with one line
+  naming the path; what was written after the last checkpoint is cut away and the checkpoint kept.
+  A dead worker first checkpoints what was already written; Ctrl-C (exit 130) and a closed stdout
+  keep the checkpoint too. Workers die with the main process (see ``worker``).
+* Publishing: every output is completed inside ``OUTPUT.partial/``, a ``staged.json`` marker
+  records that, then ``.bin``, ``.idx``, manifest are committed (:mod:`tokenloom.preprocess.commit`;
+  the manifest is the commit point). A run killed while publishing is finished by the next run of
+  the same command without tokenizing again.
+* Bad records: the first one stops the run with ``file:line: reason``; with ``max_bad_fraction``
+  they go to ``OUTPUT.rejects.jsonl`` and the run fails only above that share, publishing nothing
+  under a final name but the rejects file.
+* Object storage: ``s3://`` inputs are streamed (:mod:`tokenloom.objstore`); an ``s3://`` output
+  is completed, checkpointed and resumed in ``--staging-dir`` (which must hold the whole output),
+  then uploaded ``.bin``, ``.idx``, manifest, once tokenizing ends.
+* Input digests (BLAKE3, several threads per file) are computed by a child process started before
+  the tokenizer loads, reading the files a second time (:mod:`tokenloom.preprocess.hashing`).
 """
 
 from __future__ import annotations
