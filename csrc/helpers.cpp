@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -41,6 +42,10 @@ template <>
 const char *dtype_name<double>() { return "float64"; }
 template <>
 const char *dtype_name<uint32_t>() { return "uint32"; }
+template <>
+const char *dtype_name<uint64_t>() { return "uint64"; }
+template <>
+const char *dtype_name<uint8_t>() { return "uint8"; }
 
 // Check that `obj` is a 1-D C-contiguous numpy array of exactly dtype T (no casts).
 template <typename T>
@@ -446,6 +451,134 @@ const char *kSampleIdxDoc = R"doc(Build the GPT sample index: a [n + 1, 2] array
 Same results as Megatron's build_sample_idx_<T>. With drop_last false, n is computed
 in single precision like Megatron unless exact_ceil is true.)doc";
 
+
+// ---------------------------------------------------------------- MinHash signatures (tokenloom.clean.keys)
+
+// XXH64 (seed 0), written from the published xxHash specification (doc/xxhash_spec.md).
+constexpr uint64_t kP1 = 11400714785074694791ULL, kP2 = 14029467366897019727ULL, kP3 = 1609587929392839161ULL,
+                   kP4 = 9650029242287828579ULL, kP5 = 2870177450012600261ULL;
+
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t read64(const uint8_t *p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;  // little-endian hosts only (checked by the caller's test against the xxhash package)
+}
+inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+inline uint64_t round64(uint64_t acc, uint64_t lane) { return rotl(acc + lane * kP2, 31) * kP1; }
+inline uint64_t merge64(uint64_t acc, uint64_t v) { return (acc ^ round64(0, v)) * kP1 + kP4; }
+
+uint64_t xxh64(const uint8_t *p, size_t len) {
+    const uint8_t *end = p + len;
+    uint64_t h;
+    if (len >= 32) {
+        uint64_t v1 = kP1 + kP2, v2 = kP2, v3 = 0, v4 = 0 - kP1;
+        while (p + 32 <= end) {
+            v1 = round64(v1, read64(p));
+            v2 = round64(v2, read64(p + 8));
+            v3 = round64(v3, read64(p + 16));
+            v4 = round64(v4, read64(p + 24));
+            p += 32;
+        }
+        h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+        h = merge64(h, v1);
+        h = merge64(h, v2);
+        h = merge64(h, v3);
+        h = merge64(h, v4);
+    } else {
+        h = kP5;
+    }
+    h += static_cast<uint64_t>(len);
+    while (p + 8 <= end) {
+        h = rotl(h ^ round64(0, read64(p)), 27) * kP1 + kP4;
+        p += 8;
+    }
+    if (p + 4 <= end) {
+        h = rotl(h ^ (static_cast<uint64_t>(read32(p)) * kP1), 23) * kP2 + kP3;
+        p += 4;
+    }
+    while (p < end) {
+        h = rotl(h ^ (static_cast<uint64_t>(*p) * kP5), 11) * kP1;
+        ++p;
+    }
+    h ^= h >> 33;
+    h *= kP2;
+    h ^= h >> 29;
+    h *= kP3;
+    h ^= h >> 32;
+    return h;
+}
+
+py::array_t<uint64_t> xxh64_array(py::handle data_obj, py::handle offsets_obj) {
+    auto data = checked_array<uint8_t>(data_obj, "data", false);
+    auto offsets = checked_array<int64_t>(offsets_obj, "offsets", false);
+    const int64_t n = offsets.shape(0) - 1;
+    py::array_t<uint64_t> out(std::max<int64_t>(n, 0));
+    auto o = offsets.unchecked<1>();
+    const uint8_t *d = data.data();
+    uint64_t *r = out.mutable_data();
+    for (int64_t i = 0; i < n; ++i) {
+        if (o(i) < 0 || o(i + 1) < o(i) || o(i + 1) > data.shape(0)) throw py::value_error("offsets out of range");
+        r[i] = xxh64(d + o(i), static_cast<size_t>(o(i + 1) - o(i)));
+    }
+    return out;
+}
+
+// Per document (bytes offsets[i]..offsets[i+1] of data: words joined by single spaces), the minimum of
+// (a[k] * h + b[k]) mod (2^61 - 1) over the XXH64 h of each space-joined word ngrams-gram, products
+// wrapping at 64 bits (numpy uint64). Rows of documents with fewer than ngrams words stay all ones.
+py::array_t<uint64_t> minhash_signatures(py::handle data_obj, py::handle offsets_obj, int64_t ngrams,
+                                         py::handle a_obj, py::handle b_obj) {
+    auto data = checked_array<uint8_t>(data_obj, "data", false);
+    auto offsets = checked_array<int64_t>(offsets_obj, "offsets", false);
+    auto a_arr = checked_array<uint64_t>(a_obj, "a", false);
+    auto b_arr = checked_array<uint64_t>(b_obj, "b", false);
+    if (ngrams < 1) throw py::value_error("ngrams must be >= 1");
+    const int64_t n = offsets.shape(0) - 1, H = a_arr.shape(0);
+    if (b_arr.shape(0) != H) throw py::value_error("a and b differ in length");
+    py::array_t<uint64_t> out({std::max<int64_t>(n, 0), H});
+    uint64_t *sig = out.mutable_data();
+    std::fill(sig, sig + std::max<int64_t>(n, 0) * H, std::numeric_limits<uint64_t>::max());
+    const uint64_t *a = a_arr.data(), *b = b_arr.data();
+    const uint64_t prime = (1ULL << 61) - 1;
+    auto o = offsets.unchecked<1>();
+    const uint8_t *d = data.data();
+    for (int64_t i = 0; i < n; ++i) {
+        if (o(i) < 0 || o(i + 1) < o(i) || o(i + 1) > data.shape(0)) throw py::value_error("offsets out of range");
+    }
+    std::vector<int64_t> starts;
+    {
+        py::gil_scoped_release release;
+        for (int64_t i = 0; i < n; ++i) {
+            starts.clear();
+            int64_t begin = o(i), end = o(i + 1);
+            if (begin == end) continue;
+            starts.push_back(begin);
+            for (int64_t j = begin; j < end; ++j) {
+                if (d[j] == ' ') starts.push_back(j + 1);
+            }
+            const int64_t words = static_cast<int64_t>(starts.size());
+            starts.push_back(end + 1);  // one past the last word's trailing separator
+            uint64_t *row = sig + i * H;
+            for (int64_t w = 0; w + ngrams <= words; ++w) {
+                const uint64_t h = xxh64(d + starts[w], static_cast<size_t>(starts[w + ngrams] - 1 - starts[w]));
+                for (int64_t k = 0; k < H; ++k) {
+                    // x mod (2^61 - 1) for any 64-bit x: x = hi * 2^61 + lo, and 2^61 = 1 (mod p)
+                    const uint64_t x = a[k] * h + b[k];
+                    uint64_t v = (x & prime) + (x >> 61);
+                    v = v >= prime ? v - prime : v;
+                    row[k] = v < row[k] ? v : row[k];
+                }
+            }
+        }
+    }
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -470,4 +603,9 @@ PYBIND11_MODULE(_native, m) {
     m.def("build_exhaustive_blending_indices", &build_exhaustive_blending_indices,
           "Fill dataset_index / dataset_sample_index drawing every sample of every dataset exactly once.",
           py::arg("dataset_index"), py::arg("dataset_sample_index"), py::arg("sizes"), py::arg("num_datasets"));
+    m.def("xxh64_array", &xxh64_array, "XXH64 (seed 0) of each byte range offsets[i]..offsets[i+1] of data (uint64[n]).",
+          py::arg("data"), py::arg("offsets"));
+    m.def("minhash_signatures", &minhash_signatures,
+          "MinHash signatures (uint64[n, len(a)]) of documents given as space-joined words (see tokenloom.clean.keys).",
+          py::arg("data"), py::arg("offsets"), py::arg("ngrams"), py::arg("a"), py::arg("b"));
 }

@@ -457,6 +457,31 @@ class IndexedDatasetWriter:
         self._doc_index.extend(other.document_indices[1:] + base)
         other.close()
 
+    def add_kept(self, prefix: str | os.PathLike, keep: np.ndarray, block: int = 1 << 16) -> None:
+        """Append the documents of another dataset for which ``keep`` (one bool per document) is true,
+        in order (same dtype required): its sequences and tokens read a block of documents at a time."""
+        other = IndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise TokenloomError(f"cannot copy {other.path_prefix} (dtype {other.dtype}) into "
+                                 f"{self.prefix} (dtype {self.dtype}): token dtypes differ")
+        doc_index, lengths, pointers = other.document_indices, other.sequence_lengths, other.sequence_pointers
+        n = len(doc_index) - 1
+        if len(keep) != n:
+            raise TokenloomError(f"{other.path_prefix}: {n} documents, but {len(keep)} keep flags")
+        for s in range(0, n, block):
+            e = min(s + block, n)
+            mask = np.asarray(keep[s:e], bool)
+            if not mask.any():
+                continue
+            a, b = int(doc_index[s]), int(doc_index[e])
+            lens = np.asarray(lengths[a:b], np.int64)
+            total = int(lens.sum())
+            tokens = other._read(int(pointers[a]), total) if total else np.empty(0, self.dtype)
+            per_doc: np.ndarray = np.diff(np.asarray(doc_index[s:e + 1], np.int64))
+            seq_keep = np.repeat(mask, per_doc)
+            self._add(np.ascontiguousarray(tokens[np.repeat(seq_keep, lens)]), lens[seq_keep], per_doc[mask])
+        other.close()
+
     def checkpoint(self) -> dict[str, np.ndarray]:
         """Make everything written so far durable and return the state that resumes from here."""
         with naming(self._bin_tmp):
