@@ -18,8 +18,8 @@ keys into a run and returns the counts a resume truncates back to.
 
 :func:`decide` makes the decision over one or more logs in order (a shard's log follows the
 previous shard's): the runs of all of them are merged from disk a block per run at a time (a
-round takes, from every run, the records up to the smallest last key any run still holding more
-has in its block, so a key's group never straddles two rounds), documents of equal keys are
+round takes, from every run, the records below the smallest last key of the runs still holding
+more, so a key's group never straddles two rounds: see ``_merged``), documents of equal keys are
 joined by union-find whose root is always the smaller document, and each document's root is its
 cluster's first document in input order: it is kept, every other member is removed as a
 duplicate of it. Memory: one block per run (``MERGE_RECORDS`` records in all) and the cluster
@@ -44,6 +44,7 @@ META_FORMAT = "tokenloom.clean-log/1"
 RECORD = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("doc", "<u8")])
 RUN_RECORDS = 1 << 20  # keys buffered before a run is written: 24 MiB
 MERGE_RECORDS = 1 << 20  # records held by the merge at once, over all runs
+MIN_BLOCK = 1 << 12  # records read from a run at a time, at least
 BLOCK_DOCS = 1 << 16  # documents per block when listing removed documents
 _RECORD_SHIFT = 40  # (input << 40) | record orders removals; records below 2^40, inputs below 2^24
 
@@ -177,29 +178,40 @@ class _RunReader:
         self.offset, self.block = np.uint64(offset), block
         self.buf = np.empty(0, RECORD)
 
-    def fill(self) -> None:
-        if not len(self.buf) and self.left:
+    def fill(self, extend: bool = False) -> None:
+        """Read the next block when the buffer is empty (``extend``: append it to the buffer)."""
+        if (extend or not len(self.buf)) and self.left:
             n = min(self.block, self.left)
-            self.buf = np.fromfile(self.f, RECORD, n)
-            if len(self.buf) != n:
+            block = np.fromfile(self.f, RECORD, n)
+            if len(block) != n:
                 raise TokenloomError(f"{self.f.name}: shorter than it was written; rerun the preprocess")
-            self.buf["doc"] += self.offset
+            block["doc"] += self.offset
+            self.buf = np.concatenate([self.buf, block]) if len(self.buf) else block
             self.left -= n
 
+    def last(self) -> tuple[int, int]:
+        return int(self.buf["k0"][-1]), int(self.buf["k1"][-1])
+
     def take(self, bound: tuple[int, int] | None) -> np.ndarray:
+        """The buffered records whose key is below ``bound`` (None: all of them)."""
         if bound is None:
             out, self.buf = self.buf, np.empty(0, RECORD)
             return out
         k0 = self.buf["k0"]
         lo, hi = np.searchsorted(k0, bound[0], "left"), np.searchsorted(k0, bound[0], "right")
-        n = int(lo + np.searchsorted(self.buf["k1"][lo:hi], bound[1], "right"))
+        n = int(lo + np.searchsorted(self.buf["k1"][lo:hi], bound[1], "left"))
         out, self.buf = self.buf[:n], self.buf[n:]
         return out
 
 
 def _merged(runs: list[tuple[Path, int]]) -> Iterator[np.ndarray]:
-    """Blocks of all runs' records in (key, doc) order, no key split across two blocks."""
-    block = max(1 << 12, MERGE_RECORDS // max(len(runs), 1))
+    """Blocks of all runs' records in (key, doc) order, no key split across two blocks.
+
+    A round takes, from every run, the records whose key is below the smallest last buffered key of
+    the runs not yet read to their end (their next blocks hold nothing smaller); when that is
+    nothing, the runs whose last key is that smallest one read one more block each. So a group of
+    equal keys larger than a block is held whole once: memory grows with the largest group."""
+    block = max(MIN_BLOCK, MERGE_RECORDS // max(len(runs), 1))
     readers = [_RunReader(path, offset, block) for path, offset in runs]
     try:
         while True:
@@ -208,10 +220,15 @@ def _merged(runs: list[tuple[Path, int]]) -> Iterator[np.ndarray]:
             live = [r for r in readers if len(r.buf)]
             if not live:
                 return
-            more = [r for r in live if r.left]  # those whose next block may hold keys <= this one's last
-            bound = min(((int(r.buf["k0"][-1]), int(r.buf["k1"][-1])) for r in more), default=None)
+            more = [r for r in live if r.left]
+            bound = min((r.last() for r in more), default=None)
             parts = [r.take(bound) for r in live]
             records = np.concatenate(parts)
+            if not len(records):
+                for r in more:
+                    if r.last() == bound:
+                        r.fill(extend=True)
+                continue
             yield records[np.lexsort((records["doc"], records["k1"], records["k0"]))]
     finally:
         for r in readers:
