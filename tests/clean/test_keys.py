@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import xxhash
+from tl_testing import patch_datatrove_xxhash
 
 from tokenloom import native
 from tokenloom.clean import keys
@@ -67,9 +68,3 @@ def test_signatures_equal_datatrove_minhash(monkeypatch):
         theirs = np.array(step.get_signature(step.get_shingles(text)), np.uint64)
         assert np.array_equal(keys.band_keys(theirs.reshape(1, -1), 14)[0], mine)
     assert has.all()
-
-
-def patch_datatrove_xxhash(monkeypatch) -> None:
-    """datatrove 0.10 hashes ``str`` with xxhash, whose 4.x API takes only bytes: the UTF-8 bytes, as 3.x did."""
-    module = pytest.importorskip("datatrove.utils.hashes.xxhash")
-    monkeypatch.setattr(module, "xxhash64", lambda s: xxhash.xxh64_intdigest(s.encode() if isinstance(s, str) else s))
