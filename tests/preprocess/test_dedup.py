@@ -149,7 +149,8 @@ class _Short:
         return len(text.split()) >= self.min_words
 
 
-def _build_filters(names, overrides={}):
+def _build_filters(names, overrides=None):
+    overrides = overrides or {}
     unknown = [n for n in names if n != "short"]
     if unknown:
         raise ValueError(f"unknown filter {unknown[0]!r} (known: short)")
