@@ -528,11 +528,64 @@ py::array_t<uint64_t> xxh64_array(py::handle data_obj, py::handle offsets_obj) {
     return out;
 }
 
-// Per document (bytes offsets[i]..offsets[i+1] of data: words joined by single spaces), the minimum of
-// (a[k] * h + b[k]) mod (2^61 - 1) over the XXH64 h of each space-joined word ngrams-gram, products
-// wrapping at 64 bits (numpy uint64). Rows of documents with fewer than ngrams words stay all ones.
+// The minimum of (a[k] * h + b[k]) mod (2^61 - 1) into row[k], for every k: products wrap at 64 bits (numpy's
+// uint64), and x mod (2^61 - 1) = (x & p) + (x >> 61), less p once if still >= p (2^61 = 1 mod p). Cloned for
+// AVX-512 (64-bit lane multiplies) and AVX2, picked at load time by the CPU; the same results on each.
+__attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
+void permuted_minima(const uint64_t *a, const uint64_t *b, int64_t H, uint64_t h, uint64_t *row) {
+    const uint64_t prime = (1ULL << 61) - 1;
+    for (int64_t k = 0; k < H; ++k) {
+        const uint64_t x = a[k] * h + b[k];
+        uint64_t v = (x & prime) + (x >> 61);
+        v = v >= prime ? v - prime : v;
+        row[k] = v < row[k] ? v : row[k];
+    }
+}
+
+inline bool ascii_space(uint8_t c) { return c == ' ' || (c >= 9 && c <= 13) || (c >= 28 && c <= 31); }
+inline bool ascii_digit(uint8_t c) { return c >= '0' && c <= '9'; }
+// What tokenloom.clean.normalize makes a separator in ASCII text: punctuation and symbols (every printable
+// non-alphanumeric), control characters, whitespace.
+inline bool ascii_separator(uint8_t c) {
+    return c < 32 || c == 127 || (c < 128 && !((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')));
+}
+
+// shingle_words of ASCII text, joined by single spaces, into out (cleared first): lowercase, each run of digits
+// with at most one [.,]-separated decimal part made "0", every other non-alphanumeric a separator.
+void simplify_ascii(const uint8_t *p, int64_t len, std::vector<uint8_t> &out) {
+    out.clear();
+    bool pending_space = false;
+    int64_t i = 0;
+    while (i < len) {
+        uint8_t c = p[i];
+        if (ascii_digit(c)) {
+            while (i < len && ascii_digit(p[i])) ++i;
+            if (i + 1 < len && (p[i] == '.' || p[i] == ',') && ascii_digit(p[i + 1])) {
+                ++i;
+                while (i < len && ascii_digit(p[i])) ++i;
+            }
+            if (pending_space && !out.empty()) out.push_back(' ');
+            pending_space = false;
+            out.push_back('0');
+            continue;
+        }
+        if (ascii_separator(c)) {
+            pending_space = true;
+        } else {
+            if (pending_space && !out.empty()) out.push_back(' ');
+            pending_space = false;
+            out.push_back(c >= 'A' && c <= 'Z' ? static_cast<uint8_t>(c + 32) : c);
+        }
+        ++i;
+    }
+}
+
+// Per document (bytes offsets[i]..offsets[i+1] of data), the MinHash signature of its word ngrams-grams: each
+// XXH64-hashed as its words joined by single spaces, then permuted_minima. The bytes are the words already joined
+// by single spaces, or with simplify_ascii, raw ASCII text simplified here. Rows of documents with fewer than
+// ngrams words stay all ones.
 py::array_t<uint64_t> minhash_signatures(py::handle data_obj, py::handle offsets_obj, int64_t ngrams,
-                                         py::handle a_obj, py::handle b_obj) {
+                                         py::handle a_obj, py::handle b_obj, bool ascii_text) {
     auto data = checked_array<uint8_t>(data_obj, "data", false);
     auto offsets = checked_array<int64_t>(offsets_obj, "offsets", false);
     auto a_arr = checked_array<uint64_t>(a_obj, "a", false);
@@ -544,35 +597,35 @@ py::array_t<uint64_t> minhash_signatures(py::handle data_obj, py::handle offsets
     uint64_t *sig = out.mutable_data();
     std::fill(sig, sig + std::max<int64_t>(n, 0) * H, std::numeric_limits<uint64_t>::max());
     const uint64_t *a = a_arr.data(), *b = b_arr.data();
-    const uint64_t prime = (1ULL << 61) - 1;
     auto o = offsets.unchecked<1>();
-    const uint8_t *d = data.data();
     for (int64_t i = 0; i < n; ++i) {
         if (o(i) < 0 || o(i + 1) < o(i) || o(i + 1) > data.shape(0)) throw py::value_error("offsets out of range");
     }
+    const uint8_t *d = data.data();
     std::vector<int64_t> starts;
+    std::vector<uint8_t> simplified;
     {
         py::gil_scoped_release release;
         for (int64_t i = 0; i < n; ++i) {
+            const uint8_t *text = d + o(i);
+            int64_t len = o(i + 1) - o(i);
+            if (ascii_text) {
+                simplify_ascii(text, len, simplified);
+                text = simplified.data();
+                len = static_cast<int64_t>(simplified.size());
+            }
+            if (len == 0) continue;
             starts.clear();
-            int64_t begin = o(i), end = o(i + 1);
-            if (begin == end) continue;
-            starts.push_back(begin);
-            for (int64_t j = begin; j < end; ++j) {
-                if (d[j] == ' ') starts.push_back(j + 1);
+            starts.push_back(0);
+            for (int64_t j = 0; j < len; ++j) {
+                if (text[j] == ' ') starts.push_back(j + 1);
             }
             const int64_t words = static_cast<int64_t>(starts.size());
-            starts.push_back(end + 1);  // one past the last word's trailing separator
+            starts.push_back(len + 1);  // one past the last word's (absent) trailing separator
             uint64_t *row = sig + i * H;
             for (int64_t w = 0; w + ngrams <= words; ++w) {
-                const uint64_t h = xxh64(d + starts[w], static_cast<size_t>(starts[w + ngrams] - 1 - starts[w]));
-                for (int64_t k = 0; k < H; ++k) {
-                    // x mod (2^61 - 1) for any 64-bit x: x = hi * 2^61 + lo, and 2^61 = 1 (mod p)
-                    const uint64_t x = a[k] * h + b[k];
-                    uint64_t v = (x & prime) + (x >> 61);
-                    v = v >= prime ? v - prime : v;
-                    row[k] = v < row[k] ? v : row[k];
-                }
+                const uint64_t h = xxh64(text + starts[w], static_cast<size_t>(starts[w + ngrams] - 1 - starts[w]));
+                permuted_minima(a, b, H, h, row);
             }
         }
     }
@@ -607,5 +660,6 @@ PYBIND11_MODULE(_native, m) {
           py::arg("data"), py::arg("offsets"));
     m.def("minhash_signatures", &minhash_signatures,
           "MinHash signatures (uint64[n, len(a)]) of documents given as space-joined words (see tokenloom.clean.keys).",
-          py::arg("data"), py::arg("offsets"), py::arg("ngrams"), py::arg("a"), py::arg("b"));
+          py::arg("data"), py::arg("offsets"), py::arg("ngrams"), py::arg("a"), py::arg("b"),
+          py::arg("ascii_text") = false);
 }

@@ -45,13 +45,19 @@ def test_native_signatures_equal_the_numpy_reference_and_xxhash():
     rng = np.random.default_rng(0)
     texts = TEXTS + [" ".join(rng.choice(["alpha", "beta", "gämma", "δ", "x" * 40], int(n)))
                      for n in rng.integers(0, 60, 40)]
+    ascii = [t for t in texts if t.isascii()] + ["Numbers 1,234.5 and 3.14.15, x9y, A-B_C d'e \x01\x1f\x7f end ... 12,"]
+    compute = native.pick("minhash_signatures", None)
     for ngrams in (1, 3, 5):
-        data, offsets, has = keys._joined(texts, ngrams)
         a, b = keys.permutations(keys.MinHashParams(ngrams=ngrams, bands=3, rows=4, seed=7))
-        arr = np.frombuffer(data, np.uint8)
-        got = native.pick("minhash_signatures", None)(arr, offsets, ngrams, a, b)
-        assert np.array_equal(got, keys.signatures_reference(arr, offsets, ngrams, a, b))
-        assert (got[~has] == np.iinfo(np.uint64).max).all()
+        joined, offsets = keys._packed([" ".join(shingle_words(t)) for t in texts])
+        got = compute(joined, offsets, ngrams, a, b)
+        assert np.array_equal(got, keys.signatures_reference(joined, offsets, ngrams, a, b))
+        few = np.array([len(shingle_words(t)) < ngrams for t in texts])
+        assert (got[few] == np.iinfo(np.uint64).max).all() and (got[~few] < 2**61).all()
+        raw, offsets = keys._packed(ascii)  # simplified by the native code
+        got = compute(raw, offsets, ngrams, a, b, ascii_text=True)
+        assert np.array_equal(got, keys.signatures_reference(raw, offsets, ngrams, a, b, ascii_text=True))
+        assert np.array_equal(got, compute(*keys._packed([" ".join(shingle_words(t)) for t in ascii]), ngrams, a, b))
     blob = rng.integers(0, 256, 3000, dtype=np.uint8)
     cuts = np.sort(rng.integers(0, 3000, 200)).astype(np.int64)
     hashes = native.pick("xxh64_array", None)(blob, cuts)

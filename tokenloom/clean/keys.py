@@ -19,10 +19,12 @@ documents are duplicates when any band's keys are equal (and so are their cluste
   instead of ``8 * rows + 4``. A document with fewer than ``ngrams`` words has no shingle and no
   key (never a near-duplicate, as in datatrove); with exact dedup every document has a key.
 
-The words are simplified in Python (regular expressions); hashing the shingles and taking the
-minima is the native ``minhash_signatures`` (``csrc/``, one pass per document, no temporaries),
-with a numpy + ``xxhash`` reference of the same arguments as its fallback and oracle: numpy's
-``uint64`` remainder made the reference the larger part of a worker's time.
+The native ``minhash_signatures`` (``csrc/``) simplifies ASCII documents itself and hashes the
+shingles and takes the minima in one pass per document (AVX-512 or AVX2 where the CPU has them);
+other documents are simplified in Python (Unicode categories and NFD need its tables) and hashed
+by the same code. A numpy + ``xxhash`` reference of the same arguments is its fallback and test
+oracle: in Python the simplification, and in numpy the ``uint64`` remainders, cost several times
+the tokenizing (bench/RESULTS.md, dedup rows).
 """
 
 from __future__ import annotations
@@ -92,36 +94,36 @@ def band_keys(signatures: np.ndarray, bands: int) -> np.ndarray:
     return out
 
 
-def _joined(texts: list[str], ngrams: int) -> tuple[bytes, np.ndarray, np.ndarray]:
-    """Each text's simplified words joined by single spaces, concatenated (UTF-8), with the byte
-    offsets of each text and whether it has at least ``ngrams`` words."""
-    parts, has = [], np.zeros(len(texts), bool)
-    for i, text in enumerate(texts):
-        words = shingle_words(text)
-        has[i] = len(words) >= ngrams
-        parts.append(" ".join(words).encode("utf-8", "surrogatepass") if has[i] else b"")
-    offsets = np.zeros(len(texts) + 1, np.int64)
+def _packed(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The texts' UTF-8 bytes concatenated, and each one's byte offsets."""
+    parts = [t.encode("utf-8", "surrogatepass") for t in texts]
+    offsets = np.zeros(len(parts) + 1, np.int64)
     np.cumsum([len(p) for p in parts], out=offsets[1:])
-    return b"".join(parts), offsets, has
+    return np.frombuffer(b"".join(parts), np.uint8), offsets
 
 
 def signatures_reference(data: np.ndarray, offsets: np.ndarray, ngrams: int, a: np.ndarray,
-                         b: np.ndarray) -> np.ndarray:
+                         b: np.ndarray, ascii_text: bool = False) -> np.ndarray:
     """numpy and the ``xxhash`` package: what the native ``minhash_signatures`` computes (its
-    fallback and its test oracle). ``data``: uint8 words joined by single spaces, per document the
-    bytes ``offsets[i]..offsets[i+1]``; a document with fewer than ``ngrams`` words keeps all ones."""
+    fallback and its test oracle). ``data``: per document the bytes ``offsets[i]..offsets[i+1]``,
+    its words joined by single spaces, or with ``ascii_text`` its raw ASCII text (simplified here,
+    as :func:`~tokenloom.clean.normalize.shingle_words` does); a document with fewer than
+    ``ngrams`` words keeps all ones."""
     n = len(offsets) - 1
     out = np.full((n, a.size), np.iinfo(np.uint64).max, np.uint64)
     raw = data.tobytes()
     hashes, owner = [], []
     for i in range(n):
         doc = raw[offsets[i]:offsets[i + 1]]
-        if not doc:
+        if ascii_text:
+            doc = " ".join(shingle_words(doc.decode("ascii"))).encode()
+        if not doc or doc.count(b" ") + 1 < ngrams:
             continue
         spaces = np.flatnonzero(np.frombuffer(doc, np.uint8) == 32)
         starts = np.r_[0, spaces + 1][: len(spaces) + 2 - ngrams].tolist()
         ends = np.r_[spaces, len(doc)][ngrams - 1:].tolist()
-        hashes.append(np.fromiter((xxhash.xxh64_intdigest(doc[s:e]) for s, e in zip(starts, ends, strict=False)), np.uint64))
+        hashes.append(np.fromiter((xxhash.xxh64_intdigest(doc[s:e]) for s, e in zip(starts, ends, strict=True)),
+                                  np.uint64))
         owner.append(np.full(len(ends), i))
     if not hashes:
         return out
@@ -137,11 +139,21 @@ def signatures_reference(data: np.ndarray, offsets: np.ndarray, ngrams: int, a: 
 
 
 def minhash_keys(texts: list[str], p: MinHashParams, family=None) -> tuple[np.ndarray, np.ndarray]:
-    """``(keys (n, bands, 2), has_keys (n,))`` of each text's MinHash bands (see the module)."""
+    """``(keys (n, bands, 2), has_keys (n,))`` of each text's MinHash bands (see the module).
+
+    ASCII texts (``str.isascii`` is free) are simplified by the native code; the others by
+    :func:`~tokenloom.clean.normalize.shingle_words` (Unicode categories, NFD), then hashed alike."""
     a, b = family if family is not None else permutations(p)
-    data, offsets, has = _joined(texts, p.ngrams)
     compute = native.pick("minhash_signatures", signatures_reference)
-    sig = compute(np.frombuffer(data, np.uint8), offsets, p.ngrams, a, b)
+    sig = np.empty((len(texts), a.size), np.uint64)
+    ascii_rows = np.fromiter((t.isascii() for t in texts), bool, len(texts))
+    for rows, simplified in ((np.flatnonzero(ascii_rows), False), (np.flatnonzero(~ascii_rows), True)):
+        if not len(rows):
+            continue
+        chosen = [texts[i] for i in rows.tolist()]
+        data, offsets = _packed([" ".join(shingle_words(t)) for t in chosen] if simplified else chosen)
+        sig[rows] = compute(data, offsets, p.ngrams, a, b, ascii_text=not simplified)
+    has = sig[:, 0] != np.iinfo(np.uint64).max  # a minimum is below 2^61 as soon as there is one shingle
     return band_keys(sig, p.bands), has
 
 

@@ -55,6 +55,15 @@ Policy and its costs:
   tokenizing ends.
 * Input digests (BLAKE3) are computed by a child process started before the tokenizer
   loads, reading the files a second time (:mod:`tokenloom.preprocess.hashing`).
+* Cleaning (``--filters``, ``--dedup``; :mod:`tokenloom.clean`): the workers filter and key each
+  document in the same pass as they tokenize it; the writer logs record ids and keys in input
+  order. Dedup is decided over the whole corpus, so it cannot stream: every kept document's tokens
+  are written first (``N.all.bin`` in the partial folder, checkpointed as usual), and once reading
+  ends the bucket pass decides from the log and copies the output without the duplicates. Cost:
+  the kept tokens are written twice and the disk holds the output twice plus the run files until
+  the end (the plan printed before the run estimates them); a kill in the bucket pass resumes
+  from the checkpoint taken when reading ended. A shard of ``--num-shards`` keeps its duplicates
+  and side files, and ``merge`` decides over all shards, so the result is the single run's.
 """
 
 from __future__ import annotations
