@@ -98,9 +98,13 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
     _merge_shards(cfg, task_cfg, shards, num_shards)
     shutil.rmtree(staging, ignore_errors=True)
     summary = _summary(cfg, summaries, len(inputs), len(shards), time.perf_counter() - start)
-    final = manifest.read(next(iter(output_prefixes(cfg, 1, 0).values())))
-    if final is not None and "removed" in final["counts"]:  # decided by the merge over every shard
-        summary["removed"] = final["counts"]["removed"]
+    if cfg.dedup != "none":  # decided by the merge over every shard: its counts, not the shards'
+        for key, prefix in output_prefixes(cfg, 1, 0).items():
+            counts = (manifest.read(prefix) or {}).get("counts", {})
+            summary["removed"] = counts.get("removed", {})
+            summary["per_key"][key] = {k: counts.get(k, 0) for k in ("documents", "empty_documents", "sequences",
+                                                                      "tokens")}
+        summary["tokens"] = sum(c["tokens"] for c in summary["per_key"].values())
     echo(format_summary(summary))
     return summary
 
