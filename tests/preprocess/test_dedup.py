@@ -130,6 +130,7 @@ def test_a_run_killed_in_the_bucket_pass_resumes_there_with_the_same_bytes(work)
     env = _fault_env(folder, str(folder / "killed.partial" / "0.bin"))
     first = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
     assert first.returncode == 137 and (folder / "killed.marker").exists(), first.stderr
+    assert "dedup minhash: about" in first.stdout and "of run files" in first.stdout  # the plan, before the run
     assert not Path(f"{out}.bin").exists() and (folder / "killed.partial" / "clean" / "meta.json").exists()
     again = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 0, again.stderr

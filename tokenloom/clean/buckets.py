@@ -42,8 +42,8 @@ from tokenloom.fsio import atomic_writer, naming
 
 META_FORMAT = "tokenloom.clean-log/1"
 RECORD = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("doc", "<u8")])
-RUN_RECORDS = 1 << 20  # keys buffered before a run is written: 24 MiB
-MERGE_RECORDS = 1 << 20  # records held by the merge at once, over all runs
+RUN_RECORDS = 1 << 18  # keys buffered before a run is written: 6 MiB (sorting it takes a few copies)
+MERGE_RECORDS = 1 << 18  # records held by the merge at once, over all runs
 MIN_BLOCK = 1 << 12  # records read from a run at a time, at least
 BLOCK_DOCS = 1 << 16  # documents per block when listing removed documents
 _RECORD_SHIFT = 40  # (input << 40) | record orders removals; records below 2^40, inputs below 2^24
@@ -268,7 +268,7 @@ def decide(directories: list[Path]) -> Decision:
     offsets = np.zeros(len(metas) + 1, np.int64)
     np.cumsum([m["docs"] for m in metas], out=offsets[1:])
     parent = np.arange(int(offsets[-1]), dtype=np.int64)
-    runs = [(Path(d) / f"run-{k:05d}.u64", int(offsets[i])) for i, (d, m) in enumerate(zip(directories, metas, strict=False))
+    runs = [(Path(d) / f"run-{k:05d}.u64", int(offsets[i])) for i, (d, m) in enumerate(zip(directories, metas, strict=True))
             for k in range(m["runs"])]
     for records in _merged(runs):
         if len(records) < 2:
@@ -306,28 +306,39 @@ class Removal:
 def removals(directories: list[Path], decision: Decision, method: str) -> Iterator[Removal]:
     """Every removed record of the logs, in input order (filter removals and duplicates interleaved)."""
     docs = [np.memmap(Path(d) / "docs.u64", "<u8", "r", shape=(m["docs"], 2)) if m["docs"] else
-            np.empty((0, 2), "<u8") for d, m in zip(directories, decision.metas, strict=False)]
+            np.empty((0, 2), "<u8") for d, m in zip(directories, decision.metas, strict=True)]
 
     def where(doc: int) -> tuple[int, int, int]:
         log = int(np.searchsorted(decision.offsets, doc, "right") - 1)
         row = docs[log][doc - int(decision.offsets[log])]
         return log, int(row[0]), int(row[1])
 
-    for log, (d, meta) in enumerate(zip(directories, decision.metas, strict=False)):
+    for log, (d, meta) in enumerate(zip(directories, decision.metas, strict=True)):
         reasons, n = meta["reasons"], meta["docs"]
-        filtered = np.fromfile(Path(d) / "filtered.u64", "<u8").reshape(-1, 3)[: meta["filtered"]] \
-            if meta["filtered"] else np.empty((0, 3), "<u8")
-        fkey = (filtered[:, 0] << np.uint64(_RECORD_SHIFT)) | filtered[:, 1]
+        nf = int(meta["filtered"])
+        filtered = np.memmap(Path(d) / "filtered.u64", "<u8", "r", shape=(nf, 3)) if nf else np.empty((0, 3), "<u8")
+
+        def fkey(lo: int, hi: int, filtered=filtered) -> np.ndarray:
+            rows = filtered[lo:hi]
+            return (rows[:, 0] << np.uint64(_RECORD_SHIFT)) | rows[:, 1]
+
         at = 0
         for start in range(0, max(n, 1), BLOCK_DOCS):
             stop = min(start + BLOCK_DOCS, n)
             rows = docs[log][start:stop]
             bound = (int(docs[log][stop][0]) << _RECORD_SHIFT | int(docs[log][stop][1])) if stop < n else None
-            upto = len(fkey) if bound is None else int(np.searchsorted(fkey, np.uint64(bound), "left"))
+            upto = at  # the filter removals before the next block's first document
+            while upto < nf:
+                keys = fkey(upto, min(upto + BLOCK_DOCS, nf))
+                below = len(keys) if bound is None else int(np.searchsorted(keys, np.uint64(bound), "left"))
+                upto += below
+                if below < len(keys):
+                    break
+            fkeys = fkey(at, upto)
             roots = decision.roots[start + decision.offsets[log]: stop + decision.offsets[log]]
             ids = np.arange(start, stop) + decision.offsets[log]
             dup = np.flatnonzero(roots != ids)
-            events = [(int(fkey[j]), 0, j) for j in range(at, upto)]
+            events = [(int(fkeys[j - at]), 0, j) for j in range(at, upto)]
             events += [(int(rows[j][0]) << _RECORD_SHIFT | int(rows[j][1]), 1, j) for j in dup.tolist()]
             events.sort()
             for _, kind, j in events:

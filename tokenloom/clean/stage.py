@@ -97,7 +97,7 @@ def clean_decoded(decoded: Decoded, keys: tuple[str, ...], spec: CleanSpec) -> t
         for j in np.flatnonzero(~gone).tolist():
             kept.add(decoded.numbers[j], {k: per_key[k][j] for k in keys})
         decoded = kept
-        texts = [t for t, g in zip(texts, gone.tolist(), strict=False) if not g]
+        texts = [t for t, g in zip(texts, gone.tolist(), strict=True) if not g]
     removed = np.stack([numbers[gone], reasons[gone]], axis=1) if gone.any() else np.empty((0, 2), np.int64)
     if spec.dedup is None:
         bands = 0

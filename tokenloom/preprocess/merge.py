@@ -102,6 +102,8 @@ def _merge_deduplicated(output: str, prefixes: list[str], manifests: list[dict],
     The shards must be merged in index order, all with the same settings, so that the decision is
     the single run's; a shard left out would leave its duplicates' twins unseen (refused only when
     its index shows it missing)."""
+    if any(os.path.abspath(p) == os.path.abspath(output) for p in prefixes):
+        raise TokenloomError(f"merge output {output} is also an input")
     settings = [{k: v for k, v in m["options"]["clean"].items() if k not in ("side_files", "removed_list")}
                 for m in manifests]
     if any(s != settings[0] for s in settings):

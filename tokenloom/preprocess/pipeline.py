@@ -425,7 +425,7 @@ class _Run:
         copy are made again from the log and the ``all`` files, the same bytes."""
         assert self.clean_log is not None and self.clean is not None
         log = self.clean_log.finish({"dedup": self.cfg.dedup, "inputs": [i.path for i in self.inputs]})
-        self.counts.removed = {r: int(k) for r, k in zip(log["reasons"], log["removed_by_filter"], strict=False) if k}
+        self.counts.removed = {r: int(k) for r, k in zip(log["reasons"], log["removed_by_filter"], strict=True) if k}
         if self.pending:
             return
         decision = decide([self.partial / "clean"])
