@@ -42,10 +42,11 @@ from tokenloom.fsio import atomic_writer, naming
 
 META_FORMAT = "tokenloom.clean-log/1"
 RECORD = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("doc", "<u8")])
-RUN_RECORDS = 1 << 18  # keys buffered before a run is written: 6 MiB (sorting it takes a few copies)
-MERGE_RECORDS = 1 << 18  # records held by the merge at once, over all runs
-MIN_BLOCK = 1 << 12  # records read from a run at a time, at least
-BLOCK_DOCS = 1 << 16  # documents per block when listing removed documents
+RUN_RECORDS = 1 << 17  # keys buffered before a run is written: 3 MiB (sorting it takes a few copies)
+MERGE_RECORDS = 1 << 17  # records held by the merge at once, over all runs
+MIN_BLOCK = 1 << 10  # records read from a run at a time, at least
+BLOCK_DOCS = 1 << 12  # documents per block when listing removed documents (a Python object per removal)
+UNION_SLICE = 1 << 12  # duplicate pairs turned into Python ints at a time
 _RECORD_SHIFT = 40  # (input << 40) | record orders removals; records below 2^40, inputs below 2^24
 
 
@@ -280,10 +281,11 @@ def decide(directories: list[Path]) -> Decision:
         first = np.maximum.accumulate(np.where(new, np.arange(len(new)), 0))
         a, b = doc[first][~new], doc[~new]
         pairs = np.unique(np.stack([a, b], axis=1), axis=0)
-        for x, y in pairs.tolist():
-            rx, ry = _find(parent, x), _find(parent, y)
-            if rx != ry:
-                parent[max(rx, ry)] = min(rx, ry)
+        for at in range(0, len(pairs), UNION_SLICE):
+            for x, y in pairs[at:at + UNION_SLICE].tolist():
+                rx, ry = _find(parent, x), _find(parent, y)
+                if rx != ry:
+                    parent[max(rx, ry)] = min(rx, ry)
     while True:  # every parent is a smaller document: pointer jumping reaches the roots
         up = parent[parent]
         if np.array_equal(up, parent):
