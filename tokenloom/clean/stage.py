@@ -39,13 +39,13 @@ class CleanSpec:
 
 def build_filters(names, overrides: Mapping[str, object]):
     """The filters of ``names`` (:func:`tokenloom.clean.filters.build_filters`; ``ValueError`` names a bad one)."""
-    from tokenloom.clean import filters  # lazy: its word lists load only when --filters asks for them
+    import tokenloom.clean.filters as filters  # lazy: its word lists load only when --filters asks for them
 
     return filters.build_filters(names, overrides)
 
 
 def filter_names() -> tuple[str, ...]:
-    from tokenloom.clean import filters  # lazy: its word lists load only when --filters asks for them
+    import tokenloom.clean.filters as filters  # lazy: its word lists load only when --filters asks for them
 
     return tuple(filters.FILTER_NAMES)
 
