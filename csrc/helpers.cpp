@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -41,6 +42,10 @@ template <>
 const char *dtype_name<double>() { return "float64"; }
 template <>
 const char *dtype_name<uint32_t>() { return "uint32"; }
+template <>
+const char *dtype_name<uint64_t>() { return "uint64"; }
+template <>
+const char *dtype_name<uint8_t>() { return "uint8"; }
 
 // Check that `obj` is a 1-D C-contiguous numpy array of exactly dtype T (no casts).
 template <typename T>
@@ -636,6 +641,186 @@ doc_idx (int32) lists the epoch's documents in order (ties keep it); sizes (int3
 A document longer than capacity is cut into pieces starting every `step` tokens. Returns
 (parts int32 [P, 3] of (document, offset, length), sample_index int64 [S + 1]).)doc";
 
+// ---------------------------------------------------------------- MinHash signatures (tokenloom.clean.keys)
+
+// XXH64 (seed 0), written from the published xxHash specification (doc/xxhash_spec.md).
+constexpr uint64_t kP1 = 11400714785074694791ULL, kP2 = 14029467366897019727ULL, kP3 = 1609587929392839161ULL,
+                   kP4 = 9650029242287828579ULL, kP5 = 2870177450012600261ULL;
+
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t read64(const uint8_t *p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;  // little-endian hosts only (checked by the caller's test against the xxhash package)
+}
+inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+inline uint64_t round64(uint64_t acc, uint64_t lane) { return rotl(acc + lane * kP2, 31) * kP1; }
+inline uint64_t merge64(uint64_t acc, uint64_t v) { return (acc ^ round64(0, v)) * kP1 + kP4; }
+
+uint64_t xxh64(const uint8_t *p, size_t len) {
+    const uint8_t *end = p + len;
+    uint64_t h;
+    if (len >= 32) {
+        uint64_t v1 = kP1 + kP2, v2 = kP2, v3 = 0, v4 = 0 - kP1;
+        while (p + 32 <= end) {
+            v1 = round64(v1, read64(p));
+            v2 = round64(v2, read64(p + 8));
+            v3 = round64(v3, read64(p + 16));
+            v4 = round64(v4, read64(p + 24));
+            p += 32;
+        }
+        h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+        h = merge64(h, v1);
+        h = merge64(h, v2);
+        h = merge64(h, v3);
+        h = merge64(h, v4);
+    } else {
+        h = kP5;
+    }
+    h += static_cast<uint64_t>(len);
+    while (p + 8 <= end) {
+        h = rotl(h ^ round64(0, read64(p)), 27) * kP1 + kP4;
+        p += 8;
+    }
+    if (p + 4 <= end) {
+        h = rotl(h ^ (static_cast<uint64_t>(read32(p)) * kP1), 23) * kP2 + kP3;
+        p += 4;
+    }
+    while (p < end) {
+        h = rotl(h ^ (static_cast<uint64_t>(*p) * kP5), 11) * kP1;
+        ++p;
+    }
+    h ^= h >> 33;
+    h *= kP2;
+    h ^= h >> 29;
+    h *= kP3;
+    h ^= h >> 32;
+    return h;
+}
+
+py::array_t<uint64_t> xxh64_array(py::handle data_obj, py::handle offsets_obj) {
+    auto data = checked_array<uint8_t>(data_obj, "data", false);
+    auto offsets = checked_array<int64_t>(offsets_obj, "offsets", false);
+    const int64_t n = offsets.shape(0) - 1;
+    py::array_t<uint64_t> out(std::max<int64_t>(n, 0));
+    auto o = offsets.unchecked<1>();
+    const uint8_t *d = data.data();
+    uint64_t *r = out.mutable_data();
+    for (int64_t i = 0; i < n; ++i) {
+        if (o(i) < 0 || o(i + 1) < o(i) || o(i + 1) > data.shape(0)) throw py::value_error("offsets out of range");
+        r[i] = xxh64(d + o(i), static_cast<size_t>(o(i + 1) - o(i)));
+    }
+    return out;
+}
+
+// The minimum of (a[k] * h + b[k]) mod (2^61 - 1) into row[k], for every k: products wrap at 64 bits (numpy's
+// uint64), and x mod (2^61 - 1) = (x & p) + (x >> 61), less p once if still >= p (2^61 = 1 mod p). Cloned for
+// AVX-512 (64-bit lane multiplies) and AVX2, picked at load time by the CPU; the same results on each.
+__attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
+void permuted_minima(const uint64_t *a, const uint64_t *b, int64_t H, uint64_t h, uint64_t *row) {
+    const uint64_t prime = (1ULL << 61) - 1;
+    for (int64_t k = 0; k < H; ++k) {
+        const uint64_t x = a[k] * h + b[k];
+        uint64_t v = (x & prime) + (x >> 61);
+        v = v >= prime ? v - prime : v;
+        row[k] = v < row[k] ? v : row[k];
+    }
+}
+
+inline bool ascii_space(uint8_t c) { return c == ' ' || (c >= 9 && c <= 13) || (c >= 28 && c <= 31); }
+inline bool ascii_digit(uint8_t c) { return c >= '0' && c <= '9'; }
+// What tokenloom.clean.normalize makes a separator in ASCII text: punctuation and symbols (every printable
+// non-alphanumeric), control characters, whitespace.
+inline bool ascii_separator(uint8_t c) {
+    return c < 32 || c == 127 || (c < 128 && !((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')));
+}
+
+// shingle_words of ASCII text, joined by single spaces, into out (cleared first): lowercase, each run of digits
+// with at most one [.,]-separated decimal part made "0", every other non-alphanumeric a separator.
+void simplify_ascii(const uint8_t *p, int64_t len, std::vector<uint8_t> &out) {
+    out.clear();
+    bool pending_space = false;
+    int64_t i = 0;
+    while (i < len) {
+        uint8_t c = p[i];
+        if (ascii_digit(c)) {
+            while (i < len && ascii_digit(p[i])) ++i;
+            if (i + 1 < len && (p[i] == '.' || p[i] == ',') && ascii_digit(p[i + 1])) {
+                ++i;
+                while (i < len && ascii_digit(p[i])) ++i;
+            }
+            if (pending_space && !out.empty()) out.push_back(' ');
+            pending_space = false;
+            out.push_back('0');
+            continue;
+        }
+        if (ascii_separator(c)) {
+            pending_space = true;
+        } else {
+            if (pending_space && !out.empty()) out.push_back(' ');
+            pending_space = false;
+            out.push_back(c >= 'A' && c <= 'Z' ? static_cast<uint8_t>(c + 32) : c);
+        }
+        ++i;
+    }
+}
+
+// Per document (bytes offsets[i]..offsets[i+1] of data), the MinHash signature of its word ngrams-grams: each
+// XXH64-hashed as its words joined by single spaces, then permuted_minima. The bytes are the words already joined
+// by single spaces, or with simplify_ascii, raw ASCII text simplified here. Rows of documents with fewer than
+// ngrams words stay all ones.
+py::array_t<uint64_t> minhash_signatures(py::handle data_obj, py::handle offsets_obj, int64_t ngrams,
+                                         py::handle a_obj, py::handle b_obj, bool ascii_text) {
+    auto data = checked_array<uint8_t>(data_obj, "data", false);
+    auto offsets = checked_array<int64_t>(offsets_obj, "offsets", false);
+    auto a_arr = checked_array<uint64_t>(a_obj, "a", false);
+    auto b_arr = checked_array<uint64_t>(b_obj, "b", false);
+    if (ngrams < 1) throw py::value_error("ngrams must be >= 1");
+    const int64_t n = offsets.shape(0) - 1, H = a_arr.shape(0);
+    if (b_arr.shape(0) != H) throw py::value_error("a and b differ in length");
+    py::array_t<uint64_t> out({std::max<int64_t>(n, 0), H});
+    uint64_t *sig = out.mutable_data();
+    std::fill(sig, sig + std::max<int64_t>(n, 0) * H, std::numeric_limits<uint64_t>::max());
+    const uint64_t *a = a_arr.data(), *b = b_arr.data();
+    auto o = offsets.unchecked<1>();
+    for (int64_t i = 0; i < n; ++i) {
+        if (o(i) < 0 || o(i + 1) < o(i) || o(i + 1) > data.shape(0)) throw py::value_error("offsets out of range");
+    }
+    const uint8_t *d = data.data();
+    std::vector<int64_t> starts;
+    std::vector<uint8_t> simplified;
+    {
+        py::gil_scoped_release release;
+        for (int64_t i = 0; i < n; ++i) {
+            const uint8_t *text = d + o(i);
+            int64_t len = o(i + 1) - o(i);
+            if (ascii_text) {
+                simplify_ascii(text, len, simplified);
+                text = simplified.data();
+                len = static_cast<int64_t>(simplified.size());
+            }
+            if (len == 0) continue;
+            starts.clear();
+            starts.push_back(0);
+            for (int64_t j = 0; j < len; ++j) {
+                if (text[j] == ' ') starts.push_back(j + 1);
+            }
+            const int64_t words = static_cast<int64_t>(starts.size());
+            starts.push_back(len + 1);  // one past the last word's (absent) trailing separator
+            uint64_t *row = sig + i * H;
+            for (int64_t w = 0; w + ngrams <= words; ++w) {
+                const uint64_t h = xxh64(text + starts[w], static_cast<size_t>(starts[w + ngrams] - 1 - starts[w]));
+                permuted_minima(a, b, H, h, row);
+            }
+        }
+    }
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -662,4 +847,10 @@ PYBIND11_MODULE(_native, m) {
     m.def("build_exhaustive_blending_indices", &build_exhaustive_blending_indices,
           "Fill dataset_index / dataset_sample_index drawing every sample of every dataset exactly once.",
           py::arg("dataset_index"), py::arg("dataset_sample_index"), py::arg("sizes"), py::arg("num_datasets"));
+    m.def("xxh64_array", &xxh64_array, "XXH64 (seed 0) of each byte range offsets[i]..offsets[i+1] of data (uint64[n]).",
+          py::arg("data"), py::arg("offsets"));
+    m.def("minhash_signatures", &minhash_signatures,
+          "MinHash signatures (uint64[n, len(a)]) of documents given as space-joined words (see tokenloom.clean.keys).",
+          py::arg("data"), py::arg("offsets"), py::arg("ngrams"), py::arg("a"), py::arg("b"),
+          py::arg("ascii_text") = false);
 }

@@ -220,6 +220,14 @@ def _pp_help(name: str) -> str:
 @click.option("--ray-address", help=_pp_help("ray_address"))
 @click.option("--ray-retries", type=int, default=3, show_default=True, help=_pp_help("ray_retries"))
 @click.option("--staging-dir", help=_pp_help("staging_dir"))
+@click.option("--dedup", type=click.Choice(["none", "exact", "minhash"]), default="none", show_default=True,
+              help=_pp_help("dedup"))
+@click.option("--minhash-ngrams", type=int, default=5, show_default=True, help=_pp_help("minhash_ngrams"))
+@click.option("--minhash-bands", type=int, default=14, show_default=True, help=_pp_help("minhash_bands"))
+@click.option("--minhash-rows", type=int, default=8, show_default=True, help=_pp_help("minhash_rows"))
+@click.option("--minhash-seed", type=int, default=1, show_default=True, help=_pp_help("minhash_seed"))
+@click.option("--filter", "--filters", "filters", cls=_Greedy, multiple=True, help=_pp_help("filters"))
+@click.option("--filter-param", "filter_params", multiple=True, help=_pp_help("filter_params"))
 def preprocess(**options):
     """Tokenize corpora into Megatron PREFIX.bin/.idx plus PREFIX.manifest.json."""
     from tokenloom.preprocess import (  # lazy: start-up time
@@ -230,6 +238,8 @@ def preprocess(**options):
 
     options["inputs"] = list(options["inputs"])
     options["json_keys"] = [k for item in options["json_keys"] for k in item.split()]
+    options["filters"] = [k for item in options["filters"] for k in item.replace(",", " ").split()]
+    options["filter_params"] = list(options["filter_params"])
     with use_backend(options.pop("tokenizer_backend")), _sigterm_interrupts():
         run(PreprocessConfig(**options), echo=click.echo)  # Ctrl-C / SIGTERM: checkpoint, one line
 
