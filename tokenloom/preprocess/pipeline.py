@@ -32,17 +32,11 @@ Policy and its costs:
 * Bad records: the first one stops the run with ``file:line: reason``; with ``max_bad_fraction``
   they go to ``OUTPUT.rejects.jsonl`` and the run fails only above that share, publishing nothing
   under a final name but the rejects file.
-* Object storage: ``s3://`` inputs are streamed (:mod:`tokenloom.objstore`); an ``s3://`` output
-  is completed, checkpointed and resumed in ``--staging-dir`` (which must hold the whole output),
-  then uploaded ``.bin``, ``.idx``, manifest, once tokenizing ends.
-* Input digests (BLAKE3, several threads per file) are computed by a child process started before
-  the tokenizer loads, reading the files a second time (:mod:`tokenloom.preprocess.hashing`).
-* Cleaning (``--filters``, ``--dedup``; :mod:`tokenloom.clean`): workers filter and key each document
-  in the tokenizing pass. Dedup is decided over the whole corpus, so kept tokens are written first
-  (``N.all.bin`` in the partial folder) and, once reading ends, the bucket pass copies the output
-  without the duplicates: the kept tokens are written twice and the disk holds the output twice plus
-  the run files until the end (the plan estimates them); a kill in that pass resumes from the
-  checkpoint taken when reading ended. ``merge`` decides over all shards of ``--num-shards``.
+* Object storage: ``s3://`` inputs are streamed; an ``s3://`` output is completed in ``--staging-dir``,
+  then uploaded ``.bin``, ``.idx``, manifest. Input digests (BLAKE3) come from a child process.
+* Cleaning (``--filter``, ``--dedup``; :mod:`tokenloom.clean`) runs in the tokenizing pass; dedup is
+  decided over the whole corpus once reading ends, copying the kept tokens (written twice; the plan
+  estimates the extra disk); ``merge`` decides over all shards.
 """
 
 from __future__ import annotations
