@@ -55,10 +55,19 @@ def source_names(prefixes: list[str], names: list[str | None] | None = None, whe
     return out
 
 
+def phase_sources(prefixes: list[str], names: list[str | None] | None = None, where: str = "the blend") -> dict[str, str]:
+    """Prefix or display name (:func:`source_names`) -> prefix of every source: what a data
+    schedule's phase may call a source."""
+    shown = source_names(prefixes, names, where)
+    return {**dict(zip(shown, prefixes, strict=True)), **{p: p for p in prefixes}}
+
+
 def load_blend_file(path: str) -> dict:
     """A YAML or JSON blend file: {"data": [[w, prefix], ...]} or {"train": [...], "valid": [...], ...};
     an entry may also be {weight, prefix, name}: the source's display name (its losses per
-    source), returned as "names" beside "data" when any is given."""
+    source), returned as "names" beside "data" when any is given. Beside "data" a "schedule"
+    (the train config's ``data.schedule``: [{start_iter, blend: [[w, source], ...]}, ...], a
+    source named by its prefix or name) is returned as it is, each phase's keys checked."""
     text = Path(path).read_text(encoding="utf-8")
     try:
         doc = json.loads(text)  # JSON first: a YAML parser takes seconds on a blend of 10,000 sources
@@ -86,11 +95,30 @@ def load_blend_file(path: str) -> dict:
         return out
 
     if "data" in doc:
+        unknown = set(doc) - {"data", "schedule"}
+        if unknown:
+            raise TokenloomError(f"{path}: unknown keys {sorted(unknown)} beside 'data' (known: data, schedule)")
         spec: dict = {"data": pairs(doc["data"], "data")}
         if any(n is not None for n in names):  # display names of the sources (losses per source)
             spec["names"] = names
+        if "schedule" in doc:
+            spec["schedule"] = schedule(doc["schedule"], path)
         return spec
+    if "schedule" in doc:
+        raise TokenloomError(f"{path}: a schedule needs 'data' beside it, listing every source its phases draw from")
     unknown = set(doc) - {"train", "valid", "test"}
     if unknown:
         raise TokenloomError(f"{path}: unknown keys {sorted(unknown)} (use 'data' or train/valid/test)")
     return {"data_per_split": {k: pairs(v, k) for k, v in doc.items()}}
+
+
+def schedule(phases, path: str) -> list[dict]:
+    """A blend file's ``schedule``: a list of {start_iter, blend} mappings (their values are
+    checked with the train config's ``data.schedule``)."""
+    if not isinstance(phases, list):
+        raise TokenloomError(f"{path}: schedule is a list of {{start_iter: N, blend: [[w, source], ...]}}")
+    for k, phase in enumerate(phases):
+        if not isinstance(phase, dict) or set(phase) != {"start_iter", "blend"}:
+            raise TokenloomError(f"{path}: schedule[{k}]: each phase is {{start_iter: N, blend: [[w, source], ...]}}, "
+                                 f"got {phase!r}")
+    return phases

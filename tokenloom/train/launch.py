@@ -528,7 +528,8 @@ def flag_overrides(*, data: typing.Sequence[str] = (), blend_file: str | None = 
     """``--set`` overrides for the ``train`` command's convenience flags (None means not given).
 
     ``data`` holds WEIGHT PREFIX pairs and replaces the data section with that blend, as does
-    ``blend_file`` (:func:`~tokenloom.blending.args.load_blend_file`: one blend, its names too);
+    ``blend_file`` (:func:`~tokenloom.blending.args.load_blend_file`: one blend, its names and its
+    data schedule too);
     ``tokenizer`` also sizes ``model.vocab_size`` to it (an explicit ``--set`` wins, as
     it is applied after these). ``fields`` maps flag names to config keys (:data:`FLAG_KEYS`),
     Megatron's spellings of a value becoming ours (:data:`MEGATRON_VALUES`).
@@ -557,6 +558,8 @@ def flag_overrides(*, data: typing.Sequence[str] = (), blend_file: str | None = 
         out += ["data.mock=null", f"data.blend.prefixes={json.dumps([[w, p] for w, p in spec['data']])}"]
         if "names" in spec:
             out.append(f"data.blend.names={json.dumps(spec['names'])}")
+        if "schedule" in spec:
+            out.append(f"data.schedule={json.dumps(spec['schedule'])}")
     if data:
         pairs = [[w, p] for w, p in parse_data_args(list(data))]
         out += ["data.mock=null", f"data.blend.prefixes={json.dumps(pairs)}"]
