@@ -160,6 +160,9 @@ def test_the_plan_prints_each_phase(runs, tmp_path):
     ([{"start_iter": 0, "blend": [[-1, "a"]]}], r"the weight -1 of a is not > 0"),
     ([{"start_iter": 0, "blend": []}], r"data.schedule\[0\].blend is empty"),
     ([], r"data.schedule is empty"),
+    ([{"start_iter": 0}], r"config section data.schedule\[0\]: blend missing"),
+    ([{"start_iter": 0, "blend": [[1, "a"]], "weights": 1}], r"data.schedule\[0\]: unknown key weights"),
+    ([{"start_iter": 0, "blend": [[1, "a"], [2, "d/a"]]}], r"data.schedule\[0\].blend lists a source twice"),
     ([{"start_iter": 0, "blend": [[1, "a"]]}, {"start_iter": 4, "blend": [[1, "a"]]}],
      r"data.schedule\[1\].blend is data.schedule\[0\]'s"),
 ])
@@ -184,3 +187,22 @@ def test_cli_documents_and_refuses(tmp_path, monkeypatch):
     assert bad.exit_code != 0
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.schedule[1].blend: unknown source 'q'" in lines[0], bad.output
+
+
+def test_build_builds_each_phase_of_a_blend_file_schedule(tmp_path):
+    src = sources(tmp_path)
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps({"data": [[1, src["a"]], [1, src["b"]]],
+                                 "schedule": [{"start_iter": 0, "blend": [[1, "a"]]},
+                                              {"start_iter": 3, "blend": [[0.5, "a"], [0.5, "b"]]}]}))
+    args = ["build", "--blend-file", str(blend), "--seq-length", "32", "--split", "90,9,1"]
+    done = CliRunner().invoke(main, [*args, "--num-samples", "24", "--json"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    assert [(p["phase"], p["start_iter"]) for p in doc["schedule"]] == [(0, 0), (1, 3)]
+    assert [{r["split"] for r in p["plan"]} for p in doc["schedule"]] == [{"train"}, {"train"}]
+    assert sum(r["samples"] for r in doc["schedule"][1]["plan"]) >= 24
+    text = CliRunner().invoke(main, [*args, "--num-samples", "24"])
+    assert "schedule[1]: from iteration 3" in text.stdout
+    short = CliRunner().invoke(main, args)
+    assert short.exit_code != 0 and "give --num-samples TRAIN" in short.stderr

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from tokenloom.blending.args import phase_sources, source_names
+from tokenloom.blending.args import phase_sources, resolve_schedule, source_names
 from tokenloom.blending.blend import build_mock_datasets
 from tokenloom.blending.build import BuildConfig
 from tokenloom.blending.build import build as build_blend
@@ -168,45 +168,17 @@ def check_schedule(cfg: DataConfig, where: str = "data.schedule") -> None:
     if not phases:
         raise TokenloomError(f"{where} is empty; give phases [{{start_iter: 0, blend: [[w, source], ...]}}, ...] "
                              "or null")
-    known = source_keys(cfg.blend)
-    previous = None
     for k, phase in enumerate(phases):
-        at = f"{where}[{k}]"
         if not isinstance(phase, SchedulePhase):
-            raise TokenloomError(f"{at}: each phase is {{start_iter: N, blend: [[w, source], ...]}}, got {phase!r}")
-        if k == 0 and phase.start_iter != 0:
-            raise TokenloomError(f"{at}.start_iter is {phase.start_iter}: the first phase starts at 0")
-        if k and not phase.start_iter > phases[k - 1].start_iter:
-            raise TokenloomError(f"{at}.start_iter {phase.start_iter} does not follow {where}[{k - 1}].start_iter "
-                                 f"{phases[k - 1].start_iter}: phases start at increasing iterations")
-        if not phase.blend:
-            raise TokenloomError(f"{at}.blend is empty; give [[weight, source], ...]")
-        for weight, source in phase.blend:
-            number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
-            if not (number and weight > 0):
-                shown = f"{weight:g}" if number else repr(weight)
-                raise TokenloomError(f"{at}.blend: the weight {shown} of {source} is not > 0; leave a source "
-                                     "out of a phase instead")
-            if source not in known:
-                raise TokenloomError(f"{at}.blend: unknown source {source!r}; a phase's sources are "
-                                     f"data.blend.prefixes (or their names): {', '.join(sorted(known))}")
-        resolved = phase_prefixes(cfg.blend, phase)
-        if len({p for _, p in resolved}) != len(resolved):
-            raise TokenloomError(f"{at}.blend lists a source twice; give each source once")
-        if resolved == previous:
-            raise TokenloomError(f"{at}.blend is {where}[{k - 1}]'s; one phase: drop {at}")
-        previous = resolved
+            raise TokenloomError(f"{where}[{k}]: each phase is {{start_iter: N, blend: [[w, source], ...]}}, "
+                                 f"got {phase!r}")
+    resolve_schedule([(p.start_iter, p.blend) for p in phases], source_keys(cfg.blend), where,
+                     "data.blend.prefixes")
 
 
 def source_keys(blend: BlendDataConfig) -> dict[str, str]:
     """Prefix or name -> prefix of every source of ``blend`` (what a schedule phase may name)."""
     return phase_sources([str(p) for _, p in blend.prefixes], blend.names, "data.blend.names")
-
-
-def phase_prefixes(blend: BlendDataConfig, phase: SchedulePhase) -> list[tuple[float, str]]:
-    """A phase's blend as (weight, prefix) pairs, its order kept (the order draws the interleave)."""
-    keys = source_keys(blend)
-    return [(float(w), keys[str(s)]) for w, s in phase.blend]
 
 
 @dataclass
@@ -256,13 +228,15 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
         blend = _blend_of(cfg)
         # with a schedule data.blend gives the validation set only; the phases give the train order
         built, plan = _build_blend(blend, gpt, (0, *sizes[1:]) if cfg.schedule else sizes)
+        if cfg.schedule:
+            plan = f"data.blend (validation):\n{plan}" if any(sizes[1:]) else ""
         train, valid, test = built.datasets
         description = {"kind": "blend", "prefixes": [[float(w), p] for w, p in blend.prefixes],
                        "split": blend.split, "indices": built.fingerprint}
         if cfg.schedule:
             phases = _schedule_phases(cfg, gpt, sizes[0], global_batch_size)
             train = phases[0][1]  # in Datasets until the segmented blend of every phase below
-            plan = "\n".join([plan] + [text for _, _, text in phases])
+            plan = "\n".join(([plan] if plan else []) + [text for _, _, text in phases])
             description["schedule"] = [[seg.start, [[w, p] for w, p, _ in seg.blend]] for seg, _, _ in phases]
     if cfg.schedule:
         short = [(seg.start, len(t)) for seg, t, _ in phases if len(t) < sizes[0]]
@@ -300,13 +274,16 @@ def _schedule_phases(cfg: DataConfig, gpt: GPTDatasetConfig, train_samples: int,
     if global_batch_size is None:
         raise ValueError("a data schedule needs the global batch size (its phases start at iterations)")
     out = []
-    for k, phase in enumerate(cfg.schedule or []):
+    phases = cfg.schedule or []
+    resolved = resolve_schedule([(p.start_iter, p.blend) for p in phases], source_keys(blend), "data.schedule",
+                                "data.blend.prefixes")
+    for k, phase in enumerate(phases):
         start = phase.start_iter * global_batch_size
         if start >= train_samples:
             raise TokenloomError(f"data.schedule[{k}].start_iter {phase.start_iter} is not before train_iters "
                                  f"{train_samples // global_batch_size}: the phase would train nothing; drop it "
                                  "or train longer")
-        pairs = phase_prefixes(blend, phase)
+        pairs = resolved[k][1]
         phase_cfg = BlendDataConfig(prefixes=pairs, split=blend.split, cache_dir=blend.cache_dir,
                                     build_timeout=blend.build_timeout)
         built, text = _build_blend(phase_cfg, gpt, (train_samples, 0, 0))
