@@ -1,8 +1,8 @@
 """Issue 53, data schedules (``data.schedule``), through the trainer ``cli.py train`` runs (``launch``).
 
-A 12-step run on three .bin/.idx sources: phase 1 (a, b at 0.5/0.5) until iteration 6, then
+An 8-step run on three .bin/.idx sources: phase 1 (a, b at 0.5/0.5) until iteration 4, then
 phase 2 (a 0.2, b 0.5, c 0.3). It must draw and train exactly as phase 1's blend stopped at
-6 and resumed with phase 2's blend (the blend-change-on-resume machinery, planned ahead), and
+4 and resumed with phase 2's blend (the blend-change-on-resume machinery, planned ahead), and
 a resume in the middle of phase 2 must continue it exactly. The samples each run draws are
 recorded in-process (which source, which position of that source's own order).
 """
@@ -29,7 +29,7 @@ from tokenloom.train.metrics import loss_figure, read_metrics
 from tokenloom.train.model.config import GPTConfig
 from tokenloom.train.optim.adamw import OptimConfig
 
-# four in-process launches of 3-12 tiny CPU steps on a few small .bin/.idx blends: seconds each here
+# four in-process launches of 2-8 tiny CPU steps on a few small .bin/.idx blends: seconds each here
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -49,7 +49,7 @@ def config(out: Path, blend: list[tuple[float, str]], cache: Path, schedule=None
     base = dict(
         model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=1, n_heads=2, d_model=32),
         data=data, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=3), micro_batch_size=2,
-        global_batch_size=4, train_iters=12, eval_interval=0, log_interval=1, output_dir=str(out), progress=False,
+        global_batch_size=4, train_iters=8, eval_interval=0, log_interval=1, output_dir=str(out), progress=False,
         plot=False, resume="auto",
     )
     return TrainConfig(**(base | kw))
@@ -77,25 +77,25 @@ def train_losses(out: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run A: the schedule, 12 steps at once (a checkpoint at 9, mid phase 2); run B: phase 1's
-    blend to 6, resumed with phase 2's; run C: A's checkpoint at 9 resumed with the schedule."""
+    """Run A: the schedule, 8 steps at once (a checkpoint at 6, mid phase 2); run B: phase 1's
+    blend to 4, resumed with phase 2's; run C: A's checkpoint at 6 resumed with the schedule."""
     tmp = tmp_path_factory.mktemp("schedule")
     src, cache = sources(tmp), tmp / "cache"
     first = [(0.5, src["a"]), (0.5, src["b"])]
     second = [(0.2, src["a"]), (0.5, src["b"]), (0.3, src["c"])]
     every = [(1.0, src["a"]), (1.0, src["b"]), (1.0, src["c"])]
     schedule = [SchedulePhase(start_iter=0, blend=[(0.5, "a"), (0.5, src["b"])]),  # by name or by prefix
-                SchedulePhase(start_iter=6, blend=[(0.2, "a"), (0.5, "b"), (0.3, "c")])]
+                SchedulePhase(start_iter=4, blend=[(0.2, "a"), (0.5, "b"), (0.3, "c")])]
     mp = pytest.MonkeyPatch()
     try:
         out = {"src": src}
-        out["A"] = drawn_by(config(tmp / "A", every, cache, schedule, save_interval=9), mp)
-        out["B"] = (drawn_by(config(tmp / "B", first, cache, exit_interval=6), mp)
+        out["A"] = drawn_by(config(tmp / "A", every, cache, schedule, save_interval=6), mp)
+        out["B"] = (drawn_by(config(tmp / "B", first, cache, exit_interval=4), mp)
                     + drawn_by(config(tmp / "B", second, cache), mp))
         shutil.copytree(tmp / "A", tmp / "C")
-        shutil.rmtree(tmp / "C" / "checkpoints" / "iter_0000012")  # C writes its own
+        shutil.rmtree(tmp / "C" / "checkpoints" / "iter_0000008")  # C writes its own
         out["C"] = drawn_by(config(tmp / "C", every, cache, schedule,
-                                   resume=str(tmp / "C" / "checkpoints" / "iter_0000009")), mp)
+                                   resume=str(tmp / "C" / "checkpoints" / "iter_0000006")), mp)
     finally:
         mp.undo()
     out["dirs"] = {k: tmp / k for k in "ABC"}
@@ -104,26 +104,26 @@ def runs(tmp_path_factory):
 
 def test_a_two_phase_schedule_trains_as_a_resume_with_the_next_blend(runs):
     a, b = runs["A"], runs["B"]
-    assert len(a) == len(b) == 48
+    assert len(a) == len(b) == 32
     assert a == b  # the same samples, each source continuing after what it served
     for name in "abc":  # nothing twice, nothing skipped
         positions = sorted(k for s, k in a if s == name)
         assert positions == list(range(len(positions))), name
-    assert {s for s, _ in a[:24]} == {"a", "b"} and "c" in {s for s, _ in a[24:]}
+    assert {s for s, _ in a[:16]} == {"a", "b"} and "c" in {s for s, _ in a[16:]}
     la, lb = train_losses(runs["dirs"]["A"]), train_losses(runs["dirs"]["B"])
-    assert [i for i, _ in la] == [i for i, _ in lb] == list(range(1, 13))
+    assert [i for i, _ in la] == [i for i, _ in lb] == list(range(1, 9))
     assert max(abs(x - y) for (_, x), (_, y) in zip(la, lb, strict=True)) < 1e-6
     state = checkpoint.read_state(checkpoint.find_latest(runs["dirs"]["A"] / "checkpoints"))
-    assert [s["start"] for s in state["data_history"]["segments"]] == [0, 24]
+    assert [s["start"] for s in state["data_history"]["segments"]] == [0, 16]
 
 
 def test_a_resume_mid_phase_continues_exactly(runs):
-    assert runs["C"] == runs["A"][36:]  # the last 3 steps' samples
+    assert runs["C"] == runs["A"][24:]  # the last 2 steps' samples
     la, lc = train_losses(runs["dirs"]["A"]), train_losses(runs["dirs"]["C"])
-    assert [i for i, _ in lc] == list(range(1, 13))
+    assert [i for i, _ in lc] == list(range(1, 9))
     assert max(abs(x - y) for (_, x), (_, y) in zip(la, lc, strict=True)) < 1e-6
     records = read_metrics(runs["dirs"]["C"] / "metrics.jsonl")
-    assert [(r["iter"], r["schedule_phase"]) for r in records if "schedule_phase" in r] == [(6, 1)]
+    assert [(r["iter"], r["schedule_phase"]) for r in records if "schedule_phase" in r] == [(4, 1)]
     assert [r["blend_changed"] for r in records if "resumed_from" in r] == [False]  # planned, not a change
     fig = loss_figure(records)
     assert "data schedule phase" in fig.axes[0].get_legend_handles_labels()[1]
@@ -142,6 +142,7 @@ def test_the_plan_prints_each_phase(runs, tmp_path):
                      schedule=[SchedulePhase(start_iter=0, blend=[(1.0, "a")]),
                                SchedulePhase(start_iter=3, blend=[(0.5, "a"), (0.5, "b")])])
     data = TrainData(cfg, seq_len=32, vocab_size=96, sizes=(24, 4, 0), global_batch_size=4)
+    assert data.plan.startswith("data.blend (validation):\nsplit")
     assert "data.schedule[0]: from iteration 0 (sample 0)" in data.plan
     assert "data.schedule[1]: from iteration 3 (sample 12)" in data.plan
     assert data.switches == {12: 1} and data.source_names == ["a", "b"]

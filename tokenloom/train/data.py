@@ -28,7 +28,9 @@ A blend's train order is a :class:`~tokenloom.blending.segments.SegmentedBlend`:
 segment (Megatron's blend itself) until a resume changes the weights, the sources or the
 run length (``train_iters`` x ``global_batch_size``); then the checkpoint's history gets a
 segment that continues each source after the samples it served (:func:`resume_order`).
-The validation set is always this config's blend. Split, seed, sequence length, EOD
+A ``data.schedule`` plans those segments ahead: each phase is a segment from its start
+(``start_iter`` x ``global_batch_size``), data.blend lists every source and gives the
+validation set. The validation set is always this config's blend. Split, seed, sequence length, EOD
 masking and a source's content may not change (``force_data`` takes the new order as is).
 """
 
@@ -212,6 +214,7 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
     gpt = GPTDatasetConfig(seq_length=seq_len, seed=cfg.seed,
                            split=cfg.blend.split if cfg.blend else "1,1,1")
     eod: int | None
+    train: GPTDataset | BlendedDataset | None
     if cfg.mock is not None:
         m = cfg.mock
         eod = m.eod if m.eod is not None else (tokenizer_eod if tokenizer_eod is not None else vocab_size - 1)
@@ -252,7 +255,7 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
         sources = [built.sources[str(p)].digest for _, p in cfg.blend.prefixes]
         if cfg.schedule:
             out.segments = [seg for seg, _, _ in phases]
-            trains = [t for _, t, _ in phases]
+            trains: list = [t for _, t, _ in phases]
         else:
             out.segments = [Segment(0, sizes[0], tuple((float(w), str(p), d)
                                                        for (w, p), d in zip(cfg.blend.prefixes, sources, strict=True)))]
@@ -267,7 +270,7 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
 
 
 def _schedule_phases(cfg: DataConfig, gpt: GPTDatasetConfig, train_samples: int,
-                     global_batch_size: int | None) -> list[tuple[Segment, object, str]]:
+                     global_batch_size: int | None) -> list[tuple[Segment, BlendedDataset, str]]:
     """Per phase of ``cfg.schedule``: its planned segment, its train blend (built for the whole
     run's ``train_samples``, as a resume with that blend builds it) and its plan text."""
     blend = _blend_of(cfg)
