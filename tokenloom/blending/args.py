@@ -63,43 +63,45 @@ def phase_sources(prefixes: list[str], names: list[str | None] | None = None, wh
 
 
 def resolve_schedule(phases: list[tuple[int, list]], keys: dict[str, str], where: str,
-                     listed_in: str) -> list[tuple[int, list[tuple[float, str]]]]:
+                     listed_in: str, file: str | None = None) -> list[tuple[int, list[tuple[float, str]]]]:
     """A data schedule's phases ``(start_iter, [(weight, source), ...])`` with each source made
     its prefix (``keys``: :func:`phase_sources`), a phase's order kept (it draws the interleave).
 
     Refuses, in one line naming the phase (``where[k]``), phases whose start iterations do not
     increase from 0, a phase blend that is empty, has a weight that is not > 0, names a source
-    twice or one ``listed_in`` does not list, and two phases in a row with the same blend."""
+    twice or one ``listed_in`` does not list, and two phases in a row with the same blend; the
+    line starts with ``file`` when the schedule came from one."""
+    lead = f"{file}: " if file else ""
     out: list[tuple[int, list[tuple[float, str]]]] = []
     for k, (start, blend) in enumerate(phases):
         at = f"{where}[{k}]"
         if not isinstance(start, int) or isinstance(start, bool):
-            raise TokenloomError(f"{at}.start_iter is {start!r}: give an iteration count")
+            raise TokenloomError(f"{lead}{at}.start_iter is {start!r}: give an iteration count")
         if k == 0 and start != 0:
-            raise TokenloomError(f"{at}.start_iter is {start}: the first phase starts at 0")
+            raise TokenloomError(f"{lead}{at}.start_iter is {start}: the first phase starts at 0")
         if k and not start > out[-1][0]:
-            raise TokenloomError(f"{at}.start_iter {start} does not follow {where}[{k - 1}].start_iter "
+            raise TokenloomError(f"{lead}{at}.start_iter {start} does not follow {where}[{k - 1}].start_iter "
                                  f"{out[-1][0]}: phases start at increasing iterations")
         if not blend:
-            raise TokenloomError(f"{at}.blend is empty; give [[weight, source], ...]")
+            raise TokenloomError(f"{lead}{at}.blend is empty; give [[weight, source], ...]")
         pairs = []
         for entry in blend:
             if not isinstance(entry, (list, tuple)) or len(entry) != 2:
-                raise TokenloomError(f"{at}.blend: each entry is [weight, source], got {entry!r}")
+                raise TokenloomError(f"{lead}{at}.blend: each entry is [weight, source], got {entry!r}")
             weight, source = entry
             number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
             if not (number and weight > 0):
                 shown = f"{weight:g}" if number else repr(weight)
-                raise TokenloomError(f"{at}.blend: the weight {shown} of {source} is not > 0; leave a source "
+                raise TokenloomError(f"{lead}{at}.blend: the weight {shown} of {source} is not > 0; leave a source "
                                      "out of a phase instead")
             if str(source) not in keys:
-                raise TokenloomError(f"{at}.blend: unknown source {source!r}; a phase's sources are {listed_in} "
+                raise TokenloomError(f"{lead}{at}.blend: unknown source {source!r}; a phase's sources are {listed_in} "
                                      f"(or their names): {', '.join(sorted(keys))}")
             pairs.append((float(weight), keys[str(source)]))
         if len({p for _, p in pairs}) != len(pairs):
-            raise TokenloomError(f"{at}.blend lists a source twice; give each source once")
+            raise TokenloomError(f"{lead}{at}.blend lists a source twice; give each source once")
         if out and pairs == out[-1][1]:
-            raise TokenloomError(f"{at}.blend is {where}[{k - 1}]'s; one phase: drop {at}")
+            raise TokenloomError(f"{lead}{at}.blend is {where}[{k - 1}]'s; one phase: drop {at}")
         out.append((start, pairs))
     return out
 

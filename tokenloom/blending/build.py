@@ -614,7 +614,7 @@ def schedule_configs(cfg: BuildConfig, schedule: list[dict], names: list[str | N
         raise TokenloomError(f"{where}: a schedule's phases are built for the run's train samples: give "
                              "--num-samples TRAIN (train_iters x global_batch_size)")
     keys = phase_sources([str(p) for _, p in cfg.data], names, f"{where}: names")
-    phases = resolve_schedule([(p["start_iter"], p["blend"]) for p in schedule], keys, f"{where}: schedule",
-                              "the file's data")
+    phases = resolve_schedule([(p["start_iter"], p["blend"]) for p in schedule], keys, "schedule",
+                              "the file's data", file=where)
     return [(k, start, dataclasses.replace(cfg, data=pairs, num_samples=(train, 0, 0)))
             for k, (start, pairs) in enumerate(phases)]
