@@ -281,7 +281,9 @@ def _parse_counts(text: str | None) -> tuple:
 @click.option("--data", "--data-path", "sources", cls=_Greedy, multiple=True,
               help="Sources as WEIGHT PREFIX pairs (--data-path: Megatron's name), or prefixes alone for equal weights.")
 @click.option("--blend-file", type=click.Path(exists=True, dir_okay=False),
-              help="YAML/JSON blend: {data: [[w, prefix], ...]} or per split {train: [...], valid: [...], test: [...]}.")
+              help="YAML/JSON blend: {data: [[w, prefix], ...]} or per split {train: [...], valid: [...], test: [...]}; "
+                   "beside data a schedule: [{start_iter, blend: [[w, source], ...]}, ...] (train's data.schedule) "
+                   "also builds each phase's train blend for --num-samples TRAIN.")
 @click.option("--split", default="969,30,1", show_default=True, help=_bd_help("split"))
 @click.option("--seq-length", type=int, default=2048, show_default=True, help=_bd_help("seq_length"))
 @click.option("--num-samples", help=_bd_help("num_samples") + " Format: TRAIN[,VALID,TEST].")
@@ -306,7 +308,7 @@ def _parse_counts(text: str | None) -> tuple:
 def build(sources, blend_file, num_samples, plot, as_json, dump, dump_num, dump_split, **options):
     """Build GPT train/valid/test sample indices for a blend: build --data W1 PREFIX1 W2 PREFIX2 ..."""
     from tokenloom.blending.args import load_blend_file, parse_data_args  # lazy: start-up time
-    from tokenloom.blending.build import BuildConfig  # lazy: start-up time
+    from tokenloom.blending.build import BuildConfig, schedule_configs  # lazy: start-up time
     from tokenloom.blending.build import build as run  # lazy: start-up time
     from tokenloom.blending.dump import dump_samples  # lazy: start-up time
     from tokenloom.blending.plan import format_plan, plan_json  # lazy: start-up time
@@ -315,7 +317,7 @@ def build(sources, blend_file, num_samples, plot, as_json, dump, dump_num, dump_
     if blend_file and sources:
         raise click.UsageError("give the sources either with --data or with --blend-file, not both")
     spec = load_blend_file(blend_file) if blend_file else {"data": parse_data_args(list(sources))}
-    spec.pop("names", None)  # display names: the train command's losses per source
+    names, schedule = spec.pop("names", None), spec.pop("schedule", None)  # names: train's losses per source
     if not blend_file and not sources:
         raise click.UsageError("no sources: build --data 0.3 PREFIX1 0.7 PREFIX2 (or --blend-file FILE)")
     if "data_per_split" in spec:
@@ -323,14 +325,24 @@ def build(sources, blend_file, num_samples, plot, as_json, dump, dump_num, dump_
     if dump_num is not None and not dump:
         raise click.UsageError("--num goes with --dump-samples FILE")
     cfg = BuildConfig(**spec, num_samples=_parse_counts(num_samples), **options)
+    phases = schedule_configs(cfg, schedule, names, blend_file) if schedule else []
     with _sigterm_interrupts("build"):  # the cache gains whole entries only (blending/cache.py)
         result = run(cfg)
+        built = [(k, start, phase, run(phase)) for k, start, phase in phases]
         if dump:
             dataset = result.datasets[["train", "valid", "test"].index(dump_split)]
             if dataset is None or isinstance(dataset, list):
                 raise click.UsageError(f"--dump-split {dump_split}: this blend builds no single {dump_split} dataset")
             written = dump_samples(dataset, dump, dump_num)
-    click.echo(plan_json(result) if as_json else format_plan(result, cfg))
+    if as_json and built:  # one document: the blend's plan and each phase's
+        doc = json.loads(plan_json(result))
+        doc["schedule"] = [{"phase": k, "start_iter": start, **json.loads(plan_json(r))} for k, start, _, r in built]
+        click.echo(json.dumps(doc, indent=2))
+    elif as_json:
+        click.echo(plan_json(result))
+    else:
+        click.echo("\n".join([format_plan(result, cfg)] + [f"schedule[{k}]: from iteration {start}\n"
+                                                            f"{format_plan(r, phase)}" for k, start, phase, r in built]))
     if dump and not as_json:
         click.echo(f"samples: {written} of the {dump_split} split written to {dump}")
     if plot:
@@ -455,7 +467,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
               help="Train on a blend of WEIGHT PREFIX pairs (or prefixes alone for equal weights).")
 @click.option("--blend-file", type=click.Path(exists=True, dir_okay=False),
               help="YAML/JSON blend, as build takes it: {data: [[w, prefix], ...]} (an entry may be {weight, prefix, "
-                   "name}: the name of its losses per source); split by --split.")
+                   "name}: the name of its losses per source); split by --split. Beside data, schedule: [{start_iter: "
+                   "N, blend: [[w, source], ...]}, ...] switches the train blend at those iterations (data.schedule).")
 @click.option("--mock-data", is_flag=True, help="Train on synthetic data (no files needed).")
 @click.option("--tokenizer", "--tokenizer-model", "tokenizer",
               help="Tokenizer path (or 'byte'): checked against the data's manifests, stored for generate; sizes "

@@ -72,13 +72,21 @@ def test_a_blend_listing_one_content_twice_is_refused():
 def test_history_continues_only_when_the_blend_draws_differently():
     old = [seg(0, 80, (0.5, "a"), (0.5, "b"))]
     moved = Segment(0, 80, ((0.5, "elsewhere/a", "digest-a"), (0.5, "data/b", "digest-b")))
-    assert continue_history(old, moved, 40) == old  # same contents and weights: Megatron's order goes on
+    assert continue_history(old, [moved], 40) == old  # same contents and weights: Megatron's order goes on
     new = seg(0, 80, (0.2, "a"), (0.8, "b"))
-    assert continue_history(old, new, 40) == old + [seg(40, 80, (0.2, "a"), (0.8, "b"))]
+    assert continue_history(old, [new], 40) == old + [seg(40, 80, (0.2, "a"), (0.8, "b"))]
     longer = seg(0, 120, (0.5, "a"), (0.5, "b"))  # a longer run: the rest drawn for its new length
-    assert continue_history(old, longer, 40)[-1].start == 40
-    assert continue_history(old, new, 0) == [new]  # nothing served yet: the new blend from the start
-    assert continue_history(old, seg(0, 40, (0.2, "a"), (0.8, "b")), 40) == old  # nothing left to draw
+    assert continue_history(old, [longer], 40)[-1].start == 40
+    assert continue_history(old, [new], 0) == [new]  # nothing served yet: the new blend from the start
+    assert continue_history(old, [seg(0, 40, (0.2, "a"), (0.8, "b"))], 40) == old  # nothing left to draw
+    # a schedule's plan: its segments go on as planned, a resume within it changes nothing
+    plan = [seg(0, 80, (0.5, "a"), (0.5, "b")), seg(40, 80, (0.2, "a"), (0.8, "b"))]
+    assert continue_history(plan, plan, 20) == continue_history(plan, plan, 40) == plan
+    assert continue_history(plan, plan, 60) == plan
+    assert continue_history(old, plan, 20) == plan  # a schedule added before its switch
+    assert continue_history(old, plan, 60) == old + [seg(60, 80, (0.2, "a"), (0.8, "b"))]  # and after it
+    later = [plan[0], seg(50, 80, (0.2, "a"), (0.8, "b"))]  # the switch moved past the resume point: 40-45 stay
+    assert continue_history(plan, later, 45) == [*plan, seg(45, 80, (0.5, "a"), (0.5, "b")), later[1]]
     invariants, segments = read_history(history_json({"data.seed": 1}, old + [new]), "ckpt")
     assert invariants == {"data.seed": 1} and segments == old + [new]
     with pytest.raises(TokenloomError, match="ckpt: data history format 9"):

@@ -55,10 +55,63 @@ def source_names(prefixes: list[str], names: list[str | None] | None = None, whe
     return out
 
 
+def phase_sources(prefixes: list[str], names: list[str | None] | None = None, where: str = "the blend") -> dict[str, str]:
+    """Prefix or display name (:func:`source_names`) -> prefix of every source: what a data
+    schedule's phase may call a source."""
+    shown = source_names(prefixes, names, where)
+    return {**dict(zip(shown, prefixes, strict=True)), **{p: p for p in prefixes}}
+
+
+def resolve_schedule(phases: list[tuple[int, list]], keys: dict[str, str], where: str,
+                     listed_in: str, file: str | None = None) -> list[tuple[int, list[tuple[float, str]]]]:
+    """A data schedule's phases ``(start_iter, [(weight, source), ...])`` with each source made
+    its prefix (``keys``: :func:`phase_sources`), a phase's order kept (it draws the interleave).
+
+    Refuses, in one line naming the phase (``where[k]``), phases whose start iterations do not
+    increase from 0, a phase blend that is empty, has a weight that is not > 0, names a source
+    twice or one ``listed_in`` does not list, and two phases in a row with the same blend; the
+    line starts with ``file`` when the schedule came from one."""
+    lead = f"{file}: " if file else ""
+    out: list[tuple[int, list[tuple[float, str]]]] = []
+    for k, (start, blend) in enumerate(phases):
+        at = f"{where}[{k}]"
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise TokenloomError(f"{lead}{at}.start_iter is {start!r}: give an iteration count")
+        if k == 0 and start != 0:
+            raise TokenloomError(f"{lead}{at}.start_iter is {start}: the first phase starts at 0")
+        if k and not start > out[-1][0]:
+            raise TokenloomError(f"{lead}{at}.start_iter {start} does not follow {where}[{k - 1}].start_iter "
+                                 f"{out[-1][0]}: phases start at increasing iterations")
+        if not blend:
+            raise TokenloomError(f"{lead}{at}.blend is empty; give [[weight, source], ...]")
+        pairs = []
+        for entry in blend:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise TokenloomError(f"{lead}{at}.blend: each entry is [weight, source], got {entry!r}")
+            weight, source = entry
+            number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+            if not (number and weight > 0):
+                shown = f"{weight:g}" if number else repr(weight)
+                raise TokenloomError(f"{lead}{at}.blend: the weight {shown} of {source} is not > 0; leave a source "
+                                     "out of a phase instead")
+            if str(source) not in keys:
+                raise TokenloomError(f"{lead}{at}.blend: unknown source {source!r}; a phase's sources are {listed_in} "
+                                     f"(or their names): {', '.join(sorted(keys))}")
+            pairs.append((float(weight), keys[str(source)]))
+        if len({p for _, p in pairs}) != len(pairs):
+            raise TokenloomError(f"{lead}{at}.blend lists a source twice; give each source once")
+        if out and pairs == out[-1][1]:
+            raise TokenloomError(f"{lead}{at}.blend is {where}[{k - 1}]'s; one phase: drop {at}")
+        out.append((start, pairs))
+    return out
+
+
 def load_blend_file(path: str) -> dict:
     """A YAML or JSON blend file: {"data": [[w, prefix], ...]} or {"train": [...], "valid": [...], ...};
     an entry may also be {weight, prefix, name}: the source's display name (its losses per
-    source), returned as "names" beside "data" when any is given."""
+    source), returned as "names" beside "data" when any is given. Beside "data" a "schedule"
+    (the train config's ``data.schedule``: [{start_iter, blend: [[w, source], ...]}, ...], a
+    source named by its prefix or name) is returned as it is, each phase's keys checked."""
     text = Path(path).read_text(encoding="utf-8")
     try:
         doc = json.loads(text)  # JSON first: a YAML parser takes seconds on a blend of 10,000 sources
@@ -86,11 +139,30 @@ def load_blend_file(path: str) -> dict:
         return out
 
     if "data" in doc:
+        unknown = set(doc) - {"data", "schedule"}
+        if unknown:
+            raise TokenloomError(f"{path}: unknown keys {sorted(unknown)} beside 'data' (known: data, schedule)")
         spec: dict = {"data": pairs(doc["data"], "data")}
         if any(n is not None for n in names):  # display names of the sources (losses per source)
             spec["names"] = names
+        if "schedule" in doc:
+            spec["schedule"] = schedule(doc["schedule"], path)
         return spec
+    if "schedule" in doc:
+        raise TokenloomError(f"{path}: a schedule needs 'data' beside it, listing every source its phases draw from")
     unknown = set(doc) - {"train", "valid", "test"}
     if unknown:
         raise TokenloomError(f"{path}: unknown keys {sorted(unknown)} (use 'data' or train/valid/test)")
     return {"data_per_split": {k: pairs(v, k) for k, v in doc.items()}}
+
+
+def schedule(phases, path: str) -> list[dict]:
+    """A blend file's ``schedule``: a list of {start_iter, blend} mappings (their values are
+    checked with the train config's ``data.schedule``)."""
+    if not isinstance(phases, list):
+        raise TokenloomError(f"{path}: schedule is a list of {{start_iter: N, blend: [[w, source], ...]}}")
+    for k, phase in enumerate(phases):
+        if not isinstance(phase, dict) or set(phase) != {"start_iter", "blend"}:
+            raise TokenloomError(f"{path}: schedule[{k}]: each phase is {{start_iter: N, blend: [[w, source], ...]}}, "
+                                 f"got {phase!r}")
+    return phases

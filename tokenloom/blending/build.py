@@ -36,6 +36,7 @@ from typing import cast
 
 import numpy as np
 
+from tokenloom.blending.args import phase_sources, resolve_schedule
 from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig, BlendedDataset, sample_budgets
 from tokenloom.blending.cache import ArrayCache, content_key
 from tokenloom.blending.gpt import GPTDataset, GPTDatasetConfig, GPTIndices, key_fields, packing_cost
@@ -627,3 +628,22 @@ def _plan_rows(builder, split: Split, ds) -> list[SourceRow]:
     return rows
 
 
+
+
+def schedule_configs(cfg: BuildConfig, schedule: list[dict], names: list[str | None] | None,
+                     where: str) -> list[tuple[int, int, BuildConfig]]:
+    """``(phase, start_iter, config)`` per phase of a blend file's ``schedule`` (at ``where``):
+    the train blend each phase draws, built as the trainer builds it (``cfg``'s options, the
+    whole train sample count, no valid/test), so ``build`` fills the cache a scheduled run reads.
+    Refuses (one line) a schedule without one blend of every source or without a train count."""
+    if cfg.data is None:
+        raise TokenloomError(f"{where}: a schedule needs 'data' (one blend listing every source), not one per split")
+    train = cfg.num_samples[0] if cfg.num_samples else None
+    if train is None:
+        raise TokenloomError(f"{where}: a schedule's phases are built for the run's train samples: give "
+                             "--num-samples TRAIN (train_iters x global_batch_size)")
+    keys = phase_sources([str(p) for _, p in cfg.data], names, f"{where}: names")
+    phases = resolve_schedule([(p["start_iter"], p["blend"]) for p in schedule], keys, "schedule",
+                              "the file's data", file=where)
+    return [(k, start, dataclasses.replace(cfg, data=pairs, num_samples=(train, 0, 0)))
+            for k, (start, pairs) in enumerate(phases)]

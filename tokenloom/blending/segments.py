@@ -15,6 +15,10 @@ twice and nothing skipped, at any data-parallel size (the order is global); a ru
 never changes is one segment, Megatron's blend itself. Sources are identified by content
 (their ``.idx``/manifest digest), so a moved prefix keeps its place.
 
+A data schedule (``data.schedule``) is this planned ahead: its phases are the segments from
+the start, so a switch at iteration N draws exactly what a resume at N with the next phase's
+blend draws, and :func:`continue_history` resumes either within the plan.
+
 Costs and limits: each segment's blend is built (cached) for the whole run length of its
 time, of which only the part up to the next change is read; a source asked after a change
 for more samples than its built epochs hold starts its order again (the same shuffle, a
@@ -89,26 +93,45 @@ def read_history(doc: dict, where: str) -> tuple[dict, list[Segment]]:
     return dict(doc["invariants"]), [Segment.from_json(s) for s in doc["segments"]]
 
 
-def continue_history(segments: Sequence[Segment], current: Segment, consumed: int) -> list[Segment]:
-    """The history after resuming at ``consumed`` samples with blend ``current``: unchanged if
-    it draws as the last segment does, else ``current`` starts at ``consumed`` (segments that
-    start there or later served nothing and are dropped)."""
-    if segments and segments[-1].same_blend(current):
-        return list(segments)
-    if current.train_samples <= consumed:  # nothing left to draw: keep what was
-        return list(segments)
-    return [s for s in segments if s.start < consumed] + [replace(current, start=consumed)]
+def continue_history(segments: Sequence[Segment], plan: Sequence[Segment], consumed: int) -> list[Segment]:
+    """The history after resuming at ``consumed`` samples with the planned segments ``plan`` (this
+    config's: one segment, its blend, or a data schedule's phases, the first starting at 0).
+
+    What was served stays: the history's segments that start before ``consumed``. The plan's
+    segment in force at ``consumed`` goes on from there: as the last served segment when it
+    draws as that one does, else as a new segment starting at ``consumed``; the plan's later
+    segments follow as planned. Segments of the history that start at ``consumed`` or later
+    served nothing and give way to the plan's."""
+    if not plan or plan[0].start != 0:
+        raise ValueError("a plan of segments, the first starting at 0")
+    if consumed <= 0:
+        return list(plan)
+    if plan[-1].train_samples <= consumed:  # nothing left to draw: keep what was
+        return [s for s in segments if s.start < consumed]
+    served = [s for s in segments if s.start < consumed]
+    k = bisect.bisect_right([s.start for s in plan], consumed) - 1
+    active, later = plan[k], list(plan[k + 1:])
+    if served and served[-1].same_blend(active):
+        return served + later
+    return served + [replace(active, start=consumed)] + later
+
+
+def in_force(segments: Sequence[Segment], consumed: int) -> Segment:
+    """The segment of ``segments`` (starts increasing, the first at 0) that draws sample ``consumed``."""
+    return segments[bisect.bisect_right([s.start for s in segments], consumed) - 1]
 
 
 class SegmentedBlend:
     """The train order of a history: a map-style dataset of ``train_samples`` (of the last segment)
     samples. ``blends[k]`` is segment k's blended dataset (its members in ``segments[k].blend``'s
-    order); each source's order is its member in the first segment listing its digest."""
+    order); each source's order is its member in the first segment listing its digest.
+    ``sources`` (digests) orders the positions :meth:`source_of` gives; the last segment's by default."""
 
-    def __init__(self, segments: Sequence[Segment], blends: Sequence) -> None:
+    def __init__(self, segments: Sequence[Segment], blends: Sequence, sources: Sequence[str] | None = None) -> None:
         if not segments or len(segments) != len(blends) or segments[0].start != 0:
             raise ValueError("one blend per segment, the first starting at 0")
         self.segments, self.blends = list(segments), list(blends)
+        self.sources = list(sources) if sources is not None else [d for _, _, d in self.segments[-1].blend]
         self.starts = [s.start for s in self.segments]
         self.ends = self.starts[1:] + [self.segments[-1].train_samples]
         self.first: dict[str, tuple[int, int]] = {}  # digest -> (segment, member) holding its order
@@ -135,13 +158,12 @@ class SegmentedBlend:
                     self.wrapped.append(self.prefixes[d])
 
     def source_of(self, i: int) -> int:
-        """The position of global sample i's source in the last segment's blend (the current
-        config's sources), -1 for a source it does not list (only samples before the last
-        segment's start, which a resumed run never reads, can have one)."""
+        """The position of global sample i's source in :attr:`sources` (the current config's
+        sources), -1 for a source it does not list (only samples of segments a resumed run has
+        passed, which it never reads, can have one)."""
         k = bisect.bisect_right(self.starts, i) - 1
         digest = self.digests[k][int(self.blends[k].dataset_index[i - self.starts[k]])]
-        current = self.digests[-1]
-        return current.index(digest) if digest in current else -1
+        return self.sources.index(digest) if digest in self.sources else -1
 
     def order(self, digest: str) -> GPTDataset:
         """A source's order: its member in the first segment that listed it (made on first use)."""

@@ -294,6 +294,14 @@ def _build(cls: type, data: dict, where: str) -> Any:
     if not isinstance(data, dict):
         raise TokenloomError(f"config section {where[:-1] or '(top)'} must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]  # in a list's items (a section's are refused up front)
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if unknown or missing:
+        what = "; ".join([f"unknown key{'s' * (len(unknown) > 1)} {', '.join(map(str, unknown))}"] * bool(unknown)
+                         + [f"{', '.join(missing)} missing"] * bool(missing))
+        raise TokenloomError(f"config section {where[:-1] or '(top)'}: {what} (its keys: {', '.join(fields)})")
     return cls(**{k: _convert(hints[k], v, f"{where}{k}.") for k, v in data.items()})
 
 
@@ -308,7 +316,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         return _build(hint, value, where)
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
         if origin is list:
-            return [_convert(args[0], v, where) for v in value] if args else list(value)
+            return [_convert(args[0], v, f"{where[:-1]}[{i}].") for i, v in enumerate(value)] if args else list(value)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], v, where) for v in value)
         return tuple(_convert(a, v, where) for a, v in zip(args, value, strict=True)) if args else tuple(value)

@@ -28,7 +28,9 @@ A blend's train order is a :class:`~tokenloom.blending.segments.SegmentedBlend`:
 segment (Megatron's blend itself) until a resume changes the weights, the sources or the
 run length (``train_iters`` x ``global_batch_size``); then the checkpoint's history gets a
 segment that continues each source after the samples it served (:func:`resume_order`).
-The validation set is always this config's blend. Split, seed, sequence length, EOD
+A ``data.schedule`` plans those segments ahead: each phase is a segment from its start
+(``start_iter`` x ``global_batch_size``), data.blend lists every source and gives the
+validation set. The validation set is always this config's blend. Split, seed, sequence length, EOD
 masking and a source's content may not change (``force_data`` takes the new order as is).
 """
 
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from tokenloom.blending.args import source_names
+from tokenloom.blending.args import phase_sources, resolve_schedule, source_names
 from tokenloom.blending.blend import build_mock_datasets
 from tokenloom.blending.build import BuildConfig
 from tokenloom.blending.build import build as build_blend
@@ -58,7 +60,14 @@ from tokenloom.blending.loader import (
 )
 from tokenloom.blending.mock import MockSource
 from tokenloom.blending.plan import format_plan
-from tokenloom.blending.segments import Segment, SegmentedBlend, continue_history, history_json, read_history
+from tokenloom.blending.segments import (
+    Segment,
+    SegmentedBlend,
+    continue_history,
+    history_json,
+    in_force,
+    read_history,
+)
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed.format import index_path
 from tokenloom.tokenizers import load_tokenizer
@@ -108,6 +117,16 @@ class BlendDataConfig:
 
 
 @dataclass(kw_only=True)
+class SchedulePhase:
+    """One phase of a data schedule: the train blend from iteration ``start_iter`` on."""
+
+    start_iter: int
+    """Iterations trained before this phase begins (the first phase starts at 0; increasing)."""
+    blend: list[tuple[float, str]]
+    """(weight, source) pairs, weights > 0; a source is a data.blend.prefixes prefix or its name."""
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """Where samples come from (exactly one of ``mock`` / ``blend``) and how they are loaded."""
 
@@ -115,6 +134,11 @@ class DataConfig:
     """Synthetic data (no files needed)."""
     blend: BlendDataConfig | None = None
     """Real data: weighted token-file prefixes."""
+    schedule: list[SchedulePhase] | None = None
+    """Phases of the train blend by iteration, e.g. [{start_iter: 0, blend: [[1, web]]}, {start_iter: 1000,
+    blend: [[0.5, web], [0.5, code]]}]: at each start the loader switches to the phase's blend, every source
+    continuing after what it served. Needs data.blend, whose prefixes list every source (its weights are
+    the validation blend's); null: data.blend's own weights for the whole run."""
     seed: int = 1234
     """Seed of the document and sample shuffles."""
     num_workers: int = 0
@@ -141,6 +165,32 @@ class DataConfig:
             raise TokenloomError("the data section needs exactly one of data.mock or data.blend")
         if self.num_workers < 0:
             raise TokenloomError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.schedule is not None:
+            check_schedule(self)
+
+
+def check_schedule(cfg: DataConfig, where: str = "data.schedule") -> None:
+    """Refuse, in one line naming the phase, a schedule that is empty or on mock data, phases
+    whose start iterations do not increase from 0, a phase blend that is empty, has a weight
+    that is not > 0, names a source twice or one data.blend does not list, and two phases in a
+    row with the same blend (one phase: say it once)."""
+    if cfg.blend is None:
+        raise TokenloomError(f"{where} needs data.blend (its prefixes list the sources the phases draw from)")
+    phases = cfg.schedule or []
+    if not phases:
+        raise TokenloomError(f"{where} is empty; give phases [{{start_iter: 0, blend: [[w, source], ...]}}, ...] "
+                             "or null")
+    for k, phase in enumerate(phases):
+        if not isinstance(phase, SchedulePhase):
+            raise TokenloomError(f"{where}[{k}]: each phase is {{start_iter: N, blend: [[w, source], ...]}}, "
+                                 f"got {phase!r}")
+    resolve_schedule([(p.start_iter, p.blend) for p in phases], source_keys(cfg.blend), where,
+                     "data.blend.prefixes")
+
+
+def source_keys(blend: BlendDataConfig) -> dict[str, str]:
+    """Prefix or name -> prefix of every source of ``blend`` (what a schedule phase may name)."""
+    return phase_sources([str(p) for _, p in blend.prefixes], blend.names, "data.blend.names")
 
 
 @dataclass
@@ -168,11 +218,13 @@ class Datasets:
 
 
 def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, int, int],
-          tokenizer_eod: int | None = None) -> Datasets:
-    """Build train/valid/test for ``sizes`` samples each (train must not come out short)."""
+          tokenizer_eod: int | None = None, global_batch_size: int | None = None) -> Datasets:
+    """Build train/valid/test for ``sizes`` samples each (train must not come out short); a data
+    schedule's phases start at ``start_iter`` x ``global_batch_size`` samples (needed then)."""
     gpt = GPTDatasetConfig(seq_length=seq_len, seed=cfg.seed,
                            split=cfg.blend.split if cfg.blend else "1,1,1", packing=cfg.packing)
     eod: int | None
+    train: GPTDataset | BlendedDataset | None
     if cfg.mock is not None:
         m = cfg.mock
         eod = m.eod if m.eod is not None else (tokenizer_eod if tokenizer_eod is not None else vocab_size - 1)
@@ -187,29 +239,74 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
             raise TokenloomError("data.eod_mask_loss needs the EOD id: set tokenizer")
         eod = tokenizer_eod
         blend = _blend_of(cfg)
-        built, plan = _build_blend(blend, gpt, sizes)
+        # with a schedule data.blend gives the validation set only; the phases give the train order
+        built, plan = _build_blend(blend, gpt, (0, *sizes[1:]) if cfg.schedule else sizes)
+        if cfg.schedule:
+            plan = f"data.blend (validation):\n{plan}" if any(sizes[1:]) else ""
         train, valid, test = built.datasets
         description = {"kind": "blend", "prefixes": [[float(w), p] for w, p in blend.prefixes],
                        "split": blend.split, "indices": built.fingerprint}
-    if train is None or len(train) < sizes[0]:
-        raise TokenloomError(f"the train split has {0 if train is None else len(train)} samples, "
+        if cfg.schedule:
+            phases = _schedule_phases(cfg, gpt, sizes[0], global_batch_size)
+            train = phases[0][1]  # in Datasets until the segmented blend of every phase below
+            plan = "\n".join(([plan] if plan else []) + [text for _, _, text in phases])
+            description["schedule"] = [[seg.start, [[w, p] for w, p, _ in seg.blend]] for seg, _, _ in phases]
+    if cfg.schedule:
+        short = [(seg.start, len(t)) for seg, t, _ in phases if len(t) < sizes[0]]
+    else:
+        short = [(0, 0 if train is None else len(train))] if train is None or len(train) < sizes[0] else []
+    if short:
+        raise TokenloomError(f"the train split has {short[0][1]} samples, "
                              f"{sizes[0]} needed (train_iters x global_batch_size)")
     description.update(seq_len=seq_len, shuffle_seed=cfg.seed, eod_mask_loss=cfg.eod_mask_loss,
-                       train_samples=len(train))
+                       train_samples=sizes[0] if cfg.schedule else len(train))
     if cfg.packing != "concat":  # concat runs keep the fingerprints they had before packing came
         description["packing"] = cfg.packing
     out = Datasets(train, valid, test, eod, fingerprint(description), description, plan)
     if cfg.blend is not None:
-        out.segments = [Segment(0, sizes[0], tuple((float(w), str(p), built.sources[str(p)].digest)
-                                                   for w, p in cfg.blend.prefixes))]
+        sources = [built.sources[str(p)].digest for _, p in cfg.blend.prefixes]
+        if cfg.schedule:
+            out.segments = [seg for seg, _, _ in phases]
+            trains: list = [t for _, t, _ in phases]
+        else:
+            out.segments = [Segment(0, sizes[0], tuple((float(w), str(p), d)
+                                                       for (w, p), d in zip(cfg.blend.prefixes, sources, strict=True)))]
+            trains = [train]  # one segment: Megatron's blend itself
         out.invariants = {"data.blend.split": cfg.blend.split, "model.seq_len": seq_len, "data.seed": cfg.seed,
                           "data.eod_mask_loss": cfg.eod_mask_loss}
         if cfg.packing != "concat":  # absent: concat (histories saved before packing came)
             out.invariants["data.packing"] = cfg.packing
-        out.train = SegmentedBlend(out.segments, [train])  # one segment: Megatron's blend itself
+        out.train = SegmentedBlend(out.segments, trains, sources)
         if len(cfg.blend.prefixes) > 1:
             out.source_names = source_names([str(p) for _, p in cfg.blend.prefixes], cfg.blend.names,
                                             "data.blend.names")
+    return out
+
+
+def _schedule_phases(cfg: DataConfig, gpt: GPTDatasetConfig, train_samples: int,
+                     global_batch_size: int | None) -> list[tuple[Segment, BlendedDataset, str]]:
+    """Per phase of ``cfg.schedule``: its planned segment, its train blend (built for the whole
+    run's ``train_samples``, as a resume with that blend builds it) and its plan text."""
+    blend = _blend_of(cfg)
+    if global_batch_size is None:
+        raise ValueError("a data schedule needs the global batch size (its phases start at iterations)")
+    out = []
+    phases = cfg.schedule or []
+    resolved = resolve_schedule([(p.start_iter, p.blend) for p in phases], source_keys(blend), "data.schedule",
+                                "data.blend.prefixes")
+    for k, phase in enumerate(phases):
+        start = phase.start_iter * global_batch_size
+        if start >= train_samples:
+            raise TokenloomError(f"data.schedule[{k}].start_iter {phase.start_iter} is not before train_iters "
+                                 f"{train_samples // global_batch_size}: the phase would train nothing; drop it "
+                                 "or train longer")
+        pairs = resolved[k][1]
+        phase_cfg = BlendDataConfig(prefixes=pairs, split=blend.split, cache_dir=blend.cache_dir,
+                                    build_timeout=blend.build_timeout)
+        built, text = _build_blend(phase_cfg, gpt, (train_samples, 0, 0))
+        seg = Segment(start, train_samples, tuple((w, p, built.sources[p].digest) for w, p in pairs))
+        out.append((seg, built.train, f"data.schedule[{k}]: from iteration {phase.start_iter} (sample {start})\n"
+                                      + text))
     return out
 
 
@@ -224,10 +321,15 @@ class TrainData:
     """
 
     def __init__(self, cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, int, int],
-                 tokenizer_eod: int | None = None) -> None:
+                 tokenizer_eod: int | None = None, global_batch_size: int | None = None) -> None:
         """Build the datasets of ``cfg`` for ``sizes`` samples (see :func:`build`); nothing consumed."""
         self.cfg = cfg
-        self.datasets = build(cfg, seq_len=seq_len, vocab_size=vocab_size, sizes=sizes, tokenizer_eod=tokenizer_eod)
+        self.datasets = build(cfg, seq_len=seq_len, vocab_size=vocab_size, sizes=sizes, tokenizer_eod=tokenizer_eod,
+                              global_batch_size=global_batch_size)
+        self.switches: dict[int, int] = {}
+        """Consumed samples -> schedule phase (index into ``data.schedule``) that starts there (after 0)."""
+        if cfg.schedule and global_batch_size is not None:
+            self.switches = {p.start_iter * global_batch_size: k for k, p in enumerate(cfg.schedule) if k}
         self.consumed = 0
         self.blend_changed = False
         """The resume (:meth:`load_state_dict`) changed the blend's weights or sources at ``consumed``."""
@@ -279,9 +381,7 @@ class TrainData:
         notes: list[str] = []
         if history is not None and d.segments is not None and not force:
             notes = resume_order(d, self.cfg, history, consumed, where)
-            segments = d.segments
-            self.blend_changed = (len(segments) > 1 and segments[-1].start == consumed > 0
-                                  and not segments[-2].same_mix(segments[-1]))
+            self.blend_changed = any(n.startswith("the blend changed") for n in notes)
         elif d.segments is not None and not force and saved.get("data_fingerprint") != d.fingerprint:
             raise TokenloomError(f"{where} was trained on other data and saved before blends could change on resume "
                                  "(it has no data history); resume with its data or pass --set force_data=true")
@@ -308,27 +408,30 @@ def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, 
         raise TokenloomError(f"{where} was trained with other data settings ({'; '.join(changed)}); a resume may "
                              "change only the blend's weights and sources and train_iters: restore them, or pass "
                              "--set force_data=true to take the new order as it is")
-    current = data.segments[-1]
-    current_train = data.train.blends[-1]
-    changed_blend = not segments[-1].same_mix(current)  # a longer run alone draws a new segment, silently
-    segments = continue_history(segments, current, consumed)
-    blends = [current_train if seg.same_blend(current) else _segment_blend(seg, cfg, data.invariants, current, where)
-              for seg in segments]
-    data.train, data.segments = SegmentedBlend(segments, blends), segments
+    plan, planned = data.segments, data.train.blends  # this config's segments (a schedule's phases) and blends
+    before = in_force(segments, consumed) if consumed > 0 else None
+    segments = continue_history(segments, plan, consumed)
+    blends = []
+    for seg in segments:
+        same = [b for p, b in zip(plan, planned, strict=True) if seg.same_blend(p)]
+        blends.append(same[0] if same else _segment_blend(seg, cfg, data.invariants, plan, where))
+    data.train, data.segments = SegmentedBlend(segments, blends, data.train.sources), segments
     notes = []
-    if changed_blend and segments[-1].start == consumed and consumed > 0:
-        shares = ", ".join(f"{p} {w:g}" for w, p, _ in segments[-1].blend)
-        notes.append(f"the blend changed at sample {consumed} (segment {len(segments)}): each source continues "
-                     f"after the samples it served ({shares})")
+    after = in_force(segments, consumed) if consumed > 0 else None
+    # a longer run alone draws a new segment, silently; a schedule's own switches are planned, not changes
+    if before is not None and after is not None and after.start == consumed and not before.same_mix(after):
+        shares = ", ".join(f"{p} {w:g}" for w, p, _ in after.blend)
+        notes.append(f"the blend changed at sample {consumed} (segment {segments.index(after) + 1}): each source "
+                     f"continues after the samples it served ({shares})")
     notes += [f"warning: {p} is asked for more samples than its built epochs hold; its order starts again"
               for p in data.train.wrapped]
     return notes
 
 
-def _segment_blend(seg: Segment, cfg: DataConfig, invariants: dict, current: Segment, where: str):
+def _segment_blend(seg: Segment, cfg: DataConfig, invariants: dict, plan: list[Segment], where: str):
     """The train blend of an earlier segment, rebuilt (a cache hit when ``cache_dir`` is kept);
     a source is looked for where this config has its content, else at its recorded prefix."""
-    moved = {d: p for _, p, d in current.blend}
+    moved = {d: p for current in plan for _, p, d in current.blend}
     pairs = [(w, moved.get(d, p)) for w, p, d in seg.blend]
     for (_, prefix), (_, old, _) in zip(pairs, seg.blend, strict=True):
         if not os.path.isfile(index_path(prefix)):

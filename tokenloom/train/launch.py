@@ -58,7 +58,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenloom.blending.args import load_blend_file, parse_data_args
+from tokenloom.blending.args import load_blend_file, parse_data_args, phase_sources, resolve_schedule
 from tokenloom.errors import Stopped, TokenloomError
 from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
@@ -527,7 +527,8 @@ def flag_overrides(*, data: typing.Sequence[str] = (), blend_file: str | None = 
     """``--set`` overrides for the ``train`` command's convenience flags (None means not given).
 
     ``data`` holds WEIGHT PREFIX pairs and replaces the data section with that blend, as does
-    ``blend_file`` (:func:`~tokenloom.blending.args.load_blend_file`: one blend, its names too);
+    ``blend_file`` (:func:`~tokenloom.blending.args.load_blend_file`: one blend, its names and its
+    data schedule too);
     ``tokenizer`` also sizes ``model.vocab_size`` to it (an explicit ``--set`` wins, as
     it is applied after these). ``fields`` maps flag names to config keys (:data:`FLAG_KEYS`),
     Megatron's spellings of a value becoming ours (:data:`MEGATRON_VALUES`).
@@ -556,6 +557,11 @@ def flag_overrides(*, data: typing.Sequence[str] = (), blend_file: str | None = 
         out += ["data.mock=null", f"data.blend.prefixes={json.dumps([[w, p] for w, p in spec['data']])}"]
         if "names" in spec:
             out.append(f"data.blend.names={json.dumps(spec['names'])}")
+        if "schedule" in spec:  # checked here too, so that a bad phase's line names the file
+            keys = phase_sources([p for _, p in spec["data"]], spec.get("names"), f"{blend_file}: names")
+            resolve_schedule([(p["start_iter"], p["blend"]) for p in spec["schedule"]], keys, "schedule",
+                             "the file's data", file=blend_file)
+            out.append(f"data.schedule={json.dumps(spec['schedule'])}")
     if data:
         pairs = [[w, p] for w, p in parse_data_args(list(data))]
         out += ["data.mock=null", f"data.blend.prefixes={json.dumps(pairs)}"]

@@ -127,7 +127,7 @@ class Trainer:
         sizes = (cfg.train_iters * gbs, evals * gbs if cfg.eval_interval else 0, 0)
         self.strategy = Strategy(cfg, world)
         self.data = TrainData(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size, sizes=sizes,
-                              tokenizer_eod=tok_eod)
+                              tokenizer_eod=tok_eod, global_batch_size=gbs)
         self.iteration = 0
         self.resumed_from = self._resume()
         if cfg.init_from_hf is not None:
@@ -340,6 +340,8 @@ class Trainer:
             self._validate()
         timer.start()
         while self.iteration < cfg.train_iters:
+            if self.data.consumed in self.data.switches:  # a mark in loss.png where a schedule phase begins
+                self._record({"iter": self.iteration, "schedule_phase": self.data.switches[self.data.consumed]})
             lr = lr_at(self.iteration, cfg.optim, cfg.train_iters)
             set_lr(s.optimizer, lr)
             fetch = time.perf_counter()

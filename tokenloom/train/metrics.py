@@ -13,7 +13,8 @@ records carry ``val_loss`` and, for a blend of two or more sources, ``val_loss_p
 (each source's loss on its own validation samples, null for a source without any,
 :mod:`tokenloom.train.source_loss`). A resumed
 run writes a record with ``resumed_from`` (the checkpoint) and ``blend_changed`` (whether
-the blend's weights or sources changed there) at the iteration it resumed at. The record whose
+the blend's weights or sources changed there) at the iteration it resumed at, and a data
+schedule a record with ``schedule_phase`` (its index) at the iteration each phase begins. The record whose
 interval holds the process's first step also carries ``first_step_s`` (see
 :class:`StepTimer`). Each checkpoint gets a record once its write completed: ``iter`` (the
 checkpoint's iteration), ``checkpoint`` (its directory), ``save_stall_s`` (the time the step
@@ -225,7 +226,7 @@ class MetricsLogger:
         kept = []
         if resume_iteration is not None and self.path.exists():
             kept = [json.dumps(r) for r in _records(self.path.read_text()) if r.get("iter", 0) <= resume_iteration
-                    and not ("resumed_from" in r and r["iter"] == resume_iteration)]
+                    and not (("resumed_from" in r or "schedule_phase" in r) and r["iter"] == resume_iteration)]
         with atomic_writer(self.path, "w") as f:
             f.write("".join(line + "\n" for line in kept))
         with naming(self.path):
@@ -321,7 +322,8 @@ def loss_figure(records: list[dict]):
     Losses per source (``val_loss_per_source``, ``train_loss_per_source``) are drawn thinner,
     one colour per source, dashed for validation and dotted for training.
     Both panels carry a dotted vertical line where the run resumed and a dashed one where the
-    blend changed (records with ``resumed_from``), so a jump in the loss has its cause in view.
+    blend changed (records with ``resumed_from``), and a dash-dotted one where a data schedule
+    phase began (records with ``schedule_phase``), so a jump in the loss has its cause in view.
     The caller closes the figure (``matplotlib.pyplot.close``)."""
     import matplotlib.pyplot as plt  # lazy: start-up time, matplotlib loads only when a plot is asked for
 
@@ -342,6 +344,10 @@ def loss_figure(records: list[dict]):
     if rates:
         lr_ax.plot(*zip(*rates, strict=True), ".-", color="tab:green", markersize=3 if len(rates) > 1 else 6)
     for r in records:
+        if "schedule_phase" in r:
+            for panel in (ax, lr_ax):
+                panel.axvline(r["iter"], color="tab:purple", linestyle="-.",
+                              label="data schedule phase" if panel is ax else None)
         if "resumed_from" in r:
             changed = bool(r.get("blend_changed"))
             label = "blend changed" if changed else "resumed"

@@ -152,8 +152,8 @@ def check_resume(cfg: TrainConfig) -> None:
     """A checkpoint to resume has the same model, the same learning-rate schedule unless
     ``override_opt_param_scheduler``, and the same data unless ``force_data``
     (loader-only settings, ``num_workers`` and the cache directory, and the sources' display
-    ``names`` may change, and the blend's weights and sources when the checkpoint keeps a data
-    history: see ``blending/segments.py``)."""
+    ``names`` may change, and the blend's weights and sources and the data schedule when the
+    checkpoint keeps a data history: see ``blending/segments.py``)."""
     if cfg.resume is None:  # nothing to resume (check calls this with one only)
         return
     path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)
@@ -169,7 +169,7 @@ def check_resume(cfg: TrainConfig) -> None:
     free = ("cache_dir", "build_timeout", "names") + (("prefixes",) if "data_history" in state else ())
 
     def order_defining(data: dict) -> dict:
-        out = {k: v for k, v in data.items() if k != "num_workers"}
+        out = {k: v for k, v in data.items() if k != "num_workers" and not (k == "schedule" and "data_history" in state)}
         if out.get("blend"):
             out["blend"] = {k: v for k, v in out["blend"].items() if k not in free}
         return out
