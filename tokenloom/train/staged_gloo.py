@@ -23,6 +23,7 @@ is covered without changing it.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -40,6 +41,11 @@ INPLACE = frozenset({"allreduce", "broadcast"})
 
 STAGE_ALL_ENV = "TOKENLOOM_GLOO_STAGE_ALL"
 """Set to 1: every call of the staged backend is staged, CPU tensors too (the tests' switch)."""
+
+
+STAGED: Counter[str] = Counter()
+"""Staged calls of this process by kind (``allgather``, ``send``, ...): what a run sent through
+host memory (the tests read it)."""
 
 
 def _flat(obj) -> list[torch.Tensor]:
@@ -117,6 +123,7 @@ class StagedGloo(dist.ProcessGroup):
                 return moved[id(obj)]
             return [host(item, copy) for item in obj]
 
+        STAGED[kind] += 1
         h_in = [host(x, True) for x in ins]  # the device-to-host copies, before gloo starts
         h_out = [host(x, False) for x in outs]
         back = flat_out if outs else (flat_in if kind in INPLACE else [])
@@ -166,12 +173,13 @@ class StagedGloo(dist.ProcessGroup):
         return self._run("recv", [], [tensors], lambda ts: self._gloo.recv(ts, src, tag))
 
 
-def register() -> None:
-    """Make :data:`BACKEND` a ``torch.distributed`` backend (idempotent); ``TOKENLOOM_GLOO_STAGE_ALL=1``
-    in the environment makes its groups stage every call."""
+def register(stage_all: bool | None = None) -> None:
+    """Make :data:`BACKEND` a ``torch.distributed`` backend (the first call in a process wins);
+    its groups stage every call when ``stage_all`` (None: when ``TOKENLOOM_GLOO_STAGE_ALL=1``)."""
     if BACKEND.upper() in dist.Backend._plugins:
         return
-    stage_all = os.environ.get(STAGE_ALL_ENV, "") == "1"
+    if stage_all is None:
+        stage_all = os.environ.get(STAGE_ALL_ENV, "") == "1"
 
     def create(store, rank, size, timeout):
         return StagedGloo(store, rank, size, timeout, stage_all=stage_all)

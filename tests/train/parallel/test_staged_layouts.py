@@ -1,0 +1,59 @@
+"""Training layouts over :class:`~tokenloom.train.staged_gloo.StagedGloo` with every call staged
+through host buffers (CPU tensors standing in for a GPU's) against the same layouts over plain
+gloo: the staging only copies, so the losses, grad norms and final parameters are bit for bit
+the same. The layouts cover what the staging carries on a GPU: dp 2 with ZeRO-1 (bucketed
+reduce-scatter during backward, all-gather of the parameters), tp 2 with sequence parallelism
+(all-gathers and reduce-scatters of activations) and pp 2 with vpp 2 (point-to-point sends and
+receives, on the pipeline's poster thread).
+
+Two launches of 2 gloo ranks (plain, staged), three short runs each; ``slow``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compose_helpers import SCENARIO_BUDGET_S, launch
+
+SHORT = dict(train_iters=6, eval_interval=3, eval_iters=1)
+LAYOUTS = {
+    "dp2_zero1": dict(zero1=True, ddp_bucket_cap_mb=0.02, save_interval=6),
+    "tp2_sp": dict(tp=2, sp=True, save_interval=6),
+    "pp2_vpp2": dict(pp=2, vpp=2, save_interval=6),
+}
+SCENARIOS = 2 * (len(LAYOUTS) + 1)
+
+# the timeout: the two launches' hang budgets (SCENARIO_BUDGET_S a scenario); they run in a few s each
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SCENARIO_BUDGET_S * SCENARIOS)]
+
+
+def _runs(tmp_path, staged: bool):
+    kind = "staged" if staged else "plain"
+    scenarios = [("train", dict(out=str(tmp_path / f"{kind}_{name}"), **SHORT, **kw)) for name, kw in LAYOUTS.items()]
+    return launch([*scenarios, ("staged_calls", {})], 2, tmp_path / kind, staged=staged)
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("staged")
+    return _runs(tmp, False), _runs(tmp, True)
+
+
+def test_staging_carried_every_kind_of_call(both):
+    plain, staged = both
+    assert plain[0][-1] == {} and plain[1][-1] == {}  # plain gloo: nothing staged
+    for rank in (0, 1):
+        calls = staged[rank][-1]
+        for kind in ("allreduce", "broadcast", "reduce_scatter_single", "all_gather_single", "send", "recv"):
+            assert calls.get(kind, 0) > 0, (rank, kind, calls)
+
+
+@pytest.mark.parametrize("index,name", list(enumerate(LAYOUTS)))
+def test_staged_run_equals_plain_gloo(both, index, name):
+    plain, staged = both
+    a, b = plain[0][index], staged[0][index]
+    assert len(a["losses"]) == SHORT["train_iters"]
+    assert a["losses"] == b["losses"] and a["norms"] == b["norms"], name
+    assert a["summary"]["val_loss"] == b["summary"]["val_loss"], name
+    assert sorted(a["params"]) == sorted(b["params"])
+    for key, t in a["params"].items():
+        assert torch.equal(t, b["params"][key]), (name, key)
