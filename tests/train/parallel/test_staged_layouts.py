@@ -19,16 +19,18 @@ LAYOUTS = {
     "dp2_zero1": dict(zero1=True, ddp_bucket_cap_mb=0.02),
     "tp2_sp": dict(tp=2, sp=True),
 }
-SCENARIOS = 2 * (len(LAYOUTS) + 1)
+DEADLINE_S = 3 * SCENARIO_BUDGET_S * (len(LAYOUTS) + 1)
+"""A launch's hang deadline: three scenario budgets per scenario (a start of torch in each spawned rank
+and two short runs; a launch took 90 s on the developers' 2 cores at a load of 18)."""
 
-# the timeout: the two launches' hang budgets (SCENARIO_BUDGET_S a scenario); they run in a few s each
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SCENARIO_BUDGET_S * SCENARIOS)]
+# the timeout: the two launches' hang deadlines
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * DEADLINE_S + 30)]
 
 
 def _runs(tmp_path, staged: bool):
     kind = "staged" if staged else "plain"
     scenarios = [("train", dict(out=str(tmp_path / f"{kind}_{name}"), **SHORT, **kw)) for name, kw in LAYOUTS.items()]
-    return launch([*scenarios, ("staged_calls", {})], 2, tmp_path / kind, staged=staged)
+    return launch([*scenarios, ("staged_calls", {})], 2, tmp_path / kind, deadline_s=DEADLINE_S, staged=staged)
 
 
 @pytest.fixture(scope="module")
