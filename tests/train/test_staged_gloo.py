@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch

@@ -61,7 +61,8 @@ class StagedWork(dist.Work):
 
     def __init__(self, work: dist.Work, copies: list[tuple[torch.Tensor, torch.Tensor]]):
         super().__init__()
-        self._work, self._copies = work, copies
+        self._work = work
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] | None = copies
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._copies is not None:
@@ -86,7 +87,7 @@ class StagedGloo(dist.ProcessGroup):
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, stage_all: bool = False):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lists only the (store, rank, size) form
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.stage_all = stage_all
 
