@@ -46,7 +46,7 @@ def test_staging_carried_every_kind_of_call(both):
     assert plain[0][-1] == {} and plain[1][-1] == {}  # plain gloo: nothing staged
     for rank in (0, 1):
         calls = staged[rank][-1]
-        for kind in ("allreduce", "broadcast", "reduce_scatter_single", "all_gather_single"):
+        for kind in ("allreduce", "reduce_scatter_single", "all_gather_single"):
             assert calls.get(kind, 0) > 0, (rank, kind, calls)
 
 
