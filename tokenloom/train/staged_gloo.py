@@ -90,6 +90,23 @@ class StagedGloo(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lists only the (store, rank, size) form
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.stage_all = stage_all
+        self._name, self._desc = "", ""
+
+    # torch keeps a group's name on its C++ backends, which a Python group has none of: kept here
+    # (FSDP and torch's group registry read it)
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:  # type: ignore[override]
+        return self._desc
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
