@@ -9,10 +9,12 @@ The wrapper forwards every call to a plain gloo group; a call of any other kind 
 are on a GPU is staged: its inputs are copied into pinned host buffers, gloo runs on those, and
 the results are copied back into the caller's tensors when the call's work is waited on (the
 device-to-host copies are synchronous, at the call; an asynchronous call still overlaps gloo's
-transfer with the caller's work, and point-to-point sends and receives pair up as gloo's do). A staged call costs two copies through host memory and gloo's TCP transport: NCCL is
-the fast path, this one is for layouts on fewer GPUs than ranks. ``stage_all`` stages every call whatever the device (CPU tensors stand
-in for GPU ones); tests use it to run the staging path on a machine without CUDA, and
-``TOKENLOOM_GLOO_STAGE_ALL=1`` turns it on for a whole run (:func:`register`).
+transfer with the caller's work, and point-to-point sends and receives pair up as gloo's do).
+A staged call costs two copies through host memory and gloo's TCP transport: NCCL is the fast
+path, this one is for layouts on fewer GPUs than ranks. ``stage_all`` stages every call whatever
+the device (CPU tensors standing in for GPU ones): tests use it to run the staging path on a
+machine without CUDA, and ``TOKENLOOM_GLOO_STAGE_ALL=1`` turns it on for a whole run
+(:func:`register`).
 
 Why a Python process group and not torch's: torch has no gloo mode that stages through the
 host; ``torch.distributed`` calls a Python ``ProcessGroup`` subclass's methods directly (the
