@@ -107,7 +107,7 @@ class StagedGloo(dist.ProcessGroup):
         self._desc = desc
 
     @property
-    def group_desc(self) -> str:  # type: ignore[override]
+    def group_desc(self) -> str:
         return self._desc
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -191,6 +191,15 @@ class StagedGloo(dist.ProcessGroup):
 
     def recv(self, tensors, src, tag=0):
         return self._run("recv", [], [tensors], lambda ts: self._gloo.recv(ts, src, tag))
+
+
+def blocks_compile_with(tp: int, cp: int, ep: int) -> bool:
+    """Whether torch.compile can capture the collectives inside the blocks of a (tp, cp, ep) layout
+    over the default group: not over :class:`StagedGloo` when any is > 1, as inductor turns those
+    calls into functional collectives that dispatch to the group's C++ backend, which a Python
+    group has none of (the blocks then run eager; dp, ZeRO, FSDP and pp keep their collectives
+    outside the compiled blocks)."""
+    return not (dist.is_initialized() and dist.get_backend() == BACKEND and max(tp, cp, ep) > 1)
 
 
 def register(stage_all: bool | None = None) -> None:
