@@ -4,8 +4,9 @@ batch: what a user debugging a layout on a workstation runs. The ranks keep thei
 ``cuda:0`` (the start-up summary names the device) and gloo's missing CUDA collectives go through
 :class:`~tokenloom.train.staged_gloo.StagedGloo`'s pinned host buffers.
 
-The CUDA defaults (bf16, compiled blocks) within :data:`BF16_TOL`; two layouts also in fp32 within
-:data:`FP32_TOL`. Each flag set's one-rank reference runs once per module (:func:`reference`)."""
+The CUDA defaults (bf16, compile auto: compiled blocks, except where they hold collectives, tp, cp
+and ep, which stay eager over the staged group: staged_gloo.blocks_compile_with) within
+:data:`BF16_TOL`; two layouts also in fp32 within :data:`FP32_TOL`. Each flag set's one-rank reference runs once per module (:func:`reference`)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tl_testing import timed
 
 from tokenloom.train import staged_gloo
+from tokenloom.train.kernels import choose_compile
 
 pytestmark = pytest.mark.timeout(120)  # one launch of 2 ranks: process start and torch import, a few s
 
@@ -129,3 +130,10 @@ def test_only_allreduce_and_broadcast_run_on_gpu_tensors_unstaged():
     for kind in ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "send", "recv", "gather"):
         assert group._staged(kind, [gpu], [])
     assert not group._staged("send", [torch.empty(1)], [])
+
+
+def test_compile_auto_leaves_blocks_eager_where_their_collectives_cannot_be_captured():
+    assert choose_compile("auto", "cuda", capturable=False) == (
+        False, "off: the blocks' collectives over gloo's staged group cannot be compiled")
+    assert choose_compile(True, "cuda", capturable=False) == (True, "set")  # the strategy refuses this one
+    assert staged_gloo.blocks_compile_with(2, 2, 2)  # no process group: nothing staged
