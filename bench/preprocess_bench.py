@@ -42,7 +42,14 @@ per process. Outputs are checked byte-identical across rows.
                  be large enough for each worker to reach the bound. ``--distinct-only`` runs these rows
                  alone; ``--distinct-mb 0`` skips them.
 
+* dedup          issue 56: ``--dedup minhash`` (and ``exact``, for information) against the plain run on
+                 the default corpus, alternating, best round each (target <= 2.0), and its peak memory
+                 on 4x the corpus against 1x (target <= 1.1; the 4x corpus repeats the novels, so three
+                 quarters of it are duplicates, which the run files, the bucket pass and the removed list
+                 all carry). ``--dedup-only`` runs these rows alone.
+
 Usage: python bench/preprocess_bench.py [--documents N] [--doc-bytes B] [--distinct-mb MB] [--distinct-only]
+                                         [--dedup-only]
 """
 
 from __future__ import annotations
@@ -269,6 +276,7 @@ def main() -> None:
     ap.add_argument("--distinct-mb", type=float, default=75,
                     help="the distinct-words memory rows on a corpus of this size and 4x it (0: not)")
     ap.add_argument("--distinct-only", action="store_true", help="run the distinct-words rows alone")
+    ap.add_argument("--dedup-only", action="store_true", help="run the --dedup rows alone")
     args = ap.parse_args()
     if not (GPT2 / "gpt2-vocab.json").exists():
         raise SystemExit(f"needs the shared GPT-2 files under {GPT2} (set TOKENLOOM_SHARED_DATA)")
@@ -318,6 +326,9 @@ def main() -> None:
     for tokenizer in (GPT2, NEOX):  # the self-check's verdict cached, as on every run after a user's first
         subprocess.run(tokenloom_cmd(head, tmp / "warm", tokenizer), check=True, stdout=subprocess.DEVNULL)
         remove_outputs(tmp / "warm")
+    if args.dedup_only:
+        dedup_rows(args, tmp, corpus, corpus4, mb, w, tokenloom_cmd)
+        return
 
     # Timed runs alternate (the machine's load drifts; best of N each) and run without the
     # memory sampler, whose /proc walks would take CPU from the run being timed.
@@ -360,10 +371,39 @@ def main() -> None:
     print_table(f"preprocess: {len(texts)} documents, {mb:.1f} MB jsonl, {tokens / 1e6:.2f} M GPT-2 tokens, "
                 f"{w} workers on {os.cpu_count()} cores, best of {args.repeat} alternating rounds "
                 "(outputs byte-identical across rows)", rows)
+    dedup_rows(args, tmp, corpus, corpus4, mb, w, tokenloom_cmd)
     if args.large_mb:
         large_rows(args, docs, tmp, w, rss1, ours, giga_ceiling, tokenloom_cmd)
     if args.distinct_mb:
         distinct_rows(args, tmp)
+
+
+def dedup_rows(args, tmp: Path, corpus: Path, corpus4: Path, mb: float, w: int, tokenloom_cmd) -> None:
+    """``--dedup minhash`` / ``exact`` against the plain run (the same command otherwise), and dedup's
+    peak memory on 4x the corpus against 1x."""
+    runs = iter(range(1_000_000))
+
+    def run(*options: str, src: Path = corpus) -> None:
+        prefix = tmp / f"dd{next(runs)}"
+        subprocess.run(tokenloom_cmd(src, prefix) + list(options), check=True, stdout=subprocess.DEVNULL)
+        remove_outputs(prefix)
+        Path(f"{prefix}.removed.jsonl").unlink(missing_ok=True)
+
+    t_plain, t_minhash, t_exact = best_interleaved([timed(run), timed(run, "--dedup", "minhash"),
+                                                    timed(run, "--dedup", "exact")], repeat=args.repeat)
+    _, rss1 = run_measured(tokenloom_cmd(corpus, tmp / "ddmem1") + ["--dedup", "minhash"])
+    _, rss4 = run_measured(tokenloom_cmd(corpus4, tmp / "ddmem4") + ["--dedup", "minhash"])
+    removed = sum(1 for _ in open(tmp / "ddmem4.removed.jsonl", encoding="utf-8"))
+    rows = [
+        ("--dedup minhash vs plain preprocess, time (target <= 2.0)", f"{t_minhash:.2f} s", f"{t_plain:.2f} s",
+         f"{t_minhash / t_plain:.2f}x"),
+        ("for information: --dedup exact vs plain preprocess, time", f"{t_exact:.2f} s", f"{t_plain:.2f} s",
+         f"{t_exact / t_plain:.2f}x"),
+        (f"--dedup minhash peak memory (PSS), 4x corpus ({removed} removed) vs 1x (target <= 1.1)",
+         f"{rss4 / 2**20:.0f} MB", f"{rss1 / 2**20:.0f} MB", f"{rss4 / rss1:.2f}x"),
+    ]
+    print_table(f"preprocess --dedup (issue 56): the {mb:.1f} MB corpus, GPT-2, {w} workers on {os.cpu_count()} cores, "
+                f"best of {args.repeat} alternating rounds; memory sampled in one run each", rows)
 
 
 def remove_outputs(prefix: Path) -> None:

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -41,6 +42,10 @@ template <>
 const char *dtype_name<double>() { return "float64"; }
 template <>
 const char *dtype_name<uint32_t>() { return "uint32"; }
+template <>
+const char *dtype_name<uint64_t>() { return "uint64"; }
+template <>
+const char *dtype_name<uint8_t>() { return "uint8"; }
 
 // Check that `obj` is a 1-D C-contiguous numpy array of exactly dtype T (no casts).
 template <typename T>
@@ -446,11 +451,383 @@ const char *kSampleIdxDoc = R"doc(Build the GPT sample index: a [n + 1, 2] array
 Same results as Megatron's build_sample_idx_<T>. With drop_last false, n is computed
 in single precision like Megatron unless exact_ceil is true.)doc";
 
+
+// ---------------------------------------------------------------------------- best-fit packing
+//
+// One epoch of documents (doc_idx, in the epoch's shuffled order) packed into samples of
+// `capacity` tokens. A document longer than `capacity` is cut into pieces that start every
+// `step` tokens (capacity - step tokens shared, so no label is lost) and are `capacity` long
+// but the last. Every piece of `capacity` tokens is a sample of its own; the rest (whole short
+// documents, last pieces) are placed by best-fit decreasing: longest first (ties in doc_idx
+// order: a stable counting sort), each into the open sample with the least room that holds it,
+// else into a new one. The open samples are kept by room in stacks (latest first), and a
+// segment tree over room values finds the least room >= a length in O(log capacity).
+// Output: parts int32 [P, 3] (document, offset, length) grouped by sample, in doc_idx order
+// within a sample, and sample_index int64 [S + 1], where sample s's parts are rows
+// sample_index[s] .. sample_index[s + 1]. The best-fit samples come first (in the order they
+// were opened), then the full pieces in doc_idx order. Runs without the GIL.
+
+struct RoomTree {  // which room values 1..capacity-1 have an open sample
+    int64_t size = 1;
+    std::vector<uint8_t> set;
+    explicit RoomTree(int64_t leaves) {
+        while (size < leaves) size <<= 1;
+        set.assign(static_cast<size_t>(2 * size), 0);
+    }
+    void mark(int64_t leaf, bool on) {
+        int64_t i = leaf + size;
+        set[static_cast<size_t>(i)] = on;
+        for (i >>= 1; i >= 1; i >>= 1) {
+            const uint8_t v = set[static_cast<size_t>(2 * i)] | set[static_cast<size_t>(2 * i + 1)];
+            if (set[static_cast<size_t>(i)] == v) break;
+            set[static_cast<size_t>(i)] = v;
+        }
+    }
+    int64_t first_at_least(int64_t leaf) const {  // smallest marked leaf >= leaf, or -1
+        int64_t i = leaf + size;
+        if (set[static_cast<size_t>(i)]) return leaf;
+        while (i > 1) {
+            if ((i & 1) == 0 && set[static_cast<size_t>(i + 1)]) {
+                ++i;
+                break;
+            }
+            i >>= 1;
+        }
+        if (i == 1) return -1;
+        while (i < size) i = set[static_cast<size_t>(2 * i)] ? 2 * i : 2 * i + 1;
+        return i - size;
+    }
+};
+
+// The length of the piece of a `length`-token document left for best fit (0: none), and how
+// many full (`capacity`-token) pieces precede it.
+inline void split_document(int64_t length, int64_t capacity, int64_t step, int64_t *full, int64_t *last) {
+    *full = 0;
+    *last = length;
+    if (length > capacity) {
+        const int64_t pieces = (length - (capacity - step) + step - 1) / step;
+        *last = length - (pieces - 1) * step;
+        *full = pieces - 1;
+    }
+    if (*last == capacity) {
+        ++*full;
+        *last = 0;
+    }
+}
+
+py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t capacity, int32_t step) {
+    auto sizes = checked_array<int32_t>(sizes_obj, "sizes", false);
+    auto doc_idx = checked_array<int32_t>(doc_idx_obj, "doc_idx", false);
+    if (capacity < 2) throw py::value_error("capacity must be >= 2, got " + std::to_string(capacity));
+    if (step < 1 || step > capacity) {
+        throw py::value_error("step must lie in [1, capacity], got " + std::to_string(step));
+    }
+    const int64_t n = doc_idx.shape(0), num_sizes = sizes.shape(0);
+    if (n > std::numeric_limits<int32_t>::max()) throw py::value_error("doc_idx has more than 2^31 - 1 entries");
+    const int32_t *sz = sizes.data(), *docs = doc_idx.data();
+    std::string error;
+    // Scratch is kept to 4 bytes per document beside the output (bin_of) while the output is
+    // written; the sort's arrays are freed before it is allocated.
+    std::vector<int32_t> bin_of;  // sample of each position's best-fit piece (-1: none)
+    std::vector<int64_t> bin_count;
+    int64_t bins = 0, num_full = 0, items = 0;
+    {
+        py::gil_scoped_release release;
+        std::vector<int32_t> tail(static_cast<size_t>(n));
+        for (int64_t p = 0; p < n; ++p) {
+            const int32_t d = docs[p];
+            if (d < 0 || d >= num_sizes) {
+                error = "doc_idx[" + std::to_string(p) + "] = " + std::to_string(d) +
+                        " is out of range for sizes of length " + std::to_string(num_sizes);
+                break;
+            }
+            if (sz[d] < 0) {
+                error = "sizes[" + std::to_string(d) + "] = " + std::to_string(sz[d]) + " is negative";
+                break;
+            }
+            int64_t full, last;
+            split_document(sz[d], capacity, step, &full, &last);
+            tail[static_cast<size_t>(p)] = static_cast<int32_t>(last);
+            num_full += full;
+            items += last > 0;
+        }
+        if (error.empty()) {
+            // stable counting sort of the tails, longest first
+            std::vector<int32_t> order(static_cast<size_t>(items));
+            {
+                std::vector<int64_t> start(static_cast<size_t>(capacity) + 1, 0);
+                for (int64_t p = 0; p < n; ++p) {
+                    const int32_t t = tail[static_cast<size_t>(p)];
+                    if (t > 0) ++start[static_cast<size_t>(capacity - t)];
+                }
+                int64_t acc = 0;
+                for (auto &v : start) {
+                    const int64_t c = v;
+                    v = acc;
+                    acc += c;
+                }
+                for (int64_t p = 0; p < n; ++p) {
+                    const int32_t t = tail[static_cast<size_t>(p)];
+                    if (t > 0) order[static_cast<size_t>(start[static_cast<size_t>(capacity - t)]++)] = static_cast<int32_t>(p);
+                }
+            }
+            bin_of.assign(static_cast<size_t>(n), -1);
+            RoomTree tree(capacity);
+            std::vector<std::vector<int32_t>> open(static_cast<size_t>(capacity));  // room -> samples
+            for (int64_t k = 0; k < items; ++k) {
+                const int64_t p = order[static_cast<size_t>(k)];
+                const int64_t t = tail[static_cast<size_t>(p)];
+                const int64_t room = tree.first_at_least(t);
+                int64_t bin, left;
+                if (room < 0) {
+                    bin = bins++;
+                    bin_count.push_back(0);
+                    left = capacity - t;
+                } else {
+                    auto &stack = open[static_cast<size_t>(room)];
+                    bin = stack.back();
+                    stack.pop_back();
+                    if (stack.empty()) tree.mark(room, false);
+                    left = room - t;
+                }
+                if (left > 0) {
+                    auto &stack = open[static_cast<size_t>(left)];
+                    if (stack.empty()) tree.mark(left, true);
+                    stack.push_back(static_cast<int32_t>(bin));
+                }
+                bin_of[static_cast<size_t>(p)] = static_cast<int32_t>(bin);
+                ++bin_count[static_cast<size_t>(bin)];
+            }
+        }
+    }
+    if (!error.empty()) throw py::value_error(error);
+    const int64_t num_samples = bins + num_full;
+    py::array_t<int32_t> parts({items + num_full, static_cast<int64_t>(3)});
+    py::array_t<int64_t> sample_index(num_samples + 1);
+    int32_t *out = parts.mutable_data();
+    int64_t *si = sample_index.mutable_data();
+    {
+        py::gil_scoped_release release;
+        si[0] = 0;
+        for (int64_t b = 0; b < bins; ++b) si[b + 1] = si[b] + bin_count[static_cast<size_t>(b)];
+        for (int64_t f = 0; f < num_full; ++f) si[bins + f + 1] = si[bins + f] + 1;
+        // bin_count becomes each best-fit sample's write cursor
+        for (int64_t b = 0; b < bins; ++b) bin_count[static_cast<size_t>(b)] = si[b];
+        int32_t *full_row = out + 3 * si[bins];
+        for (int64_t p = 0; p < n; ++p) {
+            const int64_t length = sz[docs[p]];
+            int64_t full, last;
+            split_document(length, capacity, step, &full, &last);
+            const int32_t bin = bin_of[static_cast<size_t>(p)];
+            if (bin >= 0) {
+                int32_t *row = out + 3 * bin_count[static_cast<size_t>(bin)]++;
+                row[0] = docs[p];
+                row[1] = static_cast<int32_t>(length - last);
+                row[2] = static_cast<int32_t>(last);
+            }
+            for (int64_t f = 0; f < full; ++f, full_row += 3) {
+                full_row[0] = docs[p];
+                full_row[1] = static_cast<int32_t>(f * step);
+                full_row[2] = capacity;
+            }
+        }
+    }
+    return py::make_tuple(parts, sample_index);
+}
+
+const char *kPackDoc = R"doc(Pack one epoch of documents into samples of `capacity` tokens by best-fit decreasing.
+
+doc_idx (int32) lists the epoch's documents in order (ties keep it); sizes (int32) their lengths.
+A document longer than capacity is cut into pieces starting every `step` tokens. Returns
+(parts int32 [P, 3] of (document, offset, length), sample_index int64 [S + 1]).)doc";
+
+// ---------------------------------------------------------------- MinHash signatures (tokenloom.clean.keys)
+
+// XXH64 (seed 0), written from the published xxHash specification (doc/xxhash_spec.md).
+constexpr uint64_t kP1 = 11400714785074694791ULL, kP2 = 14029467366897019727ULL, kP3 = 1609587929392839161ULL,
+                   kP4 = 9650029242287828579ULL, kP5 = 2870177450012600261ULL;
+
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t read64(const uint8_t *p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;  // little-endian hosts only (checked by the caller's test against the xxhash package)
+}
+inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+inline uint64_t round64(uint64_t acc, uint64_t lane) { return rotl(acc + lane * kP2, 31) * kP1; }
+inline uint64_t merge64(uint64_t acc, uint64_t v) { return (acc ^ round64(0, v)) * kP1 + kP4; }
+
+uint64_t xxh64(const uint8_t *p, size_t len) {
+    const uint8_t *end = p + len;
+    uint64_t h;
+    if (len >= 32) {
+        uint64_t v1 = kP1 + kP2, v2 = kP2, v3 = 0, v4 = 0 - kP1;
+        while (p + 32 <= end) {
+            v1 = round64(v1, read64(p));
+            v2 = round64(v2, read64(p + 8));
+            v3 = round64(v3, read64(p + 16));
+            v4 = round64(v4, read64(p + 24));
+            p += 32;
+        }
+        h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+        h = merge64(h, v1);
+        h = merge64(h, v2);
+        h = merge64(h, v3);
+        h = merge64(h, v4);
+    } else {
+        h = kP5;
+    }
+    h += static_cast<uint64_t>(len);
+    while (p + 8 <= end) {
+        h = rotl(h ^ round64(0, read64(p)), 27) * kP1 + kP4;
+        p += 8;
+    }
+    if (p + 4 <= end) {
+        h = rotl(h ^ (static_cast<uint64_t>(read32(p)) * kP1), 23) * kP2 + kP3;
+        p += 4;
+    }
+    while (p < end) {
+        h = rotl(h ^ (static_cast<uint64_t>(*p) * kP5), 11) * kP1;
+        ++p;
+    }
+    h ^= h >> 33;
+    h *= kP2;
+    h ^= h >> 29;
+    h *= kP3;
+    h ^= h >> 32;
+    return h;
+}
+
+py::array_t<uint64_t> xxh64_array(py::handle data_obj, py::handle offsets_obj) {
+    auto data = checked_array<uint8_t>(data_obj, "data", false);
+    auto offsets = checked_array<int64_t>(offsets_obj, "offsets", false);
+    const int64_t n = offsets.shape(0) - 1;
+    py::array_t<uint64_t> out(std::max<int64_t>(n, 0));
+    auto o = offsets.unchecked<1>();
+    const uint8_t *d = data.data();
+    uint64_t *r = out.mutable_data();
+    for (int64_t i = 0; i < n; ++i) {
+        if (o(i) < 0 || o(i + 1) < o(i) || o(i + 1) > data.shape(0)) throw py::value_error("offsets out of range");
+        r[i] = xxh64(d + o(i), static_cast<size_t>(o(i + 1) - o(i)));
+    }
+    return out;
+}
+
+// The minimum of (a[k] * h + b[k]) mod (2^61 - 1) into row[k], for every k: products wrap at 64 bits (numpy's
+// uint64), and x mod (2^61 - 1) = (x & p) + (x >> 61), less p once if still >= p (2^61 = 1 mod p). Cloned for
+// AVX-512 (64-bit lane multiplies) and AVX2, picked at load time by the CPU; the same results on each.
+__attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
+void permuted_minima(const uint64_t *a, const uint64_t *b, int64_t H, uint64_t h, uint64_t *row) {
+    const uint64_t prime = (1ULL << 61) - 1;
+    for (int64_t k = 0; k < H; ++k) {
+        const uint64_t x = a[k] * h + b[k];
+        uint64_t v = (x & prime) + (x >> 61);
+        v = v >= prime ? v - prime : v;
+        row[k] = v < row[k] ? v : row[k];
+    }
+}
+
+inline bool ascii_space(uint8_t c) { return c == ' ' || (c >= 9 && c <= 13) || (c >= 28 && c <= 31); }
+inline bool ascii_digit(uint8_t c) { return c >= '0' && c <= '9'; }
+// What tokenloom.clean.normalize makes a separator in ASCII text: punctuation and symbols (every printable
+// non-alphanumeric), control characters, whitespace.
+inline bool ascii_separator(uint8_t c) {
+    return c < 32 || c == 127 || (c < 128 && !((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')));
+}
+
+// shingle_words of ASCII text, joined by single spaces, into out (cleared first): lowercase, each run of digits
+// with at most one [.,]-separated decimal part made "0", every other non-alphanumeric a separator.
+void simplify_ascii(const uint8_t *p, int64_t len, std::vector<uint8_t> &out) {
+    out.clear();
+    bool pending_space = false;
+    int64_t i = 0;
+    while (i < len) {
+        uint8_t c = p[i];
+        if (ascii_digit(c)) {
+            while (i < len && ascii_digit(p[i])) ++i;
+            if (i + 1 < len && (p[i] == '.' || p[i] == ',') && ascii_digit(p[i + 1])) {
+                ++i;
+                while (i < len && ascii_digit(p[i])) ++i;
+            }
+            if (pending_space && !out.empty()) out.push_back(' ');
+            pending_space = false;
+            out.push_back('0');
+            continue;
+        }
+        if (ascii_separator(c)) {
+            pending_space = true;
+        } else {
+            if (pending_space && !out.empty()) out.push_back(' ');
+            pending_space = false;
+            out.push_back(c >= 'A' && c <= 'Z' ? static_cast<uint8_t>(c + 32) : c);
+        }
+        ++i;
+    }
+}
+
+// Per document (bytes offsets[i]..offsets[i+1] of data), the MinHash signature of its word ngrams-grams: each
+// XXH64-hashed as its words joined by single spaces, then permuted_minima. The bytes are the words already joined
+// by single spaces, or with simplify_ascii, raw ASCII text simplified here. Rows of documents with fewer than
+// ngrams words stay all ones.
+py::array_t<uint64_t> minhash_signatures(py::handle data_obj, py::handle offsets_obj, int64_t ngrams,
+                                         py::handle a_obj, py::handle b_obj, bool ascii_text) {
+    auto data = checked_array<uint8_t>(data_obj, "data", false);
+    auto offsets = checked_array<int64_t>(offsets_obj, "offsets", false);
+    auto a_arr = checked_array<uint64_t>(a_obj, "a", false);
+    auto b_arr = checked_array<uint64_t>(b_obj, "b", false);
+    if (ngrams < 1) throw py::value_error("ngrams must be >= 1");
+    const int64_t n = offsets.shape(0) - 1, H = a_arr.shape(0);
+    if (b_arr.shape(0) != H) throw py::value_error("a and b differ in length");
+    py::array_t<uint64_t> out({std::max<int64_t>(n, 0), H});
+    uint64_t *sig = out.mutable_data();
+    std::fill(sig, sig + std::max<int64_t>(n, 0) * H, std::numeric_limits<uint64_t>::max());
+    const uint64_t *a = a_arr.data(), *b = b_arr.data();
+    auto o = offsets.unchecked<1>();
+    for (int64_t i = 0; i < n; ++i) {
+        if (o(i) < 0 || o(i + 1) < o(i) || o(i + 1) > data.shape(0)) throw py::value_error("offsets out of range");
+    }
+    const uint8_t *d = data.data();
+    std::vector<int64_t> starts;
+    std::vector<uint8_t> simplified;
+    {
+        py::gil_scoped_release release;
+        for (int64_t i = 0; i < n; ++i) {
+            const uint8_t *text = d + o(i);
+            int64_t len = o(i + 1) - o(i);
+            if (ascii_text) {
+                simplify_ascii(text, len, simplified);
+                text = simplified.data();
+                len = static_cast<int64_t>(simplified.size());
+            }
+            if (len == 0) continue;
+            starts.clear();
+            starts.push_back(0);
+            for (int64_t j = 0; j < len; ++j) {
+                if (text[j] == ' ') starts.push_back(j + 1);
+            }
+            const int64_t words = static_cast<int64_t>(starts.size());
+            starts.push_back(len + 1);  // one past the last word's (absent) trailing separator
+            uint64_t *row = sig + i * H;
+            for (int64_t w = 0; w + ngrams <= words; ++w) {
+                const uint64_t h = xxh64(text + starts[w], static_cast<size_t>(starts[w + ngrams] - 1 - starts[w]));
+                permuted_minima(a, b, H, h, row);
+            }
+        }
+    }
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "tokenloom native index builders";
-    m.attr("ABI_VERSION") = 2;
+    m.attr("ABI_VERSION") = 3;
+    m.def("pack_best_fit", &pack_best_fit, kPackDoc, py::arg("sizes"), py::arg("doc_idx"), py::arg("capacity"),
+          py::arg("step"));
     m.def("build_sample_idx_int32", &build_sample_idx<int32_t>, kSampleIdxDoc, py::arg("sizes"), py::arg("doc_idx"),
           py::arg("seq_length"), py::arg("num_epochs"), py::arg("tokens_per_epoch"), py::arg("drop_last") = true,
           py::arg("add_extra_token") = 1, py::arg("exact_ceil") = false);
@@ -470,4 +847,10 @@ PYBIND11_MODULE(_native, m) {
     m.def("build_exhaustive_blending_indices", &build_exhaustive_blending_indices,
           "Fill dataset_index / dataset_sample_index drawing every sample of every dataset exactly once.",
           py::arg("dataset_index"), py::arg("dataset_sample_index"), py::arg("sizes"), py::arg("num_datasets"));
+    m.def("xxh64_array", &xxh64_array, "XXH64 (seed 0) of each byte range offsets[i]..offsets[i+1] of data (uint64[n]).",
+          py::arg("data"), py::arg("offsets"));
+    m.def("minhash_signatures", &minhash_signatures,
+          "MinHash signatures (uint64[n, len(a)]) of documents given as space-joined words (see tokenloom.clean.keys).",
+          py::arg("data"), py::arg("offsets"), py::arg("ngrams"), py::arg("a"), py::arg("b"),
+          py::arg("ascii_text") = false);
 }

@@ -8,6 +8,7 @@ spaces (``4 x 64``), dtype names (``np.int64``) and sizes (``1 << 20``, ``4 MiB`
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -77,3 +78,34 @@ def test_ordinary_code_passes_the_scan(tmp_path):
         "fmt = f'{ratio:.2f}x {share:.1%}'",
     ]) + "\n")
     assert offences(clean) == []
+
+
+MAX_MODULE_DOCSTRING = 40
+"""Lines a module docstring may span (the style rule): longer ones repeat what the functions'
+docstrings say, or belong in docs/."""
+
+
+def long_module_docstrings(files: list[Path]) -> list[str]:
+    """``path: N lines`` for every module whose docstring spans more than the limit."""
+    found = []
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        doc = tree.body[0] if tree.body else None
+        if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+            lines = (doc.end_lineno or doc.lineno) - doc.lineno + 1
+            if lines > MAX_MODULE_DOCSTRING:
+                found.append(f"{path}: {lines} lines")
+    return found
+
+
+def test_no_module_docstring_over_40_lines():
+    found = long_module_docstrings(sorted(PACKAGE.rglob("*.py")))
+    assert not found, f"module docstrings over {MAX_MODULE_DOCSTRING} lines (trim the repetition):\n" + "\n".join(found)
+
+
+def test_a_planted_long_module_docstring_fails(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""' + "line\n" * 41 + '"""\n')
+    assert long_module_docstrings([planted]) == [f"{planted}: 42 lines"]
+    planted.write_text('"""' + "line\n" * 39 + '"""\nx = 1\n')
+    assert long_module_docstrings([planted]) == []

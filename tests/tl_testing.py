@@ -255,3 +255,12 @@ class FaultProxy:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
+
+
+def patch_datatrove_xxhash(monkeypatch) -> None:
+    """datatrove 0.10 (a test oracle of ``--dedup minhash``) hashes ``str`` with xxhash, whose 4.x API
+    takes only bytes: give it the UTF-8 bytes, which is what xxhash 3.x hashed for a ``str``."""
+    import xxhash  # lazy: only the dedup oracle tests need it
+    from datatrove.utils.hashes import xxhash as module  # lazy: a test-only oracle
+
+    monkeypatch.setattr(module, "xxhash64", lambda s: xxhash.xxh64_intdigest(s.encode() if isinstance(s, str) else s))

@@ -209,3 +209,25 @@ def test_sigkilled_writer_leaves_no_final_files(tmp_path):
     assert names, "the writer should have left its temporary file"
     assert not (tmp_path / "killed.bin").exists() and not (tmp_path / "killed.idx").exists()
     assert all(".tmp-" in n for n in names)
+
+
+@pytest.mark.parametrize("block_tokens", [1, 7, 1 << 22])
+def test_add_kept_copies_exactly_the_kept_documents(tmp_path, block_tokens):
+    """What preprocess --dedup writes: the kept documents of a dataset (empty ones too), a block at a time."""
+    rng = np.random.default_rng(0)
+    docs = []
+    with IndexedDatasetWriter(tmp_path / "src", dtype=np.uint16) as w:
+        for _ in range(300):
+            lengths = rng.integers(0, 40, int(rng.integers(0, 4))).tolist()
+            tokens = rng.integers(0, 1000, sum(lengths)).astype(np.uint16)
+            w.add_document(tokens, lengths=lengths)
+            docs.append((tokens, lengths))
+    keep = rng.random(300) < 0.6
+    with IndexedDatasetWriter(tmp_path / "kept", dtype=np.uint16) as w:
+        w.add_kept(tmp_path / "src", keep, block_tokens=block_tokens)
+    with IndexedDatasetWriter(tmp_path / "ref", dtype=np.uint16) as w:
+        for (tokens, lengths), k in zip(docs, keep, strict=True):
+            if k:
+                w.add_document(tokens, lengths=lengths)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"kept{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+from dedup_corpus import planted_corpus
 from preprocess_helpers import preprocess, same_bytes
 from tl_testing import REPO, cli_env, limit_s, one_line_error, run_cli
 
@@ -100,6 +101,22 @@ def test_ray_output_equals_single_process_run(cluster, single):
     done = _ray_run(address, inputs, work / "ray3", "--num-shards", "3")  # tasks of several inputs
     assert done.returncode == 0, done.stderr
     assert "ray: 3 tasks" in done.stdout and same_bytes(work / "ray3", reference)
+
+
+def test_dedup_is_decided_over_every_shard(cluster):
+    """``--dedup minhash`` as Ray tasks (one per file, duplicates across files): the merge's final pass
+    removes what one process removes, the same bytes and the same removed list."""
+    address, work = cluster
+    paths = planted_corpus(n=300, exact=15, near=30, seed=1).write(work, parts=3)
+    reference = preprocess(work, paths, name="dedup-single", append_eod=True, dedup="minhash")
+    done = _ray_run(address, [str(p) for p in paths], work / "dedup-ray", "--dedup", "minhash")
+    assert done.returncode == 0, done.stderr
+    assert "ray: 3 tasks" in done.stdout and "removed" in done.stdout
+    assert same_bytes(work / "dedup-ray", reference)
+    listed = (work / "dedup-ray.removed.jsonl").read_bytes()
+    assert listed == (work / "dedup-single.removed.jsonl").read_bytes() and listed.count(b"\n") >= 40
+    assert manifest.read(work / "dedup-ray")["counts"]["removed"] == manifest.read(reference)["counts"]["removed"]
+    assert not (work / "dedup-ray.shards").exists()
 
 
 def test_killed_task_is_retried_and_bytes_match(cluster, single):

@@ -34,11 +34,9 @@ Trade-offs chosen, against Megatron's ``IndexedDatasetBuilder``:
   preserves holes, so sparse test files stay sparse.
 * The reader memory-maps both files and returns zero-copy views; it validates the
   header and sizes on open and raises :class:`FormatError` naming the file.
-* A prefix may be an object-store URL (``s3://bucket/dir/name``, what fsspec serves): the
-  ``.idx`` is then fetched once per node into the content-keyed local cache of
-  :func:`tokenloom.objstore.local_copy` and mapped from there, and the ``.bin`` is read in
-  place through a bounded block cache (:class:`tokenloom.objstore.RangedReader`): reads return
-  copies instead of views, and nothing is copied whole to local disk.
+* A prefix may be an object-store URL (``s3://bucket/dir/name``): the ``.idx`` is mapped from a
+  node-local copy (:func:`tokenloom.objstore.local_copy`), the ``.bin`` read in place through a block
+  cache (:class:`tokenloom.objstore.RangedReader`); reads then return copies, not views.
 """
 
 from __future__ import annotations
@@ -456,6 +454,54 @@ class IndexedDatasetWriter:
         self._lengths.extend(other.sequence_lengths)
         self._doc_index.extend(other.document_indices[1:] + base)
         other.close()
+
+    def add_kept(self, prefix: str | os.PathLike, keep: np.ndarray, block_tokens: int = 1 << 22) -> None:
+        """Append the documents of another dataset for which ``keep`` (one bool per document) is true,
+        in order (same dtype required), reading about ``block_tokens`` tokens at a time (a block is
+        whole documents, at least one), so memory does not grow with the dataset."""
+        other = IndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise TokenloomError(f"cannot copy {other.path_prefix} (dtype {other.dtype}) into "
+                                 f"{self.prefix} (dtype {self.dtype}): token dtypes differ")
+        doc_index, lengths, pointers = other.document_indices, other.sequence_lengths, other.sequence_pointers
+        n = len(doc_index) - 1
+        if len(keep) != n:
+            raise TokenloomError(f"{other.path_prefix}: {n} documents, but {len(keep)} keep flags")
+        itemsize = self.dtype.itemsize
+        total = other.num_tokens
+        # token offset where each document starts (its first sequence's pointer; the end for none left)
+        first_seq = np.asarray(doc_index, np.int64)
+        starts = np.full(n + 1, total, np.int64)
+        has_seq = first_seq < len(lengths)
+        starts[has_seq] = np.asarray(pointers, np.int64)[first_seq[has_seq]] // itemsize
+        fd = os.open(data_path(other.path_prefix), os.O_RDONLY)  # read, not mapped: no resident pages pile up
+        try:
+            self._copy_kept(other, fd, keep, starts, block_tokens)
+        finally:
+            os.close(fd)
+            other.close()
+
+    def _copy_kept(self, other: IndexedDataset, fd: int, keep: np.ndarray, starts: np.ndarray,
+                   block_tokens: int) -> None:
+        doc_index, lengths, pointers = other.document_indices, other.sequence_lengths, other.sequence_pointers
+        n, itemsize = len(doc_index) - 1, self.dtype.itemsize
+        s = 0
+        while s < n:
+            e = max(s + 1, int(np.searchsorted(starts, starts[s] + block_tokens, "right")) - 1)
+            e = min(e, n)
+            mask = np.asarray(keep[s:e], bool)
+            if mask.any():
+                a, b = int(doc_index[s]), int(doc_index[e])
+                lens = np.asarray(lengths[a:b], np.int64)
+                count = int(lens.sum())
+                data = os.pread(fd, count * itemsize, int(pointers[a])) if count else b""
+                if len(data) != count * itemsize:
+                    raise TokenloomError(f"{data_path(other.path_prefix)}: shorter than its index says")
+                tokens = np.frombuffer(data, self.dtype)
+                per_doc: np.ndarray = np.diff(np.asarray(doc_index[s:e + 1], np.int64))
+                seq_keep = np.repeat(mask, per_doc)
+                self._add(np.ascontiguousarray(tokens[np.repeat(seq_keep, lens)]), lens[seq_keep], per_doc[mask])
+            s = e
 
     def checkpoint(self) -> dict[str, np.ndarray]:
         """Make everything written so far durable and return the state that resumes from here."""

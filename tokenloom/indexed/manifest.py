@@ -91,7 +91,13 @@ def merged(output_prefix: str, manifests: list[dict], counts: dict) -> dict:
         raise TokenloomError("cannot merge outputs made with different tokenizers "
                              f"(fingerprints {', '.join(sorted(d[:12] for d in digests))})")
     first = manifests[0]
-    total = {k: sum(m["counts"].get(k, 0) for m in manifests) for k in first["counts"]}
+    total: dict = {}
+    for k, v in first["counts"].items():
+        if isinstance(v, dict):  # per-name counts (removed documents per reason): summed per name
+            names = sorted({n for m in manifests for n in m["counts"].get(k, {})})
+            total[k] = {n: sum(m["counts"].get(k, {}).get(n, 0) for m in manifests) for n in names}
+        else:
+            total[k] = sum(m["counts"].get(k, 0) for m in manifests)
     total.update(counts)
     out = build(output_prefix, first["output"]["key"], first["output"]["dtype"],
                 [i for m in manifests for i in m["inputs"]], first["tokenizer"],

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenloom.errors import FormatError, TokenloomError
+from tokenloom.indexed import manifest
 from tokenloom.indexed.format import (
     IndexedDataset,
     IndexedDatasetWriter,
@@ -223,6 +224,11 @@ def inspect(prefix: str | os.PathLike, with_hash: bool = True) -> dict:
     }
     if with_hash:
         report["token_sha256"] = token_stream_sha256(ds)
+    recorded = manifest.read(prefix)
+    clean = (recorded or {}).get("options", {}).get("clean")
+    if clean:  # what preprocess removed (PREFIX.removed.jsonl lists each record), and how it decided
+        report["clean"] = {**{k: v for k, v in clean.items() if k not in ("removed_list", "side_files")},
+                           "removed": recorded["counts"].get("removed", {})}  # type: ignore[index]
     return report
 
 

@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenloom.clean.keys import METHODS, DedupParams, MinHashParams
+from tokenloom.clean.stage import CleanSpec, build_filters
 from tokenloom.errors import TokenloomError
 
 
@@ -65,6 +67,20 @@ class PreprocessConfig:
     """With --executor ray: times a task whose worker process died (killed, out of memory, lost node) is rerun."""
     staging_dir: str | None = None
     """Local directory where an s3:// output is completed (and resumed) before upload; it must hold the whole output (default: the system temp dir)."""
+    dedup: str = "none"
+    """Drop duplicate documents, keeping the first in input order: none, exact (equal text after Unicode NFC and whitespace collapsing) or minhash (near-duplicates, datatrove's MinHash); every removed document is listed in PREFIX.removed.jsonl."""
+    minhash_ngrams: int = 5
+    """--dedup minhash: words per shingle (after lowercasing and removing punctuation and accents)."""
+    minhash_bands: int = 14
+    """--dedup minhash: bands; two documents are near-duplicates when all hashes of one band are equal."""
+    minhash_rows: int = 8
+    """--dedup minhash: hashes per band."""
+    minhash_seed: int = 1
+    """--dedup minhash: seed of the hash family (datatrove's default)."""
+    filters: list[str] = field(default_factory=list)
+    """Quality filters run on every document before dedup, in order (gopher_quality, gopher_repetition, c4, fineweb); removed documents are listed in PREFIX.removed.jsonl."""
+    filter_params: list[str] = field(default_factory=list)
+    """Change a filter's setting, NAME.FIELD=VALUE (repeatable), e.g. gopher_quality.min_doc_words=30."""
 
 
 @dataclass
@@ -75,6 +91,7 @@ class Counts:
     bytes_in: int = 0
     text_bytes: int = 0
     per_key: dict = field(default_factory=dict)  # key -> {documents, empty_documents, sequences, tokens}
+    removed: dict = field(default_factory=dict)  # reason -> records removed (filters, dedup), known at the end
 
 
 def _env_int(*names: str) -> int | None:
@@ -120,6 +137,46 @@ def check_options(cfg: PreprocessConfig) -> None:
         raise TokenloomError(f"--max-bad-fraction must lie in [0, 1], got {cfg.max_bad_fraction}")
     if cfg.workers < 0:
         raise TokenloomError(f"--workers must be >= 0, got {cfg.workers}")
+    spec = clean_spec(cfg)
+    if spec.filters:
+        try:
+            build_filters(list(spec.filters), dict(spec.overrides))
+        except ValueError as exc:
+            raise TokenloomError(f"--filters / --filter-param: {exc}") from None
+
+
+def clean_spec(cfg: PreprocessConfig) -> CleanSpec:
+    """The cleaning a run does (inactive without --dedup and --filters); bad values raise one line."""
+    if cfg.dedup not in METHODS:
+        raise TokenloomError(f"--dedup {cfg.dedup!r}: expected one of {', '.join(METHODS)}")
+    for name in ("minhash_ngrams", "minhash_bands", "minhash_rows"):
+        if getattr(cfg, name) < 1:
+            raise TokenloomError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    overrides = []
+    for item in cfg.filter_params:
+        name, eq, value = item.partition("=")
+        if not eq or "." not in name or not name.split(".", 1)[0] or not name.split(".", 1)[1]:
+            raise TokenloomError(f"--filter-param {item!r}: expected NAME.FIELD=VALUE")
+        if name.split(".", 1)[0] not in cfg.filters:
+            raise TokenloomError(f"--filter-param {item!r}: filter {name.split('.', 1)[0]!r} is not in --filters")
+        overrides.append((name, value))
+    dedup = None
+    if cfg.dedup != "none":
+        dedup = DedupParams(cfg.dedup, MinHashParams(cfg.minhash_ngrams, cfg.minhash_bands, cfg.minhash_rows,
+                                                     cfg.minhash_seed))
+    return CleanSpec(tuple(cfg.filters), tuple(overrides), dedup)
+
+
+def clean_settings(cfg: PreprocessConfig) -> dict | None:
+    """What the manifest records of the cleaning (None: none)."""
+    spec = clean_spec(cfg)
+    if not spec.active:
+        return None
+    out: dict = {"dedup": cfg.dedup, "filters": list(cfg.filters), "filter_params": dict(spec.overrides)}
+    if cfg.dedup == "minhash":
+        out["minhash"] = {"ngrams": cfg.minhash_ngrams, "bands": cfg.minhash_bands, "rows": cfg.minhash_rows,
+                          "seed": cfg.minhash_seed}
+    return out
 
 
 def staging_path(prefix: str, staging_dir: str | None) -> Path:

@@ -7,54 +7,36 @@
 
 Policy and its costs:
 
-* Ordered and deterministic: chunks are numbered and written in order, and a
-  record's tokens depend only on that record, so the bytes are the same for any
-  ``--workers`` and equal Megatron's ``preprocess_data.py`` output.
-* Bounded memory: at most ``2 x workers`` chunks are in flight (backpressure on
-  the reader); index arrays grow by 12 bytes per sequence.
-* Scaling: for a local jsonl the main process reads no input: it cuts byte ranges
-  (one 64 KB read per chunk to find a line end) and the workers read and parse them.
-  What stays in the main process is receiving each chunk's tokens (one pickle over a
-  pipe) and appending them to the ``.bin``, so one main process keeps up with several
-  workers at gigatoken's speed. Compressed inputs are decompressed and split into lines
-  by the main process, which bounds one stream's rate (``bench/preprocess_bench.py``
-  measures the throughput; the per-process rates are in bench/RESULTS.md's notes).
-  Beyond that, a node runs several shards (``--num-shards``, one main process each,
-  or ``--executor ray``), joined by ``tokenloom merge`` with in-kernel copies. Input
-  digests are computed by a child process (BLAKE3, several threads per file) on the
-  cores that start-up leaves idle.
-* Resumable: every ``checkpoint_interval`` seconds the partial ``.bin`` files are
-  fsynced and a checkpoint (index arrays + input position + counters) is written
-  atomically into ``OUTPUT.partial/``. Rerunning the same command continues from
-  there; anything written after the checkpoint is truncated away, so the result
-  is byte-identical to an uninterrupted run. A different command starts afresh.
-* Faults: a full disk, too many open files, an I/O or permission error ends the run
-  with one line naming the path and what to do; everything written after the last
-  checkpoint is cut away (it may be what filled the disk) and the checkpoint is kept,
-  so rerunning the same command resumes. A dead worker process (killed, out of
-  memory) first checkpoints everything already written, then stops the same way;
-  Ctrl-C (exit status 130) and a closed stdout (the CLI's line) keep the checkpoint too.
-  Every stop is one line: the clean-up closes the result stream before the pool.
-  Workers die with the main process (see ``worker``).
-* Publishing: every output is completed inside ``OUTPUT.partial/`` (``.bin``,
-  ``.idx``, manifest), a ``staged.json`` marker records that, and then each output is
-  committed ``.bin``, ``.idx``, manifest (:mod:`tokenloom.preprocess.commit`): the
-  manifest is the commit point. A run killed while publishing is finished by the
-  next run of the same command without tokenizing again; temporary files of dead
-  runs of the same output are removed when it starts.
-* Bad records: by default the first one stops the run with ``file:line: reason``.
-  With ``max_bad_fraction`` they go to ``OUTPUT.rejects.jsonl`` and the run fails
-  only if their share of records exceeds it. On failure nothing is published
-  under a final name (the rejects file is, to explain the failure).
-* Object storage: inputs and the output prefix may be ``s3://`` URLs
-  (:mod:`tokenloom.objstore`). Inputs are streamed. An object-store output is
-  completed in a local staging directory (``--staging-dir``, default the system temp
-  dir, one folder per output URL), which holds the ``.partial`` state above, so
-  resume works the same; then it is uploaded ``.bin``, ``.idx``, manifest. Costs: the
-  staging disk must hold the whole output, and the upload starts only when
-  tokenizing ends.
-* Input digests (BLAKE3) are computed by a child process started before the tokenizer
-  loads, reading the files a second time (:mod:`tokenloom.preprocess.hashing`).
+* Ordered and deterministic: chunks are numbered and written in order, and a record's tokens
+  depend only on that record, so the bytes are the same for any ``--workers`` and equal Megatron's
+  ``preprocess_data.py`` output.
+* Bounded memory: at most ``2 x workers`` chunks in flight (backpressure on the reader); index
+  arrays grow by 12 bytes per sequence.
+* Scaling: for a local jsonl the main process reads no input: it cuts byte ranges (one 64 KB read
+  per chunk to find a line end) and only receives and appends each chunk's tokens. Compressed
+  inputs are decompressed and split by the main process, which bounds one stream's rate
+  (``bench/preprocess_bench.py``; rates in bench/RESULTS.md's notes). Beyond that, shards
+  (``--num-shards``, or ``--executor ray``) joined by ``tokenloom merge``.
+* Resumable: every ``checkpoint_interval`` seconds the partial ``.bin`` files are fsynced and a
+  checkpoint (index arrays, input position, counters) is written atomically into
+  ``OUTPUT.partial/``. The same command continues from there, truncating what was written after
+  it, so the result is byte-identical to an uninterrupted run; a different command starts afresh.
+* Faults: a full disk, too many open files, an I/O or permission error ends the run with one line
+  naming the path; what was written after the last checkpoint is cut away and the checkpoint kept.
+  A dead worker first checkpoints what was already written; Ctrl-C (exit 130) and a closed stdout
+  keep the checkpoint too. Workers die with the main process (see ``worker``).
+* Publishing: every output is completed inside ``OUTPUT.partial/``, a ``staged.json`` marker
+  records that, then ``.bin``, ``.idx``, manifest are committed (:mod:`tokenloom.preprocess.commit`;
+  the manifest is the commit point). A run killed while publishing is finished by the next run of
+  the same command without tokenizing again.
+* Bad records: the first one stops the run with ``file:line: reason``; with ``max_bad_fraction``
+  they go to ``OUTPUT.rejects.jsonl`` and the run fails only above that share, publishing nothing
+  under a final name but the rejects file.
+* Object storage: ``s3://`` inputs are streamed; an ``s3://`` output is completed in ``--staging-dir``,
+  then uploaded ``.bin``, ``.idx``, manifest. Input digests (BLAKE3) come from a child process.
+* Cleaning (``--filter``, ``--dedup``; :mod:`tokenloom.clean`) runs in the tokenizing pass; dedup is
+  decided over the whole corpus once reading ends, copying the kept tokens (written twice; the plan
+  estimates the extra disk); ``merge`` decides over all shards.
 """
 
 from __future__ import annotations
@@ -75,9 +57,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 from tqdm import tqdm
 
 from tokenloom import objstore
+from tokenloom.clean import removed as removed_list
+from tokenloom.clean.buckets import CleanLog, decide, removals, run_files_bytes
 from tokenloom.corpus.documents import MISSING_KEY
 from tokenloom.corpus.readers import (
     Chunk,
@@ -91,7 +76,13 @@ from tokenloom.corpus.readers import (
 from tokenloom.errors import Stopped, TokenloomError
 from tokenloom.fsio import atomic_writer, naming, os_error_message, remove_dead_temps
 from tokenloom.indexed import manifest
-from tokenloom.indexed.format import IndexedDatasetWriter, data_path, index_path, optimal_dtype
+from tokenloom.indexed.format import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    data_path,
+    index_path,
+    optimal_dtype,
+)
 from tokenloom.preprocess import worker
 from tokenloom.preprocess.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -105,6 +96,8 @@ from tokenloom.preprocess.config import (
     Counts,
     PreprocessConfig,
     check_options,
+    clean_settings,
+    clean_spec,
     output_prefixes,
     resolve_shard,
     run_prefix,
@@ -174,14 +167,25 @@ class _Run:
             raise TokenloomError(f"--prepend-bos: tokenizer {tok!r} has no BOS token")
         self.fingerprint = tok.fingerprint()
         self.dtype = optimal_dtype(tok.vocab_size)
+        spec = clean_spec(cfg)
+        self.clean = spec if spec.active else None
         self.opts = EncodeOptions(tuple(cfg.json_keys), str(self.dtype), tok.vocab_size, cfg.append_eod,
-                                  cfg.prepend_bos, tok.eod, tok.bos)
+                                  cfg.prepend_bos, tok.eod, tok.bos, self.clean)
+        # dedup is decided over the whole job: here for one shard, by ``merge`` over the shards' side files
+        self.decides = spec.dedup is not None and self.num_shards == 1
+        self.pending = spec.dedup is not None and self.num_shards > 1
         self.outputs = output_prefixes(cfg, self.num_shards, self.shard_index)
         base = run_prefix(cfg, self.num_shards, self.shard_index)
         self.remote = objstore.is_url(base)
         self.partial = staging_path(base, cfg.staging_dir) if self.remote else Path(f"{base}.partial")
         self.staged_marker = self.partial / "staged.json"
         self.rejects_path = f"{base}.rejects.jsonl"
+        self.removed_path = str(removed_list.removed_path(base))
+        self.side_files = Path(f"{base}.clean")  # a pending shard's clean log, published beside its output
+        if self.pending and self.remote:
+            raise TokenloomError(f"--dedup {cfg.dedup} with --num-shards > 1 keeps side files beside the shards "
+                                 "for the merge: give a local or shared --output-prefix, not object storage")
+        self.clean_log: CleanLog | None = None
         self.input_stats = input_stats(self.inputs)
         self.digest = config_digest(cfg, self.input_stats, self.fingerprint, [self.num_shards, self.shard_index])
         self.workers = cfg.workers or os.cpu_count() or 1
@@ -207,11 +211,16 @@ class _Run:
         """Where output ``n``'s ``ext`` file (bin, idx, manifest.json) is completed before publishing."""
         return self.partial / f"{n}.{ext}"
 
+    def written(self, n: int, ext: str) -> Path:
+        """Where output ``n``'s tokens are written while reading: the staged file, or with a dedup decided
+        here, every document's (``n.all.bin``), copied without the duplicates once the decision is made."""
+        return self.staged(n, f"all.{ext}" if self.decides else ext)
+
     def remove_dead_temps(self) -> None:
         """Temporary files of dead runs of these outputs (this run's own are named by its pid)."""
         finals: list[str | Path] = [self.partial / "checkpoint.npz", self.staged_marker]
         if not self.remote:  # an upload leaves no temporary object
-            finals.append(self.rejects_path)
+            finals += [self.rejects_path, self.removed_path]
             for prefix in self.outputs.values():
                 finals += [data_path(prefix), index_path(prefix), manifest.manifest_path(prefix)]
         for final in finals:
@@ -236,7 +245,7 @@ class _Run:
         if loaded and loaded[0].get("digest") != self.digest:
             self.echo(f"note: {self.partial} belongs to a different command; starting afresh")
             loaded = None
-        if loaded and not all(self.staged(n, "bin").exists() for n in range(len(self.outputs))):
+        if loaded and not all(self.written(n, "bin").exists() for n in range(len(self.outputs))):
             self.echo(f"note: {self.partial} lacks the data of its checkpoint; starting afresh")
             loaded = None
         if self.partial.exists() and loaded is None:
@@ -265,18 +274,22 @@ class _Run:
                 self.rejects.truncate(state.get("rejects_bytes", 0))
                 self.rejects.seek(state.get("rejects_bytes", 0))
             position = Position.from_json(state["position"])
+            if self.clean is not None:
+                self.clean_log = CleanLog(self.partial / "clean", list(self.clean.filters), resume=state["clean"])
             self.echo(f"resuming from {self.partial}: {self.counts.records} records done")
             return position
         for n, (key, prefix) in enumerate(self.outputs.items()):
             self.writers[key] = self.writer(n, prefix)
         self.rejects = open(self.partial / "rejects.jsonl", "wb") if tolerant else None
+        if self.clean is not None:
+            self.clean_log = CleanLog(self.partial / "clean", list(self.clean.filters))
         return Position()
 
     def writer(self, n: int, prefix: str, resume: dict | None = None) -> IndexedDatasetWriter:
         if self.remote:  # the writer's prefix only places its files: keep them in the staging dir
             prefix = str(self.partial / str(n))
         return IndexedDatasetWriter(prefix, dtype=self.dtype, vocab_size=self.tokenizer.vocab_size,
-                                    bin_tmp=self.staged(n, "bin"), idx_tmp=self.staged(n, "idx"), resume=resume)
+                                    bin_tmp=self.written(n, "bin"), idx_tmp=self.written(n, "idx"), resume=resume)
 
     def estimate(self, samples: list[tuple[Input, Chunk]], encoded: list[tuple[Chunk, EncodedChunk]]) -> SpaceEstimate:
         """Extrapolate the output's size from the tokenized ``samples`` (:func:`sample_chunks`)."""
@@ -284,9 +297,27 @@ class _Run:
                                              in zip(samples, encoded, strict=True)], self.dtype.itemsize,
                                len(self.outputs))
 
+    def plan(self, estimate: SpaceEstimate, samples: list[tuple[Input, Chunk]],
+             encoded: list[tuple[Chunk, EncodedChunk]]) -> SpaceEstimate:
+        """Add what cleaning needs on disk besides the output (printed): the run files of the dedup keys
+        and, when the dedup is decided here, the copy of the output written before it."""
+        if self.clean is None or self.clean.dedup is None:
+            return estimate
+        raw = sum(stored_bytes(inp, chunk) for (inp, _), (chunk, _) in zip(samples, encoded, strict=True))
+        docs = sum(result.documents for _, result in encoded) / max(raw, 1) * sum(i.size for i in self.inputs)
+        runs = run_files_bytes(docs, self.clean.dedup.bands)
+        copy = estimate.output if self.decides else 0
+        self.echo(f"dedup {self.cfg.dedup}: about {megabytes(runs)} of run files"
+                  + (f" and {megabytes(copy)} for every document's tokens until the duplicates are known"
+                     if copy else " kept beside the shard for the merge") + ", besides the output")
+        estimate.extra += runs + copy
+        return estimate
+
     def save_checkpoint(self, position: Position) -> None:
         state = {"format": CHECKPOINT_FORMAT, "digest": self.digest, "position": position.to_json(),
                  "counts": asdict(self.counts), "keys": list(self.writers)}
+        if self.clean_log is not None:
+            state["clean"] = self.clean_log.checkpoint()
         self.checkpoint.save(state, self.writers, self.rejects)
 
     # -- consuming results in order
@@ -305,6 +336,10 @@ class _Run:
                                                     "record": snippet}, ensure_ascii=False) + "\n").encode())
         self.counts.bad_records += len(result.bad)
         self.counts.records += result.documents + len(result.bad)
+        if result.clean is not None and self.clean_log is not None:
+            c = result.clean
+            self.clean_log.add(chunk_input, c.numbers, c.removed, c.keys, c.has_keys)
+            self.counts.records += len(c.removed)
         self.counts.documents += result.documents
         self.counts.text_bytes += result.text_bytes
         for key, out in result.outputs.items():
@@ -333,20 +368,74 @@ class _Run:
         options = {"json_keys": cfg.json_keys, "append_eod": cfg.append_eod, "prepend_bos": cfg.prepend_bos,
                    "txt_unit": cfg.txt_unit, "max_bad_fraction": cfg.max_bad_fraction,
                    "shard": {"index": self.shard_index, "count": self.num_shards}}
+        settings = clean_settings(cfg)
+        if settings is not None:
+            self.stage_clean()
+            clean: dict = {**settings, "pending": self.pending, "removed_list": Path(self.removed_path).name}
+            if self.pending:
+                clean["side_files"] = self.side_files.name
+            options["clean"] = clean
         for n, (key, writer) in enumerate(self.writers.items()):
             writer.stage()
             counts = {**self.counts.per_key[key], "bad_records": c.bad_records, "bytes_in": c.bytes_in,
                       "records": c.records}
+            if settings is not None:
+                counts["removed"] = dict(c.removed)
             manifest.write(self.outputs[key], manifest.build(self.outputs[key], key, str(self.dtype), inputs,
                                                               self.fingerprint, options, counts),
                            path=self.staged(n, "manifest.json"))
         with atomic_writer(self.staged_marker, "w", encoding="utf-8") as f:
             json.dump({"format": STAGED_FORMAT, "digest": self.digest, "counts": asdict(self.counts)}, f)
+        for n in range(len(self.outputs)) if self.decides else ():  # every document's copy: done with
+            self.written(n, "bin").unlink(missing_ok=True)
+            self.written(n, "idx").unlink(missing_ok=True)
+
+    def stage_clean(self) -> None:
+        """Complete the clean log; unless the merge decides (a pending shard), decide dedup over it, list the
+        removed records, and with dedup copy every output without its duplicates (the bucket pass).
+
+        A run killed in here resumes from the checkpoint saved when reading ended: the decision and the
+        copy are made again from the log and the ``all`` files, the same bytes."""
+        assert self.clean_log is not None and self.clean is not None
+        log = self.clean_log.finish({"dedup": self.cfg.dedup, "inputs": [i.path for i in self.inputs]})
+        self.counts.removed = {r: int(k) for r, k in zip(log["reasons"], log["removed_by_filter"], strict=True) if k}
+        if self.pending:
+            return
+        decision = decide([self.partial / "clean"])
+        self.counts.removed = removed_list.write(self.partial / "removed.jsonl",
+                                                 removals([self.partial / "clean"], decision, self.cfg.dedup),
+                                                 [[i.path for i in self.inputs]])
+        if not self.decides:
+            return
+        keep = decision.kept(0)
+        self.counts.documents -= decision.duplicates
+        for n, (key, prefix) in enumerate(self.outputs.items()):
+            self.writers[key].stage()
+            every = IndexedDataset(self.partial / f"{n}.all")
+            per_doc = np.diff(every.document_indices)[keep]
+            every.close()
+            final = IndexedDatasetWriter(str(self.partial / str(n)) if self.remote else prefix, dtype=self.dtype,
+                                         vocab_size=self.tokenizer.vocab_size, bin_tmp=self.staged(n, "bin"),
+                                         idx_tmp=self.staged(n, "idx"))
+            final.add_kept(self.partial / f"{n}.all", keep)
+            self.writers[key] = final
+            self.counts.per_key[key] = {"documents": final.num_documents,
+                                        "empty_documents": int((per_doc == 0).sum()),
+                                        "sequences": final.num_sequences, "tokens": final.num_tokens}
 
     def publish(self) -> None:
         """Commit the staged outputs in order (each ``.bin``, ``.idx``, manifest); a rerun may repeat it."""
         if (self.partial / "rejects.jsonl").exists():
             self.move_rejects()
+        if (self.partial / "removed.jsonl").exists():
+            if self.remote:
+                objstore.upload(self.partial / "removed.jsonl", self.removed_path)
+                os.unlink(self.partial / "removed.jsonl")
+            else:
+                os.replace(self.partial / "removed.jsonl", self.removed_path)
+        if self.pending and (self.partial / "clean").exists():  # the merge's input: before the manifest
+            shutil.rmtree(self.side_files, ignore_errors=True)
+            os.replace(self.partial / "clean", self.side_files)
         for n, prefix in enumerate(self.outputs.values()):
             publish_dataset(prefix, self.staged(n, "bin"), self.staged(n, "idx"), self.staged(n, "manifest.json"))
         self.checkpoint_path.unlink(missing_ok=True)  # first, so a half-removed folder never resumes
@@ -397,8 +486,8 @@ class _Run:
             return "rerun the same command (no checkpoint was saved yet, so it starts over)"
         state, arrays = loaded
         for n, saved in enumerate(arrays):
-            if self.staged(n, "bin").exists():
-                os.truncate(self.staged(n, "bin"), int(saved["bin_bytes"]))
+            if self.written(n, "bin").exists():
+                os.truncate(self.written(n, "bin"), int(saved["bin_bytes"]))
             self.staged(n, "idx").unlink(missing_ok=True)
             self.staged(n, "manifest.json").unlink(missing_ok=True)
         kept = sum(f.stat().st_size for f in self.partial.iterdir() if f.is_file())
@@ -504,12 +593,16 @@ def _tokenize(r: _Run) -> None:
         reader = ChunkReader(r.inputs, cfg.json_keys, cfg.chunk_bytes, txt_unit=cfg.txt_unit)
         results = _results(r, itertools.chain((chunk for _, chunk in samples), reader.chunks(position)), pool)
         if samples:  # their results come first; the pool works on the first chunks meanwhile, nothing is written
-            check_space(r.partial, r.estimate(samples, [next(results) for _ in samples]), staging=r.remote)
+            check_space(r.partial, r.plan(r.estimate(samples, encoded := [next(results) for _ in samples]), samples,
+                                          encoded), staging=r.remote)
         numbering = LineNumbers(position)
         last_ckpt = time.monotonic()
         for chunk, result in results:
             if base := numbering.place(chunk, result.lines):
                 result.bad = [(number + base, reason, snippet) for number, reason, snippet in result.bad]
+                if result.clean is not None:
+                    result.clean.numbers = result.clean.numbers + base
+                    result.clean.removed[:, 0] += base
             r.consume(chunk.input, result)
             done = chunk.end
             r.counts.bytes_in += chunk.raw_bytes
@@ -521,6 +614,8 @@ def _tokenize(r: _Run) -> None:
             tokens = sum(c["tokens"] for c in r.counts.per_key.values()) - tokens_at_start
             bar.set_postfix_str(f"{tokens / elapsed / 1e3:.0f}k tok/s", refresh=False)
         bar.close()
+        if r.decides:  # the bucket pass comes next: a run killed there resumes here, not from the start
+            r.save_checkpoint(done)
         digests = r.hasher.result()
         _check_unchanged(r.inputs, r.input_stats)
         r.stage(digests)

@@ -26,6 +26,9 @@ Policy and its costs:
 * Every Ray node must see the inputs and ``OUTPUT`` at the same paths (a shared
   filesystem) and have tokenloom installed; a task that wrote where the driver cannot
   read stops the job with one line saying so.
+* ``--dedup``: the tasks tokenize every document and keep their dedup side files; the merge is
+  the final pass that decides over all shards (:mod:`tokenloom.preprocess.merge`), so the job
+  removes what a single run removes and writes ``OUTPUT.removed.jsonl``.
 * Ray is imported only here, only for ``--executor ray`` (the ``[ray]`` extra).
 """
 
@@ -95,6 +98,13 @@ def run(cfg: PreprocessConfig, echo=print) -> dict:
     _merge_shards(cfg, task_cfg, shards, num_shards)
     shutil.rmtree(staging, ignore_errors=True)
     summary = _summary(cfg, summaries, len(inputs), len(shards), time.perf_counter() - start)
+    if cfg.dedup != "none":  # decided by the merge over every shard: its counts, not the shards'
+        for key, prefix in output_prefixes(cfg, 1, 0).items():
+            counts = (manifest.read(prefix) or {}).get("counts", {})
+            summary["removed"] = counts.get("removed", {})
+            summary["per_key"][key] = {k: counts.get(k, 0) for k in ("documents", "empty_documents", "sequences",
+                                                                      "tokens")}
+        summary["tokens"] = sum(c["tokens"] for c in summary["per_key"].values())
     echo(format_summary(summary))
     return summary
 
@@ -203,7 +213,7 @@ def _merge_shards(cfg: PreprocessConfig, task_cfg: PreprocessConfig, shards: lis
                     manifest.write(part, m)
                 except OSError as exc:
                     raise TokenloomError(os_error_message(exc, part)) from None
-        merge(final, parts, rerun="rerun the same command (finished shards are kept)")
+        merge(final, parts, rerun="rerun the same command (finished shards are kept)", removed_to=cfg.output_prefix)
 
 
 def _check_visible(task_cfg: PreprocessConfig, shards: list[int], num_shards: int) -> None:

@@ -34,6 +34,7 @@ class SpaceEstimate:
 
     bin_bytes: int
     idx_bytes: int
+    extra: int = 0  # what else the run holds until it ends (dedup's run files and copy)
 
     @property
     def output(self) -> int:
@@ -41,8 +42,8 @@ class SpaceEstimate:
 
     @property
     def peak(self) -> int:
-        """What the run holds at most: the output plus the checkpoint's copy of the index."""
-        return self.bin_bytes + 2 * self.idx_bytes
+        """What the run holds at most: the output plus the checkpoint's copy of the index, plus ``extra``."""
+        return self.bin_bytes + 2 * self.idx_bytes + self.extra
 
 
 def sample_chunks(inputs: list[Input], keys: list[str], txt_unit: str) -> list[tuple[Input, Chunk]]:

@@ -18,6 +18,7 @@ def summarize(*, outputs: dict[str, str], inputs: int, shard: tuple[int, int], t
         "dtype": str(dtype),
         "records": c.records,
         "bad_records": c.bad_records,
+        "removed": dict(c.removed),
         "per_key": c.per_key,
         "tokens": tokens,
         "bytes_in": c.bytes_in,
@@ -30,6 +31,8 @@ def summarize(*, outputs: dict[str, str], inputs: int, shard: tuple[int, int], t
 def format_summary(summary: dict) -> str:
     rows = [("output", ", ".join(f"{k}: {v}" for k, v in summary["outputs"].items()))]
     rows += [(k, str(summary[k])) for k in ("inputs", "shard", "tokenizer", "dtype", "records", "bad_records")]
+    if summary.get("removed"):
+        rows.append(("removed", ", ".join(f"{reason} {n}" for reason, n in summary["removed"].items())))
     for key, c in summary["per_key"].items():
         rows.append((f"[{key}] documents", f"{c['documents']} ({c['empty_documents']} empty)"))
         rows.append((f"[{key}] sequences / tokens", f"{c['sequences']} / {c['tokens']}"))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenloom.clean.stage import CleanResult, CleanSpec, clean_decoded
 from tokenloom.corpus.documents import decode_chunk
 from tokenloom.corpus.readers import Chunk
 
@@ -45,6 +46,7 @@ class EncodeOptions:
     prepend_bos: bool = False
     eod: int | None = None
     bos: int | None = None
+    clean: CleanSpec | None = None  # filters and dedup keys, before tokenizing (tokenloom.clean.stage)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class EncodedChunk:
     documents: int = 0
     text_bytes: int = 0
     lines: int = 0  # lines of a ``relative`` chunk (its record numbers count from 1)
+    clean: CleanResult | None = None  # with ``EncodeOptions.clean``: kept and removed records, dedup keys
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -109,9 +112,14 @@ def set_tokenizer(tokenizer, encoder_memory_mb: int | None = None) -> None:
 
 
 def encode_chunk(chunk: Chunk, opts: EncodeOptions) -> EncodedChunk:
-    """Validate, tokenize and frame one chunk; bad records are returned, never raised."""
+    """Validate, clean (``opts.clean``: filters, dedup keys), tokenize and frame one chunk; bad records are
+    returned, never raised; records a filter removes are not tokenized."""
     decoded = decode_chunk(chunk, opts.keys)
-    result = EncodedChunk(chunk.seq, {}, decoded.bad, documents=len(decoded.numbers), lines=decoded.lines)
+    cleaned = None
+    if opts.clean is not None:
+        decoded, cleaned = clean_decoded(decoded, opts.keys, opts.clean)
+    result = EncodedChunk(chunk.seq, {}, decoded.bad, documents=len(decoded.numbers), lines=decoded.lines,
+                          clean=cleaned)
     for key in opts.keys:
         texts = decoded.texts[key]
         result.text_bytes += sum(map(len, texts))

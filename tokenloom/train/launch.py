@@ -18,10 +18,9 @@ torchrun's own output goes to ``LOGS/torchrun.log``; rank 0's stdout (the start-
 summary, the final JSON) stays on the terminal and this process relays its log (progress
 bar, warnings; its ``error:`` lines stay in the file). If the terminal's reader goes away
 (``train ... | head``), stdout goes to ``/dev/null`` and training goes on. A failed run ends with one
-:class:`TokenloomError` line: the first failing rank and its error, and the log directory. So a user sees one line instead of a
-traceback per rank plus torchrun's ``ChildFailedError``; the price is that ranks other
-than 0 are silent on the terminal (``verbose=True`` streams everything unchanged, as
-torchrun does, and writes no log files).
+:class:`TokenloomError` line (the first failing rank and its error, the log directory), not a traceback
+per rank; the price is that ranks other than 0 are silent on the terminal (``verbose=True`` streams
+everything unchanged, as torchrun does, and writes no log files).
 
 Signals: SIGTERM or SIGINT to this process goes to every rank (:class:`Forwarder`), which
 finish the same step, save and stop (:mod:`tokenloom.train.stop`); rank 0's line naming the

@@ -4,57 +4,39 @@
 One iteration::
 
     lr = lr_at(it)                          pure function of the iteration (optim/schedule.py)
-    strategy.train_step(micro-batches)      forward/backward by the layout's schedule,
-                                            gradients finalised (DDP buckets, tied
-                                            embeddings, dp reduction), global norm,
-                                            clip, AdamW or ZeRO-1 step
+    strategy.train_step(micro-batches)      the layout's schedule, gradients finalised, clip, step
     every log_interval: loss reduced to every rank, a metrics record on rank 0
-                                            (pp > 1: with the interval's pipeline bubble;
-                                            the interval's data wait; losses per source
-                                            with log_loss_per_source)
     by eval/save/exit interval (``due``): evaluation, checkpoint, stop
 
-What differs per layout (dp only, tensor/pipeline parallel, ZeRO-1) lives in
-:class:`~tokenloom.train.strategy.Strategy`; the config in :mod:`.config`; the process
-setup (world, seeds, autocast, GC, host memory) in :mod:`.runtime`.
+What differs per layout lives in :class:`~tokenloom.train.strategy.Strategy`; the config in
+:mod:`.config`; the process setup (world, seeds, autocast, GC, host memory) in :mod:`.runtime`.
 
 Choices and their costs:
 
-* **Exact resume**: everything that decides the next step is in the checkpoint or a
-  pure function of it: parameters, AdamW state, the iteration (learning rate), the
-  consumed-samples count and blend history (data order, kept and checked by
-  :class:`~tokenloom.train.data.TrainData`), and each rank's RNG states. On CPU in fp32 a run
-  stopped and resumed in a fresh process reproduces the losses and final parameters of
-  an uninterrupted run bit for bit (tested). GPU runs are reproducible only as far as
-  their kernels are deterministic.
-* **Host syncs**: losses are summed on the device and read (reduced over dp and sent
-  from the last pipeline stage) every ``log_interval`` steps, so the logged
-  ``train_loss`` is the mean over the interval; the grad norm is that of the last step.
-* **Evaluation** runs the model in eval mode without gradients on the same first
-  ``eval_iters`` validation batches every time, before the first step, every
-  ``eval_interval`` steps and at the end. A blend of two or more sources also gets each
-  source's loss on its own samples among those batches (:mod:`.source_loss`), for the price
-  of per-token losses and one more small reduction per evaluation.
-* **Data wait**: the host time each step spends taking its batches from the loader is summed
-  per log interval (``data_wait_s``, ``data_wait_share``: host clocks, no device sync); the run
-  ends with a warning when it took more than :data:`~tokenloom.train.summary.DATA_WAIT_WARN`
-  of the training time.
-* **What a person sees** on rank 0's stderr, above the progress bar (loss, learning rate,
-  tokens/s, peak device and host memory of the interval): one line per validation loss
-  and one per completed checkpoint save; ``metrics.jsonl`` holds the same and more
-  (:mod:`.metrics`), with a record at the iteration a run resumed.
-* **Checkpoints** are written in the background (``async_save``, :mod:`.async_save`): the
-  loop stalls only while the state is copied to host memory; each step boundary takes a
-  finished write (its metrics record, or its failure as the run's error), the next save and
-  :meth:`Trainer.finish` wait for it, and so does a save-and-exit before it names the
-  checkpoint. A run that fails otherwise completes the write in flight when alone, abandons
-  it when it has peers (a partial checkpoint is never published).
-* **Signals** (``save_on_signal``, :mod:`.stop`): SIGTERM or SIGINT to any rank ends the run
-  on every rank after the same step, with a checkpoint and one line naming it and the
-  command that resumes; a second signal ends the process at once.
-* **Failures**: a dead or stalled rank surfaces as a :class:`TokenloomError` from the
-  next collective (at most the ``dist_timeout_s`` later); ``main`` prints it as one line
-  and exits non-zero without tearing down the process group (which could block).
+* **Exact resume**: everything that decides the next step is in the checkpoint or a pure function
+  of it: parameters, AdamW state, the iteration, the consumed samples and blend history (checked by
+  :class:`~tokenloom.train.data.TrainData`), each rank's RNG states. On CPU in fp32 a resumed run
+  reproduces the losses and parameters of an uninterrupted one bit for bit (tested); GPU runs only
+  as far as their kernels are deterministic.
+* **Host syncs**: losses are summed on the device and read every ``log_interval`` steps, so the
+  logged ``train_loss`` is the interval's mean; the grad norm is the last step's.
+* **Evaluation** runs without gradients on the same first ``eval_iters`` validation batches,
+  before the first step, every ``eval_interval`` steps and at the end; a blend of two or more
+  sources also gets each source's loss (:mod:`.source_loss`: per-token losses, one more reduction).
+* **Data wait**: the host time spent taking batches is summed per interval (``data_wait_s``,
+  ``data_wait_share``; no device sync), with a warning at the end above
+  :data:`~tokenloom.train.summary.DATA_WAIT_WARN` of the training time.
+* **What a person sees** on rank 0's stderr: a progress bar, a line per validation loss and per
+  completed save; ``metrics.jsonl`` holds the same and more (:mod:`.metrics`).
+* **Checkpoints** are written in the background (``async_save``, :mod:`.async_save`): each step
+  boundary takes a finished write (its metrics record, or its failure as the run's error); the
+  next save, :meth:`Trainer.finish` and a save-and-exit wait for it. A run that fails otherwise
+  completes the write in flight when alone, abandons it with peers (never published partial).
+* **Signals** (``save_on_signal``, :mod:`.stop`): SIGTERM or SIGINT to any rank ends the run on
+  every rank after the same step, with a checkpoint and a line naming the resume command.
+* **Failures**: a dead or stalled rank surfaces as a :class:`TokenloomError` from the next
+  collective (within ``dist_timeout_s``); ``main`` prints it as one line and exits non-zero
+  without tearing down the process group (which could block).
 """
 
 from __future__ import annotations

@@ -10,47 +10,33 @@ piece                   data parallel only (tp = pp = 1)     tensor / pipeline p
 model chunks            the whole :class:`GPT`               this rank's chunk(s) of the same GPT
 how a step runs         ``no_pipelining`` (accumulation)     ``1f1b``, or ``interleaved`` with vpp
 gradient finalisation   bucketed DDP (ZeRO-1: bucketed       the same over dp, one per chunk, waited
-                        reduce-scatter), overlapped with     for after the schedule; then sequence-
-                        backward                             parallel grads summed over tp and the
-                                                             tied embedding over pp (on the reduced
-                                                             shard with ZeRO-1)
+                        reduce-scatter) during backward      for after the schedule; then sp grads
+                                                             summed over tp, tied embedding over pp
 norm groups (clipping)  none                                 the model-parallel group
-optimizer               fused AdamW, or ZeRO-1 (its inner    the same two
-                        AdamW fused where torch has one)
-checkpoint I/O          :mod:`~tokenloom.train.checkpoint.reshard`      the same: every rank writes its pieces
-                        into :mod:`~tokenloom.train.ckpt_    (:mod:`~tokenloom.train.checkpoint.format`),
-                        format` (one process: one file)      loadable in any layout
+optimizer               fused AdamW, or ZeRO-1               the same two
+checkpoint I/O          every rank writes its pieces (:mod:`~tokenloom.train.checkpoint.format`)
 ======================  ===================================  =======================================
 
-``fsdp`` (:mod:`~tokenloom.train.parallel.fsdp`) replaces DDP or ZeRO-1 in any of these: each
-chunk's blocks and the chunk are sharded over dp (parameters, gradients, AdamW state), gathered
-per block in forward and backward and reduce-scattered in every micro-batch's backward; the
-sequence-parallel and tied-embedding sums and the clipping norm run on the local shards.
-
-At ``ep`` > 1 the experts' grads stay out of DDP's buckets and are summed over the expert-data-parallel
-group after them (:meth:`Strategy._reduce_expert_grads`); with ZeRO-1 they sit in buckets of their own,
-reduce-scattered and sharded over that group (:class:`~tokenloom.train.optim.zero.ZeroAdamW`'s ``is_expert``).
-
-The checkpoint writer hands its files to :attr:`Strategy.saver`
-(:mod:`~tokenloom.train.checkpoint.async_save`), which writes them in the background unless ``async_save`` is off.
+``fsdp`` (:mod:`~tokenloom.train.parallel.fsdp`) replaces DDP or ZeRO-1 in any of these; the
+sequence-parallel and tied-embedding sums and the clipping norm then run on the local shards. At
+``ep`` > 1 the experts' grads stay out of DDP's buckets and are summed over the expert-data-parallel
+group after them (:meth:`Strategy._reduce_expert_grads`; with ZeRO-1, buckets of their own). The
+checkpoint writer hands its files to :attr:`Strategy.saver` (:mod:`~tokenloom.train.checkpoint.async_save`).
 
 Invariants:
 
-* ``compile`` (true, or "auto": on for CUDA, :func:`~tokenloom.train.kernels.choose_compile`,
-  resolved once into :attr:`Strategy.compile`) compiles every chunk's blocks
-  (:meth:`GPT.compile_blocks`) in every layout; a block's backward is one autograd node, so
-  DDP's and ZeRO-1's buckets are cut at block boundaries only (``grad_units``) and still
-  launch during backward.
+* ``compile`` (true, or "auto": on for CUDA, :func:`~tokenloom.train.kernels.choose_compile`, resolved
+  once into :attr:`Strategy.compile`) compiles every chunk's blocks (:meth:`GPT.compile_blocks`) in
+  every layout; a block's backward is one autograd node, so buckets are cut at block boundaries only
+  (``grad_units``) and still launch during backward.
 * Gradients are fp32 in every layout: parameters stay fp32 and bf16 is autocast
   (:func:`~tokenloom.train.runtime.autocast_for`), so buckets reduce in fp32 (Megatron's
-  ``grad_reduce_in_fp32``) by construction, at twice bf16's traffic and fp32 weights in memory.
+  ``grad_reduce_in_fp32``), at twice bf16's traffic.
 * Every tensor it makes names the run's device and every collective gets device tensors
   (NCCL needs that); a test runs every layout with the default device set to ``meta``.
 * No host sync per step: :meth:`Strategy.train_step` returns the mean micro-batch loss as a
-  device tensor (zero on ranks that compute none); it is reduced over dp and sent from the
-  last stage only when the loop logs (:meth:`Strategy.loss_for_log`). Losses per source
-  (:mod:`~tokenloom.train.source_loss`) are summed on the device by the last stage the same
-  way and read with :meth:`Strategy.sums_for_log`.
+  device tensor, reduced over dp and sent from the last stage only when the loop logs
+  (:meth:`Strategy.loss_for_log`; per-source sums: :meth:`Strategy.sums_for_log`).
 """
 
 from __future__ import annotations
@@ -332,7 +318,7 @@ class Strategy:
         document-isolated attention (each block needs the boundaries); other middle stages get None."""
         st = self.state
         return (st.is_first_stage(ignore_virtual=True) or st.is_last_stage(ignore_virtual=True)
-                or self.cfg.data.inter_document_masking)
+                or bool(self.cfg.data.inter_document_masking))
 
     @property
     def computes_loss(self) -> bool:
@@ -353,8 +339,8 @@ class Strategy:
             dataset, eod=eod, eod_mask_loss=cfg.data.eod_mask_loss, consumed_samples=consumed,
             micro_batch_size=cfg.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_workers=workers, pin_memory=self.device.type == "cuda", total_samples=total,
-            inter_document_masking=cfg.data.inter_document_masking, vocab_size=cfg.model.vocab_size,
-            source_ids=sources,
+            inter_document_masking=bool(cfg.data.inter_document_masking), vocab_size=cfg.model.vocab_size,
+            source_ids=sources, packed=cfg.data.packing == "best-fit",
         )
         host = torch.device("cpu")
         with host:

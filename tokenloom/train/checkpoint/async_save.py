@@ -1,12 +1,11 @@
 """Checkpoints written in the background: the step loop blocks only until the state it saves is copied.
 
-A save (:meth:`CheckpointSaver.save`, called by :meth:`~tokenloom.train.strategy.Strategy.save`
-on every rank) has three parts:
+A save (:meth:`CheckpointSaver.save`, called by :meth:`~tokenloom.train.strategy.Strategy.save` on every
+rank) has three parts:
 
-1. **the capture**, on the main thread: the previous save's write is waited for; whatever is
-   collective on the training process group runs; the files' contents are gathered (RNG
-   states, views of the live parameters and optimizer states) and their containers copied, so
-   every plain value (a learning rate, a step count) is frozen as it is now;
+1. **the capture**, on the main thread: the previous save's write is waited for; the collectives
+   on the training group run; the files' contents are gathered (RNG states, views of the live
+   parameters and optimizer states) and their containers copied, freezing every plain value;
 2. **the copy**, on one background thread: every tensor is copied into host buffers
    (:class:`HostStaging`: pinned on CUDA, filled on a stream of its own that starts after the
    work queued so far; allocated by the first save and reused by every later one). The step
@@ -15,35 +14,29 @@ on every rank) has three parts:
    waits for the copy; that wait and the capture are the save's **stall**;
 3. **the write**, on the same thread: :func:`tokenloom.train.checkpoint.commit.save_files`,
    the commit protocol (temp dir, fsync, ``COMPLETE``, rename, ``latest``, ``keep_last``)
-   unchanged, so a checkpoint is only ever published whole. Its barriers run on a gloo group
-   created once for checkpointing and used by that thread alone: two threads' collectives are
-   never interleaved on one group.
+   unchanged, so a checkpoint is only ever published whole. Its barriers run on a gloo group of
+   its own that only this thread uses, so two threads' collectives never share a group.
 
-Invariants: at most one save is in flight, and the next save waits for it (its host buffers
-are about to be overwritten). Nothing writes a tensor a save captured between its capture and
-the end of its copy: the optimizer step is the one writer of saved state and it waits in
-:meth:`CheckpointSaver.before_update`. A failed copy or write (disk full, I/O error) keeps its
-one-line :class:`~tokenloom.errors.TokenloomError` naming the checkpoint, raised on the main
-thread by the next :meth:`CheckpointSaver.poll` (each step boundary), save or
-:meth:`CheckpointSaver.wait` (the run's end, a save-and-exit); the previous complete checkpoint
-stays what ``--resume auto`` takes. When the run fails otherwise, the write in flight is waited
-for where no peer can stall it (one process), or abandoned (:meth:`CheckpointSaver.abandon`,
-with peers): it then dies with the process, leaving at most a temporary folder that is never
-published and that the next save into that root removes. Each finished save leaves a
-:class:`SaveReport` (the stall and the write's time) for the loop's metrics.
+Invariants: at most one save is in flight, and the next save waits for it (its host buffers are about to be
+overwritten). Nothing writes a tensor a save captured between its capture and the end of its copy: the
+optimizer step is the one writer of saved state and it waits in :meth:`CheckpointSaver.before_update`. A
+failed copy or write (disk full, I/O error) keeps its one-line :class:`~tokenloom.errors.TokenloomError`
+naming the checkpoint, raised on the main thread by the next :meth:`CheckpointSaver.poll` (each step
+boundary), save or :meth:`CheckpointSaver.wait` (the run's end, a save-and-exit); the previous complete
+checkpoint stays what ``--resume auto`` takes. When the run fails otherwise, the write in flight is waited
+for in one process, or abandoned with peers (:meth:`CheckpointSaver.abandon`): at most an unpublished
+temporary folder remains, which the next save into that root removes. Each finished save leaves a
+:class:`SaveReport` (stall, write time) for the metrics.
 
-``async_save=false`` writes on the main thread with the training group's barriers (the stall is
-then the whole save); the one-process format then writes the live state as it is, without a
-host copy, and the per-shard format its fresh host copies.
+``async_save=false`` writes on the main thread with the training group's barriers (the stall is then the
+whole save), from the live state (one-process format) or fresh host copies (per shard).
 
-Trade-offs: host memory holds one more copy of the state a rank writes, for the whole run
-(Megatron's and torchtitan's asynchronous saves make the same trade). Copying behind the
-next forward and backward instead of before them (where Megatron and torchtitan stage) hides
-the copy whenever it is shorter than they are, at the price of the gate in the optimizer
-step; on CUDA the copy is a device-to-host DMA on its own stream, on CPU a memcpy that
-competes with the step for cores and memory bandwidth, as the background write does. A rank
-that dies mid-write leaves peers waiting in a checkpoint barrier until the collective timeout,
-as a synchronous save does.
+Trade-offs: host memory holds one more copy of the state a rank writes, for the whole run (as in Megatron's
+and torchtitan's asynchronous saves). Copying behind the next forward and backward instead of before them
+(where they stage) hides the copy when it is shorter than those, at the price of the gate in the optimizer
+step; on CPU the copy and the write compete with the step for cores and memory bandwidth. A rank that dies
+mid-write leaves peers waiting in a checkpoint barrier until the collective timeout, as a synchronous save
+does.
 """
 
 from __future__ import annotations

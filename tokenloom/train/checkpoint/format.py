@@ -6,55 +6,36 @@ and the atomic commit are :mod:`tokenloom.train.checkpoint.commit`'s)::
     tp{t}_pp{p}_dp{d}.pt    written by the rank at (tp t, pp p, dp d): its pieces (below)
     rng_rank{r}.pt          every rank's RNG states (the caller's file, not this module's)
 
-A **piece** is a contiguous element range ``[start, start + numel)`` of one flattened tensor as
-a tp rank holds it (its *local* tensor): a parameter, or one of its AdamW states (``step``,
-``exp_avg``, ``exp_avg_sq``, ZeRO-1's ``master_param``) under the parameter's one-process name.
-Each piece records the local tensor's shape, the tp rank and size, and how the tp ranks' local
-tensors make the full one (``dim``: the partition dim, None when replicated over tp; ``sizes``:
-the fused blocks each split evenly, as :func:`~tokenloom.train.parallel.layers.shard` cuts a
-fused qkv or SwiGLU weight). Who writes what (:func:`rank_file`):
+A **piece** is a contiguous element range ``[start, start + numel)`` of one flattened tensor as a
+tp rank holds it (its *local* tensor): a parameter, or one of its AdamW states under the
+parameter's one-process name. Each piece records the local shape, the tp rank and size, and how
+the tp ranks' local tensors make the full one (``dim``: None when replicated over tp; ``sizes``:
+the fused blocks, as :func:`~tokenloom.train.parallel.layers.shard` cuts a fused qkv or SwiGLU
+weight). Who writes what (:func:`rank_file`):
 
-* **replicated state** (the parameters, and the optimizer states without ZeRO-1, and ZeRO-1's
-  scalar ``step``) is written once per model replica, spread over its dp ranks: the (tp, pp)
-  shard's tensors, in the caller's order, are laid end to end in bytes and cut into dp equal
-  byte ranges at element boundaries, dp rank d writing range d. Deterministic (the same order on
-  every dp rank), balanced to one element, and no collective;
-* **ZeRO-1's optimizer shards** are written by the rank that owns them, as the element ranges
-  of its flat buffer that fall in each parameter (no gather);
-* **FSDP's shards** (the parameter and its moments, each rank's dim-0 rows: one element range
-  of the flattened tensor) are written by the rank that holds them, the parameter's own pieces
-  under ``own`` (then ``tensor`` gives only the local shape and may be a ``meta`` tensor);
-* nobody gathers the model; a tensor tied under several one-process names (a tied embedding in
-  one stage) is written once, the other names recorded as aliases.
+* **replicated state** (parameters, optimizer states without ZeRO-1) is written once per model
+  replica: the (tp, pp) shard's tensors are laid end to end in bytes and cut into dp equal ranges
+  at element boundaries, dp rank d writing range d (deterministic, balanced, no collective);
+* **ZeRO-1's optimizer shards** are written by their owner, as the ranges of its flat buffer that
+  fall in each parameter; **FSDP's shards** (each rank's dim-0 rows) by the rank holding them, the
+  parameter's own pieces under ``own``;
+* nobody gathers the model; a tensor tied under several names is written once, with aliases.
 
-Loading (:func:`read`): every ``tp*_pp*_dp*.pt`` file is memory-mapped
-(``torch.load(weights_only=True, mmap=True)``) and only the pieces of the names asked for are
-touched; each local tensor is assembled from its pieces (its coverage checked), and the tp
-ranks' local tensors are joined into the full tensor by one-process name. The caller then cuts
-the shard its own layout holds, so a checkpoint of any layout (dp, tp with or without sp, pp
-with or without vpp, ZeRO-1 on or off, one process) loads into any other. A reader that holds
-a tp shard asks :func:`read` for it: only the saving tp ranks whose shards overlap its own are
-assembled (at equal tp, its own rank's alone), so no rank materialises a full tp-split tensor.
+Loading (:func:`read`): every file is memory-mapped (``torch.load(weights_only=True, mmap=True)``)
+and only the pieces asked for are touched; each local tensor is assembled from its pieces (its
+coverage checked) and the tp ranks' local tensors joined by one-process name. The caller cuts the
+shard its own layout holds, so a checkpoint of any layout loads into any other; a reader holding a
+tp shard assembles only the saving tp ranks that overlap it. Earlier formats still load
+(:func:`model_tensors`, :func:`legacy_shard_tensors`, :func:`one_process_tensors`).
 
-Earlier formats still load (:func:`model_tensors`, :func:`legacy_shard_tensors`,
-:func:`one_process_tensors`): the one-process ``model.pt`` + ``optimizer.pt`` and the
-per-(tp, pp) ``shard_tp{t}_pp{p}.pt`` files of dp rank 0 with ZeRO-1's state gathered into them.
-
-Why not ``torch.distributed.checkpoint`` (DCP): its unit is a ``DTensor``/``ShardedTensor``
-region of the full tensor, while our tp layouts interleave fused blocks (qkv, SwiGLU's gate and
-up) so a tp rank's shard is not one region of the full tensor, and ZeRO-1's pieces are ranges of
-the *flattened local* shard spanning parameter boundaries: both would need re-layout copies or
-flattened-tensor tricks on every save. DCP's planner is itself collective (it runs on the
-training group), which the background write thread, with its own gloo group and barriers, would
-have to serialise against; its files are not byte-identical between sync and async saves of the
-same state, and its loader unpickles its metadata file. Here a rank's file is one
-``torch.save`` of plain dicts and tensors (weights-only loadable, identical whichever thread
-writes it), the commit protocol is the one of every other file, and resharding is the same
-shard/unshard code the model uses. The trade-offs: a loading rank assembles whole *local*
-tensors of the saving tp ranks it overlaps (at a larger tp than the saver's, more than its own
-shard), and a ZeRO-1 reader the whole local optimizer state of its parameters before keeping
-its own range, where DCP reads only the regions it needs; and the layout per file is fixed by
-the saving run's dp size.
+Why not ``torch.distributed.checkpoint`` (DCP): its unit is a region of the full tensor, while a
+tp rank's shard of a fused block (qkv, SwiGLU) is not one region, and ZeRO-1's pieces are ranges of
+the flattened local shard spanning parameters: both would need re-layout copies on every save.
+DCP's planner is collective on the training group, which the background writer would have to
+serialise against, and its loader unpickles its metadata. Here a rank's file is one ``torch.save``
+of plain dicts and tensors (weights-only, identical whichever thread writes it). The trade-offs: a
+loading rank assembles whole local tensors of the saving tp ranks it overlaps, a ZeRO-1 reader the
+whole local optimizer state before keeping its range, and the layout per file follows the saving dp.
 """
 
 from __future__ import annotations

@@ -1,60 +1,41 @@
 """Hugging Face ``transformers`` folders, out and in: the one module that owns that format.
 
-Out (:func:`export`): a checkpoint of any layout (:func:`~tokenloom.train.checkpoint.format.model_tensors`)
-becomes a folder ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` loads (the class whose layers the
-model's features are, :func:`family`: LayerNorm + GELU + learned positions, or RMSNorm + SwiGLU + RoPE,
-whatever the ``arch`` preset; other combinations are refused naming the fields): ``config.json``,
-``model.safetensors`` (fp32, the checkpoint's values), ``generation_config.json``, and the run's
-tokenizer for ``AutoTokenizer`` (:func:`write_tokenizer`: ``tokenizer.json`` or SentencePiece's
-``tokenizer.model``, + ``tokenizer_config.json``), giving our ids and adding no BOS/EOS.
-In (:func:`init_from_hf`, ``train --init-from-hf``): such a folder's weights (``model.safetensors``
-or a ``model.safetensors.index.json`` shard set) become the run's starting parameters in any
-layout. Only safetensors are read (no pickle, so no code runs), only from the local folder.
+Out (:func:`export`): a checkpoint of any layout becomes a folder ``GPT2LMHeadModel`` or
+``LlamaForCausalLM`` loads (the class whose layers the model's features are, :func:`family`; other
+combinations are refused naming the fields): ``config.json``, ``model.safetensors`` (fp32),
+``generation_config.json`` and the run's tokenizer for ``AutoTokenizer`` (:func:`write_tokenizer`),
+giving our ids and adding no BOS/EOS. In (:func:`init_from_hf`, ``train --init-from-hf``): such a
+folder's weights (``model.safetensors`` or an index of shards) become the run's starting parameters
+in any layout. Only safetensors are read (no pickle), only from the local folder.
 
 Name and layout mapping (both directions, :func:`to_hf` / :func:`from_hf`):
 
-* GPT-2: HF's ``Conv1D`` stores ``[in, out]``, our linears ``[out, in]``: transposed both ways.
-  The fused ``qkv`` rows are ``[q | k | v]``, each head-major, as ``c_attn``'s columns; GELU is
-  the tanh form (HF ``gelu_new``); LayerNorm eps is ``layer_norm_epsilon``. GPT-2 has one head
-  count and biases everywhere, so ``n_kv_heads != n_heads`` or ``bias: false`` is refused.
-* Llama: ``qkv`` splits into ``q_proj`` / ``k_proj`` / ``v_proj`` by rows (GQA: ``n_kv_heads``
-  heads in k and v); our RoPE is already HF's rotate-half form on the same rows, so no row
-  permutation is needed (Meta's original interleaved checkpoints would need one; HF's do not).
-  The SwiGLU ``fc`` is ``[gate | up]`` by rows; ``bias: true`` maps to ``attention_bias`` and
-  ``mlp_bias`` (RMSNorm has none); RoPE base is ``rope_parameters.rope_theta``.
+* GPT-2: HF's ``Conv1D`` stores ``[in, out]``, our linears ``[out, in]``: transposed both ways. The
+  fused ``qkv`` rows are ``[q | k | v]``, head-major, as ``c_attn``'s columns; GELU is the tanh form
+  (``gelu_new``). GPT-2 has one head count and biases everywhere: ``n_kv_heads != n_heads`` or
+  ``bias: false`` is refused.
+* Llama: ``qkv`` splits into ``q_proj`` / ``k_proj`` / ``v_proj`` by rows (GQA); our RoPE is HF's
+  rotate-half form on the same rows, so no permutation is needed. The SwiGLU ``fc`` is ``[gate |
+  up]`` by rows; ``bias: true`` maps to ``attention_bias`` and ``mlp_bias``.
 * Mixture of experts (llama family, every block MoE, no biases): ``MixtralForCausalLM``; the router
-  is ``mlp.gate``, the experts ``mlp.experts.gate_up_proj`` [E, 2 inner, d] (gate rows, then up) and
-  ``down_proj`` [E, d, inner] (transformers 5's stacked form; ours is [E, in, out], transposed).
-  Mixtral's softmax, top-k and renormalisation equal our softmax over the top-k logits.
-* The vocabulary: our embedding and LM head have ``padded_vocab_size`` rows
-  (``make_vocab_size_divisible_by``); the padded rows are dropped on export. On import the
-  real rows come from the folder and the padded rows take the values a fresh model of the
-  same config holds (:meth:`~tokenloom.train.model.gpt.GPT.init_weights`, drawn from
-  ``model.seed``), so a run is as deterministic as a fresh one. Our softmax covers the padded
-  rows, so the step-0 loss equals ``transformers``' only without padding (e.g.
-  ``make_vocab_size_divisible_by`` dividing the vocabulary size); the logits of real ids agree.
-* ``seq_len`` is the run's choice: ``n_positions`` / ``max_position_embeddings`` on export; on
-  import it must not exceed them, and GPT-2 takes the first ``seq_len`` rows of its
-  position table.
+  is ``mlp.gate``, the experts ``mlp.experts.gate_up_proj`` [E, 2 inner, d] and ``down_proj`` [E, d,
+  inner] (transformers 5's stacked form; ours is [E, in, out], transposed).
+* The vocabulary: padded rows (``make_vocab_size_divisible_by``) are dropped on export; on import
+  they take a fresh model's values (drawn from ``model.seed``), so a run is as deterministic as a
+  fresh one; the logits of real ids agree with ``transformers``' (the loss only without padding).
+* ``seq_len`` is the run's (``n_positions`` / ``max_position_embeddings``, which bound it on import).
 
-Model shape on import (:func:`resolve_config`): every shape field comes from ``config.json``;
-a configured value that is not the field's default and differs from the folder's is refused
-naming both (a default cannot be told from an explicit equal value: the folder wins then).
-The tokenizer is the folder (``tokenizer.json``). Resume wins: a run whose checkpoint root
-already holds a complete checkpoint with ``--resume auto`` continues it and the folder is not
-loaded again (Megatron's ``--pretrained-checkpoint`` + ``--finetune``); otherwise the optimizer
-starts fresh at iteration 0.
+Model shape on import (:func:`resolve_config`): every shape field comes from ``config.json``; a
+configured non-default value that differs from the folder's is refused naming both. The tokenizer
+is the folder's. Resume wins: with a complete checkpoint under ``--resume auto`` the run continues
+it and the folder is not loaded again (Megatron's ``--pretrained-checkpoint`` + ``--finetune``);
+otherwise the optimizer starts fresh at iteration 0.
 
-Trade-offs: export reads the full model into host memory (one process, as ``generate`` does);
-import memory-maps the safetensors and every rank reads the full tensors of the parameters it
-holds (a pipeline stage its own, a tensor-parallel rank whole tensors) before cutting its shard
-(:func:`~tokenloom.train.checkpoint.reshard.load_params`), plus one draw of the fresh init for the
-padded rows (as every rank's own init draws the whole model). Tokenizers exported are those built on the
-``tokenizers`` library (``tokenizer.json``, GPT-2 vocab/merges, WordPiece) and SentencePiece
-``.model`` files (copied, encoded by ``sentencepiece`` in ``transformers`` too: a conversion to
-``tokenizer.json`` gives other ids for runs of spaces); tiktoken rank files are converted to a
-``tokenizer.json`` BPE
-(:meth:`~tokenloom.tokenizers.tiktoken_bpe.TiktokenTokenizer.to_tokenizers`, tested to give
+Trade-offs: export reads the full model into host memory; import memory-maps the safetensors and
+every rank reads the full tensors of the parameters it holds before cutting its shard
+(:func:`~tokenloom.train.checkpoint.reshard.load_params`). Tokenizers exported: ``tokenizers``-library
+ones as they are, SentencePiece ``.model`` files copied (a ``tokenizer.json`` conversion gives other
+ids for runs of spaces), tiktoken rank files converted to a ``tokenizer.json`` BPE (tested to give
 tiktoken's ids); file-less kinds are refused.
 """
 

@@ -6,50 +6,36 @@ Contracts:
 * **Router** (:func:`route`): fp32 logits (autocast off), top-k over the logits, then a softmax
   over the k chosen (Megatron's default ``pre_softmax=False``; equal to Mixtral's softmax, top-k and
   renormalise). No token is dropped: every token reaches its k experts whatever their load.
-* **Permutation** (:func:`permute`): the ``N x k`` (token, expert) pairs are sorted by expert
-  with one stable ``argsort``, so each expert's tokens are one contiguous slice in token order;
-  :func:`unpermute` scales each result by its gate and sums it back into its token with one
-  ``index_add``. No Python loop over tokens; the counts per expert stay on the device.
-* **Experts** (:func:`grouped_mm`): ``torch._grouped_mm`` over the sorted tokens (one kernel
-  for all experts, no host sync) where the device runs it (:func:`grouped_mm_usable`), else a
-  loop over experts, which reads the counts on the host (one sync per MoE layer and pass).
+* **Permutation** (:func:`permute`): the ``N x k`` (token, expert) pairs are sorted by expert with
+  one stable ``argsort``, so each expert's tokens are one contiguous slice in token order;
+  :func:`unpermute` scales each result by its gate and sums it back with one ``index_add``. The
+  counts per expert stay on the device.
+* **Experts** (:func:`grouped_mm`): ``torch._grouped_mm`` over the sorted tokens (one kernel, no
+  host sync) where the device runs it (:func:`grouped_mm_usable`), else a loop over experts, which
+  reads the counts on the host (one sync per MoE layer and pass).
 * **Expert parallelism** (:func:`dispatch`, :func:`combine`): at ep > 1 each rank of the ep group
-  holds ``E / ep`` consecutive experts. After :func:`permute` (global expert ids) each rank's rows
-  for ep rank ``r``'s experts are one contiguous slice; the counts go first (one small
-  ``all_to_all_single``), then the rows (:class:`AllToAll`, whose backward is the reverse
-  exchange), and the received rows are sorted by local expert (stable: source rank, then token
-  order). :func:`combine` undoes both. gloo runs ``all_to_all_single`` on CPU, with uneven splits.
-  The router, the auxiliary losses and the statistics stay on the source rank's tokens.
+  holds ``E / ep`` consecutive experts. The counts go first (one small ``all_to_all_single``), then
+  the rows (:class:`AllToAll`, whose backward is the reverse exchange); received rows are sorted by
+  local expert (stable: source rank, then token order). The router, the auxiliary losses and the
+  statistics stay on the source rank's tokens.
 * **The allgather dispatcher** (:func:`gather_dispatch`, :func:`gather_combine`; megatron-core's
-  ``MoEAllGatherTokenDispatcher``, ``moe_token_dispatcher_type="allgather"``): every ep rank
-  all-gathers the group's hidden states and routing (gates and expert ids, one collective), runs its
-  experts on the rows routed to them (sorted by local expert: source rank, then token order, the rows
-  :func:`dispatch` receives), scales each result by its gate, sums it into its token and
-  reduce-scatters the partial sums back to the source ranks. Fixed-size collectives and no host sync
-  where the grouped GEMM runs: the rows sit in a buffer of the most rows the rank can be routed
-  (``ep N min(k, E / ep)``), the unused tail masked to zero. Bytes per rank grow with ep (every
-  token's hidden state reaches every rank), where all-to-all moves only the routed rows but needs
-  the split sizes on the host. The gradients flow back by the reverse collectives (reduce-scatter of
-  the hidden states' and gates' gradients, all-gather of the outputs'). Each token's sum over its
-  experts is taken per rank and then over ranks, so the result equals the all-to-all path's up to
-  rounding. Every rank of the group passes the same number of tokens (equal micro-batch shapes).
-* **Experts under tensor parallelism** (sequence parallelism required, as in Megatron): each
-  expert is whole on every tp rank (replicated over tp, not Megatron's expert tensor parallelism),
-  and each tp rank routes and dispatches its own ``1 / tp`` slice of the sequence over its ep group
-  (the ep rank's peers with the same tp rank). The expert grads are then partial per tp rank and
-  are summed over tp like the router's (tag ``sequence_parallel``) before the expert-data-parallel
-  reduction. Why: the layer needs no tp collective of its own (the tokens arrive sliced already,
-  where split experts would all-gather them over tp and reduce-scatter the outputs), each tp rank's
-  exchange is ``1 / tp`` of the tokens, and at the small expert widths MoE models use a split
-  expert's GEMMs would be ``1 / tp`` as wide; the price is expert memory ``tp`` times that of
-  split experts. Under pipeline parallelism each stage's experts split over the ep ranks of that
-  stage, and each stage's aux losses reach backward through its own :class:`AttachAuxLoss`.
-* **Auxiliary losses** (:func:`load_balancing_loss`, :func:`z_loss`) are computed over the
-  tokens of a micro-batch; under sequence parallelism each tp rank holds a slice of them, so
-  the sums are all-reduced over tp (forward only: each rank's backward reaches its own tokens)
-  and every rank holds the one-process value. They enter backward through
-  :class:`AttachAuxLoss` (Megatron's ``MoEAuxLossAutoScaler``), not through the returned loss,
-  so a pipeline stage without the LM head still trains its routers; the reported LM loss is
+  ``MoEAllGatherTokenDispatcher``): every ep rank all-gathers the group's hidden states and routing,
+  runs its experts on the rows routed to them (in :func:`dispatch`'s order), sums the gated results
+  into their tokens and reduce-scatters the partial sums back. Fixed-size collectives and no host
+  sync where the grouped GEMM runs (a buffer of the most rows a rank can be routed, ``ep N min(k, E
+  / ep)``, its unused tail masked); more bytes per rank as ep grows. The result equals the
+  all-to-all path's up to rounding. Every rank of the group passes the same number of tokens.
+* **Experts under tensor parallelism** (sequence parallelism required, as in Megatron): each expert
+  is whole on every tp rank (not Megatron's expert tensor parallelism), and each tp rank routes and
+  dispatches its own ``1 / tp`` slice of the sequence over its ep group; the expert grads are summed
+  over tp like the router's (tag ``sequence_parallel``) before the expert-data-parallel reduction.
+  Why: no tp collective of its own and ``1 / tp`` of the tokens per exchange, where split experts
+  would gather over tp and run GEMMs ``1 / tp`` as wide; the price is ``tp`` times the expert memory.
+  Under pipeline parallelism each stage's experts split over that stage's ep ranks.
+* **Auxiliary losses** (:func:`load_balancing_loss`, :func:`z_loss`) are computed over a
+  micro-batch's tokens (all-reduced over tp under sequence parallelism, forward only) and enter
+  backward through :class:`AttachAuxLoss` (Megatron's ``MoEAuxLossAutoScaler``), not through the
+  returned loss, so a stage without the LM head still trains its routers; the reported LM loss is
   unchanged by them and they are logged apart.
 """
 

@@ -1,71 +1,42 @@
 """ZeRO-1: AdamW whose fp32 master weights and moments are sharded over data parallel.
 
-Follows Megatron-core's distributed optimizer (``distrib_optimizer.py``).
+Layout (Megatron-core's distributed optimizer, ``distrib_optimizer.py``): the parameters, in the order given, live in one flat ``param_buffer`` (their ``.data``
+re-pointed into it) and one flat ``grad_buffer`` (each ``.grad`` a view into it), cut into buckets
+of whole parameters (:func:`~tokenloom.train.parallel.ddp.compute_bucket_assignment_by_size`). Each
+bucket is padded to a multiple of dp and cut into dp equal pieces; rank ``r`` owns piece ``r`` of
+every bucket, across parameter boundaries. Parameters share one dtype; no 64-element alignment.
 
-Layout: the parameters, in the order given, live in one flat ``param_buffer`` (their
-``.data`` re-pointed into it) and one flat ``grad_buffer`` (each ``.grad`` a view into it),
-cut into buckets of whole parameters (``bucket_bytes``;
-:func:`~tokenloom.train.parallel.ddp.compute_bucket_assignment_by_size`). Each bucket is padded to a
-multiple of dp and cut into dp equal pieces; rank ``r`` owns piece ``r`` of every bucket, across
-parameter boundaries. Parameters share one dtype; there is no 64-element alignment of starts.
-
-One step: backward writes grads into the buffer, each divided by dp as it enters (torch
-DDP's reducer; Megatron's default ``average_in_collective=False``, exact for power-of-two dp);
-each bucket is reduce-scattered (SUM) into this rank's piece, launched from its grads' hooks
-with ``overlap_grad_reduce``, last bucket first, on every rank in the same order; a bucket
-whose grads never all arrive, and those after it, are reduced in :meth:`step`. Then the
-global grad norm (over dp, then ``norm_group``; clipping as ``clip_grad_norm_``), decoupled
-weight decay per parameter group on the shard's runs of decayed parameters, AdamW on the
-fp32 shard, and one all-gather per bucket back into ``param_buffer``.
+One step: backward writes grads into the buffer, each divided by dp as it enters (torch DDP's
+reducer); each bucket is reduce-scattered (SUM) into this rank's piece, launched from its grads'
+hooks with ``overlap_grad_reduce``, last bucket first, in the same order on every rank (buckets
+whose grads never all arrive are reduced in :meth:`step`). Then the global grad norm (over dp, then
+``norm_group``), decoupled weight decay per parameter group, AdamW on the fp32 shard, and one
+all-gather per bucket back into ``param_buffer``.
 
 Invariants and trade-offs:
 
-* **Memory**: an fp32 parameter's shard of the buffer is its own master copy, stepped in
-  place, so a rank holds 1/dp of AdamW's moments (:meth:`ZeroAdamW.state_bytes`) plus < dp
-  padding elements per bucket; lower-precision parameters add an fp32 master shard.
-* **Every rank issues the same collectives in the same order**; each bucket costs one launch.
-* **Parameter all-gather overlapped with the next forward** (Megatron's
-  ``overlap_param_gather``, ``modules`` given): :meth:`step` returns with the gathers in
-  flight, first bucket first; a forward pre-hook per layer (a transformer block is one
-  layer, as FSDP2 wraps torchtitan's blocks) waits for every bucket up to the last one
-  holding its parameters *or the next layer's*, because a parent may read a child's weight
-  without calling it (``GPT.head`` reads ``lm_head.weight``). Until then parameters are
-  stale: code reading them outside a forward calls :meth:`finish_param_sync` first
-  (:meth:`step`, :meth:`gathered_param_states`, :meth:`load_param_states` do). The gathered
-  bits equal the synchronous gather's, so losses match with and without overlap. The cost:
-  one layer less overlap at each bucket boundary, and each gather's send copy (1/dp of the
-  parameters; gloo cannot gather in place) lives until it is waited for. Hooks are disabled
-  under ``torch.compile`` (a compiled block runs its own hook eagerly, without a graph break).
+* **Memory**: an fp32 parameter's shard is its own master copy, so a rank holds 1/dp of AdamW's
+  moments (:meth:`ZeroAdamW.state_bytes`) plus < dp padding elements per bucket (measured against
+  plain data parallelism by ``bench/parallel_bench.py``).
+* **Parameter all-gather overlapped with the next forward** (``overlap_param_gather``, ``modules``
+  given): :meth:`step` returns with the gathers in flight; a forward pre-hook per layer waits for
+  every bucket up to the last one holding its parameters *or the next layer's* (a parent may read
+  a child's weight without calling it: ``GPT.head`` reads ``lm_head.weight``). Readers outside a
+  forward call :meth:`finish_param_sync` first. Bits equal the synchronous gather's; no hooks under compile.
 * **Sums over other groups follow the dp reduction** (Megatron's ``finalize_model_grads``):
-  :meth:`all_reduce_grads` sums sequence-parallel norms' grads over tp and the tied
-  embedding's copies over the first and last stage on the reduced shard, which needs the
-  same cut on both sides; the embedding copies therefore get a bucket of their own
-  (``own_bucket``, Megatron's ``_does_param_require_new_bucket``).
-* **Weight decay per group, other hyperparameters shared**: one flat AdamW cannot hold
-  per-element decay, so the inner AdamW has ``weight_decay=0`` and ``p *= 1 - lr * wd`` is
-  applied here before the update, where ``torch.optim.AdamW`` applies it. A ZeRO-1 run thus
-  equals the one-process run with the same groups.
-* **Checkpoints are layout-free without a gather**: each rank saves its own pieces
-  (:meth:`own_param_states`: the element ranges of every parameter's ``exp_avg`` /
-  ``exp_avg_sq`` (plus ``master_param`` for lower-precision parameters) in its shard, and the
-  step) into the checkpoint format of :mod:`tokenloom.train.checkpoint.format`, which records where
-  each range sits in the parameter, so any dp size, with or without ZeRO-1, loads them
-  (:meth:`load_param_states`, from full per-parameter states). :meth:`gathered_param_states`
-  gives the full form ``torch.optim.AdamW`` keeps on dp rank 0 (a collective, for comparisons).
-  One flat AdamW has one step count: states saved with different counts load the largest.
+  :meth:`all_reduce_grads` sums sequence-parallel and tied-embedding grads on the reduced shard,
+  so the tied copies get a bucket of their own (``own_bucket``).
+* **Weight decay per group**: the inner AdamW has ``weight_decay=0``; ``p *= 1 - lr * wd`` is applied
+  before the update, as ``torch.optim.AdamW`` does, so ZeRO-1 equals one process with the same groups.
+* **Checkpoints without a gather**: each rank saves its own element ranges
+  (:meth:`own_param_states`) in :mod:`tokenloom.train.checkpoint.format`, so any dp size, with or
+  without ZeRO-1, loads them (:meth:`load_param_states`); :meth:`gathered_param_states` gives
+  ``torch.optim.AdamW``'s full form (a collective, for comparisons). One step count for all.
 * **dp = 1** runs the same code and writes the same checkpoints, with no collective.
-* **Expert parameters** (``is_expert``, under expert parallelism; Megatron's expert buffers):
-  each run of them gets buckets of its own, sharded, reduce-scattered and all-gathered over
-  ``expert_dp_group`` (the dp ranks holding the same experts, Megatron's data-modulo-expert-
-  parallel group) instead of ``dp_group``. Their grads are still divided by the whole dp size
-  as they enter: an ep rank's experts get the grads of every ep peer's tokens, so the sum over
-  the expert-dp group of 1/dp of each is the one-process gradient. Each element of every
-  expert lies in the piece of exactly one dp rank, so the grad norm's sum over ``dp_group``
-  counts dense and expert pieces alike, once each; weight decay is per parameter as for the
-  dense ones. A bucket sharded over one rank is stepped and copied in place, with no collective.
-
-``bench/parallel_bench.py`` measures the step time, communication and optimizer state
-of the ``zero1`` layouts against plain data parallelism.
+* **Expert parameters** (``is_expert``): buckets of their own over ``expert_dp_group`` (Megatron's
+  expert buffers); their grads are still divided by the whole dp size, which makes the sum over
+  the expert-dp group the one-process gradient, and each expert element lies in exactly one dp
+  rank's piece, so the grad norm counts dense and expert pieces once each.
 """
 
 from __future__ import annotations

@@ -1,58 +1,42 @@
 """Bucketed DistributedDataParallel, built on PyTorch's reducer design.
 
-One synced iteration: ``forward()`` rebuilds the buckets once (after iteration 0),
-broadcasts buffers from rank 0 and runs the module (with ``find_unused_parameters``, then
-walks the graph for parameters it cannot reach). In backward, the fused linears
-(:mod:`tokenloom.train.parallel.wgrad`) write their weight grads into their bucket views; a
-post-accumulate-grad hook per parameter makes ``param.grad`` its bucket view, divided by the
-world size, and marks it ready; complete buckets launch as async all_reduce(SUM), strictly in
-bucket order. A callback queued on the autograd engine waits for every bucket, so
-``loss.backward()`` returns with averaged grads.
+One synced iteration: ``forward()`` rebuilds the buckets once (after iteration 0), broadcasts
+buffers from rank 0 and runs the module (with ``find_unused_parameters``, then walks the graph for
+parameters it cannot reach). In backward, the fused linears (:mod:`tokenloom.train.parallel.wgrad`)
+write their weight grads into their bucket views; a post-accumulate-grad hook per parameter makes
+``param.grad`` its bucket view, divided by the world size, and marks it ready; complete buckets
+launch as async all_reduce(SUM), strictly in bucket order. A callback queued on the autograd engine
+waits for every bucket, so ``loss.backward()`` returns with averaged grads.
 
 Invariants and trade-offs:
 
-* **Buckets**: :func:`compute_bucket_assignment_by_size` is a Python twin of torch's
-  ``_compute_bucket_assignment_by_size`` (tests check equality), in definition order with
-  limits ``[first_bucket_cap, bucket_cap]``, reversed. Unlike torch we bucket from
-  iteration 0: launches go by bucket index, identical on every rank. ``rebuild_buckets``
-  (only without ``find_unused_parameters``, as torch) recomputes the layout once from the
-  first synced backward's grad-ready order, broadcast from rank 0. ``grad_units`` (compiled
-  blocks, one autograd node each) never end inside a bucket, or a bucket would launch one
-  block late and hold back the ones after it; the cost is buckets up to one block over the cap.
-* **Grads are bucket views** (torch's ``gradient_as_bucket_view=True``): no second copy, no
-  copy-back; averaging happens per grad in its hook, as torch's reducer does, not as a pass
-  over buckets. Under ``no_sync()`` grads accumulate in their views too, so accumulation
-  needs no second set of grads (torch keeps one); the price is dividing the accumulated view
-  once per step. Either ``zero_grad`` works; ``set_to_none=True`` (the trainer's) is faster
-  when glibc keeps freed memory (:func:`~tokenloom.train.host_alloc.keep_freed_memory`). Do
-  not ``detach_()`` or replace ``param.grad`` with a tensor you still need.
-* **Weight-gradient fusion** (``wgrad_fusion``, Megatron's ``gradient_accumulation_fusion``):
-  the block matmuls' weight-gradient GEMM writes into the bucket view, scaled in its
-  ``alpha``/``beta`` (:func:`wgrad_into_view`), with no grad-sized allocation. It changes the
-  autograd graph and so the rebuilt layout; ``wgrad_fusion=False`` gives torch's. Compiled
-  blocks have it too, and so do bf16-autocast GEMMs writing the fp32 view (see
-  :mod:`tokenloom.train.parallel.wgrad`).
-* **Completion in backward** (torch's ``queue_callback``): the loop cannot forget to wait;
-  the cost is exactly one backward per synced forward. ``finish_in_backward=False`` (the
-  tp/pp layouts) waits in :meth:`finish_grad_sync` after the schedule instead (Megatron's),
-  so a stage's reduction tail stays off the pipeline's critical path; a forward before it raises.
-  The hooks and the callback also run under the schedules' ``run_backward``
-  (:func:`~tokenloom.train.parallel.schedules.backward_from`): both run in the engine's graph task.
-* **no_sync()**: a backward inside it never syncs, even after a synced forward (torch
-  decides at forward time), because a pipeline schedule runs the last forward before earlier
-  backwards (:func:`~tokenloom.train.parallel.schedules.forward_backward`).
+* **Buckets**: :func:`compute_bucket_assignment_by_size` is a Python twin of torch's (tests check
+  equality). Unlike torch we bucket from iteration 0: launches go by bucket index, identical on
+  every rank. ``rebuild_buckets`` (only without ``find_unused_parameters``) recomputes the layout
+  once from the first synced backward's grad-ready order, broadcast from rank 0. ``grad_units``
+  (compiled blocks) never end inside a bucket, at the cost of buckets up to one block over the cap.
+* **Grads are bucket views** (torch's ``gradient_as_bucket_view=True``): no second copy; averaging
+  happens per grad in its hook. Under ``no_sync()`` grads accumulate in their views too, at the
+  price of dividing the accumulated view once per step. Do not ``detach_()`` or replace
+  ``param.grad`` with a tensor you still need.
+* **Weight-gradient fusion** (``wgrad_fusion``, Megatron's ``gradient_accumulation_fusion``): the
+  block matmuls' weight-gradient GEMM writes into the bucket view (:func:`wgrad_into_view`), with
+  no grad-sized allocation; it changes the rebuilt layout, and ``wgrad_fusion=False`` gives torch's.
+* **Completion in backward** (torch's ``queue_callback``): the loop cannot forget to wait; the cost
+  is exactly one backward per synced forward. ``finish_in_backward=False`` (the tp/pp layouts)
+  waits in :meth:`finish_grad_sync` after the schedule instead (Megatron's), keeping a stage's
+  reduction tail off the pipeline's critical path; a forward before it raises.
+* **no_sync()**: a backward inside it never syncs, even after a synced forward (torch decides at
+  forward time), because a pipeline schedule runs the last forward before earlier backwards.
 * **Unused parameters**: ``find_unused_parameters=True`` costs a graph walk and one small
-  all-reduce per iteration; a parameter used on some ranks gets the average with zeros (as
-  torch). With False, a parameter without a grad raises :class:`TokenloomError` naming it at
-  the end of that backward; if only some ranks skip it, the others fail at the timeout.
-* A dead or silent peer surfaces as :class:`TokenloomError` from ``backward()`` (a silent
-  one after the timeout given to :func:`tokenloom.train.dist.init_from_env`).
-* **Dtype**: one flat buffer per dtype, in the parameters' dtype; the trainer keeps fp32
-  parameters under bf16 autocast, so grads reduce in fp32 (Megatron's
-  ``grad_reduce_in_fp32``) at twice bf16's traffic. Sparse gradients are refused.
+  all-reduce per iteration; a parameter used on some ranks gets the average with zeros (as torch).
+  With False, a parameter without a grad raises :class:`TokenloomError` naming it.
+* A dead or silent peer surfaces as :class:`TokenloomError` from ``backward()`` (a silent one
+  after the timeout given to :func:`tokenloom.train.dist.init_from_env`).
+* **Dtype**: one flat buffer per dtype, in the parameters' dtype (fp32 under bf16 autocast:
+  Megatron's ``grad_reduce_in_fp32``). Sparse gradients are refused.
 
-``bench/ddp_bench.py`` measures step time against torch DDP, eager and compiled, with and
-without accumulation (``no_sync``).
+``bench/ddp_bench.py`` measures step time against torch DDP, eager and compiled, with ``no_sync``.
 """
 
 from __future__ import annotations

@@ -1,52 +1,40 @@
 """Fully sharded data parallelism (ZeRO-3): parameters, gradients and AdamW state sharded over dp.
 
-Built on torch's ``fully_shard`` (FSDP2), applied per transformer block and then to each model
-chunk (the embeddings, final norm and head), over this rank's data-parallel group. Each
-parameter becomes a ``DTensor`` sharded on dim 0 over dp (``torch.chunk``'s split: the first
-ranks get ``ceil(rows / dp)`` rows, the last ones fewer or none); a block's parameters are
-all-gathered just before its forward and again before its backward, the next block's gather
-prefetched (explicit forward and backward prefetch, torchtitan's), freed after each, and its
-gradients reduce-scattered (averaged over dp) as its backward ends. Every micro-batch's backward
-reduce-scatters into the sharded gradient (no ``no_sync``): accumulating full gradients would
-hold what FSDP exists to shard.
+Built on torch's ``fully_shard`` (FSDP2), applied per transformer block and then to each model chunk (the
+embeddings, final norm and head), over this rank's data-parallel group. Each parameter becomes a ``DTensor``
+sharded on dim 0 over dp (``torch.chunk``'s split: the first ranks get ``ceil(rows / dp)`` rows, the last
+ones fewer or none); a block's parameters are all-gathered just before its forward and again before its
+backward, the next block's gather prefetched (explicit forward and backward prefetch, torchtitan's), freed
+after each, and its gradients reduce-scattered (averaged over dp) as its backward ends. Every micro-batch's
+backward reduce-scatters into the sharded gradient (no ``no_sync``): accumulating full gradients would hold
+what FSDP exists to shard.
 
-Why FSDP2 and not our own buckets (ZeRO-1's flat ranges of :mod:`~tokenloom.train.optim.zero`
-plus freeing and per-block gathers): FSDP2's per-parameter sharding shards the *local* tensor a
-rank holds, so it composes with our tensor-parallel layers (their weights are plain tp-local
-tensors and their collectives are our own: FSDP2 never sees tp) and with our pipeline schedules
-(each chunk is its own FSDP root; a backward call per micro-batch finalises its reduce-scatters).
-It brings the gather/free/prefetch/reduce-scatter machinery, its streams on CUDA and its
-``torch.compile`` support, which a second hand-written ZeRO-3 would have to re-derive and
-maintain; the sharded ``DTensor`` parameters work with torch's fused AdamW as they are. What we
-keep our own: the clipping norm and the tp/pp gradient sums run on the local shards (:func:`local`),
-and checkpoints stay in :mod:`~tokenloom.train.checkpoint.format`: a dim-0 shard of a contiguous
-tensor is one contiguous element range of it, so each rank writes its own pieces
+Why FSDP2 and not our own buckets (ZeRO-1's flat ranges of :mod:`~tokenloom.train.optim.zero` plus freeing
+and per-block gathers): FSDP2's per-parameter sharding shards the *local* tensor a rank holds, so it
+composes with our tensor-parallel layers (their weights are plain tp-local tensors and their collectives are
+our own: FSDP2 never sees tp) and with our pipeline schedules (each chunk is its own FSDP root; a backward
+call per micro-batch finalises its reduce-scatters). It brings the gather/free/prefetch/reduce-scatter
+machinery, its streams on CUDA and its ``torch.compile`` support, which a second hand-written ZeRO-3 would
+have to re-derive and maintain; the sharded ``DTensor`` parameters work with torch's fused AdamW as they
+are. What we keep our own: the clipping norm and the tp/pp gradient sums run on the local shards
+(:func:`local`), and checkpoints stay in :mod:`~tokenloom.train.checkpoint.format`: a dim-0 shard of a
+contiguous tensor is one contiguous element range of it, so each rank writes its own pieces
 (:func:`own_piece`) and any layout loads them, and loading cuts this rank's rows (:func:`cut`).
 
-The chunk's own parameters (the embeddings, the final norm and the LM head, tied to the token
-embedding by default) are the FSDP root's: ``fully_shard`` gathers them before the forward and
-keeps them gathered for the backward (torch's rule for a root, whose parameters the backward
-would gather again at once). Left at that, the tied table stays gathered to the end of the
-backward, where a rank's memory peaks: autograd holds the head's full gradient until the
-embedding's backward adds its own, next to the gathered table. The final norm's forward
-pre-hook therefore frees them as soon as the backward is back through the norm
-(:func:`_reshard_once_back_through`): the norm and the head are the chunk's only own modules
-whose backward reads their weights; the embeddings' backward reads the token ids only. The
-trade-off: a module of the chunk's own whose backward reads its weight and runs after the
-final norm's would find them freed (and fail loudly), so the hook rests on that layout of
-:class:`~tokenloom.train.model.gpt.GPT`. Their gradients are still reduce-scattered at the end of
-the backward. Without a pipeline each forward gathers them once, as before; under a pipeline
-schedule a micro-batch whose forward ran before the previous micro-batch's backward freed
-them gathers them once more at the start of its own backward (more traffic for the chunks
-with the head, for a lower peak).
+The chunk's own parameters (the embeddings, the final norm and the LM head, tied to the token embedding by
+default) are the FSDP root's: ``fully_shard`` gathers them before the forward and keeps them gathered for
+the backward (torch's rule for a root). Left at that, the tied table stays gathered to the end of the
+backward, where memory peaks; so the final norm's hook frees them once the backward is back through the norm
+(:func:`_reshard_once_back_through`): the norm and the head are the chunk's only own modules whose backward
+reads their weights. The trade-off: the hook rests on that layout of :class:`~tokenloom.train.model.gpt.GPT`
+(a later-running own module would find them freed and fail loudly), and under a pipeline schedule a
+micro-batch may gather them once more at the start of its backward (more traffic, a lower peak).
 
-Mixed precision is the trainer's: fp32 parameters (the master weights), bf16 autocast
-compute, so gathers and reduce-scatters run in fp32 (no ``MixedPrecisionPolicy``), the
-trade-off being fp32 gather traffic where a bf16 gather would halve it.
+Mixed precision is the trainer's: fp32 parameters (the master weights), bf16 autocast compute, so gathers
+and reduce-scatters run in fp32 (no ``MixedPrecisionPolicy``: twice a bf16 gather's traffic).
 
-Megatron's parameter tags (``tensor_model_parallel``, ``sequence_parallel``,
-``shared_embedding``, ...) live on the parameters; ``fully_shard`` replaces each parameter by a
-sharded one, so :func:`shard_fully` copies every tag across.
+Megatron's parameter tags (``tensor_model_parallel``, ``sequence_parallel``, ...) live on the parameters,
+which ``fully_shard`` replaces: :func:`shard_fully` copies every tag across.
 """
 
 from __future__ import annotations

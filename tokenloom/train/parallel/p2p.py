@@ -30,19 +30,13 @@ Invariants and trade-offs:
   that made the sent tensor, and waits only when it needs the tensor, so the gloo round trip
   (the receiver announces its buffer, then the sender writes) runs under compute. The price:
   a receive buffer allocated one step earlier, two posts a step instead of one.
-* **Posting off the compute thread on gloo**: :func:`post` hands the batch to one
-  background :class:`Poster` thread, because a gloo post takes the connection's lock, which
-  its transport thread holds while moving a message, and a blocked post on the last rank
-  stalls the pipeline's critical path. :func:`communicate` (1F1B, which waits at once)
-  posts inline after the thread drained its queue; a hand-off would only add latency. The
-  price: a thread per pipeline, a hand-off per post, and a failed post surfaces at the wait.
-  NCCL posts inline (they enqueue on a stream and do not block).
-* **Coalesced works**: on NCCL ``batch_isend_irecv`` returns one work per batch (gloo one
-  per op); every handle of the batch then waits on it.
-* Time inside p2p calls is added to :attr:`P2PComm.wait_s`, from which the schedules
-  measure the pipeline bubble.
-
-``bench/parallel_bench.py``'s bubble table measures what each choice costs or saves.
+* **Posting off the compute thread on gloo**: :func:`post` hands the batch to one background
+  :class:`Poster` thread, because a gloo post takes the connection's lock, which its transport
+  thread holds while moving a message, so a blocked post would stall the last rank. :func:`communicate`
+  (1F1B, which waits at once) posts inline after the thread drained its queue. The price: a thread
+  per pipeline, a hand-off per post, and a failed post surfaces at the wait. NCCL posts inline.
+* Time inside p2p calls is added to :attr:`P2PComm.wait_s`, from which the schedules measure the
+  pipeline bubble; ``bench/parallel_bench.py``'s bubble table measures what each choice costs.
 """
 
 from __future__ import annotations

@@ -1,49 +1,40 @@
 """Weight-gradient accumulation fusion: a linear layer's weight gradient written by its GEMM
 straight into a gradient buffer (Megatron's ``gradient_accumulation_fusion``).
 
-Why: without it autograd computes each weight gradient into a fresh tensor, which the
-data-parallel wrapper copies (scaled by ``1 / world``) into its bucket: one more pass over
-every gradient and a gradient-sized allocation per weight. ``bench/ddp_bench.py`` measures it.
+Why: without it autograd computes each weight gradient into a fresh tensor, which the data-parallel wrapper
+copies (scaled by ``1 / world``) into its bucket: one more pass over every gradient and a gradient-sized
+allocation per weight. ``bench/ddp_bench.py`` measures it.
 
-Contract: the backward of :func:`linear` hands ``grad_out`` and the input to the weight's
-*sink* (installed by the wrapper that owns the buffer: our DDP, or ZeRO-1 with
-``overlap_grad_reduce``), which runs the GEMM into the buffer, scaling in ``alpha``/``beta``:
-``view = s * g^T x`` for the first contribution since ``zero_grad`` (``param.grad`` is None;
-``beta=0``, the stale buffer is not read), ``view = s * view + s * g^T x`` when accumulating.
-Autograd then gets ``None`` for the weight; the weight's post-accumulate-grad hook still runs,
-so the wrapper's readiness bookkeeping is unchanged.
+Contract: the backward of :func:`linear` hands ``grad_out`` and the input to the weight's *sink* (installed
+by the wrapper that owns the buffer: our DDP, or ZeRO-1 with ``overlap_grad_reduce``), which runs the GEMM
+into the buffer, scaling in ``alpha``/``beta``: ``view = s * g^T x`` for the first contribution since
+``zero_grad`` (``param.grad`` is None; ``beta=0``, the stale buffer is not read), ``view = s * view + s *
+g^T x`` when accumulating. Autograd then gets ``None`` for the weight; the weight's post-accumulate-grad
+hook still runs, so the wrapper's readiness bookkeeping is unchanged.
 
 Invariants and limits:
 
-* **Only for a weight used once per backward**: the sink scales while it writes, so a
-  second consumer (a tied embedding) would add its grad unscaled. Every layer that uses it
-  (:class:`Linear`, the tensor-parallel linears) has a ``wgrad_fusion`` switch, which the
-  model turns off on its (possibly tied) LM head.
-* **Compiled blocks too**: traced code cannot call the sink (a Python side effect), so the
-  compiled backward calls one opaque custom op, ``tokenloom::linear_backward_to_sink``, which
-  computes the input grad and runs the sink at run time; the forward stays traced, the
-  backward's two library GEMMs are hidden from inductor. A traced graph cannot decide at run
-  time whether to return a weight grad, so for a declining sink (or none) the op itself
-  accumulates into ``weight.grad`` as autograd would (a hook on the weight sees None). Leaf
-  weights only. A graph takes this path while any sink is installed in the process (a
-  guarded flag: the first install or last removal recompiles). The
-  sequence-parallel linear, which has its own Function, fuses only when eager.
-* **Under autocast** (bf16, the trainer's usual GPU setting) the operands are bf16 and the
-  buffer holds the fp32 parameters' main grads: :func:`gemm_into` writes the fp32 result
-  straight into the bucket view with ``addmm(..., out_dtype=torch.float32)`` where the
-  device has that kernel (CUDA: Megatron's fused wgrad kernel without a CUDA extension;
-  faster than the bf16 GEMM plus a cast-add, see bench/RESULTS.md's notes), else (CPU)
-  as the bf16 GEMM and one fused cast-add into the view. The product is accumulated in
-  fp32 and never rounded to bf16, so it is closer to the fp32 gradient than autograd's
-  bf16 weight grad cast to fp32. The forward saves the input in the autocast dtype, as
-  autocast's own linear does. The sequence-parallel linear's Function does not take
-  autocast's dtypes: it keeps autograd's path there.
-* The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor
-  that is not its view; the backward then returns the weight's grad as autograd would.
-* **``backward()`` only**, as torch DDP: ``torch.autograd.grad`` through a wrapped model
-  would still write the weight grads into the buffer.
-* Numerics: the same product in one GEMM with the scaling inside it; it may differ from
-  autograd's by rounding (the layout tests hold every layout within 1e-6 of one process).
+* **Only for a weight used once per backward**: the sink scales while it writes, so a second consumer (a
+  tied embedding) would add its grad unscaled. Every layer that uses it (:class:`Linear`, the
+  tensor-parallel linears) has a ``wgrad_fusion`` switch, which the model turns off on its (possibly tied)
+  LM head.
+* **Compiled blocks too**: traced code cannot call the sink (a Python side effect), so the compiled backward
+  calls one opaque custom op, ``tokenloom::linear_backward_to_sink``, which computes the input grad and runs
+  the sink at run time; the forward stays traced, the backward's two library GEMMs are hidden from inductor.
+  A traced graph cannot decide at run time whether to return a weight grad, so for a declining sink (or
+  none) the op itself accumulates into ``weight.grad`` as autograd would. Leaf weights only. A graph takes
+  this path while any sink is installed (a guarded flag: the first install or last removal recompiles). The
+  sequence-parallel linear fuses only when eager.
+* **Under autocast** (bf16) the operands are bf16 and the buffer holds fp32 main grads: :func:`gemm_into`
+  writes the fp32 product into the bucket view with ``addmm(..., out_dtype=torch.float32)`` where the device
+  has that kernel (CUDA: Megatron's fused wgrad kernel without an extension; bench/RESULTS.md's notes), else
+  as the bf16 GEMM and one fused cast-add. The product is never rounded to bf16. The forward saves the input
+  in the autocast dtype; the sequence-parallel linear keeps autograd's path under autocast.
+* The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor that is not its
+  view; the backward then returns the weight's grad as autograd would.
+* **``backward()`` only**, as torch DDP: ``torch.autograd.grad`` through a wrapped model would still write
+  the weight grads into the buffer.
+* Numerics: the same product in one GEMM with the scaling inside it, equal to autograd's up to rounding.
 """
 
 from __future__ import annotations
