@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compose_helpers import SCENARIO_BUDGET_S, launch
+from compose_helpers import MIN_TIMEOUT_S, SCENARIO_BUDGET_S, launch
 
 SHORT = dict(train_iters=4, eval_interval=2, eval_iters=1, save_interval=4)
 LAYOUTS = {
@@ -24,8 +24,8 @@ DEADLINE_S = 3 * SCENARIO_BUDGET_S * (len(LAYOUTS) + 1)
 and two short runs, which on the developers' 2 cores shared with other jobs took several times
 their unloaded time)."""
 
-# the timeout: the two launches' hang deadlines
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * DEADLINE_S + 30)]
+# the timeout: the two launches' hang deadlines, at least the suite's default (compose_helpers.MIN_TIMEOUT_S)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(max(MIN_TIMEOUT_S, 2 * DEADLINE_S + 30))]
 
 
 def _runs(tmp_path, staged: bool):
