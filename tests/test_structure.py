@@ -52,7 +52,7 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("tokenloom.train.model",)),
     ("optim", ("tokenloom.train.optim",)),
     ("run setup", ("tokenloom.train.config", "tokenloom.train.data", "tokenloom.train.dist",
-                   "tokenloom.train.runtime", "tokenloom.train.host_alloc")),
+                   "tokenloom.train.staged_gloo", "tokenloom.train.runtime", "tokenloom.train.host_alloc")),
     ("checkpoint", ("tokenloom.train.checkpoint",)),
     ("run", ("tokenloom.train",)),
 ]

@@ -370,7 +370,6 @@ MEGATRON_REFUSED = {
     "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks flash kernels itself",
     "--transformer-impl": "tokenloom has one implementation of its own layers",
     "--use-mcore-models": "tokenloom has one implementation of its own layers",
-    "--distributed-backend": "nccl on GPUs and gloo on CPU are chosen automatically",
     "--overlap-grad-reduce": "gradient buckets are always reduced while backward runs",
     "--pipeline-model-parallel-layout": "give the split as --decoder-first-pipeline-num-layers / "
                                         "--decoder-last-pipeline-num-layers, or --account-for-embedding-in-pipeline-"
@@ -580,6 +579,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--overlap-param-gather", "overlap_param_gather", is_flag=True, default=None,
               help="ZeRO-1: all-gather the updated parameters during the next forward (Megatron's flag; already "
               "the default with --zero1; --set overlap_param_gather=false gathers them in the step).")
+@click.option("--distributed-backend", "distributed_backend", type=click.Choice(["nccl", "gloo"]),
+              help=_help(_TRAIN, "distributed_backend"))
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
               help="Start torchrun with N processes on this node; without it, run in-process (e.g. under "
               "torchrun/Slurm).")

@@ -393,3 +393,18 @@ def test_resume_with_new_blend_weights_continues_each_source(tmp_path):
                            tmp_path / "b", "--train-iters", "8", "--override-opt_param-scheduler"),
                    "was trained on other data (data.blend {\"split\": \"90,9,1\"} -> {\"split\": \"80,19,1\"})",
                    "--set force_data=true")
+
+
+def test_distributed_backend_flag_is_checked_in_one_line(tmp_path):
+    """--distributed-backend (Megatron's flag): a name that is no backend is refused by the parser, in
+    --set before any rank starts, and nccl on a machine without CUDA before any rank starts (CUDA hidden here,
+    so the check runs on GPU machines too)."""
+    done = run_cli("train", *MOCK, "--distributed-backend", "mpi", "--output-dir", tmp_path / "r")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "'mpi' is not one of 'nccl', 'gloo'" in done.stderr.strip().splitlines()[-1]
+    done = run_cli("train", *MOCK, "--set", "distributed_backend=mpi", "--output-dir", tmp_path / "r")
+    one_line_error(done, "--distributed-backend 'mpi': not a backend; use one of nccl, gloo")
+    done = run_cli("train", *MOCK, "--distributed-backend", "nccl", "--nproc-per-node", "2", "--output-dir",
+                   tmp_path / "r", env={**cli_env(), "CUDA_VISIBLE_DEVICES": ""})
+    one_line_error(done, "--distributed-backend nccl needs CUDA", "use gloo")
+    assert not (tmp_path / "r" / "logs").exists()  # refused before torchrun started

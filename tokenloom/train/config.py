@@ -123,6 +123,12 @@ class TrainConfig:
     ddp_bucket_cap_mb: float | None = None
     """Gradient bucket size in MiB of DDP (None: 25 with a 1 MiB first bucket) and of ZeRO-1 (None:
     25), in every layout."""
+    distributed_backend: Literal["nccl", "gloo"] | None = None
+    """Collective library of a multi-rank run (Megatron's --distributed-backend). None: nccl when CUDA
+    is available, gloo otherwise. gloo with CUDA keeps each rank's tensors on its GPU and lets several
+    ranks share one (rank LOCAL_RANK uses GPU LOCAL_RANK modulo the visible count): a layout debugged
+    on a workstation; the collectives gloo cannot run on GPU tensors go through pinned host memory
+    (tokenloom.train.staged_gloo), slower than nccl. nccl without CUDA is refused."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a dead or stalled rank makes the others fail after at most this."""
     metrics_path: str | None = None

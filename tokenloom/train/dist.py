@@ -6,7 +6,10 @@ Slurm step (``srun -n N python cli.py train ...``, no torchrun), :func:`launch_e
 them from ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``),
 ``SLURM_LOCALID``, the first host of the step's node list and a port from the job and
 step ids (as Lightning and torchtitan's Slurm scripts do). Variables already set win, so
-torchrun started by srun (one task per node) keeps torchrun's ranks. The backend is NCCL when CUDA is available, gloo otherwise. The
+torchrun started by srun (one task per node) keeps torchrun's ranks. The backend
+(:func:`resolve_backend`) is the run's ``distributed_backend``, by default NCCL when CUDA is
+available and gloo otherwise; gloo with CUDA is :mod:`tokenloom.train.staged_gloo`'s group, the
+ranks on their GPUs (several may share one: :func:`cuda_index`). The
 ``timeout_s`` is the collective timeout: a rank that dies or stalls makes the others
 raise after at most this long instead of hanging (gloo usually notices a closed peer
 socket much sooner). Keep it short in tests; in production NCCL runs it should cover
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train import staged_gloo
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -37,6 +41,8 @@ class DistInfo:
     world_size: int
     local_rank: int
     backend: str
+    """``torch.distributed``'s name of the default group's backend (``nccl``, ``gloo`` or
+    :data:`~tokenloom.train.staged_gloo.BACKEND`)."""
     device: torch.device
 
 
@@ -75,22 +81,42 @@ def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def cuda_index(local_rank: int) -> int:
-    """This rank's GPU among the visible ones: ``LOCAL_RANK``, or ``LOCAL_RANK`` modulo the
-    count when the launcher already narrowed ``CUDA_VISIBLE_DEVICES`` per task (``srun
-    --gpus-per-task 1`` leaves each task one device, ``cuda:0``, whatever its local rank)."""
+    """This rank's GPU among the visible ones: ``LOCAL_RANK`` modulo the visible count. Fewer
+    GPUs than local ranks means ranks share them (gloo: several ranks on one GPU), or that the
+    launcher already narrowed ``CUDA_VISIBLE_DEVICES`` per task (``srun --gpus-per-task 1``
+    leaves each task one device, ``cuda:0``, whatever its local rank)."""
     count = torch.cuda.device_count()
-    return local_rank % count if count and local_rank >= count else local_rank
+    return local_rank % count if count else local_rank
+
+
+BACKENDS = ("nccl", "gloo")
+"""The values of ``distributed_backend`` (``--distributed-backend``)."""
+
+
+def resolve_backend(name: str | None) -> str:
+    """The backend a run of ``distributed_backend`` ``name`` uses: ``nccl`` or ``gloo`` (None:
+    nccl with CUDA, else gloo); one line for a name that is not one, and for nccl without CUDA."""
+    if name is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name not in BACKENDS:
+        raise TokenloomError(f"--distributed-backend {name!r}: not a backend; use one of {', '.join(BACKENDS)}")
+    if name == "nccl" and not torch.cuda.is_available():
+        raise TokenloomError("--distributed-backend nccl needs CUDA, but no CUDA device is visible; use gloo")
+    return name
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
     """Initialise the default process group from env vars and return :class:`DistInfo`.
 
-    ``backend=None`` picks ``"nccl"`` when CUDA is available, else ``"gloo"``. With NCCL
-    the current CUDA device is set to ``LOCAL_RANK`` before the group is created.
-    Idempotent: if a default group already exists it is described, not recreated.
+    ``backend`` is :func:`resolve_backend`'s. With CUDA the current device is set to
+    :func:`cuda_index` first, and gloo is :class:`~tokenloom.train.staged_gloo.StagedGloo`
+    (also without CUDA when ``TOKENLOOM_GLOO_STAGE_ALL=1`` forces its staging: the tests' way to
+    run that path on a CPU). Idempotent: if a default group already exists it is described,
+    not recreated.
     """
     if dist.is_initialized():
         return _describe(dist.get_backend())
+    backend = resolve_backend(backend)
     env = launch_env()
     os.environ.update(env)  # env:// reads them (no-op under torchrun; srun's derived values)
     missing = [k for k in _REQUIRED if k not in env]
@@ -99,12 +125,11 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistI
             f"distributed launch variables missing: {', '.join(missing)}; "
             "start the job with torchrun (or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
         )
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise TokenloomError("backend 'nccl' needs CUDA, but no CUDA device is visible; use 'gloo'")
+    if torch.cuda.is_available():
         torch.cuda.set_device(cuda_index(int(env["LOCAL_RANK"])))
+    if backend == "gloo" and (torch.cuda.is_available() or os.environ.get(staged_gloo.STAGE_ALL_ENV) == "1"):
+        staged_gloo.register()
+        backend = staged_gloo.BACKEND
     dist.init_process_group(
         backend=backend,
         init_method="env://",  # torchrun's agent store is reused only through env://
@@ -117,5 +142,6 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistI
 
 def _describe(backend: str) -> DistInfo:
     local_rank = int(launch_env()["LOCAL_RANK"])
-    device = torch.device("cuda", cuda_index(local_rank)) if backend == "nccl" else torch.device("cpu")
+    on_gpu = backend != "gloo" and torch.cuda.is_available()  # plain gloo: a CPU run
+    device = torch.device("cuda", cuda_index(local_rank)) if on_gpu else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)

@@ -627,7 +627,7 @@ FLAG_KEYS = {
     "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2",
     "adam_eps": "optim.eps", "lr_decay_style": "optim.decay_style",
     "lr_wsd_decay_iters": "optim.wsd_decay_iters", "lr_wsd_decay_style": "optim.wsd_decay_style", "tensorboard_dir": "tensorboard_dir",
-    "save_on_signal": "save_on_signal",
+    "save_on_signal": "save_on_signal", "distributed_backend": "distributed_backend",
     "override_opt_param_scheduler": "override_opt_param_scheduler",
     "wandb_project": "wandb_project", "wandb_exp_name": "wandb_exp_name",
 }

@@ -109,7 +109,7 @@ def start_run(cfg: TrainConfig, world: World | None = None) -> Trainer:
     """A run set up in this process (joining the launch's world), not yet stepped:
     ``for it in r.steps(): ...`` then ``r.finish()``; :func:`run` does ``start_run(cfg).train()``
     (``bench/train_bench.py`` steps it in turn with a baseline loop)."""
-    return Trainer(cfg, world or join_world(cfg.dist_timeout_s))
+    return Trainer(cfg, world or join_world(cfg.dist_timeout_s, cfg.distributed_backend))
 
 
 class Trainer:

@@ -34,11 +34,13 @@ from tokenloom.train.config import (
     config_to_dict,
 )
 from tokenloom.train.data import open_tokenizer
+from tokenloom.train.dist import resolve_backend
 
 
 def check(cfg: TrainConfig, world_size: int) -> None:
     """Raise :class:`TokenloomError` for the first problem found (see the module docstring)."""
     check_layout(cfg, world_size)
+    resolve_backend(cfg.distributed_backend)
     check_model_split(cfg)
     if cfg.data.blend is not None:
         check_sources(cfg)

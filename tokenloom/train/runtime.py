@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.errors import TokenloomError
-from tokenloom.train.dist import init_from_env, launch_env
+from tokenloom.train.dist import init_from_env, launch_env, resolve_backend
 from tokenloom.train.host_alloc import keep_freed_memory, release_large_blocks
 
 
@@ -40,12 +40,14 @@ class World:
     """We created the default process group (and destroy it at the end)."""
 
 
-def join_world(dist_timeout_s: float) -> World:
-    """Join the launch described by the environment (torchrun / Slurm), or run alone on
-    ``cuda:0`` when CUDA is available, else the CPU."""
+def join_world(dist_timeout_s: float, backend: str | None = None) -> World:
+    """Join the launch described by the environment (torchrun / Slurm) over ``backend``
+    (:func:`~tokenloom.train.dist.resolve_backend`'s), or run alone on ``cuda:0`` when CUDA is
+    available, else the CPU."""
+    resolve_backend(backend)  # its one-line refusals hold for one rank too
     if int(launch_env()["WORLD_SIZE"]) > 1 or dist.is_initialized():
         owns = not dist.is_initialized()
-        info = init_from_env(timeout_s=dist_timeout_s)
+        info = init_from_env(backend, timeout_s=dist_timeout_s)
         return World(info.rank, info.world_size, info.device, owns)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     return World(0, 1, device, False)

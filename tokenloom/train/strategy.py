@@ -52,6 +52,7 @@ from torch import nn
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train import data as train_data
+from tokenloom.train import staged_gloo
 from tokenloom.train.checkpoint import reshard
 from tokenloom.train.checkpoint.async_save import CheckpointSaver
 from tokenloom.train.config import TrainConfig
@@ -161,7 +162,12 @@ class Strategy:
         self.staged = cfg.tp > 1 or cfg.pp > 1
         refuse_unsupported(cfg)
         self.autocast = autocast_for(cfg.precision, self.device)
-        self.compile = choose_compile(cfg.compile, self.device.type)[0]
+        capturable = staged_gloo.blocks_compile_with(cfg.tp, cfg.cp, cfg.ep)
+        if cfg.compile is True and not capturable:
+            raise TokenloomError("compile=true with --distributed-backend gloo on CUDA and tp, cp or ep > 1: "
+                                 "torch.compile cannot capture the blocks' collectives over gloo's staged group; "
+                                 "use compile=auto (eager blocks) or nccl")
+        self.compile = choose_compile(cfg.compile, self.device.type, capturable)[0]
         self.rng_tracker = self._seed_tp_dropout()
         self.chunks = self._build_chunks()
         if cfg.fp8:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenloom.train import staged_gloo
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.kernels import choose_compile, resolve_mode
 from tokenloom.train.model.config import ARCH_FEATURES, GPTConfig
@@ -137,7 +138,8 @@ def features(m: GPTConfig) -> str:
 def choices(cfg: TrainConfig, device_type: str) -> str:
     """What the run chose for speed on ``device_type`` and why: the kernel set the model is
     built with and whether its blocks are compiled (the same resolution the strategy makes)."""
-    compile_on, why_compile = choose_compile(cfg.compile, device_type)
+    compile_on, why_compile = choose_compile(cfg.compile, device_type, staged_gloo.blocks_compile_with(cfg.tp, cfg.cp,
+                                                                                                      cfg.ep))
     mode = cfg.model.kernels
     try:
         chosen, why = resolve_mode(mode, device_type)

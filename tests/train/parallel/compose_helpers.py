@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenloom.train import loop
+from tokenloom.train import loop, staged_gloo
 from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.checkpoint import format as ckpt_format
 from tokenloom.train.config import TrainConfig
@@ -427,11 +427,13 @@ MIN_TIMEOUT_S = 600.0
 
 
 def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float | None = None,
-           per_scenario_s: float = SCENARIO_BUDGET_S):
+           per_scenario_s: float = SCENARIO_BUDGET_S, staged: bool = False):
     """Run ``scenarios`` (name, kwargs) of this module on ``world_size`` ranks; per-rank result lists.
-    The hang deadline is sized by the work: ``per_scenario_s`` per scenario unless given."""
+    The hang deadline is sized by the work: ``per_scenario_s`` per scenario unless given.
+    ``staged``: over :class:`~tokenloom.train.staged_gloo.StagedGloo` staging every call."""
     return rank_launcher.launch(__name__, scenarios, world_size, tmp_path,
-                                deadline_s=deadline_s or per_scenario_s * len(scenarios), collective_timeout_s=60)
+                                deadline_s=deadline_s or per_scenario_s * len(scenarios), collective_timeout_s=60,
+                                staged=staged)
 
 
 def launches_timeout(scenarios: int, references: int = 1, per_scenario_s: float = SCENARIO_BUDGET_S
@@ -469,3 +471,11 @@ def activation_bytes(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
 
 
 SCENARIOS["activation_bytes"] = activation_bytes
+
+
+def staged_calls(rank: int) -> dict[str, int]:
+    """This rank's staged calls so far by kind (:data:`tokenloom.train.staged_gloo.STAGED`)."""
+    return dict(staged_gloo.STAGED)
+
+
+SCENARIOS["staged_calls"] = staged_calls

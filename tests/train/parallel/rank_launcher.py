@@ -20,14 +20,17 @@ import torch
 import torch.distributed as dist
 from tl_testing import timed
 
+from tokenloom.train import staged_gloo
+
 
 def launch(module: str, scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, *,
-           deadline_s: float, collective_timeout_s: float) -> list[list[Any]]:
-    """Per-rank lists of per-scenario results of ``module.SCENARIOS[name](rank, **kwargs)``."""
+           deadline_s: float, collective_timeout_s: float, staged: bool = False) -> list[list[Any]]:
+    """Per-rank lists of per-scenario results of ``module.SCENARIOS[name](rank, **kwargs)``; with
+    ``staged`` the group is :class:`~tokenloom.train.staged_gloo.StagedGloo` staging every call."""
     ctx = mp.get_context("spawn")
-    tag = f"{module}_{world_size}"
+    tag = f"{module}_{world_size}{'_staged' if staged else ''}"
     args = (world_size, str(tmp_path / f"pg_init_{tag}"), module, scenarios, str(tmp_path), tag,
-            collective_timeout_s)
+            collective_timeout_s, staged)
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -57,11 +60,13 @@ def launch(module: str, scenarios: list[tuple[str, dict]], world_size: int, tmp_
 
 
 def _worker(rank: int, world_size: int, init_file: str, module: str, scenarios: list, out_dir: str, tag: str,
-            collective_timeout_s: float) -> None:
+            collective_timeout_s: float, staged: bool = False) -> None:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        if staged:
+            staged_gloo.register(stage_all=True)
+        dist.init_process_group(staged_gloo.BACKEND if staged else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
         registry = importlib.import_module(module).SCENARIOS
         out["results"] = [registry[name](rank, **kw) for name, kw in scenarios]

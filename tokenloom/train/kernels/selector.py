@@ -167,16 +167,19 @@ def resolve_mode(mode: str, device_type: str) -> tuple[str, str]:
     return "reference", f"no torch.compile backend for {device_type}"
 
 
-def choose_compile(setting: bool | str, device_type: str) -> tuple[bool, str]:
+def choose_compile(setting: bool | str, device_type: str, capturable: bool = True) -> tuple[bool, str]:
     """Whether ``compile`` (true, false or "auto") compiles the transformer blocks on
     ``device_type``, and why, in words for the start-up summary ("set" for an explicit bool,
     which wins);
     "auto" is on where the blocks' plain ops are fastest compiled (CUDA, with Triton for
-    inductor) and off elsewhere (see the module docstring)."""
+    inductor) and off elsewhere (see the module docstring), and off where the blocks' collectives
+    cannot be captured (``capturable`` False: gloo's staged group on CUDA)."""
     if isinstance(setting, bool):
         return setting, "set"
     if setting != "auto":
         raise ValueError(f"compile must be true, false or auto; got {setting!r}")
+    if not capturable:
+        return False, "off: the blocks' collectives over gloo's staged group cannot be compiled"
     if device_type == "cuda":
         if compile_available("cuda"):
             return True, "fastest on CUDA"
