@@ -81,6 +81,7 @@ from tokenloom.train.optim.adamw import (
     param_groups,
     use_fused,
 )
+from tokenloom.train.optim.muon import Muon, split_params
 from tokenloom.train.optim.zero import ZeroAdamW
 from tokenloom.train.parallel import fsdp
 from tokenloom.train.parallel.context import loss_scale, take_local
@@ -290,6 +291,11 @@ class Strategy:
 
     def _build_optimizer(self):
         cfg, st, o = self.cfg, self.state, self.cfg.optim
+        if o.name == "muon":  # the config refuses zero1 and fsdp with it (not built yet)
+            matrices, groups = split_params(self.chunks, o.weight_decay)
+            return Muon(matrices, groups, o, dp_group=st.dp_cp_group if st.dp_cp_size > 1 else None,
+                        expert_dp_group=st.expert_dp_group if cfg.ep > 1 else None,
+                        tp_group=st.tp_group if cfg.tp > 1 else None)
         if not cfg.zero1:
             return build_optimizer(self.chunks, o)
         groups = param_groups(self.chunks, o.weight_decay)

@@ -215,6 +215,8 @@ def load(run, path: Path, state: dict) -> None:
     params, optim = ckpt_format.read_any(path, state, set(named), order=lambda: optimizer_order(run.cfg.model),
                                          split=lambda name: split_info(run, name, named[name]),
                                          tp_rank=st.tp_rank, tp_size=st.tp_size)
+    if state.get("config", {}).get("optim", {}).get("name", "adamw") != run.cfg.optim.name:
+        optim = {}  # another optimizer's state (a resume with force_optimizer): every parameter starts fresh
     load_params(run, params, optim, str(path), sharded=True)
     rng = path / f"rng_rank{st.rank}.pt"
     if same and rng.exists():

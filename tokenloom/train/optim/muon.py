@@ -1,0 +1,241 @@
+"""Muon (momentum orthogonalised by Newton–Schulz) for the hidden matrices, AdamW for the rest.
+
+:func:`split_params` decides: every 2-D weight of a transformer block (attention and MLP
+projections, the router) and every expert matrix takes Muon; embeddings, an untied LM head,
+biases and norms take AdamW (Keller Jordan's and Megatron's split). :class:`Muon` is one
+``torch.optim.Optimizer`` over both, so the loop, the schedule (:func:`~.schedule.set_lr` sets
+every group's ``lr``; Muon's groups scale it by ``muon_lr / lr``) and the checkpoints
+(``state[p]``: ``momentum_buffer`` for Muon, AdamW's moments for the rest) see one optimizer.
+
+The update is ``torch.optim.Muon``'s (its math is the test oracle; it is not used here because it
+is single-device and 2-D only): ``B = mu B + (1 - mu) g`` (lerp), Nesterov ``g + mu (B - g)``
+(lerp), five quintic Newton–Schulz steps in bf16 (``muon_ns_dtype``), decoupled decay, a step of
+``lr x scale`` with scale ``0.2 sqrt(max(A, B))`` (``match_rms_adamw``) or ``sqrt(max(1, A/B))``
+(``original``) for an ``A x B`` (out x in) matrix. Each of Q, K, V of a fused ``qkv`` is its own
+matrix, and so is each expert's (stored in x out, so its scale uses the transpose's shape; NS is
+transpose-equivariant, so the update is the same as orthogonalising the ``out x in`` matrix).
+
+Layouts: Newton–Schulz needs each whole matrix.
+
+* dp: matrices are assigned to the dp ranks whole, balanced by size (:func:`assign`, largest
+  first onto the least-loaded rank); each rank orthogonalises its own, then each owner broadcasts
+  its updates over dp (megatron-core's layer-wise scheme). Momentum is elementwise and stays
+  replicated (as AdamW's moments do without ZeRO-1). Experts at ep > 1 are shared over the
+  expert-data-parallel group instead, the ranks holding the same experts.
+* tp (``muon_tp_mode`` duplicated, the default): the momentum-updated shards are all-gathered
+  over tp (fused blocks put back in one-process order, :func:`~tokenloom.train.parallel.layers.unshard`),
+  orthogonalised whole on every tp rank, and each keeps its shard: exactly the one-process update.
+  ``blockwise`` orthogonalises each rank's shard alone (no communication; not the one-process update).
+* pp, cp: each stage steps its own parameters; nothing changes.
+
+The Newton–Schulz loop is written here rather than batched: the per-matrix loop is torch's own
+op sequence (``addmm``), so one process matches ``torch.optim.Muon`` to rounding; a batched
+``baddbmm`` version is not measured faster yet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenloom.train.model.blocks import Attention
+from tokenloom.train.optim.adamw import OptimConfig, param_groups, use_fused
+from tokenloom.train.parallel.layers import shard, unshard
+from tokenloom.train.parallel.mappings import all_gather_first_dim
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""The quintic Newton–Schulz coefficients of Keller Jordan's Muon (torch's defaults)."""
+
+NS_EPS = 1e-7
+"""The floor of the Frobenius norm Newton–Schulz divides by (torch's ``eps``)."""
+
+
+@dataclass
+class MatrixParam:
+    """One Muon parameter and how it makes matrices."""
+
+    param: nn.Parameter
+    parts: list[int] | None = None
+    """Rows (full tensor, one-process order) of each matrix a fused weight stacks (q, k, v); None: one."""
+    experts: bool = False
+    """A 3-D ``[experts, in, out]`` tensor: each leading slice a matrix."""
+    tp_dim: int | None = None
+    """The dim the tp ranks split this parameter along; None: replicated over tp."""
+    split_sizes: list[int] | None = None
+    """The fused blocks of the tp-split dim (full sizes), as the tp layers cut them."""
+    expert_parallel: bool = False
+    """One ep rank's experts: shared over the expert-data-parallel group, not dp."""
+
+
+def split_params(modules: nn.Module | Iterable[nn.Module], weight_decay: float
+                 ) -> tuple[list[MatrixParam], list[dict]]:
+    """(the Muon parameters, the AdamW groups of the rest) of ``modules`` (a model or a rank's chunks).
+    Muon: the decayed matmul weights of :func:`~.adamw.param_groups` but an untied LM head."""
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    decay, no_decay = param_groups(modules, weight_decay)
+    heads = {id(m.lm_head.weight) for mod in modules for m in mod.modules() if isinstance(getattr(m, "lm_head", None),
+                                                                                       nn.Module)}
+    qkv = {}
+    for mod in modules:
+        for m in mod.modules():
+            if isinstance(m, Attention):
+                tp = getattr(m.tp, "size", 1)
+                qkv[id(m.qkv.weight)] = [n * m.head_dim * tp for n in (m.n_heads, m.n_kv_heads, m.n_kv_heads)]
+    fused = {id(m.weight): list(m.split_sizes) for mod in modules for m in mod.modules()
+             if getattr(m, "split_sizes", None) and isinstance(getattr(m, "weight", None), torch.Tensor)}
+    muon, adam = [], []
+    for p in decay["params"]:
+        if id(p) in heads or p.dim() not in (2, 3):
+            adam.append(p)
+            continue
+        tp_dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+        muon.append(MatrixParam(p, parts=qkv.get(id(p)), experts=p.dim() == 3, tp_dim=tp_dim,
+                                split_sizes=fused.get(id(p)), expert_parallel=bool(getattr(p, "expert_parallel", False))))
+    groups = [{"params": adam, "weight_decay": decay["weight_decay"]},
+              {"params": no_decay["params"], "weight_decay": 0.0}]
+    return muon, groups
+
+
+def newton_schulz(x: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16,
+                  coefficients: Sequence[float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
+    """The orthogonalisation of one matrix (``torch.optim.Muon``'s op sequence), in ``dtype``."""
+    a, b, c = coefficients
+    y = x.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        y = y.T
+    y = y.div(y.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = y @ y.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.addmm(y, poly, y, beta=a)
+    return y.T if tall else y
+
+
+def lr_scale(rows: int, cols: int, mode: str) -> float:
+    """The step size factor of an ``rows x cols`` (out x in) matrix: ``match_rms_adamw``
+    (Moonshot: ``0.2 sqrt(max)``, AdamW's update RMS) or ``original`` (``sqrt(max(1, rows/cols))``)."""
+    if mode == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def assign(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The owner rank of each of ``sizes`` (element counts): largest first onto the least-loaded
+    rank, ties to the lower index (the same on every rank)."""
+    owner = [0] * len(sizes)
+    load = [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + sizes[i]
+    return owner
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over ``matrices`` and AdamW (torch's, fused where it can be) over ``adam_groups``.
+
+    ``dp_group`` / ``expert_dp_group``: where updates of dense / expert-parallel matrices are
+    shared (None: one rank does all); ``tp_group``: where tp-split matrices are gathered
+    (duplicated mode)."""
+
+    def __init__(self, matrices: list[MatrixParam], adam_groups: list[dict], cfg: OptimConfig, *,
+                 dp_group: dist.ProcessGroup | None = None, expert_dp_group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        self.cfg, self.matrices = cfg, matrices
+        muon_decay = cfg.weight_decay if cfg.muon_weight_decay is None else cfg.muon_weight_decay
+        ratio = 1.0 if cfg.muon_lr is None else cfg.muon_lr / cfg.lr
+        groups = [{"params": [m.param for m in matrices], "weight_decay": muon_decay, "muon": True,
+                   "lr_ratio": ratio}] if matrices else []
+        adam_groups = [g for g in adam_groups if g["params"]]
+        adam_params = [p for g in adam_groups for p in g["params"]]
+        super().__init__([*groups, *[dict(g, muon=False) for g in adam_groups]], {"lr": cfg.lr})
+        self.adamw = (torch.optim.AdamW([g for g in self.param_groups if not g["muon"]], lr=cfg.lr,
+                                        betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                        fused=use_fused(cfg, adam_params)) if adam_params else None)
+        if self.adamw is not None:
+            self.adamw.state = self.state  # one state table: checkpoints read and write it per parameter
+        self.ns_dtype = torch.bfloat16 if cfg.muon_ns_dtype == "bf16" else torch.float32
+        self.tp_group = tp_group if cfg.muon_tp_mode == "duplicated" else None
+        self.shares = []  # (group, its size, this rank's index, [(matrix, owner)])
+        for expert in (False, True):
+            group = expert_dp_group if expert else dp_group
+            mine = [m for m in matrices if m.expert_parallel == expert]
+            size = dist.get_world_size(group) if group is not None else 1
+            if not mine:
+                continue
+            owners = assign([m.param.numel() for m in mine], size)
+            self.shares.append((group, size, dist.get_rank(group) if group is not None else 0,
+                                list(zip(mine, owners, strict=True))))
+
+    def names(self) -> tuple[int, int]:
+        """(parameters, elements) that take Muon."""
+        return len(self.matrices), sum(m.param.numel() for m in self.matrices)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 (torch's signature)
+        if self.adamw is not None:
+            self.adamw.step()
+        muon = [g for g in self.param_groups if g["muon"]]
+        if not muon:
+            return None
+        group = muon[0]
+        lr, decay, mu = group["lr"] * group["lr_ratio"], group["weight_decay"], self.cfg.muon_momentum
+        update: dict[int, torch.Tensor] = {}
+        for m in self.matrices:
+            p = m.param
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            update[id(p)] = p.grad.lerp(buf, mu) if self.cfg.muon_nesterov else buf
+        for share_group, size, rank, owned in self.shares:
+            deltas: dict[int, torch.Tensor] = {}
+            for m, owner in owned:
+                if owner == rank and id(m.param) in update:
+                    deltas[id(m.param)] = self._delta(m, update[id(m.param)], lr)
+            for owner in range(size) if size > 1 else ():
+                mats = [m for m, o in owned if o == owner and id(m.param) in update]
+                if not mats:
+                    continue
+                flat = (torch.cat([deltas[id(m.param)].reshape(-1) for m in mats]) if owner == rank else
+                        torch.empty(sum(m.param.numel() for m in mats), dtype=mats[0].param.dtype,
+                                    device=mats[0].param.device))
+                dist.broadcast(flat, src=dist.get_global_rank(share_group, owner), group=share_group)
+                for m, piece in zip(mats, flat.split([m.param.numel() for m in mats]), strict=True):
+                    deltas[id(m.param)] = piece.view_as(m.param)
+            for m, _ in owned:
+                if id(m.param) in deltas:
+                    m.param.mul_(1 - lr * decay)
+                    m.param.sub_(deltas[id(m.param)])
+        return None
+
+    def _delta(self, m: MatrixParam, local: torch.Tensor, lr: float) -> torch.Tensor:
+        """``lr x scale x NS(update)`` of one parameter, cut to this rank's tp shard."""
+        tp = self.tp_group if m.tp_dim is not None else None
+        tp_size = dist.get_world_size(tp) if tp is not None else 1
+        full = local
+        if tp_size > 1:
+            shards = all_gather_first_dim(local.unsqueeze(0).contiguous(), tp).unbind(0)
+            full = unshard(shards, m.tp_dim, m.split_sizes)
+        mode, steps = self.cfg.muon_scale, self.cfg.muon_ns_steps
+        if m.experts:
+            out = torch.stack([newton_schulz(x, steps, self.ns_dtype).float() * (lr * lr_scale(x.size(1), x.size(0), mode))
+                               for x in full.unbind(0)])
+        else:
+            rows = m.parts or [full.size(0)]
+            if sum(rows) != full.size(0):  # blockwise at tp > 1: this shard's rows of each part
+                rows = [r * full.size(0) // sum(rows) for r in rows]
+            out = torch.cat([newton_schulz(x, steps, self.ns_dtype).float() * (lr * lr_scale(x.size(0), x.size(1), mode))
+                             for x in full.split(rows, dim=0)], dim=0)
+        out = out.to(local.dtype)
+        if tp_size > 1:
+            out = shard(out, m.tp_dim, dist.get_rank(tp), tp_size, m.split_sizes)
+        return out
