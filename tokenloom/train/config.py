@@ -236,10 +236,14 @@ class TrainConfig:
             raise TokenloomError(f"compile must be true, false or auto, got {self.compile!r}")
         if self.sp and self.tp < 2:
             raise TokenloomError("sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
-        if self.optim.name == "muon" and (self.zero1 or self.fsdp):
-            raise TokenloomError(f"optim.name muon (--optimizer muon) runs with data, tensor (+ sequence), pipeline, "
-                                 f"context and expert parallelism in this version; {'zero1' if self.zero1 else 'fsdp'} "
-                                 "is not supported with it yet")
+        if self.optim.name == "muon" and self.fsdp:
+            raise TokenloomError("optim.name muon (--optimizer muon) runs with data (and zero1), tensor (+ sequence), "
+                                 "pipeline, context and expert parallelism in this version; fsdp is not supported "
+                                 "with it yet")
+        if self.optim.name == "muon" and self.zero1 and (self.overlap_grad_reduce is not None
+                                                         or self.overlap_param_gather is not None):
+            raise TokenloomError("overlap_grad_reduce and overlap_param_gather are ZeRO-1 AdamW's; Muon's zero1 "
+                                 "reduces by DDP and broadcasts whole tensors: leave them unset with optim.name muon")
 
     @property
     def pipeline_split(self) -> PipelineSplit:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tokenloom.errors import TokenloomError
+from tokenloom.train.config import TrainConfig, check_resumable_optimizer
 from tokenloom.train.model.config import GPTConfig
 from tokenloom.train.model.gpt import GPT
 from tokenloom.train.optim.adamw import OptimConfig
@@ -101,3 +102,16 @@ def test_bad_settings_are_refused():
         OptimConfig(name="sgd")  # type: ignore[arg-type]
     with pytest.raises(TokenloomError, match="muon_scale"):
         OptimConfig(name="muon", muon_scale="spectral")  # type: ignore[arg-type]
+
+
+def test_resume_with_another_optimizer_is_refused_unless_forced(tmp_path):
+    saved = {"optim": {"name": "adamw"}}
+    cfg = TrainConfig(optim=OptimConfig(name="muon"))
+    with pytest.raises(TokenloomError, match="trained with optimizer adamw.*--force-optimizer"):
+        check_resumable_optimizer(tmp_path, cfg, saved)
+    check_resumable_optimizer(tmp_path, TrainConfig(optim=OptimConfig(name="muon"), force_optimizer=True), saved)
+    check_resumable_optimizer(tmp_path, TrainConfig(), {"optim": {}})  # before the field: AdamW
+    with pytest.raises(TokenloomError, match="fsdp is not supported"):
+        TrainConfig(optim=OptimConfig(name="muon"), fsdp=True)
+    with pytest.raises(TokenloomError, match="overlap_param_gather"):
+        TrainConfig(optim=OptimConfig(name="muon"), zero1=True, overlap_param_gather=False)

@@ -145,8 +145,8 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, matrices: list[MatrixParam], adam_groups: list[dict], cfg: OptimConfig, *,
                  dp_group: dist.ProcessGroup | None = None, expert_dp_group: dist.ProcessGroup | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
-        self.cfg, self.matrices = cfg, matrices
+                 tp_group: dist.ProcessGroup | None = None, shard_state: bool = False) -> None:
+        self.cfg, self.matrices, self.shard_state = cfg, matrices, shard_state
         muon_decay = cfg.weight_decay if cfg.muon_weight_decay is None else cfg.muon_weight_decay
         ratio = 1.0 if cfg.muon_lr is None else cfg.muon_lr / cfg.lr
         groups = [{"params": [m.param for m in matrices], "weight_decay": muon_decay, "muon": True,
@@ -154,23 +154,38 @@ class Muon(torch.optim.Optimizer):
         adam_groups = [g for g in adam_groups if g["params"]]
         adam_params = [p for g in adam_groups for p in g["params"]]
         super().__init__([*groups, *[dict(g, muon=False) for g in adam_groups]], {"lr": cfg.lr})
-        self.adamw = (torch.optim.AdamW([g for g in self.param_groups if not g["muon"]], lr=cfg.lr,
-                                        betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                        fused=use_fused(cfg, adam_params)) if adam_params else None)
-        if self.adamw is not None:
-            self.adamw.state = self.state  # one state table: checkpoints read and write it per parameter
         self.ns_dtype = torch.bfloat16 if cfg.muon_ns_dtype == "bf16" else torch.float32
         self.tp_group = tp_group if cfg.muon_tp_mode == "duplicated" else None
-        self.shares = []  # (group, its size, this rank's index, [(matrix, owner)])
+        # (group, its size, this rank's index, [(parameter, its matrix plan or None for AdamW, owner)]):
+        # every parameter has one owner in the group that holds its copies; with shard_state the
+        # AdamW parameters are assigned too and only owners keep state (ZeRO-1 by whole tensors)
+        self.shares = []
+        plans = {id(m.param): m for m in matrices}
         for expert in (False, True):
             group = expert_dp_group if expert else dp_group
-            mine = [m for m in matrices if m.expert_parallel == expert]
+            mine = [p for p in [m.param for m in matrices] + (adam_params if shard_state else [])
+                    if bool(getattr(p, "expert_parallel", False)) == expert]
             size = dist.get_world_size(group) if group is not None else 1
             if not mine:
                 continue
-            owners = assign([m.param.numel() for m in mine], size)
+            owners = assign([p.numel() for p in mine], size)
             self.shares.append((group, size, dist.get_rank(group) if group is not None else 0,
-                                list(zip(mine, owners, strict=True))))
+                                [(p, plans.get(id(p)), o) for p, o in zip(mine, owners, strict=True)]))
+        self.owned = {id(p) for _, _, rank, items in self.shares for p, _, o in items if o == rank}
+        if not shard_state:
+            self.owned |= {id(p) for p in adam_params}
+        # the inner AdamW's own groups (this rank's parameters: all, or with shard_state the owned
+        # ones); step copies each outer group's lr (set by the schedule) into its inner group
+        self.adam_pairs = []
+        for outer in self.param_groups:
+            held = [p for p in outer["params"] if id(p) in self.owned] if not outer["muon"] else []
+            if held:
+                self.adam_pairs.append((outer, {"params": held, "weight_decay": outer["weight_decay"]}))
+        self.adamw = (torch.optim.AdamW([inner for _, inner in self.adam_pairs], lr=cfg.lr,
+                                        betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                        fused=use_fused(cfg, adam_params)) if self.adam_pairs else None)
+        if self.adamw is not None:
+            self.adamw.state = self.state  # one state table: checkpoints read and write it per parameter
 
     def names(self) -> tuple[int, int]:
         """(parameters, elements) that take Muon."""
@@ -179,6 +194,8 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 (torch's signature)
         if self.adamw is not None:
+            for outer, inner in self.adam_pairs:
+                inner["lr"] = outer["lr"]
             self.adamw.step()
         muon = [g for g in self.param_groups if g["muon"]]
         if not muon:
@@ -188,7 +205,7 @@ class Muon(torch.optim.Optimizer):
         update: dict[int, torch.Tensor] = {}
         for m in self.matrices:
             p = m.param
-            if p.grad is None:
+            if p.grad is None or (self.shard_state and id(p) not in self.owned):
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -196,26 +213,58 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             update[id(p)] = p.grad.lerp(buf, mu) if self.cfg.muon_nesterov else buf
-        for share_group, size, rank, owned in self.shares:
-            deltas: dict[int, torch.Tensor] = {}
-            for m, owner in owned:
-                if owner == rank and id(m.param) in update:
-                    deltas[id(m.param)] = self._delta(m, update[id(m.param)], lr)
-            for owner in range(size) if size > 1 else ():
-                mats = [m for m, o in owned if o == owner and id(m.param) in update]
-                if not mats:
+        for share_group, size, rank, items in self.shares:
+            for p, plan, owner in items:
+                if owner == rank and plan is not None and id(p) in update:
+                    delta = self._delta(plan, update[id(p)], lr)
+                    p.mul_(1 - lr * decay)
+                    p.sub_(delta)
+            for owner in range(size) if size > 1 else ():  # the owners' new values to the other ranks
+                held = [p for p, _, o in items if o == owner and p.grad is not None]
+                if not held:
                     continue
-                flat = (torch.cat([deltas[id(m.param)].reshape(-1) for m in mats]) if owner == rank else
-                        torch.empty(sum(m.param.numel() for m in mats), dtype=mats[0].param.dtype,
-                                    device=mats[0].param.device))
+                flat = (torch.cat([p.detach().reshape(-1) for p in held]) if owner == rank else
+                        torch.empty(sum(p.numel() for p in held), dtype=held[0].dtype, device=held[0].device))
                 dist.broadcast(flat, src=dist.get_global_rank(share_group, owner), group=share_group)
-                for m, piece in zip(mats, flat.split([m.param.numel() for m in mats]), strict=True):
-                    deltas[id(m.param)] = piece.view_as(m.param)
-            for m, _ in owned:
-                if id(m.param) in deltas:
-                    m.param.mul_(1 - lr * decay)
-                    m.param.sub_(deltas[id(m.param)])
+                if owner != rank:
+                    for p, piece in zip(held, flat.split([p.numel() for p in held]), strict=True):
+                        p.copy_(piece.view_as(p))
         return None
+
+    @torch.no_grad()
+    def replicate_state(self) -> None:
+        """``shard_state``: every rank gets every parameter's state from its owner (collective over
+        the groups), so a save writes the whole state as without sharding; :meth:`drop_unowned_state`
+        after. A no-op without sharding."""
+        if not self.shard_state:
+            return
+        for share_group, size, rank, items in self.shares:
+            for owner in range(size) if size > 1 else ():
+                src = dist.get_global_rank(share_group, owner)
+                held = [p for p, _, o in items if o == owner]
+                # each state's (key, shape, dtype, on the host?, the value of a 0-dim one): AdamW's step
+                # is a 0-dim host tensor unless fused
+                box = [[[(k, tuple(t.shape), t.dtype, t.device.type == "cpu", t.item() if t.dim() == 0 else None)
+                         for k, t in sorted(self.state.get(p, {}).items())] for p in held] if owner == rank else None]
+                dist.broadcast_object_list(box, src=src, group=share_group, device=held[0].device if held else None)
+                for p, entries in zip(held, box[0], strict=True):
+                    for key, shape, dtype, on_host, value in entries:
+                        if value is not None:
+                            if owner != rank:
+                                self.state[p][key] = torch.tensor(value, dtype=dtype,
+                                                                  device="cpu" if on_host else p.device)
+                            continue
+                        buf = self.state[p][key] if owner == rank else torch.empty(shape, dtype=dtype, device=p.device)
+                        dist.broadcast(buf, src=src, group=share_group)
+                        self.state[p][key] = buf
+
+    def drop_unowned_state(self) -> None:
+        """``shard_state``: forget the state of the parameters this rank does not own (after a save's
+        :meth:`replicate_state`, or a load, which sets every parameter's)."""
+        if self.shard_state:
+            for p in list(self.state):
+                if id(p) not in self.owned:
+                    del self.state[p]
 
     def _delta(self, m: MatrixParam, local: torch.Tensor, lr: float) -> torch.Tensor:
         """``lr x scale x NS(update)`` of one parameter, cut to this rank's tp shard."""
