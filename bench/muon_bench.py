@@ -142,9 +142,13 @@ def main() -> None:
     p.add_argument("--text-mb", type=float, default=1.5)
     p.add_argument("--speed-iters", type=int, default=10)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of every run (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lrs = [float(x) for x in args.lrs.split(",")]
-    shape = f"{args.n_layers} layers x {args.d_model}, seq {args.seq_len}, micro {args.micro}, byte tokens"
+    shape = (f"{args.n_layers} layers x {args.d_model}, seq {args.seq_len}, micro {args.micro}, byte tokens, "
+             f"{torch.get_num_threads()} torch threads")
     with tempfile.TemporaryDirectory() as tmp:
         prefix = novels_prefix(Path(tmp), args.text_mb)
         runs = {}
