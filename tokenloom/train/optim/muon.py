@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,15 +79,15 @@ def split_params(modules: nn.Module | Iterable[nn.Module], weight_decay: float
     Muon: the decayed matmul weights of :func:`~.adamw.param_groups` but an untied LM head."""
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     decay, no_decay = param_groups(modules, weight_decay)
-    heads = {id(m.lm_head.weight) for mod in modules for m in mod.modules() if isinstance(getattr(m, "lm_head", None),
-                                                                                       nn.Module)}
+    heads = {id(head.weight) for mod in modules for m in mod.modules()
+             if isinstance(head := getattr(m, "lm_head", None), nn.Module) and isinstance(head.weight, torch.Tensor)}
     qkv = {}
     for mod in modules:
         for m in mod.modules():
             if isinstance(m, Attention):
                 tp = getattr(m.tp, "size", 1)
                 qkv[id(m.qkv.weight)] = [n * m.head_dim * tp for n in (m.n_heads, m.n_kv_heads, m.n_kv_heads)]
-    fused = {id(m.weight): list(m.split_sizes) for mod in modules for m in mod.modules()
+    fused = {id(m.weight): list(getattr(m, "split_sizes")) for mod in modules for m in mod.modules()  # noqa: B009
              if getattr(m, "split_sizes", None) and isinstance(getattr(m, "weight", None), torch.Tensor)}
     muon, adam = [], []
     for p in decay["params"]:
@@ -242,12 +243,14 @@ class Muon(torch.optim.Optimizer):
         if not self.shard_state:
             return
         for share_group, size, rank, items in self.shares:
-            for owner in range(size) if size > 1 else ():
+            if share_group is None or size == 1:
+                continue
+            for owner in range(size):
                 src = dist.get_global_rank(share_group, owner)
                 held = [p for p, _, o in items if o == owner]
                 # each state's (key, shape, dtype, on the host?, the value of a 0-dim one): AdamW's step
                 # is a 0-dim host tensor unless fused
-                box = [[[(k, tuple(t.shape), t.dtype, t.device.type == "cpu", t.item() if t.dim() == 0 else None)
+                box: list[Any] = [[[(k, tuple(t.shape), t.dtype, t.device.type == "cpu", t.item() if t.dim() == 0 else None)
                          for k, t in sorted(self.state.get(p, {}).items())] for p in held] if owner == rank else None]
                 dist.broadcast_object_list(box, src=src, group=share_group, device=held[0].device if held else None)
                 for p, entries in zip(held, box[0], strict=True):
@@ -273,7 +276,8 @@ class Muon(torch.optim.Optimizer):
         """``lr x scale x NS(update)`` of each ``(plan, local update)``, cut to this rank's tp shard. The
         matrices of one shape (q, k, v, the experts, like layers) are orthogonalised as one batch."""
         mode, steps = self.cfg.muon_scale, self.cfg.muon_ns_steps
-        prepared = []  # (plan, tp group, tp size, the whole matrices, their step sizes)
+        prepared: list[tuple[MatrixParam, Any, int, list[torch.Tensor], list[float]]] = []
+        # (plan, tp group, tp size, the whole matrices, their step sizes)
         jobs: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         for plan, local in work:
             tp = self.tp_group if plan.tp_dim is not None else None
@@ -281,7 +285,7 @@ class Muon(torch.optim.Optimizer):
             full = local
             if tp_size > 1:
                 shards = all_gather_first_dim(local.unsqueeze(0).contiguous(), tp).unbind(0)
-                full = unshard(shards, plan.tp_dim, plan.split_sizes)
+                full = unshard(shards, int(plan.tp_dim or 0), plan.split_sizes)
             if plan.experts:  # [in, out] each: the scale of the out x in matrix
                 pieces = list(full.unbind(0))
                 scales = [lr * lr_scale(x.size(1), x.size(0), mode) for x in pieces]
@@ -303,6 +307,6 @@ class Muon(torch.optim.Optimizer):
         for (plan, tp, tp_size, _, _), pieces in zip(prepared, done, strict=True):
             delta = (torch.stack(pieces) if plan.experts else torch.cat(pieces, dim=0)).to(plan.param.dtype)
             if tp_size > 1:
-                delta = shard(delta, plan.tp_dim, dist.get_rank(tp), tp_size, plan.split_sizes)
+                delta = shard(delta, int(plan.tp_dim or 0), dist.get_rank(tp), tp_size, plan.split_sizes)
             out.append(delta)
         return out
