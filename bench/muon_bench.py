@@ -109,7 +109,7 @@ def step_share(args, name: str) -> tuple[float, float]:
     model = GPT(model_config(args), device=device)
     cfg = OptimConfig(name=name, muon_ns_dtype="fp32" if args.device == "cpu" else "bf16")
     opt = Muon(*split_params(model, cfg.weight_decay), cfg) if name == "muon" else build_optimizer(model, cfg)
-    tokens = torch.randint(0, 256, (args.micro, args.seq_len + 1), device=device)
+    tokens = torch.randint(0, 256, (args.speed_micro or args.micro, args.seq_len + 1), device=device)
     steps, wholes = [], []
     for i in range(args.speed_iters + 1):
         t0 = time.perf_counter()
@@ -142,6 +142,8 @@ def main() -> None:
     p.add_argument("--text-mb", type=float, default=1.5)
     p.add_argument("--speed-iters", type=int, default=10)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--speed-micro", type=int, default=None, help="micro-batch of the speed rows (default: --micro)")
+    p.add_argument("--speed-only", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads of every run (default: torch's)")
     args = p.parse_args()
     if args.threads:
@@ -149,6 +151,21 @@ def main() -> None:
     lrs = [float(x) for x in args.lrs.split(",")]
     shape = (f"{args.n_layers} layers x {args.d_model}, seq {args.seq_len}, micro {args.micro}, byte tokens, "
              f"{torch.get_num_threads()} torch threads")
+    if not args.speed_only:
+        quality(args, lrs, shape)
+    micro = args.speed_micro or args.micro
+    speed_shape = shape.replace(f"micro {args.micro}", f"micro {micro}")
+    ms, mw = step_share(args, "muon")
+    as_, aw = step_share(args, "adamw")
+    print_table(f"optimizer step's share of a training step at dp 1, {args.device}, {speed_shape} (median of "
+                f"{args.speed_iters}; tokenloom = Muon, baseline = AdamW)",
+                [("optimizer step / training step (Muon target <= 10%)", f"{100 * ms / mw:.1f}%",
+                  f"{100 * as_ / aw:.1f}%", f"{(ms / mw) / (as_ / aw):.3f}x"),
+                 ("optimizer step", f"{ms * 1e3:.2f} ms", f"{as_ * 1e3:.2f} ms", f"{ms / as_:.3f}x")])
+
+
+def quality(args, lrs: list[float], shape: str) -> None:
+    """The steps-to-loss table (the lr sweep of both optimizers)."""
     with tempfile.TemporaryDirectory() as tmp:
         prefix = novels_prefix(Path(tmp), args.text_mb)
         runs = {}
@@ -172,13 +189,6 @@ def main() -> None:
              f"{best['adamw']['step_s'] * 1e3:.1f} ms", f"{best['muon']['step_s'] / best['adamw']['step_s']:.3f}x")]
     print_table(f"Muon vs AdamW, {args.steps} steps on the English novels ({args.text_mb:g} MB), {shape}, "
                 f"{args.device}; sweep: {sweep} (tokenloom = Muon, baseline = AdamW; lower is better)", rows)
-    ms, mw = step_share(args, "muon")
-    as_, aw = step_share(args, "adamw")
-    print_table(f"optimizer step's share of a training step at dp 1, {args.device}, {shape} (median of "
-                f"{args.speed_iters}; tokenloom = Muon, baseline = AdamW)",
-                [("optimizer step / training step (Muon target <= 10%)", f"{100 * ms / mw:.1f}%",
-                  f"{100 * as_ / aw:.1f}%", f"{(ms / mw) / (as_ / aw):.3f}x"),
-                 ("optimizer step", f"{ms * 1e3:.2f} ms", f"{as_ * 1e3:.2f} ms", f"{ms / as_:.3f}x")])
 
 
 if __name__ == "__main__":
