@@ -17,11 +17,14 @@ transpose-equivariant, so the update is the same as orthogonalising the ``out x 
 
 Layouts: Newton–Schulz needs each whole matrix.
 
-* dp: matrices are assigned to the dp ranks whole, balanced by size (:func:`assign`, largest
-  first onto the least-loaded rank); each rank orthogonalises its own, then each owner broadcasts
-  its updates over dp (megatron-core's layer-wise scheme). Momentum is elementwise and stays
-  replicated (as AdamW's moments do without ZeRO-1). Experts at ep > 1 are shared over the
-  expert-data-parallel group instead, the ranks holding the same experts.
+* dp: tensors are assigned to the dp ranks whole, balanced by size (:func:`assign`, largest first
+  onto the least-loaded rank); each rank orthogonalises its own, then each owner broadcasts their
+  new values over dp (megatron-core's layer-wise scheme). Momentum stays replicated (as AdamW's
+  moments do without ZeRO-1). Experts at ep > 1 are shared over the expert-data-parallel group.
+* zero1 (``shard_state``): over DDP's all-reduced grads, the AdamW tensors are assigned too and
+  only each tensor's owner keeps (and steps) its state: ZeRO-1 by whole tensors, not
+  :mod:`.zero`'s flat buckets. A save first copies every state to every rank
+  (:meth:`Muon.replicate_state`), so the files are those of an unsharded run.
 * tp (``muon_tp_mode`` duplicated, the default): the momentum-updated shards are all-gathered
   over tp (fused blocks put back in one-process order, :func:`~tokenloom.train.parallel.layers.unshard`),
   orthogonalised whole on every tp rank, and each keeps its shard: exactly the one-process update.
