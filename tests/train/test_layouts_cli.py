@@ -40,6 +40,10 @@ LAYOUTS = {
     "dp1_tp1_pp2_vpp2_megatron": (2, ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
                                   dict(pp=2, vpp=2)),
     "dp2_tp1_pp1_zero1": (2, ["--use-distributed-optimizer"], dict(zero1=True)),
+    "dp2_tp1_pp1_zero1_muon": (2, ["--zero1", "--optimizer", "muon", "--muon-momentum", "0.9", "--muon-num-ns-steps",
+                                   "4", "--muon-tp-mode", "blockwise"],
+                               dict(zero1=True, optim=dict(name="muon", muon_momentum=0.9, muon_ns_steps=4,
+                                                           muon_tp_mode="blockwise"))),
     "dp2_tp1_pp1_fsdp": (2, ["--fsdp"], dict(fsdp=True)),  # the fsdp layouts: parallel/test_fsdp.py
     "dp2_tp2_pp1_fsdp_megatron": (4, ["--tp", "2", "--use-megatron-fsdp"], dict(tp=2, fsdp=True)),
     "cp2": (2, ["--cp", "2"], dict(cp=2)),  # the cp layouts: parallel/test_context.py
@@ -121,6 +125,22 @@ def test_expert_parallel_with_zero1_through_the_cli_equals_one_process(tmp_path)
     one = read_losses(train(tmp_path, "moe_ref", None, [], moe=True) / "metrics.jsonl")
     flags = ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
     losses = read_losses(train(tmp_path, "ep2_zero1", 2, flags, moe=True) / "metrics.jsonl")
+    assert len(losses) == len(one) == 20
+    assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two cli.py runs (one process, then two ranks), each within run_cli's 280 s
+def test_muon_with_zero1_through_the_cli_equals_one_process(tmp_path):
+    """--optimizer muon with the distributed optimizer (dp 2: Muon's whole-tensor state sharding),
+    launched through torchrun, logs the one-process Muon run's losses (Newton-Schulz in fp32, so
+    the dp reduction's rounding cannot flip a bf16 rounding); both runs' configs say muon. The
+    other Muon layouts are proven in-process by optim/test_muon_layouts.py."""
+    fp32 = ["--optimizer", "muon", "--set", "optim.muon_ns_dtype=fp32"]
+    ref = train(tmp_path, "muon_ref", None, fp32)
+    out = train(tmp_path, "muon_zero1", 2, ["--use-distributed-optimizer", *fp32])
+    one, losses = read_losses(ref / "metrics.jsonl"), read_losses(out / "metrics.jsonl")
+    assert all(json.loads((d / "config.json").read_text())["optim"]["name"] == "muon" for d in (ref, out))
     assert len(losses) == len(one) == 20
     assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < TOL
 

@@ -41,7 +41,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=lambda: DataConfig(mock=train_data.MockDataConfig()))
     """Training data: data.mock (synthetic) or data.blend (weighted .bin/.idx prefixes)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """AdamW, learning-rate schedule and gradient clipping."""
+    """The optimizer (AdamW or Muon), learning-rate schedule and gradient clipping."""
     micro_batch_size: int = 4
     """Sequences per forward/backward on one rank."""
     global_batch_size: int = 32
@@ -103,6 +103,9 @@ class TrainConfig:
     """Resume with a learning-rate schedule (train_iters, optim.lr, min_lr, warmup, decay) other than the
     checkpoint's: the rate follows the new schedule from the resume step on. False: such a resume is refused
     naming the old and new values (Megatron's --override-opt_param-scheduler)."""
+    force_optimizer: bool = False
+    """Resume a checkpoint trained with another optim.name (adamw <-> muon): its optimizer state is dropped
+    and every parameter starts with fresh moments. False: such a resume is refused in one line."""
     tokenizer: str | None = None
     """Tokenizer path (or "byte"), stored in checkpoints so generate can decode."""
     seed: int = 1234
@@ -239,6 +242,14 @@ class TrainConfig:
             raise TokenloomError(f"compile must be true, false or auto, got {self.compile!r}")
         if self.sp and self.tp < 2:
             raise TokenloomError("sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
+        if self.optim.name == "muon" and self.fsdp:
+            raise TokenloomError("optim.name muon (--optimizer muon) runs with data (and zero1), tensor (+ sequence), "
+                                 "pipeline, context and expert parallelism in this version; fsdp is not supported "
+                                 "with it yet")
+        if self.optim.name == "muon" and self.zero1 and (self.overlap_grad_reduce is not None
+                                                         or self.overlap_param_gather is not None):
+            raise TokenloomError("overlap_grad_reduce and overlap_param_gather are ZeRO-1 AdamW's; Muon's zero1 "
+                                 "reduces by DDP and broadcasts whole tensors: leave them unset with optim.name muon")
 
     @property
     def pipeline_split(self) -> PipelineSplit:
@@ -421,6 +432,16 @@ SCHEDULE_KEYS = ("train_iters", "optim.lr", "optim.min_lr", "optim.warmup_iters"
 """Settings that shape the learning rate of each step: a resume keeps them unless
 ``override_opt_param_scheduler`` (Megatron refuses a scheduler mismatch the same way). A key the
 config has no field for is skipped."""
+
+
+def check_resumable_optimizer(path: str | os.PathLike, cfg: TrainConfig, saved_config: dict) -> None:
+    """Refuse, in one line, a resume of the checkpoint at ``path`` with another ``optim.name`` than its
+    saved config's (one from before the field trained AdamW), unless ``cfg.force_optimizer``."""
+    old = saved_config.get("optim", {}).get("name", "adamw")
+    if old != cfg.optim.name and not cfg.force_optimizer:
+        raise TokenloomError(f"{path} was trained with optimizer {old}, this run asks for {cfg.optim.name} "
+                             f"(--optimizer); resume with --optimizer {old}, or pass --force-optimizer to start the "
+                             "optimizer state fresh")
 
 
 def check_resumable_schedule(path: str | os.PathLike, cfg: TrainConfig, saved_config: dict) -> None:

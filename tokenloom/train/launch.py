@@ -624,6 +624,8 @@ FLAG_KEYS = {
     "moe_router_load_balancing_type": "model.moe_router_load_balancing_type",
     "moe_aux_loss_coeff": "model.moe_aux_loss_coeff", "moe_z_loss_coeff": "model.moe_z_loss_coeff",
     "moe_grouped_gemm": "model.moe_grouped_gemm", "moe_token_dispatcher_type": "model.moe_token_dispatcher_type",
+    "optimizer": "optim.name", "muon_momentum": "optim.muon_momentum", "muon_num_ns_steps": "optim.muon_ns_steps",
+    "muon_tp_mode": "optim.muon_tp_mode", "force_optimizer": "force_optimizer",
     "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2",
     "adam_eps": "optim.eps", "lr_decay_style": "optim.decay_style",
     "lr_wsd_decay_iters": "optim.wsd_decay_iters", "lr_wsd_decay_style": "optim.wsd_decay_style", "tensorboard_dir": "tensorboard_dir",

@@ -30,6 +30,7 @@ from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import (
     TrainConfig,
     check_resumable_model,
+    check_resumable_optimizer,
     check_resumable_schedule,
     config_to_dict,
 )
@@ -165,6 +166,7 @@ def check_resume(cfg: TrainConfig) -> None:
     saved = state["config"]
     check_resumable_model(path, cfg, saved["model"])
     check_resumable_schedule(path, cfg, saved)
+    check_resumable_optimizer(path, cfg, saved)
     if cfg.force_data or saved.get("data") is None:
         return
     # a checkpoint with a data history continues each source exactly under other weights or sources

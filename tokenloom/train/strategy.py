@@ -68,6 +68,7 @@ from tokenloom.train.optim.adamw import (
     param_groups,
     use_fused,
 )
+from tokenloom.train.optim.muon import Muon, split_params
 from tokenloom.train.optim.zero import ZeroAdamW
 from tokenloom.train.parallel import fsdp
 from tokenloom.train.parallel.context import loss_scale, take_local
@@ -175,6 +176,8 @@ class Strategy:
         for chunk in self.chunks:  # MoE auxiliary losses weigh as the loss does (divided by micro-batches)
             chunk.set_aux_loss_scale(1.0 / self.num_micro)
         self.fsdp_group = self._shard_fully() if cfg.fsdp else None
+        self.zero_adamw = cfg.zero1 and cfg.optim.name == "adamw"
+        """ZeRO-1 by :class:`ZeroAdamW` (Muon's zero1 shards by whole tensors in :class:`Muon`, over DDP)."""
         """The group ``fsdp`` shards over (the dp group; None: not sharded, or one process without
         ``torch.distributed``, where nothing is sharded and the run is the plain one)."""
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
@@ -195,7 +198,7 @@ class Strategy:
         if self.compile and self.fsdp_group is None:
             for chunk in self.chunks:
                 chunk.compile_blocks()
-        self.ddps = self._wrap_ddp() if st.dp_cp_size > 1 and not (cfg.zero1 or cfg.fsdp) else []
+        self.ddps = self._wrap_ddp() if st.dp_cp_size > 1 and not (self.zero_adamw or cfg.fsdp) else []
         # the loss of the last stage reaches every rank from here (tp 0, dp 0, last pp rank)
         self.loss_src = st.layout.rank_of(0, 0, cfg.pp - 1)
         self._per_source: SourceLosses | None = None  # where the running global batch's last stage adds
@@ -282,6 +285,13 @@ class Strategy:
 
     def _build_optimizer(self):
         cfg, st, o = self.cfg, self.state, self.cfg.optim
+        if o.name == "muon":  # the config refuses fsdp with it (not built yet)
+            # zero1: DDP's all-reduced grads, each rank stepping and keeping the state of the whole
+            # tensors it owns, broadcasting their new values (megatron-core's layer-wise optimizer)
+            matrices, groups = split_params(self.chunks, o.weight_decay)
+            return Muon(matrices, groups, o, dp_group=st.dp_cp_group if st.dp_cp_size > 1 else None,
+                        expert_dp_group=st.expert_dp_group if cfg.ep > 1 else None,
+                        tp_group=st.tp_group if cfg.tp > 1 else None, shard_state=cfg.zero1)
         if not cfg.zero1:
             return build_optimizer(self.chunks, o)
         groups = param_groups(self.chunks, o.weight_decay)
@@ -417,7 +427,7 @@ class Strategy:
             total = self._run(self.ddps, batches, False, no_sync=[ddp.no_sync for ddp in self.ddps],
                               per_source=per_source)
         else:
-            overlap = self.cfg.zero1 and self.optimizer.overlap  # launches its buckets from the last backward
+            overlap = self.zero_adamw and self.optimizer.overlap  # launches its buckets from the last backward
             total = self._run(self.chunks, batches, False, no_sync=self.optimizer.no_sync if overlap else None,
                               per_source=per_source)
         self.train_time += self.last_stats
@@ -432,7 +442,7 @@ class Strategy:
         cfg, st = self.cfg, self.state
         if self.fsdp_group is not None:
             return self._finish_sharded_grads_and_step()
-        if cfg.zero1:  # the sums on the reduced shard: each rank sums only the pieces it steps
+        if self.zero_adamw:  # the sums on the reduced shard: each rank sums only the pieces it steps
             self.optimizer.finish_grad_sync()
             if cfg.sp:
                 self.optimizer.all_reduce_grads([p for p in self.params if is_sequence_parallel(p)], st.tp_group)
@@ -579,7 +589,7 @@ class Strategy:
         (``overlap_param_gather``; a forward waits for them by itself), or free FSDP's gathered
         parameters (each module holds its shards again): before the parameters are read or
         written outside a training or eval forward. A no-op for other layouts."""
-        if self.cfg.zero1:
+        if self.zero_adamw:
             self.optimizer.finish_param_sync()
         if self.fsdp_group is not None:  # the chunks' own parameters stay gathered after a forward
             fsdp.reshard(self.chunks)
@@ -589,20 +599,28 @@ class Strategy:
         :attr:`saver`: in the background unless ``async_save`` is off (then complete on return).
         Waits for the previous save's write first and raises its failure."""
         self.finish_param_sync()
-        return reshard.save(self, iteration, state, self.saver)
+        if not isinstance(self.optimizer, Muon):
+            return reshard.save(self, iteration, state, self.saver)
+        self.optimizer.replicate_state()  # zero1: each owner's state to every rank, written as unsharded
+        try:
+            return reshard.save(self, iteration, state, self.saver)
+        finally:
+            self.optimizer.drop_unowned_state()
 
     def load(self, path: Path, saved: dict) -> None:
         """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank: any
         layout's, in any format, an earlier tokenloom's included (:mod:`tokenloom.train.checkpoint.reshard`)."""
         self.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
         reshard.load(self, path, saved)
+        if isinstance(self.optimizer, Muon):  # zero1: every parameter's state was loaded; keep the owned
+            self.optimizer.drop_unowned_state()
 
     # ------------------------------------------------------------------ model facts
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (AdamW moments and steps; ZeRO-1: its
         shard of them, :meth:`ZeroAdamW.state_bytes`); zero before the first step."""
-        if self.cfg.zero1:
+        if self.zero_adamw:
             return self.optimizer.state_bytes()
         return sum(fsdp.local(t).numel() * t.element_size() for state in self.optimizer.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor))

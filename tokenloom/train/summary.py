@@ -18,6 +18,7 @@ from tokenloom.train.kernels import choose_compile, resolve_mode
 from tokenloom.train.model.config import ARCH_FEATURES, GPTConfig
 from tokenloom.train.model.gpt import GPT
 from tokenloom.train.optim.adamw import OptimConfig
+from tokenloom.train.optim.muon import split_params
 from tokenloom.train.runtime import bf16_over_fp32_speed, cpu_bf16_native
 
 
@@ -86,6 +87,7 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
         f"{_count(tokens_per_step * cfg.train_iters)} tokens",
         f"schedule  lr {o.lr:g}, linear warmup {o.warmup_iters} steps, {_decay(o, decay)}; "
         f"weight decay {o.weight_decay:g}, grad clip {o.grad_clip:g}",
+        f"optimizer {_optimizer(meta, o)}",
         (f"eval      {cfg.eval_iters} global batches ({cfg.eval_iters * cfg.global_batch_size} samples) "
          f"every {cfg.eval_interval} steps, at the end{' and before the first step' if facts.resumed_at == 0 else ''}"
          f": {evals} evaluations" if cfg.eval_interval else "eval      off (eval_interval 0)"),
@@ -95,6 +97,24 @@ def startup_summary(cfg: TrainConfig, facts: RunFacts) -> str:
     if facts.resumed_at:
         lines.append(f"resume    from iteration {facts.resumed_at}")
     return "\n".join(lines + [f"warning: {w}" for w in regrets(cfg, facts)])
+
+
+def _optimizer(meta: GPT, o: OptimConfig) -> str:
+    """Which parameters take which optimizer, with their counts (:func:`~tokenloom.train.optim.muon.split_params`)."""
+    if o.name == "adamw":
+        return f"AdamW for every parameter (betas {o.beta1:g}, {o.beta2:g}, eps {o.eps:g})"
+    matrices, groups = split_params(meta, o.weight_decay)
+    names = {id(p): n for n, p in meta.named_parameters()}
+    kinds = sorted({names[id(m.param)].rsplit(".", 1)[0].split(".", 2)[-1] for m in matrices})
+    adam = [p for g in groups for p in g["params"]]
+    adam_kinds = sorted({names[id(p)].split(".")[0] if not names[id(p)].startswith("blocks.") else
+                         names[id(p)].split(".", 2)[-1] for p in adam})
+    count = sum(len(m.parts or [1]) if not m.experts else m.param.shape[0] for m in matrices)
+    return (f"Muon for {len(matrices)} tensors ({count} matrices, {_count(sum(m.param.numel() for m in matrices))} "
+            f"parameters: {', '.join(kinds)}; lr {o.muon_lr or o.lr:g}, momentum {o.muon_momentum:g}"
+            f"{' nesterov' if o.muon_nesterov else ''}, {o.muon_ns_steps} Newton-Schulz steps in {o.muon_ns_dtype}, "
+            f"{o.muon_scale} scaling); AdamW for {len(adam)} tensors ({_count(sum(p.numel() for p in adam))} "
+            f"parameters: {', '.join(adam_kinds)})")
 
 
 def _decay(o: OptimConfig, decay: int) -> str:

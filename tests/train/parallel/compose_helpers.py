@@ -36,11 +36,12 @@ STEPS = 20
 
 def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zero1: bool = False,
              weight_decay: float = 0.1, dropout: float = 0.0, recompute: bool = False, moe: bool = False,
-             dispatcher: str = "alltoall", **kw: Any) -> TrainConfig:
+             dispatcher: str = "alltoall", optim: dict | None = None, **kw: Any) -> TrainConfig:
     """4 layers, d_model 32, seq 16, vocab 64; no biases (see pp_helpers' note on the key
     bias); global batch 8 of micro-batches of 2; clipping (0.5) active in early steps. ``moe``:
     blocks 0 and 2 mixture-of-experts (4 experts 64 wide, top-2, balance and z losses on, tokens
-    reaching the experts by ``dispatcher`` at ep > 1)."""
+    reaching the experts by ``dispatcher`` at ep > 1). ``optim``: OptimConfig fields over these
+    (e.g. ``name="muon"``)."""
     experts = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_layer_freq=2,
                    moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_token_dispatcher_type=dispatcher) if moe else {}
     model = GPTConfig(bias=False, vocab_size=64, make_vocab_size_divisible_by=64, seq_len=16, n_layers=4,
@@ -48,9 +49,9 @@ def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zer
                       **experts)
     data = DataConfig(mock=MockDataConfig(num_sequences=400, max_length=40, content="random"))
     # MoE: a lower peak lr, so that no token's top-k sits on a near-tie that rounding could flip
-    optim = OptimConfig(lr=3e-3 if moe else 1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay,
-                        grad_clip=0.5)
-    base = dict(model=model, data=data, optim=optim, micro_batch_size=2, global_batch_size=8,
+    optim_cfg = OptimConfig(**{**dict(lr=3e-3 if moe else 1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay,
+                                      grad_clip=0.5), **(optim or {})})
+    base = dict(model=model, data=data, optim=optim_cfg, micro_batch_size=2, global_batch_size=8,
                 train_iters=STEPS, eval_interval=10, eval_iters=2, log_interval=1, save_interval=None, plot=False,
                 progress=False, dist_timeout_s=60.0, output_dir=str(out), tp=tp, pp=pp, vpp=vpp, zero1=zero1)
     base.update(kw)
@@ -134,7 +135,7 @@ def train(rank: int, *, out: str, **kw: Any) -> dict[str, Any]:
     chunks = trainer.strategy.chunks
     sizes = {"state_bytes": trainer.strategy.optimizer_state_bytes(),
              "numel": sum(p.numel() for p in trainer.strategy.params),
-             "zero_shard": (opt.shard_size, len(opt.main_shards)) if cfg.zero1 else None,
+             "zero_shard": (opt.shard_size, len(opt.main_shards)) if hasattr(opt, "main_shards") else None,
              "chunks_compiled": (sum(any(c is m for m in compiled) for c in chunks), len(chunks)),
              "expert_grads": expert_grads(chunks)}
     if rank != 0:

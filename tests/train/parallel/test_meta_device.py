@@ -3,7 +3,7 @@ acceptance 3; issue 43's expert-parallel layouts too): model and strategy constr
 evaluation and a checkpoint save. A tensor made anywhere in the run without naming the run's
 device would be a ``meta`` tensor, and the run would crash (a collective, ``.item()`` or data on
 ``meta``) or log losses that differ from the plain one-process run's (the MoE one-process run's
-for the MoE layouts).
+for the MoE layouts, the one-process Muon runs for the Muon layouts).
 
 Two launches (2 and 4 gloo ranks), so ``slow``."""
 
@@ -14,6 +14,7 @@ from compose_helpers import launch, launches_timeout, logged_losses, reference
 
 STEPS = 4
 RUN = dict(train_iters=STEPS, eval_interval=2, save_interval=2)
+MUON = {"name": "muon", "muon_ns_dtype": "fp32"}
 
 LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp, pp)
     "dp2_tp1_pp1": (2, {}),
@@ -46,16 +47,24 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     # one-process MoE run
     "ep2_tp2_sp_zero1": (4, dict(moe=True, ep=2, tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=0.02)),
     "ep2_pp2_zero1": (4, dict(moe=True, ep=2, pp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
+    # Muon (issue 51): updates broadcast by their owner over dp, tp shards gathered, experts shared over
+    # the expert-data-parallel group, against the one-process Muon runs
+    "muon_dp2": (2, dict(optim=MUON)),
+    "muon_ep2": (2, dict(moe=True, ep=2, optim=MUON)),
+    "muon_dp2_tp2_sp": (4, dict(tp=2, sp=True, optim=MUON)),
+    "muon_tp2_pp2": (4, dict(tp=2, pp=2, optim=MUON)),
 }
 
-pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS), references=2)]
+pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS), references=4)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("meta")
     out = {"reference": reference(tmp / "reference", **RUN)["losses"],
-           "reference_moe": reference(tmp / "reference_moe", moe=True, **RUN)["losses"]}
+           "reference_moe": reference(tmp / "reference_moe", moe=True, **RUN)["losses"],
+           "reference_muon": reference(tmp / "reference_muon", optim=MUON, **RUN)["losses"],
+           "reference_moe_muon": reference(tmp / "reference_moe_muon", moe=True, optim=MUON, **RUN)["losses"]}
     for world in (2, 4):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
         scenarios = [("train_on_meta", dict(out=str(tmp / n), **LAYOUTS[n][1], **RUN)) for n in names]
@@ -67,6 +76,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_runs_with_meta_default_device(runs, name):
-    losses, ref = runs[name], runs["reference_moe" if LAYOUTS[name][1].get("moe") else "reference"]
+    kw = LAYOUTS[name][1]
+    losses, ref = runs[name], runs["reference" + ("_moe" if kw.get("moe") else "") + ("_muon" if "optim" in kw else "")]
     assert len(losses) == len(ref) == STEPS
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-5

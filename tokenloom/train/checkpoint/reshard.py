@@ -39,6 +39,7 @@ from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.checkpoint import format as ckpt_format
 from tokenloom.train.model.gpt import GPT
 from tokenloom.train.optim.adamw import param_groups
+from tokenloom.train.optim.zero import ZeroAdamW
 from tokenloom.train.parallel import fsdp
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
     experts: gathered whole over the ep group (collective), so the files hold every expert under its
     one-process name and any ep loads them; ZeRO-1's pieces of them are not gathered, their
     element ranges moved to where this rank's experts sit in the whole tensor."""
-    zero, sharded = run.cfg.zero1, run.fsdp_group is not None
+    zero, sharded = isinstance(run.optimizer, ZeroAdamW), run.fsdp_group is not None
     own = run.optimizer.own_param_states() if zero else []
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
     out = []
@@ -215,6 +216,8 @@ def load(run, path: Path, state: dict) -> None:
     params, optim = ckpt_format.read_any(path, state, set(named), order=lambda: optimizer_order(run.cfg.model),
                                          split=lambda name: split_info(run, name, named[name]),
                                          tp_rank=st.tp_rank, tp_size=st.tp_size)
+    if state.get("config", {}).get("optim", {}).get("name", "adamw") != run.cfg.optim.name:
+        optim = {}  # another optimizer's state (a resume with force_optimizer): every parameter starts fresh
     load_params(run, params, optim, str(path), sharded=True)
     rng = path / f"rng_rank{st.rank}.pt"
     if same and rng.exists():
@@ -233,8 +236,9 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
     states by the same names, alike (the parameters without one, or all when it is empty, start
     with fresh moments). ``where`` names the source in errors. The parameter part of
     :func:`load`, also used to start from a Hugging Face model (:mod:`tokenloom.train.checkpoint.hf`)."""
-    cfg, st = run.cfg, run.state
-    zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if cfg.zero1 else {}
+    st = run.state
+    zero = isinstance(run.optimizer, ZeroAdamW)
+    zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
     zero_states: list[dict[str, torch.Tensor] | None] = [None] * len(zero_index)
     tp_rank, tp = st.tp_rank, st.tp_size
     done = set()
@@ -259,13 +263,13 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
         held.copy_(value)
         if name not in optim:
             continue
-        if cfg.zero1:
+        if zero:
             if id(p) in zero_index:  # a trainable parameter (the only ones ZeRO-1 holds)
                 zero_states[zero_index[id(p)]] = {k: local(v) for k, v in optim[name].items()}
         else:  # the parameter is the plain AdamW's master copy: a ZeRO-1 master_param is not kept
             run.optimizer.state[p] = {k: fsdp.like(p, local(v)) for k, v in optim[name].items()
                                       if k != "master_param"}
-    if cfg.zero1:
+    if zero:
         run.optimizer.load_param_states(zero_states)
 
 

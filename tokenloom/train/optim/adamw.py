@@ -37,7 +37,13 @@ from tokenloom.errors import TokenloomError
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """AdamW, warmup + decay (cosine, linear or constant), gradient clipping."""
+    """AdamW or Muon, warmup + decay (cosine, linear or constant), gradient clipping."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    """The optimizer (Megatron's --optimizer): adamw for every parameter, or muon for the hidden
+    matrices (attention and MLP projections, router, each expert's; each of a fused qkv's Q, K, V on
+    its own) and AdamW (beta1, beta2, eps, weight_decay) for embeddings, an untied LM head, biases and
+    norms. See tokenloom.train.optim.muon."""
 
     lr: float = 6e-4
     """Peak learning rate (reached after warmup)."""
@@ -68,6 +74,27 @@ class OptimConfig:
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     fused: bool | None = None
     """Fused AdamW kernel: None uses it where torch has one for the device (CPU, CUDA), False never."""
+    muon_lr: float | None = None
+    """Muon's peak learning rate (the schedule scales it like lr); None: lr (with match_rms_adamw
+    scaling AdamW's rate fits Muon, Moonshot's finding)."""
+    muon_weight_decay: float | None = None
+    """Muon's decoupled weight decay; None: weight_decay."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Megatron's --muon-momentum)."""
+    muon_nesterov: bool = True
+    """Nesterov momentum for Muon (Megatron's --muon-use-nesterov)."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations (quintic, Keller Jordan's coefficients; Megatron's --muon-num-ns-steps)."""
+    muon_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon's step size per A x B (out x in) matrix: match_rms_adamw (0.2 sqrt(max(A, B)), the update RMS of
+    AdamW, Moonshot's) or original (sqrt(max(1, A / B)), Keller Jordan's)."""
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    """The precision of the Newton-Schulz matmuls: bf16 (torch.optim.Muon's) or fp32 (slower on GPUs,
+    less rounding)."""
+    muon_tp_mode: Literal["duplicated", "blockwise"] = "duplicated"
+    """At tp > 1: duplicated gathers each tp-split matrix and orthogonalises it whole on every tp rank
+    (the one-process update, Megatron's duplicated mode); blockwise orthogonalises each rank's shard
+    alone (no communication, NOT the one-process update)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -75,6 +102,20 @@ class OptimConfig:
                                  f"min_lr={self.min_lr}")
         if self.warmup_iters < 0 or self.grad_clip < 0:
             raise TokenloomError("optim.warmup_iters and optim.grad_clip must be >= 0")
+        if self.name not in ("adamw", "muon"):
+            raise TokenloomError(f"optim.name (--optimizer) must be adamw or muon, got {self.name!r}")
+        if self.name == "muon":
+            if self.muon_lr is not None and self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1:
+                raise TokenloomError(f"need optim.muon_lr > 0 and 0 <= optim.muon_momentum < 1, got muon_lr="
+                                     f"{self.muon_lr}, muon_momentum={self.muon_momentum}")
+            if self.muon_ns_steps < 1 or self.muon_ns_steps >= 100:
+                raise TokenloomError(f"optim.muon_ns_steps must be in 1..99, got {self.muon_ns_steps}")
+            choices = (("muon_scale", ("match_rms_adamw", "original")), ("muon_ns_dtype", ("bf16", "fp32")),
+                       ("muon_tp_mode", ("duplicated", "blockwise")))
+            for key, allowed in choices:
+                if getattr(self, key) not in allowed:
+                    raise TokenloomError(f"optim.{key} must be one of {', '.join(allowed)}, got "
+                                         f"{getattr(self, key)!r}")
         if self.decay_style not in DECAY_STYLES:
             raise TokenloomError(f"optim.decay_style must be one of {', '.join(DECAY_STYLES)}, got "
                                  f"{self.decay_style!r}")
