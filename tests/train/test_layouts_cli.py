@@ -130,7 +130,7 @@ def test_expert_parallel_with_zero1_through_the_cli_equals_one_process(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # two cli.py runs (one process, then two ranks), each within run_cli's 280 s
+@pytest.mark.timeout(900)  # two cli.py runs (one process, then two ranks), each within run_cli's 280 s
 def test_muon_with_zero1_through_the_cli_equals_one_process(tmp_path):
     """--optimizer muon with the distributed optimizer (dp 2: Muon's whole-tensor state sharding),
     launched through torchrun, logs the one-process Muon run's losses (Newton-Schulz in fp32, so
