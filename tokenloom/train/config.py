@@ -125,6 +125,11 @@ class TrainConfig:
     25), in every layout."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a dead or stalled rank makes the others fail after at most this."""
+    hang_timeout_s: float | None = None
+    """Seconds without a finished step after which a rank's watchdog dumps its Python stacks into its
+    log and ends it, so that torchrun's restarts (train --max-restarts) take over; None: 10 times the
+    slowest iteration so far (step, evaluation, checkpoint copy), at least 60 s, armed after the first
+    step. Active under ``train --nproc-per-node`` or when set. See tokenloom.train.faults."""
     metrics_path: str | None = None
     """Metrics JSONL; None means OUTPUT_DIR/metrics.jsonl."""
     tensorboard_dir: str | None = None
@@ -201,6 +206,8 @@ class TrainConfig:
             raise TokenloomError("resume must be 'auto', a checkpoint path, or None")
         if self.gc_interval < 0:
             raise TokenloomError(f"gc_interval must be >= 0, got {self.gc_interval}")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise TokenloomError(f"hang_timeout_s (--hang-timeout) must be > 0, got {self.hang_timeout_s}")
         if self.tp < 1 or self.pp < 1 or self.cp < 1:
             raise TokenloomError(f"tp, cp and pp must be >= 1, got tp={self.tp} cp={self.cp} pp={self.pp}")
         if self.ep < 1:

@@ -77,6 +77,7 @@ from tqdm import tqdm
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
+from tokenloom.train import faults
 from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.checkpoint import hf
 from tokenloom.train.config import (
@@ -174,6 +175,10 @@ class Trainer:
         if self.resumed_from is not None:  # a mark in loss.png
             self._record({"iter": self.iteration, "resumed_from": str(self.resumed_from),
                           "blend_changed": self.data.blend_changed})
+        self._restarts: list[dict] = []  # this restart's records, logged after its first step (restart_s)
+        if world.rank == 0 and (restart := faults.restart_count()) > 0:
+            self._restarts = [r for r in faults.wait_for_records(faults.log_dir(), restart)
+                              if r.get("restart") == restart]
 
     @property
     def metrics_path(self) -> Path:
@@ -321,6 +326,9 @@ class Trainer:
         except BaseException:
             self._drop_save()
             raise
+        finally:
+            if (progress := getattr(self, "_progress", None)) is not None:
+                progress.close()  # the watchdog watches the steps only
 
     @contextlib.contextmanager
     def _stop_on_signal(self) -> Iterator[StopOnSignal | None]:
@@ -357,6 +365,8 @@ class Trainer:
             # The starting point of the validation curve (eval mode: no RNG is consumed).
             self._validate()
         timer.start()
+        self._progress = faults.Progress(world.rank, self.iteration, cfg.hang_timeout_s,
+                                         enabled=faults.log_dir() is not None or cfg.hang_timeout_s is not None)
         while self.iteration < cfg.train_iters:
             lr = lr_at(self.iteration, cfg.optim, cfg.train_iters)
             set_lr(s.optimizer, lr)
@@ -394,6 +404,11 @@ class Trainer:
                       f"{last['checkpoint']}; resume with: "
                       f"{resume_command(str(Path(cfg.output_dir) / 'config.json'), world.size)}",
                       file=sys.stderr, flush=True)
+            self._progress.step(self.iteration)
+            for record in self._restarts:  # the first step after a restart: how long the restart took
+                self._record({"iter": record["resumes_from"], **record,
+                              "restart_s": round(time.time() - record["failed_at"], 3)})
+            self._restarts = []
             yield self.iteration
             if self._exited:
                 break
@@ -419,8 +434,9 @@ class Trainer:
                 except OSError as exc:
                     print(f"warning: no loss plot: {os_error_message(OSError(exc.errno, exc.strerror), png)}",
                           file=sys.stderr, flush=True)
+        restarts = faults.read_records(faults.log_dir()) if faults.restart_count() > 0 else []
         return {"iteration": self.iteration, "exited": self._exited, **last, **self._timer.summary(),
-                "saves": self._save_reports}
+                "saves": self._save_reports, "restarts": restarts}
 
     def _log_train(self, mean_loss: torch.Tensor, norm: torch.Tensor, lr: float, bar) -> float:
         loss = self.strategy.loss_for_log(mean_loss, "loss reduction")
