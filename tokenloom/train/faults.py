@@ -31,6 +31,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -44,8 +45,20 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 RESTARTS = "restarts.jsonl"
 HANG_EXIT = 3
 """Exit status of a rank ended by its watchdog."""
+HANG_LINGER_S = 3.0
+"""How long a rank whose watchdog fired waits before it exits: its peers' watchdogs fire too, and
+the launcher has them dump their stacks (:data:`DUMP_SIGNAL`) before a peer's exit breaks their
+collective."""
+DUMP_SIGNAL = signal.SIGUSR1
+"""Each rank dumps every thread's Python stack into its log on this signal (:func:`dump_on_signal`)."""
 HANG_MIN_S = 60.0
 HANG_STEPS = 10.0
+
+
+def dump_on_signal() -> None:
+    """Dump every thread's Python stack to stderr on :data:`DUMP_SIGNAL` (faulthandler's C handler:
+    it works while the main thread is blocked in a collective)."""
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
 
 
 def restart_count() -> int:
@@ -172,6 +185,7 @@ class Watchdog:
         print(f"error: rank {self.rank}: no step finished within {self.limit():.0f} s after iteration "
               f"{self._iteration} (hang timeout; stacks above)", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        time.sleep(HANG_LINGER_S)
         os._exit(HANG_EXIT)
 
 

@@ -454,6 +454,9 @@ class RankWatch:
             return
         if self.hang is None:
             self.hang = (now, "", [])
+            for rank, state in self.ranks.items():  # every live rank's stacks into its log
+                if rank not in hung and state.failed_at is None:
+                    _kill(state.pid, faults.DUMP_SIGNAL)
         silent = sorted(r for r, s in self.ranks.items() if r not in hung and process_alive(s.pid))
         if silent and now - self.hang[0] < HANG_GRACE_S:
             return
@@ -604,6 +607,7 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     if rank != 0:
         os.dup2(fd, 1)
     os.close(fd)
+    faults.dump_on_signal()
     attempt = faults.restart_count()
     os.environ[faults.LOG_DIR_ENV] = str(log_dir)
     for stale in (f"rank{rank}.done", f"rank{rank}.hang", f"rank{rank}.step"):  # the previous attempt's
