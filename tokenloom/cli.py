@@ -496,6 +496,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--eval-iters", type=int, help=_help(_TRAIN, "eval_iters"))
 @click.option("--log-interval", type=int, help=_help(_TRAIN, "log_interval"))
 @click.option("--save-interval", type=int, help=_help(_TRAIN, "save_interval"))
+@click.option("--local-save-interval", type=int, help=_help(_TRAIN, "local_save_interval"))
+@click.option("--local-save-dir", help=_help(_TRAIN, "local_save_dir"))
 @click.option("--hang-timeout", "hang_timeout", type=float, help=_help(_TRAIN, "hang_timeout_s"))
 @click.option("--bf16", "precision", flag_value="bf16", default=None, help="bf16 autocast (precision=bf16).")
 @click.option("--output-dir", help=_help(_TRAIN, "output_dir"))

@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tl_testing import REPO, cli_env, limit_s
+from tl_testing import REPO, cli_env, fault_env, limit_s
 
 from tokenloom.indexed import IndexedDatasetWriter, manifest
+from tokenloom.train import faults
 from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.checkpoint import format as ckpt_format
 from tokenloom.train.launch import process_alive
@@ -29,7 +30,6 @@ from tokenloom.train.launch import process_alive
 # sized by the work: an in-process reference (~15 s), the dp4 launch with two restarts (~90 s on
 # an idle 2-core machine: two torchrun starts of 4 ranks, a 10 s hang timeout, the grace) and the
 # dp2 launch with one restart (~40 s); 10x that
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ITERS = 24
 TINY = ["--seq-length", "16", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
@@ -102,6 +102,8 @@ def survived(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return logs, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_a_killed_and_a_hung_rank_are_survived_with_the_uninterrupted_runs_losses(reference, survived):
     logs, done = survived
     out = logs.parent.parent
@@ -158,6 +160,8 @@ def bad_sample_data(tmp_path: Path) -> tuple[str, int]:
     raise AssertionError("no bad-sample placement fails at step 3 or later")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(800)  # one dp2 launch with one restart (~40-80 s here), 10x that
 def test_a_deterministic_error_stops_after_its_second_occurrence(tmp_path):
     prefix, step = bad_sample_data(tmp_path)
     out = tmp_path / "run"
@@ -177,3 +181,57 @@ def test_a_deterministic_error_stops_after_its_second_occurrence(tmp_path):
     (logs,) = (out / "logs").iterdir()
     (record,) = [json.loads(line) for line in (logs / "restarts.jsonl").read_text().splitlines()]
     assert record["failed_iteration"] == step - 1 and record["resumes_from"] <= step - 1
+
+
+def record(why: str, iteration: int, restart: int = 1, rank: int | None = 0) -> dict:
+    return faults.restart_record(restart=restart, rank=rank, why=why, failed_at=0.0, failed_iteration=iteration,
+                                 resumes_from=0)
+
+
+def test_a_restart_is_refused_only_where_it_would_repeat_the_failure():
+    kill = "rank 1: its process (pid 7) died without an error message (killed by SIGKILL; a kill, ...)"
+    assert faults.deterministic([], record(kill, 0), attempt_start=0) is None  # a kill always restarts
+    assert "before finishing a step" in faults.deterministic([], record("rank 0: boom", 4), attempt_start=4)
+    assert faults.deterministic([], record("rank 0: boom", 5), attempt_start=4) is None  # once: restart
+    again = faults.deterministic([record("rank 0: boom", 5)], record("rank 0: boom", 5, 2), attempt_start=2)
+    assert again == "restart 1 failed the same way at the same iteration"
+    assert faults.deterministic([record("rank 0: boom", 5)], record("rank 0: boom", 6, 2), attempt_start=2) is None
+    assert faults.default_hang_timeout(0.01) == faults.HANG_MIN_S
+    assert faults.default_hang_timeout(100.0) == 100.0 * faults.HANG_STEPS
+
+
+@pytest.mark.timeout(60)  # one python start and a 0.5 s timeout with its linger: a few seconds
+def test_the_watchdog_dumps_the_stacks_and_ends_the_rank(tmp_path):
+    code = ("import time; from tokenloom.train import faults; "
+            f"w = faults.Watchdog(3, 0.5, __import__('pathlib').Path({str(tmp_path)!r})); w.step(7, 0.1); "
+            "time.sleep(30)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(),
+                          timeout=limit_s(50))
+    assert done.returncode == faults.HANG_EXIT, done.stderr
+    assert "Thread 0x" in done.stderr and "time.sleep" not in done.stdout
+    assert "error: rank 3: no step finished within 0.5 s after iteration 7" in done.stderr
+    assert json.loads((tmp_path / "rank3.hang").read_text())["iteration"] == 7
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)  # one dp2 launch with one restart and a local save per step (~40-80 s here), 10x that
+def test_a_kill_during_a_durable_save_resumes_from_the_newest_local_checkpoint(reference, tmp_path):
+    out = tmp_path / "run"
+    env = fault_env("exit", 137, f"{out}/checkpoints/iter_0000006.tmp/*")
+    env["TOKENLOOM_TEST_FAULT"] = json.dumps({**json.loads(env["TOKENLOOM_TEST_FAULT"]),
+                                              "marker": str(tmp_path / "killed.marker")})
+    proc = subprocess.run([sys.executable, str(REPO / "cli.py"), "train", *TINY, *MOCK, "--nproc-per-node", "2",
+                           "--max-restarts", "1", "--save-interval", "6", "--local-save-interval", "1",
+                           "--local-save-dir", str(tmp_path / "local"), "--output-dir", str(out)],
+                          capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="1"), timeout=limit_s(700))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "killed.marker").exists()  # a rank died writing the durable checkpoint of step 6
+    (restart,) = json.loads(proc.stdout.strip().splitlines()[-1])["restarts"]
+    assert restart["resumes_from"] == 5 and "died without an error message" in restart["why"]
+    resumed = [r for r in records(out) if "resumed_from" in r]
+    assert [Path(r["resumed_from"]) for r in resumed] == [tmp_path / "local" / "iter_0000005"]
+    expected = [r["train_loss"] for r in records(reference) if "train_loss" in r]
+    got = [r["train_loss"] for r in records(out) if "train_loss" in r]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000022", "iter_0000023"]  # the newest two kept (the last step's save is durable)

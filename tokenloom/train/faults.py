@@ -172,7 +172,7 @@ class Watchdog:
 
     def _fire(self, waited: float) -> None:
         print(f"hang: rank {self.rank}: no step finished within {waited:.0f} s (hang timeout "
-              f"{self.limit():.0f} s) after iteration {self._iteration}; its Python stacks:", file=sys.stderr,
+              f"{self.limit():g} s) after iteration {self._iteration}; its Python stacks:", file=sys.stderr,
               flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if self.dir is not None:
@@ -182,7 +182,7 @@ class Watchdog:
                 os.replace(tmp, self.dir / f"rank{self.rank}.hang")
             except OSError:
                 pass
-        print(f"error: rank {self.rank}: no step finished within {self.limit():.0f} s after iteration "
+        print(f"error: rank {self.rank}: no step finished within {self.limit():g} s after iteration "
               f"{self._iteration} (hang timeout; stacks above)", file=sys.stderr, flush=True)
         sys.stdout.flush()
         time.sleep(HANG_LINGER_S)

@@ -238,7 +238,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
         proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir, max_restarts),
                                 stderr=torchrun_log, start_new_session=True, preexec_fn=die_with_parent,
                                 env=torchrun_env(max_restarts))
-        watch = RankWatch(log_dir, ckpt_dir=cfg.ckpt_dir, max_restarts=max_restarts, node=nodes.node_rank)
+        watch = RankWatch(log_dir, ckpt_dirs=[cfg.ckpt_dir, *([cfg.local_save_dir] if cfg.local_save_dir else [])],
+                          max_restarts=max_restarts, node=nodes.node_rank)
         forward = Forwarder(proc, log_dir)
         try:
             with forward.installed():
@@ -393,16 +394,16 @@ class RankWatch:
     to this process's stderr and notes when each rank failed (see the module docstring).
 
     Under torchrun's restarts each restart is an attempt (``TORCHELASTIC_RESTART_COUNT``): when the
-    ranks of an attempt have all failed, or the next attempt's ranks appear, the attempt's first
+    next attempt's ranks appear (by then torchrun has logged how the ranks ended), the attempt's first
     failure becomes a restart record (``LOGS/restarts.jsonl``) unless no restart is left; a failure a
     restart would repeat sets :attr:`stop_reason` (the launcher then ends the job). A ``.hang`` file
     (a rank's watchdog fired) is followed, once every other live rank wrote one or after
     :data:`HANG_GRACE_S`, by one line naming the ranks that wrote none (they had not reached the
     collective: stopped, or stuck outside Python), which are then killed so torchrun restarts now."""
 
-    def __init__(self, log_dir: Path, ckpt_dir: str | os.PathLike | None = None, max_restarts: int = 0,
+    def __init__(self, log_dir: Path, ckpt_dirs: typing.Sequence[str | os.PathLike] = (), max_restarts: int = 0,
                  node: int = 0) -> None:
-        self.dir, self.ckpt_dir, self.max_restarts, self.node = log_dir, ckpt_dir, max_restarts, node
+        self.dir, self.ckpt_dirs, self.max_restarts, self.node = log_dir, list(ckpt_dirs), max_restarts, node
         self.ranks: dict[int, RankState] = {}
         self.attempt = 0
         self.closed = False  # the current attempt's failure is recorded
@@ -445,8 +446,6 @@ class RankWatch:
             elif not process_alive(state.pid) and not (self.dir / f"rank{rank}.done").exists():
                 state.failed_at, state.died, state.wall = now, True, time.time()
         self._watch_hang(now)
-        if self.ranks and not self.closed and all(s.failed_at is not None for s in self.ranks.values()):
-            self._close_attempt()
 
     def _watch_hang(self, now: float) -> None:
         hung = {r for r in self.ranks if (self.dir / f"rank{r}.hang").exists()}
@@ -485,7 +484,9 @@ class RankWatch:
             rank, why = self.hang[2][0], self.hang[1]
         marks = [s.mark for s in self.ranks.values() if s.mark is not None]
         walls = [s.wall for s in self.ranks.values() if s.wall is not None]
-        done = checkpoint.complete_checkpoints(self.ckpt_dir) if self.ckpt_dir is not None else []
+        # the newest complete checkpoint of either tier (a local one that misses a rank's files is
+        # skipped by the ranks, which agree on what they resume from; this is the record's estimate)
+        done = [c for root in self.ckpt_dirs for c in checkpoint.complete_checkpoints(root)]
         record = faults.restart_record(restart=self.attempt + 1, rank=rank, why=why,
                                        failed_at=min(walls) if walls else time.time(),
                                        failed_iteration=max((m.last for m in marks), default=0),
@@ -748,7 +749,8 @@ FLAG_KEYS = {
     "lr_warmup_iters": "optim.warmup_iters", "lr_decay_iters": "optim.lr_decay_iters",
     "weight_decay": "optim.weight_decay", "clip_grad": "optim.grad_clip", "seed": "seed",
     "eval_interval": "eval_interval", "eval_iters": "eval_iters", "log_interval": "log_interval",
-    "save_interval": "save_interval", "hang_timeout": "hang_timeout_s", "output_dir": "output_dir", "resume": "resume",
+    "save_interval": "save_interval", "hang_timeout": "hang_timeout_s",
+    "local_save_interval": "local_save_interval", "local_save_dir": "local_save_dir", "output_dir": "output_dir", "resume": "resume",
     "cache_dir": "data.blend.cache_dir", "split": "data.blend.split", "precision": "precision",
     "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "vpp": "vpp", "sp": "sp", "zero1": "zero1", "fsdp": "fsdp",
     "num_layers_in_first_pipeline_stage": "num_layers_in_first_pipeline_stage",

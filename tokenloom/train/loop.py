@@ -223,6 +223,8 @@ class Trainer:
         if self.cfg.resume is None:
             return None
         path = checkpoint.resolve(self.cfg.resume, self.cfg.ckpt_dir)
+        if self.cfg.resume == "auto" and self.cfg.local_save_dir is not None:
+            path = self._newest_held(path)
         if path is None:
             return None
         saved = checkpoint.read_state(path)
@@ -238,6 +240,19 @@ class Trainer:
                   file=sys.stderr)
         return path
 
+    def _newest_held(self, durable: Path | None) -> Path | None:
+        """The newest checkpoint every rank holds complete: the local tier's newest that all ranks
+        hold (:func:`~tokenloom.train.checkpoint.commit.holds`, agreed over the world) when it is
+        newer than the durable ``durable``, else ``durable``. Collective."""
+        local = Path(typing.cast(str, self.cfg.local_save_dir))
+        mine = [it for it, p in checkpoint.complete_checkpoints(local) if checkpoint.holds(p, self.world.rank)]
+        every: list[typing.Any] = [mine]
+        if self.world.size > 1:
+            every = [None] * self.world.size
+            dist.all_gather_object(every, mine)  # in memory: nothing is unpickled from disk
+        best = checkpoint.newest_held(int(durable.name.removeprefix("iter_")) if durable is not None else None, every)
+        return local / checkpoint.checkpoint_name(best) if best is not None else durable
+
     def _init_from_hf(self, folder: str) -> None:
         """Start from the ``init_from_hf`` folder's weights, unless a checkpoint was resumed (it wins)."""
         if self.resumed_from is None:
@@ -246,9 +261,10 @@ class Trainer:
             what = f"not loaded: resumed from {self.resumed_from}" if self.resumed_from else "loaded"
             print(f"init_from_hf {folder}: {what}", file=sys.stderr)
 
-    def _save(self) -> Path:
+    def _save(self, local: bool = False) -> Path:
+        """A durable checkpoint, or (``local``) one of the local tier."""
         state = {**self.data.state_dict(), "world_size": self.world.size, "config": config_to_dict(self.cfg)}
-        path = self.strategy.save(self.iteration, state)
+        path = self.strategy.save(self.iteration, state, Path(str(self.cfg.local_save_dir)) if local else None)
         self._saves_done()
         return path
 
@@ -388,13 +404,16 @@ class Trainer:
                 since = 0
             self._gc.step(self.iteration)
             evaluating, self._exited, saving = due(cfg, self.iteration, done, has_valid)
+            local = bool(cfg.local_save_interval) and self.iteration % (cfg.local_save_interval or 1) == 0
             if self._stop is not None and not done and (signum := self._stop.agreed()):
                 self._exited = saving = True
                 last["stopped_by"] = signal.Signals(signum).name
-            if evaluating or saving:
+            if evaluating or saving or local:
                 with timer.paused():
                     if evaluating:
                         self._validate()
+                    if local and not saving:  # the durable save, when due, is the newer of the two
+                        self._save(local=True)
                     if saving:
                         last["checkpoint"] = str(self._save())
                         if self._exited:  # the checkpoint named below must be complete

@@ -592,12 +592,12 @@ class Strategy:
         if self.fsdp_group is not None:  # the chunks' own parameters stay gathered after a forward
             fsdp.reshard(self.chunks)
 
-    def save(self, iteration: int, state: dict) -> Path:
+    def save(self, iteration: int, state: dict, local: Path | None = None) -> Path:
         """Collective: save the checkpoint of ``iteration`` (``state``: JSON-able run state) through
         :attr:`saver`: in the background unless ``async_save`` is off (then complete on return).
         Waits for the previous save's write first and raises its failure."""
         self.finish_param_sync()
-        return reshard.save(self, iteration, state, self.saver)
+        return reshard.save(self, iteration, state, self.saver, local)
 
     def load(self, path: Path, saved: dict) -> None:
         """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank: any
