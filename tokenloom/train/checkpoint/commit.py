@@ -161,6 +161,7 @@ written by the rank after them (:func:`write_held`); :func:`holds` checks them."
 def write_held(write: Callable[[Path], None], names: list[str], rank: int) -> Callable[[Path], None]:
     """``write``, then this rank's :data:`HELD` marker listing ``names`` with their sizes."""
     def run(tmp: Path) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)  # node-local: rank 0 made it on its own node only
         write(tmp)
         sizes = {name: (tmp / name).stat().st_size for name in names}
         write_file(tmp / HELD.format(rank=rank), lambda f: f.write(json.dumps(sizes).encode()))
