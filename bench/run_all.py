@@ -43,10 +43,10 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 
-# preprocess_bench, blend_bench, train_bench and ddp_bench always run at their defaults: their
-# targets are defined at those sizes (>= 10,000 documents; >= 2 M samples over several G tokens;
-# models large enough that per-step overheads and timer noise do not dominate), and smaller
-# inputs measure start-up costs and noise.
+# preprocess_bench, blend_bench, packing_bench, train_bench and ddp_bench always run at their
+# defaults: their targets are defined at those sizes (>= 10,000 documents; >= 2 M samples over
+# several G tokens; 10 M documents packed; models large enough that per-step overheads and timer
+# noise do not dominate), and smaller inputs measure start-up costs and noise.
 SMALL_ARGS: dict[str, list[str]] = {
     "indexed_bench": ["--documents", "20000", "--reads", "20000"],
     "kernels_bench": ["--steps", "5", "--rounds", "2"],

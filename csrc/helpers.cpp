@@ -446,11 +446,203 @@ const char *kSampleIdxDoc = R"doc(Build the GPT sample index: a [n + 1, 2] array
 Same results as Megatron's build_sample_idx_<T>. With drop_last false, n is computed
 in single precision like Megatron unless exact_ceil is true.)doc";
 
+
+// ---------------------------------------------------------------------------- best-fit packing
+//
+// One epoch of documents (doc_idx, in the epoch's shuffled order) packed into samples of
+// `capacity` tokens. A document longer than `capacity` is cut into pieces that start every
+// `step` tokens (capacity - step tokens shared, so no label is lost) and are `capacity` long
+// but the last. Every piece of `capacity` tokens is a sample of its own; the rest (whole short
+// documents, last pieces) are placed by best-fit decreasing: longest first (ties in doc_idx
+// order: a stable counting sort), each into the open sample with the least room that holds it,
+// else into a new one. The open samples are kept by room in stacks (latest first), and a
+// segment tree over room values finds the least room >= a length in O(log capacity).
+// Output: parts int32 [P, 3] (document, offset, length) grouped by sample, in doc_idx order
+// within a sample, and sample_index int64 [S + 1], where sample s's parts are rows
+// sample_index[s] .. sample_index[s + 1]. The best-fit samples come first (in the order they
+// were opened), then the full pieces in doc_idx order. Runs without the GIL.
+
+struct RoomTree {  // which room values 1..capacity-1 have an open sample
+    int64_t size = 1;
+    std::vector<uint8_t> set;
+    explicit RoomTree(int64_t leaves) {
+        while (size < leaves) size <<= 1;
+        set.assign(static_cast<size_t>(2 * size), 0);
+    }
+    void mark(int64_t leaf, bool on) {
+        int64_t i = leaf + size;
+        set[static_cast<size_t>(i)] = on;
+        for (i >>= 1; i >= 1; i >>= 1) {
+            const uint8_t v = set[static_cast<size_t>(2 * i)] | set[static_cast<size_t>(2 * i + 1)];
+            if (set[static_cast<size_t>(i)] == v) break;
+            set[static_cast<size_t>(i)] = v;
+        }
+    }
+    int64_t first_at_least(int64_t leaf) const {  // smallest marked leaf >= leaf, or -1
+        int64_t i = leaf + size;
+        if (set[static_cast<size_t>(i)]) return leaf;
+        while (i > 1) {
+            if ((i & 1) == 0 && set[static_cast<size_t>(i + 1)]) {
+                ++i;
+                break;
+            }
+            i >>= 1;
+        }
+        if (i == 1) return -1;
+        while (i < size) i = set[static_cast<size_t>(2 * i)] ? 2 * i : 2 * i + 1;
+        return i - size;
+    }
+};
+
+// The length of the piece of a `length`-token document left for best fit (0: none), and how
+// many full (`capacity`-token) pieces precede it.
+inline void split_document(int64_t length, int64_t capacity, int64_t step, int64_t *full, int64_t *last) {
+    *full = 0;
+    *last = length;
+    if (length > capacity) {
+        const int64_t pieces = (length - (capacity - step) + step - 1) / step;
+        *last = length - (pieces - 1) * step;
+        *full = pieces - 1;
+    }
+    if (*last == capacity) {
+        ++*full;
+        *last = 0;
+    }
+}
+
+py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t capacity, int32_t step) {
+    auto sizes = checked_array<int32_t>(sizes_obj, "sizes", false);
+    auto doc_idx = checked_array<int32_t>(doc_idx_obj, "doc_idx", false);
+    if (capacity < 2) throw py::value_error("capacity must be >= 2, got " + std::to_string(capacity));
+    if (step < 1 || step > capacity) {
+        throw py::value_error("step must lie in [1, capacity], got " + std::to_string(step));
+    }
+    const int64_t n = doc_idx.shape(0), num_sizes = sizes.shape(0);
+    if (n > std::numeric_limits<int32_t>::max()) throw py::value_error("doc_idx has more than 2^31 - 1 entries");
+    const int32_t *sz = sizes.data(), *docs = doc_idx.data();
+    std::string error;
+    // Scratch is kept to 4 bytes per document beside the output (bin_of) while the output is
+    // written; the sort's arrays are freed before it is allocated.
+    std::vector<int32_t> bin_of;  // sample of each position's best-fit piece (-1: none)
+    std::vector<int64_t> bin_count;
+    int64_t bins = 0, num_full = 0, items = 0;
+    {
+        py::gil_scoped_release release;
+        std::vector<int32_t> tail(static_cast<size_t>(n));
+        for (int64_t p = 0; p < n; ++p) {
+            const int32_t d = docs[p];
+            if (d < 0 || d >= num_sizes) {
+                error = "doc_idx[" + std::to_string(p) + "] = " + std::to_string(d) +
+                        " is out of range for sizes of length " + std::to_string(num_sizes);
+                break;
+            }
+            if (sz[d] < 0) {
+                error = "sizes[" + std::to_string(d) + "] = " + std::to_string(sz[d]) + " is negative";
+                break;
+            }
+            int64_t full, last;
+            split_document(sz[d], capacity, step, &full, &last);
+            tail[static_cast<size_t>(p)] = static_cast<int32_t>(last);
+            num_full += full;
+            items += last > 0;
+        }
+        if (error.empty()) {
+            // stable counting sort of the tails, longest first
+            std::vector<int32_t> order(static_cast<size_t>(items));
+            {
+                std::vector<int64_t> start(static_cast<size_t>(capacity) + 1, 0);
+                for (int64_t p = 0; p < n; ++p) {
+                    const int32_t t = tail[static_cast<size_t>(p)];
+                    if (t > 0) ++start[static_cast<size_t>(capacity - t)];
+                }
+                int64_t acc = 0;
+                for (auto &v : start) {
+                    const int64_t c = v;
+                    v = acc;
+                    acc += c;
+                }
+                for (int64_t p = 0; p < n; ++p) {
+                    const int32_t t = tail[static_cast<size_t>(p)];
+                    if (t > 0) order[static_cast<size_t>(start[static_cast<size_t>(capacity - t)]++)] = static_cast<int32_t>(p);
+                }
+            }
+            bin_of.assign(static_cast<size_t>(n), -1);
+            RoomTree tree(capacity);
+            std::vector<std::vector<int32_t>> open(static_cast<size_t>(capacity));  // room -> samples
+            for (int64_t k = 0; k < items; ++k) {
+                const int64_t p = order[static_cast<size_t>(k)];
+                const int64_t t = tail[static_cast<size_t>(p)];
+                const int64_t room = tree.first_at_least(t);
+                int64_t bin, left;
+                if (room < 0) {
+                    bin = bins++;
+                    bin_count.push_back(0);
+                    left = capacity - t;
+                } else {
+                    auto &stack = open[static_cast<size_t>(room)];
+                    bin = stack.back();
+                    stack.pop_back();
+                    if (stack.empty()) tree.mark(room, false);
+                    left = room - t;
+                }
+                if (left > 0) {
+                    auto &stack = open[static_cast<size_t>(left)];
+                    if (stack.empty()) tree.mark(left, true);
+                    stack.push_back(static_cast<int32_t>(bin));
+                }
+                bin_of[static_cast<size_t>(p)] = static_cast<int32_t>(bin);
+                ++bin_count[static_cast<size_t>(bin)];
+            }
+        }
+    }
+    if (!error.empty()) throw py::value_error(error);
+    const int64_t num_samples = bins + num_full;
+    py::array_t<int32_t> parts({items + num_full, static_cast<int64_t>(3)});
+    py::array_t<int64_t> sample_index(num_samples + 1);
+    int32_t *out = parts.mutable_data();
+    int64_t *si = sample_index.mutable_data();
+    {
+        py::gil_scoped_release release;
+        si[0] = 0;
+        for (int64_t b = 0; b < bins; ++b) si[b + 1] = si[b] + bin_count[static_cast<size_t>(b)];
+        for (int64_t f = 0; f < num_full; ++f) si[bins + f + 1] = si[bins + f] + 1;
+        // bin_count becomes each best-fit sample's write cursor
+        for (int64_t b = 0; b < bins; ++b) bin_count[static_cast<size_t>(b)] = si[b];
+        int32_t *full_row = out + 3 * si[bins];
+        for (int64_t p = 0; p < n; ++p) {
+            const int64_t length = sz[docs[p]];
+            int64_t full, last;
+            split_document(length, capacity, step, &full, &last);
+            const int32_t bin = bin_of[static_cast<size_t>(p)];
+            if (bin >= 0) {
+                int32_t *row = out + 3 * bin_count[static_cast<size_t>(bin)]++;
+                row[0] = docs[p];
+                row[1] = static_cast<int32_t>(length - last);
+                row[2] = static_cast<int32_t>(last);
+            }
+            for (int64_t f = 0; f < full; ++f, full_row += 3) {
+                full_row[0] = docs[p];
+                full_row[1] = static_cast<int32_t>(f * step);
+                full_row[2] = capacity;
+            }
+        }
+    }
+    return py::make_tuple(parts, sample_index);
+}
+
+const char *kPackDoc = R"doc(Pack one epoch of documents into samples of `capacity` tokens by best-fit decreasing.
+
+doc_idx (int32) lists the epoch's documents in order (ties keep it); sizes (int32) their lengths.
+A document longer than capacity is cut into pieces starting every `step` tokens. Returns
+(parts int32 [P, 3] of (document, offset, length), sample_index int64 [S + 1]).)doc";
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "tokenloom native index builders";
-    m.attr("ABI_VERSION") = 2;
+    m.attr("ABI_VERSION") = 3;
+    m.def("pack_best_fit", &pack_best_fit, kPackDoc, py::arg("sizes"), py::arg("doc_idx"), py::arg("capacity"),
+          py::arg("step"));
     m.def("build_sample_idx_int32", &build_sample_idx<int32_t>, kSampleIdxDoc, py::arg("sizes"), py::arg("doc_idx"),
           py::arg("seq_length"), py::arg("num_epochs"), py::arg("tokens_per_epoch"), py::arg("drop_last") = true,
           py::arg("add_extra_token") = 1, py::arg("exact_ceil") = false);

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "tokenloom.native", "tokenloom.config", "tokenloom.info")),
     ("contracts", ("tokenloom.indexed", "tokenloom.corpus")),
     ("tokenizers", ("tokenloom.tokenizers",)),
+    ("clean", ("tokenloom.clean",)),
     ("preprocess", ("tokenloom.preprocess",)),
     ("blending", ("tokenloom.blending",)),
     ("train", ("tokenloom.train",)),

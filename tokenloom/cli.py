@@ -283,13 +283,22 @@ def _parse_counts(text: str | None) -> tuple:
 @click.option("--max-repeat", type=float, default=4.0, show_default=True, help=_bd_help("max_repeat"))
 @click.option("--exhaustive", is_flag=True, help=_bd_help("exhaustive"))
 @click.option("--dry-run", is_flag=True, help=_bd_help("dry_run"))
+@click.option("--packing", type=click.Choice(["concat", "best-fit"]), default="concat", show_default=True,
+              help=_bd_help("packing"))
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of requested vs realised shares.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def build(sources, blend_file, num_samples, plot, as_json, **options):
+@click.option("--dump-samples", "dump", type=click.Path(dir_okay=False),
+              help="Write the samples of --dump-split in training order, one JSON line each: "
+                   '{"sample": i, "parts": [[source, document, offset, length], ...], "padding": p}.')
+@click.option("--num", "dump_num", type=click.IntRange(min=0), help="With --dump-samples: only the first N samples.")
+@click.option("--dump-split", type=click.Choice(["train", "valid", "test"]), default="train", show_default=True,
+              help="With --dump-samples: the split to write.")
+def build(sources, blend_file, num_samples, plot, as_json, dump, dump_num, dump_split, **options):
     """Build GPT train/valid/test sample indices for a blend: build --data W1 PREFIX1 W2 PREFIX2 ..."""
     from tokenloom.blending.args import load_blend_file, parse_data_args  # lazy: start-up time
     from tokenloom.blending.build import BuildConfig  # lazy: start-up time
     from tokenloom.blending.build import build as run  # lazy: start-up time
+    from tokenloom.blending.dump import dump_samples  # lazy: start-up time
     from tokenloom.blending.plan import format_plan, plan_json  # lazy: start-up time
     from tokenloom.blending.plot import plot_plan  # lazy: start-up time
 
@@ -301,10 +310,19 @@ def build(sources, blend_file, num_samples, plot, as_json, **options):
         raise click.UsageError("no sources: build --data 0.3 PREFIX1 0.7 PREFIX2 (or --blend-file FILE)")
     if "data_per_split" in spec:
         options["split"] = None
+    if dump_num is not None and not dump:
+        raise click.UsageError("--num goes with --dump-samples FILE")
     cfg = BuildConfig(**spec, num_samples=_parse_counts(num_samples), **options)
     with _sigterm_interrupts("build"):  # the cache gains whole entries only (blending/cache.py)
         result = run(cfg)
+        if dump:
+            dataset = result.datasets[["train", "valid", "test"].index(dump_split)]
+            if dataset is None or isinstance(dataset, list):
+                raise click.UsageError(f"--dump-split {dump_split}: this blend builds no single {dump_split} dataset")
+            written = dump_samples(dataset, dump, dump_num)
     click.echo(plan_json(result) if as_json else format_plan(result, cfg))
+    if dump and not as_json:
+        click.echo(f"samples: {written} of the {dump_split} split written to {dump}")
     if plot:
         plot_plan(result, plot)
         if not as_json:
@@ -319,7 +337,6 @@ MEGATRON_REFUSED = {
     "--fp16": "fp16 with loss scaling is not implemented; use --bf16 (or --set precision=bf16)",
     "--load": "resume with --resume auto (latest checkpoint under --output-dir) or --resume CHECKPOINT_DIR",
     "--save": "checkpoints go to OUTPUT_DIR/checkpoints; use --output-dir (or --set checkpoint_dir=DIR)",
-    "--tokenizer-type": "the tokenizer's kind is detected from its files; pass --tokenizer PATH",
     "--train-samples": "the run is sized in steps; use --train-iters",
     "--lr-warmup-samples": "warmup is counted in steps; use --lr-warmup-iters",
     "--lr-warmup-fraction": "warmup is counted in steps; use --lr-warmup-iters",
@@ -433,6 +450,9 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--tokenizer", "--tokenizer-model", "tokenizer",
               help="Tokenizer path (or 'byte'): checked against the data's manifests, stored for generate; sizes "
               "model.vocab_size.")
+@click.option("--tokenizer-type", help="Megatron's tokenizer class (HuggingFaceTokenizer, GPT2BPETokenizer, "
+              "SentencePieceTokenizer, TikTokenizer, NullTokenizer, ...): checked against the kind detected from the "
+              "files of --tokenizer-model (or --vocab-file/--merge-file), which decide the backend.")
 @click.option("--vocab-file", help="GPT-2 vocab file (Megatron); with --merge-file in the same folder it is "
               "--tokenizer FOLDER.")
 @click.option("--merge-file", help="GPT-2 merges file (Megatron); see --vocab-file.")
@@ -559,7 +579,8 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
               "unchanged instead of rank 0's on the terminal and the rest in OUTPUT_DIR/logs/.")
 @_megatron_refused
 def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
-          max_restarts, verbose, vocab_file, merge_file, layers_per_virtual_stage, max_position_embeddings, **flags):
+          max_restarts, verbose, vocab_file, merge_file, tokenizer_type, layers_per_virtual_stage,
+          max_position_embeddings, **flags):
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step, saves) last.
 
@@ -579,6 +600,10 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
 
     if vocab_file or merge_file:
         flags["tokenizer"] = _megatron_tokenizer(vocab_file, merge_file, flags["tokenizer"])
+    if tokenizer_type is not None:
+        from tokenloom.tokenizers.load import check_megatron_type  # lazy: start-up time
+
+        check_megatron_type(flags["tokenizer"], tokenizer_type)
     given = [*flag_overrides(**flags), *overrides]
     small = small_model_overrides(config, given)
     if small:
@@ -741,6 +766,45 @@ def demo(**options):
     from tokenloom.demo import DemoConfig, run  # lazy: start-up time
 
     run(DemoConfig(**options), echo=click.echo)
+
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "info": ("tokenloom info",),
+    "inspect": ("tokenloom inspect data/corpus_text_document", "tokenloom inspect data/corpus_text_document --json"),
+    "verify": ("tokenloom verify data/corpus_text_document --vocab-size 50257",),
+    "merge": ("tokenloom merge --output-prefix data/all data/part0 data/part1",),
+    "preprocess": ("tokenloom preprocess --input corpus.jsonl.zst --output-prefix data/corpus --tokenizer tok/gpt2 "
+                   "--append-eod",
+                   "tokenloom preprocess --input 's3://bucket/raw/*.parquet' --output-prefix data/web --tokenizer "
+                   "tok/llama3 --workers 8"),
+    "build": ("tokenloom build --data 0.7 data/web 0.3 data/code --seq-length 1024 --num-samples 100000",
+              "tokenloom build --blend-file blend.yaml --seq-length 2048 --num-samples 1000000,10000,0 --plot plan.png"),
+    "train": ("tokenloom train --mock-data --train-iters 20",
+              "tokenloom train --data data/corpus --tokenizer tok/gpt2 --num-layers 12 --hidden-size 768 "
+              "--num-attention-heads 12 --seq-length 1024 --nproc-per-node 8 --tensor-model-parallel-size 2"),
+    "config": ("tokenloom config show",),
+    "config show": ("tokenloom config show --set optim.lr=3e-4", "tokenloom config show --config run.yaml"),
+    "export": ("tokenloom export --checkpoint out/checkpoints --output hf-model",),
+    "generate": ("tokenloom generate --checkpoint out/checkpoints --prompt 'Once upon a time' --max-new-tokens 50",),
+    "tokenizer": ("tokenloom tokenizer inspect tok/gpt2",),
+    "tokenizer train": ("tokenloom tokenizer train --input corpus.jsonl --output tok/mine --vocab-size 32000",),
+    "tokenizer inspect": ("tokenloom tokenizer inspect tok/llama3/tokenizer.model",),
+    "demo": ("tokenloom demo", "tokenloom demo --nproc-per-node 1 --train-iters 50"),
+}
+"""One or two lines a user can paste, shown at the end of each command's ``--help`` (and checked by
+``tests/cli/test_help.py``: every command has them and every flag they name exists)."""
+
+
+def _add_examples(group: click.Group, prefix: str = "") -> None:
+    for name, command in group.commands.items():
+        full = f"{prefix}{name}"
+        lines = "\n".join(f"  {line}" for line in EXAMPLES[full])
+        command.epilog = (f"{command.epilog}\n\n" if command.epilog else "") + f"\b\nExamples:\n{lines}"
+        if isinstance(command, click.Group):
+            _add_examples(command, f"{full} ")
+
+
+_add_examples(main)
 
 
 if __name__ == "__main__":

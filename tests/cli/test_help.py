@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
+
 import click
 import pytest
 from click.testing import CliRunner
-from tl_testing import limit_s
+from tl_testing import limit_s, run_cli
 
 from tokenloom.cli import main
 
@@ -83,3 +85,38 @@ def test_preprocess_does_not_import_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=limit_s(120), cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
+
+
+def _commands(group, prefix=""):
+    for name, command in group.commands.items():
+        yield f"{prefix}{name}", command
+        if hasattr(command, "commands"):
+            yield from _commands(command, f"{prefix}{name} ")
+
+
+def test_every_command_help_ends_with_examples_whose_flags_exist():
+    """Each command's --help ends with one or two lines a user can paste (cli.EXAMPLES); every flag an
+    example names is one of that command's options, so an example cannot outlive a renamed flag."""
+    from tokenloom import cli
+
+    names = dict(_commands(cli.main))
+    assert set(names) == set(cli.EXAMPLES), set(names) ^ set(cli.EXAMPLES)
+    for name, command in names.items():
+        text = CliRunner().invoke(cli.main, [*name.split(), "--help"]).output
+        examples = cli.EXAMPLES[name]
+        assert 1 <= len(examples) <= 2 and text.rstrip().endswith(examples[-1]), (name, text[-300:])
+        flags = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        for example in examples:
+            words = shlex.split(example)
+            assert words[:1 + len(name.split())] == ["tokenloom", *name.split()], example
+            unknown = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in flags]
+            assert not unknown, (example, unknown)
+
+
+def test_pasted_examples_run():
+    """The examples that need no files of the user's run as printed."""
+    from tokenloom import cli
+
+    for example in (*cli.EXAMPLES["info"], *cli.EXAMPLES["config show"][:1]):
+        done = run_cli(*shlex.split(example)[1:])
+        assert done.returncode == 0, (example, done.stderr)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from tl_testing import REPO, cli_env, limit_s, one_line_error, run_cli
@@ -290,9 +291,10 @@ ARCHITECTURE_FLAGS = {"--normalization": 1, "--swiglu": 0, "--position-embedding
 
 
 @pytest.mark.slow
-def test_a_llama_style_megatron_argument_list_builds_its_model(tmp_path):
+def test_a_llama_style_megatron_argument_list_builds_its_model(tmp_path, shared_data):
     """Issue 40's first acceptance: the list trains unchanged (2 ranks, tp 2) and the summary shows its model;
-    without the architecture flags the same list builds the GPT-2-style model of Megatron's defaults."""
+    without the architecture flags the same list builds the GPT-2-style model of Megatron's defaults, here
+    with Megatron's tokenizer flags (--tokenizer-type GPT2BPETokenizer, --vocab-file, --merge-file)."""
     assert sum(a.startswith("--") for a in MEGATRON_LLAMA) == 39
     small = ["--set", "data.mock.num_sequences=200", "--set", "data.mock.max_length=100", "--set", "progress=false",
              "--set", "plot=false"]  # tokenloom's own: a small mock corpus, no progress bar or plot
@@ -319,8 +321,13 @@ def test_a_llama_style_megatron_argument_list_builds_its_model(tmp_path):
         else:
             gpt.append(arg)
     assert sum(a.startswith("--") for a in gpt) == 39 - 6 and "--num-query-groups" in gpt
+    gpt2 = shared_data / "tokenizers" / "gpt2"
+    gpt += ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2 / "gpt2-vocab.json",
+            "--merge-file", gpt2 / "gpt2-merges.txt"]
     default = run_cli("train", *gpt, *small, "--output-dir", tmp_path / "gpt", timeout=400)
     assert default.returncode == 0, default.stderr[-3000:]
+    state = json.loads(next((tmp_path / "gpt" / "checkpoints").glob("iter_*/state.json")).read_text())
+    assert Path(state["config"]["tokenizer"]).resolve() == gpt2.resolve()
     assert "model     gpt2: 2 layers x 64 wide, 4 heads (2 kv)" in default.stdout
     assert "\n          GPT-2-style: LayerNorm, GELU MLP 172 wide, learned positions, biases, tied " \
         "embeddings\n" in default.stdout

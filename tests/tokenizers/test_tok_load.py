@@ -8,6 +8,7 @@ from tok_helpers import TOK, load_shared, needs_shared
 
 from tokenloom.errors import TokenloomError
 from tokenloom.tokenizers import TokenizerSpec, detect_kind, list_kinds, load_tokenizer
+from tokenloom.tokenizers.load import check_megatron_type
 
 
 def test_list_kinds():
@@ -299,3 +300,27 @@ def test_a_bpe_tokenizer_json_tokenizers_refuses_is_refused_on_load(tmp_path):
 def test_a_file_backed_spec_without_a_path_is_refused(kind):
     with pytest.raises(TokenloomError, match=f"tokenizer kind '{kind}' needs a path"):
         load_tokenizer(TokenizerSpec(kind))
+
+
+@needs_shared
+@pytest.mark.parametrize("megatron_type, folder", [
+    ("HuggingFaceTokenizer", "gpt-neox-20b"), ("GPT2BPETokenizer", "gpt2"), ("SentencePieceTokenizer", "llama2/tokenizer.model"),
+    ("Llama2Tokenizer", "llama2"), ("TikTokenizer", "gpt2/gpt2.tiktoken")])
+def test_megatron_tokenizer_type_is_checked_against_the_files(megatron_type, folder):
+    """Megatron's --tokenizer-type names what the files are; another type for the same files is one line."""
+    path = TOK / folder
+    check_megatron_type(path, megatron_type)
+    other = "SentencePieceTokenizer" if megatron_type != "SentencePieceTokenizer" and "llama" not in folder \
+        else "HuggingFaceTokenizer"
+    with pytest.raises(TokenloomError, match=f"--tokenizer-type {other} means a .* tokenizer, but .* holds a"):
+        check_megatron_type(path, other)
+
+
+def test_megatron_tokenizer_type_errors():
+    with pytest.raises(TokenloomError, match="--tokenizer-type Nope: unknown"):
+        check_megatron_type(None, "Nope")
+    with pytest.raises(TokenloomError, match="needs its files: --tokenizer-model PATH"):
+        check_megatron_type(None, "HuggingFaceTokenizer")
+    check_megatron_type(None, "NullTokenizer")
+    with pytest.raises(TokenloomError, match="reads no files"):
+        check_megatron_type("x", "NullTokenizer")

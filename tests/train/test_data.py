@@ -11,7 +11,12 @@ import pytest
 
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed import IndexedDatasetWriter
+from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import BlendDataConfig, DataConfig, MockDataConfig, TrainData
+from tokenloom.train.loop import run
+from tokenloom.train.metrics import read_metrics
+from tokenloom.train.model.config import GPTConfig
+from tokenloom.train.optim.adamw import OptimConfig
 
 SIZES = (40, 0, 0)
 
@@ -112,3 +117,38 @@ def test_blend_saved_without_history_on_other_data_is_refused(blend_sources, tmp
     with pytest.raises(TokenloomError, match="ckpt was trained on other data and saved before blends could change"):
         other.load_state_dict(state, where="ckpt")
     assert other.load_state_dict(state, where="ckpt", force=True) == []
+
+
+def test_best_fit_resume_mid_epoch_continues_exactly(tmp_path, blend_sources):
+    """A best-fit blend run of 6 steps equals 3 steps, a checkpoint (mid-epoch), ``resume="auto"``
+    and 3 more, loss for loss; a resume that switches the packing is refused by name."""
+    a, b = blend_sources
+
+    def cfg(out: Path, packing: str = "best-fit", **kw) -> TrainConfig:
+        data = DataConfig(blend=BlendDataConfig(prefixes=[(0.4, a), (0.6, b)], split="90,9,1",
+                                                cache_dir=str(tmp_path / "cache")), packing=packing)
+        base = dict(model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=1,
+                                    n_heads=2, d_model=32),
+                    data=data, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2), micro_batch_size=2,
+                    global_batch_size=4, train_iters=6, eval_interval=3, eval_iters=1, log_interval=1,
+                    output_dir=str(out), progress=False, plot=False)
+        return TrainConfig(**(base | kw))
+
+    def losses(out: Path, key: str = "train_loss") -> list[tuple[int, float]]:
+        return [(r["iter"], r[key]) for r in read_metrics(out / "metrics.jsonl") if key in r]
+
+    run(cfg(tmp_path / "straight"))
+    run(cfg(tmp_path / "split", exit_interval=3, resume="auto"))
+    assert [i for i, _ in losses(tmp_path / "split")] == [1, 2, 3]
+    run(cfg(tmp_path / "split", resume="auto"))
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # exact, all 6 steps
+    assert losses(tmp_path / "split", "val_loss") == losses(tmp_path / "straight", "val_loss")
+    built = TrainData(cfg(tmp_path / "x").data, seq_len=32, vocab_size=96, sizes=(32, 4, 0))
+    member = built.train.blends[0].datasets[0]
+    assert member.indices.packed and len(member.indices) > 3 * 4  # the checkpoint falls inside epoch 1
+    built.consumed = 16
+    concat = TrainData(cfg(tmp_path / "x", packing="concat").data, seq_len=32, vocab_size=96, sizes=(32, 4, 0))
+    with pytest.raises(TokenloomError, match="data.packing 'best-fit' -> 'concat'"):
+        concat.load_state_dict(saved(built))
+    with pytest.raises(TokenloomError, match="data.packing 'concat' -> 'best-fit'"):
+        built.load_state_dict(saved(concat))

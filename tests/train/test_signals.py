@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from tl_testing import REPO, cli_env, limit_s
 
 from tokenloom.train.launch import process_alive
@@ -47,7 +48,7 @@ def finished(proc: subprocess.Popen) -> tuple[str, str]:
 
 def job_pids(launcher: int, out: Path) -> list[int]:
     """The launcher, torchrun (its child) and the ranks, once both ranks have logged 3 steps."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + limit_s(120)
     while not (out / "metrics.jsonl").exists() or len(losses(out)) < 3:
         assert process_alive(launcher) and time.monotonic() < deadline
         time.sleep(0.02)
@@ -57,6 +58,12 @@ def job_pids(launcher: int, out: Path) -> list[int]:
     return [launcher, int(children[0]), *ranks]
 
 
+LAUNCH_BUDGET_S = 120.0
+"""One 2-rank torchrun launch of ``TINY`` (start-up, 60 steps, exit) takes about ten seconds on the developers'
+machine: the test's timeout is this per launch it makes (the reference, then a run and its resume per target)."""
+
+
+@pytest.mark.timeout(7 * LAUNCH_BUDGET_S)
 def test_sigterm_to_the_launcher_or_one_rank_saves_the_step_and_resume_continues_exactly(tmp_path):
     reference = train(tmp_path / "reference")
     assert reference.wait(timeout=limit_s(240)) == 0, finished(reference)
@@ -70,7 +77,7 @@ def test_sigterm_to_the_launcher_or_one_rank_saves_the_step_and_resume_continues
             pids = job_pids(proc.pid, out)
             seen = len(losses(out))
             os.kill(pids[at], signal.SIGTERM)
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + limit_s(60)
             while any(process_alive(p) for p in pids):
                 assert time.monotonic() < deadline, f"{target}: still running: {[p for p in pids if process_alive(p)]}"
                 time.sleep(0.1)

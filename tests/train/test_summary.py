@@ -7,6 +7,7 @@ import dataclasses
 
 from test_loop import tiny
 
+from tokenloom.train import runtime, summary
 from tokenloom.train.config import TrainConfig
 from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.loop import start_run
@@ -139,3 +140,24 @@ def test_summary_shows_expert_parallelism(tmp_path):
                            facts(world_size=8))
     assert "dp 2 x tp 2 x pp 1, sequence parallel, expert parallel: ep 2, 4 of 8 experts per rank (whole on each " \
         "tp rank), tokens by all-gather; float32" in text
+
+
+def test_emulated_bf16_on_cpu_is_named_with_what_fp32_gives(monkeypatch):
+    """A CPU without AVX512-BF16 or AMX emulates bf16 matmuls: the summary says so, with the measured
+    bf16/fp32 matmul speed here, and how to train in fp32; a CPU with them, or fp32, says nothing."""
+    quiet = TrainConfig(train_iters=10_000, optim=OptimConfig(warmup_iters=100),
+                        data=DataConfig(blend={"prefixes": [[1.0, "x"]]}, mock=None))
+    monkeypatch.setattr(summary, "cpu_bf16_native", lambda: False)
+    monkeypatch.setattr(summary, "bf16_over_fp32_speed", lambda: 0.125)
+    assert regrets(quiet, facts(precision="bfloat16")) == [
+        "bf16 is emulated on this CPU (no AVX512-BF16 or AMX): its matmuls ran at 0.12x fp32's speed here; "
+        "--set precision=fp32 (without --bf16) trains faster on it"]
+    assert regrets(quiet, facts(precision="float32")) == []
+    assert regrets(quiet, facts(precision="bfloat16", device="cuda")) == []
+    monkeypatch.setattr(summary, "cpu_bf16_native", lambda: True)
+    assert regrets(quiet, facts(precision="bfloat16")) == []
+
+
+def test_bf16_speed_probe_measures_both_dtypes():
+    assert 0 < runtime.bf16_over_fp32_speed(size=32, reps=1) < 1e4
+    assert isinstance(runtime.cpu_bf16_native(), bool)

@@ -38,7 +38,7 @@ import numpy as np
 
 from tokenloom.blending.blend import Blend, BlendBuilder, BlendConfig, BlendedDataset, sample_budgets
 from tokenloom.blending.cache import ArrayCache, content_key
-from tokenloom.blending.gpt import GPTDataset, GPTDatasetConfig, GPTIndices
+from tokenloom.blending.gpt import GPTDataset, GPTDatasetConfig, GPTIndices, key_fields, packing_cost
 from tokenloom.blending.sources import LazySource, SourceMeta, source_metadata
 from tokenloom.blending.split import (
     Split,
@@ -80,6 +80,13 @@ class BuildConfig:
     """Use every sample of every source once, ignoring weights (Megatron's unweighted blend)."""
     dry_run: bool = False
     """Compute and print the plan without writing anything to the cache."""
+    packing: str = "concat"
+    """How documents become samples. concat (default, Megatron-exact): the documents run
+    end to end and every sample is a full window, so no token is wasted but documents are
+    cut at sample boundaries. best-fit: each document (a longer one cut into sample-sized
+    pieces) lies whole in one sample, packed by best-fit decreasing; the room left is padding
+    the loss skips. Pick best-fit for document-level attention masking, short documents and
+    evaluation on whole documents; concat for Megatron-identical arrays and caches."""
 
 
 @dataclass
@@ -93,6 +100,16 @@ class SourceRow:
     samples: int
     epochs: int
     cache_key: str
+    packed_samples: int | None = None
+    """best-fit: samples in one epoch of this source's split."""
+    padding: int | None = None
+    """best-fit: padding tokens in one epoch."""
+    padding_share: float | None = None
+    """best-fit: padding / all token slots of one epoch's samples."""
+    cut: int | None = None
+    """best-fit: documents cut into pieces (only those longer than a sample)."""
+    concat_cut: int | None = None
+    """best-fit: documents concatenation would cut at sample boundaries (in the split's order)."""
 
 
 @dataclass
@@ -207,7 +224,7 @@ class CachedBlendBuilder(BlendBuilder):
                 "size": sizes[s],
                 "weights": None if blend.weights is None else list(blend.weights),
                 "sources": sources,
-                "gpt": dataclasses.asdict(self.config.gpt),
+                "gpt": key_fields(self.config.gpt),
                 "surplus": self.config.mid_level_dataset_surplus,
             }
             key = content_key(description)
@@ -256,7 +273,7 @@ class CachedBlendBuilder(BlendBuilder):
             "bookend": list(bookend),
             "num_samples": num_samples,
             "split": split.name,
-            "gpt": dataclasses.asdict(self.config.gpt),
+            "gpt": key_fields(self.config.gpt),
         }
         key = content_key(description)
 
@@ -531,6 +548,7 @@ def _build(cfg: BuildConfig, open_source, may_build: bool, progress=None, metas=
         seed=cfg.seed,
         split=None if cfg.data_per_split is not None else cfg.split,
         mode="exact" if cfg.mode == "tokens" else "megatron",
+        packing=cfg.packing,  # type: ignore[arg-type]  # GPTDatasetConfig refuses other values
     )
     if cfg.data is not None:
         blend_cfg = BlendConfig(gpt=gpt, blend=_blend(cfg.data, cfg.exhaustive))
@@ -591,10 +609,21 @@ def _plan_rows(builder, split: Split, ds) -> list[SourceRow]:
         drawn, requested = np.array([len(ds)]), [1.0]
     name, drawn = split.name, drawn.tolist()
     total = max(1, sum(drawn))
-    return [
+    rows = [
         SourceRow(name, str(prefixes[m] or "mock"), documents[m], tokens[m], float(requested[m]), drawn[m] / total,
                   drawn[m], epochs[m], keys[m][:12])
         for m in range(len(members))
     ]
+    if builder.config.gpt.packing != "concat":
+        for m, row in enumerate(rows):
+            member = members[m]
+            lo, hi = (member.documents.start, member.documents.stop) if isinstance(member.documents, range) \
+                else (None, None)
+            all_lengths = np.asarray(member.source.sequence_lengths)
+            doc_lengths = all_lengths[lo:hi] if lo is not None else all_lengths[np.asarray(member.documents)]
+            cost = packing_cost(member.indices, doc_lengths, builder.config.gpt)
+            row.packed_samples, row.padding, row.padding_share = cost.samples, cost.padding, cost.padding_share
+            row.cut, row.concat_cut = cost.cut, cost.concat_cut
+    return rows
 
 

@@ -8,8 +8,9 @@ cut into windows of ``seq_length + 1`` tokens that share their boundary token
 the tail of the last epoch (< seq_length tokens); samples are visited through a
 shuffled index. If the final epoch would contribute under 80% of an epoch's
 samples it is shuffled apart, so it is consumed only after all earlier epochs.
-The alternative (packing per document with padding) wastes tokens and breaks
-compatibility with Megatron's caches and resumption.
+``packing="best-fit"`` is the other policy (:func:`build_packed_indices`): whole documents
+packed into samples with padding, so no document shorter than a sample is cut; its arrays
+are tokenloom's own, not Megatron's.
 
 Worked example (also a unit test): five sequences of lengths 3, 5, 2, 4, 6 (20
 tokens), ``seq_length=4``, ``seed=1234``, the extra token on, 5 samples asked:
@@ -28,7 +29,7 @@ tokens), ``seq_length=4``, ``seed=1234``, the extra token on, 5 samples asked:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
 import numpy as np
@@ -36,6 +37,9 @@ import numpy as np
 from tokenloom.blending import helpers
 from tokenloom.blending.split import Split
 from tokenloom.errors import TokenloomError
+
+PACKINGS = ("concat", "best-fit")
+"""How samples are cut from documents (:attr:`GPTDatasetConfig.packing`)."""
 
 FINAL_EPOCH_THRESHOLD = 0.80
 """A final epoch giving fewer than this fraction of an epoch's samples is shuffled apart."""
@@ -76,6 +80,10 @@ class GPTDatasetConfig:
     pad_id: int = -1
     """Token that pads the last partial sample when it is kept."""
 
+    packing: Literal["concat", "best-fit"] = "concat"
+    """ "concat": Megatron's windows over the concatenated documents; "best-fit": documents
+    (longer ones cut into sample-sized pieces) packed whole into samples, the rest padding."""
+
     mode: Literal["megatron", "exact"] = "megatron"
     """ "megatron" reproduces Megatron's arrays; "exact" counts a kept partial sample in
     exact arithmetic (Megatron rounds in float32 and drops it past 2^24 tokens)."""
@@ -85,18 +93,38 @@ class GPTDatasetConfig:
             raise TokenloomError(f"seq_length must be >= 1, got {self.seq_length}")
         if not 0 <= self.seed < 2**32:
             raise TokenloomError(f"seed must be in [0, 2^32), got {self.seed}")
+        if self.packing not in PACKINGS:
+            raise TokenloomError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+        if self.packing == "best-fit" and self.seq_length + self.add_extra_token < 2:
+            raise TokenloomError("best-fit packing needs samples of at least 2 tokens")
         if self.mode not in ("megatron", "exact"):
             raise TokenloomError(f"mode must be 'megatron' or 'exact', got {self.mode!r}")
 
 
+def key_fields(config: GPTDatasetConfig) -> dict:
+    """``config`` as cache keys take it: every field, but ``packing`` only when it is not
+    "concat" (so the keys of concatenated indices did not change when packing came)."""
+    fields = asdict(config)
+    if fields["packing"] == "concat":
+        del fields["packing"]
+    return fields
+
+
 @dataclass(frozen=True)
 class GPTIndices:
-    """The three arrays that define a GPT dataset, plus how they were derived."""
+    """The three arrays that define a GPT dataset, plus how they were derived.
+
+    Two layouts, told apart by ``document_index.ndim`` (:attr:`packed`): Megatron's
+    (concat) and best-fit's, where ``document_index`` holds the samples' parts and
+    ``sample_index`` is a 1-D pointer into them.
+    """
 
     document_index: np.ndarray
-    """int32: the split's sequence ids, E times, shuffled."""
+    """concat: int32, the split's sequence ids, E times, shuffled. best-fit: int32 [P, 3], the
+    parts (sequence id, token offset, length) of every sample, sample after sample."""
     sample_index: np.ndarray
-    """int32 or int64 [n + 1, 2]: (position in document_index, token offset) where sample j starts."""
+    """concat: int32 or int64 [n + 1, 2], (position in document_index, token offset) where sample
+    j starts. best-fit: int64 [n + 1], sample j is parts ``sample_index[j]:sample_index[j + 1]``."""
     shuffle_index: np.ndarray
     """uint32 (int64 past 2^32 - 2 samples): the order in which samples are served."""
     num_epochs: int
@@ -105,6 +133,11 @@ class GPTIndices:
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
+
+    @property
+    def packed(self) -> bool:
+        """True for best-fit indices (parts), False for Megatron's."""
+        return self.document_index.ndim == 2
 
 
 def count_epochs(tokens_per_epoch: int, num_samples: int | None, seq_length: int, extra: int) -> int:
@@ -182,6 +215,8 @@ def build_gpt_indices(
     """
     if sequence_lengths.dtype != np.int32:
         raise TypeError(f"sequence_lengths must be int32, got {sequence_lengths.dtype}")
+    if config.packing == "best-fit":
+        return build_packed_indices(sequence_lengths, documents, num_samples, config)
     seq_length, extra = config.seq_length, int(config.add_extra_token)
     tokens_per_epoch = _total_length(sequence_lengths, documents)
     num_epochs, separate, num_before_final = epoch_plan(tokens_per_epoch, num_samples, config)
@@ -205,6 +240,106 @@ def build_gpt_indices(
     num_built = sample_index.shape[0] - 1
     shuffle_index = build_shuffle_index(num_before_final if separate else num_built, num_built, rng)
     return GPTIndices(document_index, sample_index, shuffle_index, num_epochs, separate, tokens_per_epoch)
+
+
+def build_packed_indices(
+    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, config: GPTDatasetConfig
+) -> GPTIndices:
+    """Best-fit indices of one split of one source (a pure function; ``packing="best-fit"``).
+
+    A sample holds ``seq_length + 1`` tokens (with the extra token), as a concat sample does,
+    but of whole documents: inputs are its first ``seq_length`` tokens, labels its last, and a
+    label is trained only inside the document of its input (the loader masks each document's
+    last input and the padding). So a document of up to ``seq_length + 1`` tokens fits whole;
+    a longer one is cut into pieces of ``seq_length + 1`` tokens starting every ``seq_length``
+    (each piece shares its first token with the last of the piece before, so every label of
+    the document is trained once). Per epoch: the split's documents are shuffled with the
+    seed, their pieces packed by best-fit decreasing (``helpers.pack_best_fit``; equal
+    lengths keep the shuffled order, so each epoch packs differently) and the epoch's samples
+    shuffled; epochs follow each other whole. As many epochs are built as ``num_samples``
+    needs (one when None). The trade-off against concat: padding (the room best fit leaves)
+    instead of documents cut at sample boundaries. The packer is our own C++ (a segment tree
+    over room values): the bin-packing packages on PyPI (binpacking, prtpy) are Python loops,
+    far from packing 10 M documents in seconds.
+    """
+    extra = int(config.add_extra_token)
+    capacity, step = config.seq_length + extra, config.seq_length
+    rng = helpers.SeededStream(config.seed)
+    tokens_per_epoch = _total_length(sequence_lengths, documents)
+    parts: list[np.ndarray] = []
+    starts: list[np.ndarray] = []
+    orders: list[np.ndarray] = []
+    built = 0
+    while not orders or (num_samples is not None and built < num_samples):
+        order = np.array(documents, dtype=np.int32)
+        helpers.shuffle(rng, order)
+        epoch_parts, epoch_starts = helpers.pack_best_fit(sequence_lengths, order, capacity, step)
+        del order
+        count = len(epoch_starts) - 1
+        if count == 0:
+            if num_samples:
+                raise TokenloomError(f"{num_samples} samples requested from a split with no tokens")
+            break
+        samples = np.arange(built, built + count, dtype=np.uint32 if built + count < 2**32 - 1 else np.int64)
+        helpers.shuffle(rng, samples)
+        if starts:  # later epochs' pointers continue the earlier ones'
+            epoch_starts = epoch_starts[1:] + starts[-1][-1]
+        parts.append(epoch_parts)
+        starts.append(epoch_starts)
+        orders.append(samples)
+        built += count
+    if not orders:
+        parts, starts, orders = [np.zeros((0, 3), np.int32)], [np.zeros(1, np.int64)], [np.zeros(0, np.uint32)]
+    dtype = np.uint32 if built < np.iinfo(np.uint32).max - 1 else np.int64
+    one = len(orders) == 1  # one epoch: the packer's arrays as they are (no copies)
+    return GPTIndices(
+        parts[0] if one else np.concatenate(parts),
+        starts[0] if one else np.concatenate(starts),
+        orders[0].astype(dtype, copy=False) if one else np.concatenate([o.astype(dtype) for o in orders]),
+        num_epochs=max(1, len(orders)),
+        separate_final_epoch=False,
+        tokens_per_epoch=tokens_per_epoch,
+    )
+
+
+@dataclass(frozen=True)
+class PackingCost:
+    """What best-fit packing cost one split of one source (the plan's packing columns)."""
+
+    samples: int
+    """Samples built (all epochs)."""
+    padding: int
+    """Padding tokens in them."""
+    padding_share: float
+    """padding / (samples x tokens per sample)."""
+    cut: int
+    """Documents of one epoch cut into pieces: those longer than a sample."""
+    concat_cut: int
+    """Documents of one epoch that concatenation would cut at a sample boundary (taken in the
+    split's order; Megatron's shuffled order cuts about as many)."""
+
+
+def packing_cost(indices: GPTIndices, lengths: np.ndarray, config: GPTDatasetConfig) -> PackingCost:
+    """:class:`PackingCost` of best-fit ``indices`` over documents of these ``lengths`` (one epoch)."""
+    capacity = config.seq_length + int(config.add_extra_token)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    samples = len(indices)
+    used = int(np.sum(indices.document_index[:, 2], dtype=np.int64)) if samples else 0
+    padding = samples * capacity - used
+    return PackingCost(samples, padding, padding / max(1, samples * capacity), int(np.sum(lengths > capacity)),
+                       concat_cuts(lengths, config.seq_length))
+
+
+def concat_cuts(lengths: np.ndarray, seq_length: int) -> int:
+    """Documents of these lengths, laid end to end, that no window of ``seq_length + 1`` tokens
+    starting at a multiple of ``seq_length`` holds whole (Megatron's samples)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = lengths[lengths > 0]
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    last = ends - 1  # the document's last token
+    window = np.maximum(-(-last // seq_length) - 1, 0)  # the first window whose end reaches it
+    return int(np.sum(window * seq_length > starts))
 
 
 class GPTDataset:
@@ -258,18 +393,46 @@ class GPTDataset:
     def read_parts(self, j: int) -> list[np.ndarray]:
         """Unshuffled sample j as its document pieces (and a pad piece if it is partial)."""
         extra = int(self.config.add_extra_token)
+        get = self.source.get
+        if self.indices.packed:
+            p0, p1 = self.indices.sample_index[j : j + 2].tolist()
+            parts = [get(d, offset=o, length=n) for d, o, n in self.indices.document_index[p0:p1].tolist()]
+            return self._padded(parts)
         # One slice and one tolist() per array: element-wise indexing of mapped arrays
         # costs about a microsecond per access, which dominates short samples.
         p0, o0, p1, o1 = self.indices.sample_index[j : j + 2].ravel().tolist()
         docs = self.indices.document_index[p0 : p1 + 1].tolist()
-        get = self.source.get
         if p0 == p1:
             parts = [get(docs[0], offset=o0, length=o1 - o0 + extra)]
         else:
             parts = [get(docs[0], offset=o0)]
             parts += [get(d) for d in docs[1:-1]]
             parts.append(get(docs[-1], offset=0, length=o1 + extra))
+        return self._padded(parts)
+
+    def layout(self, j: int) -> tuple[list[tuple[int, int, int]], int]:
+        """Unshuffled sample j as ``([(sequence id, offset, length), ...], padding tokens)``,
+        without reading a token (what ``build --dump-samples`` writes)."""
+        extra = int(self.config.add_extra_token)
         want = self.config.seq_length + extra
+        if self.indices.packed:
+            p0, p1 = self.indices.sample_index[j : j + 2].tolist()
+            rows = [(d, o, n) for d, o, n in self.indices.document_index[p0:p1].tolist()]
+        else:
+            p0, o0, p1, o1 = self.indices.sample_index[j : j + 2].ravel().tolist()
+            docs = self.indices.document_index[p0 : p1 + 1].tolist()
+            lengths = self.source.sequence_lengths
+            if p0 == p1:
+                rows = [(docs[0], o0, min(o1 - o0 + extra, int(lengths[docs[0]]) - o0))]
+            else:
+                rows = [(docs[0], o0, int(lengths[docs[0]]) - o0)]
+                rows += [(d, 0, int(lengths[d])) for d in docs[1:-1]]
+                rows.append((docs[-1], 0, min(o1 + extra, int(lengths[docs[-1]]))))
+            rows = [r for r in rows if r[2] > 0]
+        return rows, want - sum(r[2] for r in rows)
+
+    def _padded(self, parts: list[np.ndarray]) -> list[np.ndarray]:
+        want = self.config.seq_length + int(self.config.add_extra_token)
         have = sum(len(part) for part in parts)
         if have < want:
             parts.append(np.full(want - have, self.config.pad_id, dtype=np.int64))

@@ -130,3 +130,6 @@ def exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np.ndarra
     dataset_sample_index = np.zeros(total, dtype=np.int64)
     build_exhaustive_blending_indices(dataset_index, dataset_sample_index, s, len(s))
     return dataset_index, dataset_sample_index
+
+
+pack_best_fit = native.pick("pack_best_fit", reference.pack_best_fit)

@@ -26,6 +26,7 @@ With ``inter_document_masking`` (megatron-core's option of that name) a sample a
 carries ``cu_seqlens``: int32, ``seq_length + 1`` entries, the starts of the documents
 within the sample's inputs followed by ``seq_length`` (and padded with it), taken from
 the document pieces the sample was cut from, not from EOD ids (data without EOD works);
+with ``labels_within_documents`` (best-fit samples) the loss also skips each piece's last input;
 ``max_seqlen``, the longest piece; and position ids that restart at every piece. A
 padded tail of a partial sample is a piece of its own.
 """
@@ -61,6 +62,9 @@ class SampleConfig:
     source_ids: bool = False
     """Add ``source``: the position of the sample's source in the blend (:func:`source_of`), for
     losses per source."""
+    labels_within_documents: bool = False
+    """Best-fit samples: no loss on an input whose label starts the next document piece (the
+    last input of every piece but the sample's last), so labels never cross a document."""
 
 
 class GPTSamples:
@@ -80,7 +84,7 @@ class GPTSamples:
         return len(self.dataset)
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray | np.int32 | np.int64]:
-        if self.cfg.inter_document_masking:
+        if self.cfg.inter_document_masking or self.cfg.labels_within_documents:
             sample, pieces = self.dataset.documents_of(k)
             sample = np.array(sample, dtype=np.int64)
         else:
@@ -91,6 +95,9 @@ class GPTSamples:
                                  "tokenized with another tokenizer")
         tokens, labels = sample[:-1], sample[1:]
         loss_mask = np.ones(len(tokens), dtype=np.float32)
+        if self.cfg.labels_within_documents:
+            ends = np.cumsum(pieces)
+            loss_mask[ends[ends < len(sample)] - 1] = 0.0
         padded = sample == self.cfg.pad_id
         if padded.any():  # only a kept partial sample is padded
             loss_mask[padded[1:]] = 0.0

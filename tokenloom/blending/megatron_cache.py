@@ -29,6 +29,7 @@ import numpy as np
 from tokenloom.blending.blend import BlendBuilder, BlendConfig
 from tokenloom.blending.gpt import GPTDataset, GPTIndices, TokenSource, epoch_plan
 from tokenloom.blending.split import Bookend, Split, split_matrix
+from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer
 
 GPT_ARRAYS = ("document_index", "sample_index", "shuffle_index")
@@ -85,6 +86,9 @@ class MegatronCacheBuilder(BlendBuilder):
         open_source: Callable[[str | None], TokenSource] | None = None,
         mock: bool = False,
     ) -> None:
+        if config.gpt.packing != "concat":
+            raise TokenloomError(f"Megatron's cache holds concatenated samples only; packing {config.gpt.packing!r} "
+                                 "builds go to tokenloom's cache (--cache-dir)")
         super().__init__(config, **({"open_source": open_source} if open_source else {}))
         self.tokenizer = tokenizer
         self.path_to_cache = path_to_cache

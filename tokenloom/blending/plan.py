@@ -13,7 +13,7 @@ from tokenloom.blending.split import Split
 
 
 def format_plan(result: BuildResult, cfg: BuildConfig) -> str:
-    head = (
+    head: tuple[str, ...] = (
         "split",
         "source",
         "documents",
@@ -24,7 +24,7 @@ def format_plan(result: BuildResult, cfg: BuildConfig) -> str:
         "epochs",
         "cache key",
     )
-    rows = [head] + [
+    rows: list[tuple[str, ...]] = [head] + [
         (
             r.split,
             r.prefix,
@@ -38,13 +38,17 @@ def format_plan(result: BuildResult, cfg: BuildConfig) -> str:
         )
         for r in result.plan
     ]
+    if cfg.packing != "concat":  # what packing cost: its padding, and the documents it cut
+        head = (*head, "padding", "cut (concat)")
+        rows = [head] + [(*row, f"{r.padding} ({100 * (r.padding_share or 0):.2f}%)", f"{r.cut} ({r.concat_cut})")
+                         for row, r in zip(rows[1:], result.plan, strict=True)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     totals = ", ".join(
         f"{s.name} {len(d)}" for s, d in zip(Split, result.datasets, strict=True) if d is not None
     )
     lines.append(
-        f"samples of {cfg.seq_length}+1 tokens: {totals}; mode {cfg.mode}; "
+        f"samples of {cfg.seq_length}+1 tokens: {totals}; mode {cfg.mode}; packing {cfg.packing}; "
         f"cache {cfg.cache_dir or 'off'} ({result.builds} built, {result.hits} loaded)"
     )
     return "\n".join(lines)

@@ -9,6 +9,7 @@ the two greedy blends are sequential by nature and run as plain Python loops
 
 from __future__ import annotations
 
+import bisect
 import sys
 
 import numpy as np
@@ -256,3 +257,59 @@ def build_exhaustive_blending_indices(
             del live[best_pos]
     dataset_index[:total] = chosen
     dataset_sample_index[:total] = drawn
+
+
+def pack_best_fit(sizes: np.ndarray, doc_idx: np.ndarray, capacity: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """One epoch packed by best-fit decreasing (``csrc/helpers.cpp`` ``pack_best_fit``): the
+    same samples in the same order. A plain loop with a ``bisect`` over the open samples' rooms
+    (a fallback: fine for tests, slow for millions of documents)."""
+    sizes = _checked(sizes, "sizes", np.int32)
+    doc_idx = _checked(doc_idx, "doc_idx", np.int32)
+    if capacity < 2:
+        raise ValueError(f"capacity must be >= 2, got {capacity}")
+    if not 1 <= step <= capacity:
+        raise ValueError(f"step must lie in [1, capacity], got {step}")
+    bad = np.flatnonzero((doc_idx < 0) | (doc_idx >= len(sizes)))
+    if len(bad):
+        p = int(bad[0])
+        raise ValueError(f"doc_idx[{p}] = {int(doc_idx[p])} is out of range for sizes of length {len(sizes)}")
+    lengths = sizes[doc_idx].astype(np.int64)
+    if len(lengths) and lengths.min() < 0:
+        d = int(doc_idx[int(np.argmin(lengths))])
+        raise ValueError(f"sizes[{d}] = {int(sizes[d])} is negative")
+    overlap = capacity - step
+    pieces = np.where(lengths > capacity, (lengths - overlap + step - 1) // step, 1)
+    last = np.where(lengths > capacity, lengths - (pieces - 1) * step, lengths)
+    full = np.where(lengths > capacity, pieces - 1, 0) + (last == capacity)
+    tail = np.where(last == capacity, 0, last)
+    order = np.flatnonzero(tail > 0)
+    order = order[np.argsort(capacity - tail[order], kind="stable")]
+    rooms: list[int] = []  # sorted rooms of the open samples, one entry per (room, sample) via stacks
+    stacks: dict[int, list[int]] = {}
+    members: list[list[int]] = []
+    for p in order.tolist():
+        t = int(tail[p])
+        at = bisect.bisect_left(rooms, t)
+        if at == len(rooms):
+            b = len(members)
+            members.append([])
+            left = capacity - t
+        else:
+            room = rooms[at]
+            stack = stacks[room]
+            b = stack.pop()
+            if not stack:
+                del rooms[at]
+            left = room - t
+        if left > 0:
+            stack = stacks.setdefault(left, [])
+            if not stack:
+                bisect.insort(rooms, left)
+            stack.append(b)
+        members[b].append(p)
+    rows = [(int(doc_idx[p]), int(lengths[p] - tail[p]), int(tail[p])) for m in members for p in sorted(m)]
+    rows += [(int(doc_idx[p]), f * step, capacity) for p in range(len(doc_idx)) for f in range(int(full[p]))]
+    counts = [len(m) for m in members] + [1] * int(full.sum())
+    sample_index = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=sample_index[1:])
+    return np.array(rows, dtype=np.int32).reshape(-1, 3), sample_index

@@ -57,6 +57,27 @@ KIND_ALIASES: dict[str, tuple[str, dict]] = {
 }
 
 
+def check_megatron_type(path: str | Path | None, megatron_type: str) -> None:
+    """Megatron's ``--tokenizer-type`` beside the files it names (``--tokenizer-model`` or the
+    ``--vocab-file``/``--merge-file`` folder): the kind detected from the files must be the one the type
+    means (:data:`KIND_ALIASES`, or a kind's own name); ``NullTokenizer`` names no files. The files
+    decide which backend loads them, so the type is a check, not a switch; a mismatch is one line."""
+    if megatron_type not in KIND_ALIASES and megatron_type not in BACKENDS:
+        raise TokenloomError(f"--tokenizer-type {megatron_type}: unknown (one of {', '.join(KIND_ALIASES)})")
+    kind = KIND_ALIASES[megatron_type][0] if megatron_type in KIND_ALIASES else megatron_type
+    if kind in FILELESS:
+        if path is not None:
+            raise TokenloomError(f"--tokenizer-type {megatron_type} reads no files; drop --tokenizer-model {path}")
+        return
+    if path is None:
+        raise TokenloomError(f"--tokenizer-type {megatron_type} needs its files: --tokenizer-model PATH "
+                             "(or --vocab-file and --merge-file)")
+    found = detect_kind(Path(path))
+    if found != kind:
+        raise TokenloomError(f"--tokenizer-type {megatron_type} means a {kind} tokenizer, but {path} holds a "
+                             f"{found} one")
+
+
 def list_kinds() -> list[str]:
     return list(BACKENDS)
 

@@ -48,7 +48,7 @@ from tokenloom.blending.blend import build_mock_datasets
 from tokenloom.blending.build import BuildConfig
 from tokenloom.blending.build import build as build_blend
 from tokenloom.blending.cache import SharedBuild
-from tokenloom.blending.gpt import GPTDatasetConfig
+from tokenloom.blending.gpt import PACKINGS, GPTDatasetConfig
 from tokenloom.blending.loader import (
     ConsumedSamplesSampler,
     GPTSamples,
@@ -121,12 +121,22 @@ class DataConfig:
     """DataLoader worker processes per rank (0: load in the training process)."""
     eod_mask_loss: bool = False
     """Do not train on predicting the token after an EOD."""
-    inter_document_masking: bool = False
+    packing: Literal["concat", "best-fit"] = "concat"
+    """How documents become samples (``build --packing``). concat: Megatron's windows over the
+    documents end to end (no padding; documents cut at sample boundaries). best-fit: every
+    document no longer than a sample lies whole in one sample, longer ones cut into
+    sample-sized pieces, the room left padding the loss skips; labels never cross a document."""
+    inter_document_masking: bool | None = None
     """Attention never crosses a document boundary within a sample, and position ids restart
     at each document (megatron-core's inter_document_masking): each batch carries cu_seqlens.
-    Costs a [seq x seq] mask per sample on CPU (block masks via flex_attention on CUDA)."""
+    Costs a [seq x seq] mask per sample on CPU (block masks via flex_attention on CUDA).
+    None (default): on with best-fit packing, off with concat."""
 
     def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise TokenloomError(f"data.packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+        if self.inter_document_masking is None:
+            self.inter_document_masking = self.packing == "best-fit"
         if (self.mock is None) == (self.blend is None):
             raise TokenloomError("the data section needs exactly one of data.mock or data.blend")
         if self.num_workers < 0:
@@ -161,7 +171,7 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
           tokenizer_eod: int | None = None) -> Datasets:
     """Build train/valid/test for ``sizes`` samples each (train must not come out short)."""
     gpt = GPTDatasetConfig(seq_length=seq_len, seed=cfg.seed,
-                           split=cfg.blend.split if cfg.blend else "1,1,1")
+                           split=cfg.blend.split if cfg.blend else "1,1,1", packing=cfg.packing)
     eod: int | None
     if cfg.mock is not None:
         m = cfg.mock
@@ -171,7 +181,7 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
         train, valid, test = build_mock_datasets(gpt, sizes, source)
         description = {"kind": "mock", **asdict(m), "eod": eod, "vocab_size": vocab_size}
         plan = (f"mock data ({m.content}): {m.num_sequences} synthetic documents of 1-{m.max_length - 1} tokens, "
-                f"eod {eod}")
+                f"eod {eod}" + ("" if cfg.packing == "concat" else f"; packing {cfg.packing}"))
     else:
         if tokenizer_eod is None and cfg.eod_mask_loss:
             raise TokenloomError("data.eod_mask_loss needs the EOD id: set tokenizer")
@@ -186,12 +196,16 @@ def build(cfg: DataConfig, *, seq_len: int, vocab_size: int, sizes: tuple[int, i
                              f"{sizes[0]} needed (train_iters x global_batch_size)")
     description.update(seq_len=seq_len, shuffle_seed=cfg.seed, eod_mask_loss=cfg.eod_mask_loss,
                        train_samples=len(train))
+    if cfg.packing != "concat":  # concat runs keep the fingerprints they had before packing came
+        description["packing"] = cfg.packing
     out = Datasets(train, valid, test, eod, fingerprint(description), description, plan)
     if cfg.blend is not None:
         out.segments = [Segment(0, sizes[0], tuple((float(w), str(p), built.sources[str(p)].digest)
                                                    for w, p in cfg.blend.prefixes))]
         out.invariants = {"data.blend.split": cfg.blend.split, "model.seq_len": seq_len, "data.seed": cfg.seed,
                           "data.eod_mask_loss": cfg.eod_mask_loss}
+        if cfg.packing != "concat":  # absent: concat (histories saved before packing came)
+            out.invariants["data.packing"] = cfg.packing
         out.train = SegmentedBlend(out.segments, [train])  # one segment: Megatron's blend itself
         if len(cfg.blend.prefixes) > 1:
             out.source_names = source_names([str(p) for _, p in cfg.blend.prefixes], cfg.blend.names,
@@ -287,7 +301,9 @@ def resume_order(data: Datasets, cfg: DataConfig, history: dict, consumed: int, 
     if not isinstance(data.train, SegmentedBlend) or data.segments is None or data.invariants is None:
         raise TokenloomError(f"{where} has a blend history: it resumes with data.blend only")
     invariants, segments = read_history(history, where)
-    changed = [f"{k} {invariants.get(k)!r} -> {v!r}" for k, v in data.invariants.items() if invariants.get(k) != v]
+    unpacked = {"data.packing": "concat"}  # what a history without the key (concat, or older) means
+    was, now = unpacked | invariants, unpacked | data.invariants
+    changed = [f"{k} {was.get(k)!r} -> {v!r}" for k, v in now.items() if was.get(k) != v]
     if changed:
         raise TokenloomError(f"{where} was trained with other data settings ({'; '.join(changed)}); a resume may "
                              "change only the blend's weights and sources and train_iters: restore them, or pass "
@@ -322,7 +338,8 @@ def _segment_blend(seg: Segment, cfg: DataConfig, invariants: dict, current: Seg
     given = _blend_of(cfg)
     blend = BlendDataConfig(prefixes=pairs, split=given.split, cache_dir=given.cache_dir,
                             build_timeout=given.build_timeout)
-    gpt = GPTDatasetConfig(seq_length=invariants["model.seq_len"], seed=cfg.seed, split=given.split)
+    gpt = GPTDatasetConfig(seq_length=invariants["model.seq_len"], seed=cfg.seed, split=given.split,
+                           packing=invariants.get("data.packing", "concat"))
     built, _ = _build_blend(blend, gpt, (seg.train_samples, 0, 0))
     for (_, prefix), (_, _, digest) in zip(pairs, seg.blend, strict=True):
         if built.sources[prefix].digest != digest:
@@ -356,7 +373,8 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
         shared = SharedBuild(dist.get_rank(), dist.get_world_size(), dist.barrier, str(run_id[0]),  # rank 0's
                              timeout=blend.build_timeout)
     cfg = BuildConfig(data=[(float(w), str(p)) for w, p in blend.prefixes], split=blend.split,
-                      seq_length=gpt.seq_length, num_samples=tuple(sizes), seed=gpt.seed, cache_dir=blend.cache_dir)
+                      seq_length=gpt.seq_length, num_samples=tuple(sizes), seed=gpt.seed, cache_dir=blend.cache_dir,
+                      packing=gpt.packing)
     built = build_blend(cfg, shared=shared)
     return built, format_plan(built, cfg)
 
@@ -364,9 +382,10 @@ def _build_blend(blend: BlendDataConfig, gpt: GPTDatasetConfig, sizes: tuple[int
 def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: int, micro_batch_size: int,
            dp_rank: int, dp_size: int, num_workers: int = 0, pin_memory: bool = False,
            total_samples: int | None = None, inter_document_masking: bool = False,
-           vocab_size: int | None = None, source_ids: bool = False) -> DataLoader:
+           vocab_size: int | None = None, source_ids: bool = False, packed: bool = False) -> DataLoader:
     """Micro-batches of this rank (dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
-    ``cu_seqlens``/``max_seqlen`` with ``inter_document_masking``, ``source`` with ``source_ids``).
+    ``cu_seqlens``/``max_seqlen`` with ``inter_document_masking``, ``source`` with ``source_ids``;
+    ``packed``: best-fit samples, whose labels stay inside each document).
 
     The global order is the dataset's; rank ``r`` takes its slice of every global
     micro-step (see :class:`ConsumedSamplesSampler`). ``total_samples`` caps the samples used;
@@ -376,7 +395,8 @@ def loader(dataset, *, eod: int | None, eod_mask_loss: bool, consumed_samples: i
     sampler = ConsumedSamplesSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size)
     samples = GPTSamples(dataset, SampleConfig(eod=eod, eod_mask_loss=eod_mask_loss,
                                                inter_document_masking=inter_document_masking,
-                                               vocab_size=vocab_size, source_ids=source_ids))
+                                               vocab_size=vocab_size, source_ids=source_ids,
+                                               labels_within_documents=packed))
     # A private generator: DataLoader draws its worker base seed from the *global* torch RNG
     # otherwise (even with num_workers=0), which would shift dropout's stream on resume.
     generator = torch.Generator().manual_seed(consumed_samples)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -76,6 +77,27 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
         precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     )
     return torch.bfloat16 if bf16 else torch.float32
+
+
+def cpu_bf16_native() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX tiles), as oneDNN
+    does; without either, torch emulates bf16 matmuls through fp32 conversions, several times slower
+    than plain fp32. Read from torch's own CPU-capability probes (``torch.cpu``)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def bf16_over_fp32_speed(size: int = 256, reps: int = 3) -> float:
+    """bf16 matmul throughput over fp32's on this CPU (a ``size`` cube, best of ``reps``): a few
+    milliseconds, measured only when the summary has to explain an emulated bf16 run."""
+    def best(dtype: torch.dtype) -> float:
+        a = torch.randn(size, size, dtype=dtype)
+        times = []
+        for _ in range(reps + 1):  # the first warms the kernel up
+            start = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+    return best(torch.float32) / max(best(torch.bfloat16), 1e-9)
 
 
 def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:

@@ -17,6 +17,7 @@ from tokenloom.train.kernels import choose_compile, resolve_mode
 from tokenloom.train.model.config import ARCH_FEATURES, GPTConfig
 from tokenloom.train.model.gpt import GPT
 from tokenloom.train.optim.adamw import OptimConfig
+from tokenloom.train.runtime import bf16_over_fp32_speed, cpu_bf16_native
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,10 @@ def regrets(cfg: TrainConfig, facts: RunFacts) -> list[str]:
     if cfg.log_loss_per_source and (cfg.data.blend is None or len(cfg.data.blend.prefixes) < 2):
         out.append("log_loss_per_source is ignored: the data has one source, whose loss is train_loss; give a "
                    "blend of two or more sources")
+    if facts.device == "cpu" and facts.precision == "bfloat16" and not cpu_bf16_native():
+        out.append(f"bf16 is emulated on this CPU (no AVX512-BF16 or AMX): its matmuls ran at "
+                   f"{bf16_over_fp32_speed():.2f}x fp32's speed here; --set precision=fp32 (without --bf16) trains "
+                   "faster on it")
     if cfg.optim.warmup_iters >= cfg.train_iters:
         out.append(f"warmup ({cfg.optim.warmup_iters} steps) is not shorter than the run ({cfg.train_iters} steps): "
                    "the learning rate never reaches its peak; lower optim.warmup_iters")

@@ -418,23 +418,29 @@ def logged_losses(results: list[dict]) -> list[float]:
 SCENARIO_BUDGET_S = 30.0
 """A launch's hang deadline is this per scenario it runs: a scenario (a few steps of a tiny model,
 compile's first graphs the slowest) takes a few seconds on the developers' machine, 4 ranks
-oversubscribing 2 cores, so a launch that passes its deadline hung rather than ran slow."""
+oversubscribing 2 cores, so a launch that passes its deadline hung rather than ran slow. A module
+whose scenarios are heavier (MoE: 20 steps of routed experts) passes its own ``per_scenario_s``."""
 REFERENCE_BUDGET_S = 60.0
 """A one-process reference run's share of a module's timeout (a few seconds here)."""
+MIN_TIMEOUT_S = 600.0
+"""No launching module's timeout is below the suite's default (pyproject's ``timeout``)."""
 
 
-def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float | None = None):
+def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float | None = None,
+           per_scenario_s: float = SCENARIO_BUDGET_S):
     """Run ``scenarios`` (name, kwargs) of this module on ``world_size`` ranks; per-rank result lists.
-    The hang deadline is sized by the work: :data:`SCENARIO_BUDGET_S` per scenario unless given."""
+    The hang deadline is sized by the work: ``per_scenario_s`` per scenario unless given."""
     return rank_launcher.launch(__name__, scenarios, world_size, tmp_path,
-                                deadline_s=deadline_s or SCENARIO_BUDGET_S * len(scenarios), collective_timeout_s=60)
+                                deadline_s=deadline_s or per_scenario_s * len(scenarios), collective_timeout_s=60)
 
 
-def launches_timeout(scenarios: int, references: int = 1) -> pytest.MarkDecorator:
+def launches_timeout(scenarios: int, references: int = 1, per_scenario_s: float = SCENARIO_BUDGET_S
+                     ) -> pytest.MarkDecorator:
     """The timeout of a module's tests whose module fixtures launch ``scenarios`` scenarios in all and
     run ``references`` one-process references: the first test's setup runs all of them, so its timeout
-    is the sum of their budgets (the timeouts catch hangs; the work sizes them)."""
-    return pytest.mark.timeout(REFERENCE_BUDGET_S * references + SCENARIO_BUDGET_S * scenarios)
+    is the sum of their budgets (the timeouts catch hangs; the work sizes them), at least
+    :data:`MIN_TIMEOUT_S`."""
+    return pytest.mark.timeout(max(MIN_TIMEOUT_S, REFERENCE_BUDGET_S * references + per_scenario_s * scenarios))
 
 
 

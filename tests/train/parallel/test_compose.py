@@ -222,7 +222,7 @@ def w4(tmp, w2):  # resumes the 2-rank launch's ZeRO-1 checkpoint
 
 
 @pytest.fixture(scope="module")
-def w1(tmp, w2, w4):  # continues checkpoints of both
+def w1(tmp, ref, w2, w4):  # continues checkpoints of all three (the reference's at HALF with ZeRO-1)
     return _launched(_w1(tmp), 1, tmp)
 
 

@@ -45,7 +45,9 @@ def _worlds(tmp) -> dict[int, list[tuple[str, dict]]]:
                   ("ep2_tp2_sp_allgather", dict(ep=2, tp=2, sp=True, dispatcher="allgather"))]}
 
 
-pytestmark = [pytest.mark.slow, launches_timeout(sum(len(w) for w in _worlds(Path("/sizes-only")).values()))]
+MOE_SCENARIO_S = 60.0  # a few MoE steps at ep 2 / 4: a few seconds each here, more than a dense scenario
+pytestmark = [pytest.mark.slow, launches_timeout(sum(len(w) for w in _worlds(Path("/sizes-only")).values()),
+                                                per_scenario_s=MOE_SCENARIO_S)]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def runs(tmp_path_factory):
         scenarios = [("train" if "resume" in kw else "train_on_meta",
                       dict(out=str(tmp / name), moe=True, checkpoint_dir=str(tmp / name / "checkpoints"), **kw))
                      for name, kw in layouts]
-        results = launch(scenarios, world, tmp / f"w{world}")
+        results = launch(scenarios, world, tmp / f"w{world}", per_scenario_s=MOE_SCENARIO_S)
         for i, (name, _) in enumerate(layouts):
             ranks = [r[i] for r in results]
             last = next(r for r in ranks if r["losses"])

@@ -22,7 +22,8 @@ LAYOUTS = {  # name -> TrainConfig overrides on 2 ranks; (dp, tp, pp)
     # compiled blocks (compile's default on CUDA): fp32 experts fall back to the loop under compile
     "dp1_tp2_pp1_sp_compile": dict(tp=2, sp=True, compile=True),
 }
-pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS))]
+MOE_SCENARIO_S = 120.0  # 20 steps of the MoE model on 2 ranks: about a dozen seconds here
+pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS), per_scenario_s=MOE_SCENARIO_S)]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def runs(tmp_path_factory):
     out = {"reference": reference(tmp / "reference", moe=True)}
     scenarios = [("train_on_meta", dict(out=str(tmp / n), moe=True, **kw)) for n, kw in LAYOUTS.items()]
     (tmp / "w2").mkdir()
-    results = launch(scenarios, 2, tmp / "w2")
+    results = launch(scenarios, 2, tmp / "w2", per_scenario_s=MOE_SCENARIO_S)
     for i, name in enumerate(LAYOUTS):
         ranks = [r[i] for r in results]
         last = next(r for r in ranks if r["losses"])

@@ -1,0 +1,227 @@
+"""Best-fit packing (``packing="best-fit"``): the native packer against its reference and a
+hand-derived example, the packed indices (every document whole in one sample per epoch, the
+pieces of long ones covering them), the loader's masks, the cache, the plan and the dump
+(``build --dump-samples``) of both packings, and the acceptance bounds on the shared corpora."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tokenloom import native
+from tokenloom.blending import reference
+from tokenloom.blending.blend import build_mock_datasets
+from tokenloom.blending.build import BuildConfig, build
+from tokenloom.blending.dump import sample_layouts
+from tokenloom.blending.gpt import GPTDatasetConfig, build_gpt_indices, concat_cuts, key_fields
+from tokenloom.blending.helpers import pack_best_fit
+from tokenloom.blending.loader import GPTSamples, SampleConfig
+from tokenloom.blending.mock import MockSource
+from tokenloom.blending.plan import format_plan
+from tokenloom.blending.split import Split
+from tokenloom.cli import main
+from tokenloom.errors import TokenloomError
+from tokenloom.indexed import IndexedDataset, IndexedDatasetWriter
+
+BEST_FIT = dict(packing="best-fit")
+
+
+def test_worked_example_by_hand():
+    # capacity 5 (seq 4 + the extra token), pieces every 4 tokens. Lengths 3, 5, 2, 4, 6:
+    # doc 1 fills a sample; doc 4 is cut into [0, 5) (a full sample) and [4, 6). Best fit of
+    # the rest, longest first (ties in doc_idx order): 4 (doc 3) opens sample 0 (room 1); 3
+    # (doc 0) opens sample 1 (room 2); 2 (doc 2) fills sample 1; 2 (doc 4's tail) opens sample 2.
+    sizes = np.array([3, 5, 2, 4, 6], dtype=np.int32)
+    parts, starts = pack_best_fit(sizes, np.arange(5, dtype=np.int32), 5, 4)
+    assert parts.tolist() == [[3, 0, 4], [0, 0, 3], [2, 0, 2], [4, 4, 2], [1, 0, 5], [4, 0, 5]]
+    assert starts.tolist() == [0, 1, 3, 4, 5, 6]
+
+
+@pytest.mark.skipif(not native.loaded(), reason="the native extension is not built")
+def test_native_equals_reference_on_random_inputs():
+    from tokenloom import _native
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        cap = int(rng.integers(2, 40))
+        step = cap - int(rng.integers(0, 2)) if cap > 2 else cap
+        sizes = rng.integers(0, 100, size=int(rng.integers(1, 80))).astype(np.int32)
+        doc = rng.permutation(len(sizes))[: int(rng.integers(0, len(sizes) + 1))].astype(np.int32)
+        a, b = _native.pack_best_fit(sizes, doc, cap, step), reference.pack_best_fit(sizes, doc, cap, step)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    for fn in (_native.pack_best_fit, reference.pack_best_fit):
+        with pytest.raises(ValueError, match=r"doc_idx\[1\] = 9 is out of range"):
+            fn(np.ones(3, np.int32), np.array([0, 9], np.int32), 5, 4)
+        with pytest.raises(TypeError, match="int32"):
+            fn(np.ones(3, np.int64), np.array([0], np.int32), 5, 4)
+
+
+def check_epoch(parts: np.ndarray, starts: np.ndarray, sizes: np.ndarray, docs, capacity: int, step: int) -> None:
+    """Every document of ``docs`` is covered exactly: whole in one sample when it fits, else by
+    pieces every ``step`` tokens; no sample holds more than ``capacity`` tokens."""
+    assert np.all(np.add.reduceat(parts[:, 2], starts[:-1]) <= capacity) if len(parts) else True
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for d, o, n in parts.tolist():
+        pieces.setdefault(d, []).append((o, n))
+    for d in docs:
+        length = int(sizes[d])
+        got = sorted(pieces.pop(d, []))
+        if length == 0:
+            assert got == []
+        elif length <= capacity:
+            assert got == [(0, length)]
+        else:
+            assert [o for o, _ in got] == list(range(0, step * len(got), step))
+            assert all(n == capacity for _, n in got[:-1]) and got[-1][0] + got[-1][1] == length
+            assert 1 < got[-1][1] <= capacity
+    assert not pieces
+
+
+def test_packed_indices_cover_every_document_once_per_epoch():
+    rng = np.random.default_rng(1)
+    sizes = rng.integers(0, 60, size=500).astype(np.int32)
+    docs = np.arange(100, 400, dtype=np.int32)
+    cfg = GPTDatasetConfig(seq_length=16, seed=7, **BEST_FIT)
+    one = build_gpt_indices(sizes, docs, None, Split.train, cfg)
+    assert one.packed and one.num_epochs == 1 and len(one) == len(one.shuffle_index)
+    n = len(one)
+    idx = build_gpt_indices(sizes, docs, 2 * n + 1, Split.train, cfg)
+    assert idx.num_epochs == 3 and len(idx) == 3 * n  # each epoch packs to as many samples
+    assert np.array_equal(idx.document_index[: len(one.document_index)], one.document_index)
+    for e in range(3):  # served epoch after epoch, each a permutation of its own samples
+        order = idx.shuffle_index[e * n : (e + 1) * n].astype(np.int64)
+        assert sorted(order.tolist()) == list(range(e * n, (e + 1) * n))
+        lo, hi = idx.sample_index[e * n], idx.sample_index[(e + 1) * n]
+        check_epoch(idx.document_index[lo:hi], idx.sample_index[e * n : (e + 1) * n + 1] - lo, sizes, docs, 17, 16)
+    assert not np.array_equal(idx.document_index[:lo], idx.document_index[lo:hi])  # epochs pack differently
+    again = build_gpt_indices(sizes, docs, 2 * n + 1, Split.train, cfg)
+    assert all(np.array_equal(getattr(idx, a), getattr(again, a)) for a in ("document_index", "sample_index",
+                                                                            "shuffle_index"))
+    with pytest.raises(TokenloomError, match="5 samples requested from a split with no tokens"):
+        build_gpt_indices(np.zeros(4, np.int32), np.arange(4, dtype=np.int32), 5, Split.train, cfg)
+    with pytest.raises(TokenloomError, match="packing must be one of"):
+        GPTDatasetConfig(seq_length=4, packing="first-fit")  # type: ignore[arg-type]
+
+
+def test_concat_cache_keys_do_not_name_packing():
+    assert "packing" not in key_fields(GPTDatasetConfig(seq_length=8))
+    assert key_fields(GPTDatasetConfig(seq_length=8, **BEST_FIT))["packing"] == "best-fit"
+
+
+def test_concat_cuts_by_hand():
+    # windows of 5 tokens every 4: [0,4], [4,8], [8,12]; documents [0,3) [3,8) [8,10) [10,11)
+    assert concat_cuts(np.array([3, 5, 2, 1]), 4) == 1  # only [3, 8) spans two windows
+    assert concat_cuts(np.array([5, 4]), 4) == 0  # [0, 5) in [0, 4]; [5, 9) in [4, 8] (8 the shared token)
+    assert concat_cuts(np.array([4, 6, 0]), 4) == 1  # [4, 10) spans [4, 8] and [8, 12]; empty ones never count
+
+
+def test_loader_keeps_labels_inside_documents():
+    eod = 63
+    source = MockSource(64, eod, num_sequences=300, max_length=30, content="random", seed=3)
+    train, _, _ = build_mock_datasets(GPTDatasetConfig(seq_length=16, seed=1, **BEST_FIT), (40, 1, 1), source)
+    samples = GPTSamples(train, SampleConfig(eod=eod, inter_document_masking=True, labels_within_documents=True))
+    padded = 0
+    for k in range(len(train)):
+        out = samples[k]
+        sample, pieces = train.documents_of(k)
+        assert pieces.sum() == 17 and np.array_equal(sample, train[k])
+        doc = np.repeat(np.arange(len(pieces)), pieces)  # piece of every token
+        real = sample != -1
+        # a label is trained iff it and its input are real tokens of the same piece
+        want = (doc[:-1] == doc[1:]) & real[:-1] & real[1:]
+        assert np.array_equal(out["loss_mask"] > 0, want)
+        cu = out["cu_seqlens"]
+        starts = np.concatenate([[0], np.cumsum(pieces)[:-1]])
+        assert cu[: len(starts[starts < 16])].tolist() == starts[starts < 16].tolist()
+        padded += int((~real).sum())
+    assert padded > 0
+
+
+def two_sources(tmp: Path) -> tuple[str, str]:
+    rng = np.random.default_rng(0)
+    out = []
+    for name, top in (("short", 30), ("long", 90)):
+        with IndexedDatasetWriter(tmp / name, vocab_size=96) as writer:
+            for _ in range(120):
+                writer.add_document(rng.integers(0, 95, size=int(rng.integers(1, top))).tolist() + [95])
+        out.append(str(tmp / name))
+    return out[0], out[1]
+
+
+def test_a_packed_blend_caches_dumps_and_reads_what_it_dumps(tmp_path):
+    a, b = two_sources(tmp_path)
+    cfg = BuildConfig(data=[(0.3, a), (0.7, b)], split="8,1,1", seq_length=32, num_samples=(200, 10, 5),
+                      cache_dir=str(tmp_path / "c"),
+                      **BEST_FIT)
+    first, second = build(cfg), build(cfg)
+    assert first.builds > 0 and second.builds == 0 and second.hits == first.builds
+    assert first.fingerprint == second.fingerprint != build(BuildConfig(**{**vars(cfg), "packing": "concat"})).fingerprint
+    row = first.plan[0]
+    assert row.padding is not None and row.cut is not None and row.concat_cut is not None and row.cut <= row.concat_cut
+    text = format_plan(first, cfg)
+    assert "padding" in text.splitlines()[0] and "cut (concat)" in text and "packing best-fit" in text
+    assert f"{row.padding} ({100 * row.padding_share:.2f}%)" in text.splitlines()[1]
+    opened = {p: IndexedDataset(p) for p in (a, b)}
+    records = list(sample_layouts(second.train))
+    assert [r["sample"] for r in records] == list(range(len(second.train)))
+    names = {"short": a, "long": b}
+    for r in records[:60]:  # the parts, read back, are the sample the trainer reads
+        tokens = [opened[names[s]].get(d, offset=o, length=n) for s, d, o, n in r["parts"]]
+        want = second.train[r["sample"]]
+        assert r["padding"] == 33 - sum(len(t) for t in tokens)
+        assert np.array_equal(np.concatenate(tokens + [np.full(r["padding"], -1)]), want)
+    drawn = Counter(r["parts"][0][0] for r in records)
+    assert abs(drawn["long"] / len(records) - 0.7) < 0.02  # blended by weight, as concat samples are
+
+
+def test_dump_of_a_megatron_build_matches_its_samples(tmp_path):
+    a, _ = two_sources(tmp_path)
+    out = tmp_path / "dump.jsonl"
+    result = CliRunner().invoke(main, ["build", "--data", a, "--seq-length", "16", "--num-samples", "50",
+                                       "--dump-samples", str(out), "--num", "20"])
+    assert result.exit_code == 0, result.output
+    assert "samples: 20 of the train split written to" in result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    train = build(BuildConfig(data=[(1.0, a)], seq_length=16, num_samples=(50, None, None))).train
+    ds = IndexedDataset(a)
+    for r in records:
+        tokens = np.concatenate([ds.get(d, offset=o, length=n) for _, d, o, n in r["parts"]])
+        assert r["padding"] == 0 and np.array_equal(tokens, train[r["sample"]])
+    bad = CliRunner().invoke(main, ["build", "--data", a, "--num", "3"])
+    assert bad.exit_code != 0 and "--num goes with --dump-samples FILE" in bad.output
+    gone = tmp_path / "missing" / "dump.jsonl"
+    bad = CliRunner().invoke(main, ["build", "--data", a, "--seq-length", "16", "--num-samples", "50",
+                                    "--dump-samples", str(gone)])
+    assert bad.exit_code == 1 and f"No such file or directory on {gone}" in bad.output and not gone.parent.exists()
+
+
+CORPORA = ["tinyshakespeare_gpt2_eod", "wikitext-2_gpt2_eod"]
+
+
+@pytest.mark.parametrize("seq", [1024, 2048])
+@pytest.mark.parametrize("corpus", CORPORA)
+def test_acceptance_bounds_on_the_shared_corpora(shared_data, tmp_path, corpus, seq):
+    """Every document no longer than a sample whole in exactly one sample of the epoch, read
+    from ``build --dump-samples``; padding <= 1% of the token slots; samples <= 1.01 x
+    ceil(tokens / seq_length). (The English novels pass too: bench/packing_bench.py.)"""
+    prefix = str(shared_data / "megatron-reference" / corpus)
+    out = tmp_path / "dump.jsonl"
+    result = CliRunner().invoke(main, ["build", "--data", prefix, "--seq-length", str(seq), "--split", "1,0,0",
+                                       "--exhaustive", "--packing", "best-fit", "--dump-samples", str(out)])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    lengths = IndexedDataset(prefix).sequence_lengths
+    whole = Counter((d, o, n) for r in records for _, d, o, n in r["parts"])
+    parts = Counter(d for r in records for _, d, _, _ in r["parts"])
+    fits = np.flatnonzero((lengths > 0) & (lengths <= seq + 1))
+    assert all(whole[(int(d), 0, int(lengths[d]))] == 1 == parts[int(d)] for d in fits)
+    tokens = int(lengths.sum(dtype=np.int64))
+    padding = sum(r["padding"] for r in records)
+    assert padding <= 0.01 * len(records) * (seq + 1)
+    assert len(records) <= 1.01 * math.ceil(tokens / seq)
