@@ -1,10 +1,11 @@
 """``cli.py train --max-restarts``: a killed rank and a stopped (hung) rank are survived with the
-losses and parameters of an uninterrupted run, each restart recorded; a deterministic error stops.
+losses and parameters of an uninterrupted run, each restart recorded; a kill during a durable save
+resumes from the local tier; a deterministic error stops.
 
-Two launches share the module's fixtures: dp4 where one rank is killed (``kill -9``) after the first
-checkpoint and, after the restart, another is stopped (``SIGSTOP``) until its peers' watchdogs
-fire; dp2 over data with a bad sample, which must stop after its second occurrence. The reference
-is the same run in one process (4 micro-batches per step instead of 4 ranks)."""
+Three launches: dp4 where one rank is killed (``kill -9``) after the first checkpoint and, after the
+restart, another is stopped (``SIGSTOP``) until its peers' watchdogs fire; dp2 with a local save per
+step whose durable save of step 6 is killed; dp2 over data with a bad sample, which must stop after
+its second occurrence. The reference is the same run in one process (4 micro-batches per step)."""
 
 from __future__ import annotations
 
