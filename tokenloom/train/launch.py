@@ -246,11 +246,7 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
                 while proc.poll() is None:
                     watch.poll()
                     if watch.stop_reason is not None:  # a restart would repeat the failure: end the job now
-                        for pid in forward.rank_pids():
-                            _kill(pid, signal.SIGKILL)
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
+                        end_job(proc, forward.rank_pids())
                         break
                     time.sleep(POLL_S)
         finally:
@@ -269,6 +265,27 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
                           f"{checkpoint.resume_advice(cfg.ckpt_dir)}; full logs: {log_dir}", forward.signum)
         raise TokenloomError(f"{watch.first_failure(proc.returncode)}; full logs: {log_dir}")
     return {"stopped_by": signal_name(forward.signum)} if stopped else None
+
+
+def end_job(proc: subprocess.Popen, rank_pids: list[int]) -> None:
+    """Kill torchrun and every rank it started, at once: torchrun is frozen first (SIGSTOP: it starts
+    no rank meanwhile), then its children are killed (each rank is in a session of its own, and one
+    just started may not have written its pid file nor asked to die with its parent), then torchrun."""
+    _kill(proc.pid, signal.SIGSTOP)
+    for pid in {*rank_pids, *children(proc.pid)}:
+        _kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux ``/proc``; elsewhere none)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 def signal_name(signum: int | None) -> str | None:
