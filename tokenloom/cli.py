@@ -543,6 +543,9 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--eval-iters", type=int, help=_help(_TRAIN, "eval_iters"))
 @click.option("--log-interval", type=int, help=_help(_TRAIN, "log_interval"))
 @click.option("--save-interval", type=int, help=_help(_TRAIN, "save_interval"))
+@click.option("--local-save-interval", type=int, help=_help(_TRAIN, "local_save_interval"))
+@click.option("--local-save-dir", help=_help(_TRAIN, "local_save_dir"))
+@click.option("--hang-timeout", "hang_timeout", type=float, help=_help(_TRAIN, "hang_timeout_s"))
 @click.option("--bf16", "precision", flag_value="bf16", default=None, help="bf16 autocast (precision=bf16).")
 @click.option("--output-dir", help=_help(_TRAIN, "output_dir"))
 @click.option("--resume", help=_help(_TRAIN, "resume"))
@@ -596,11 +599,17 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--master-port", "--master_port", "master_port", type=int, help=_help(_NODES, "master_port"))
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", help=_help(_NODES, "rdzv_endpoint"))
 @click.option("--rdzv-id", "--rdzv_id", "rdzv_id", help=_help(_NODES, "rdzv_id"))
+@click.option("--max-restarts", "--max_restarts", "max_restarts", type=int, default=0, show_default=True,
+              help="With --nproc-per-node: torchrun restarts the ranks this many times after a failure (a kill, an "
+              "error, a collective timeout, a hang); they resume from the newest complete checkpoint, each restart "
+              "is recorded in metrics.jsonl and the summary, and a failure a restart would repeat stops the job "
+              "(docs/faults.md).")
 @click.option("--verbose", is_flag=True, help="With --nproc-per-node: stream every rank's and torchrun's output "
               "unchanged instead of rank 0's on the terminal and the rest in OUTPUT_DIR/logs/.")
 @_megatron_refused
 def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
-          verbose, vocab_file, merge_file, tokenizer_type, layers_per_virtual_stage, max_position_embeddings, **flags):
+          max_restarts, verbose, vocab_file, merge_file, tokenizer_type, layers_per_virtual_stage,
+          max_position_embeddings, **flags):
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step, saves) last.
 
@@ -644,12 +653,14 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
         cfg = dataclasses.replace(cfg, vpp=cfg.model.n_layers // stages)
     nodes = Nodes(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                   rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    if nproc_per_node is None and max_restarts:
+        raise click.UsageError("--max-restarts needs --nproc-per-node (torchrun restarts the ranks it started)")
     if nproc_per_node is None and nodes != Nodes():
         raise click.UsageError("--nnodes/--node-rank/--master-addr/--master-port/--rdzv-endpoint/--rdzv-id need "
                                "--nproc-per-node (this command then starts torchrun on this node)")
     echo = functools.partial(click.echo, err=True)
     try:
-        summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo)
+        summary = launch(cfg, nproc_per_node, nodes=nodes, verbose=verbose, echo=echo, max_restarts=max_restarts)
     except KeyboardInterrupt:  # Ctrl-C before the steps (they save and stop instead)
         from tokenloom.train.checkpoint.commit import resume_advice  # lazy: start-up time (the train stack)
 

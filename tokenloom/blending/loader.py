@@ -131,9 +131,9 @@ def source_of(dataset, k: int) -> int:
 
 def source_name(dataset, k: int) -> str:
     """The path prefix (or description) of the source that sample ``k`` of ``dataset`` comes from."""
-    if hasattr(dataset, "locate"):  # a blend: its member's source
+    while hasattr(dataset, "locate"):  # a blend: its member's source (a segmented blend's: the source order)
         d, k = dataset.locate(k)
-        dataset = dataset.datasets[d]
+        dataset = dataset.datasets[d] if isinstance(d, int) else d
     source = getattr(dataset, "source", dataset)
     return str(getattr(source, "path_prefix", None) or source)
 

@@ -79,6 +79,13 @@ class TrainConfig:
     """Checkpoint every this many steps; a checkpoint is always written at the end."""
     keep_last_checkpoints: int = 0
     """Delete older checkpoints beyond this many (0 keeps all)."""
+    local_save_interval: int | None = None
+    """Also checkpoint every this many steps into local_save_dir (the fast tier: node-local disk,
+    written as the durable saves are, in the background, keeping the newest two); a resume (and every
+    restart) takes the newest step that every rank holds complete, locally or durably. None: off."""
+    local_save_dir: str | None = None
+    """Where the local tier's checkpoints go (with local_save_interval; each rank checks the files it
+    wrote there, so a checkpoint missing a rank's files is never taken). See tokenloom.train.checkpoint.commit."""
     async_save: bool = True
     """Write checkpoints in a background thread: the step loop waits only while the state is copied
     to host memory (pinned on CUDA; that copy is kept for the run and reused), and the next save,
@@ -134,6 +141,11 @@ class TrainConfig:
     (tokenloom.train.staged_gloo), slower than nccl. nccl without CUDA is refused."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a dead or stalled rank makes the others fail after at most this."""
+    hang_timeout_s: float | None = None
+    """Seconds without a finished step after which a rank's watchdog dumps its Python stacks into its
+    log and ends it, so that torchrun's restarts (train --max-restarts) take over; None: 10 times the
+    slowest iteration so far (step, evaluation, checkpoint copy), at least 60 s, armed after the first
+    step. Active under ``train --nproc-per-node`` or when set. See tokenloom.train.faults."""
     metrics_path: str | None = None
     """Metrics JSONL; None means OUTPUT_DIR/metrics.jsonl."""
     tensorboard_dir: str | None = None
@@ -210,6 +222,13 @@ class TrainConfig:
             raise TokenloomError("resume must be 'auto', a checkpoint path, or None")
         if self.gc_interval < 0:
             raise TokenloomError(f"gc_interval must be >= 0, got {self.gc_interval}")
+        if (self.local_save_interval is None) != (self.local_save_dir is None):
+            raise TokenloomError("local_save_interval (--local-save-interval) and local_save_dir (--local-save-dir) "
+                                 "go together")
+        if self.local_save_interval is not None and self.local_save_interval < 1:
+            raise TokenloomError(f"local_save_interval must be >= 1, got {self.local_save_interval}")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise TokenloomError(f"hang_timeout_s (--hang-timeout) must be > 0, got {self.hang_timeout_s}")
         if self.tp < 1 or self.pp < 1 or self.cp < 1:
             raise TokenloomError(f"tp, cp and pp must be >= 1, got tp={self.tp} cp={self.cp} pp={self.pp}")
         if self.ep < 1:

@@ -60,6 +60,7 @@ from pathlib import Path
 
 from tokenloom.blending.args import load_blend_file, parse_data_args, phase_sources, resolve_schedule
 from tokenloom.errors import Stopped, TokenloomError
+from tokenloom.train import faults
 from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import TrainConfig, config_to_dict, load_config
 from tokenloom.train.data import open_tokenizer
@@ -104,12 +105,25 @@ class Nodes:
 
 
 def torchrun_command(config_path: str | os.PathLike, nproc_per_node: int, nodes: Nodes = Nodes(),
-                     log_dir: str | os.PathLike | None = None) -> list[str]:
+                     log_dir: str | os.PathLike | None = None, max_restarts: int = 0) -> list[str]:
     """The command line that :func:`launch` runs; ranks log to ``log_dir`` (None: they print)."""
     entry = ["tokenloom.train.launch", "--config", str(config_path), "--log-dir", str(log_dir)] if log_dir else \
         ["tokenloom.train.loop", "--config", str(config_path)]
-    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), "--nproc-per-node",
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), *restarts, "--nproc-per-node",
             str(nproc_per_node), "-m", *entry]
+
+
+def torchrun_env(max_restarts: int) -> dict[str, str]:
+    """torchrun's environment: this one, and with restarts ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+    By default the ranks of every attempt share the rendezvous's TCP store and the process groups of
+    a restarted attempt use the same keys as the attempt before, so a rank can read a dead peer's
+    address and fail to connect; with the variable each rendezvous round gets a store of its own
+    (hosted by rank 0), the price one more port per round."""
+    env = dict(os.environ)
+    if max_restarts:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
 
 
 class _ReaderOptional:
@@ -155,7 +169,8 @@ def stdout_outlives_its_reader() -> None:
 
 
 def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = None, nodes: Nodes = Nodes(),
-           verbose: bool = False, echo: typing.Callable[[str], None] | None = None) -> dict | None:
+           verbose: bool = False, echo: typing.Callable[[str], None] | None = None,
+           max_restarts: int = 0) -> dict | None:
     """Check, then train from a config object or file; in-process without ``nproc_per_node``,
     else via torchrun (see the module docstring). ``echo`` gets the log directory's path.
 
@@ -165,6 +180,11 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     way (torchrun sends them SIGTERM), and so does one to a rank (the ranks agree on the step).
     torchrun runs in its own session with ``PR_SET_PDEATHSIG`` and so do the ranks, so none of the
     job outlives this process.
+
+    ``max_restarts`` (torchrun's ``--max-restarts``): when a rank fails, torchrun restarts this
+    node's ranks up to that many times and they resume from the newest complete checkpoint; this
+    process writes a restart record per restart (:mod:`tokenloom.train.faults`) and ends the job
+    with one line instead when a restart would repeat the failure (:func:`faults.deterministic`).
     """
     from tokenloom.train import preflight  # lazy: start-up time (in-process runs only)
 
@@ -182,6 +202,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
         return run(cfg)
     if nproc_per_node < 1:
         raise TokenloomError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    if max_restarts < 0:
+        raise TokenloomError(f"--max-restarts must be >= 0, got {max_restarts}")
     preflight.check(cfg, nproc_per_node * nodes.nnodes)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +212,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     tmp.write_text(json.dumps(config_to_dict(cfg), indent=2))
     os.replace(tmp, config_path)
     if verbose:  # a signal goes to torchrun, which sends the ranks SIGTERM
-        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes), start_new_session=True,
+        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, max_restarts=max_restarts),
+                                start_new_session=True, env=torchrun_env(max_restarts),
                                 preexec_fn=die_with_parent)
         forward = Forwarder(proc, None)
         try:
@@ -211,20 +234,28 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
         echo(f"logs: {log_dir} (rank{{N}}.log per rank, torchrun.log)")
     with open(log_dir / "torchrun.log", "wb") as torchrun_log:  # its stdout is rank 0's: kept
         # a session of its own: a terminal's Ctrl-C reaches this process only, which forwards it
-        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir), stderr=torchrun_log,
-                                start_new_session=True, preexec_fn=die_with_parent)
-        watch = RankWatch(log_dir)
+        proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir, max_restarts),
+                                stderr=torchrun_log, start_new_session=True, preexec_fn=die_with_parent,
+                                env=torchrun_env(max_restarts))
+        watch = RankWatch(log_dir, ckpt_dirs=[cfg.ckpt_dir, *([cfg.local_save_dir] if cfg.local_save_dir else [])],
+                          max_restarts=max_restarts, node=nodes.node_rank)
         forward = Forwarder(proc, log_dir)
         try:
             with forward.installed():
                 while proc.poll() is None:
                     watch.poll()
+                    if watch.stop_reason is not None:  # a restart would repeat the failure: end the job now
+                        end_job(proc, forward.rank_pids())
+                        break
                     time.sleep(POLL_S)
         finally:
             if proc.poll() is None:  # interrupted: torchrun stops its ranks on SIGTERM
                 proc.terminate()
                 proc.wait()
-        watch.poll()
+        if watch.stop_reason is None:
+            watch.poll()
+    if watch.stop_reason is not None:
+        raise TokenloomError(f"{watch.stop_reason}; full logs: {log_dir}")
     stopped = forward.signum is not None
     ranks_done = bool(watch.ranks) and all((log_dir / f"rank{r}.done").exists() for r in watch.ranks)
     if proc.returncode != 0 and not ranks_done:
@@ -233,6 +264,27 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
                           f"{checkpoint.resume_advice(cfg.ckpt_dir)}; full logs: {log_dir}", forward.signum)
         raise TokenloomError(f"{watch.first_failure(proc.returncode)}; full logs: {log_dir}")
     return {"stopped_by": signal_name(forward.signum)} if stopped else None
+
+
+def end_job(proc: subprocess.Popen, rank_pids: list[int]) -> None:
+    """Kill torchrun and every rank it started, at once: torchrun is frozen first (SIGSTOP: it starts
+    no rank meanwhile), then its children are killed (each rank is in a session of its own, and one
+    just started may not have written its pid file nor asked to die with its parent), then torchrun."""
+    _kill(proc.pid, signal.SIGSTOP)
+    for pid in {*rank_pids, *children(proc.pid)}:
+        _kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux ``/proc``; elsewhere none)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 def signal_name(signum: int | None) -> str | None:
@@ -326,8 +378,12 @@ class RankState:
     message: str | None = None
     died: bool = False
     held: bytes = b""  # the end of the relayed log that may still become an ``error: `` line
+    wall: float | None = None  # unix time of the failure
+    mark: faults.StepMark | None = None  # its last ``rank{N}.step``
 
 
+HANG_GRACE_S = 5.0
+"""How long the launcher waits, after a rank's watchdog fired, for the other live ranks' to."""
 _ERROR = b"error: "
 PEER_SYMPTOM = "another rank has probably died or stalled"
 """Part of every error a rank raises when a collective fails because of another rank
@@ -349,43 +405,124 @@ def without_error_lines(held: bytes, chunk: bytes) -> tuple[bytes, bytes]:
 
 
 class RankWatch:
-    """Follows the ranks of this node through ``LOGS/rank{N}.pid``, ``.log`` and ``.done``
-    (written by :func:`main`): relays rank 0's log to this process's stderr and notes
-    when each rank failed (see the module docstring)."""
+    """Follows the ranks of this node through ``LOGS/rank{N}.attempt``, ``.log``, ``.step``, ``.hang``
+    and ``.done`` (written by :func:`main` and :mod:`tokenloom.train.faults`): relays rank 0's log
+    to this process's stderr and notes when each rank failed (see the module docstring).
 
-    def __init__(self, log_dir: Path) -> None:
-        self.dir = log_dir
+    Under torchrun's restarts each restart is an attempt (``TORCHELASTIC_RESTART_COUNT``): when the
+    next attempt's ranks appear (by then torchrun has logged how the ranks ended), the attempt's first
+    failure becomes a restart record (``LOGS/restarts.jsonl``) unless no restart is left; a failure a
+    restart would repeat sets :attr:`stop_reason` (the launcher then ends the job). A ``.hang`` file
+    (a rank's watchdog fired) is followed, once every other live rank wrote one or after
+    :data:`HANG_GRACE_S`, by one line naming the ranks that wrote none (they had not reached the
+    collective: stopped, or stuck outside Python), which are then killed so torchrun restarts now."""
+
+    def __init__(self, log_dir: Path, ckpt_dirs: typing.Sequence[str | os.PathLike] = (), max_restarts: int = 0,
+                 node: int = 0) -> None:
+        self.dir, self.ckpt_dirs, self.max_restarts, self.node = log_dir, list(ckpt_dirs), max_restarts, node
         self.ranks: dict[int, RankState] = {}
+        self.attempt = 0
+        self.closed = False  # the current attempt's failure is recorded
+        self.records: list[dict] = []
+        self.stop_reason: str | None = None
+        self.hang: tuple[float, str, list[int]] | None = None  # (first seen, line, ranks without stacks)
+        self.hang_named = False
+        self._relayed = 0
 
     def poll(self) -> None:
         now = time.monotonic()
         for pid_file in self.dir.glob("rank*.pid"):
             rank = int(pid_file.stem.removeprefix("rank"))
+            try:
+                pid = int(pid_file.read_text())
+                attempt_text = read_text(self.dir / f"rank{rank}.attempt").split()
+                attempt, attempt_pid = (int(v) for v in attempt_text) if attempt_text else (0, pid)
+            except ValueError:  # being written
+                continue
+            if attempt_pid != pid:  # the next attempt's files are being written
+                continue
+            if attempt > self.attempt:  # torchrun restarted this node's ranks
+                self._close_attempt()
+                self.attempt, self.ranks, self.closed, self.hang, self.hang_named = attempt, {}, False, None, False
+            if attempt < self.attempt:
+                continue
             if rank not in self.ranks:
-                try:
-                    self.ranks[rank] = RankState(int(pid_file.read_text()))
-                except ValueError:  # being written
-                    continue
+                self.ranks[rank] = RankState(pid)
             state = self.ranks[rank]
+            mark = faults.read_step(self.dir / f"rank{rank}.step")
+            if mark is not None and (state.mark is None or mark.time >= state.mark.time):
+                state.mark = mark
             if rank == 0:
                 self._relay(state)
             if state.failed_at is not None:
                 continue
             error = rank_error(self.dir / f"rank{rank}.log", rank)
             if error is not None:
-                state.failed_at, state.message = now, error
+                state.failed_at, state.message, state.wall = now, error, time.time()
             elif not process_alive(state.pid) and not (self.dir / f"rank{rank}.done").exists():
-                state.failed_at, state.died = now, True
+                state.failed_at, state.died, state.wall = now, True, time.time()
+        self._watch_hang(now)
+
+    def _watch_hang(self, now: float) -> None:
+        hung = {r for r in self.ranks if (self.dir / f"rank{r}.hang").exists()}
+        if not hung or self.hang_named:
+            return
+        if self.hang is None:
+            self.hang = (now, "", [])
+            for rank, state in self.ranks.items():  # every live rank's stacks into its log
+                if rank not in hung and state.failed_at is None:
+                    _kill(state.pid, faults.DUMP_SIGNAL)
+        silent = sorted(r for r, s in self.ranks.items() if r not in hung and process_alive(s.pid))
+        if silent and now - self.hang[0] < HANG_GRACE_S:
+            return
+        marks = [s.mark.last for s in self.ranks.values() if s.mark is not None]
+        line = (f"hang after iteration {max(marks) if marks else '?'}: "
+                + (f"rank(s) {', '.join(map(str, silent))} had not reached the collective (no stacks: stopped or "
+                   "stuck outside Python); " if silent else "")
+                + f"rank(s) {', '.join(map(str, sorted(hung)))} waited in it (their Python stacks are in their logs)")
+        self.hang, self.hang_named = (self.hang[0], line, silent), True
+        print(line, file=sys.stderr, flush=True)
+        for rank in silent:  # a stopped process never exits by itself: torchrun would wait for it
+            _kill(self.ranks[rank].pid, signal.SIGKILL)
+
+    def _close_attempt(self) -> None:
+        """Record the current attempt's first failure (once), if it had one and a restart is left."""
+        if self.closed or not any(s.failed_at is not None for s in self.ranks.values()):
+            return
+        self.closed = True
+        if self.attempt >= self.max_restarts:  # torchrun gives up: the run's error line says why
+            return
+        failure = self.failure()
+        if failure is None:
+            return
+        rank, why = failure
+        if self.hang is not None and self.hang[2]:
+            rank, why = self.hang[2][0], self.hang[1]
+        marks = [s.mark for s in self.ranks.values() if s.mark is not None]
+        walls = [s.wall for s in self.ranks.values() if s.wall is not None]
+        # the newest complete checkpoint of either tier (a local one that misses a rank's files is
+        # skipped by the ranks, which agree on what they resume from; this is the record's estimate)
+        done = [c for root in self.ckpt_dirs for c in checkpoint.complete_checkpoints(root)]
+        record = faults.restart_record(restart=self.attempt + 1, rank=rank, why=why,
+                                       failed_at=min(walls) if walls else time.time(),
+                                       failed_iteration=max((m.last for m in marks), default=0),
+                                       resumes_from=max((it for it, _ in done), default=0), node=self.node)
+        reason = faults.deterministic(self.records, record, min((m.start for m in marks), default=None))
+        if reason is not None:
+            self.stop_reason = f"{why} (after iteration {record['failed_iteration']}); not restarting: {reason}"
+            return
+        self.records.append(record)
+        faults.append_record(self.dir, record)
 
     def _relay(self, state: RankState) -> None:
         try:
             with open(self.dir / "rank0.log", "rb") as f:
-                f.seek(state.offset)
+                f.seek(self._relayed)
                 chunk = f.read()
         except FileNotFoundError:
             return
         if chunk:
-            state.offset += len(chunk)
+            self._relayed += len(chunk)
             chunk, state.held = without_error_lines(state.held, chunk)
             stream = getattr(sys.stderr, "buffer", None)
             if stream is not None:
@@ -394,25 +531,33 @@ class RankWatch:
                 sys.stderr.write(chunk.decode(errors="replace"))
             sys.stderr.flush()
 
-    def first_failure(self, torchrun_status: int) -> str:
-        """One line: the first failing rank and its error, or torchrun's last words."""
+    def failure(self) -> tuple[int, str] | None:
+        """The current attempt's first failing rank and its one-line error (None: no failure)."""
         torchrun_log = read_text(self.dir / "torchrun.log")
         stopped = {int(p) for p in re.findall(r"Sending process (\d+) closing signal", torchrun_log)}
         failed = [(bool(s.message and PEER_SYMPTOM in s.message), s.failed_at, not s.died, rank, s)
                   for rank, s in self.ranks.items() if s.failed_at is not None and not (s.died and s.pid in stopped)]
         if not failed:
-            last = [line for line in torchrun_log.splitlines() if line.strip()]
-            return (f"torchrun failed (exit status {torchrun_status}) before any rank reported an error"
-                    + (f": {last[-1].strip()}" if last else ""))
+            return None
         *_, rank, state = min(failed, key=lambda f: f[:4])
         if not state.died and state.message is not None:  # a rank that did not die failed with a message
-            return state.message
-        code = re.search(rf"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*{state.pid}\)", torchrun_log)
+            return rank, state.message
+        code = (re.search(rf"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*{state.pid}\)", torchrun_log)
+                or re.search(rf"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: {state.pid}\)", torchrun_log))
         how = f"exit code {code.group(1)}" if code else "no exit status seen"
         if code and int(code.group(1)) < 0:
             how = f"killed by {signal.Signals(-int(code.group(1))).name}"
-        return (f"rank {rank}: its process (pid {state.pid}) died without an error message ({how}; a kill, "
-                "the OOM killer or a crash in native code)")
+        return rank, (f"rank {rank}: its process (pid {state.pid}) died without an error message ({how}; a kill, "
+                      "the OOM killer or a crash in native code)")
+
+    def first_failure(self, torchrun_status: int) -> str:
+        """One line: the first failing rank and its error, or torchrun's last words."""
+        failure = self.failure()
+        if failure is not None:
+            return failure[1]
+        last = [line for line in read_text(self.dir / "torchrun.log").splitlines() if line.strip()]
+        return (f"torchrun failed (exit status {torchrun_status}) before any rank reported an error"
+                + (f": {last[-1].strip()}" if last else ""))
 
 
 def read_text(path: Path) -> str:
@@ -422,10 +567,14 @@ def read_text(path: Path) -> str:
         return ""
 
 
+ATTEMPT_MARK = "tokenloom: attempt "
+"""Start of the line a restarted rank writes first into its log: what follows is that attempt's."""
+
+
 def rank_error(log: Path, rank: int) -> str | None:
     """The rank's one-line error (``error: ...`` as :func:`tokenloom.train.loop.main` prints
     it), or the last line of a Python traceback, as ``rank N: ...``; None if neither."""
-    text = read_text(log)
+    text = read_text(log).rsplit(ATTEMPT_MARK, 1)[-1]  # this attempt's part
     lines = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
     errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
     if errors:
@@ -475,9 +624,21 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     if rank != 0:
         os.dup2(fd, 1)
     os.close(fd)
+    faults.dump_on_signal()
+    attempt = faults.restart_count()
+    os.environ[faults.LOG_DIR_ENV] = str(log_dir)
+    for stale in (f"rank{rank}.done", f"rank{rank}.hang", f"rank{rank}.step"):  # the previous attempt's
+        with contextlib.suppress(FileNotFoundError):
+            (log_dir / stale).unlink()
+    if attempt > 0:
+        print(f"{ATTEMPT_MARK}{attempt} of rank {rank} (pid {os.getpid()}): resuming from the newest complete "
+              "checkpoint", file=sys.stderr, flush=True)
     die_with_parent()  # torchrun gone (even by SIGKILL): this rank saves and stops as on SIGTERM
     for s in (signal.SIGTERM, signal.SIGINT):  # the steps install their own (tokenloom.train.stop)
         signal.signal(s, _stop_outside_steps)
+    tmp = log_dir / f".rank{rank}.attempt.tmp"  # before the pid: the watch pairs them
+    tmp.write_text(f"{attempt} {os.getpid()}")
+    os.replace(tmp, log_dir / f"rank{rank}.attempt")
     tmp = log_dir / f".rank{rank}.pid.tmp"
     tmp.write_text(str(os.getpid()))
     os.replace(tmp, log_dir / f"rank{rank}.pid")
@@ -486,7 +647,8 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     if rank == 0:  # on the launching terminal or pipe
         stdout_outlives_its_reader()
     try:
-        code = loop.main(["--config", args.config])
+        # a restart resumes from the newest complete checkpoint, whatever the first attempt was told
+        code = loop.main(["--config", args.config, *(["--set", 'resume="auto"'] if attempt > 0 else [])])
     except Exception as exc:  # noqa: BLE001 (a bug or a library's error: one line, its traceback in the log)
         report_unexpected(exc, rank, log_dir / f"rank{rank}.log")
     sys.stdout.flush()
@@ -609,7 +771,8 @@ FLAG_KEYS = {
     "lr_warmup_iters": "optim.warmup_iters", "lr_decay_iters": "optim.lr_decay_iters",
     "weight_decay": "optim.weight_decay", "clip_grad": "optim.grad_clip", "seed": "seed",
     "eval_interval": "eval_interval", "eval_iters": "eval_iters", "log_interval": "log_interval",
-    "save_interval": "save_interval", "output_dir": "output_dir", "resume": "resume",
+    "save_interval": "save_interval", "hang_timeout": "hang_timeout_s",
+    "local_save_interval": "local_save_interval", "local_save_dir": "local_save_dir", "output_dir": "output_dir", "resume": "resume",
     "cache_dir": "data.blend.cache_dir", "split": "data.blend.split", "precision": "precision",
     "tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "vpp": "vpp", "sp": "sp", "zero1": "zero1", "fsdp": "fsdp",
     "num_layers_in_first_pipeline_stage": "num_layers_in_first_pipeline_stage",

@@ -59,6 +59,7 @@ from tqdm import tqdm
 
 from tokenloom.errors import TokenloomError
 from tokenloom.fsio import atomic_writer, os_error_message
+from tokenloom.train import faults
 from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.checkpoint import hf
 from tokenloom.train.config import (
@@ -156,6 +157,10 @@ class Trainer:
         if self.resumed_from is not None:  # a mark in loss.png
             self._record({"iter": self.iteration, "resumed_from": str(self.resumed_from),
                           "blend_changed": self.data.blend_changed})
+        self._restarts: list[dict] = []  # this restart's records, logged after its first step (restart_s)
+        if world.rank == 0 and (restart := faults.restart_count()) > 0:
+            self._restarts = [r for r in faults.wait_for_records(faults.log_dir(), restart)
+                              if r.get("restart") == restart]
 
     @property
     def metrics_path(self) -> Path:
@@ -200,6 +205,8 @@ class Trainer:
         if self.cfg.resume is None:
             return None
         path = checkpoint.resolve(self.cfg.resume, self.cfg.ckpt_dir)
+        if self.cfg.resume == "auto" and self.cfg.local_save_dir is not None:
+            path = self._newest_held(path)
         if path is None:
             return None
         saved = checkpoint.read_state(path)
@@ -215,6 +222,19 @@ class Trainer:
                   file=sys.stderr)
         return path
 
+    def _newest_held(self, durable: Path | None) -> Path | None:
+        """The newest checkpoint every rank holds complete: the local tier's newest that all ranks
+        hold (:func:`~tokenloom.train.checkpoint.commit.holds`, agreed over the world) when it is
+        newer than the durable ``durable``, else ``durable``. Collective."""
+        local = Path(typing.cast(str, self.cfg.local_save_dir))
+        mine = [it for it, p in checkpoint.complete_checkpoints(local) if checkpoint.holds(p, self.world.rank)]
+        every: list[typing.Any] = [mine]
+        if self.world.size > 1:
+            every = [None] * self.world.size
+            dist.all_gather_object(every, mine)  # in memory: nothing is unpickled from disk
+        best = checkpoint.newest_held(int(durable.name.removeprefix("iter_")) if durable is not None else None, every)
+        return local / checkpoint.checkpoint_name(best) if best is not None else durable
+
     def _init_from_hf(self, folder: str) -> None:
         """Start from the ``init_from_hf`` folder's weights, unless a checkpoint was resumed (it wins)."""
         if self.resumed_from is None:
@@ -223,9 +243,10 @@ class Trainer:
             what = f"not loaded: resumed from {self.resumed_from}" if self.resumed_from else "loaded"
             print(f"init_from_hf {folder}: {what}", file=sys.stderr)
 
-    def _save(self) -> Path:
+    def _save(self, local: bool = False) -> Path:
+        """A durable checkpoint, or (``local``) one of the local tier."""
         state = {**self.data.state_dict(), "world_size": self.world.size, "config": config_to_dict(self.cfg)}
-        path = self.strategy.save(self.iteration, state)
+        path = self.strategy.save(self.iteration, state, Path(str(self.cfg.local_save_dir)) if local else None)
         self._saves_done()
         return path
 
@@ -303,6 +324,9 @@ class Trainer:
         except BaseException:
             self._drop_save()
             raise
+        finally:
+            if (progress := getattr(self, "_progress", None)) is not None:
+                progress.close()  # the watchdog watches the steps only
 
     @contextlib.contextmanager
     def _stop_on_signal(self) -> Iterator[StopOnSignal | None]:
@@ -339,6 +363,8 @@ class Trainer:
             # The starting point of the validation curve (eval mode: no RNG is consumed).
             self._validate()
         timer.start()
+        self._progress = faults.Progress(world.rank, self.iteration, cfg.hang_timeout_s,
+                                         enabled=faults.log_dir() is not None or cfg.hang_timeout_s is not None)
         while self.iteration < cfg.train_iters:
             if self.data.consumed in self.data.switches:  # a mark in loss.png where a schedule phase begins
                 self._record({"iter": self.iteration, "schedule_phase": self.data.switches[self.data.consumed]})
@@ -362,13 +388,16 @@ class Trainer:
                 since = 0
             self._gc.step(self.iteration)
             evaluating, self._exited, saving = due(cfg, self.iteration, done, has_valid)
+            local = bool(cfg.local_save_interval) and self.iteration % (cfg.local_save_interval or 1) == 0
             if self._stop is not None and not done and (signum := self._stop.agreed()):
                 self._exited = saving = True
                 last["stopped_by"] = signal.Signals(signum).name
-            if evaluating or saving:
+            if evaluating or saving or local:
                 with timer.paused():
                     if evaluating:
                         self._validate()
+                    if local and not saving:  # the durable save, when due, is the newer of the two
+                        self._save(local=True)
                     if saving:
                         last["checkpoint"] = str(self._save())
                         if self._exited:  # the checkpoint named below must be complete
@@ -378,6 +407,11 @@ class Trainer:
                       f"{last['checkpoint']}; resume with: "
                       f"{resume_command(str(Path(cfg.output_dir) / 'config.json'), world.size)}",
                       file=sys.stderr, flush=True)
+            self._progress.step(self.iteration)
+            for record in self._restarts:  # the first step after a restart: how long the restart took
+                self._record({"iter": record["resumes_from"], **record,
+                              "restart_s": round(time.time() - record["failed_at"], 3)})
+            self._restarts = []
             yield self.iteration
             if self._exited:
                 break
@@ -403,8 +437,9 @@ class Trainer:
                 except OSError as exc:
                     print(f"warning: no loss plot: {os_error_message(OSError(exc.errno, exc.strerror), png)}",
                           file=sys.stderr, flush=True)
+        restarts = faults.read_records(faults.log_dir()) if faults.restart_count() > 0 else []
         return {"iteration": self.iteration, "exited": self._exited, **last, **self._timer.summary(),
-                "saves": self._save_reports}
+                "saves": self._save_reports, "restarts": restarts}
 
     def _log_train(self, mean_loss: torch.Tensor, norm: torch.Tensor, lr: float, bar) -> float:
         loss = self.strategy.loss_for_log(mean_loss, "loss reduction")

@@ -594,16 +594,16 @@ class Strategy:
         if self.fsdp_group is not None:  # the chunks' own parameters stay gathered after a forward
             fsdp.reshard(self.chunks)
 
-    def save(self, iteration: int, state: dict) -> Path:
+    def save(self, iteration: int, state: dict, local: Path | None = None) -> Path:
         """Collective: save the checkpoint of ``iteration`` (``state``: JSON-able run state) through
         :attr:`saver`: in the background unless ``async_save`` is off (then complete on return).
         Waits for the previous save's write first and raises its failure."""
         self.finish_param_sync()
         if not isinstance(self.optimizer, Muon):
-            return reshard.save(self, iteration, state, self.saver)
+            return reshard.save(self, iteration, state, self.saver, local)
         self.optimizer.replicate_state()  # zero1: each owner's state to every rank, written as unsharded
         try:
-            return reshard.save(self, iteration, state, self.saver)
+            return reshard.save(self, iteration, state, self.saver, local)
         finally:
             self.optimizer.drop_unowned_state()
 

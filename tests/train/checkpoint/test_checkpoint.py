@@ -91,3 +91,22 @@ def test_mismatched_model_is_a_clear_error(tmp_path):
                                                            seq_len=32, n_layers=2, n_heads=2, d_model=64)))
     with pytest.raises(TokenloomError, match=r"of shape \[.*\] where this rank's model has \[.*another model"):
         wider.strategy.load(path, checkpoint.read_state(path))
+
+
+def test_a_local_checkpoint_is_held_only_with_every_file_its_rank_wrote(tmp_path):
+    files = {"tp0_pp0_dp0.pt": {"w": torch.arange(4.0)}, "rng_rank0.pt": {"seed": torch.tensor([1])}}
+    write = checkpoint.write_held(checkpoint.write_torch_files(files), list(files), rank=0)
+    path = checkpoint.save_files(tmp_path, 5, write, {}, rank=0, barrier=lambda: None, keep_last=0, world_size=1)
+    assert checkpoint.holds(path, 0) and not checkpoint.holds(path, 1)  # rank 1 wrote nothing here
+    with open(path / "rng_rank0.pt", "ab") as f:  # a file of another size than the rank wrote
+        f.write(b"x")
+    assert not checkpoint.holds(path, 0)
+    (path / "rng_rank0.pt").unlink()
+    assert not checkpoint.holds(path, 0)
+
+
+def test_the_local_tier_is_taken_only_where_every_rank_holds_it_and_it_is_newer():
+    assert checkpoint.newest_held(4, [[3, 5, 6], [5, 6], [5]]) == 5  # rank 2 misses 6
+    assert checkpoint.newest_held(6, [[5, 6], [5, 6]]) is None  # the durable one is as new
+    assert checkpoint.newest_held(None, [[2], [3]]) is None  # no step every rank holds
+    assert checkpoint.newest_held(None, [[2, 3], [3]]) == 3

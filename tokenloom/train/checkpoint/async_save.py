@@ -207,12 +207,15 @@ class CheckpointSaver:
         group = self._group
         return lambda: collective("checkpoint barrier", dist.barrier, group=group)
 
-    def _commit(self, iteration: int, files: dict[str, Any], state: dict, barrier: Barrier) -> Path:
-        return checkpoint.save_files(self.root, iteration, checkpoint.write_torch_files(files), state,
-                                     rank=self.rank, barrier=barrier, keep_last=self.keep_last,
-                                     world_size=self.world_size)
+    def _commit(self, iteration: int, files: dict[str, Any], state: dict, barrier: Barrier, local: Path | None) -> Path:
+        write = checkpoint.write_torch_files(files)
+        if local is not None:  # the local tier: each rank marks what it wrote, the newest two are kept
+            write = checkpoint.write_held(write, list(files), self.rank)
+        return checkpoint.save_files(local or self.root, iteration, write, state, rank=self.rank, barrier=barrier,
+                                     keep_last=self.keep_last if local is None else 2, world_size=self.world_size)
 
-    def save(self, iteration: int, files: Callable[[], dict[str, Any]], state: dict, *, fresh_copies: bool) -> Path:
+    def save(self, iteration: int, files: Callable[[], dict[str, Any]], state: dict, *, fresh_copies: bool,
+             local: Path | None = None) -> Path:
         """Save ``iteration``; every rank calls it. ``files()`` gives this rank's files (name ->
         what ``torch.save`` writes; it may run collectives on the training group: it runs here,
         on the main thread); ``state`` goes into ``state.json``. Returns the checkpoint's
@@ -221,7 +224,8 @@ class CheckpointSaver:
         per occurrence (views into a flat buffer, which ``torch.save`` would write whole), also
         by a synchronous save; otherwise as they are, views of one storage shared (a synchronous
         save then copies nothing). Raises the previous write's failure, and this one's when
-        synchronous."""
+        synchronous. ``local``: into that root instead, the local tier (each rank's files marked,
+        :func:`~tokenloom.train.checkpoint.commit.write_held`; the newest two kept)."""
         self.wait()
         start = time.perf_counter()
         captured = files()
@@ -229,7 +233,7 @@ class CheckpointSaver:
             if fresh_copies:
                 captured = HostStaging(False).stage(captured, share_views=False)
             began = time.perf_counter()
-            path = self._commit(iteration, captured, state, self._barrier(False))
+            path = self._commit(iteration, captured, state, self._barrier(False), local)
             now = time.perf_counter()
             self._reports.append(SaveReport(iteration, path, now - start, now - began))
             return path
@@ -247,7 +251,7 @@ class CheckpointSaver:
                     staged = self.staging.stage(frozen, share_views=not fresh_copies, after=after)
                 finally:
                     copied.set()
-                path = self._commit(iteration, staged, state, barrier)
+                path = self._commit(iteration, staged, state, barrier, local)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread by wait()
                 self._outcome = exc
             else:  # the stall is completed by wait(), which adds the gate's wait
@@ -255,7 +259,7 @@ class CheckpointSaver:
 
         self._thread = threading.Thread(target=run, name=f"checkpoint-write-{iteration}", daemon=True)
         self._thread.start()
-        return self.root / checkpoint.checkpoint_name(iteration)
+        return (local or self.root) / checkpoint.checkpoint_name(iteration)
 
     def before_update(self) -> None:
         """Wait until the save in flight holds its copy of the state (no wait when none is in

@@ -153,6 +153,41 @@ def write_latest(root: Path, name: str) -> None:
         f.write(name + "\n")
 
 
+HELD = "HELD.rank{rank}"
+"""A local-tier checkpoint's per-rank marker: the names and sizes of the files that rank wrote,
+written by the rank after them (:func:`write_held`); :func:`holds` checks them."""
+
+
+def write_held(write: Callable[[Path], None], names: list[str], rank: int) -> Callable[[Path], None]:
+    """``write``, then this rank's :data:`HELD` marker listing ``names`` with their sizes."""
+    def run(tmp: Path) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)  # node-local: rank 0 made it on its own node only
+        write(tmp)
+        sizes = {name: (tmp / name).stat().st_size for name in names}
+        write_file(tmp / HELD.format(rank=rank), lambda f: f.write(json.dumps(sizes).encode()))
+    return run
+
+
+def holds(path: str | os.PathLike, rank: int) -> bool:
+    """Whether the complete checkpoint at ``path`` holds every file ``rank`` wrote, at its size (a
+    local tier's checkpoint; a node may have lost its disk, or a file)."""
+    path = Path(path)
+    try:
+        sizes = json.loads((path / HELD.format(rank=rank)).read_text())
+        return is_complete(path) and all((path / n).stat().st_size == size for n, size in sizes.items())
+    except (OSError, ValueError):
+        return False
+
+
+def newest_held(durable: int | None, held: list[list[int]]) -> int | None:
+    """The local-tier iteration to resume from: the newest that every rank holds (``held``: each
+    rank's complete local iterations, :func:`holds`), when it is newer than the newest durable one
+    (``durable``, None: none); else None (resume from the durable tier)."""
+    common = set.intersection(*(set(h) for h in held)) if held else set()
+    best = max(common, default=None)
+    return best if best is not None and (durable is None or best > durable) else None
+
+
 def write_torch_files(files: dict[str, Any]) -> Callable[[Path], None]:
     """``write(tmp)`` for :func:`save_files`: ``torch.save`` each ``files[name]`` into ``tmp / name``
     (:func:`write_file`), in ``files``' order."""

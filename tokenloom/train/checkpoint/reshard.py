@@ -112,13 +112,14 @@ def _each_once(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[tuple[st
     return list(by_id.values())
 
 
-def save(run, iteration: int, run_state: dict, saver: CheckpointSaver) -> Path:
+def save(run, iteration: int, run_state: dict, saver: CheckpointSaver, local: Path | None = None) -> Path:
     """Collective: save ``iteration``'s checkpoint of ``run`` (a
     :class:`~tokenloom.train.strategy.Strategy`) through ``saver`` (synchronously or in the
     background); ``run_state`` (consumed samples, data fingerprint, config...) goes into
     ``state.json`` with the layout. Returns its directory. Written, committed and failing as
     :func:`tokenloom.train.checkpoint.commit.save_files` says."""
-    return saver.save(iteration, lambda: files(run), {**run_state, "layout": _layout(run)}, fresh_copies=True)
+    return saver.save(iteration, lambda: files(run), {**run_state, "layout": _layout(run)}, fresh_copies=True,
+                      local=local)
 
 
 def placement(run) -> ckpt_format.Placement:
