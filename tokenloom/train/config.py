@@ -144,7 +144,7 @@ class TrainConfig:
     hang_timeout_s: float | None = None
     """Seconds without a finished step after which a rank's watchdog dumps its Python stacks into its
     log and ends it, so that torchrun's restarts (train --max-restarts) take over; None: 10 times the
-    slowest iteration so far (step, evaluation, checkpoint copy), at least 60 s, armed after the first
+    slowest iteration so far (step, evaluation, checkpoint copy), at least 60 seconds, armed after the first
     step. Active under ``train --nproc-per-node`` or when set. See tokenloom.train.faults."""
     metrics_path: str | None = None
     """Metrics JSONL; None means OUTPUT_DIR/metrics.jsonl."""
