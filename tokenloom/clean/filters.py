@@ -61,6 +61,20 @@ class Filter(Protocol):
 # --------------------------------------------------------------------------- Gopher quality
 
 
+class DocumentRule:
+    """A filter that keeps or removes whole documents (every filter here but C4's line rules):
+    :meth:`reason` decides, ``keep`` and ``clean`` follow from it, the text unchanged."""
+
+    def reason(self, text: str) -> str | None:
+        raise NotImplementedError
+
+    def keep(self, text: str) -> bool:
+        return self.reason(text) is None
+
+    def clean(self, text: str) -> str | None:
+        return text if self.keep(text) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class GopherQualityConfig:
     """Gopher's quality rules (Rae et al. 2021, appendix A), counted over non-symbol words."""
@@ -87,7 +101,7 @@ class GopherQualityConfig:
     """The stop words min_stop_words counts (comma-separated)."""
 
 
-class GopherQuality:
+class GopherQuality(DocumentRule):
     """Gopher's quality rules, as datatrove's ``GopherQualityFilter``."""
 
     name = "gopher_quality"
@@ -131,11 +145,6 @@ class GopherQuality:
             return "gopher_enough_stop_words"
         return None
 
-    def keep(self, text: str) -> bool:
-        return self.reason(text) is None
-
-    def clean(self, text: str) -> str | None:
-        return text if self.keep(text) else None
 
 
 # --------------------------------------------------------------------------- Gopher repetition
@@ -208,7 +217,7 @@ _PARAGRAPH_BREAK = re.compile(r"\n{2,}")
 _LINE_BREAK = re.compile(r"\n+")
 
 
-class GopherRepetition:
+class GopherRepetition(DocumentRule):
     """Gopher's repetition rules, as datatrove's ``GopherRepetitionFilter``."""
 
     name = "gopher_repetition"
@@ -243,11 +252,6 @@ class GopherRepetition:
                 return f"duplicated_{n}_n_grams"
         return None
 
-    def keep(self, text: str) -> bool:
-        return self.reason(text) is None
-
-    def clean(self, text: str) -> str | None:
-        return text if self.keep(text) else None
 
 
 # --------------------------------------------------------------------------- C4
@@ -370,7 +374,7 @@ class FineWebConfig:
     """Remove a document with more than this many newlines per word."""
 
 
-class FineWeb:
+class FineWeb(DocumentRule):
     """FineWeb's quality rules, as datatrove's ``FineWebQualityFilter``."""
 
     name = "fineweb"
@@ -397,11 +401,6 @@ class FineWeb:
             return "list_ratio"
         return None
 
-    def keep(self, text: str) -> bool:
-        return self.reason(text) is None
-
-    def clean(self, text: str) -> str | None:
-        return text if self.keep(text) else None
 
 
 # --------------------------------------------------------------------------- registry
