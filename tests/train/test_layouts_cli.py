@@ -28,6 +28,8 @@ from tokenloom.train import launch as launch_module  # noqa: E402
 from tokenloom.train.config import config_to_dict  # noqa: E402
 
 TOL = 1e-5
+# a test's setup may run the module's one-process CLI runs (two) before its own: each up to a minute here
+pytestmark = pytest.mark.timeout(1200)
 
 # name -> (ranks, CLI flags, the config fields they set); each is a layout of test_compose.py
 # (dp2 alone: test_loop_dist.py), every flag spelling at least once
@@ -81,7 +83,7 @@ def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str], env: d
     the start-up summary must name it."""
     config, out = write_config(tmp_path, name, moe)
     launch = ["--nproc-per-node", str(ranks)] if ranks else []
-    done = run_cli("train", "--config", config, *launch, *flags, timeout=280, env=env)
+    done = run_cli("train", "--config", config, *launch, *flags, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert device is None or f"rank(s) on {device}" in done.stdout, done.stdout[:2000]
     return out

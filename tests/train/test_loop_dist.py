@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tl_testing import limit_s
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: also when run as a rank's script
+from tl_testing import limit_s  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

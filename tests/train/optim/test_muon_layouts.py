@@ -19,6 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from compose_helpers import (  # noqa: E402
+    LAUNCH_START_S,
     STEPS,
     deltas,
     launch,
@@ -57,7 +58,7 @@ def runs(tmp_path_factory):
     for world, layouts in _worlds(tmp).items():
         # 4 ranks oversubscribe 2 cores: twice a scenario's budget each
         results = launch([("train", dict(out=str(tmp / name), optim=MUON, **kw)) for name, kw in layouts], world, tmp,
-                         deadline_s=MUON_SCENARIO_S * len(layouts) * world / 2)
+                         deadline_s=LAUNCH_START_S + MUON_SCENARIO_S * len(layouts) * world / 2)
         for i, (name, _) in enumerate(layouts):
             out[name] = [r[i] for r in results]
     saved = tmp / "dp2_zero1" / "checkpoints" / f"iter_{HALF:07d}"

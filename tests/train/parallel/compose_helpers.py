@@ -416,7 +416,9 @@ def logged_losses(results: list[dict]) -> list[float]:
 # ---------------------------------------------------------------------- launching
 
 
-SCENARIO_BUDGET_S = 30.0
+LAUNCH_START_S = 60.0
+"""Every launch's deadline also holds this for the ranks' start (spawn, torch's import, the process group)."""
+SCENARIO_BUDGET_S = 60.0
 """A launch's hang deadline is this per scenario it runs: a scenario (a few steps of a tiny model,
 compile's first graphs the slowest) takes a few seconds on the developers' machine, 4 ranks
 oversubscribing 2 cores, so a launch that passes its deadline hung rather than ran slow. A module
@@ -430,10 +432,10 @@ MIN_TIMEOUT_S = 600.0
 def launch(scenarios: list[tuple[str, dict]], world_size: int, tmp_path: Path, deadline_s: float | None = None,
            per_scenario_s: float = SCENARIO_BUDGET_S, staged: bool = False):
     """Run ``scenarios`` (name, kwargs) of this module on ``world_size`` ranks; per-rank result lists.
-    The hang deadline is sized by the work: ``per_scenario_s`` per scenario unless given.
+    The hang deadline is sized by the work: the ranks' start plus ``per_scenario_s`` per scenario unless given.
     ``staged``: over :class:`~tokenloom.train.staged_gloo.StagedGloo` staging every call."""
     return rank_launcher.launch(__name__, scenarios, world_size, tmp_path,
-                                deadline_s=deadline_s or per_scenario_s * len(scenarios), collective_timeout_s=60,
+                                deadline_s=deadline_s or LAUNCH_START_S + per_scenario_s * len(scenarios), collective_timeout_s=60,
                                 staged=staged)
 
 
@@ -443,7 +445,8 @@ def launches_timeout(scenarios: int, references: int = 1, per_scenario_s: float 
     run ``references`` one-process references: the first test's setup runs all of them, so its timeout
     is the sum of their budgets (the timeouts catch hangs; the work sizes them), at least
     :data:`MIN_TIMEOUT_S`."""
-    return pytest.mark.timeout(max(MIN_TIMEOUT_S, REFERENCE_BUDGET_S * references + per_scenario_s * scenarios))
+    return pytest.mark.timeout(max(MIN_TIMEOUT_S, REFERENCE_BUDGET_S * references
+                                   + (LAUNCH_START_S + per_scenario_s) * scenarios))
 
 
 
