@@ -112,7 +112,10 @@ def test_a_killed_and_a_hung_rank_are_survived_with_the_uninterrupted_runs_losse
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     killed, hung = summary["restarts"]
     assert killed["restart"] == 1 and killed["rank"] == 2 and "died without an error message" in killed["why"]
-    assert "SIGKILL" in killed["why"] and killed["resumes_from"] >= 2
+    # the signal is named when torchrun's agent saw the exit status before the restart; when the
+    # restart came first the record says no status was seen (both are the product's wording)
+    assert ("killed by SIGKILL" in killed["why"] or "no exit status seen" in killed["why"]) \
+        and killed["resumes_from"] >= 2
     assert killed["steps_lost"] == killed["failed_iteration"] - killed["resumes_from"] >= 0
     assert hung["restart"] == 2 and hung["rank"] == 1 and "hang after iteration" in hung["why"]
     # one line on the terminal names the stopped rank; every other rank's stacks are in its log
