@@ -12,68 +12,19 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
+from blend_helpers import config, drawn_by, sources, train_losses
 
-from tokenloom.blending.segments import SegmentedBlend
 from tokenloom.errors import TokenloomError
 from tokenloom.train.checkpoint import commit as checkpoint
-from tokenloom.train.config import TrainConfig
-from tokenloom.train.data import BlendDataConfig, DataConfig
 from tokenloom.train.launch import launch
-from tokenloom.train.metrics import read_metrics
-from tokenloom.train.model.config import GPTConfig
-from tokenloom.train.optim.adamw import OptimConfig
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def sources(tmp: Path) -> dict[str, str]:
-    from tokenloom.indexed import IndexedDatasetWriter
-
-    rng = np.random.default_rng(0)
-    out = {}
-    for name in ("a", "b", "c"):
-        with IndexedDatasetWriter(tmp / name, vocab_size=96) as writer:
-            for _ in range(80):
-                writer.add_document(rng.integers(0, 95, size=int(rng.integers(20, 120))).tolist() + [95])
-        out[name] = str(tmp / name)
-    return out
-
-
-def config(out: Path, blend: list[tuple[float, str]], cache: Path, **kw) -> TrainConfig:
-    data = DataConfig(blend=BlendDataConfig(prefixes=blend, split="90,9,1", cache_dir=str(cache)))
-    base = dict(
-        model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=1, n_heads=2, d_model=32),
-        data=data, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=3), micro_batch_size=2,
-        global_batch_size=4, train_iters=20, eval_interval=0, log_interval=1, output_dir=str(out), progress=False,
-        plot=False, resume="auto",
-    )
-    return TrainConfig(**(base | kw))
-
-
-def drawn_by(cfg: TrainConfig, monkeypatch) -> list[tuple[str, int]]:
-    """Train in-process; the (source, position in its order) of every train sample read."""
-    seen: list[tuple[str, int]] = []
-    locate = SegmentedBlend.locate
-
-    def recording(self, i):
-        order, k = locate(self, i)
-        seen.append((Path(order.source.path_prefix).name, k))
-        return order, k
-
-    with monkeypatch.context() as m:
-        m.setattr(SegmentedBlend, "locate", recording)
-        launch(cfg)
-    return seen
-
-
-def train_losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["iter"], r["train_loss"]) for r in read_metrics(out / "metrics.jsonl") if "train_loss" in r]
+DOCUMENTS = 80  # per source
 
 
 def test_changed_weights_and_an_added_source_continue_each_source_exactly(tmp_path, monkeypatch):
-    src, cache, run = sources(tmp_path), tmp_path / "cache", tmp_path / "run"
+    src, cache, run = sources(tmp_path, DOCUMENTS), tmp_path / "cache", tmp_path / "run"
     first = [(0.5, src["a"]), (0.5, src["b"])]
     second = [(0.2, src["a"]), (0.5, src["b"]), (0.3, src["c"])]
 
@@ -121,7 +72,7 @@ def test_changed_weights_and_an_added_source_continue_each_source_exactly(tmp_pa
 
 
 def test_only_weights_and_sources_may_change(tmp_path, monkeypatch):
-    src, cache, run = sources(tmp_path), tmp_path / "cache", tmp_path / "run"
+    src, cache, run = sources(tmp_path, DOCUMENTS), tmp_path / "cache", tmp_path / "run"
     launch(config(run, [(0.5, src["a"]), (0.5, src["b"])], cache, train_iters=4, exit_interval=2))
     cfg = config(run, [(0.5, src["a"]), (0.5, src["b"])], cache, train_iters=4)
     cfg.data.blend.split = "80,19,1"

@@ -13,67 +13,30 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
+import blend_helpers
 import pytest
+from blend_helpers import drawn_by, sources, train_losses
 from click.testing import CliRunner
 
-from tokenloom.blending.segments import SegmentedBlend
 from tokenloom.cli import main
 from tokenloom.errors import TokenloomError
-from tokenloom.indexed import IndexedDatasetWriter
 from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import TrainConfig, load_config
 from tokenloom.train.data import BlendDataConfig, DataConfig, SchedulePhase
-from tokenloom.train.launch import launch
 from tokenloom.train.metrics import loss_figure, read_metrics
-from tokenloom.train.model.config import GPTConfig
-from tokenloom.train.optim.adamw import OptimConfig
 
 # the module fixture: four in-process launches (2-8 tiny CPU steps each, a few small .bin/.idx
 # blends), 10 s on this machine at load 10 and 32 s at load 17: 600 s keeps it under 0.1 loaded
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def sources(tmp: Path) -> dict[str, str]:
-    rng = np.random.default_rng(0)
-    out = {}
-    for name in ("a", "b", "c"):
-        with IndexedDatasetWriter(tmp / name, vocab_size=96) as writer:
-            for _ in range(60):
-                writer.add_document(rng.integers(0, 95, size=int(rng.integers(20, 120))).tolist() + [95])
-        out[name] = str(tmp / name)
-    return out
+DOCUMENTS = 60  # per source
+ITERS = 8
 
 
 def config(out: Path, blend: list[tuple[float, str]], cache: Path, schedule=None, **kw) -> TrainConfig:
-    data = DataConfig(blend=BlendDataConfig(prefixes=blend, split="90,9,1", cache_dir=str(cache)), schedule=schedule)
-    base = dict(
-        model=GPTConfig(vocab_size=96, make_vocab_size_divisible_by=32, seq_len=32, n_layers=1, n_heads=2, d_model=32),
-        data=data, optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=3), micro_batch_size=2,
-        global_batch_size=4, train_iters=8, eval_interval=0, log_interval=1, output_dir=str(out), progress=False,
-        plot=False, resume="auto",
-    )
-    return TrainConfig(**(base | kw))
-
-
-def drawn_by(cfg: TrainConfig, monkeypatch) -> list[tuple[str, int]]:
-    """Train in-process; the (source, position in its order) of every train sample read."""
-    seen: list[tuple[str, int]] = []
-    locate = SegmentedBlend.locate
-
-    def recording(self, i):
-        order, k = locate(self, i)
-        seen.append((Path(order.source.path_prefix).name, k))
-        return order, k
-
-    with monkeypatch.context() as m:
-        m.setattr(SegmentedBlend, "locate", recording)
-        launch(cfg)
-    return seen
-
-
-def train_losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["iter"], r["train_loss"]) for r in read_metrics(out / "metrics.jsonl") if "train_loss" in r]
+    """:func:`blend_helpers.config` at this module's run length."""
+    return blend_helpers.config(out, blend, cache, schedule, **{"train_iters": ITERS} | kw)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +44,7 @@ def runs(tmp_path_factory):
     """Run A: the schedule, 8 steps at once (a checkpoint at 6, mid phase 2); run B: phase 1's
     blend to 4, resumed with phase 2's; run C: A's checkpoint at 6 resumed with the schedule."""
     tmp = tmp_path_factory.mktemp("schedule")
-    src, cache = sources(tmp), tmp / "cache"
+    src, cache = sources(tmp, DOCUMENTS), tmp / "cache"
     first = [(0.5, src["a"]), (0.5, src["b"])]
     second = [(0.2, src["a"]), (0.5, src["b"]), (0.3, src["c"])]
     every = [(1.0, src["a"]), (1.0, src["b"]), (1.0, src["c"])]
@@ -192,7 +155,7 @@ def test_cli_documents_and_refuses(tmp_path, monkeypatch):
 
 
 def test_build_builds_each_phase_of_a_blend_file_schedule(tmp_path):
-    src = sources(tmp_path)
+    src = sources(tmp_path, DOCUMENTS)
     blend = tmp_path / "blend.json"
     blend.write_text(json.dumps({"data": [[1, src["a"]], [1, src["b"]]],
                                  "schedule": [{"start_iter": 0, "blend": [[1, "a"]]},
