@@ -408,6 +408,19 @@ def assert_matches_one_process(results: list[dict], ref: dict[str, Any], steps: 
     assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
 
 
+def assert_losses_norms_params_match(results: list[dict], ref: dict[str, Any], steps: int, tol: float) -> None:
+    """A layout's run equals the one-process ``ref`` within ``tol`` (absolute): every step's loss, the
+    grad norms of the first rank that logged them, and the merged final parameters (the checks of
+    :func:`assert_matches_one_process` without validation and the clipping premise)."""
+    losses = logged_losses(results)
+    assert len(losses) == steps
+    assert max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)) < tol, (losses, ref["losses"])
+    norms = next(r["norms"] for r in results if r["norms"])
+    assert max(abs(a - b) for a, b in zip(norms, ref["norms"], strict=True)) < tol
+    params = merged_params(results)
+    assert max((params[k] - v).abs().max().item() for k, v in ref["params"].items()) < tol
+
+
 def logged_losses(results: list[dict]) -> list[float]:
     """Losses of a last-stage rank (every last-stage rank holds the dp mean)."""
     return next(r["losses"] for r in results if r["losses"])

@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 from compose_helpers import (
     activation_bytes,
+    assert_losses_norms_params_match,
     launch,
     launches_timeout,
-    logged_losses,
-    merged_params,
     reference,
 )
 
@@ -172,13 +171,7 @@ def refs(runs):
 def test_layout_matches_one_process(runs, refs, name):
     _, results = runs
     ref = refs[bool(LAYOUTS[name][1].get("masked"))]
-    losses = logged_losses(results[name])
-    assert len(losses) == STEPS
-    assert max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)) < TOL, (losses, ref["losses"])
-    norms = next(r["norms"] for r in results[name] if r["norms"])
-    assert max(abs(a - b) for a, b in zip(norms, ref["norms"], strict=True)) < TOL
-    params = merged_params(results[name])
-    assert max((params[k] - v).abs().max().item() for k, v in ref["params"].items()) < TOL
+    assert_losses_norms_params_match(results[name], ref, STEPS, TOL)
 
 
 @pytest.mark.slow

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from compose_helpers import launch, launches_timeout, logged_losses, merged_params, reference
+from compose_helpers import (
+    assert_losses_norms_params_match,
+    launch,
+    launches_timeout,
+    reference,
+)
 
 from tokenloom.blending.blend import build_mock_datasets
 from tokenloom.blending.gpt import GPTDatasetConfig
@@ -69,10 +74,4 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(runs, name):
     results, ref = runs
-    losses = logged_losses(results[name])
-    assert len(losses) == STEPS
-    assert max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)) < TOL, (losses, ref["losses"])
-    norms = next(r["norms"] for r in results[name] if r["norms"])
-    assert max(abs(a - b) for a, b in zip(norms, ref["norms"], strict=True)) < TOL
-    params = merged_params(results[name])
-    assert max((params[k] - v).abs().max().item() for k, v in ref["params"].items()) < TOL
+    assert_losses_norms_params_match(results[name], ref, STEPS, TOL)
