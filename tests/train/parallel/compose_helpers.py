@@ -456,8 +456,8 @@ def launches_timeout(scenarios: int, references: int = 1, per_scenario_s: float 
                      ) -> pytest.MarkDecorator:
     """The timeout of a module's tests whose module fixtures launch ``scenarios`` scenarios in all and
     run ``references`` one-process references: the first test's setup runs all of them, so its timeout
-    is the sum of their budgets (the timeouts catch hangs; the work sizes them), at least
-    :data:`MIN_TIMEOUT_S`."""
+    covers the sum of their budgets (counting a start per scenario, an upper bound on the launches'
+    starts: the timeouts catch hangs, the work sizes them), at least :data:`MIN_TIMEOUT_S`."""
     return pytest.mark.timeout(max(MIN_TIMEOUT_S, REFERENCE_BUDGET_S * references
                                    + (LAUNCH_START_S + per_scenario_s) * scenarios))
 
