@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from tokenloom.train.kernels.attention import document_ids
 from tokenloom.train.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
@@ -109,6 +108,8 @@ class CausalChunks:
         ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
         masks: tuple[torch.Tensor, ...]
         if cu_seqlens is None and device.type == "cuda":
+            from torch.nn.attention.bias import causal_lower_right  # lazy: start-up (loads dynamo)
+
             masks = tuple(causal_lower_right(chunk, end) for end in ends)
         else:
             masks = tuple(additive_mask(chunk_mask(end, chunk, cu_seqlens, device), dtype) for end in ends)

@@ -41,14 +41,16 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def shard_fully(chunks: Sequence[nn.Module], blocks: Sequence[Sequence[nn.Module]], group: dist.ProcessGroup,
@@ -57,6 +59,9 @@ def shard_fully(chunks: Sequence[nn.Module], blocks: Sequence[Sequence[nn.Module
     order), then each chunk, over ``group``; each block prefetches the next one's gather in
     forward and the previous one's in backward. Collective over ``group``. Parameter tags are
     carried over to the sharded parameters."""
+    from torch.distributed.device_mesh import DeviceMesh  # lazy: start-up time (see is_sharded)
+    from torch.distributed.fsdp import fully_shard  # lazy: start-up time (see is_sharded)
+
     mesh = DeviceMesh.from_group(group, device.type)
     for chunk, chunk_blocks in zip(chunks, blocks, strict=True):
         tags = {name: dict(vars(p)) for name, p in chunk.named_parameters(remove_duplicate=False)}
@@ -90,20 +95,30 @@ def reshard(chunks: Sequence[nn.Module]) -> None:
     sharded ``DTensor`` parameters again: a chunk (the FSDP root) keeps its own gathered after a
     forward, for the backward that follows. Call it before reading or writing the parameters
     outside a forward (saving, loading). Not a collective."""
+    from torch.distributed.fsdp import FSDPModule  # lazy: start-up time (see is_sharded)
+
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
 
 
+def is_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a ``DTensor``. Read from ``sys.modules``: torch's FSDP and DTensor modules
+    take a second or more of CPU to import, which every process of a run without FSDP would pay
+    (each rank, each launcher), and no tensor is a ``DTensor`` before :func:`shard_fully` loads them."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this rank holds: a ``DTensor``'s local shard, any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_sharded(t) else t
 
 
 def _rows(p: torch.Tensor) -> tuple[int, int]:
     """(first row, rows) of ``p``'s dim-0 shard on this rank, as ``fully_shard`` cuts it."""
-    if not isinstance(p, DTensor) or p.dim() == 0:
+    if not is_sharded(p) or p.dim() == 0:
         return 0, p.shape[0] if p.dim() else 1
     mesh = p.device_mesh
     size, rank = mesh.size(), mesh.get_local_rank()
@@ -124,7 +139,7 @@ def own_piece(p: torch.Tensor, t: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 def cut(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's rows of ``full`` (a tensor of ``p``'s full shape), as ``p``'s shard holds them."""
-    if full.dim() == 0 or not isinstance(p, DTensor):
+    if full.dim() == 0 or not is_sharded(p):
         return full
     first, rows = _rows(p)
     return full[first : first + rows]
@@ -133,7 +148,7 @@ def cut(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``full`` (``p``'s full shape) sharded as ``p`` is, on ``p``'s device: a ``DTensor`` for a
     sharded ``p`` (what AdamW keeps as its moments), a copy otherwise."""
-    if not isinstance(p, DTensor) or full.dim() == 0:
+    if not is_sharded(p) or full.dim() == 0:
         return full.to(p.device).clone()
     piece = cut(p, full).to(local(p).device).clone()
-    return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return type(p).from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
