@@ -7,6 +7,7 @@ Test folders have no ``__init__.py`` and several have a ``conftest.py``, so
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -48,6 +49,29 @@ def timed(what: str, seconds: float) -> Iterator[float]:
         yield limit
     finally:
         DEADLINES.append((what, time.monotonic() - start, limit))
+
+
+RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "tokenloom.train.loop"]
+"""What the test ranks' fork server imports once (``torch._dynamo``: torch's optimizers load it
+at their first step)."""
+
+
+def rank_context():
+    """The ``multiprocessing`` context test ranks start in: ranks fork from one ``forkserver`` per
+    test process that has imported :data:`RANK_PRELOAD` once, where a spawned rank re-imports
+    torch and the run (seconds of CPU that every launch of the multi-rank suites paid again). A
+    forked rank is as fresh as a spawned one (the server is a new interpreter that ran only those
+    imports); its environment is the server's from its start, so a launcher passes its own
+    (:func:`apply_environ`)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts: this process's first launch
+    return ctx
+
+
+def apply_environ(environ: dict[str, str]) -> None:
+    """In a rank: take the launching process's environment (``dict(os.environ)`` there)."""
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def shared_data_dir() -> Path:

@@ -1,14 +1,16 @@
 """Run named scenarios on N spawned gloo ranks and collect each rank's results (test helper).
 
 A scenario is a function ``f(rank, **kwargs)`` in a module's ``SCENARIOS`` dict; the
-module is named, not passed, because spawned workers must import it. A hang fails the
+module is named, not passed, because the workers must import it. A hang fails the
 test at ``deadline_s``; a rank's exception comes back as its traceback.
+Ranks start in :func:`tl_testing.rank_context` (forked from a server that imported torch and
+the run once) with the launching process's environment.
 """
 
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
+import os
 import time
 import traceback
 from datetime import timedelta
@@ -18,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from tl_testing import timed
+from tl_testing import apply_environ, rank_context, timed
 
 from tokenloom.train import staged_gloo
 
@@ -27,10 +29,10 @@ def launch(module: str, scenarios: list[tuple[str, dict]], world_size: int, tmp_
            deadline_s: float, collective_timeout_s: float, staged: bool = False) -> list[list[Any]]:
     """Per-rank lists of per-scenario results of ``module.SCENARIOS[name](rank, **kwargs)``; with
     ``staged`` the group is :class:`~tokenloom.train.staged_gloo.StagedGloo` staging every call."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     tag = f"{module}_{world_size}{'_staged' if staged else ''}"
     args = (world_size, str(tmp_path / f"pg_init_{tag}"), module, scenarios, str(tmp_path), tag,
-            collective_timeout_s, staged)
+            collective_timeout_s, staged, dict(os.environ))
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -60,7 +62,9 @@ def launch(module: str, scenarios: list[tuple[str, dict]], world_size: int, tmp_
 
 
 def _worker(rank: int, world_size: int, init_file: str, module: str, scenarios: list, out_dir: str, tag: str,
-            collective_timeout_s: float, staged: bool = False) -> None:
+            collective_timeout_s: float, staged: bool = False, environ: dict | None = None) -> None:
+    if environ is not None:
+        apply_environ(environ)
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     try:

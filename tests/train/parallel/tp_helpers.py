@@ -10,6 +10,7 @@ it by name).
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,17 +19,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tl_testing import timed
+from tl_testing import apply_environ, rank_context, timed
 
 
 def run_ranks(fn, world_size: int, tmp_path: Path, *args, deadline_s: float = 120.0) -> None:
     init_file = tmp_path / f"store_{fn.__name__}_{world_size}"
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, str(init_file), args),
+        args=(fn, world_size, str(init_file), args, dict(os.environ)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=rank_context().get_start_method(),  # forked from a warm server (tl_testing)
     )
     try:
         with timed(f"{fn.__name__} at world {world_size}", deadline_s) as limit:
@@ -43,7 +44,8 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args, deadline_s: float = 12
                 proc.join()
 
 
-def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
+def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple, environ: dict) -> None:
+    apply_environ(environ)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
