@@ -1,19 +1,10 @@
 """The GPT model's description: :class:`GPTConfig` (features, arch presets, MoE flags, kernels mode).
 
-The model is described by its features: ``norm`` (LayerNorm or RMSNorm), ``mlp`` (tanh-GELU or
-SwiGLU), ``positions`` (a learned table or rotate-half RoPE as in GPT-NeoX / Hugging Face, base
-``rope_theta``), ``bias``, ``tie_embeddings``, and grouped-query attention via ``n_kv_heads``.
-:attr:`GPTConfig.arch` is a preset: a feature left None takes the arch's value (``"gpt2"``:
-LayerNorm, GELU, learned positions, biases; ``"llama"``: RMSNorm, SwiGLU, RoPE, no biases; both
-tied unless ``tie_embeddings`` says otherwise), so a config written before the features existed
-builds the same model. Any combination builds, in every layout and every kernels mode: each feature
-is its own op in every :class:`~tokenloom.train.kernels.KernelSet` (norm, activation, RoPE), so no
-combination falls back or is refused.
-
-Mixture of experts (``num_experts``, Megatron's MoE flags): blocks chosen by ``moe_layer_freq``
-hold a MoE layer instead of the MLP (:mod:`tokenloom.train.model.blocks`, on the routing of
-:mod:`tokenloom.train.model.moe`). The vocabulary is padded to a multiple of
-``make_vocab_size_divisible_by`` (Megatron's) for the LM-head GEMM's shapes.
+Features: ``norm``, ``mlp``, ``positions`` (learned or rotate-half RoPE as GPT-NeoX / HF), ``bias``,
+``tie_embeddings``, GQA via ``n_kv_heads``; ``arch`` presets the ones left None, so an old config
+builds the same model. Every combination builds in every layout and kernels mode (each feature is
+its own op of the ``KernelSet``). MoE (``num_experts``, Megatron's flags) replaces the MLP in the
+blocks ``moe_layer_freq`` picks. The vocabulary is padded to ``make_vocab_size_divisible_by``.
 """
 
 import math
@@ -25,12 +16,8 @@ from tokenloom.errors import TokenloomError
 
 @dataclass(kw_only=True)
 class GPTConfig:
-    """Model shape and behaviour. Every field is keyword-only.
-
-    After construction every feature field (norm, mlp, positions, bias) holds its resolved value, so
-    what is saved (``config.json``, a checkpoint's ``state.json``) names the model that was built
-    whatever the arch preset later means; a saved config without them (written before they existed)
-    resolves them from its arch, as the model was built then."""
+    """Model shape and behaviour (keyword-only). After construction the feature fields hold resolved
+    values, so a saved config names the built model whatever the presets later mean."""
 
     arch: Literal["gpt2", "llama"] = "gpt2"
     """Preset for the features left unset (norm, mlp, positions, bias): ``gpt2``: LayerNorm + GELU +
