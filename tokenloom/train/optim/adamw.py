@@ -1,24 +1,15 @@
 """AdamW with the usual no-decay groups, the one gradient norm, and :class:`OptimConfig` (the
-optimizer's and the learning-rate schedule's settings; the schedule is :mod:`tokenloom.train.optim.schedule`).
+optimizer's and the schedule's settings; the schedule is :mod:`tokenloom.train.optim.schedule`).
 
-Choices and their costs:
-
-* **Weight decay** only on matrices used in matmuls (``dim >= 2``) that are not embedding
-  tables; biases, norm weights and the token/position embeddings (and so a tied LM head,
-  which is the same tensor) are not decayed (nanoGPT / Megatron convention). Grouping is
-  by parameter identity, so a tied weight is listed once.
-* **Fused AdamW by default** where torch has the kernel for the parameters' device (CPU
-  and CUDA): one kernel over every parameter instead of a loop of ops per tensor, several
-  times faster than the for-loop and foreach ones on CPU (see bench/RESULTS.md, notes),
-  and torchtitan's default on GPU. It is the same update but not bit-identical to torch's
-  default implementation, so a comparison against a plain ``torch.optim.AdamW`` sets
-  ``fused=False``. Every tokenloom path builds its optimizer here, so single-process,
-  DDP, tensor/pipeline-parallel and resumed runs all use the same implementation.
-* **One gradient norm** (:func:`global_grad_norm`) for every layout and both optimizers:
-  torch's ``get_total_norm`` over the gradients this rank counts (Megatron's rule: each
-  parameter once per model replica), squared and summed over the groups that hold the
-  other pieces (model-parallel, and data-parallel for ZeRO-1 shards), on the device with
-  no host sync. With no groups it is exactly ``clip_grad_norm_``'s norm.
+* **Weight decay** only on matmul matrices (``dim >= 2``) that are not embedding tables (so not a
+  tied LM head either), nanoGPT / Megatron's convention; grouped by identity, tied weights once.
+* **Fused AdamW by default** where torch has the kernel (CPU, CUDA): one kernel over every
+  parameter (bench/RESULTS.md, notes; torchtitan's GPU default). Not bit-identical to torch's
+  default, so comparisons against plain ``torch.optim.AdamW`` set ``fused=False``; every path
+  builds its optimizer here, so all layouts and resumes share the implementation.
+* **One gradient norm** (:func:`global_grad_norm`) for every layout and optimizer: each parameter
+  once per replica (Megatron's rule), squares summed over the groups holding other pieces, on the
+  device without host sync; with no groups exactly ``clip_grad_norm_``'s.
 """
 
 from __future__ import annotations
@@ -135,10 +126,8 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 def param_groups(modules: nn.Module | Iterable[nn.Module], weight_decay: float) -> list[dict]:
-    """Two AdamW groups over the parameters of ``modules`` (a model, or a rank's pipeline
-    chunks): decayed matmul weights, and everything else (biases, norms, embedding tables:
-    ``nn.Embedding`` weights and parameters tagged ``is_embedding``, such as a tied LM head
-    or a vocab-parallel table). Tied tensors are listed once, in first-seen order."""
+    """Two AdamW groups over ``modules``: decayed matmul weights, and the rest (biases, norms,
+    ``nn.Embedding`` or ``is_embedding``-tagged tables); tied tensors once, first-seen order."""
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     embeddings = {id(m.weight) for mod in modules for m in mod.modules() if isinstance(m, nn.Embedding)}
     decay: list[nn.Parameter] = []
@@ -168,11 +157,8 @@ def build_optimizer(modules: nn.Module | Iterable[nn.Module], cfg: OptimConfig) 
 
 def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] = (),
                      *, device: torch.device) -> torch.Tensor:
-    """L2 norm of a gradient spread over ranks, as a 0-dim fp32 tensor on ``device``.
-
-    ``grads``: the pieces this rank counts; ``groups``: the groups whose members hold the
-    other pieces (the squared norm is all-reduced over each in turn). With no groups this
-    is ``torch.nn.utils.clip_grad_norm_``'s norm exactly."""
+    """L2 norm (0-dim fp32 on ``device``) of ``grads`` this rank counts, the square all-reduced over
+    each of ``groups`` in turn; with none exactly ``clip_grad_norm_``'s."""
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     if not groups:
         return local
@@ -183,8 +169,7 @@ def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[dist.Proces
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch's clipping factor ``min(1, max_norm / (norm + 1e-6))`` (1 when ``max_norm <= 0``),
-    a device tensor (no host sync)."""
+    """torch's ``min(1, max_norm / (norm + 1e-6))`` as a device tensor (1 when ``max_norm <= 0``)."""
     max_norm = max_norm if max_norm > 0 else math.inf
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
