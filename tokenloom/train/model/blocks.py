@@ -1,14 +1,9 @@
-"""The GPT's layers: attention, MLP, the MoE layer, norms and the transformer :class:`Block`.
-
-Each takes the model's ``TensorParallel`` context and the kernel set of ``gpt.build_ops`` (None: the
-eager reference code here, the baseline every distributed test compares against). ``qkv`` and
-``fc`` are column-parallel, output projections row-parallel. :class:`MoE` stacks expert weights on
-a leading expert dimension (:mod:`.moe` for routing and dispatch). Dropout inside tp regions draws
-from the per-tp-rank stream of :mod:`tokenloom.train.parallel.random`.
-
-Trade-offs: GQA repeats K/V heads before SDPA (memory for the copies, no dependence on
-``enable_gqa``); recompute is per block and non-reentrant, so ``find_unused_parameters`` still sees
-the graph.
+"""The GPT's layers: attention, MLP, the MoE layer, norms and the transformer :class:`Block`, each
+taking the model's ``TensorParallel`` context and kernel set (None: the eager reference code here,
+the baseline every distributed test compares against). Dropout inside tp regions draws from the
+per-tp-rank stream (:mod:`tokenloom.train.parallel.random`). Trade-offs: GQA repeats K/V heads
+before SDPA (copies, no need for ``enable_gqa``); recompute is per block and non-reentrant, so
+``find_unused_parameters`` still sees the graph.
 """
 
 from typing import TYPE_CHECKING

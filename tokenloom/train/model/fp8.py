@@ -1,16 +1,10 @@
-"""FP8 training (``--fp8``): the blocks' linears as torchao's float8 linears.
-
-``convert_to_float8_training`` swaps ``nn.Linear`` for ``Float8Linear`` (e4m3 casts with dynamic
-scales for all three GEMMs); parameters, names and state dict stay the bf16 model's, so checkpoints
-load across ``fp8`` settings. Recipes: ``tensorwise`` (one scale per tensor, fastest) and
-``rowwise`` (per row, more robust to outliers). Converted: block linears with sizes multiple of 16;
-the LM head (maybe tied, most precision-sensitive, torchao's advice), embeddings and norms stay
-bf16. The price: those weights' grads bypass the wgrad fusion (:mod:`tokenloom.train.parallel.wgrad`).
-
-Runs (:func:`refusal` says why not) on float8 tensor cores (capability 8.9+), bf16 autocast, the
-reference ops (other modes call ``F.linear`` themselves) and tp = 1 (our tp linears are not
-``nn.Linear``; torchao's tp needs DTensor); dp, pp, vpp and ZeRO-1 are served. torchao is an
-optional extra (``tokenloom[fp8]``), imported only when a run asks for fp8.
+"""FP8 training (``--fp8``): the blocks' linears as torchao's ``Float8Linear`` (e4m3, dynamic scales,
+all three GEMMs); parameters and state dict stay the bf16 model's, so checkpoints load across
+settings. Recipes: ``tensorwise`` (fastest) and ``rowwise`` (robust to outliers). Block linears
+with 16-multiple sizes convert; the head (maybe tied, most precision-sensitive), embeddings and
+norms stay bf16; converted weights' grads bypass the wgrad fusion. :func:`refusal` says where it
+cannot run (capability 8.9+, bf16 autocast, reference ops, tp = 1: our tp linears are not
+``nn.Linear``). torchao is an optional extra (``tokenloom[fp8]``), imported only when asked for.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The GPT (nanoGPT's readability, megatron-core ``GPTModel``'s layouts): :class:`GPT` assembles the
-blocks of :mod:`.blocks` described by a :class:`~.config.GPTConfig`.
+blocks of :mod:`.blocks` described by a :class:`~.config.GPTConfig`, in every layout with the
+one-process model's names (checkpoints reshard by name) and, at tp = 1, its numerics and state dict.
 
-* **Tensor parallelism**: linears and embedding come from a ``TensorParallel`` context; at tp = 1
-  numerics, names and state dict are those of a tp-free model; above, embedding and LM head are
-  vocab-parallel and the loss is taken on ``[.., V/tp]`` logits. Sequence parallelism keeps
-  ``[s/tp, b, h]`` activations between the tp regions.
-* **Pipeline parallelism**: a stage is a range of blocks plus the embeddings (``pre``) and/or head
-  and loss (``post``), ranges from :mod:`.pipeline_split`. Parameter names stay global, so
-  checkpoints reshard by name.
-* **Initialisation** is layout-free: every rank draws every full weight from one generator seeded
-  by ``seed`` and keeps its shard (:meth:`GPT.init_weights`), so every layout starts equal.
+* **Tensor parallelism**: vocab-parallel embedding and head, loss on ``[.., V/tp]`` logits; sequence
+  parallelism keeps ``[s/tp, b, h]`` between tp regions. **Pipeline**: a stage is a block range
+  (:mod:`.pipeline_split`) plus embeddings (``pre``) and/or head and loss (``post``).
+* **Initialisation** is layout-free (:meth:`GPT.init_weights`): every layout starts equal.
 * Logits cover the padded vocabulary (no label is a padded id); slice ``[..., :vocab_size]``.
 
-Kernels are chosen once at build time for the build device (:func:`build_ops`, megatron-core's
-ModuleSpec idea) and held by every module as a plain attribute: one ``forward`` path, nothing for
-dynamo to look up, no parameters or buffers added, so checkpoints load across modes. ``reference``
-materialises fp32 ``[tokens, padded_vocab]`` logits; the kernel modes take the loss chunked from
-the hidden states and the LM-head weight with the same semantics. ``bench/kernels_bench.py``
-compares the modes.
+Kernels are chosen once for the build device (:func:`build_ops`, megatron-core's ModuleSpec idea)
+and held as a plain attribute: one ``forward`` path, nothing for dynamo to look up, no parameters
+added, so checkpoints load across modes. ``reference`` materialises fp32 logits; kernel modes take
+the loss chunked from hidden states and head weight (``bench/kernels_bench.py`` compares them).
 """
 import math
 from collections.abc import Sequence
@@ -96,13 +90,9 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer, or a pipeline stage of one, at any tensor-parallel size.
-
-    ``tp`` splits matmuls and vocabulary; ``layers`` (global block indices), ``pre`` and ``post``
-    make a pipeline stage. With tied embeddings a stage holding the head but not the embedding
-    keeps its own copy (Megatron's), tagged ``shared_embedding`` and ``shared``. Built on ``meta``,
-    materialised on ``device`` (``"meta"`` keeps shapes only), then :meth:`init_weights`.
-    """
+    """Decoder-only transformer, or a pipeline stage of one (``layers``, ``pre``, ``post``), at any
+    tp size. A tied head's stage without the embedding keeps its own copy (Megatron's), tagged
+    ``shared_embedding`` and ``shared``. ``device="meta"`` keeps shapes only."""
 
     rope_cos: torch.Tensor  # buffers (positions rope), [seq_len, head_dim]
     rope_sin: torch.Tensor
@@ -177,10 +167,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Init from ``cfg.seed`` (not the global RNG), in the one-process module order: normal(0,
-        ``init_std``) weights, residual projections scaled by ``1/sqrt(2 n_layers)`` (GPT-2), biases
-        zero, norm weights one. Every rank draws each full weight in turn and keeps its shard: the
-        whole model's draws on every rank buy equal starts with one full weight held at a time."""
+        """normal(0, ``init_std``) from ``cfg.seed`` in one-process order, residual projections by
+        ``1/sqrt(2 n_layers)`` (GPT-2), biases zero, norms one. Each rank draws every full weight and
+        keeps its shard: the whole model's draws buy equal starts, one full weight held at a time."""
         cfg, tp = self.cfg, self.tp
         mine = dict(self.named_parameters(remove_duplicate=False))
         split_sizes = {f"{name}.weight": getattr(m, "split_sizes", None) for name, m in self.named_modules()}
@@ -235,13 +224,10 @@ class GPT(nn.Module):
         positions: torch.Tensor | None = None,
         token_losses: bool = False,
     ) -> torch.Tensor:
-        """tokens/labels/loss_mask: [batch, seq]. Returns logits [batch, seq, padded_vocab] without
-        ``labels``, else the mean loss over tokens ``loss_mask`` keeps; with ``token_losses`` the
-        unmasked per-token losses [batch, seq] (no fused gradients-in-forward then). Without
-        ``pre`` the input is ``hidden``; without ``post`` the activation is returned ([batch, seq,
-        d], or [seq/tp, batch, d] under sp). Inter-document masking: ``documents`` is ``cu_seqlens``
-        [batch, seq + 1], ``positions`` restart per document; the mask is built once per forward.
-        """
+        """tokens/labels/loss_mask: [batch, seq] -> logits without ``labels``, else the mean loss over
+        kept tokens, or with ``token_losses`` unmasked per-token losses (no fused grads-in-forward).
+        No ``pre``: input ``hidden``; no ``post``: returns the activation. ``documents``:
+        ``cu_seqlens`` with per-document ``positions``, the mask built once per forward."""
         if self.cp is not None and positions is None:  # the global positions of this rank's tokens
             where = _given(tokens if self.pre else hidden, "tokens" if self.pre else "hidden").device
             positions = local_index(self.cfg.seq_len, self.cp[1], self.cp[2], where).unsqueeze(0)
@@ -281,10 +267,9 @@ class GPT(nn.Module):
             layer.expert_parallel(group, size, rank)
 
     def compile_blocks(self) -> None:
-        """``torch.compile`` each block in place (torchtitan's choice): one backward node per block
-        keeps DDP buckets overlapping, and identical blocks share one graph. The reference loss is
-        compiled too (fp32 cast, log-softmax and gather fuse; no fp32 logit copies kept). The cost:
-        no fusion across blocks; embedding and head matmul stay eager."""
+        """``torch.compile`` each block (torchtitan's choice: a backward node per block keeps DDP
+        overlapping; identical blocks share a graph) and the reference loss (no fp32 logit copies).
+        The cost: no fusion across blocks; embedding and head matmul stay eager."""
         for block in self.blocks.values():
             block.compile()
         if self.post:

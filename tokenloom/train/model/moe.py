@@ -1,24 +1,18 @@
 """Mixture-of-experts pieces (megatron-core's ``TopKRouter``, token permutation, grouped experts,
 auxiliary losses); the layer itself is :class:`tokenloom.train.model.blocks.MoE`.
 
-* **Router** (:func:`route`): fp32 logits, top-k, softmax over the k chosen (Megatron's default,
-  equal to Mixtral's). No token is dropped, whatever the experts' load.
-* **Permutation** (:func:`permute` / :func:`unpermute`): one stable ``argsort`` by expert makes each
-  expert's tokens a contiguous slice; results return gated through one ``index_add``.
-* **Experts** (:func:`grouped_mm`): one ``torch._grouped_mm`` without host sync where usable, else a
-  loop over experts (one host sync per layer and pass).
+* **Router** (:func:`route`): fp32 logits, top-k, softmax over the k (Megatron's default, equal to
+  Mixtral's); no token is dropped. **Permutation**: one stable ``argsort`` by expert; results return
+  gated through one ``index_add``. **Experts** (:func:`grouped_mm`): one grouped GEMM, no host sync.
 * **Expert parallelism**: each ep rank holds ``E / ep`` consecutive experts. ``alltoall``
-  (:func:`dispatch` / :func:`combine`) moves only routed rows, split sizes exchanged first (a host
-  sync). ``allgather`` (:func:`gather_dispatch` / :func:`gather_combine`, megatron-core's
-  ``MoEAllGatherTokenDispatcher``) gathers the group's tokens into a fixed buffer and
-  reduce-scatters partial sums: fixed-size collectives, no host sync, more bytes as ep grows; equal
-  results up to rounding. Router, aux losses and statistics stay on the source rank's tokens.
-* **Under tensor parallelism** (sp required, as in Megatron) each expert is whole on every tp rank,
-  which routes its own ``1 / tp`` slice of the sequence; expert grads are summed over tp like the
-  router's. Why: no tp collective and fewer tokens per exchange, for ``tp`` times the expert memory.
-* **Auxiliary losses** (:func:`load_balancing_loss`, :func:`z_loss`) enter backward through
-  :class:`AttachAuxLoss` (Megatron's ``MoEAuxLossAutoScaler``), not the returned loss, so a stage
-  without the head still trains its routers and the reported LM loss is unchanged.
+  (:func:`dispatch`) moves only routed rows after a split-size exchange (host sync); ``allgather``
+  (:func:`gather_dispatch`, megatron-core's ``MoEAllGatherTokenDispatcher``) uses fixed-size
+  collectives without host sync, more bytes as ep grows; equal up to rounding.
+* **Under tensor parallelism** (sp required, as Megatron) experts are whole on every tp rank, which
+  routes its own sequence slice: no tp collective, for ``tp`` times the expert memory.
+* **Auxiliary losses** enter backward through :class:`AttachAuxLoss` (Megatron's
+  ``MoEAuxLossAutoScaler``), not the returned loss: stages without the head train their routers,
+  and the reported LM loss is unchanged.
 """
 
 from __future__ import annotations
@@ -49,10 +43,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, 
 
 def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, sequences: int, kind: BalancingType,
                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Switch-Transformer balance loss, no coefficient: ``E / (T^2 k) * sum_e P_e c_e`` (``P_e``:
-    summed softmax probability of e, ``c_e``: tokens routed to e; 1 when uniform). T is the
-    micro-batch (``aux_loss``) or each sequence-major row group, averaged (``seq_aux_loss``). Sums
-    are all-reduced over ``group`` (tp under sp)."""
+    """Switch-Transformer balance loss, no coefficient: ``E / (T^2 k) * sum_e P_e c_e`` (1 when
+    uniform) over the micro-batch (``aux_loss``) or per sequence, averaged; sums over ``group``."""
     num_experts, k = logits.shape[-1], experts.shape[-1]
     probs = logits.softmax(dim=-1)
     if kind == "aux_loss":
@@ -79,8 +71,7 @@ def z_loss(logits: torch.Tensor, group: dist.ProcessGroup | None = None) -> torc
 
 
 class AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``out`` whose backward also gives scalar ``aux`` gradient ``scale`` (the LM loss's
-    factor): ``aux * scale`` joins the objective without joining the returned loss."""
+    """Identity whose backward gives scalar ``aux`` gradient ``scale``: it joins the objective only."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
@@ -113,8 +104,8 @@ class AllToAll(torch.autograd.Function):
 
 def dispatch(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, size: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """Send ``rows`` (sorted by expert, ``counts`` [E]) to their experts' ranks -> (received rows by
-    local expert, each row's local expert, tokens per local expert, :func:`combine`'s plan). Host sync."""
+    """Send expert-sorted ``rows`` to their experts' ranks -> (rows by local expert, their experts,
+    counts, the plan). Host sync."""
     local = counts.numel() // size
     send_counts = counts.view(size, local)
     recv_counts = torch.empty_like(send_counts)
@@ -136,10 +127,8 @@ def combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
 def gather_dispatch(x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, group: dist.ProcessGroup,
                     first: int, local: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """Allgather dispatch: gather ``x`` [N, d] and routing over ``group`` -> (rows routed to experts
-    ``first .. first + local`` by local expert, in a fixed ``ep N min(k, local)``-row buffer whose
-    tail belongs to no expert; each row's local expert; tokens per local expert; ``valid`` [rows, 1];
-    :func:`gather_combine`'s plan). Differentiable in ``x`` and ``gates``; no host sync."""
+    """Gather ``x`` and routing over ``group`` -> (rows for experts ``first ..`` in a fixed ``ep N
+    min(k, local)``-row buffer, tail unrouted; their local experts; counts; ``valid``; the plan)."""
     k = experts.shape[-1]
     hidden = gather_from_sequence_parallel_region(x, group)
     # one collective for both: expert ids are exact in fp32 (E < 2**24); their grad is dropped
@@ -164,8 +153,7 @@ def gather_combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
 
 def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, expert) pairs sorted by expert -> (rows [N k, d], order into flat ``experts``, each
-    row's expert, tokens per expert [E] on the device)."""
+    """Pairs sorted by expert -> (rows [N k, d], order, each row's expert, counts [E] on device)."""
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -197,9 +185,8 @@ def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool,
                valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Expert-sorted rows ``x`` [n, a] times their expert's ``weight`` [E, a, b] -> [n, b]: one
-    grouped GEMM in the autocast dtype when ``grouped`` and usable, else a loop (host sync). Rows
-    outside ``valid`` [n, 1] get zero outputs and input grads (the grouped GEMM leaves them unset)."""
+    """Expert-sorted rows [n, a] times their expert's ``weight`` [E, a, b]: grouped GEMM or a loop
+    (host sync); rows outside ``valid`` get zero outputs and grads (the GEMM leaves them unset)."""
     if valid is not None:
         x = torch.where(valid, x, 0)
     if grouped and grouped_mm_usable(x, weight):
@@ -215,9 +202,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grou
 
 
 def log_fields(table: torch.Tensor, layers: list[int]) -> dict:
-    """Log-interval metrics from ``table`` [MoE layers, E + 3] (rows: ``MoE.take_stats`` summed over
-    ranks): mean ``moe_balance_loss`` / ``moe_z_loss`` (no coefficients), ``moe_min_expert_share``
-    (``1 / E`` is perfect balance) and ``moe_tokens_per_expert``."""
+    """Log-interval metrics from ``table`` [layers, E + 3] of summed ``MoE.take_stats`` rows
+    (``moe_min_expert_share``: ``1 / E`` is perfect balance)."""
     counts, balance, z, forwards = table[:, :-3], table[:, -3], table[:, -2], table[:, -1].clamp(min=1)
     shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
     return {"moe_balance_loss": float((balance / forwards).mean()), "moe_z_loss": float((z / forwards).mean()),
