@@ -148,9 +148,8 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """``E`` MLPs stacked: ``fc`` [E, d, inner or 2 inner (gate, up)], ``proj`` [E, inner, d], optional
-    biases; expert e is the :class:`MLP` with ``fc.weight = fc[e].T``. Under ep it holds experts
-    ``first ..`` only."""
+    """``E`` MLPs stacked (``fc`` [E, d, inner or 2 inner], ``proj`` [E, inner, d]): expert e is the
+    :class:`MLP` with ``fc.weight = fc[e].T``. Under ep it holds experts ``first ..`` only."""
 
     first: int = 0
     """The layer's index of the first expert held (nonzero under ep)."""
@@ -166,9 +165,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Mixture-of-experts MLP (megatron-core's ``MoELayer``; contracts in :mod:`.moe`). Aux losses
-    are scaled by ``aux_loss_scale`` (set by the trainer). ``stats`` accumulates on the device, in
-    training forwards only, tokens per expert, balance and z losses and forwards: no host sync."""
+    """Mixture-of-experts MLP (megatron-core's ``MoELayer``; contracts in :mod:`.moe`). ``stats``
+    accumulates on the device in training forwards (no host sync); :meth:`take_stats` pops it."""
 
     def __init__(self, cfg: GPTConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -231,9 +229,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def expert_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
-        """Keep this rank's ``E / size`` experts of the initialised layer and exchange tokens over
-        ``group``. Call before optimizer or DDP see the parameters (they are replaced). Tags
-        ``expert_parallel`` (reduced over expert-dp) and, under sp, ``sequence_parallel``."""
+        """Keep this rank's ``E / size`` experts and exchange tokens over ``group``; call before the
+        optimizer or DDP see the (replaced, ``expert_parallel``-tagged) parameters."""
         if self.num_experts % size:
             raise TokenloomError(f"num_experts={self.num_experts} is not divisible by ep={size}")
         local = self.num_experts // size

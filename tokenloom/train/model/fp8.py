@@ -1,10 +1,9 @@
 """FP8 training (``--fp8``): the blocks' linears as torchao's ``Float8Linear`` (e4m3, dynamic scales,
-all three GEMMs); parameters and state dict stay the bf16 model's, so checkpoints load across
-settings. Recipes: ``tensorwise`` (fastest) and ``rowwise`` (robust to outliers). Block linears
-with 16-multiple sizes convert; the head (maybe tied, most precision-sensitive), embeddings and
-norms stay bf16; converted weights' grads bypass the wgrad fusion. :func:`refusal` says where it
-cannot run (capability 8.9+, bf16 autocast, reference ops, tp = 1: our tp linears are not
-``nn.Linear``). torchao is an optional extra (``tokenloom[fp8]``), imported only when asked for.
+all three GEMMs), state dict unchanged so checkpoints load across settings. Recipes ``tensorwise``
+(fastest) and ``rowwise`` (robust to outliers). The head (maybe tied, most precision-sensitive),
+embeddings and norms stay bf16; converted weights bypass the wgrad fusion. :func:`refusal` says
+where it cannot run (tp = 1 only: our tp linears are not ``nn.Linear``). torchao is an optional
+extra (``tokenloom[fp8]``), imported only when asked for.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ auxiliary losses); the layer itself is :class:`tokenloom.train.model.blocks.MoE`
   (:func:`dispatch`) moves only routed rows after a split-size exchange (host sync); ``allgather``
   (:func:`gather_dispatch`, megatron-core's ``MoEAllGatherTokenDispatcher``) uses fixed-size
   collectives without host sync, more bytes as ep grows; equal up to rounding.
-* **Under tensor parallelism** (sp required, as Megatron) experts are whole on every tp rank, which
-  routes its own sequence slice: no tp collective, for ``tp`` times the expert memory.
+* **Under tp** (sp required) experts are whole per tp rank, each routing its sequence slice: no tp
+  collective, for ``tp`` times the expert memory.
 * **Auxiliary losses** enter backward through :class:`AttachAuxLoss` (Megatron's
   ``MoEAuxLossAutoScaler``), not the returned loss: stages without the head train their routers,
   and the reported LM loss is unchanged.

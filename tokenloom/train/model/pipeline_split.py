@@ -16,13 +16,9 @@ from tokenloom.train.parallel.layers import TensorParallel
 
 @dataclass(frozen=True)
 class PipelineSplit:
-    """Blocks dealt in model order over virtual stages ``(chunk, pp_rank)``, chunk-major, each
-    taking ``counts()[chunk][pp_rank]``: even by default; ``first`` / ``last`` (Megatron's
-    ``--decoder-first/last-pipeline-num-layers``) fix the end ranks' blocks, the middle share the
-    rest; ``embedding_as_layer`` / ``loss_as_layer`` (``--account-for-*-in-pipeline-split``) count
-    embedding / head+loss as a block, so their chunk builds one fewer. Why: the end stages' extra
-    work idles the others each micro-batch; whole blocks are the finest balance.
-    """
+    """Blocks dealt in model order over virtual stages ``(chunk, pp_rank)``, chunk-major: even, or
+    ``first`` / ``last`` fixing the end ranks' counts, or ``embedding_as_layer`` / ``loss_as_layer``
+    counting those as a block (Megatron's flags), because the end stages' extra work idles the rest."""
 
     n_layers: int
     pp: int = 1

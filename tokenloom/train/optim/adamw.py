@@ -1,15 +1,9 @@
-"""AdamW with the usual no-decay groups, the one gradient norm, and :class:`OptimConfig` (the
-optimizer's and the schedule's settings; the schedule is :mod:`tokenloom.train.optim.schedule`).
-
-* **Weight decay** only on matmul matrices (``dim >= 2``) that are not embedding tables (so not a
-  tied LM head either), nanoGPT / Megatron's convention; grouped by identity, tied weights once.
-* **Fused AdamW by default** where torch has the kernel (CPU, CUDA): one kernel over every
-  parameter (bench/RESULTS.md, notes; torchtitan's GPU default). Not bit-identical to torch's
-  default, so comparisons against plain ``torch.optim.AdamW`` set ``fused=False``; every path
-  builds its optimizer here, so all layouts and resumes share the implementation.
-* **One gradient norm** (:func:`global_grad_norm`) for every layout and optimizer: each parameter
-  once per replica (Megatron's rule), squares summed over the groups holding other pieces, on the
-  device without host sync; with no groups exactly ``clip_grad_norm_``'s.
+"""AdamW with the usual no-decay groups, the one gradient norm, and :class:`OptimConfig` (optimizer
+and :mod:`.schedule` settings). Weight decay only on matmul matrices that are not embedding tables
+(nanoGPT / Megatron). Fused AdamW by default where torch has the kernel (bench/RESULTS.md, notes;
+torchtitan's GPU default): not bit-identical to torch's default, so comparisons with plain
+``torch.optim.AdamW`` set ``fused=False``. One gradient norm (:func:`global_grad_norm`) for every
+layout and optimizer: each parameter once per replica (Megatron's rule), no host sync.
 """
 
 from __future__ import annotations
@@ -31,10 +25,8 @@ class OptimConfig:
     """AdamW or Muon, warmup + decay (cosine, linear or constant), gradient clipping."""
 
     name: Literal["adamw", "muon"] = "adamw"
-    """The optimizer (Megatron's --optimizer): adamw for every parameter, or muon for the hidden
-    matrices (attention and MLP projections, router, each expert's; each of a fused qkv's Q, K, V on
-    its own) and AdamW (beta1, beta2, eps, weight_decay) for embeddings, an untied LM head, biases and
-    norms. See tokenloom.train.optim.muon."""
+    """The optimizer (Megatron's --optimizer): adamw everywhere, or muon for the hidden matrices (Q, K, V
+    apart) with AdamW for embeddings, an untied head, biases and norms (tokenloom.train.optim.muon)."""
 
     lr: float = 6e-4
     """Peak learning rate (reached after warmup)."""
@@ -45,12 +37,10 @@ class OptimConfig:
     lr_decay_iters: int | None = None
     """Iteration at which the decay reaches min_lr; None means train_iters."""
     decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
-    """After warmup: cosine or linear from lr to min_lr at lr_decay_iters; WSD (lr, then the last
-    wsd_decay_iters before lr_decay_iters decay to min_lr); inverse-square-root (lr x sqrt(warmup /
-    step), not below min_lr); or constant lr (Megatron's --lr-decay-style)."""
+    """After warmup (--lr-decay-style): cosine or linear to min_lr at lr_decay_iters; WSD (lr, then the last
+    wsd_decay_iters to min_lr); inverse-square-root (lr x sqrt(warmup / step), >= min_lr); or constant."""
     wsd_decay_iters: int | None = None
-    """WSD: iterations of the final decay, ending at lr_decay_iters (Megatron's --lr-wsd-decay-iters);
-    needed by decay_style WSD."""
+    """WSD (required): iterations of the final decay, ending at lr_decay_iters (--lr-wsd-decay-iters)."""
     wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
     """WSD: the shape of the final decay (Megatron's --lr-wsd-decay-style, the same default)."""
     beta1: float = 0.9
@@ -80,12 +70,10 @@ class OptimConfig:
     """Muon's step size per A x B (out x in) matrix: match_rms_adamw (0.2 sqrt(max(A, B)), the update RMS of
     AdamW, Moonshot's) or original (sqrt(max(1, A / B)), Keller Jordan's)."""
     muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
-    """The precision of the Newton-Schulz matmuls: bf16 (torch.optim.Muon's) or fp32 (slower on GPUs,
-    less rounding)."""
+    """Newton-Schulz matmul precision: bf16 (torch.optim.Muon's) or fp32 (slower on GPUs, less rounding)."""
     muon_tp_mode: Literal["duplicated", "blockwise"] = "duplicated"
-    """At tp > 1: duplicated gathers each tp-split matrix and orthogonalises it whole on every tp rank
-    (the one-process update, Megatron's duplicated mode); blockwise orthogonalises each rank's shard
-    alone (no communication, NOT the one-process update)."""
+    """At tp > 1: duplicated orthogonalises each gathered tp-split matrix whole on every tp rank (the
+    one-process update, Megatron's); blockwise each shard alone (no communication, NOT one-process)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:

@@ -1,10 +1,7 @@
-"""The learning rate of a step as a pure function of the iteration: warmup, then Megatron's decays.
-
-Not a stateful torch scheduler: :func:`lr_at` is recomputed into every param group before each
-step, so resume needs only the iteration; a resume that changes the schedule is refused unless
-``override_opt_param_scheduler`` (:func:`tokenloom.train.config.check_resumable_schedule`). Warmup
-is ``lr * (it + 1) / warmup_iters`` (no wasted zero step), then Megatron's ``--lr-decay-style``:
-cosine, linear, WSD or inverse-square-root, each ``min_lr`` from ``lr_decay_iters`` on; or constant.
+"""The learning rate of a step as a pure function of the iteration (:func:`lr_at`, written into every
+param group before each step): resume needs only the iteration, and a changed schedule is refused
+unless ``override_opt_param_scheduler``. Warmup ``lr * (it + 1) / warmup_iters`` (no zero step),
+then Megatron's ``--lr-decay-style``s, each ``min_lr`` from ``lr_decay_iters`` on.
 """
 
 from __future__ import annotations

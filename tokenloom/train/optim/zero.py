@@ -1,22 +1,20 @@
 """ZeRO-1: AdamW whose fp32 master weights and moments are sharded over data parallel.
 
-Layout (Megatron-core's ``distrib_optimizer.py``): parameters live in one flat ``param_buffer`` and
-one ``grad_buffer`` (``.data`` and ``.grad`` are views), cut into buckets of whole parameters, each
-padded to a multiple of dp; rank ``r`` owns piece ``r`` of every bucket, across parameter
-boundaries. A step: grads enter divided by dp; buckets are reduce-scattered into the pieces (from
-grad hooks with ``overlap_grad_reduce``, last first, one order on all ranks); global grad norm;
-decoupled weight decay before the update (as ``torch.optim.AdamW``: ZeRO-1 equals one process);
-AdamW on the fp32 shard; one all-gather per bucket.
+Layout (Megatron-core's ``distrib_optimizer.py``): flat ``param_buffer`` and ``grad_buffer``
+(``.data``, ``.grad`` views) in buckets of whole parameters, padded to a multiple of dp; rank ``r``
+owns piece ``r`` of each bucket, across parameter boundaries. A step: grads enter divided by dp,
+buckets reduce-scatter (from grad hooks with ``overlap_grad_reduce``, last first, one order on all
+ranks), then grad norm, weight decay before the update (as ``torch.optim.AdamW``: equal to one
+process), AdamW on the fp32 shard and one all-gather per bucket.
 
 * **Memory**: 1/dp of the moments plus < dp padding elements per bucket (``bench/parallel_bench.py``).
 * **Overlapped parameter all-gather** (``overlap_param_gather``): a pre-hook per layer waits for the
-  buckets of its parameters *or the next layer's* (a parent may read a child's weight:
-  ``GPT.head``); readers outside a forward call :meth:`~ZeroAdamW.finish_param_sync`.
-* **Sums over other groups follow the dp reduction** (:meth:`~ZeroAdamW.all_reduce_grads`,
-  ``finalize_model_grads``'s order); tied copies get their own bucket to be cut alike.
-* **Checkpoints without a gather** (:meth:`~ZeroAdamW.own_param_states`), loadable at any dp size.
-* **Expert parameters**: buckets over ``expert_dp_group``; divided by the whole dp, their expert-dp
-  sum is the one-process gradient, and the grad norm counts every piece once.
+  buckets of its parameters *or the next layer's* (``GPT.head`` reads ``lm_head.weight``); readers
+  outside a forward call :meth:`~ZeroAdamW.finish_param_sync`.
+* **Sums over other groups follow the dp reduction** (:meth:`~ZeroAdamW.all_reduce_grads`); tied
+  copies get their own bucket to be cut alike. Checkpoints need no gather (any dp loads them).
+* **Expert parameters**: buckets over ``expert_dp_group``, divided by the whole dp (their sum is
+  the one-process gradient; the norm counts each piece once).
 """
 
 from __future__ import annotations
@@ -42,13 +40,10 @@ from tokenloom.train.parallel.wgrad import WgradSink, set_wgrad_sink
 
 
 class ZeroAdamW:
-    """AdamW with ZeRO-1 sharding over ``dp_group``; use it like a torch optimizer.
-
-    ``params``: parameters or torch-style groups, equal on every dp rank (moved into the buffer).
-    ``norm_group``: summed over after dp, so every stage clips by the whole norm; ``counts_in_norm``:
-    each parameter once per replica. ``overlap_*``: see the module docstring (``modules``: the chunks
-    the pre-hooks go on). ``own_bucket``: Megatron's ``_does_param_require_new_bucket``.
-    """
+    """AdamW with ZeRO-1 sharding over ``dp_group``, used like a torch optimizer. ``params``: equal on
+    every dp rank. ``norm_group``: summed over after dp (every stage clips by the whole norm);
+    ``counts_in_norm``: each parameter once per replica. ``overlap_*``: module docstring (``modules``:
+    the chunks the pre-hooks go on). ``own_bucket``: Megatron's ``_does_param_require_new_bucket``."""
 
     def __init__(
         self,

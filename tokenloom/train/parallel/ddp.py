@@ -343,7 +343,7 @@ class DistributedDataParallel(nn.Module):
         return sink
 
     def _take_wgrad(self, i: int, grad_out: torch.Tensor, inp: torch.Tensor) -> bool:
-        """Parameter ``i``'s wgrad sink: the GEMM writes its view, averaged when synced; the hook only marks it."""
+        """Parameter ``i``'s wgrad sink: the GEMM writes its view (averaged if synced); the hook marks it."""
         synced = self._expect_hooks and self._sync_enabled
         taken = wgrad_into_view(self._params[i], self._views[i], self.world_size if synced else 1, grad_out, inp)
         self._in_view[i] = taken
