@@ -93,8 +93,7 @@ class P2PComm:
 
 
 class Poster:
-    """One daemon thread running calls in order, started on first use (not a ``ThreadPoolExecutor``:
-    its thread is joined at exit, so a post stuck on a dead peer would hang the exit)."""
+    """A daemon thread running calls in order (a thread pool's, joined at exit, hangs on a dead peer)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -5,9 +5,8 @@
 dropout on replicated activations agrees) and the stream ``"model-parallel-rng"`` with ``seed +
 2718 + tp_rank`` (differs across tp); callers pass ``base + 100 * pp_rank`` as Megatron does.
 ``tracker.fork()`` swaps that stream into the default generator for dropout on tensors *split* over
-tp. Unlike Megatron's, the tracker works on CPU too. The swap is a global side effect (``F.dropout``
-takes no generator): never fork one stream from two threads. Recompute replays the streams
-(:func:`checkpoint`, as Megatron's ``CheckpointFunction``).
+tp; unlike Megatron's it works on CPU too. The swap is global (``F.dropout`` takes no generator): never
+fork a stream from two threads. Recompute replays the streams (:func:`checkpoint`, Megatron's way).
 """
 
 from __future__ import annotations

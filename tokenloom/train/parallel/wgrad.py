@@ -3,10 +3,9 @@ weight-gradient GEMM writes straight into the wrapper's gradient buffer, saving 
 tensor and the scaled copy into the bucket (``bench/ddp_bench.py``).
 
 Contract: :func:`linear`'s backward hands ``grad_out`` and the input to the weight's *sink* (set by
-DDP or ZeRO-1), which runs the GEMM into the buffer with the scale in ``alpha`` / ``beta``
-(``beta=0`` for the first contribution: the stale buffer is not read) and returns True; autograd
-gets None for the weight, and its post-accumulate-grad hook still runs. A declining sink (False)
-leaves the grad to autograd.
+DDP or ZeRO-1), which runs the GEMM into the buffer, scale in ``alpha`` / ``beta`` (``beta=0`` first:
+the stale buffer is not read); autograd gets None, and the post-accumulate-grad hook still runs. A
+declining sink (False) leaves the grad to autograd.
 
 * **One consumer per backward**: the sink scales as it writes, so a tied weight's second grad would
   land unscaled; each layer's ``wgrad_fusion`` switch is off on the LM head.
