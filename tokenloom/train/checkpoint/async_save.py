@@ -1,42 +1,26 @@
 """Checkpoints written in the background: the step loop blocks only until the state it saves is copied.
 
-A save (:meth:`CheckpointSaver.save`, called by :meth:`~tokenloom.train.strategy.Strategy.save` on every
-rank) has three parts:
+A save (:meth:`CheckpointSaver.save`, on every rank) has three parts:
 
-1. **the capture**, on the main thread: the previous save's write is waited for; the collectives
-   on the training group run; the files' contents are gathered (RNG states, views of the live
-   parameters and optimizer states) and their containers copied, freezing every plain value;
-2. **the copy**, on one background thread: every tensor is copied into host buffers
-   (:class:`HostStaging`: pinned on CUDA, filled on a stream of its own that starts after the
-   work queued so far; allocated by the first save and reused by every later one). The step
-   loop goes on meanwhile: the next forward and backward only read the state. Whatever
-   updates it (the optimizer step) first calls :meth:`CheckpointSaver.before_update`, which
-   waits for the copy; that wait and the capture are the save's **stall**;
-3. **the write**, on the same thread: :func:`tokenloom.train.checkpoint.commit.save_files`,
-   the commit protocol (temp dir, fsync, ``COMPLETE``, rename, ``latest``, ``keep_last``)
-   unchanged, so a checkpoint is only ever published whole. Its barriers run on a gloo group of
-   its own that only this thread uses, so two threads' collectives never share a group.
+1. **capture**, on the main thread: wait for the previous save, run the training-group collectives,
+   gather the files' contents (RNG states, views of live parameters and optimizer states) and copy
+   their containers, freezing the plain values;
+2. **copy**, on one background thread, into reused host buffers (:class:`HostStaging`: pinned, on
+   a stream of its own on CUDA). The next forward and backward only read the state; the optimizer
+   step first calls :meth:`CheckpointSaver.before_update`, which waits for the copy. That wait plus
+   the capture is the save's **stall**;
+3. **write**, on that thread: :func:`~tokenloom.train.checkpoint.commit.save_files`, the unchanged
+   commit protocol, with barriers on a gloo group only this thread uses.
 
-Invariants: at most one save is in flight, and the next save waits for it (its host buffers are about to be
-overwritten). Nothing writes a tensor a save captured between its capture and the end of its copy: the
-optimizer step is the one writer of saved state and it waits in :meth:`CheckpointSaver.before_update`. A
-failed copy or write (disk full, I/O error) keeps its one-line :class:`~tokenloom.errors.TokenloomError`
-naming the checkpoint, raised on the main thread by the next :meth:`CheckpointSaver.poll` (each step
-boundary), save or :meth:`CheckpointSaver.wait` (the run's end, a save-and-exit); the previous complete
-checkpoint stays what ``--resume auto`` takes. When the run fails otherwise, the write in flight is waited
-for in one process, or abandoned with peers (:meth:`CheckpointSaver.abandon`): at most an unpublished
-temporary folder remains, which the next save into that root removes. Each finished save leaves a
-:class:`SaveReport` (stall, write time) for the metrics.
+Invariants: at most one save in flight (its buffers are reused); nothing writes a captured tensor
+before its copy ends. A failed copy or write raises its one-line error on the main thread at the
+next poll, save or wait; the previous complete checkpoint stays the resume point. A failing run
+waits for the write alone, or abandons it with peers, leaving at most a temporary folder the next
+save removes. ``async_save=false`` writes on the main thread (the stall is the whole save).
 
-``async_save=false`` writes on the main thread with the training group's barriers (the stall is then the
-whole save), from the live state (one-process format) or fresh host copies (per shard).
-
-Trade-offs: host memory holds one more copy of the state a rank writes, for the whole run (as in Megatron's
-and torchtitan's asynchronous saves). Copying behind the next forward and backward instead of before them
-(where they stage) hides the copy when it is shorter than those, at the price of the gate in the optimizer
-step; on CPU the copy and the write compete with the step for cores and memory bandwidth. A rank that dies
-mid-write leaves peers waiting in a checkpoint barrier until the collective timeout, as a synchronous save
-does.
+Trade-offs: one more host copy of the state for the whole run (as Megatron's and torchtitan's async
+saves); the copy hides behind forward and backward when shorter, for the optimizer-step gate; on CPU
+it competes with the step for cores. A rank dying mid-write stalls peers until the collective timeout.
 """
 
 from __future__ import annotations
@@ -62,9 +46,8 @@ Barrier = Callable[[], None]
 
 @dataclass(frozen=True)
 class SaveReport:
-    """One finished save: ``stall_s`` the loop was blocked (the capture and the optimizer step's
-    wait for the copy), ``write_s`` of copying, writing and committing in the background (for a
-    synchronous save, the writing and committing, part of the stall)."""
+    """One finished save: ``stall_s`` the loop was blocked, ``write_s`` of background copy, write and
+    commit (synchronous: write and commit, inside the stall)."""
 
     iteration: int
     path: Path
@@ -78,17 +61,10 @@ class SaveReport:
 
 
 class HostStaging:
-    """Copies of nested state (dicts, lists, tuples of tensors and plain values) in host memory.
-
-    Each tensor is copied into a buffer of the same shape, dtype and strides, kept under its
-    path in the structure and reused by the next :meth:`stage` when that still matches (so a
-    run's saves allocate once). ``share_views``: tensors that are the same view of the same
-    storage (tied weights in a state dict) get one shared copy, so ``torch.save`` writes the
-    same bytes as for originals that fill their storages; otherwise each occurrence gets its
-    own (as ``.clone()`` would). ``pin_memory`` (CUDA state): pinned
-    buffers filled by non-blocking copies, waited for before :meth:`stage` returns. Not
-    thread-safe: one staging per writer, refilled only once its previous write is done.
-    """
+    """Host copies of nested state, each tensor in a buffer kept under its path and reused while
+    shape, dtype and strides match (a run allocates once). ``share_views``: one copy per view of
+    a storage (tied weights pickle alike), else one per occurrence. ``pin_memory``: pinned buffers,
+    non-blocking copies. Not thread-safe: one staging per writer."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
@@ -97,13 +73,11 @@ class HostStaging:
 
     @staticmethod
     def freeze(obj: Any) -> Any:
-        """``obj`` with its containers copied and its tensors kept (the same objects): the plain
-        values are fixed as they are now, the tensors' contents are copied later by :meth:`stage`."""
+        """``obj`` with containers copied, tensors kept (copied later by :meth:`stage`)."""
         return HostStaging(False)._copy(obj, "", None, {}, tensors=False)
 
     def after_queued_work(self) -> Any:
-        """CUDA: an event on the current stream, for :meth:`stage` to start after the work queued
-        so far (call on the thread that queued it); None on CPU."""
+        """CUDA: an event after the work queued so far on this thread's stream; None on CPU."""
         if not self.pin_memory:
             return None
         if self._stream is None:  # on the current device, as the run's tensors are
@@ -112,10 +86,8 @@ class HostStaging:
 
     @torch.no_grad()
     def stage(self, obj: Any, *, share_views: bool, after: Any = None) -> Any:
-        """``obj`` with every tensor replaced by its host copy; containers are copied (dicts keep
-        their type and attributes, so ``torch.save`` pickles them alike), other values kept.
-        Pinned: the copies run on a stream of their own, after ``after`` (an event of
-        :meth:`after_queued_work`; any thread may call this), and are waited for before return."""
+        """``obj`` with tensors replaced by host copies (dicts keep type and attributes, so they
+        pickle alike); pinned: on a stream of its own after event ``after``, done on return."""
         if not self.pin_memory:
             return self._copy(obj, "", {} if share_views else None, {})
         if self._stream is None:
@@ -129,10 +101,8 @@ class HostStaging:
 
     def _copy(self, obj: Any, path: str, seen: dict[tuple, torch.Tensor] | None, copies: dict[int, Any], *,
               tensors: bool = True) -> Any:
-        """``obj``'s copy; ``seen``: copies by tensor view (None: a copy per occurrence);
-        ``copies``: containers already copied, by id, so a container met twice (the betas tuple
-        of every param group) is one object in the copy too, as pickle writes it; ``tensors``:
-        False keeps tensors as they are (only the containers are copied)."""
+        """``obj``'s copy; ``seen``: copies by tensor view (None: per occurrence); ``copies``:
+        containers by id, so one met twice stays one object, as pickle writes it."""
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path, seen) if tensors else obj
         if not isinstance(obj, (dict, list, tuple)):
@@ -176,12 +146,8 @@ class HostStaging:
 
 
 class CheckpointSaver:
-    """One rank's checkpoint writer into ``root``: synchronous, or one background write at a time
-    (module docstring). ``rank``, ``world_size`` and ``keep_last`` are those of
-    :func:`tokenloom.train.checkpoint.commit.save_files`. ``world_size > 1``: the background thread's
-    barriers use a gloo group of its own (``timeout_s``), created by the first asynchronous save
-    (collective: every rank saves at the same iteration).
-    """
+    """One rank's checkpoint writer into ``root``, synchronous or one background write at a time;
+    the first asynchronous save creates the thread's gloo group (collective)."""
 
     def __init__(self, root: str | Path, *, rank: int, world_size: int, keep_last: int, asynchronous: bool,
                  pin_memory: bool, timeout_s: float) -> None:
@@ -216,16 +182,11 @@ class CheckpointSaver:
 
     def save(self, iteration: int, files: Callable[[], dict[str, Any]], state: dict, *, fresh_copies: bool,
              local: Path | None = None) -> Path:
-        """Save ``iteration``; every rank calls it. ``files()`` gives this rank's files (name ->
-        what ``torch.save`` writes; it may run collectives on the training group: it runs here,
-        on the main thread); ``state`` goes into ``state.json``. Returns the checkpoint's
-        directory: complete on return when synchronous, otherwise once :meth:`wait` or
-        :meth:`poll` reports it. ``fresh_copies``: the files' tensors are written as copies, one
-        per occurrence (views into a flat buffer, which ``torch.save`` would write whole), also
-        by a synchronous save; otherwise as they are, views of one storage shared (a synchronous
-        save then copies nothing). Raises the previous write's failure, and this one's when
-        synchronous. ``local``: into that root instead, the local tier (each rank's files marked,
-        :func:`~tokenloom.train.checkpoint.commit.write_held`; the newest two kept)."""
+        """Save ``iteration`` (every rank). ``files()`` gives name -> ``torch.save`` object and may
+        run training-group collectives (main thread); ``state`` goes to ``state.json``. Returns the
+        directory, complete once synchronous or reported. ``fresh_copies``: tensors written as
+        copies per occurrence (views of a flat buffer would be written whole). Raises the previous
+        write's failure. ``local``: the local tier root (files marked, newest two kept)."""
         self.wait()
         start = time.perf_counter()
         captured = files()
@@ -262,9 +223,8 @@ class CheckpointSaver:
         return (local or self.root) / checkpoint.checkpoint_name(iteration)
 
     def before_update(self) -> None:
-        """Wait until the save in flight holds its copy of the state (no wait when none is in
-        flight, or its copy is done): call before anything writes a tensor a save captures (the
-        optimizer step). The wait counts in that save's stall."""
+        """Wait until the save in flight holds its copy; call before writing captured state (the
+        optimizer step). Counts in the save's stall."""
         copied = self._copied
         if copied is None or copied.is_set():
             return
@@ -278,8 +238,7 @@ class CheckpointSaver:
         return self._thread is not None
 
     def poll(self) -> None:
-        """Take the background write's outcome if it has finished (no wait): its report, or its
-        error raised here."""
+        """Take a finished background write's outcome without waiting (its error raised here)."""
         if self._thread is not None and not self._thread.is_alive():
             self.wait()
 
@@ -296,10 +255,8 @@ class CheckpointSaver:
             self._reports.append(dataclasses.replace(outcome, stall_s=outcome.stall_s + self._gate_s))
 
     def abandon(self) -> None:
-        """Forget the write in flight (the run is failing): a daemon thread, it ends with the
-        process; its checkpoint is published only if it completes, and an unfinished temporary
-        folder is removed by the next save into that root. The state it may still be copying is
-        no longer guarded by :meth:`before_update`: the run is not stepping again."""
+        """Forget the write in flight (the run is failing): the daemon thread ends with the process,
+        publishing only if complete; :meth:`before_update` no longer guards its state."""
         self._thread, self._outcome, self._copied = None, None, None
 
     def take_reports(self) -> list[SaveReport]:

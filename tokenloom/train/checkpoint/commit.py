@@ -9,28 +9,15 @@ Layout (one directory per saved iteration)::
                           COMPLETE         written last: without it the directory is ignored
     CKPT_DIR/latest                        name of the newest complete checkpoint
 
-Atomicity: every rank writes into ``iter_0000100.tmp`` (each file fsynced), a barrier
-waits for all ranks, then rank 0 writes ``COMPLETE``, fsyncs the directory, renames it to
-``iter_0000100`` and fsyncs the parent; only then is ``latest`` replaced (temp file +
-fsync + rename). A crash at any point leaves either the previous checkpoints intact or a
-``.tmp`` / marker-less directory that :func:`find_latest` skips. ``resume="auto"`` takes
-the highest-iteration *complete* checkpoint (the ``latest`` pointer is for people and
-tools; a crash between the rename and the pointer update cannot make auto-resume go
-back in time). A disk-full, I/O or permission error while saving ends in one line naming the
-checkpoint and the last complete one (:func:`save_files`); the temporary folder is removed
-then, or by the next save when other ranks may still be writing into it.
+Atomicity: ranks write into ``iter_0000100.tmp`` (files fsynced), a barrier, then rank 0 writes
+``COMPLETE``, fsyncs, renames and fsyncs the parent, and only then replaces ``latest``. A crash
+leaves the previous checkpoints intact or a directory :func:`find_latest` skips; ``resume="auto"``
+takes the highest complete iteration, never the pointer, so it cannot go back in time. An OS error
+while saving ends in one line naming the checkpoint and the last complete one (:func:`save_files`).
+The protocol is the same when :mod:`.async_save` runs it on a background thread.
 
-A save's files are named and captured first (:func:`tokenloom.train.checkpoint.reshard.files`) and written
-by :func:`save_files`, which may run on a background thread after the state was copied to host
-memory (:mod:`tokenloom.train.checkpoint.async_save`): the protocol above is the same either way.
-
-Nothing is unpickled as arbitrary objects: non-tensor state is JSON, RNG states are
-stored as integer tensors (python's Mersenne-Twister words, numpy's key array).
-Trade-offs: this module owns the directory, its markers and the commit, not the tensors' layout
-(one format for every layout, :mod:`tokenloom.train.checkpoint.format`, which also reads the earlier
-versions' formats); :mod:`tokenloom.train.checkpoint.reshard` loads any of them into any layout.
-All ranks write into one directory, so multi-node runs need ``CKPT_DIR`` on a shared
-filesystem.
+No arbitrary unpickling: non-tensor state is JSON, RNG states integer tensors. The tensors' layout
+is :mod:`.format`'s. All ranks write one directory: multi-node runs need a shared ``CKPT_DIR``.
 """
 
 from __future__ import annotations
@@ -115,12 +102,8 @@ def write_file(path: Path, write: Callable[[Any], None]) -> None:
 
 @contextlib.contextmanager
 def _failing_save(root: Path, final: Path, tmp: Path, old: Path, remove_tmp: bool):
-    """Turn an operating-system failure while saving ``final`` into one line naming it and what to do.
-
-    The previous checkpoints are left as they were: a re-saved iteration moved aside to
-    ``old`` is moved back, and ``tmp`` is removed when no other rank may still write into it
-    (``remove_tmp``; otherwise the next save removes it).
-    """
+    """An OS failure saving ``final`` as one line naming it and what to do. Previous checkpoints stay
+    (a re-saved ``old`` is moved back); ``tmp`` is removed when no other rank may write into it."""
     try:
         yield
     except OSError as exc:
@@ -154,8 +137,7 @@ def write_latest(root: Path, name: str) -> None:
 
 
 HELD = "HELD.rank{rank}"
-"""A local-tier checkpoint's per-rank marker: the names and sizes of the files that rank wrote,
-written by the rank after them (:func:`write_held`); :func:`holds` checks them."""
+"""A local-tier checkpoint's per-rank marker: names and sizes of the files the rank wrote."""
 
 
 def write_held(write: Callable[[Path], None], names: list[str], rank: int) -> Callable[[Path], None]:
@@ -169,8 +151,7 @@ def write_held(write: Callable[[Path], None], names: list[str], rank: int) -> Ca
 
 
 def holds(path: str | os.PathLike, rank: int) -> bool:
-    """Whether the complete checkpoint at ``path`` holds every file ``rank`` wrote, at its size (a
-    local tier's checkpoint; a node may have lost its disk, or a file)."""
+    """Whether the complete local-tier checkpoint holds every file ``rank`` wrote, at its size."""
     path = Path(path)
     try:
         sizes = json.loads((path / HELD.format(rank=rank)).read_text())
@@ -180,17 +161,14 @@ def holds(path: str | os.PathLike, rank: int) -> bool:
 
 
 def newest_held(durable: int | None, held: list[list[int]]) -> int | None:
-    """The local-tier iteration to resume from: the newest that every rank holds (``held``: each
-    rank's complete local iterations, :func:`holds`), when it is newer than the newest durable one
-    (``durable``, None: none); else None (resume from the durable tier)."""
+    """The newest local iteration every rank holds (``held``), if newer than ``durable``; else None."""
     common = set.intersection(*(set(h) for h in held)) if held else set()
     best = max(common, default=None)
     return best if best is not None and (durable is None or best > durable) else None
 
 
 def write_torch_files(files: dict[str, Any]) -> Callable[[Path], None]:
-    """``write(tmp)`` for :func:`save_files`: ``torch.save`` each ``files[name]`` into ``tmp / name``
-    (:func:`write_file`), in ``files``' order."""
+    """``write(tmp)`` for :func:`save_files`: ``torch.save`` each file into ``tmp / name``, in order."""
 
     def write(tmp: Path) -> None:
         for name, obj in files.items():
@@ -201,14 +179,9 @@ def write_torch_files(files: dict[str, Any]) -> Callable[[Path], None]:
 
 def save_files(root: str | os.PathLike, iteration: int, write: Callable[[Path], None], state: dict, *, rank: int,
                barrier: Callable[[], None], keep_last: int, world_size: int) -> Path:
-    """The save protocol of the module docstring, for any set of files; every rank calls it.
-
-    ``write(tmp)`` writes this rank's files into the temporary folder (with :func:`write_file`);
-    rank 0 then adds ``state.json`` (``state`` and the iteration) and commits. An
-    operating-system failure (disk full, I/O or permission error) raises a one-line
-    :class:`TokenloomError` on the rank that met it, naming the checkpoint and the last
-    complete one, which stays untouched and what ``--resume auto`` takes.
-    """
+    """The module docstring's save protocol (every rank): ``write(tmp)`` writes this rank's files,
+    rank 0 adds ``state.json`` and commits. An OS failure raises a one-line error naming the
+    checkpoint and the last complete one (untouched, what ``--resume auto`` takes)."""
     root = Path(root)
     name = checkpoint_name(iteration)
     final, tmp, old = root / name, root / f"{name}.tmp", root / f"{name}.old"
@@ -276,9 +249,8 @@ def find_latest(root: str | os.PathLike) -> Path | None:
 
 
 def resolve(resume: str, root: str | os.PathLike, flag: str = "--resume") -> Path | None:
-    """``"auto"``: latest complete checkpoint under ``root`` or None; otherwise ``resume`` is a
-    checkpoint directory, or a checkpoint root whose latest complete checkpoint is taken.
-    ``flag`` names the option the path came from in errors."""
+    """``"auto"``: the latest complete checkpoint under ``root`` or None; else a checkpoint or a root
+    (its latest). ``flag`` names the option in errors."""
     if resume == "auto":
         return find_latest(root)
     path = Path(resume)

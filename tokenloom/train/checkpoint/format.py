@@ -1,41 +1,26 @@
 """The on-disk tensor format of training checkpoints: one format for every layout, each rank writing what it owns.
 
-Layout of a checkpoint (``CKPT_DIR/iter_NNNNNNN/``; ``state.json``, ``COMPLETE``, ``latest``
-and the atomic commit are :mod:`tokenloom.train.checkpoint.commit`'s)::
+Layout (``CKPT_DIR/iter_NNNNNNN/``; the commit files are :mod:`.commit`'s)::
 
     tp{t}_pp{p}_dp{d}.pt    written by the rank at (tp t, pp p, dp d): its pieces (below)
     rng_rank{r}.pt          every rank's RNG states (the caller's file, not this module's)
 
-A **piece** is a contiguous element range ``[start, start + numel)`` of one flattened tensor as a
-tp rank holds it (its *local* tensor): a parameter, or one of its AdamW states under the
-parameter's one-process name. Each piece records the local shape, the tp rank and size, and how
-the tp ranks' local tensors make the full one (``dim``: None when replicated over tp; ``sizes``:
-the fused blocks, as :func:`~tokenloom.train.parallel.layers.shard` cuts a fused qkv or SwiGLU
-weight). Who writes what (:func:`rank_file`):
+A **piece** is an element range of one flattened tp-local tensor (a parameter, or an AdamW state
+under its parameter's one-process name), recording local shape, tp rank and size, and how tp
+shards make the full tensor (``dim``, fused block ``sizes`` as ``layers.shard`` cuts qkv or SwiGLU).
+Writers (:func:`rank_file`): replicated state is laid end to end per (tp, pp) shard and cut into
+dp equal byte ranges, dp rank d writing range d (balanced, no collective); ZeRO-1 and FSDP shards
+are written by their owners; nobody gathers the model; tied tensors are written once, with aliases.
 
-* **replicated state** (parameters, optimizer states without ZeRO-1) is written once per model
-  replica: the (tp, pp) shard's tensors are laid end to end in bytes and cut into dp equal ranges
-  at element boundaries, dp rank d writing range d (deterministic, balanced, no collective);
-* **ZeRO-1's optimizer shards** are written by their owner, as the ranges of its flat buffer that
-  fall in each parameter; **FSDP's shards** (each rank's dim-0 rows) by the rank holding them, the
-  parameter's own pieces under ``own``;
-* nobody gathers the model; a tensor tied under several names is written once, with aliases.
+Loading (:func:`read`) memory-maps the files, touches only the pieces asked for (of overlapping
+saving tp ranks), checks coverage and joins by name, so any layout loads into any other; earlier
+formats still load (:func:`legacy_shard_tensors`, :func:`one_process_tensors`).
 
-Loading (:func:`read`): every file is memory-mapped (``torch.load(weights_only=True, mmap=True)``)
-and only the pieces asked for are touched; each local tensor is assembled from its pieces (its
-coverage checked) and the tp ranks' local tensors joined by one-process name. The caller cuts the
-shard its own layout holds, so a checkpoint of any layout loads into any other; a reader holding a
-tp shard assembles only the saving tp ranks that overlap it. Earlier formats still load
-(:func:`model_tensors`, :func:`legacy_shard_tensors`, :func:`one_process_tensors`).
-
-Why not ``torch.distributed.checkpoint`` (DCP): its unit is a region of the full tensor, while a
-tp rank's shard of a fused block (qkv, SwiGLU) is not one region, and ZeRO-1's pieces are ranges of
-the flattened local shard spanning parameters: both would need re-layout copies on every save.
-DCP's planner is collective on the training group, which the background writer would have to
-serialise against, and its loader unpickles its metadata. Here a rank's file is one ``torch.save``
-of plain dicts and tensors (weights-only, identical whichever thread writes it). The trade-offs: a
-loading rank assembles whole local tensors of the saving tp ranks it overlaps, a ZeRO-1 reader the
-whole local optimizer state before keeping its range, and the layout per file follows the saving dp.
+Why not ``torch.distributed.checkpoint``: its unit is a region of the full tensor, while a tp shard
+of a fused block and ZeRO-1's ranges across parameters are not regions (re-layout copies every
+save); its planner is collective on the training group, against the background writer; its loader
+unpickles metadata. Here a file is one weights-only ``torch.save`` of plain dicts and tensors. The
+trade-off: readers assemble whole overlapping local tensors, and the file layout follows saving dp.
 """
 
 from __future__ import annotations
@@ -60,21 +45,15 @@ PARAM = ""
 
 
 Split = Callable[[str], tuple[int | None, Sequence[int] | None]]
-"""How a reader splits a tensor over tp, by one-process name: (partition dim, fused block
-sizes), or (None, None) when it holds the tensor whole."""
+"""name -> (partition dim, fused block sizes) of a reader's tp split; (None, None): whole."""
 
 
 @dataclass(frozen=True)
 class LocalParam:
-    """One parameter as this rank holds it, for :func:`rank_file`.
-
-    ``tensor`` is the local tp shard (a live view is fine: the file's tensors are copied by the
-    saver before they are written); ``dim`` / ``sizes`` say how the tp shards make the full
-    tensor (None: replicated over tp). ``aliases``: other one-process names of the same tensor.
-    ``state``: optimizer states replicated over dp (plain AdamW's, or ZeRO-1's scalar step), in
-    the parameter's local shape or 0-dim. ``own``: the pieces this rank owns (ZeRO-1's, or
-    FSDP's, whose parameter pieces come under the key ``PARAM``), key -> (start element in the
-    flattened local tensor, 1-d piece)."""
+    """One parameter as this rank holds it: ``tensor`` the local tp shard (a live view: the saver
+    copies), ``dim`` / ``sizes`` its tp split (None: replicated), ``aliases`` its other names,
+    ``state`` optimizer states replicated over dp, ``own`` pieces this rank owns (ZeRO-1's; FSDP's
+    under ``PARAM``): key -> (start in the flattened local tensor, 1-d piece)."""
 
     name: str
     tensor: torch.Tensor
@@ -109,10 +88,8 @@ def _record(p: LocalParam, state: str, local: torch.Tensor, start: int, data: to
 
 
 def rank_file(params: Sequence[LocalParam], where: Placement) -> dict[str, Any]:
-    """This rank's piece file (what ``torch.save`` writes under :func:`piece_file`): its byte
-    range of the replicated state and its own ZeRO-1 pieces (module docstring). Every dp rank of
-    a (tp, pp) shard must pass the same ``params`` in the same order; ``data`` tensors are views
-    of the live ones (copy them before writing)."""
+    """This rank's piece file: its byte range of the replicated state and its own pieces. Every dp
+    rank of a shard passes the same ``params`` in order; ``data`` are live views (copy first)."""
     replicated: list[tuple[LocalParam, str, torch.Tensor]] = []
     for p in params:
         if PARAM not in p.own:  # a parameter sharded over dp (fsdp) is written by its owners
@@ -142,14 +119,10 @@ def has_pieces(path: Path) -> bool:
 
 def read(path: Path, names: set[str] | None = None, *, tp_rank: int = 0, tp_size: int = 1,
          split: Split | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """Parameters and optimizer states by one-process name (aliases included) from the piece
-    files at ``path``, as the reader at (``tp_rank``, ``tp_size``) holds them: ``split(name)``
-    says how the reader splits a tensor over tp (partition dim and fused block sizes, or (None,
-    None): replicated; needed when ``tp_size`` > 1), and a split one comes back as that rank's
-    shard (:func:`~tokenloom.train.parallel.layers.shard` of the full one), any other whole.
-    Only ``names`` when given. Of the memory-mapped files, only the pieces of the saving tp
-    ranks whose shards overlap the reader's are touched (one saving rank's for a tensor saved
-    replicated). A tensor whose pieces do not cover it is refused, naming it."""
+    """(parameters, optimizer states) by one-process name, aliases included (only ``names`` when
+    given), as the reader at (``tp_rank``, ``tp_size``) holds them: split by ``split`` (needed at
+    ``tp_size`` > 1), else whole. Touches only overlapping saving ranks' pieces; a tensor its
+    pieces do not cover is refused, naming it."""
     if tp_size > 1 and split is None:
         raise ValueError("read: tp_size > 1 needs split")
     files = [torch.load(f, weights_only=True, mmap=True, map_location="cpu") for f in sorted(path.glob(PIECES))]
@@ -194,9 +167,7 @@ def read(path: Path, names: set[str] | None = None, *, tp_rank: int = 0, tp_size
 
 
 def tp_part(full: torch.Tensor, dim: int | None, sizes: Sequence[int] | None, rank: int, size: int) -> torch.Tensor:
-    """Tp rank ``rank`` of ``size``'s part of the full tensor ``full`` split on ``dim`` in fused
-    blocks ``sizes`` (:func:`~tokenloom.train.parallel.layers.shard`); ``full`` itself when it is
-    held whole (``dim`` None, a 0-dim state, or one tp rank)."""
+    """Tp rank ``rank``'s :func:`~tokenloom.train.parallel.layers.shard` of ``full`` (itself when whole)."""
     if dim is None or full.dim() == 0 or size == 1:
         return full
     return shard(full, dim, rank, size, sizes)
@@ -204,12 +175,9 @@ def tp_part(full: torch.Tensor, dim: int | None, sizes: Sequence[int] | None, ra
 
 def _tp_shard(path: Path, name: str, state: str, by_rank: dict[int, list[dict[str, Any]]], rank: int,
               size: int) -> torch.Tensor:
-    """Reader tp rank ``rank`` of ``size``'s shard of a tensor saved split over tp, from the
-    pieces (``by_rank``: by saving tp rank) of only the saving ranks it overlaps. Each fused
-    block (``sizes``, or the whole dim) is split evenly over the saving ranks and over the
-    reader's, so saving rank t's rows of a block overlap the reader's exactly when
-    ``t * size < (rank + 1) * saved`` and ``(t + 1) * size > rank * saved``, whatever the
-    block. A block that one of the two sizes does not divide goes through the full tensor."""
+    """Reader rank ``rank`` of ``size``'s shard of a tp-split tensor, from the saving ranks it
+    overlaps: blocks split evenly on both sides, so saving rank t overlaps exactly when ``t * size
+    < (rank + 1) * saved`` and ``(t + 1) * size > rank * saved``; uneven blocks go via the full tensor."""
     first = by_rank[min(by_rank)][0]
     saved, dim, local_shape = first["tp_size"], first["dim"], first["shape"]
     blocks = list(first["sizes"] or [local_shape[dim] * saved])
@@ -255,8 +223,7 @@ def _assemble(path: Path, name: str, state: str, records: list[dict[str, Any]]) 
 
 def legacy_shard_tensors(path: Path, names: set[str] | None = None
                          ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """:func:`read` for the per-(tp, pp) ``shard_tp{t}_pp{p}.pt`` files of dp rank 0 (the format
-    before this one: full local tensors with their split info, ZeRO-1 state gathered into them)."""
+    """:func:`read` for the previous format's ``shard_tp{t}_pp{p}.pt`` files (full local tensors)."""
     pieces: dict[str, list[tuple[int, torch.Tensor, Any]]] = {}
     opt_pieces: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
     for f in sorted(path.glob(LEGACY_SHARDS)):
@@ -288,10 +255,8 @@ def legacy_shard_tensors(path: Path, names: set[str] | None = None
 
 def one_process_tensors(path: Path, order: Sequence[Sequence[str]] | None
                         ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """The one-process ``model.pt`` + ``optimizer.pt`` as :func:`read` gives them. The saved
-    optimizer keys its states by position; ``order[i]`` are the one-process names of position
-    ``i`` (the model's optimizer parameter order), which the caller derives from the model.
-    ``order`` None: the parameters alone (``optimizer.pt`` is not read)."""
+    """The one-process ``model.pt`` + ``optimizer.pt`` as :func:`read` gives them; ``order[i]``: the
+    names of optimizer position ``i`` (None: parameters only)."""
     params = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
     if order is None:
         return params, {}
@@ -308,13 +273,9 @@ def read_any(path: Path, state: dict, names: set[str] | None = None,
              order: Callable[[], Sequence[Sequence[str]]] | None = None, *,
              split: Split | None = None, tp_rank: int = 0, tp_size: int = 1
              ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """:func:`read` of the checkpoint at ``path`` (``state``: its ``state.json``) in whichever
-    format it was written: piece files, the earlier shard files (both memory-mapped, only
-    ``names`` when given), or the one-process ``model.pt`` + ``optimizer.pt`` (every name;
-    ``order()`` gives its optimizer's parameter order, :func:`one_process_tensors`; without it
-    the optimizer states are not read). ``tp_size`` > 1: tensors split over tp come back as
-    the shard of ``tp_rank`` by ``split``, as :func:`read` gives them (the earlier formats are
-    read whole, then cut)."""
+    """:func:`read` for any format (``state``: its ``state.json``): pieces, earlier shards, or the
+    one-process files (``order()`` as :func:`one_process_tensors`; earlier formats read whole, then
+    cut to ``tp_rank``'s shard)."""
     if has_pieces(path):
         return read(path, names, tp_rank=tp_rank, tp_size=tp_size, split=split)
     if state.get("layout") is not None:
@@ -334,6 +295,5 @@ def read_any(path: Path, state: dict, names: set[str] | None = None,
 
 
 def model_tensors(path: Path, state: dict) -> dict[str, torch.Tensor]:
-    """The full parameters by one-process name of the checkpoint at ``path`` (``state``: its
-    ``state.json``) of any layout and format (:func:`read_any`)."""
+    """The full parameters by one-process name, any layout and format (:func:`read_any`)."""
     return read_any(path, state)[0]

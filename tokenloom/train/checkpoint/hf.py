@@ -1,42 +1,32 @@
 """Hugging Face ``transformers`` folders, out and in: the one module that owns that format.
 
 Out (:func:`export`): a checkpoint of any layout becomes a folder ``GPT2LMHeadModel`` or
-``LlamaForCausalLM`` loads (the class whose layers the model's features are, :func:`family`; other
-combinations are refused naming the fields): ``config.json``, ``model.safetensors`` (fp32),
-``generation_config.json`` and the run's tokenizer for ``AutoTokenizer`` (:func:`write_tokenizer`),
-giving our ids and adding no BOS/EOS. In (:func:`init_from_hf`, ``train --init-from-hf``): such a
-folder's weights (``model.safetensors`` or an index of shards) become the run's starting parameters
-in any layout. Only safetensors are read (no pickle), only from the local folder.
+``LlamaForCausalLM`` loads (:func:`family`; other feature combinations are refused naming the
+fields): ``config.json``, fp32 ``model.safetensors``, ``generation_config.json`` and the tokenizer
+(:func:`write_tokenizer`, our ids, no BOS/EOS added). In (:func:`init_from_hf`, ``--init-from-hf``):
+such a folder's safetensors (no pickle, local only) become the starting parameters in any layout.
 
-Name and layout mapping (both directions, :func:`to_hf` / :func:`from_hf`):
+Mapping (:func:`to_hf` / :func:`from_hf`):
 
-* GPT-2: HF's ``Conv1D`` stores ``[in, out]``, our linears ``[out, in]``: transposed both ways. The
-  fused ``qkv`` rows are ``[q | k | v]``, head-major, as ``c_attn``'s columns; GELU is the tanh form
-  (``gelu_new``). GPT-2 has one head count and biases everywhere: ``n_kv_heads != n_heads`` or
-  ``bias: false`` is refused.
-* Llama: ``qkv`` splits into ``q_proj`` / ``k_proj`` / ``v_proj`` by rows (GQA); our RoPE is HF's
-  rotate-half form on the same rows, so no permutation is needed. The SwiGLU ``fc`` is ``[gate |
-  up]`` by rows; ``bias: true`` maps to ``attention_bias`` and ``mlp_bias``.
-* Mixture of experts (llama family, every block MoE, no biases): ``MixtralForCausalLM``; the router
-  is ``mlp.gate``, the experts ``mlp.experts.gate_up_proj`` [E, 2 inner, d] and ``down_proj`` [E, d,
-  inner] (transformers 5's stacked form; ours is [E, in, out], transposed).
-* The vocabulary: padded rows (``make_vocab_size_divisible_by``) are dropped on export; on import
-  they take a fresh model's values (drawn from ``model.seed``), so a run is as deterministic as a
-  fresh one; the logits of real ids agree with ``transformers``' (the loss only without padding).
-* ``seq_len`` is the run's (``n_positions`` / ``max_position_embeddings``, which bound it on import).
+* GPT-2: ``Conv1D`` is ``[in, out]``, ours ``[out, in]``: transposed. ``qkv`` rows are ``[q | k |
+  v]`` as ``c_attn``'s columns; GELU is ``gelu_new``. GQA or ``bias: false`` is refused.
+* Llama: ``qkv`` splits by rows into ``q/k/v_proj``; our RoPE is HF's rotate-half, no permutation.
+  SwiGLU ``fc`` is ``[gate | up]``; ``bias: true`` maps to ``attention_bias`` and ``mlp_bias``.
+* MoE (llama family, every block MoE, no biases): ``MixtralForCausalLM`` with transformers 5's
+  stacked experts (``gate_up_proj`` [E, 2 inner, d], ``down_proj`` [E, d, inner]; ours transposed).
+* Padded vocabulary rows are dropped on export and take a fresh model's values on import (as
+  deterministic as a fresh run); real ids' logits agree with ``transformers``'.
+* ``seq_len`` is the run's, bounded on import by the folder's positions.
 
-Model shape on import (:func:`resolve_config`): every shape field comes from ``config.json``; a
-configured non-default value that differs from the folder's is refused naming both. The tokenizer
-is the folder's. Resume wins: with a complete checkpoint under ``--resume auto`` the run continues
-it and the folder is not loaded again (Megatron's ``--pretrained-checkpoint`` + ``--finetune``);
-otherwise the optimizer starts fresh at iteration 0.
+On import (:func:`resolve_config`) shape fields come from ``config.json`` (a differing non-default
+configured value is refused naming both) and the tokenizer is the folder's. Resume wins: with a
+complete checkpoint under ``--resume auto`` the folder is not loaded again (Megatron's
+``--pretrained-checkpoint`` + ``--finetune``); otherwise the optimizer starts fresh at iteration 0.
 
-Trade-offs: export reads the full model into host memory; import memory-maps the safetensors and
-every rank reads the full tensors of the parameters it holds before cutting its shard
-(:func:`~tokenloom.train.checkpoint.reshard.load_params`). Tokenizers exported: ``tokenizers``-library
-ones as they are, SentencePiece ``.model`` files copied (a ``tokenizer.json`` conversion gives other
-ids for runs of spaces), tiktoken rank files converted to a ``tokenizer.json`` BPE (tested to give
-tiktoken's ids); file-less kinds are refused.
+Trade-offs: export holds the full model in host memory; import memory-maps the safetensors and each
+rank reads the full tensors it holds before cutting its shard. Tokenizers: ``tokenizers`` ones as
+they are, SentencePiece ``.model`` copied (a ``tokenizer.json`` conversion changes ids for runs of
+spaces), tiktoken converted to a ``tokenizer.json`` BPE (tested equal); file-less kinds are refused.
 """
 
 from __future__ import annotations
@@ -295,22 +285,14 @@ def check_tokenizer(tok: Tokenizer, where: str) -> None:
 
 
 def write_tokenizer(tok: Tokenizer, folder: Path, max_length: int) -> list[str]:
-    """Write ``tok`` into ``folder`` as ``AutoTokenizer`` loads it and return the names written.
+    """Write ``tok`` into ``folder`` as ``AutoTokenizer`` loads it; returns the names written.
 
-    Contract: ``AutoTokenizer.from_pretrained(folder)(text)["input_ids"]`` is ``tok.encode(text)``,
-    with and without ``add_special_tokens``: no BOS/EOS is added, as ours adds none (the caller
-    appends ``eod``); ``bos``/``eos``/``pad`` name our ids' tokens.
-
-    * ``tokenizers``-library kinds: their ``tokenizer.json`` (``PreTrainedTokenizerFast``).
-    * SentencePiece: the ``.model`` file as ``tokenizer.model`` with ``tokenizer_class``
-      ``SentencePieceBackend`` (``transformers``' class that encodes with ``sentencepiece`` itself,
-      ``legacy`` keeping its dummy-prefix rule). Not ``LlamaTokenizer``: that converts the model to
-      a ``tokenizers`` BPE whose merges ignore sentencepiece's whitespace pieces, so runs of spaces
-      take other ids. ``split_special_tokens`` keeps text such as ``"<s>"`` plain text, as
-      sentencepiece reads it. Trade-off: that class's ``decode`` joins pieces without reading byte
-      pieces (``<0x0A>``); our :meth:`~tokenloom.tokenizers.base.Tokenizer.decode` does. No
-      ``tokenizer.json`` is written, so the folder reloads here (``--init-from-hf``) as the same
-      SentencePiece tokenizer.
+    Contract: ``AutoTokenizer.from_pretrained(folder)(text)["input_ids"]`` is ``tok.encode(text)``
+    with or without ``add_special_tokens`` (no BOS/EOS added; ``bos``/``eos``/``pad`` name ours).
+    SentencePiece goes as ``tokenizer.model`` with ``SentencePieceBackend`` (encodes with
+    ``sentencepiece`` itself), not ``LlamaTokenizer``, whose BPE conversion changes ids for runs of
+    spaces; ``split_special_tokens`` keeps ``"<s>"`` plain text. Trade-off: its ``decode`` ignores
+    byte pieces (``<0x0A>``), ours does not. No ``tokenizer.json``, so it reloads as SentencePiece.
     """
     tk = getattr(tok, "tk", None)
     roles: dict[str, int | None] = {"eos_token": tok.eod, "bos_token": tok.bos, "pad_token": tok.pad}
@@ -518,11 +500,9 @@ class _Weights:
 
 def from_hf(cfg: GPTConfig, folder: str | os.PathLike, read: bool = True,
             names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """One-process tensors by our names from the folder's safetensors, shape-checked against
-    ``cfg`` (the config :func:`resolve_config` gave): vocabulary tensors with the padded rows
-    of a fresh model of ``cfg``, GPT-2's position table cut to ``seq_len`` rows. Only ``names``
-    when given (a pipeline stage reads its own tensors). ``read=False`` checks names and shapes
-    from the files' headers only (``meta`` tensors)."""
+    """One-process tensors by our names, shape-checked against ``cfg`` (padded vocabulary rows from a
+    fresh model, GPT-2 positions cut to ``seq_len``); only ``names`` when given; ``read=False``
+    checks the headers only (``meta`` tensors)."""
     folder = Path(folder)
     positions = max_positions(read_config(folder))
     weights = _Weights(folder)

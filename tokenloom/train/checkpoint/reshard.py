@@ -1,28 +1,19 @@
 """Checkpoints of a :class:`~tokenloom.train.strategy.Strategy` of any layout: the adapter between a
 run and the on-disk format of :mod:`tokenloom.train.checkpoint.format`.
 
-Saving (:func:`save`, :func:`files`): every rank lists the parameters it holds under their
-one-process names (:class:`~tokenloom.train.checkpoint.format.LocalParam`: the local tp shard, its
-partition dim and fused split sizes, its optimizer states; with ZeRO-1 the rank's own pieces of
-them from :meth:`~tokenloom.train.optim.zero.ZeroAdamW.own_param_states`, no gather) and
-writes its piece file (:func:`~tokenloom.train.checkpoint.format.rank_file`: the replicated state
-spread over the dp replicas, its own ZeRO-1 shard) and its RNG states ``rng_rank{r}.pt`` (with
-the tensor-parallel dropout stream at tp > 1). A one-process run writes the same format.
-``state.json`` gets the layout.
+Saving (:func:`save`, :func:`files`): every rank lists its parameters under one-process names
+(:class:`~.format.LocalParam`: local tp shard, split info, optimizer states; ZeRO-1's own pieces
+without a gather) and writes its piece file and ``rng_rank{r}.pt`` (with the tp dropout stream);
+one process writes the same format; ``state.json`` gets the layout.
 
-Loading (:func:`load`): every rank reads the full tensors of the parameters it holds, by
-one-process name, from the checkpoint's format (this one, the earlier per-(tp, pp) shard files,
-or the one-process ``model.pt`` + ``optimizer.pt``, whose optimizer order is rebuilt from a
-``meta`` copy of the model), and cuts out the shard its own ``(tp, pp, vpp)`` layout and stage
-hold (:func:`load_params`). AdamW moments are elementwise, so they are resharded exactly like
-their parameters; a ZeRO-1 rank then cuts its dp shard out of them
-(:meth:`~tokenloom.train.optim.zero.ZeroAdamW.load_param_states`). The data position is the
-consumed-samples count, valid at any dp size.
+Loading (:func:`load`): every rank reads the full tensors it holds, by one-process name, from any
+format, and cuts its own ``(tp, pp, vpp)`` shard (:func:`load_params`). AdamW moments are
+elementwise, so they reshard like their parameters; ZeRO-1 then cuts its dp shard. The data
+position is the consumed-samples count, valid at any dp size.
 
-Trade-offs: a rank reads the full tensors of the parameters it holds (host memory of those,
-not of the model), where Megatron reads only its slices. RNG states are restored only when the
-layout is unchanged (dropout streams have no meaning across layouts). Per-rank
-``zero_rank{r}.pt`` optimizer files of an earlier tokenloom are refused.
+Trade-offs: a rank holds the full tensors of its parameters in host memory (Megatron reads only its
+slices). RNG states are restored only for an unchanged layout (streams mean nothing across
+layouts). An earlier tokenloom's ``zero_rank{r}.pt`` optimizer files are refused.
 """
 
 from __future__ import annotations
@@ -67,8 +58,7 @@ def _named_params(run) -> dict[str, torch.nn.Parameter]:
 
 
 def split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[int] | None]:
-    """How the tp ranks' local copies of parameter ``name`` make the full tensor: (partition dim,
-    fused split sizes); (None, None) when it is replicated over tp."""
+    """(partition dim, fused split sizes) of parameter ``name`` over tp; (None, None): replicated."""
     if not getattr(p, "tensor_model_parallel", False):
         return None, None
     for stage in run.chunks:
@@ -81,8 +71,7 @@ def split_info(run, name: str, p: torch.nn.Parameter) -> tuple[int | None, list[
 
 
 def expert_rows(run, name: str, p: torch.nn.Parameter) -> int | None:
-    """The first of the layer's experts that parameter ``name`` holds when it is an expert-parallel
-    rank's share of them (its leading dimension counts the experts); None for any other parameter."""
+    """The layer's first expert in an ep rank's share ``name``; None for other parameters."""
     if not getattr(p, "expert_parallel", False):
         return None
     module_name = name.rsplit(".", 1)[0]
@@ -113,31 +102,23 @@ def _each_once(named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[tuple[st
 
 
 def save(run, iteration: int, run_state: dict, saver: CheckpointSaver, local: Path | None = None) -> Path:
-    """Collective: save ``iteration``'s checkpoint of ``run`` (a
-    :class:`~tokenloom.train.strategy.Strategy`) through ``saver`` (synchronously or in the
-    background); ``run_state`` (consumed samples, data fingerprint, config...) goes into
-    ``state.json`` with the layout. Returns its directory. Written, committed and failing as
-    :func:`tokenloom.train.checkpoint.commit.save_files` says."""
+    """Collective: save ``iteration`` through ``saver``; ``run_state`` goes into ``state.json`` with
+    the layout. Returns the directory; commit and failures as :func:`.commit.save_files`."""
     return saver.save(iteration, lambda: files(run), {**run_state, "layout": _layout(run)}, fresh_copies=True,
                       local=local)
 
 
 def placement(run) -> ckpt_format.Placement:
-    """Where this rank of ``run`` sits, for the format: the context-parallel ranks of a dp rank
-    hold the same state and count as data-parallel ranks here (dp x cp share each model
-    shard's files, as they share its gradient reduction and ZeRO-1's shards)."""
+    """This rank's place for the format; cp ranks count as dp ranks (dp x cp share a shard's files)."""
     st = run.state
     return ckpt_format.Placement(tp_rank=st.tp_rank, tp_size=st.tp_size, pp_rank=st.pp_rank,
                                  dp_rank=st.dp_cp_rank, dp_size=st.dp_cp_size)
 
 
 def local_params(run) -> list[ckpt_format.LocalParam]:
-    """The parameters this rank holds, each once (tied names as aliases), with their split
-    info and optimizer states: plain AdamW's whole (replicated over dp), ZeRO-1's step
-    (replicated) and this rank's own pieces. Views of the live tensors, but for expert-parallel
-    experts: gathered whole over the ep group (collective), so the files hold every expert under its
-    one-process name and any ep loads them; ZeRO-1's pieces of them are not gathered, their
-    element ranges moved to where this rank's experts sit in the whole tensor."""
+    """This rank's parameters, each once (tied names as aliases), with split info and optimizer
+    states (AdamW's whole, ZeRO-1's step and own pieces), as live views; ep experts are gathered
+    whole (collective) so any ep loads them, ZeRO-1's pieces of them shifted, not gathered."""
     zero, sharded = isinstance(run.optimizer, ZeroAdamW), run.fsdp_group is not None
     own = run.optimizer.own_param_states() if zero else []
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
@@ -166,8 +147,7 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
         first = expert_rows(run, name, p)
         if first is not None:
             state = {k: v if v.dim() == 0 else _gather_experts(run, v) for k, v in state.items()}
-            # ZeRO-1's pieces of this rank's experts: the same elements of the whole layer's tensor,
-            # whose leading dimension counts the experts (no gather)
+            # ZeRO-1's pieces of this rank's experts: the same elements of the whole layer's tensor
             shift = first * (p.numel() // p.shape[0] if p.dim() else 0)
             pieces = {k: (start + shift, piece) for k, (start, piece) in pieces.items()}
             out.append(ckpt_format.LocalParam(name, _gather_experts(run, p.detach()), dim, sizes, tuple(aliases),
@@ -178,9 +158,7 @@ def local_params(run) -> list[ckpt_format.LocalParam]:
 
 
 def files(run) -> dict[str, Any]:
-    """This rank's files (name -> what ``torch.save`` writes): its RNG states and its piece file
-    (:func:`~tokenloom.train.checkpoint.format.rank_file`, whose tensors are live views, to be copied
-    before they are written: :class:`~tokenloom.train.checkpoint.async_save.HostStaging`). No collective."""
+    """This rank's files: RNG states and piece file (live views, copied before writing). No collective."""
     st = run.state
     rng = checkpoint.capture_rng()
     if run.rng_tracker is not None:  # tp > 1: the tensor-parallel dropout stream too
@@ -192,8 +170,7 @@ def files(run) -> dict[str, Any]:
 
 
 def optimizer_order(model_cfg) -> list[list[str]]:
-    """The one-process names of each position of the one-process optimizer's parameters
-    (:func:`~tokenloom.train.optim.adamw.param_groups` order), from a ``meta`` copy of the model."""
+    """Names of each one-process optimizer position (``param_groups`` order), from a ``meta`` model."""
     model = GPT(model_cfg, device="meta")
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -203,15 +180,13 @@ def optimizer_order(model_cfg) -> list[list[str]]:
 
 @torch.no_grad()
 def load(run, path: Path, state: dict) -> None:
-    """Load the checkpoint at ``path`` (``state``: its ``state.json``) of any layout and format
-    into ``run``, a :class:`~tokenloom.train.strategy.Strategy` of any layout."""
+    """Load a checkpoint of any layout and format (``state``: its ``state.json``) into ``run``."""
     st = run.state
     saved = state.get("layout")
     if saved is not None and (path / "zero_rank0.pt").exists():
         raise TokenloomError(f"{path} holds ZeRO-1 optimizer state in the per-rank zero_rank*.pt files of an earlier "
                              "tokenloom, which this version does not read; resume it with the version that wrote it")
-    # the RNG streams continue only where this rank's saved streams are its own: the same
-    # layout, or (a one-process-format checkpoint, which records none) an unsharded one
+    # RNG streams continue only where they are this rank's own: same layout, or unsharded one-process
     same = saved == _layout(run) if saved is not None else not (run.staged or run.cfg.zero1 or run.cfg.fsdp)
     named = _named_params(run)
     params, optim = ckpt_format.read_any(path, state, set(named), order=lambda: optimizer_order(run.cfg.model),
@@ -231,12 +206,9 @@ def load(run, path: Path, state: dict) -> None:
 @torch.no_grad()
 def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dict[str, torch.Tensor]],
                 where: str, *, sharded: bool = False) -> None:
-    """Set ``run``'s parameters (any layout) from one-process tensors ``params`` by name: full
-    ones, each rank cutting out the shard it holds, or, ``sharded``, already this rank's tp
-    shards (:func:`~tokenloom.train.checkpoint.format.read` at its tp rank and size); ``optim``: AdamW
-    states by the same names, alike (the parameters without one, or all when it is empty, start
-    with fresh moments). ``where`` names the source in errors. The parameter part of
-    :func:`load`, also used to start from a Hugging Face model (:mod:`tokenloom.train.checkpoint.hf`)."""
+    """Set ``run``'s parameters from one-process tensors by name: full ones, each rank cutting its
+    shard, or (``sharded``) this rank's tp shards already; ``optim`` alike (missing: fresh
+    moments). ``where`` names the source in errors. Also starts runs from a HF model (:mod:`.hf`)."""
     st = run.state
     zero = isinstance(run.optimizer, ZeroAdamW)
     zero_index = {id(p): i for i, p in enumerate(run.optimizer.params)} if zero else {}
@@ -275,9 +247,7 @@ def load_params(run, params: Mapping[str, torch.Tensor], optim: Mapping[str, dic
 
 
 def module_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[ckpt_format.LocalParam]:
-    """:func:`local_params` of a plain, unsharded module and its torch optimizer (one process,
-    no :class:`~tokenloom.train.strategy.Strategy`), for
-    :func:`~tokenloom.train.checkpoint.format.rank_file` at ``Placement(0, 1, 0, 0, 1)``."""
+    """:func:`local_params` of a plain module and its torch optimizer (one process, no Strategy)."""
     return [ckpt_format.LocalParam(name, p.detach(), aliases=tuple(aliases),
                                    state={k: v.detach() for k, v in optimizer.state.get(p, {}).items()})
             for name, p, aliases in _each_once(model.named_parameters(remove_duplicate=False))]

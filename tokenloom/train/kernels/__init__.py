@@ -1,20 +1,11 @@
-"""Fused kernels for the GPT, each with a plain PyTorch reference.
+"""Fused kernels for the GPT, each op in its own module with the eager reference the other
+implementations are tested against: :mod:`.rms_norm`, :mod:`.layer_norm`, :mod:`.swiglu`,
+:mod:`.bias_gelu`, :mod:`.rope`, :mod:`.bias_dropout_add`, :mod:`.attention` (SDPA, flex document
+masks, a naive oracle) and :mod:`.cross_entropy` (chunked LM-head loss, vocab-parallel ``group``).
 
-One module per op, each holding the eager reference the other implementations are
-tested against:
-
-* :mod:`.rms_norm`, :mod:`.layer_norm`: norms (fp32 statistics, output in input dtype).
-* :mod:`.swiglu`, :mod:`.bias_gelu`: MLP activations (GELU tanh-approximate or exact).
-* :mod:`.rope`: rotary embedding, rotate-half layout (the tables: ``model.rope_tables``).
-* :mod:`.bias_dropout_add`: sublayer tail ``residual + dropout(x + bias)``.
-* :mod:`.attention`: SDPA (flash on GPU), plus a naive oracle.
-* :mod:`.cross_entropy`: LM-head cross entropy chunked over tokens (O(chunk x vocab)
-  memory), with a vocab-parallel ``group`` hook.
-
-Implementations: :mod:`.compiled` (``torch.compile``) and :mod:`.triton_ops` (Triton,
-only when installed). :func:`select_kernels` picks one per device and returns a
-:class:`KernelSet`; :func:`choose_compile` resolves the train config's ``compile``; see
-:mod:`.selector` for the rules.
+Implementations: :mod:`.compiled` (``torch.compile``) and :mod:`.triton_ops` (only when Triton is
+installed); :func:`select_kernels` picks a :class:`KernelSet` per device and :func:`choose_compile`
+resolves ``compile`` (:mod:`.selector`). The lowest room of ``train``: it imports no other room.
 """
 
 from .attention import attention_reference, attention_sdpa, document_attention_mask, flex_usable

@@ -1,11 +1,8 @@
 """Triton kernels (imported only through :mod:`.triton_ops`, which checks for Triton).
 
-All arithmetic is fp32; loads upcast and stores cast to the output pointer's dtype.
-Norm kernels hold a whole row in one block (hidden <= 65536). Norm backward kernels
-loop over a contiguous range of rows per program and write one fp32 partial sum of the
-weight (and bias) gradient per program; the caller sums those ``[programs, hidden]``
-partials. That trades a small second reduction for no atomics, so results are
-deterministic run to run.
+fp32 arithmetic; stores cast to the output's dtype. Norm kernels hold a row per block (hidden <=
+65536); their backward writes one fp32 weight-grad partial per program, summed by the caller: no
+atomics, so results are deterministic.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """Causal self-attention through ``F.scaled_dot_product_attention``.
 
-SDPA picks the fused kernel for the device (flash / memory-efficient / cuDNN on CUDA,
-``_scaled_dot_product_flash_attention_for_cpu`` on CPU), so no mode needs its own
-attention: every :class:`~.selector.KernelSet` uses :func:`attention_sdpa`.
-:func:`attention_reference` is the textbook softmax(QK^T / sqrt(d)) V that materialises
-the ``[batch, heads, seq, seq]`` scores; it exists as the test oracle, not for training.
+SDPA picks the device's fused kernel, so every :class:`~.selector.KernelSet` uses
+:func:`attention_sdpa`; :func:`attention_reference` (materialised scores) is the test oracle.
 
-Document-isolated attention (``documents``, megatron-core's inter-document masking): a
-query attends to earlier keys of its own document only. Each row of ``cu_seqlens``
-([batch, seq + 1], int32, padded with ``seq``) becomes a document id per position, and
-:func:`document_attention_mask` turns them into the mask every layer of one forward
-shares (the model builds it once per micro-batch, outside any compiled block):
+Document-isolated attention (``documents``, megatron-core's inter-document masking): a query sees
+earlier keys of its own document only. :func:`document_attention_mask` turns ``cu_seqlens``
+([batch, seq + 1], padded with ``seq``) into the mask every layer of a forward shares: a
+flex-attention ``BlockMask`` on CUDA without dropout (tiles across documents skipped, no ``seq x
+seq`` tensor), else the dense ``causal & same document`` boolean mask for SDPA.
 
-* on CUDA without dropout, a flex-attention ``BlockMask`` (:func:`document_block_mask`),
-  run by one ``torch.compile``'d ``flex_attention``: whole 128 x 128 tiles across
-  documents are skipped and ``seq x seq`` is never materialised;
-* elsewhere, the boolean ``causal & same document`` mask ([batch, 1, seq, seq]) for SDPA
-  (which then uses its memory-efficient or math kernel instead of flash).
-
-Grouped-query attention (fewer K/V heads than Q heads) repeats K/V with
-``repeat_interleave``: this costs ``heads / kv_heads`` copies of K and V but works on
-every torch >= 2.4 (``enable_gqa`` needs 2.5).
+GQA repeats K/V with ``repeat_interleave`` (copies of K and V, but no need for ``enable_gqa``).
 """
 
 from __future__ import annotations
@@ -50,8 +39,7 @@ def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
 
 
 def document_ids(cu_seqlens: torch.Tensor, seq: int) -> torch.Tensor:
-    """[batch, seq] index of the document each position belongs to, from ``cu_seqlens``
-    ([batch, n] document starts followed by ``seq``, padded with ``seq``)."""
+    """[batch, seq] document index of each position, from ``cu_seqlens``."""
     positions = torch.arange(seq, device=cu_seqlens.device).expand(cu_seqlens.shape[0], seq).contiguous()
     return torch.searchsorted(cu_seqlens[:, 1:].contiguous().to(torch.int64), positions, right=True)
 
@@ -68,20 +56,12 @@ FLEX_BLOCK = 128
 
 
 def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BLOCK) -> BlockMask:
-    """The ``causal & same document`` rule as a flex-attention ``BlockMask``, built from
-    each tile's first and last document id: O(batch x (seq / block)^2) work and memory.
-
-    Document ids never decrease along a row, so for a key tile ``j`` before a query tile
-    ``i`` the two share a document exactly when ``last[j] == first[i]`` (the tile pair is
-    then partial) and every pair attends when ``first[j] == last[i]`` (full: the kernel
-    skips the mask); the diagonal tile is partial (causal), later tiles are empty.
-
-    Written here rather than taken from ``create_block_mask``: that one evaluates the rule
-    on every ``seq x seq`` pair (eagerly: ``batch x seq^2`` booleans per call), and its
-    compiled form, traced inside our compiled blocks, made an illegal memory access on
-    CUDA (the first evaluation of a ``compile: true`` run; see bench/RESULTS.md, notes). The mask's
-    rule (``mask_mod``) reads ids padded to whole tiles, so no index is ever out of range.
-    """
+    """``causal & same document`` as a ``BlockMask`` from each tile's first and last document id,
+    O(batch x (seq / block)^2). Ids never decrease, so key tile ``j`` before query tile ``i`` is
+    partial when ``last[j] == first[i]`` and full when ``first[j] == last[i]``; the diagonal is
+    partial. Not ``create_block_mask``: it evaluates every ``seq x seq`` pair, and compiled inside
+    our blocks it made an illegal memory access on CUDA (bench/RESULTS.md, notes). ``mask_mod``
+    reads ids padded to whole tiles, so no index is out of range."""
     batch, tiles = cu_seqlens.shape[0], -(-seq // block)
     docs = document_ids(cu_seqlens, seq)
     padded = torch.full((batch, tiles * block), -1, dtype=docs.dtype, device=docs.device)
@@ -108,34 +88,26 @@ def document_block_mask(cu_seqlens: torch.Tensor, seq: int, block: int = FLEX_BL
 
 
 FLEX_MIN_HEAD_DIM = 16
-"""Smallest head dimension flex attention compiles on CUDA (Triton's ``tl.dot`` needs 16;
-torch's lowering raised NotImplementedError below it)."""
+"""Smallest head dimension flex attention compiles on CUDA (Triton's ``tl.dot`` needs 16)."""
 
 
 def flex_usable(device: torch.device, dropout_p: float, head_dim: int) -> bool:
-    """Whether document masking runs on flex attention: CUDA (its fused kernel is Triton's),
-    no dropout (flex has none), heads of at least :data:`FLEX_MIN_HEAD_DIM` and a torch that
-    has it. Otherwise SDPA takes the dense ``[batch, 1, seq, seq]`` mask: seq^2 booleans per
-    sample, affordable for the small models whose heads are that narrow (seen on an H100:
-    head dim 8 with document masking died in flex's lowering before this check)."""
+    """Whether document masking runs on flex attention: CUDA, no dropout, heads of at least
+    :data:`FLEX_MIN_HEAD_DIM`, torch has it. Else the dense mask (affordable for models that
+    small: narrow heads died in flex's lowering on an H100)."""
     return (device.type == "cuda" and not dropout_p and head_dim >= FLEX_MIN_HEAD_DIM
             and flex_attention is not None)
 
 
 def document_attention_mask(cu_seqlens: torch.Tensor, seq: int, *, flex: bool) -> torch.Tensor | BlockMask:
-    """The mask of ``cu_seqlens`` that :func:`attention_sdpa` takes as ``documents``: a
-    ``BlockMask`` when ``flex`` (see :func:`flex_usable`), else the dense boolean mask.
-    Build it once per forward and give it to every layer."""
+    """``BlockMask`` when ``flex``, else the dense mask; build once per forward for every layer."""
     return document_block_mask(cu_seqlens, seq) if flex else document_mask(cu_seqlens, seq)
 
 
 @functools.cache
 def _compiled_flex_attention():
-    """``flex_attention`` compiled once per process: uncompiled it runs an unfused reference
-    that materialises the scores (torchtitan compiles it the same way). For eager callers
-    only: inside a compiled block :func:`attention_sdpa` calls ``flex_attention`` itself, as
-    torch split the block's graph at a nested compiled function (seen on CUDA with
-    ``TORCH_LOGS=recompiles``: flex and two resumed halves of the block compiled apart)."""
+    """``flex_attention`` compiled once (uncompiled it materialises the scores; torchtitan does
+    the same). Eager callers only: a nested compiled function split compiled blocks' graphs."""
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -148,11 +120,8 @@ def attention_sdpa(
     scale: float | None = None,
     documents: torch.Tensor | BlockMask | None = None,
 ) -> torch.Tensor:
-    """q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim];
-    ``documents``: optional, causal within each document: a :func:`document_attention_mask`
-    (a ``BlockMask`` or the dense boolean mask), or the ``cu_seqlens`` [batch, seq + 1] it
-    is built from here (context parallelism's masks go to
-    :func:`~tokenloom.train.parallel.context.causal_chunks_attention` instead)."""
+    """q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim]; ``documents``:
+    a :func:`document_attention_mask` or the ``cu_seqlens`` to build one from."""
     k, v = _expand_kv(q, k, v)
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
@@ -178,8 +147,7 @@ def attention_reference(
     scale: float | None = None,
     documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Naive attention (softmax in fp32 or wider), same signature as :func:`attention_sdpa`; no
-    dropout. With ``documents``, each document of each sample is attended on its own."""
+    """Naive fp32 attention, :func:`attention_sdpa`'s signature, no dropout; ``documents``: cu_seqlens."""
     if dropout_p:
         raise ValueError("attention_reference has no dropout; it is a test oracle")
     if documents is not None:  # one causal attention per document slice, concatenated

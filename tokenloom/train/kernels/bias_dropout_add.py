@@ -1,13 +1,7 @@
-"""Bias + dropout + residual add: ``residual + dropout(x + bias, p)`` (Megatron's
-``bias_dropout_add``), the tail of every attention and MLP sublayer.
-
-With ``training=False`` (or ``p == 0``) dropout is the identity. The random mask comes
-from the implementation's RNG: eager uses the global torch generator, ``torch.compile``
-uses inductor's Philox stream, so the compiled and eager masks differ for the same seed
-(the drop rate and ``1/(1-p)`` scaling are the same). Fusing saves two full passes over
-the activations in eager-vs-compiled terms; on CPU it wins only at some sizes (see
-bench/RESULTS.md, notes; training-stack.md section f), and it matters on GPUs, where the
-op is bandwidth bound.
+"""Bias + dropout + residual: ``residual + dropout(x + bias, p)`` (Megatron's ``bias_dropout_add``),
+the tail of every sublayer. Eager draws from the global generator, compiled from inductor's
+Philox stream, so their masks differ for one seed (same rate and scaling). Fusing matters on GPUs,
+where the op is bandwidth bound (training-stack.md section f).
 """
 
 from __future__ import annotations

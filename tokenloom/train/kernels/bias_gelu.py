@@ -1,11 +1,7 @@
-"""Bias + GELU: ``gelu(x + bias)``, fusing the bias of the first MLP GEMM into the
-activation (Megatron's ``bias_gelu``).
+"""Bias + GELU: ``gelu(x + bias)``, the first MLP GEMM's bias fused in (Megatron's ``bias_gelu``).
 
-``approximate="tanh"`` is Megatron's / GPT-2's formula
-``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``; ``"none"`` is the exact
-``0.5 z (1 + erf(z / sqrt(2)))``. They differ by up to 4.7e-4 absolute (at z = 2.7), so a checkpoint
-must be evaluated with the variant it was trained with. Computed in fp32, cast to
-``x.dtype``.
+``approximate="tanh"`` (Megatron's / GPT-2's) or ``"none"`` (exact erf); evaluate a checkpoint
+with the variant it was trained with. Computed in fp32, cast to ``x.dtype``.
 """
 
 from __future__ import annotations
@@ -30,9 +26,7 @@ def bias_gelu_reference(
 
 
 def bias_gelu_with(fused: Callable) -> Callable:
-    """``bias_gelu`` that calls ``fused`` when there is a bias to fuse and ATen's GELU when
-    there is none: ``F.gelu`` is one kernel already (fp32 math for bf16 inputs, one rounding),
-    and compiling it alone is slower on CPU (see bench/RESULTS.md, notes)."""
+    """``fused`` with a bias, else ATen's ``F.gelu`` (one kernel already; compiled alone is slower)."""
 
     def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: Approximate = "tanh"):
         if bias is None:

@@ -1,26 +1,14 @@
-"""``torch.compile`` wrappers, created once per function and shared by every caller.
+"""``torch.compile`` wrappers, created once per function (at first use: inductor is slow to import).
 
-Shapes: torch's default "automatic dynamic" (``dynamic=None``): the first call compiles a
-graph for its shapes, the first call with another shape recompiles once with symbolic sizes,
-and that graph serves every later shape. A training run thus pays one compile per op (two
-for the chunked cross entropy: full chunk and tail) and evaluation at other lengths one
-more. ``dynamic=False`` would recompile for every new shape, and a ``fullgraph=True``
-function raises past ``torch._dynamo.config.recompile_limit``, so neither is used: a graph
-break or the limit falls back to eager with a warning instead of failing the step.
+Shapes: torch's "automatic dynamic" (``dynamic=None``): one compile per op for the first shape, one
+recompile with symbolic sizes for the next, serving all later shapes. Not ``dynamic=False``
+(recompiles per shape) nor ``fullgraph=True`` (raises past the recompile limit): a graph break
+falls back to eager with a warning instead of failing the step.
 
-Cost: compiling is slow the first time in a process (inductor start-up) and importing
-inductor is too, so wrappers are made at their first use.
-
-Small CPU tensors run the eager reference (:func:`compiled_above`): a compiled call has a
-fixed cost (guards, the AOTAutograd and autograd.Function wrappers) that on CPU exceeds what
-fusing saves until a tensor is large. Each op's switch (:data:`CPU_MIN_NUMEL`) sits at or
-above its measured crossover (the per-op table is in bench/RESULTS.md's notes;
-``bench/kernels_bench.py`` measures the model they add up to); the chunked cross entropy's
-"stats" and "grad" math share one switch above both. Like Megatron's fused softmax, which
-falls back to torch for shapes its kernel does not handle, the switch is a pure function of
-the input's size and device, so a run is deterministic. CUDA inputs always take the
-compiled path (no crossover has been measured on a GPU). :func:`force_compiled` turns the
-switch off (tests, benches).
+Small CPU tensors run eager (:func:`compiled_above`): a compiled call's fixed cost exceeds what
+fusing saves below each op's :data:`CPU_MIN_NUMEL`, set at or above its measured crossover
+(bench/RESULTS.md, notes). Like Megatron's fused softmax fallback, the switch depends only on size
+and device, so runs stay deterministic; CUDA always compiles. :func:`force_compiled` turns it off.
 """
 
 from __future__ import annotations
@@ -46,8 +34,7 @@ CPU_MIN_NUMEL: dict[str, int | None] = {
     "bias_gelu": None,  # likewise
     "cross_entropy_chunk": 1 << 18,
 }
-"""Smallest first-argument ``numel`` for which a CPU call takes the compiled kernel;
-None: never on CPU. From the crossover table in the module docstring."""
+"""Smallest first-argument ``numel`` for which a CPU call compiles; None: never on CPU."""
 
 _forced = False
 
@@ -71,12 +58,8 @@ def force_compiled() -> Iterator[None]:
 
 
 def compiled_above(fn: Callable, op: str) -> Callable:
-    """``fn`` compiled for inputs whose first argument has at least ``CPU_MIN_NUMEL[op]``
-    elements (always on non-CPU devices), the eager ``fn`` itself below that.
-
-    The compiled wrapper is created at the first call that needs it, so a run whose tensors
-    all stay below the thresholds never imports inductor.
-    """
+    """``fn`` compiled from ``CPU_MIN_NUMEL[op]`` elements on CPU (always elsewhere), eager below;
+    compiled at the first call that needs it."""
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args, **kwargs):
@@ -91,11 +74,8 @@ def compiled_above(fn: Callable, op: str) -> Callable:
 
 @functools.cache
 def compile_available(device_type: str) -> bool:
-    """Cheap check that inductor can build kernels for ``device_type`` ("cpu" or "cuda").
-
-    CPU needs a C++ compiler (inductor's OpenMP backend); CUDA needs Triton. This does
-    not compile anything, so a broken toolchain still surfaces at the first call.
-    """
+    """Whether inductor can build kernels here (CPU: a C++ compiler; CUDA: Triton). Compiles
+    nothing, so a broken toolchain surfaces at the first call."""
     if not torch._dynamo.is_dynamo_supported():
         return False
     if device_type == "cuda":

@@ -1,34 +1,23 @@
 """LM-head cross entropy that never materialises the full ``[tokens, vocab]`` logits.
 
-Contract: ``chunked_cross_entropy(hidden, weight, targets)`` equals
-``F.cross_entropy(hidden @ weight.T, targets)``, computing the logits ``chunk_size`` tokens
-at a time inside one autograd function. Logits and softmax are fp32 (fp64 for fp64 inputs)
-whatever the input dtype; the weight gradient accumulates in fp32 across chunks.
+Contract: ``chunked_cross_entropy(hidden, weight, targets)`` equals ``F.cross_entropy(hidden @
+weight.T, targets)``, logits computed ``chunk_size`` tokens at a time in one autograd function, in
+fp32 (fp64 for fp64 inputs); the weight gradient accumulates in fp32.
 
 Trade-offs:
 
-* **Memory** is O(chunk x vocab): one fp32 chunk buffer at a time, turned into
-  ``exp(logits - max)`` and then the gradient in place, plus the weight gradient any
-  implementation needs (``bench/kernels_bench.py`` measures it;
-  tests/train/kernels/test_kernel_cross_entropy.py bounds it).
-* **Gradients in forward when the reduction fixes them** (``"mean"`` / ``"sum"`` with
-  grad wanted, as Liger's fused linear cross entropy): each chunk's ``softmax - onehot``
-  becomes the hidden and weight gradients while its logits are at hand, and backward only
-  scales them: three LM-head GEMMs, as with full logits, with both gradients held until
-  backward. The per-row factor goes on the GEMMs' ``[rows, hidden]`` sides, not the
-  ``[rows, vocab]`` chunk. Otherwise (``"none"``, or evaluation) forward keeps only the
-  per-token log-sum-exp and backward recomputes the logits (4/3 of the compute), so
+* **Memory** O(chunk x vocab): one chunk buffer, turned into ``exp(logits - max)`` then the
+  gradient in place (tests/train/kernels/test_kernel_cross_entropy.py bounds it).
+* **Gradients in forward** when the reduction fixes them (``mean`` / ``sum`` in training, as Liger's
+  fused linear cross entropy): three LM-head GEMMs like full logits, both gradients held until
+  backward. Otherwise forward keeps the log-sum-exp and backward recomputes the logits, so
   evaluation never pays for gradients.
-* **Few, large chunks** (:func:`default_chunk_size`: at least two, at most 2^26 logits
-  each), because each chunk streams the whole weight through its GEMMs; at those sizes the
-  time is that of full logits (``bench/kernels_bench.py``).
+* **Few, large chunks** (:func:`default_chunk_size`), as each chunk streams the whole weight.
 
-Vocab parallelism: with ``group`` set, ``weight`` is this rank's even shard of the vocabulary
-(rank r owns ids ``[r * V_r, (r + 1) * V_r)``) and ``hidden`` / ``targets`` are replicated. Per
-chunk the forward does Megatron's stable math (training-stack.md section c): all-reduce MAX of
-the row max, SUM of the masked target logit, SUM of the shifted sum-exp. Backward needs no
-communication for the logits, but the hidden gradient is all-reduced (SUM) here because the
-LM-head GEMM is inside this function. ``group=None`` runs no collectives.
+Vocab parallelism: with ``group``, ``weight`` is this rank's even vocab shard and ``hidden`` /
+``targets`` are replicated; per chunk, Megatron's stable math (training-stack.md section c:
+all-reduce MAX of the row max, SUM of target logit and sum-exp); the hidden gradient is all-reduced
+here, as the GEMM is inside. ``group=None`` runs no collectives.
 """
 
 from __future__ import annotations
@@ -49,35 +38,24 @@ CHUNK_LOGITS = 1 << 26
 
 
 def default_chunk_size(tokens: int, vocab: int) -> int:
-    """Rows per chunk for ``tokens`` rows of ``vocab`` logits: as few chunks as keep each within
-    :data:`CHUNK_LOGITS`, and at least two, of equal size; at least 16 rows, unless that would
-    leave a single chunk.
-
-    Two chunks at least, so the full logits never exist, whatever the batch. Few, large
-    chunks otherwise, because every chunk streams the whole LM-head weight through each of
-    its three GEMMs: smaller chunks make the loss measurably slower than full logits on CPU
-    (see bench/RESULTS.md, notes). On a GPU, 256 MB is small next to a
-    large model's activations, and its bandwidth makes the extra weight reads cheap.
-    """
+    """Rows per chunk: the fewest equal chunks within :data:`CHUNK_LOGITS`, at least two (full
+    logits never exist) and 16 rows unless that leaves one chunk. Few because every chunk streams
+    the whole weight through three GEMMs (bench/RESULTS.md, notes)."""
     chunks = max(2, -(-tokens * vocab // CHUNK_LOGITS))
     half = -(-tokens // 2)
     return max(min(16, half), -(-tokens // chunks), 1)
 
 
 def _target_slots(t_local: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whether each target id falls in this shard's ``[0, vocab)``; its column as a ``[rows, 1]``
-    index, clamped into the shard so that gather and scatter stay in bounds)."""
+    """(target in this shard's ``[0, vocab)``; its column [rows, 1], clamped to stay in bounds)."""
     return (t_local >= 0) & (t_local < vocab), t_local.clamp(0, vocab - 1).unsqueeze(1)
 
 
 def target_and_sumexp(
     logits: torch.Tensor, row_max: torch.Tensor, t_local: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(target logit - row_max, or 0 when the target is outside this shard; sum exp(logits - row_max)).
-
-    Overwrites ``logits`` with ``exp(logits - row_max)``: no second chunk-sized buffer, and the
-    training path's gradient starts from it (:func:`_gradient_from_exp`).
-    """
+    """(target logit - row_max, 0 outside the shard; sum exp(logits - row_max)). Overwrites
+    ``logits`` with ``exp(logits - row_max)``, where :func:`_gradient_from_exp` starts."""
     in_shard, slot = _target_slots(t_local, logits.shape[1])
     z_t = logits.gather(1, slot).squeeze(1)
     shifted_target = torch.where(in_shard, z_t - row_max, torch.zeros_like(z_t))
@@ -89,16 +67,10 @@ def _gradient_from_exp(
     exp_shifted: torch.Tensor, t_local: torch.Tensor, sum_exp: torch.Tensor, coef: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(softmax - onehot) * coef[:, None]`` from ``exp(logits - row_max)`` and its (all-reduced)
-    row sums, as ``(matrix, row_scale)``: the gradient is ``row_scale[:, None] * matrix``, or
-    ``matrix`` itself when ``row_scale`` is None. Overwrites ``exp_shifted``.
-
-    The matrix is ``exp_shifted - sum_exp * onehot``; the normalisation and ``coef`` make one
-    per-row factor ``coef / sum_exp``. When ``out_dtype`` is the buffer's dtype (fp32, fp64)
-    that factor is left to the caller, who applies it to the LM-head GEMMs' ``[rows, H]``
-    operands: a pass over ``rows x H`` values instead of one over ``rows x vocab``. For a
-    narrower ``out_dtype`` the cast is a full pass anyway, so the factor is applied before it.
-    """
+    """``(softmax - onehot) * coef[:, None]`` as ``(matrix, row_scale)``, gradient ``row_scale[:,
+    None] * matrix`` (``matrix`` when None); overwrites ``exp_shifted``. In the buffer's dtype the
+    per-row factor is left to the caller's ``[rows, H]`` GEMM operands (a pass over ``rows x H``,
+    not ``rows x vocab``); a narrower ``out_dtype`` casts anyway, so it is applied first."""
     in_shard, slot = _target_slots(t_local, exp_shifted.shape[1])
     at_target = torch.where(in_shard, -sum_exp, torch.zeros_like(sum_exp))
     exp_shifted.scatter_add_(1, slot, at_target.unsqueeze(1))
@@ -111,10 +83,7 @@ def _gradient_from_exp(
 def logits_grad(
     logits: torch.Tensor, lse: torch.Tensor, t_local: torch.Tensor, coef: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``(softmax(logits) - onehot(t_local)) * coef[:, None]`` in ``out_dtype``; overwrites ``logits``.
-
-    In place so that eager mode holds one chunk-sized buffer here, not four.
-    """
+    """``(softmax - onehot) * coef[:, None]`` in ``out_dtype``, in place (one chunk buffer, not four)."""
     in_shard, slot = _target_slots(t_local, logits.shape[1])
     grad = logits.sub_(lse.unsqueeze(1)).exp_()
     grad.scatter_add_(1, slot, -in_shard.to(grad.dtype).unsqueeze(1))
@@ -122,8 +91,7 @@ def logits_grad(
 
 
 def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
-    """``grad_weight += grad_logits.T @ h``, in place when the dtypes agree: the product is
-    weight-sized, and a temporary for it would be the largest buffer of the whole loss."""
+    """``grad_weight += grad_logits.T @ h``, in place when dtypes agree (no weight-sized temporary)."""
     if grad_weight.dtype == grad_logits.dtype == h.dtype:
         grad_weight.addmm_(grad_logits.T, h)
     else:  # bf16/fp16 inputs: the fp32 accumulator needs the product converted first
@@ -131,8 +99,7 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor
 
 
 def _chunk_losses(logits, t_rows, group, stats_fn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log-sum-exp, loss, sum exp(logits - row max)) per row of one chunk's logits (this shard's,
-    all-reduced over ``group``). Leaves ``exp(logits - row max)`` in ``logits``."""
+    """Per row (log-sum-exp, loss, sum-exp), all-reduced over ``group``; leaves exp in ``logits``."""
     row_max = logits.amax(dim=1)  # not max(): its argmax costs several reductions' time
     if group is not None:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -156,8 +123,7 @@ class _ChunkGrads:
 
     def add(self, rows: slice, grad_logits: torch.Tensor, h: torch.Tensor,
             row_scale: torch.Tensor | None = None) -> None:
-        """Add the chunk's share for logits gradient ``row_scale[:, None] * grad_logits`` (see
-        :func:`_gradient_from_exp`; the scale goes on the ``[rows, H]`` side of each GEMM)."""
+        """Add the chunk's share for ``row_scale[:, None] * grad_logits`` (scale on the [rows, H] side)."""
         if self.hidden is not None:
             grad_h = grad_logits @ self.weight
             self.hidden[rows] = grad_h if row_scale is None else grad_h.mul_(row_scale.unsqueeze(1))
@@ -180,8 +146,7 @@ class _ChunkGrads:
 
 
 def _shard_targets(weight: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
-    """``targets`` as ids into this rank's vocab shard ``weight`` (rank r owns ids
-    ``[r * V_r, (r + 1) * V_r)``); ids outside the shard fall outside ``[0, V_r)``."""
+    """``targets`` as ids into this rank's shard (rank r owns ``[r * V_r, (r + 1) * V_r)``)."""
     vocab_start = weight.shape[0] * dist.get_rank(group) if group is not None else 0
     return targets - vocab_start
 
@@ -216,8 +181,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def _recomputed_grads(hidden, weight, t_local, lse, coef, chunk_size, group, grad_fn, needs):
-    """(hidden grad, weight grad) for per-token gradient coefficients ``coef``, recomputing each
-    chunk's logits from the saved log-sum-exp."""
+    """(hidden grad, weight grad) for per-token ``coef``, logits recomputed from the saved lse."""
     grads = _ChunkGrads(hidden, weight, needs)
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
@@ -229,17 +193,9 @@ def _recomputed_grads(hidden, weight, t_local, lse, coef, chunk_size, group, gra
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """The reduced loss (a scalar) from hidden [N, H], weight [V_r, H], targets [N] and per-token
-    gradient coefficients ``coef`` [N] (the weight of each token's loss in the reduction).
-
-    Training variant of :class:`_ChunkedCrossEntropy`: because the reduction is known, each
-    chunk's ``softmax - onehot`` can be turned into the hidden and weight gradients in forward,
-    while its logits are still at hand. That saves the backward's recompute GEMM (3 LM-head
-    GEMMs instead of 4, as many as with full logits) at the price of holding the two gradients
-    from forward to backward. Backward scales them in place and hands them over (a scaled
-    copy would hold a second weight-sized gradient at the peak); a second backward of the
-    same graph (``retain_graph=True``, gradcheck) recomputes them from the saved log-sum-exp.
-    """
+    """Reduced scalar loss with per-token weights ``coef`` [N], gradients computed in forward (3
+    GEMMs, not 4). Backward scales them in place (no second weight-sized copy at the peak); a
+    second backward (``retain_graph``, gradcheck) recomputes them from the saved lse."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, coef, chunk_size, group, fns):
@@ -283,11 +239,8 @@ def _reduce(
     ignore_index: int,
     reduction: Reduction,
 ) -> torch.Tensor:
-    """Apply ``loss_mask`` and ``reduction`` to per-token losses (ignored tokens are already 0).
-
-    ``mean`` divides by the number of unmasked, non-ignored tokens, clamped to >= 1, so an
-    all-masked batch gives 0 (``F.cross_entropy`` would give nan).
-    """
+    """Apply ``loss_mask`` and ``reduction``; ``mean`` over kept tokens clamped to >= 1, so an
+    all-masked batch gives 0, not nan."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if reduction == "none":
@@ -312,12 +265,8 @@ def chunked_cross_entropy(
     *,
     _fns: tuple[Callable, Callable] = (target_and_sumexp, logits_grad),
 ) -> torch.Tensor:
-    """Cross entropy of ``hidden @ weight.T`` against ``targets`` without full logits.
-
-    hidden: [..., H]; weight: [V, H] (or this rank's [V / world, H] shard with ``group``);
-    targets and loss_mask: hidden's leading shape. Returns an fp32 (fp64 for fp64 input)
-    scalar, or per-token losses flattened to [N] with ``reduction="none"``.
-    """
+    """Cross entropy of ``hidden`` [..., H] @ ``weight.T`` ([V, H], a shard with ``group``) against
+    ``targets``: an fp32 scalar, or losses [N] with ``reduction="none"``."""
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     flat_targets = targets.reshape(-1)
@@ -327,8 +276,7 @@ def chunked_cross_entropy(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if reduction in ("mean", "sum") and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        # Training: the token weights of the reduction are known, so gradients come out of
-        # forward (no recompute GEMM in backward).
+        # training: the reduction's token weights are known, so gradients come out of forward
         coef = (flat_targets != ignore_index).to(torch.promote_types(hidden.dtype, torch.float32))
         if loss_mask is not None:
             coef = coef * loss_mask.reshape(-1).to(coef.dtype)
@@ -360,15 +308,9 @@ FULL_LOGITS_BELOW = 1 << 22
 
 
 def full_logits_below(chunked: Callable) -> Callable:
-    """``chunked`` (:func:`chunked_cross_entropy`, maybe with compiled chunk math), except that
-    a single-process loss with fewer than :data:`FULL_LOGITS_BELOW` logits and the default
-    chunking takes :func:`cross_entropy_reference`'s full logits.
-
-    Chunking bounds memory, which is not at stake below 16 MB of logits, and costs a fixed
-    amount per chunk (an autograd function, a dozen small ops) that makes small losses slower
-    than full logits, up to about this size (see bench/RESULTS.md, notes). A vocab-parallel ``group`` or an explicit ``chunk_size`` always goes
-    to ``chunked``.
-    """
+    """``chunked``, except a single-process default-chunked loss under :data:`FULL_LOGITS_BELOW`
+    logits takes full logits: memory is not at stake there and chunking's fixed cost is
+    (bench/RESULTS.md, notes). ``group`` or ``chunk_size`` always go to ``chunked``."""
 
     @functools.wraps(chunked)
     def cross_entropy(hidden, weight, targets, loss_mask=None, ignore_index=-100, reduction="mean",

@@ -1,8 +1,5 @@
-"""LayerNorm: ``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension.
-
-Same precision policy as :mod:`.rms_norm`: fp32 statistics and affine, one cast back to
-``x.dtype``; biased variance (as ``torch.nn.LayerNorm``). ``bias=None`` is the
-bias-free LayerNorm of ``GPTConfig(bias=False)``.
+"""LayerNorm over the last dimension: fp32 statistics and affine, one cast back (as :mod:`.rms_norm`),
+biased variance (as ``nn.LayerNorm``); ``bias=None`` for ``GPTConfig(bias=False)``.
 """
 
 from __future__ import annotations
@@ -29,14 +26,8 @@ def layer_norm_reference(
 
 
 def layer_norm_with(fused: Callable) -> Callable:
-    """``layer_norm`` that calls ATen's ``F.layer_norm`` on fp32 inputs and ``fused`` otherwise.
-
-    On fp32, ATen's LayerNorm is already one fused kernel forward and one backward (CPU and
-    CUDA), so compiling the reference can only rebuild it, and the rebuilt one is slower on
-    CPU (see bench/RESULTS.md, notes) plus a compiled call's fixed cost. On bf16/fp16,
-    ATen's backward rounds the weight gradient differently from this module's policy (off by
-    many bf16 ulps), and ``fused`` keeps the fp32 upcast out of memory there.
-    """
+    """ATen's ``F.layer_norm`` on fp32 (already one fused kernel; a compiled rebuild is slower,
+    bench/RESULTS.md), ``fused`` otherwise (ATen's bf16 weight grad breaks this module's policy)."""
 
     def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5):
         if x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):

@@ -1,12 +1,6 @@
-"""RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dimension.
-
-Precision policy (as Transformer Engine and Megatron's fused norms): the statistics and
-the affine step run in fp32 and the result is cast once to ``x.dtype``. This costs an
-fp32 copy of ``x`` in eager mode (the compiled and Triton versions keep it in
-registers). It is bit-identical to ``F.rms_norm`` (the model's ``nn.RMSNorm``) on bf16
-inputs, and differs from Hugging Face Llama, which casts back to ``x.dtype`` before
-multiplying by the weight: a part of the bf16 outputs differ, by at most 2 ulp (see
-bench/RESULTS.md, notes).
+"""RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight``. Statistics and affine in fp32, one cast to
+``x.dtype`` (Transformer Engine's and Megatron's policy; bit-identical to ``F.rms_norm`` on bf16,
+unlike HF Llama, which casts before the weight). Eager pays an fp32 copy of ``x``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Rotary position embedding, "rotate half" layout (GPT-NeoX, Llama in Hugging Face,
-Megatron's default ``rotary_interleaved=False``).
-
-For a head vector split into halves ``x = [x1, x2]``:
-``rope(x) = x * cos + [-x2, x1] * sin`` with ``cos``/``sin`` tables of shape
-``[seq, head_dim]`` whose two halves repeat the same ``head_dim / 2`` frequencies
-``theta ** (-2i / head_dim)``. The tables are built once in float64 and stored as fp32
-(bf16 would keep only 2-3 significant digits of each value); the rotation
-runs in fp32 and is cast back to ``x.dtype``. The interleaved (GPT-J) layout pairs
-``x[2i], x[2i+1]`` instead and is not compatible with these tables.
+"""Rotary embedding, "rotate half" layout (GPT-NeoX, HF Llama, Megatron's default):
+``rope(x) = x * cos + [-x2, x1] * sin`` with [seq, head_dim] tables whose halves repeat the
+frequencies ``theta ** (-2i / head_dim)``, built in float64, stored fp32; rotation in fp32. The
+interleaved (GPT-J) layout is not compatible with these tables.
 """
 
 from __future__ import annotations

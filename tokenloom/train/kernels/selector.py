@@ -2,36 +2,21 @@
 
 Modes:
 
-* ``reference``: eager PyTorch, no compilation, no custom kernels. Memory-saving
-  formulations that are plain PyTorch stay on (chunked cross entropy, SDPA attention);
-  their textbook oracles are ``cross_entropy_reference`` and ``attention_reference``.
-* ``compiled``: ``torch.compile`` of the references (inductor: C++/OpenMP on CPU,
-  Triton on CUDA) where that fuses several kernels into one: RMSNorm, SwiGLU, RoPE,
-  bias-dropout-add, bias + GELU, LayerNorm on bf16/fp16; the chunked cross entropy
-  compiles its per-chunk math (losses under 2^22 logits take full logits instead,
-  ``cross_entropy.full_logits_below``). fp32 LayerNorm and GELU without a bias are single ATen
-  kernels already (``F.layer_norm``, ``F.gelu``), so this mode calls those: compiling
-  them only rebuilt the same kernel, slower on CPU (``layer_norm_with``, ``bias_gelu_with``).
-  On CPU, inputs below a per-op size run the eager reference, where a compiled call's
-  fixed cost exceeds what fusing saves (``compiled.CPU_MIN_NUMEL``, measured crossovers).
-* ``triton``: hand-written Triton kernels for RMSNorm, LayerNorm, SwiGLU, bias-GELU
-  and RoPE; bias-dropout-add and cross entropy come from ``compiled`` when inductor
-  works on the device (eager otherwise); attention is SDPA.
-* ``auto``: ``reference`` on CUDA: under ``compile`` (on by default there,
-  :func:`choose_compile`) inductor fuses the plain ops of each block, and that measured
-  faster on an H100 than both the Triton kernels and the ``compiled`` per-op graphs, with
-  or without compiled blocks (bench/RESULTS.md); a kernel that loses is not chosen.
-  ``compiled`` on CPU when a C++ compiler is found, else ``reference``. Auto never picks
+* ``reference``: eager PyTorch; the plain-PyTorch memory savers stay on (chunked cross entropy,
+  SDPA), their oracles being ``cross_entropy_reference`` and ``attention_reference``.
+* ``compiled``: ``torch.compile`` of the references where that fuses kernels; ops that are one ATen
+  kernel already (fp32 LayerNorm, bias-free GELU) call ATen, and small CPU inputs run eager
+  (``compiled.CPU_MIN_NUMEL``); cross entropy compiles its chunk math (small losses: full logits).
+* ``triton``: hand-written kernels for the norms, SwiGLU, bias-GELU and RoPE; the rest from
+  ``compiled`` where inductor works (eager otherwise).
+* ``auto``: ``reference`` on CUDA (under ``compile`` inductor fuses the plain ops faster than our
+  kernels, bench/RESULTS.md), ``compiled`` on CPU with a C++ compiler, else ``reference``; never
   the Triton interpreter.
 
-:func:`choose_compile` resolves the train config's ``compile`` the same way, once: an
-explicit true/false wins; ``auto`` compiles the blocks on CUDA (when inductor can build
-kernels there) and not on CPU, where the per-op ``compiled`` kernels already take what
-fusing gains above their measured sizes and block compilation would cost every CPU run
-its compile time.
-
-Forcing a mode the host cannot run raises ``ValueError`` naming what is missing; the
-choice is logged once per (requested mode, resolved mode, device type), on one line.
+:func:`choose_compile` resolves ``compile`` once: an explicit bool wins; ``auto`` compiles the
+blocks on CUDA, not on CPU (the per-op kernels already take the gain, block compile would cost
+every CPU run). Forcing a mode the host cannot run raises ``ValueError`` naming what is missing;
+the choice is logged once per (requested, resolved, device type).
 """
 
 from __future__ import annotations
@@ -72,13 +57,8 @@ _LOGGED: set[tuple[str, str, str]] = set()
 
 @dataclass(frozen=True)
 class KernelSet:
-    """The ops as callables (same signatures as the ``*_reference`` functions): the spec a
-    model is built with, one implementation per op.
-
-    ``sources`` maps each op name to the implementation behind it
-    (``reference``, ``compiled``, ``triton`` or ``sdpa``; ``compiled`` ops call ATen's own
-    kernel where that is one fused kernel already, see the module docstring).
-    """
+    """One callable per op (the ``*_reference`` signatures); ``sources``: op -> ``reference``,
+    ``compiled``, ``triton`` or ``sdpa``."""
 
     mode: str
     device_type: str
@@ -93,9 +73,7 @@ class KernelSet:
     sources: dict[str, str] = field(default_factory=dict)
 
     def __reduce__(self):
-        """Pickled (and deep-copied) as its recipe, ``select_kernels(mode, device_type)``: the
-        compiled wrappers are closures that do not pickle, and a model holding its set (built
-        once, :mod:`tokenloom.train.model.gpt`) must pickle in every mode."""
+        """Pickled as its recipe: compiled closures do not pickle, models holding a set must."""
         return select_kernels, (self.mode, self.device_type)
 
 
@@ -146,8 +124,7 @@ def _triton_ops(device_type: str) -> dict[str, tuple[Callable, str]]:
 
 
 def resolve_mode(mode: str, device_type: str) -> tuple[str, str]:
-    """(the mode ``mode`` builds on ``device_type``, the reason in words: "forced" for an explicit
-    mode); ``ValueError`` naming what is missing when the host cannot run ``mode``."""
+    """(resolved mode, reason; "forced" when explicit); ``ValueError`` naming what is missing."""
     if mode not in MODES:
         raise ValueError(f"kernel mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "triton" and not triton_available(device_type):
@@ -168,12 +145,8 @@ def resolve_mode(mode: str, device_type: str) -> tuple[str, str]:
 
 
 def choose_compile(setting: bool | str, device_type: str, capturable: bool = True) -> tuple[bool, str]:
-    """Whether ``compile`` (true, false or "auto") compiles the transformer blocks on
-    ``device_type``, and why, in words for the start-up summary ("set" for an explicit bool,
-    which wins);
-    "auto" is on where the blocks' plain ops are fastest compiled (CUDA, with Triton for
-    inductor) and off elsewhere (see the module docstring), and off where the blocks' collectives
-    cannot be captured (``capturable`` False: gloo's staged group on CUDA)."""
+    """(whether ``compile`` compiles the blocks, why): "set" for an explicit bool; "auto" is on on
+    CUDA with Triton, off elsewhere and where collectives cannot be captured (``capturable``)."""
     if isinstance(setting, bool):
         return setting, "set"
     if setting != "auto":

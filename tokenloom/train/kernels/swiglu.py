@@ -1,12 +1,5 @@
-"""SwiGLU activation: ``silu(gate) * up`` (the Llama MLP between its two input GEMMs and
-the output GEMM).
-
-Takes ``gate`` and ``up`` as two tensors (our MLP has two input projections). Megatron
-instead runs one GEMM into ``[..., 2 * ffn]`` and chunks it; pass
-``*h.chunk(2, dim=-1)`` for that layout. Computed in fp32 and rounded once to
-``gate.dtype``: eager mode pays fp32 temporaries, the fused versions none. The plain
-bf16 ``F.silu(gate) * up`` rounds twice, so a good part of its bf16 outputs differ from
-this one in the last bit (see bench/RESULTS.md, notes).
+"""SwiGLU: ``silu(gate) * up`` in fp32, rounded once to ``gate.dtype`` (plain bf16 rounds twice).
+Takes two tensors; for Megatron's one ``[..., 2 * ffn]`` GEMM pass ``*h.chunk(2, dim=-1)``.
 """
 
 from __future__ import annotations

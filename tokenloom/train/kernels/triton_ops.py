@@ -1,22 +1,12 @@
 """Triton implementations of the norm, activation and RoPE ops, as autograd functions.
 
-Importing this module never needs Triton; the kernels (:mod:`._triton_kernels`) are
-imported on first use. :func:`triton_available` says whether they can run: on CUDA
-tensors with Triton installed, or on CPU tensors when ``TRITON_INTERPRET=1`` (Triton's
-NumPy interpreter: numerics only, far too slow for training; it must be set before
-the kernels module is first imported, as ``@triton.jit`` reads it then). That is how the
-tests check these kernels on a GPU-less host; a second test compiles every kernel
-variant down to an sm_90 cubin without a GPU.
-
-Kernels exist for the row-wise and elementwise ops (norms, activations, RoPE), the set
-nanotron and Liger also hand-write. Their speed against ``torch.compile`` is not
-measured yet (no GPU here): TODO(kernels-bench). Cross entropy (GEMM bound; chunking
-already bounds memory), bias-dropout-add (RNG) and attention (SDPA is already fused)
-come from the compiled or SDPA paths; see :func:`~.selector.select_kernels`.
-
-Gradients flow to the inputs and norm weights/biases, not to the RoPE ``cos``/``sin``
-tables (they are buffers). Inputs are made contiguous, so a strided ``q`` (e.g. from
-``transpose(1, 2)``) pays one copy.
+Importing this module never needs Triton; the kernels (:mod:`._triton_kernels`) load on first use.
+They run on CUDA with Triton, or on CPU under ``TRITON_INTERPRET=1`` (numerics only; set before
+the kernels' import, as ``@triton.jit`` reads it then), which is how GPU-less tests check them.
+Hand-written, like nanotron's and Liger's, for the row-wise and elementwise ops only; cross
+entropy, bias-dropout-add and attention come from the compiled or SDPA paths. Speed against
+``torch.compile`` is not measured yet: TODO(kernels-bench). No gradient reaches the RoPE tables
+(buffers); inputs are made contiguous (a strided ``q`` pays one copy).
 """
 
 from __future__ import annotations
@@ -44,9 +34,7 @@ def triton_available(device_type: str = "cuda") -> bool:
 
 
 _KERNELS = None
-"""The jitted kernels (:mod:`._triton_kernels`; importing it needs triton), set by
-:func:`load_kernels` when a ``triton`` kernel set is built: the ops read a module global,
-not an ``lru_cache``'d lookup that dynamo would trace in compiled blocks."""
+"""The jitted kernels, set by :func:`load_kernels`: a module global, not a cached lookup dynamo traces."""
 
 
 def load_kernels():

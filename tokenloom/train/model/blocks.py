@@ -1,25 +1,9 @@
-"""The GPT's layers: attention, MLP, the MoE layer, norms and the transformer :class:`Block`.
-
-Each takes the model's :class:`~tokenloom.train.parallel.layers.TensorParallel` context and the
-kernel set chosen once by :func:`tokenloom.train.model.gpt.build_ops` (None: the eager reference
-code below, the numerical baseline every distributed test compares against).
-
-* **Tensor parallelism**: ``qkv`` and ``fc`` are column-parallel, the output projections
-  row-parallel; at tp = 1 they are ``nn.Linear`` (:class:`tokenloom.train.parallel.wgrad.Linear`).
-* **Mixture of experts** (:class:`MoE`, :mod:`tokenloom.train.model.moe`): fp32 top-k router, no
-  token dropped, experts as one grouped GEMM, balance and z losses joined to backward; expert
-  weights are stacked on a leading expert dimension. Every rank holds every expert unless
-  ``GPT.expert_parallel`` splits them over an ep group; at tp > 1 sequence parallelism is
-  required (the experts are replicated over tp).
-* **Dropout** at tp > 1 draws inside tensor-parallel regions from the per-tp-rank stream of
-  :mod:`tokenloom.train.parallel.random`, elsewhere from the default generator.
-
-Trade-offs:
-
-* GQA repeats K/V heads before ``F.scaled_dot_product_attention(is_causal=True)``: memory
-  for ``n_heads/n_kv_heads`` copies of K and V, but no dependence on ``enable_gqa``.
-* Activation recompute is per layer (``Block.recompute``), non-reentrant, so the autograd
-  graph stays visible to ``find_unused_parameters`` (:mod:`tokenloom.train.parallel.ddp`).
+"""The GPT's layers: attention, MLP, the MoE layer, norms and the transformer :class:`Block`, each
+taking the model's ``TensorParallel`` context and kernel set (None: the eager reference code here,
+the baseline every distributed test compares against). Dropout inside tp regions draws from the
+per-tp-rank stream (:mod:`tokenloom.train.parallel.random`). Trade-offs: GQA repeats K/V heads
+before SDPA (copies, no need for ``enable_gqa``); recompute is per block and non-reentrant, so
+``find_unused_parameters`` still sees the graph.
 """
 
 from typing import TYPE_CHECKING
@@ -64,8 +48,7 @@ from tokenloom.train.parallel.wgrad import linear as wgrad_linear
 
 
 def rope_tables(cfg: GPTConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [seq_len, head_dim] (rotate-half layout), computed in float64
-    on the host and moved to ``device``."""
+    """cos/sin [seq_len, head_dim] (rotate-half), computed in float64 on the host."""
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd))
     angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64, device="cpu"), inv_freq)
@@ -81,9 +64,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def _matmul_and_bias(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``layer(x)`` without its bias, and the bias, so that a kernel can fuse the bias into
-    the op that follows (``bias_gelu``, ``bias_dropout_add``); the weight gradient goes to its
-    sink as in the layer's own forward (:mod:`tokenloom.train.parallel.wgrad`)."""
+    """(``layer(x)`` without bias, the bias) for a kernel to fuse; the wgrad goes to its sink."""
     if isinstance(layer, nn.Linear):
         fused = getattr(layer, "wgrad_fusion", False)
         return (wgrad_linear if fused else F.linear)(x, layer.weight), layer.bias
@@ -91,8 +72,7 @@ def _matmul_and_bias(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 class Attention(nn.Module):
-    """Causal self-attention; ``qkv`` column-parallel and ``proj`` row-parallel at tp > 1
-    (each rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads)."""
+    """Causal self-attention; each tp rank holds ``n_heads / tp`` and ``n_kv_heads / tp`` heads."""
 
     def __init__(self, cfg: GPTConfig, tp: TensorParallel, ops: KernelSet | None = None) -> None:
         super().__init__()
@@ -107,10 +87,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [B, T, d] (or [T/tp, B, d] under sequence parallelism); ``documents``: the
-        forward's document mask, or the batch's ``cu_seqlens`` (attention stays within each
-        document; see ``kernels.document_attention_mask``). Returns the output
-        projection with its bias added (reference kernels), or without it and the bias."""
+        """x: [B, T, d] ([T/tp, B, d] under sp); ``documents``: the forward's document mask. Returns
+        (projection with bias, None) for reference kernels, else (without bias, the bias)."""
         qkv = self.qkv(x)
         if self.tp.sp:  # [T, B, ...] after the sequence all-gather
             qkv = qkv.transpose(0, 1)
@@ -145,8 +123,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU or SwiGLU MLP; ``fc`` column-parallel (gate/up halves split alike) and ``proj``
-    row-parallel at tp > 1."""
+    """GELU or SwiGLU MLP (gate/up halves split alike over tp)."""
 
     def __init__(self, cfg: GPTConfig, tp: TensorParallel, ops: KernelSet | None = None) -> None:
         super().__init__()
@@ -159,7 +136,7 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The output projection with its bias (reference kernels), or without it and the bias."""
+        """As :meth:`Attention.forward`'s return."""
         ks = self.ops
         if ks is None:
             return self.proj(mlp_activation(self.fc(x), self.swiglu)), None
@@ -171,15 +148,11 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """The weights of ``E`` MLPs stacked on a leading expert dimension: ``fc`` [E, d, inner] (or
-    [E, d, 2 inner], gate then up, for SwiGLU) and ``proj`` [E, inner, d], with biases ``fc_bias``
-    [E, ...] and ``proj_bias`` [E, d] when the model has biases. Expert e alone is the dense
-    :class:`MLP` whose ``fc.weight`` is ``fc[e].T`` and ``proj.weight`` is ``proj[e].T``. Under expert
-    parallelism (:meth:`MoE.expert_parallel`) the module holds experts ``first ..`` of the layer's,
-    as many as its leading dimension says."""
+    """``E`` MLPs stacked (``fc`` [E, d, inner or 2 inner], ``proj`` [E, inner, d]): expert e is the
+    :class:`MLP` with ``fc.weight = fc[e].T``. Under ep it holds experts ``first ..`` only."""
 
     first: int = 0
-    """The layer's index of this module's first expert (nonzero on an expert-parallel rank)."""
+    """The layer's index of the first expert held (nonzero under ep)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -192,19 +165,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Mixture-of-experts MLP (megatron-core's ``MoELayer`` on one rank): fp32 top-k router,
-    tokens sorted by expert, experts as grouped GEMMs, gate-weighted sum back per token; no token
-    dropped (:mod:`tokenloom.train.model.moe`). The balance and z losses (``cfg.moe_*_coeff``) join
-    backward through :class:`~tokenloom.train.model.moe.AttachAuxLoss` scaled by ``aux_loss_scale``
-    (1 / micro-batches, set by the trainer; 1 for a single forward and backward).
-
-    Tensor parallelism needs sequence parallelism (Megatron's rule): each tp rank routes its own
-    slice of the tokens through full (replicated) experts, whose grads are summed over tp like the
-    norms' (tag ``sequence_parallel``). Under expert parallelism the tokens reach the ranks holding
-    their experts by all-to-all or all-gather (``cfg.moe_token_dispatcher_type``), with equal results.
-    ``stats`` accumulates, on the device and only in training
-    forwards, the tokens per expert, the balance and z losses and the number of forwards
-    (:meth:`take_stats` reads and clears it): no host sync per step."""
+    """Mixture-of-experts MLP (megatron-core's ``MoELayer``; contracts in :mod:`.moe`). ``stats``
+    accumulates on the device in training forwards (no host sync); :meth:`take_stats` pops it."""
 
     def __init__(self, cfg: GPTConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -225,8 +187,7 @@ class MoE(nn.Module):
         self.pending: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """x: [B, T, d] (or [T/tp, B, d] under sequence parallelism) -> (output, None): the gated
-        experts' outputs with their biases in, the shape of ``x``."""
+        """x: [B, T, d] ([T/tp, B, d] under sp) -> (gated expert outputs with biases, None)."""
         shape, ex = x.shape, self.experts
         flat = x.reshape(-1, shape[-1])
         logits, chosen, gates = route(flat, self.router.weight, self.topk)
@@ -268,13 +229,8 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def expert_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
-        """Keep experts ``rank * E / size`` to ``(rank + 1) * E / size`` of the initialised layer (the
-        one-process values) and exchange tokens with the other ranks of ``group`` in every forward
-        (:func:`~tokenloom.train.model.moe.dispatch` or, with the allgather dispatcher,
-        :func:`~tokenloom.train.model.moe.gather_dispatch`). Call before the optimizer or DDP sees the
-        parameters (they are replaced). The expert parameters are tagged ``expert_parallel``:
-        reduced over the expert-data-parallel group, not with the dense ones; under sequence
-        parallelism also ``sequence_parallel`` (summed over tp first, like the router's)."""
+        """Keep this rank's ``E / size`` experts and exchange tokens over ``group``; call before the
+        optimizer or DDP see the (replaced, ``expert_parallel``-tagged) parameters."""
         if self.num_experts % size:
             raise TokenloomError(f"num_experts={self.num_experts} is not divisible by ep={size}")
         local = self.num_experts // size
@@ -295,9 +251,8 @@ class MoE(nn.Module):
             self.pending = None
 
     def take_stats(self) -> torch.Tensor:
-        """The statistics since the last call, [E + 3] float64 on the device (zeros when none), and
-        clear them: tokens per expert, then the sums of the balance loss, the z-loss and the count
-        of forwards they were taken over."""
+        """Pop the statistics, [E + 3] float64 (zeros when none): tokens per expert, balance and
+        z-loss sums, forwards."""
         stats = self.stats
         self.stats = None
         return stats if stats is not None else torch.zeros(self.num_experts + 3, dtype=torch.float64,
@@ -305,8 +260,7 @@ class MoE(nn.Module):
 
 
 def rope_at(rope: tuple[torch.Tensor, torch.Tensor], seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cos/sin for a sequence of ``seq``: the table's first rows, or the per-sample
-    tables ([B, 1, T, d]) that positions restarting at each document gave."""
+    """cos/sin for ``seq`` tokens: the table's first rows, or per-sample tables [B, 1, T, d]."""
     return rope if rope[0].dim() == 4 else (rope[0][:seq], rope[1][:seq])
 
 
@@ -318,11 +272,7 @@ def attend(
     dropout_p: float = 0.0,
     documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference causal attention: q [B, h, T, d], k/v [B, h_kv, T, d] -> [B, h, T, d].
-
-    RoPE (if ``rope``) on q and k, k/v heads repeated to h for GQA, then SDPA (within each
-    document of ``documents``, a ``cu_seqlens`` batch, when given).
-    """
+    """Reference causal attention (RoPE, GQA repeat, SDPA): q [B, h, T, d], k/v [B, h_kv, T, d]."""
     if rope is not None:
         cos, sin = rope_at(rope, q.shape[2])
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
@@ -399,8 +349,7 @@ class Block(nn.Module):
         self.recompute, self.ops, self.tp = recompute, ops, tp
 
     def _residual(self, x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        """``x + dropout(out + bias)``; under sequence parallelism the activation is split over
-        tp, so its mask comes from the tensor-parallel stream."""
+        """``x + dropout(out + bias)``; under sp the mask comes from the tp stream."""
         y, bias = out
         p = self.drop.p if self.training else 0.0
         with self.tp.fork(self.tp.sp and p > 0, x.device):

@@ -1,19 +1,7 @@
-"""The GPT model's description: :class:`GPTConfig` (features, arch presets, MoE flags, kernels mode).
-
-The model is described by its features: ``norm`` (LayerNorm or RMSNorm), ``mlp`` (tanh-GELU or
-SwiGLU), ``positions`` (a learned table or rotate-half RoPE as in GPT-NeoX / Hugging Face, base
-``rope_theta``), ``bias``, ``tie_embeddings``, and grouped-query attention via ``n_kv_heads``.
-:attr:`GPTConfig.arch` is a preset: a feature left None takes the arch's value (``"gpt2"``:
-LayerNorm, GELU, learned positions, biases; ``"llama"``: RMSNorm, SwiGLU, RoPE, no biases; both
-tied unless ``tie_embeddings`` says otherwise), so a config written before the features existed
-builds the same model. Any combination builds, in every layout and every kernels mode: each feature
-is its own op in every :class:`~tokenloom.train.kernels.KernelSet` (norm, activation, RoPE), so no
-combination falls back or is refused.
-
-Mixture of experts (``num_experts``, Megatron's MoE flags): blocks chosen by ``moe_layer_freq``
-hold a MoE layer instead of the MLP (:mod:`tokenloom.train.model.blocks`, on the routing of
-:mod:`tokenloom.train.model.moe`). The vocabulary is padded to a multiple of
-``make_vocab_size_divisible_by`` (Megatron's) for the LM-head GEMM's shapes.
+"""The GPT model's description, :class:`GPTConfig`: features (``norm``, ``mlp``, ``positions``, ``bias``,
+GQA via ``n_kv_heads``) that ``arch`` presets when left None, so an old config builds the same model;
+every combination builds in every layout and kernels mode (each feature is its own kernel op). MoE
+uses Megatron's flags; the vocabulary is padded to ``make_vocab_size_divisible_by``.
 """
 
 import math
@@ -25,24 +13,18 @@ from tokenloom.errors import TokenloomError
 
 @dataclass(kw_only=True)
 class GPTConfig:
-    """Model shape and behaviour. Every field is keyword-only.
-
-    After construction every feature field (norm, mlp, positions, bias) holds its resolved value, so
-    what is saved (``config.json``, a checkpoint's ``state.json``) names the model that was built
-    whatever the arch preset later means; a saved config without them (written before they existed)
-    resolves them from its arch, as the model was built then."""
+    """Model shape and behaviour (keyword-only). After construction the feature fields hold resolved
+    values, so a saved config names the built model whatever the presets later mean."""
 
     arch: Literal["gpt2", "llama"] = "gpt2"
-    """Preset for the features left unset (norm, mlp, positions, bias): ``gpt2``: LayerNorm + GELU +
-    learned positions + biases; ``llama``: RMSNorm + SwiGLU + RoPE, no biases."""
+    """Preset of the features left None: gpt2 (LayerNorm, GELU, learned positions, biases) or llama
+    (RMSNorm, SwiGLU, RoPE, no biases)."""
     norm: Literal["layernorm", "rmsnorm"] | None = None
     """Normalisation of every block and the final norm; None: the arch's (gpt2 layernorm, llama rmsnorm)."""
     mlp: Literal["gelu", "swiglu"] | None = None
-    """MLP activation (tanh GELU, or SwiGLU with a gate and an up projection); None: the arch's
-    (gpt2 gelu, llama swiglu)."""
+    """MLP activation: tanh GELU, or SwiGLU (gate and up projections); None: the arch's."""
     positions: Literal["learned", "rope"] | None = None
-    """Position encoding: a learned table of seq_len rows, or rotary (RoPE, base rope_theta) on queries
-    and keys; None: the arch's (gpt2 learned, llama rope)."""
+    """Position encoding: a learned seq_len-row table, or RoPE (base rope_theta); None: the arch's."""
     vocab_size: int = 50257
     """Number of real token ids (the tokenizer's vocabulary size)."""
     make_vocab_size_divisible_by: int = 128
@@ -60,8 +42,7 @@ class GPTConfig:
     ffn_hidden_size: int | None = None
     """MLP inner size; None means ``4*d_model`` (gelu) or ``8/3*d_model`` rounded up to 64 (swiglu)."""
     bias: bool | None = None
-    """Biases in linear layers (and LayerNorm unless norm_bias says otherwise); None means True for
-    gpt2, False for llama."""
+    """Biases in linear layers (and LayerNorm unless norm_bias says otherwise); None: the arch's."""
     norm_bias: bool | None = None
     """Biases in LayerNorm (RMSNorm has none); None means the same as bias. Megatron's
     --disable-bias-linear sets bias false and keeps these."""
@@ -96,15 +77,12 @@ class GPTConfig:
     moe_grouped_gemm: bool = True
     """Run all experts as one torch._grouped_mm where the device supports it (else a loop over experts)."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
-    """How tokens reach the experts at ep > 1 (at ep 1 both are the same computation, no collective).
-    alltoall: only the routed rows move, but the split sizes need a host sync each layer and pass;
-    allgather: every ep rank receives all tokens of the ep group and their routing, computes its
-    experts on the rows routed to them and returns the outputs by reduce-scatter: fixed-size
-    collectives, no host sync where the experts run as one grouped GEMM, more bytes at large ep."""
+    """How tokens reach the experts at ep > 1 (same result): alltoall moves only the routed rows, with a
+    host sync per layer and pass; allgather gathers the ep group's tokens and reduce-scatters the
+    outputs: fixed-size collectives, no host sync with grouped GEMM, more bytes at large ep."""
     kernels: str = "reference"
-    """Op implementations: reference | compiled | triton | auto (see tokenloom.train.kernels), chosen
-    once when the model is built; ``reference`` is the eager path, bit-identical to the model before
-    kernels existed; auto: reference on CUDA (inductor fuses it under compile), compiled on CPU."""
+    """Op implementations, chosen once at build: reference (eager) | compiled | triton | auto (reference
+    on CUDA, where inductor fuses it under compile; compiled on CPU). See tokenloom.train.kernels."""
 
     def __post_init__(self) -> None:
         kv = self.kv_heads

@@ -6,13 +6,8 @@ from tokenloom.train.model.gpt import GPT
 
 
 def flops_per_token(model: GPT, seq_len: int | None = None) -> int:
-    """Training FLOPs per token of the whole model ``model`` is (a stage or shard of),
-    ``6*N + 12*L*H*Q*T`` (nanoGPT / PaLM formula).
-
-    N = parameters a token's matmuls use (:meth:`GPT.num_active_params` with ``exclude_embeddings``:
-    a mixture-of-experts layer counts the k experts a token reaches; a dense model's parameters),
-    L layers, H heads, Q head dim, T sequence length (``seq_len``, default the model's).
-    Ignores causal sparsity, GQA savings in the attention term and recompute (MFU convention)."""
+    """Training FLOPs per token, ``6*N + 12*L*H*Q*T`` (nanoGPT / PaLM; N active non-embedding
+    parameters), ignoring causal sparsity, GQA and recompute (MFU convention)."""
     cfg = model.cfg
     T = cfg.seq_len if seq_len is None else seq_len
     return 6 * model.num_active_params(exclude_embeddings=True) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T

@@ -1,30 +1,9 @@
-"""FP8 training (``fp8``: ``--fp8``): the transformer blocks' linears as torchao's float8 linears.
-
-:func:`torchao.float8.convert_to_float8_training` swaps each ``nn.Linear`` for a
-``Float8Linear`` that casts its input, weight and output gradient to float8 (e4m3) with
-dynamic scales and runs the three GEMMs of forward and backward on the float8 tensor cores;
-the parameters, their names and the state dict stay those of the bf16 model, so checkpoints
-load across ``fp8`` settings. Recipes (torchao's names):
-
-* ``tensorwise``: one scale per tensor; the fastest, the one torchao tunes for compile.
-* ``rowwise``: one scale per row (axiswise), more robust to outliers, a little slower.
-
-What is converted: the block linears (``qkv``, attention and MLP projections, ``fc``) whose
-sizes are multiples of 16 (the float8 GEMM's alignment). The LM head stays bf16 (it may be
-tied to the embedding, and its logits are the most precision-sensitive matmul, torchao's
-own advice), as do the embeddings and norms. The price of the swap: torchao's linear
-replaces ours, so these weights' gradients take autograd's path into the DDP/ZeRO-1 buckets
-instead of the weight-gradient fusion (:mod:`tokenloom.train.parallel.wgrad`).
-
-Where it runs (:func:`refusal` says why not, in one line): a CUDA GPU with float8 tensor
-cores (compute capability 8.9: Ada, Hopper and later), bf16 autocast, the reference ops
-(the other kernel modes call ``F.linear`` on the weight themselves and would bypass the
-float8 linear), and tp = 1: tensor-parallel linears are our own modules, not ``nn.Linear``,
-and torchao's float8 tensor parallelism needs DTensor. dp, pp, vpp and ZeRO-1 change only
-which blocks and optimizer state a rank holds, so they are served.
-
-torchao is an optional extra (``pip install tokenloom[fp8]``) imported here only when a run
-asks for fp8: it is a large package with CUDA extensions that most runs do not need.
+"""FP8 training (``--fp8``): the blocks' linears as torchao's ``Float8Linear`` (e4m3, dynamic scales,
+all three GEMMs), state dict unchanged so checkpoints load across settings. Recipes ``tensorwise``
+(fastest) and ``rowwise`` (robust to outliers). The head (maybe tied, most precision-sensitive),
+embeddings and norms stay bf16; converted weights bypass the wgrad fusion. :func:`refusal` says
+where it cannot run (tp = 1 only: our tp linears are not ``nn.Linear``). torchao is an optional
+extra (``tokenloom[fp8]``), imported only when asked for.
 """
 
 from __future__ import annotations
@@ -44,9 +23,8 @@ ALIGNMENT = 16
 
 def refusal(recipe: str, device: torch.device, *, tp: int, precision: str, kernels: str,
             capability: tuple[int, int] | None = None) -> str | None:
-    """Why ``fp8=recipe`` cannot run on ``device`` in this layout (one line naming the reason
-    and the way out), or None when it can. ``kernels`` is the mode the model resolves to;
-    ``capability`` the device's (looked up when None)."""
+    """Why ``fp8=recipe`` cannot run here (one line with the way out), or None. ``kernels``: the
+    resolved mode; ``capability``: looked up when None."""
     if recipe not in RECIPES:
         return f"fp8 must be one of {', '.join(RECIPES)}; got {recipe!r}"
     if device.type != "cuda":
@@ -70,16 +48,14 @@ def refusal(recipe: str, device: torch.device, *, tp: int, precision: str, kerne
 
 
 def convertible(module: nn.Module, fqn: str) -> bool:
-    """Whether the linear at ``fqn`` (a name inside a model chunk) becomes a float8 linear:
-    a block's linear whose sizes are multiples of :data:`ALIGNMENT`, except an MoE router (fp32 by contract)."""
+    """A block linear with :data:`ALIGNMENT`-multiple sizes, not an MoE router (fp32 by contract)."""
     return (isinstance(module, nn.Linear) and fqn.startswith("blocks.") and not fqn.endswith(".router")
             and module.in_features % ALIGNMENT == 0 and module.out_features % ALIGNMENT == 0)
 
 
 def convert(chunks: Iterable[nn.Module], recipe: str) -> int:
-    """Swap the :func:`convertible` linears of every chunk for torchao's float8 linears with
-    ``recipe``'s scaling, in place (same parameter objects, so their tags and the optimizer's
-    view of them are kept). Returns how many were converted."""
+    """Convert the :func:`convertible` linears in place (same parameter objects, tags kept);
+    returns how many."""
     from torchao.float8 import (  # lazy: optional dependency (the fp8 extra)
         Float8LinearConfig,
         convert_to_float8_training,
@@ -94,6 +70,5 @@ def convert(chunks: Iterable[nn.Module], recipe: str) -> int:
 
 
 def is_float8(module: nn.Module) -> bool:
-    """Whether ``module`` is torchao's float8 linear (its class is not public API in torchao, so
-    it is recognised by name rather than imported)."""
+    """Whether ``module`` is torchao's float8 linear (by name: the class is not public API)."""
     return type(module).__name__ == "Float8Linear"

@@ -1,39 +1,18 @@
-"""The GPT (in the spirit of nanoGPT, readable) that serves every parallel layout (in the spirit
-of megatron-core's ``GPTModel``): :class:`GPT` assembles the blocks of
-:mod:`tokenloom.train.model.blocks` described by a :class:`~tokenloom.train.model.config.GPTConfig`.
+"""The GPT (nanoGPT's readability, megatron-core ``GPTModel``'s layouts): :class:`GPT` assembles the
+blocks of :mod:`.blocks` described by a :class:`~.config.GPTConfig`, in every layout with the
+one-process model's names (checkpoints reshard by name) and, at tp = 1, its numerics and state dict.
 
-* **Tensor parallelism**: linears and the token embedding come from a
-  :class:`~tokenloom.train.parallel.layers.TensorParallel` context, with the numerics, names and
-  state dict of a model that knows nothing of tp at tp = 1; above, embedding and LM head are
-  vocab-parallel and the loss is taken on ``[.., V/tp]`` logits (full logits never exist).
-  Sequence parallelism keeps ``[s/tp, b, h]`` activations between the tp regions.
-* **Pipeline parallelism**: a stage is a range of blocks (``layers``) plus the embeddings
-  (``pre``) and/or head and loss (``post``); :mod:`tokenloom.train.model.pipeline_split` picks
-  Megatron's ranges. Parameter names stay global (``blocks.7.mlp.fc.weight``), so checkpoints
-  reshard by name.
-* **Initialisation** is rank-local and layout-free: parameters are created on ``meta`` and
-  :meth:`GPT.init_weights` fills each rank's shards with the one-process model's values (every
-  full weight drawn in turn from a private generator seeded by ``seed``, then sliced):
-  normal(0, ``init_std``), residual projections scaled by ``1/sqrt(2 * n_layers)`` (GPT-2),
-  biases zero, norm weights one. The price of equal starts in every layout: every rank draws the
-  whole model's numbers.
-* The padded vocabulary's logits and softmax cover the padded ids; no label is one. Slice
-  ``logits[..., :vocab_size]`` for sampling.
+* **Tensor parallelism**: vocab-parallel embedding and head, loss on ``[.., V/tp]`` logits; sequence
+  parallelism keeps ``[s/tp, b, h]`` between tp regions. **Pipeline**: a stage is a block range
+  (:mod:`.pipeline_split`) plus embeddings (``pre``) and/or head and loss (``post``).
+* **Initialisation** is layout-free (:meth:`GPT.init_weights`): every layout starts equal.
+* Logits cover the padded vocabulary (no label is a padded id); slice ``[..., :vocab_size]``.
 
-Kernels (:attr:`GPTConfig.kernels`, :mod:`tokenloom.train.kernels`) are chosen once, when the model
-is built, for the device it is built on (:func:`build_ops`, megatron-core's ModuleSpec idea): every
-block, norm and the head hold the same kernel set (or None, the eager reference code) as a plain
-attribute, so ``forward`` has one path and no lookup for dynamo to trace. No parameters or buffers
-are added, so state dicts and checkpoints are the same in every mode and load across modes. The
-``reference`` loss materialises ``[tokens, padded_vocab]`` fp32 logits; ``compiled`` / ``triton``
-(and ``auto`` where it resolves to one) route norms, activations, RoPE and attention through the
-kernel set and take the loss chunked from the final hidden states and the LM-head weight
-(O(chunk x vocab) memory; full logits when small), with the reference's semantics (padded-vocab
-softmax, ``mean`` over tokens or ``loss_mask``) and its numerics up to float rounding; biases go
-into ``bias_gelu`` and ``bias_dropout_add`` at every tp size. Logits (``labels=None``) are always
-the full padded tensor. ``bench/kernels_bench.py`` measures the modes' throughput and memory.
+Kernels are chosen once for the build device (:func:`build_ops`, megatron-core's ModuleSpec idea)
+and held as a plain attribute: one ``forward`` path, nothing for dynamo to look up, no parameters
+added, so checkpoints load across modes. ``reference`` materialises fp32 logits; kernel modes take
+the loss chunked from hidden states and head weight (``bench/kernels_bench.py`` compares them).
 """
-
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -76,10 +55,8 @@ from tokenloom.train.parallel.tp_cross_entropy import (
 
 
 def build_ops(mode: str, device: torch.device | str) -> KernelSet | None:
-    """The op implementations of a model built on ``device`` for kernel mode ``mode``: the
-    :class:`~tokenloom.train.kernels.KernelSet`, or None when it resolves to ``reference``
-    (the modules' own eager code, the test oracle, runs then). A ``meta`` model (shapes only,
-    never run) takes None. Raises ``ValueError`` when the host cannot run ``mode``."""
+    """The :class:`KernelSet` for ``mode`` on ``device``, or None for ``reference`` (the modules'
+    eager code) and ``meta``. Raises ``ValueError`` when the host cannot run ``mode``."""
     device_type = torch.device(device).type
     if mode == "reference" or device_type == "meta":
         return None
@@ -103,32 +80,19 @@ def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.T
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """Mean next-token cross entropy of ``logits`` [..., vocab] (any float dtype, computed in
-    fp32) against ``labels``, over the tokens ``loss_mask`` keeps: the reference loss at tp = 1."""
+    """Mean fp32 next-token cross entropy over the tokens ``loss_mask`` keeps (reference, tp = 1)."""
     return masked_mean(token_losses(logits, labels), loss_mask)
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token next-token cross entropy [labels.numel()] of ``logits`` [..., vocab] (computed
-    in fp32) against ``labels``, unmasked: what :func:`lm_loss` averages."""
+    """Unmasked per-token fp32 cross entropy [labels.numel()]: what :func:`lm_loss` averages."""
     return F.cross_entropy(logits.float().view(labels.numel(), -1), labels.reshape(-1), reduction="none")
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer, or a pipeline stage of one, at any tensor-parallel size.
-
-    ``GPT(cfg)`` is the whole model on one process. ``tp`` (a
-    :class:`~tokenloom.train.parallel.layers.TensorParallel`) splits its matmuls and
-    vocabulary over a tensor-parallel group; ``layers`` (global block indices), ``pre``
-    (embeddings) and ``post`` (final norm, LM head, loss) make it a pipeline stage. Names
-    are the one-process model's everywhere (``blocks.3.attn.qkv.weight``), so checkpoints
-    reshard by name. With tied embeddings a stage that has the LM head but not the
-    embedding holds its own copy (Megatron's), tagged ``shared_embedding`` and ``shared``.
-
-    Parameters are created on ``meta`` and materialised on ``device`` (the host by
-    default; ``"meta"`` keeps a shape-only model), then :meth:`init_weights` fills this
-    rank's shards with exactly the values the one-process model gets.
-    """
+    """Decoder-only transformer, or a pipeline stage of one (``layers``, ``pre``, ``post``), at any
+    tp size. A tied head's stage without the embedding keeps its own copy (Megatron's), tagged
+    ``shared_embedding`` and ``shared``. ``device="meta"`` keeps shapes only."""
 
     rope_cos: torch.Tensor  # buffers (positions rope), [seq_len, head_dim]
     rope_sin: torch.Tensor
@@ -177,17 +141,16 @@ class GPT(nn.Module):
             self.init_weights()
 
     def _materialise(self, device: torch.device) -> None:
-        """Uninitialised storage on ``device`` for every parameter and buffer. ``to_empty``
-        makes new parameter objects, so the tags the parallel layers put on them
-        (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``) are carried over."""
+        """Uninitialised storage on ``device``, carrying the parallel tags over (``to_empty`` makes
+        new parameter objects)."""
         tags = {name: dict(vars(p)) for name, p in self.named_parameters(remove_duplicate=False)}
         self.to_empty(device=device)
         for name, p in self.named_parameters(remove_duplicate=False):
             vars(p).update(tags[name])
 
     def _tie_and_tag(self) -> None:
-        """Tie the LM head to the embedding (one stage holding both) and tag parameters for
-        the optimizer, the grad norm and the gradient reductions."""
+        """Tie the head to the embedding (a stage holding both); tag parameters for optimizer,
+        grad norm and gradient reductions."""
         cfg, tp = self.cfg, self.tp
         if self.pre:
             tag(self.tok_emb.weight, is_embedding=True, shared_embedding=cfg.tie_embeddings)
@@ -204,16 +167,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Deterministic init from ``cfg.seed`` (independent of the global RNG): normal(0,
-        ``init_std``) for matmul weights and embeddings (residual projections scaled by
-        ``1/sqrt(2 n_layers)``), drawn from one private generator in the one-process model's
-        module order, biases zero, norm weights one.
-
-        Every rank draws every full weight in turn (one host tensor at a time) and keeps
-        the shard it holds: the price is the draws of the whole model on every rank
-        (about a second at 124 M parameters), the gain is that every layout starts from
-        the one-process values and no rank holds more than one full weight.
-        """
+        """normal(0, ``init_std``) from ``cfg.seed`` in one-process order, residual projections by
+        ``1/sqrt(2 n_layers)`` (GPT-2), biases zero, norms one. Each rank draws every full weight and
+        keeps its shard: the whole model's draws buy equal starts, one full weight held at a time."""
         cfg, tp = self.cfg, self.tp
         mine = dict(self.named_parameters(remove_duplicate=False))
         split_sizes = {f"{name}.weight": getattr(m, "split_sizes", None) for name, m in self.named_modules()}
@@ -268,24 +224,10 @@ class GPT(nn.Module):
         positions: torch.Tensor | None = None,
         token_losses: bool = False,
     ) -> torch.Tensor:
-        """tokens/labels/loss_mask: [batch, seq]. Returns logits [batch, seq, padded_vocab]
-        when ``labels`` is None, else the scalar cross-entropy averaged over tokens whose
-        ``loss_mask`` is nonzero (all tokens when ``loss_mask`` is None); with ``token_losses``,
-        the unmasked per-token losses [batch, seq] instead (``loss_mask`` unused), whose
-        :func:`masked_mean` is that scalar up to float rounding. In training ``token_losses``
-        gives up the fused kernels' gradients-in-forward (the LM head's backward recomputes
-        its logits).
-
-        A stage without ``pre`` takes the previous stage's activation as ``hidden``
-        (``tokens`` unused); a stage without ``post`` returns its activation ([batch, seq,
-        d], or [seq/tp, batch, d] under sequence parallelism).
-
-        Document-isolated attention (``data.inter_document_masking``): ``documents`` is the
-        batch's ``cu_seqlens`` [batch, seq + 1] and ``positions`` its position ids [batch,
-        seq], restarting at each document (learned position embeddings and RoPE use them).
-        The attention mask is built from them once per forward, before the (possibly
-        compiled) blocks, which all take it.
-        """
+        """tokens/labels/loss_mask: [batch, seq] -> logits without ``labels``, else the mean loss over
+        kept tokens, or with ``token_losses`` unmasked per-token losses (no fused grads-in-forward).
+        No ``pre``: input ``hidden``; no ``post``: returns the activation. ``documents``:
+        ``cu_seqlens`` with per-document ``positions``, the mask built once per forward."""
         if self.cp is not None and positions is None:  # the global positions of this rank's tokens
             where = _given(tokens if self.pre else hidden, "tokens" if self.pre else "hidden").device
             positions = local_index(self.cfg.seq_len, self.cp[1], self.cp[2], where).unsqueeze(0)
@@ -311,36 +253,23 @@ class GPT(nn.Module):
         return self.head(self.norm(x), labels, loss_mask)
 
     def context_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
-        """Run as rank ``rank`` of a context-parallel group of ``size``
-        (:mod:`tokenloom.train.parallel.context`): :meth:`forward` then takes this rank's
-        tokens of each ``seq_len`` sequence (``positions``: theirs, within their documents
-        under inter-document masking; by default their global positions), and attention
-        gathers every rank's keys and values."""
+        """Run as ``rank`` of a context-parallel group (:mod:`~tokenloom.train.parallel.context`):
+        :meth:`forward` takes this rank's tokens of each sequence, attention gathers all K/V."""
         self.cp = (group, size, rank)
         for module in self.modules():
             if isinstance(module, Attention):
                 module.cp_group = group
 
     def expert_parallel(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
-        """Run as rank ``rank`` of an expert-parallel group of ``size``: every MoE layer keeps its
-        share of the experts and exchanges tokens over ``group``
-        (:meth:`MoE.expert_parallel`). The trade-off: the layers are initialised whole first
-        (one-process values by construction), so a rank briefly holds every expert."""
+        """Run as ``rank`` of an expert-parallel group (:meth:`MoE.expert_parallel`). Layers are
+        initialised whole first (one-process values), so a rank briefly holds every expert."""
         for layer in self.moe_layers().values():
             layer.expert_parallel(group, size, rank)
 
     def compile_blocks(self) -> None:
-        """``torch.compile`` each transformer block in place (``compile: true``), torchtitan's
-        choice over compiling the whole model: the backward keeps one autograd node per block,
-        so data-parallel gradient buckets are reduced while earlier blocks are still in
-        backward (a whole-model graph has one backward node and every bucket would wait for
-        its end); identical blocks share one compiled graph, so compile time is one block's.
-        The reference loss (:func:`lm_loss`, tp = 1) is compiled too, as torchtitan compiles
-        its loss: the fp32 cast, log-softmax and gather fuse into one pass over the bf16 logits,
-        and the backward recomputes the softmax from them instead of keeping fp32 copies
-        ([tokens, vocab] fp32, twice). The cost: no fusion across block boundaries, and the
-        embedding and the LM head matmul run eagerly (their kernels are the ``kernels``
-        setting's)."""
+        """``torch.compile`` each block (torchtitan's choice: a backward node per block keeps DDP
+        overlapping; identical blocks share a graph) and the reference loss (no fp32 logit copies).
+        The cost: no fusion across blocks; embedding and head matmul stay eager."""
         for block in self.blocks.values():
             block.compile()
         if self.post:
@@ -382,8 +311,7 @@ class GPT(nn.Module):
         return masked_mean(losses, loss_mask)
 
     def token_head(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """LM head and per-token losses [batch, seq] on the final hidden states (``token_losses``
-        of :meth:`forward`), by the same kernels as :meth:`head`."""
+        """Per-token losses [batch, seq] (``token_losses`` of :meth:`forward`), kernels as :meth:`head`."""
         tp, ks = self.tp, self.ops
         if tp.size == 1:
             if ks is not None:
@@ -402,10 +330,8 @@ class GPT(nn.Module):
         return losses.transpose(0, 1) if tp.sp else losses
 
     def param_split(self) -> dict[str, int]:
-        """Unique parameters of the whole model by part: ``embedding`` (token table, and position table
-        if learned), ``blocks`` (the transformer blocks), ``head`` (final norm, and the LM head when
-        untied; a tied head is the embedding's table). Counted like :meth:`num_params`, whose total
-        they sum to."""
+        """Unique parameters by part (``embedding``, ``blocks``, ``head``: final norm and an untied
+        head), summing to :meth:`num_params`."""
         model = GPT(self.cfg, device="meta")
         embedding = sum(p.numel() for p in (*model.tok_emb.parameters(),
                                             *(model.pos_emb.parameters() if model.pos_emb is not None else ())))
@@ -417,14 +343,12 @@ class GPT(nn.Module):
         return {int(i): b.mlp for i, b in self.blocks.items() if isinstance(b.mlp, MoE)}
 
     def set_aux_loss_scale(self, scale: float) -> None:
-        """The factor the trainer applies to the loss before backward (1 / micro-batches), given to
-        every MoE layer's auxiliary losses so they weigh as they would in one process."""
+        """The trainer's loss factor (1 / micro-batches), applied to every MoE auxiliary loss too."""
         for layer in self.moe_layers().values():
             layer.aux_loss_scale = scale
 
     def num_active_params(self, exclude_embeddings: bool = False) -> int:
-        """:meth:`num_params` less the experts a token does not reach: per MoE layer, ``E - k`` of its
-        ``E`` experts' weights (the router counts as active)."""
+        """:meth:`num_params` less the ``E - k`` experts per MoE layer a token does not reach."""
         inactive = 0
         for module in GPT(self.cfg, device="meta").modules():
             if isinstance(module, Experts):
@@ -433,9 +357,8 @@ class GPT(nn.Module):
         return self.num_params(exclude_embeddings) - inactive
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Unique parameters (a tied embedding counts once) of the whole model, counted on
-        a ``meta`` copy for a stage or a tensor-parallel shard. ``exclude_embeddings`` drops
-        the position table and, when untied, the input token table (lookups, not matmuls)."""
+        """Unique parameters of the whole model (a stage or shard counts a ``meta`` copy);
+        ``exclude_embeddings`` drops the position table and an untied token table."""
         whole = self.tp.size == 1 and self.pre and self.post and len(self.blocks) == self.cfg.n_layers \
             and all(layer.ep is None for layer in self.moe_layers().values())
         model = self if whole else GPT(self.cfg, device="meta")

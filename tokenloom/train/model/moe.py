@@ -1,42 +1,18 @@
-"""Mixture-of-experts pieces of the one GPT (megatron-core's ``TopKRouter``, token permutation,
-grouped experts and auxiliary losses); the layer itself is :class:`tokenloom.train.model.blocks.MoE`.
+"""Mixture-of-experts pieces (megatron-core's ``TopKRouter``, token permutation, grouped experts,
+auxiliary losses); the layer itself is :class:`tokenloom.train.model.blocks.MoE`.
 
-Contracts:
-
-* **Router** (:func:`route`): fp32 logits (autocast off), top-k over the logits, then a softmax
-  over the k chosen (Megatron's default ``pre_softmax=False``; equal to Mixtral's softmax, top-k and
-  renormalise). No token is dropped: every token reaches its k experts whatever their load.
-* **Permutation** (:func:`permute`): the ``N x k`` (token, expert) pairs are sorted by expert with
-  one stable ``argsort``, so each expert's tokens are one contiguous slice in token order;
-  :func:`unpermute` scales each result by its gate and sums it back with one ``index_add``. The
-  counts per expert stay on the device.
-* **Experts** (:func:`grouped_mm`): ``torch._grouped_mm`` over the sorted tokens (one kernel, no
-  host sync) where the device runs it (:func:`grouped_mm_usable`), else a loop over experts, which
-  reads the counts on the host (one sync per MoE layer and pass).
-* **Expert parallelism** (:func:`dispatch`, :func:`combine`): at ep > 1 each rank of the ep group
-  holds ``E / ep`` consecutive experts. The counts go first (one small ``all_to_all_single``), then
-  the rows (:class:`AllToAll`, whose backward is the reverse exchange); received rows are sorted by
-  local expert (stable: source rank, then token order). The router, the auxiliary losses and the
-  statistics stay on the source rank's tokens.
-* **The allgather dispatcher** (:func:`gather_dispatch`, :func:`gather_combine`; megatron-core's
-  ``MoEAllGatherTokenDispatcher``): every ep rank all-gathers the group's hidden states and routing,
-  runs its experts on the rows routed to them (in :func:`dispatch`'s order), sums the gated results
-  into their tokens and reduce-scatters the partial sums back. Fixed-size collectives and no host
-  sync where the grouped GEMM runs (a buffer of the most rows a rank can be routed, ``ep N min(k, E
-  / ep)``, its unused tail masked); more bytes per rank as ep grows. The result equals the
-  all-to-all path's up to rounding. Every rank of the group passes the same number of tokens.
-* **Experts under tensor parallelism** (sequence parallelism required, as in Megatron): each expert
-  is whole on every tp rank (not Megatron's expert tensor parallelism), and each tp rank routes and
-  dispatches its own ``1 / tp`` slice of the sequence over its ep group; the expert grads are summed
-  over tp like the router's (tag ``sequence_parallel``) before the expert-data-parallel reduction.
-  Why: no tp collective of its own and ``1 / tp`` of the tokens per exchange, where split experts
-  would gather over tp and run GEMMs ``1 / tp`` as wide; the price is ``tp`` times the expert memory.
-  Under pipeline parallelism each stage's experts split over that stage's ep ranks.
-* **Auxiliary losses** (:func:`load_balancing_loss`, :func:`z_loss`) are computed over a
-  micro-batch's tokens (all-reduced over tp under sequence parallelism, forward only) and enter
-  backward through :class:`AttachAuxLoss` (Megatron's ``MoEAuxLossAutoScaler``), not through the
-  returned loss, so a stage without the LM head still trains its routers; the reported LM loss is
-  unchanged by them and they are logged apart.
+* **Router** (:func:`route`): fp32 logits, top-k, softmax over the k (Megatron's default, equal to
+  Mixtral's); no token is dropped. **Permutation**: one stable ``argsort`` by expert; results return
+  gated through one ``index_add``. **Experts** (:func:`grouped_mm`): one grouped GEMM, no host sync.
+* **Expert parallelism**: each ep rank holds ``E / ep`` consecutive experts. ``alltoall``
+  (:func:`dispatch`) moves only routed rows after a split-size exchange (host sync); ``allgather``
+  (:func:`gather_dispatch`, megatron-core's ``MoEAllGatherTokenDispatcher``) uses fixed-size
+  collectives without host sync, more bytes as ep grows; equal up to rounding.
+* **Under tp** (sp required) experts are whole per tp rank, each routing its sequence slice: no tp
+  collective, for ``tp`` times the expert memory.
+* **Auxiliary losses** enter backward through :class:`AttachAuxLoss` (Megatron's
+  ``MoEAuxLossAutoScaler``), not the returned loss: stages without the head train their routers,
+  and the reported LM loss is unchanged.
 """
 
 from __future__ import annotations
@@ -67,13 +43,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, 
 
 def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, sequences: int, kind: BalancingType,
                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Switch-Transformer balance loss (Megatron's, without its coefficient):
-    ``E / (T^2 k) * sum_e P_e c_e`` with ``P_e`` the sum over T tokens of expert e's full-softmax
-    probability and ``c_e`` the tokens routed to e. ``aux_loss`` takes T = every token of the
-    micro-batch; ``seq_aux_loss`` takes each of the ``sequences`` sequences (rows of ``logits`` are
-    sequence-major: ``[sequences, tokens, E]`` flattened) and averages over them. Equals 1 when
-    routing and probabilities are uniform. ``group``: the tp group under sequence parallelism
-    (each rank's tokens are one slice of every sequence; sums are all-reduced over it)."""
+    """Switch-Transformer balance loss, no coefficient: ``E / (T^2 k) * sum_e P_e c_e`` (1 when
+    uniform) over the micro-batch (``aux_loss``) or per sequence, averaged; sums over ``group``."""
     num_experts, k = logits.shape[-1], experts.shape[-1]
     probs = logits.softmax(dim=-1)
     if kind == "aux_loss":
@@ -91,8 +62,7 @@ def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, sequences: 
 
 
 def z_loss(logits: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """ST-MoE router z-loss without its coefficient: the mean over tokens of
-    ``logsumexp(logits)^2`` (the sum all-reduced over ``group``, as in :func:`load_balancing_loss`)."""
+    """ST-MoE router z-loss, no coefficient: mean ``logsumexp(logits)^2`` (summed over ``group``)."""
     total, tokens = logits.logsumexp(dim=-1).square().sum(), logits.shape[0]
     if group is not None and dist.get_world_size(group) > 1:
         total = reduce_from_region(total, group)
@@ -101,9 +71,7 @@ def z_loss(logits: torch.Tensor, group: dist.ProcessGroup | None = None) -> torc
 
 
 class AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``out`` whose backward also sends gradient ``scale`` into ``aux`` (a scalar
-    loss): ``aux * scale`` joins the training objective without being added to the returned loss.
-    ``scale`` is the factor the LM loss gets before backward (1 / micro-batches)."""
+    """Identity whose backward gives scalar ``aux`` gradient ``scale``: it joins the objective only."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
@@ -118,9 +86,7 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 class AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` of the rows of ``x`` over ``group`` with uneven splits (rows sent to
-    each rank, rows received from each), differentiable: backward sends the gradients back by the
-    reverse exchange."""
+    """Differentiable uneven ``all_to_all_single`` of rows; backward is the reverse exchange."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -138,9 +104,8 @@ class AllToAll(torch.autograd.Function):
 
 def dispatch(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, size: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """Send ``rows`` (sorted by global expert, ``counts`` [E] per expert) to the ep ranks holding
-    their experts -> (the received rows sorted by local expert, the local expert of each, tokens
-    per local expert [E / ep], the plan :func:`combine` needs). Host sync on the split sizes (the exchange needs them)."""
+    """Send expert-sorted ``rows`` to their experts' ranks -> (rows by local expert, their experts,
+    counts, the plan). Host sync."""
     local = counts.numel() // size
     send_counts = counts.view(size, local)
     recv_counts = torch.empty_like(send_counts)
@@ -154,8 +119,7 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
 
 
 def combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
-    """Inverse of :func:`dispatch`: the experts' outputs back to their source ranks, in the order
-    the rows were sent."""
+    """Inverse of :func:`dispatch`: outputs back to their source ranks in send order."""
     order, send, recv, group = plan
     return AllToAll.apply(out[order.argsort()], recv, send, group)
 
@@ -163,13 +127,8 @@ def combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
 def gather_dispatch(x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, group: dist.ProcessGroup,
                     first: int, local: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """The allgather dispatcher's forward half: ``x`` [N, d] with its routing (``experts`` [N, k]
-    global ids, ``gates`` [N, k] fp32) gathered from every rank of ``group`` -> (the rows routed to
-    experts ``first .. first + local`` sorted by local expert, in a fixed buffer of
-    ``ep N min(k, local)`` rows whose tail, past the routed rows, belongs to no expert; the local
-    expert of each row (the tail: the last); tokens per local expert [local]; which rows are routed
-    ([rows, 1] bool, :func:`grouped_mm`'s ``valid``); the plan :func:`gather_combine` needs).
-    Differentiable in ``x`` and ``gates``; no host sync."""
+    """Gather ``x`` and routing over ``group`` -> (rows for experts ``first ..`` in a fixed ``ep N
+    min(k, local)``-row buffer, tail unrouted; their local experts; counts; ``valid``; the plan)."""
     k = experts.shape[-1]
     hidden = gather_from_sequence_parallel_region(x, group)
     # one collective for both: expert ids are exact in fp32 (E < 2**24); their grad is dropped
@@ -184,9 +143,7 @@ def gather_dispatch(x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor,
 
 
 def gather_combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
-    """The allgather dispatcher's return half: each of :func:`gather_dispatch`'s rows' expert
-    output (the tail's values ignored) scaled by its gate and summed into its token, the group's
-    partial sums reduce-scattered -> this rank's tokens [N, d]."""
+    """Gated rows summed into their tokens, reduce-scattered -> this rank's tokens [N, d]."""
     order, mine, gates, tokens, group = plan
     k = gates.shape[-1]
     scaled = torch.where(mine, out, 0) * gates.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
@@ -196,9 +153,7 @@ def gather_combine(out: torch.Tensor, plan: tuple) -> torch.Tensor:
 
 def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the (token, expert) pairs by expert: (tokens' rows in that order [N k, d], the order
-    (indices into the flattened ``experts``), the expert of each sorted row, tokens per expert
-    [E] int64 on the device)."""
+    """Pairs sorted by expert -> (rows [N k, d], order, each row's expert, counts [E] on device)."""
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -206,17 +161,15 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int
 
 
 def unpermute(out: torch.Tensor, order: torch.Tensor, gates: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Inverse of :func:`permute`: each sorted row scaled by its gate and summed into its token
-    -> [tokens, d] in ``out``'s dtype."""
+    """Inverse of :func:`permute`: gated rows summed into their tokens -> [tokens, d]."""
     k = gates.shape[-1]
     scaled = out * gates.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
     return out.new_zeros(tokens, out.shape[-1]).index_add_(0, order // k, scaled)
 
 
 def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs ``x`` [n, a] @ ``weight`` [E, a, b] here: the op exists,
-    rows are 16-byte aligned, and on CUDA the inputs are bf16 on a Hopper or newer GPU; under
-    ``torch.compile`` bf16 only (the op's shape function refuses other dtypes)."""
+    """Whether ``torch._grouped_mm`` runs here: 16-byte aligned rows; on CUDA bf16 on Hopper or
+    newer; under compile bf16 only (its shape function refuses others)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -232,12 +185,8 @@ def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool,
                valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of ``x`` [n, a], sorted by expert with ``counts`` [E] per expert, times their expert's
-    ``weight`` [E, a, b] -> [n, b]. ``grouped`` and :func:`grouped_mm_usable`: one
-    ``torch._grouped_mm`` (inputs in the autocast dtype, as a matmul would be); else a loop over
-    experts (host sync on ``counts``). Rows past ``counts.sum()`` belong to no expert; ``valid``
-    [n, 1] bool marks the others: the rows it leaves out get zero outputs and zero input gradients
-    (the grouped GEMM leaves both unset there). None: every row belongs to an expert."""
+    """Expert-sorted rows [n, a] times their expert's ``weight`` [E, a, b]: grouped GEMM or a loop
+    (host sync); rows outside ``valid`` get zero outputs and grads (the GEMM leaves them unset)."""
     if valid is not None:
         x = torch.where(valid, x, 0)
     if grouped and grouped_mm_usable(x, weight):
@@ -253,11 +202,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grou
 
 
 def log_fields(table: torch.Tensor, layers: list[int]) -> dict:
-    """Metrics of a log interval from ``table`` [MoE layers, E + 3] (each row a layer's
-    :meth:`~tokenloom.train.model.blocks.MoE.take_stats` summed over the ranks, in ``layers``' order):
-    ``moe_balance_loss`` and ``moe_z_loss`` (means over forwards and layers, coefficients not
-    applied), ``moe_min_expert_share`` (the smallest fraction of routed tokens any expert of any
-    layer got; ``1 / E`` is perfect balance) and ``moe_tokens_per_expert`` (per layer)."""
+    """Log-interval metrics from ``table`` [layers, E + 3] of summed ``MoE.take_stats`` rows
+    (``moe_min_expert_share``: ``1 / E`` is perfect balance)."""
     counts, balance, z, forwards = table[:, :-3], table[:, -3], table[:, -2], table[:, -1].clamp(min=1)
     shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
     return {"moe_balance_loss": float((balance / forwards).mean()), "moe_z_loss": float((z / forwards).mean()),

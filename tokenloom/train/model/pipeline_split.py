@@ -1,7 +1,5 @@
-"""Pipeline layout policy: which transformer blocks each pipeline rank's model chunks hold
-(:class:`PipelineSplit`, Megatron's rules), and :func:`pipeline_stage`, the model chunk a
-rank builds from it. The model itself (:mod:`tokenloom.train.model.gpt`) knows only the block
-indices it is given; the rules for choosing them live here.
+"""Pipeline layout policy: which blocks each pipeline rank's chunks hold (:class:`PipelineSplit`,
+Megatron's rules) and :func:`pipeline_stage`, the chunk a rank builds; the model only takes indices.
 """
 
 from __future__ import annotations
@@ -18,27 +16,9 @@ from tokenloom.train.parallel.layers import TensorParallel
 
 @dataclass(frozen=True)
 class PipelineSplit:
-    """Which transformer blocks each pipeline rank's model chunks hold: Megatron's rules.
-
-    The blocks are dealt out in model order over the virtual stages ``(chunk, pp_rank)``,
-    chunk-major (chunk 0 of ranks 0..p-1, then chunk 1, ...), each taking the next
-    ``counts()[chunk][pp_rank]`` blocks. The counts:
-
-    * even (default): ``n_layers / (p v)`` everywhere;
-    * ``first`` / ``last`` (Megatron's ``--decoder-first/last-pipeline-num-layers``): the
-      first / last pipeline rank holds that many blocks (``/ v`` per chunk), the other
-      ("middle") ranks share the rest evenly;
-    * ``embedding_as_layer`` / ``loss_as_layer`` (Megatron's
-      ``--account-for-embedding/loss-in-pipeline-split``): the embedding / the head and loss
-      count as one block each, ``(n_layers + 1 or 2) / (p v)`` per chunk, and the chunk
-      that holds them builds one block fewer (possibly none).
-
-    The trade-off: the last stage also runs the LM head and the loss (``d x V`` per
-    token, a few blocks' worth at a 100 k vocabulary), the first the embedding; equal
-    blocks leave the other ranks idle by that difference on every micro-batch, and moving
-    whole blocks is as fine as the balance gets. Names stay global, so checkpoints load
-    under any split.
-    """
+    """Blocks dealt in model order over virtual stages ``(chunk, pp_rank)``, chunk-major: even, or
+    ``first`` / ``last`` fixing the end ranks' counts, or ``embedding_as_layer`` / ``loss_as_layer``
+    counting those as a block (Megatron's flags), because the end stages' extra work idles the rest."""
 
     n_layers: int
     pp: int = 1
@@ -52,8 +32,7 @@ class PipelineSplit:
         self.counts()  # raises on a split that does not work out
 
     def counts(self) -> list[list[int]]:
-        """Blocks per virtual stage, ``[chunk][pp_rank]``; :class:`TokenloomError` naming the
-        setting when the split does not divide (Megatron's checks)."""
+        """Blocks per virtual stage ``[chunk][pp_rank]``; raises naming the flag when it does not divide."""
         n, p, v = self.n_layers, self.pp, self.vpp
         uneven = self.first is not None or self.last is not None
         if uneven or self.embedding_as_layer or self.loss_as_layer:
@@ -97,11 +76,7 @@ class PipelineSplit:
         return counts
 
     def layer_ids(self, pp_rank: int, chunk: int = 0) -> list[int]:
-        """The global block indices of ``chunk`` on ``pp_rank``.
-
-        Example: 4 layers at pp 2 x vpp 2 -> rank 0 holds [0] and [2], rank 1 [1] and [3];
-        with ``loss_as_layer`` 5 layers at pp 2 -> rank 0 holds [0, 1, 2], rank 1 [3, 4].
-        """
+        """Global block indices of ``chunk`` on ``pp_rank`` (4 layers, pp 2 x vpp 2: rank 0 [0], [2])."""
         counts = self.counts()
         flat = [k for row in counts for k in row]
         start = sum(flat[: chunk * self.pp + pp_rank])

@@ -1,24 +1,9 @@
-"""AdamW with the usual no-decay groups, the one gradient norm, and :class:`OptimConfig` (the
-optimizer's and the learning-rate schedule's settings; the schedule is :mod:`tokenloom.train.optim.schedule`).
-
-Choices and their costs:
-
-* **Weight decay** only on matrices used in matmuls (``dim >= 2``) that are not embedding
-  tables; biases, norm weights and the token/position embeddings (and so a tied LM head,
-  which is the same tensor) are not decayed (nanoGPT / Megatron convention). Grouping is
-  by parameter identity, so a tied weight is listed once.
-* **Fused AdamW by default** where torch has the kernel for the parameters' device (CPU
-  and CUDA): one kernel over every parameter instead of a loop of ops per tensor, several
-  times faster than the for-loop and foreach ones on CPU (see bench/RESULTS.md, notes),
-  and torchtitan's default on GPU. It is the same update but not bit-identical to torch's
-  default implementation, so a comparison against a plain ``torch.optim.AdamW`` sets
-  ``fused=False``. Every tokenloom path builds its optimizer here, so single-process,
-  DDP, tensor/pipeline-parallel and resumed runs all use the same implementation.
-* **One gradient norm** (:func:`global_grad_norm`) for every layout and both optimizers:
-  torch's ``get_total_norm`` over the gradients this rank counts (Megatron's rule: each
-  parameter once per model replica), squared and summed over the groups that hold the
-  other pieces (model-parallel, and data-parallel for ZeRO-1 shards), on the device with
-  no host sync. With no groups it is exactly ``clip_grad_norm_``'s norm.
+"""AdamW with the usual no-decay groups, the one gradient norm, and :class:`OptimConfig` (optimizer
+and :mod:`.schedule` settings). Weight decay only on matmul matrices that are not embedding tables
+(nanoGPT / Megatron). Fused AdamW by default where torch has the kernel (bench/RESULTS.md, notes;
+torchtitan's GPU default): not bit-identical to torch's default, so comparisons with plain
+``torch.optim.AdamW`` set ``fused=False``. One gradient norm (:func:`global_grad_norm`) for every
+layout and optimizer: each parameter once per replica (Megatron's rule), no host sync.
 """
 
 from __future__ import annotations
@@ -40,10 +25,8 @@ class OptimConfig:
     """AdamW or Muon, warmup + decay (cosine, linear or constant), gradient clipping."""
 
     name: Literal["adamw", "muon"] = "adamw"
-    """The optimizer (Megatron's --optimizer): adamw for every parameter, or muon for the hidden
-    matrices (attention and MLP projections, router, each expert's; each of a fused qkv's Q, K, V on
-    its own) and AdamW (beta1, beta2, eps, weight_decay) for embeddings, an untied LM head, biases and
-    norms. See tokenloom.train.optim.muon."""
+    """The optimizer (Megatron's --optimizer): adamw everywhere, or muon for the hidden matrices (Q, K, V
+    apart) with AdamW for embeddings, an untied head, biases and norms (tokenloom.train.optim.muon)."""
 
     lr: float = 6e-4
     """Peak learning rate (reached after warmup)."""
@@ -54,12 +37,10 @@ class OptimConfig:
     lr_decay_iters: int | None = None
     """Iteration at which the decay reaches min_lr; None means train_iters."""
     decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
-    """After warmup: cosine or linear from lr to min_lr at lr_decay_iters; WSD (lr, then the last
-    wsd_decay_iters before lr_decay_iters decay to min_lr); inverse-square-root (lr x sqrt(warmup /
-    step), not below min_lr); or constant lr (Megatron's --lr-decay-style)."""
+    """After warmup (--lr-decay-style): cosine or linear to min_lr at lr_decay_iters; WSD (lr, then the last
+    wsd_decay_iters to min_lr); inverse-square-root (lr x sqrt(warmup / step), >= min_lr); or constant."""
     wsd_decay_iters: int | None = None
-    """WSD: iterations of the final decay, ending at lr_decay_iters (Megatron's --lr-wsd-decay-iters);
-    needed by decay_style WSD."""
+    """WSD (required): iterations of the final decay, ending at lr_decay_iters (--lr-wsd-decay-iters)."""
     wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
     """WSD: the shape of the final decay (Megatron's --lr-wsd-decay-style, the same default)."""
     beta1: float = 0.9
@@ -89,12 +70,10 @@ class OptimConfig:
     """Muon's step size per A x B (out x in) matrix: match_rms_adamw (0.2 sqrt(max(A, B)), the update RMS of
     AdamW, Moonshot's) or original (sqrt(max(1, A / B)), Keller Jordan's)."""
     muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
-    """The precision of the Newton-Schulz matmuls: bf16 (torch.optim.Muon's) or fp32 (slower on GPUs,
-    less rounding)."""
+    """Newton-Schulz matmul precision: bf16 (torch.optim.Muon's) or fp32 (slower on GPUs, less rounding)."""
     muon_tp_mode: Literal["duplicated", "blockwise"] = "duplicated"
-    """At tp > 1: duplicated gathers each tp-split matrix and orthogonalises it whole on every tp rank
-    (the one-process update, Megatron's duplicated mode); blockwise orthogonalises each rank's shard
-    alone (no communication, NOT the one-process update)."""
+    """At tp > 1: duplicated orthogonalises each gathered tp-split matrix whole on every tp rank (the
+    one-process update, Megatron's); blockwise each shard alone (no communication, NOT one-process)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -135,10 +114,8 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 def param_groups(modules: nn.Module | Iterable[nn.Module], weight_decay: float) -> list[dict]:
-    """Two AdamW groups over the parameters of ``modules`` (a model, or a rank's pipeline
-    chunks): decayed matmul weights, and everything else (biases, norms, embedding tables:
-    ``nn.Embedding`` weights and parameters tagged ``is_embedding``, such as a tied LM head
-    or a vocab-parallel table). Tied tensors are listed once, in first-seen order."""
+    """Two AdamW groups over ``modules``: decayed matmul weights, and the rest (biases, norms,
+    ``nn.Embedding`` or ``is_embedding``-tagged tables); tied tensors once, first-seen order."""
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     embeddings = {id(m.weight) for mod in modules for m in mod.modules() if isinstance(m, nn.Embedding)}
     decay: list[nn.Parameter] = []
@@ -168,11 +145,8 @@ def build_optimizer(modules: nn.Module | Iterable[nn.Module], cfg: OptimConfig) 
 
 def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None] = (),
                      *, device: torch.device) -> torch.Tensor:
-    """L2 norm of a gradient spread over ranks, as a 0-dim fp32 tensor on ``device``.
-
-    ``grads``: the pieces this rank counts; ``groups``: the groups whose members hold the
-    other pieces (the squared norm is all-reduced over each in turn). With no groups this
-    is ``torch.nn.utils.clip_grad_norm_``'s norm exactly."""
+    """L2 norm (0-dim fp32 on ``device``) of ``grads`` this rank counts, the square all-reduced over
+    each of ``groups`` in turn; with none exactly ``clip_grad_norm_``'s."""
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     if not groups:
         return local
@@ -183,8 +157,7 @@ def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[dist.Proces
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch's clipping factor ``min(1, max_norm / (norm + 1e-6))`` (1 when ``max_norm <= 0``),
-    a device tensor (no host sync)."""
+    """torch's ``min(1, max_norm / (norm + 1e-6))`` as a device tensor (1 when ``max_norm <= 0``)."""
     max_norm = max_norm if max_norm > 0 else math.inf
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 

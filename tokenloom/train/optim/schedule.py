@@ -1,18 +1,7 @@
-"""The learning rate of a step as a pure function of the iteration: warmup, then Megatron's decays.
-
-The schedule is a function of the iteration (:func:`lr_at`), not a stateful torch
-scheduler: the learning rate of step ``it`` is recomputed and written into every param
-group before the step. Resume therefore needs no scheduler state beyond the iteration,
-and a resume that changes the schedule (``train_iters`` among it) is refused unless
-``override_opt_param_scheduler`` (:func:`tokenloom.train.config.check_resumable_schedule`);
-with it the rate from the resume step on is exactly the new schedule's.
-Warmup is linear, ``lr * (it + 1) / warmup_iters`` (the first step does not waste a
-zero learning rate), then Megatron's ``--lr-decay-style``: cosine (the default) or linear
-from ``lr`` to ``min_lr`` at ``lr_decay_iters``; WSD (warmup-stable-decay: ``lr`` until the
-last ``wsd_decay_iters`` before ``lr_decay_iters``, then ``wsd_decay_style`` down to
-``min_lr``); inverse-square-root (``lr * sqrt(warmup_iters / it)``, not below ``min_lr``);
-each constant ``min_lr`` from ``lr_decay_iters`` on, as Megatron's. Or constant ``lr``
-(``min_lr`` unused).
+"""The learning rate of a step as a pure function of the iteration (:func:`lr_at`, written into every
+param group before each step): resume needs only the iteration, and a changed schedule is refused
+unless ``override_opt_param_scheduler``. Warmup ``lr * (it + 1) / warmup_iters`` (no zero step),
+then Megatron's ``--lr-decay-style``s, each ``min_lr`` from ``lr_decay_iters`` on.
 """
 
 from __future__ import annotations
@@ -25,9 +14,7 @@ from tokenloom.train.optim.adamw import OptimConfig
 
 
 def lr_at(it: int, cfg: OptimConfig, train_iters: int) -> float:
-    """Learning rate of 0-based step ``it``: linear warmup, then ``decay_style`` (Megatron's
-    ``OptimizerParamScheduler.get_lr``, in steps): constant ``lr``; or cosine, linear, WSD or
-    inverse-square-root, each ``min_lr`` from ``lr_decay_iters`` on."""
+    """Learning rate of 0-based step ``it`` (Megatron's ``OptimizerParamScheduler.get_lr``, in steps)."""
     decay_iters = cfg.lr_decay_iters or train_iters
     if it < cfg.warmup_iters:
         return cfg.lr * (it + 1) / cfg.warmup_iters

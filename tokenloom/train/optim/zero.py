@@ -1,42 +1,20 @@
 """ZeRO-1: AdamW whose fp32 master weights and moments are sharded over data parallel.
 
-Layout (Megatron-core's distributed optimizer, ``distrib_optimizer.py``): the parameters, in the order given, live in one flat ``param_buffer`` (their ``.data``
-re-pointed into it) and one flat ``grad_buffer`` (each ``.grad`` a view into it), cut into buckets
-of whole parameters (:func:`~tokenloom.train.parallel.ddp.compute_bucket_assignment_by_size`). Each
-bucket is padded to a multiple of dp and cut into dp equal pieces; rank ``r`` owns piece ``r`` of
-every bucket, across parameter boundaries. Parameters share one dtype; no 64-element alignment.
+Layout (Megatron-core's ``distrib_optimizer.py``): flat ``param_buffer`` and ``grad_buffer``
+(``.data``, ``.grad`` views) in buckets of whole parameters, padded to a multiple of dp; rank ``r``
+owns piece ``r`` of each bucket, across parameter boundaries. A step: grads enter divided by dp,
+buckets reduce-scatter (from grad hooks with ``overlap_grad_reduce``, last first, one order on all
+ranks), then grad norm, weight decay before the update (as ``torch.optim.AdamW``: equal to one
+process), AdamW on the fp32 shard and one all-gather per bucket.
 
-One step: backward writes grads into the buffer, each divided by dp as it enters (torch DDP's
-reducer); each bucket is reduce-scattered (SUM) into this rank's piece, launched from its grads'
-hooks with ``overlap_grad_reduce``, last bucket first, in the same order on every rank (buckets
-whose grads never all arrive are reduced in :meth:`step`). Then the global grad norm (over dp, then
-``norm_group``), decoupled weight decay per parameter group, AdamW on the fp32 shard, and one
-all-gather per bucket back into ``param_buffer``.
-
-Invariants and trade-offs:
-
-* **Memory**: an fp32 parameter's shard is its own master copy, so a rank holds 1/dp of AdamW's
-  moments (:meth:`ZeroAdamW.state_bytes`) plus < dp padding elements per bucket (measured against
-  plain data parallelism by ``bench/parallel_bench.py``).
-* **Parameter all-gather overlapped with the next forward** (``overlap_param_gather``, ``modules``
-  given): :meth:`step` returns with the gathers in flight; a forward pre-hook per layer waits for
-  every bucket up to the last one holding its parameters *or the next layer's* (a parent may read
-  a child's weight without calling it: ``GPT.head`` reads ``lm_head.weight``). Readers outside a
-  forward call :meth:`finish_param_sync` first. Bits equal the synchronous gather's; no hooks under compile.
-* **Sums over other groups follow the dp reduction** (Megatron's ``finalize_model_grads``):
-  :meth:`all_reduce_grads` sums sequence-parallel and tied-embedding grads on the reduced shard,
-  so the tied copies get a bucket of their own (``own_bucket``).
-* **Weight decay per group**: the inner AdamW has ``weight_decay=0``; ``p *= 1 - lr * wd`` is applied
-  before the update, as ``torch.optim.AdamW`` does, so ZeRO-1 equals one process with the same groups.
-* **Checkpoints without a gather**: each rank saves its own element ranges
-  (:meth:`own_param_states`) in :mod:`tokenloom.train.checkpoint.format`, so any dp size, with or
-  without ZeRO-1, loads them (:meth:`load_param_states`); :meth:`gathered_param_states` gives
-  ``torch.optim.AdamW``'s full form (a collective, for comparisons). One step count for all.
-* **dp = 1** runs the same code and writes the same checkpoints, with no collective.
-* **Expert parameters** (``is_expert``): buckets of their own over ``expert_dp_group`` (Megatron's
-  expert buffers); their grads are still divided by the whole dp size, which makes the sum over
-  the expert-dp group the one-process gradient, and each expert element lies in exactly one dp
-  rank's piece, so the grad norm counts dense and expert pieces once each.
+* **Memory**: 1/dp of the moments plus < dp padding elements per bucket (``bench/parallel_bench.py``).
+* **Overlapped parameter all-gather** (``overlap_param_gather``): a pre-hook per layer waits for the
+  buckets of its parameters *or the next layer's* (``GPT.head`` reads ``lm_head.weight``); readers
+  outside a forward call :meth:`~ZeroAdamW.finish_param_sync`.
+* **Sums over other groups follow the dp reduction** (:meth:`~ZeroAdamW.all_reduce_grads`); tied
+  copies get their own bucket to be cut alike. Checkpoints need no gather (any dp loads them).
+* **Expert parameters**: buckets over ``expert_dp_group``, divided by the whole dp (their sum is
+  the one-process gradient; the norm counts each piece once).
 """
 
 from __future__ import annotations
@@ -62,50 +40,10 @@ from tokenloom.train.parallel.wgrad import WgradSink, set_wgrad_sink
 
 
 class ZeroAdamW:
-    """AdamW with ZeRO-1 sharding over ``dp_group``; use it like a torch optimizer.
-
-    Args:
-        params: the model parameters, or torch-style groups of them (dicts with
-            ``"params"`` and optionally ``"weight_decay"``; other keys are refused).
-            Duplicates by identity are dropped (the first group wins). Their ``.data``
-            are moved into a flat buffer at construction; they must be equal on every
-            DP rank (same init).
-        dp_group: data-parallel group (None: the default group, or a single rank when
-            ``torch.distributed`` is not initialised).
-        lr, betas, eps: as ``torch.optim.AdamW``.
-        weight_decay: decoupled weight decay for parameters (or groups) that do not set
-            their own.
-        max_grad_norm: clip the global gradient norm to this (None: no clipping).
-        norm_group: extra group the squared norm is summed over after DP, e.g. the
-            model-parallel group, so every stage clips by the whole model's norm.
-        counts_in_norm: which parameters this rank counts in the norm (Megatron's rule:
-            each once per replica). Default: all but those tagged ``shared = True`` (the
-            last stage's copy of a tied embedding).
-        bucket_bytes: cut the flat buffers into buckets of about this many bytes
-            (:func:`~tokenloom.train.parallel.ddp.compute_bucket_assignment_by_size`; None: one
-            bucket), each reduce-scattered and all-gathered on its own.
-        overlap_grad_reduce: launch each bucket's reduce-scatter from gradient hooks as
-            soon as its grads are ready in backward (run every micro-batch backward but the
-            last inside :meth:`no_sync`); False: all of them in :meth:`step`.
-        overlap_param_gather: :meth:`step` launches each bucket's parameter all-gather and
-            returns; forward pre-hooks on the layers of ``modules`` wait for the buckets they
-            read (:meth:`finish_param_sync` waits for all). False: :meth:`step` waits.
-        modules: the model chunk(s) holding the parameters (needed by ``overlap_param_gather``;
-            every parameter must be in them).
-        own_bucket: parameters that get a bucket of their own (Megatron's
-            ``_does_param_require_new_bucket``): a tied embedding under pipeline parallelism,
-            so that the first and the last stage cut it into the same dp pieces and
-            :meth:`all_reduce_grads` can sum their reduced pieces.
-        grad_units: submodules compiled in place (one autograd node each): no bucket ends
-            inside one (:func:`~tokenloom.train.parallel.ddp.grad_unit_ids`), as in DDP.
-        is_expert: the expert-parallel parameters (each rank's share of a layer's experts),
-            kept in buckets of their own sharded over ``expert_dp_group`` (module docstring).
-        expert_dp_group: the dp ranks holding this rank's experts (None: this rank alone).
-        fused: ``torch.optim.AdamW``'s ``fused`` for the inner AdamW on the fp32 shard (one
-            kernel per step over all its pieces where torch has it for the device, see
-            :func:`~tokenloom.train.optim.adamw.use_fused`; None: torch's default). The same update
-            as the other implementations up to rounding.
-    """
+    """AdamW with ZeRO-1 sharding over ``dp_group``, used like a torch optimizer. ``params``: equal on
+    every dp rank. ``norm_group``: summed over after dp (every stage clips by the whole norm);
+    ``counts_in_norm``: each parameter once per replica. ``overlap_*``: module docstring (``modules``:
+    the chunks the pre-hooks go on). ``own_bucket``: Megatron's ``_does_param_require_new_bucket``."""
 
     def __init__(
         self,
@@ -153,9 +91,7 @@ class ZeroAdamW:
         if any(p.device != device for p in self.params):
             raise TokenloomError("ZeroAdamW needs every parameter on one device")
 
-        # buckets: contiguous runs of parameters (one dtype and device: ddp.py's assignment
-        # gives runs in order), each padded to a multiple of its group's size (dp, or the
-        # expert-dp size for experts) and cut into that many equal pieces
+        # buckets: contiguous runs of parameters, each padded to a multiple of its group's size
         dp = self.dp_size
         assignment = [list(range(len(self.params)))] if bucket_bytes is None else \
             compute_bucket_assignment_by_size(self.params, [bucket_bytes],
@@ -207,9 +143,7 @@ class ZeroAdamW:
                 if wd != 0.0:
                     runs.append((a, b, wd))
 
-        # this rank's shard: the pieces, back to back (grads, norm weights), and one master
-        # tensor per piece for the inner AdamW: fp32 parameters' own piece of the buffer
-        # (stepped in place), else an fp32 copy
+        # this rank's shard, pieces back to back, and one master per piece (fp32: the buffer itself)
         self._grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
         self._norm_weight = torch.cat([norm_weight[pc] for pc in self._pieces])
         self._grad_pieces, self.main_shards, self._decay_runs = [], [], []
@@ -226,8 +160,7 @@ class ZeroAdamW:
         self.optimizer = torch.optim.AdamW(self.main_shards, lr=lr, betas=betas, eps=eps, weight_decay=0.0,
                                            fused=fused)
 
-        # overlap: a hook per parameter launches its bucket's reduce-scatter once the bucket is
-        # complete, buckets strictly from the last to the first (the same order on every rank)
+        # overlap: a hook per parameter launches complete buckets, strictly last to first
         self.overlap = overlap_grad_reduce and dp > 1
         self._sync = True  # flipped by no_sync()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -239,8 +172,7 @@ class ZeroAdamW:
                 set_wgrad_sink(p, self._make_sink(i))
         self._reset_reduction()
 
-        # overlap_param_gather: step() leaves the all-gathers in flight; buckets [0, _gathered)
-        # of _gathers (work, sent piece) are done, layers' forward pre-hooks wait for the rest
+        # overlap_param_gather: buckets [0, _gathered) of _gathers (work, sent piece) are done
         self.overlap_param_gather = overlap_param_gather and dp > 1
         self._gathers: list[tuple[Any, torch.Tensor | None]] = []
         self._gathered = 0
@@ -252,11 +184,9 @@ class ZeroAdamW:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start a step's gradients. ``set_to_none`` (torch's default, and the trainer's):
-        every ``.grad`` is None and the flat buffer is left as it is; each first grad of the
-        step is copied into its view by its hook (averaged there when that backward
-        reduces), so no memset, no add and no pass over the buffer. False: zero the buffer
-        and point every ``.grad`` back at its view (autograd then adds into the views)."""
+        """Start a step's gradients. ``set_to_none``: ``.grad`` None, the buffer untouched (each
+        first grad is copied into its view by its hook: no memset, no pass). False: zero the
+        buffer and point ``.grad`` at the views."""
         for p, view in zip(self.params, self._grad_views, strict=True):
             p.grad = None if set_to_none else view
         if not set_to_none:
@@ -265,8 +195,7 @@ class ZeroAdamW:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside only accumulate into the grad buffer (no reduce-scatter is
-        launched): every micro-batch of a step but the last (the schedules' ``no_sync``)."""
+        """Backwards inside only accumulate (every micro-batch but a step's last)."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -283,14 +212,12 @@ class ZeroAdamW:
         self._next = len(self._buckets) - 1  # the next bucket to launch
 
     def _into_view(self, i: int, p: torch.Tensor, *, average: bool) -> None:
-        """Make ``p.grad`` parameter ``i``'s view of the grad buffer, averaged over dp when
-        ``average`` (DDP's :func:`~tokenloom.train.parallel.ddp.grad_into_view`)."""
+        """``p.grad`` into its view, averaged when ``average`` (``ddp.grad_into_view``)."""
         grad_into_view(p, self._grad_views[i], self.dp_size if average else 1)
 
     def _make_sink(self, i: int) -> WgradSink:
         def sink(grad_out: torch.Tensor, inp: torch.Tensor) -> bool:
-            """Parameter ``i``'s weight grad written by its GEMM into its view, averaged when
-            its hook will launch (DDP's :func:`~tokenloom.train.parallel.ddp.wgrad_into_view`)."""
+            """Parameter ``i``'s wgrad into its view, averaged when its hook launches."""
             synced = self._sync and not self._ready[i]
             p, view = self.params[i], self._grad_views[i]
             self._in_view[i] = wgrad_into_view(p, view, self.dp_size if synced else 1, grad_out, inp)
@@ -315,8 +242,7 @@ class ZeroAdamW:
         return hook
 
     def _launch(self, k: int, async_op: bool) -> None:
-        """Reduce-scatter bucket ``k`` (the average) into this rank's grad piece, over the
-        bucket's group."""
+        """Reduce-scatter bucket ``k`` into this rank's grad piece, over the bucket's group."""
         (a, b), (group, size, _) = self._buckets[k], self._shards[k]
         if size == 1:
             self._grad_pieces[k].copy_(self.grad_buffer[a:b])
@@ -327,9 +253,7 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        """Reduce: wait for the buckets launched during backward, launch (and wait for) the
-        others. This rank's grad shard then holds the dp average; :meth:`step` calls it when
-        it was not called since the last backward."""
+        """Reduce every bucket (wait for launched ones); the grad shard then holds the dp average."""
         if self._reduced:
             return
         self.finish_param_sync()  # buckets no forward waited for: the gathers write the master shard
@@ -346,12 +270,9 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def all_reduce_grads(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
-        """Sum over ``group`` the reduced grads of ``params`` that this rank's shard holds (one
-        all-reduce; a collective over ``group`` whenever the shard holds any; None: one rank). Between
-        :meth:`finish_grad_sync` and :meth:`step`: Megatron's sequence-parallel and
-        tied-embedding sums after the dp reduction. Each rank of ``group`` must cut these
-        parameters into the same pieces: the same layout (tp ranks), or the parameter in a
-        bucket of its own (``own_bucket``: the first and last stage's embedding copies)."""
+        """Sum over ``group`` the reduced grads of ``params`` in this shard (one all-reduce), between
+        :meth:`finish_grad_sync` and :meth:`step` (sp and tied-embedding sums). Every rank of
+        ``group`` must cut them alike (same layout, or ``own_bucket``)."""
         if not self._reduced:
             raise TokenloomError("ZeroAdamW.all_reduce_grads: call finish_grad_sync() first")
         held = []
@@ -366,10 +287,8 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def step(self) -> torch.Tensor | None:
-        """Reduce (:meth:`finish_grad_sync`, unless called already), clip, update this shard,
-        all-gather. Returns the global grad norm (before clipping, a device tensor) when
-        ``max_grad_norm`` is set, else None. With ``overlap_param_gather`` the all-gathers are
-        still running when it returns."""
+        """Reduce, clip, update this shard, all-gather (left in flight with ``overlap_param_gather``).
+        Returns the unclipped global grad norm (device tensor) with ``max_grad_norm``, else None."""
         self.finish_grad_sync()
         self._reduced = False
         grad = self._grad_shard.float()
@@ -391,23 +310,19 @@ class ZeroAdamW:
         return norm
 
     def grad_norm(self, grad_shard: torch.Tensor) -> torch.Tensor:
-        """L2 norm of the full gradient from this rank's (reduced) shard (a device tensor): its
-        squares summed over ``dp_group`` (expert pieces included: each lies on one dp rank),
-        then ``norm_group``."""
+        """L2 norm of the full gradient from this shard, squares summed over dp, then ``norm_group``."""
         groups = ([self.dp_group] if self.dp_size > 1 else []) + ([self.norm_group] if self.norm_group is not None else [])
         return global_grad_norm([grad_shard * self._norm_weight], groups, device=grad_shard.device)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds: its pieces of the two AdamW moments and
-        their steps, plus the fp32 master pieces when the parameters are not fp32."""
+        """Bytes of optimizer state held here: moments, steps and non-aliased fp32 masters."""
         tensors = [t for m in self.main_shards for t in self.optimizer.state.get(m, {}).values()]
         tensors += [m for m, pc in zip(self.main_shards, self._pieces, strict=True)
                     if m.data_ptr() != self.param_buffer[pc].data_ptr()]
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def _all_gather_params(self) -> None:
-        """Every bucket's updated pieces into ``param_buffer``, first bucket first; left in
-        flight with ``overlap_param_gather``."""
+        """Every bucket's updated pieces into ``param_buffer``, first bucket first."""
         gathers: list[tuple[Any, torch.Tensor | None]] = []
         for (a, b), pc, master, (group, size, _) in zip(self._buckets, self._pieces, self.main_shards, self._shards,
                                                        strict=True):
@@ -417,8 +332,7 @@ class ZeroAdamW:
                     own.copy_(master.detach())
                 gathers.append((None, None))  # bucket k stays entry k
                 continue
-            # an fp32 master piece is a view of the output: send a copy (one piece per bucket,
-            # kept until its gather is waited for)
+            # an fp32 master piece is a view of the output: send a copy, kept until waited for
             piece = master.detach().clone() if master.dtype == own.dtype else master.detach().to(own.dtype)
             work = dist.all_gather_single(self.param_buffer[a:b], piece, group=group,
                                           async_op=self.overlap_param_gather)
@@ -433,8 +347,7 @@ class ZeroAdamW:
         return self._gathered < len(self._gathers)
 
     def finish_param_sync(self) -> None:
-        """Wait for every pending parameter all-gather: call it before reading parameters
-        outside a forward of ``modules`` (saving, loading into them, the end of training)."""
+        """Wait for every pending all-gather; call before using parameters outside a forward."""
         self._wait_gathers(len(self._gathers) - 1)
 
     def _wait_gathers(self, last: int) -> None:
@@ -450,8 +363,7 @@ class ZeroAdamW:
             self._gathers, self._gathered = [], 0
 
     def _register_gather_hooks(self, modules: list[nn.Module]) -> list[Any]:
-        """A forward pre-hook per layer of ``modules`` (see the module docstring): it waits for
-        every bucket up to the last one holding its parameters or the next layer's."""
+        """A forward pre-hook per layer of ``modules`` (module docstring)."""
         if not modules:
             raise TokenloomError("ZeroAdamW: overlap_param_gather needs the model chunk(s) as modules")
         bucket = {id(p): k for p, k in zip(self.params, self._bucket_of, strict=True)}
@@ -484,13 +396,9 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def gathered_param_states(self) -> list[dict[str, torch.Tensor]] | None:
-        """Collective over ``dp_group`` (and ``expert_dp_group``): the full AdamW state of every
-        parameter, in :attr:`params` order, on dp rank 0 (None on the others); of an expert
-        parameter, the state of the experts dp rank 0 holds. An entry holds
-        ``exp_avg``, ``exp_avg_sq`` (fp32, the parameter's shape; views into one gathered
-        tensor, clone them to save them alone) and ``step``, as ``torch.optim.AdamW``
-        keeps them, plus ``master_param`` when the parameters are not fp32. Entries are
-        empty before the first step. Finishes the pending parameter all-gathers first."""
+        """Collective: every parameter's full AdamW state on dp rank 0 (None elsewhere), as
+        ``torch.optim.AdamW`` keeps it (``exp_avg``, ``exp_avg_sq`` as views of one tensor,
+        ``step``; ``master_param`` when not fp32); empty before the first step."""
         self.finish_param_sync()
         inner = [st for st in (self.optimizer.state.get(m) for m in self.main_shards) if st]
         if len(inner) != len(self.main_shards):  # a shard without state yet
@@ -510,12 +418,9 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def own_param_states(self) -> list[tuple[torch.Tensor | None, dict[str, tuple[int, torch.Tensor]]]]:
-        """Not a collective: this rank's part of every parameter's AdamW state, in :attr:`params`
-        order, as (``step``, pieces): the shared 0-dim step count (None before the first step)
-        and, for the parameter's elements in this rank's pieces, key -> (start element in the
-        flattened parameter, 1-d view of the state), keys ``exp_avg``, ``exp_avg_sq`` and
-        ``master_param`` when the parameters are not fp32. A parameter lies in one bucket, so
-        it has at most one range here. Finishes the pending parameter all-gathers first."""
+        """Not a collective: per parameter (``step`` or None, pieces): key -> (start in the
+        flattened parameter, 1-d view) of this rank's elements (one range at most: a parameter
+        lies in one bucket); ``master_param`` too when not fp32."""
         self.finish_param_sync()
         inner = [self.optimizer.state.get(m) for m in self.main_shards]
         if not all(inner):  # before the first step
@@ -538,13 +443,10 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def load_param_states(self, states: list[dict[str, torch.Tensor] | None]) -> None:
-        """Set this rank's shard from full per-parameter states (the form of
-        :meth:`gathered_param_states`, in :attr:`params` order, saved at any dp size or by
-        the plain AdamW); None or ``{}`` for a parameter without state (zero moments).
-        The parameters must already hold the loaded values: the master shard is cut from
-        them (or from ``master_param`` where given). Not a collective: every rank reads
-        the full tensors and keeps its pieces. Pending parameter all-gathers must be finished
-        before the parameters are loaded (:meth:`finish_param_sync`), or they overwrite them."""
+        """Set this shard from full per-parameter states (:meth:`gathered_param_states`' form, any dp;
+        None or ``{}``: zero moments). Not a collective. The parameters must hold the loaded values
+        already (the master is cut from them, or ``master_param``), loaded after
+        :meth:`finish_param_sync` or the gathers overwrite them."""
         self.finish_param_sync()
         if len(states) != len(self.params):
             raise TokenloomError(f"ZeRO-1 got optimizer states for {len(states)} parameters, it has "
@@ -573,8 +475,7 @@ class ZeroAdamW:
         self.optimizer.load_state_dict(inner)
 
     def _gather_to_first(self, pieces: list[torch.Tensor]) -> torch.Tensor | None:
-        """The flat (padded) buffer whose pieces the ranks hold, on dp rank 0 (None elsewhere);
-        each bucket gathered over its group (an expert bucket: this ep rank's experts)."""
+        """The flat buffer of the ranks' ``pieces`` on dp rank 0 (None elsewhere), per bucket group."""
         first = any(rank == 0 for _, _, rank in self._shards)  # some bucket gathers here
         full = torch.empty(len(self.param_buffer), dtype=pieces[0].dtype, device=pieces[0].device) if first else None
         for (a, b), piece, (group, size, rank) in zip(self._buckets, pieces, self._shards, strict=True):
@@ -588,8 +489,7 @@ class ZeroAdamW:
 
 
 def _split_runs(assignment: list[list[int]], kind: list[bool]) -> list[list[int]]:
-    """``assignment``'s buckets, each cut where ``kind`` changes between neighbours (a bucket holds
-    expert or dense parameters, never both)."""
+    """``assignment``'s buckets cut where ``kind`` changes (never expert and dense together)."""
     out: list[list[int]] = []
     for bucket in assignment:
         out.append([bucket[0]])
@@ -618,8 +518,7 @@ def _isolate(assignment: list[list[int]], alone: list[bool]) -> list[list[int]]:
 
 
 def _layers(module: nn.Module) -> list[tuple[nn.Module, bool]]:
-    """(module, recurse) pairs in registration order: the root's own parameters, then each
-    child with its parameters, ``ModuleDict`` / ``ModuleList`` containers (never called) opened."""
+    """(module, recurse) pairs in registration order, containers (never called) opened."""
     out = [(module, False)]
     for child in module.children():
         if isinstance(child, (nn.ModuleDict, nn.ModuleList)):

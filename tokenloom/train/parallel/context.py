@@ -1,37 +1,15 @@
-"""Context parallelism: each of ``cp`` ranks holds 1/cp of every sequence.
+"""Context parallelism: each of ``cp`` ranks holds 1/cp of every sequence, as chunks ``r`` and
+``2 * cp - 1 - r`` of ``2 * cp`` (Megatron's causal load balancing; :func:`local_index`).
 
-Layout (Megatron's load balancing for causal masks): a sequence of ``T`` tokens is cut
-into ``2 * cp`` equal chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, so
-under a causal mask every rank attends to about the same number of keys (a rank holding
-only the first chunk would idle while the last one works). :func:`local_index` gives a
-rank's token positions; :func:`take_local` cuts a batch tensor to them.
+Attention all-gathers the group's K/V per layer (:func:`gather_sequence`; RoPE applied before, at
+each token's position), then each of the rank's two query chunks runs one SDPA over the keys up to
+its end (:class:`CausalChunks`): no work on later keys, no log-sum-exp merge. Masks relate global
+positions (:func:`chunk_mask`): a lower-right ``CausalBias`` on CUDA without documents, else
+additive masks built once per forward. This is Megatron's ``all_gather`` cp type, not its ring: one
+collective per layer, for holding the whole sequence's K/V and no overlap with attention.
 
-Attention: every layer all-gathers the keys and values of the cp group along the sequence
-(:func:`gather_sequence`, whose backward reduce-scatters their gradients). Rotary embeddings
-are applied before the gather, at each token's own position. Then the gathered keys are put
-in global order and each of the rank's two query chunks runs one SDPA call over the keys up to
-its own end (:class:`CausalChunks`, :func:`causal_chunks_attention`): a query chunk never sees
-the keys after it, so no work goes to them, and one call over the whole visible prefix needs
-no log-sum-exp merge (a ring, holding one peer's chunk at a time, does). Each call's mask is
-the causal (and, with inter-document masking, same-document) relation of the chunk's *global*
-positions to the prefix's (:func:`chunk_mask`): without documents on CUDA, torch's lower-right
-``CausalBias`` (no mask tensor: a flash or memory-efficient kernel, which skips the masked
-blocks); otherwise additive masks, built once per forward in the attention's dtype and shared
-by every layer.
-
-This is the all-gather variant of context parallelism (Megatron's ``all_gather`` cp comm
-type, beside its ring ``p2p``): one collective per layer instead of ``cp - 1`` ring steps, at
-the price of holding the whole sequence's keys and values (``2 * kv_heads * head_dim`` per
-token, a small share of a layer's activations) and of the collective not overlapping the
-attention (a ring overlaps each step's exchange with the previous chunk's compute).
-Queries, the MLPs, norms and the loss run on the local ``T / cp`` tokens, which is where the
-activation memory goes.
-
-Loss and gradients: rank ``r``'s loss is ``cp * (its tokens' loss sum) / (the sample's
-token count)`` (:func:`loss_scale` turns the model's local mean into it), so that the
-gradient reduction, an average over the dp x cp ranks of one model shard, gives the
-gradient of the sample's mean loss, as one process computes it; the reported loss is the
-cp average of that.
+Loss: rank ``r``'s is ``cp * (its tokens' loss sum) / (sample token count)`` (:func:`loss_scale`),
+so the dp x cp gradient average is the one-process gradient.
 """
 
 from __future__ import annotations
@@ -49,9 +27,7 @@ Group = dist.ProcessGroup | None
 
 
 def local_index(seq: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Positions (in ``[0, seq)``, ascending) of the tokens rank ``rank`` of ``cp`` holds:
-    chunks ``rank`` and ``2 * cp - 1 - rank`` of ``2 * cp``. ``seq`` must be divisible by
-    ``2 * cp`` (checked by the config)."""
+    """Ascending positions of ``rank``'s tokens (``seq`` divisible by ``2 * cp``, as configs check)."""
     chunk = seq // (2 * cp)
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
@@ -76,8 +52,7 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Every cp rank's ``x`` joined along ``dim`` in rank order (each rank's tokens at its
-    :func:`local_index`); the backward sums the gradients and keeps this rank's part."""
+    """Every cp rank's ``x`` joined along ``dim`` in rank order; backward reduce-scatters."""
     if group is None or dist.get_world_size(group) == 1:
         return x
     return _GatherSequence.apply(x, dim, group)
@@ -85,14 +60,9 @@ def gather_sequence(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CausalChunks:
-    """The attention of one cp rank's queries, in place of one mask: the rank's two chunks of
-    ``chunk`` tokens are global chunks ``rank`` and ``2 * cp - 1 - rank``, whose queries see the keys
-    up to ``ends`` (in global order), each under its ``masks`` entry: :func:`chunk_mask` as an
-    additive mask [batch or 1, 1, chunk, end], built once per forward in the attention's dtype and
-    shared by every layer (SDPA would otherwise convert a boolean one per call and keep it for
-    backward); or, causal without documents on CUDA, torch's lower-right ``CausalBias`` (no tensor;
-    SDPA runs a causal kernel). Built outside any compiled region: dynamo cannot construct a
-    ``CausalBias``, but takes one as input."""
+    """A cp rank's attention plan: its two query chunks see keys up to ``ends`` (global order) under
+    ``masks`` (additive [batch or 1, 1, chunk, end], shared by every layer, or a ``CausalBias``).
+    Built outside compiled code: dynamo takes a ``CausalBias`` but cannot construct one."""
 
     cp: int
     chunk: int
@@ -102,8 +72,7 @@ class CausalChunks:
     @classmethod
     def of(cls, seq: int, cp: int, rank: int, device: torch.device, dtype: torch.dtype,
            cu_seqlens: torch.Tensor | None = None) -> CausalChunks:
-        """``cu_seqlens``: the batch's document boundaries ([batch, seq + 1]) under inter-document
-        masking, else None."""
+        """``cu_seqlens``: document boundaries [batch, seq + 1] under inter-document masking."""
         chunk = seq // (2 * cp)
         ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
         masks: tuple[torch.Tensor, ...]
@@ -117,19 +86,15 @@ class CausalChunks:
 
 
 def global_order(t: torch.Tensor, cp: int, chunk: int) -> torch.Tensor:
-    """``t`` [B, heads, T, d] in :func:`gather_sequence`'s order (every rank's two chunks, rank by
-    rank) -> the same tokens in global order: the ranks' first chunks in rank order, then their
-    second chunks in reverse rank order."""
+    """``t`` [B, heads, T, d] from :func:`gather_sequence`'s order to global order."""
     parts = t.unflatten(2, (cp, 2, chunk))  # [B, heads, cp, 2, chunk, d]
     return torch.cat([parts[:, :, :, 0], parts[:, :, :, 1].flip(2)], 2).flatten(2, 3)
 
 
 def causal_chunks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: CausalChunks,
                             dropout_p: float = 0.0) -> torch.Tensor:
-    """q [B, h, 2 chunk, d] (this rank's tokens), k/v [B, h_kv, T, d] (:func:`gather_sequence`'s
-    order) -> [B, h, 2 chunk, d]: each query chunk attends causally to the keys up to its own end
-    (module docstring). Grouped heads are SDPA's ``enable_gqa`` on CPU and repeated key/value
-    heads on CUDA (its lower-right causal kernel and its masked kernel take equal head counts)."""
+    """q [B, h, 2 chunk, d], k/v [B, h_kv, T, d] gathered -> [B, h, 2 chunk, d]. GQA: ``enable_gqa``
+    on CPU, repeated heads on CUDA (its causal and masked kernels need equal head counts)."""
     k, v = global_order(k, chunks.cp, chunks.chunk), global_order(v, chunks.cp, chunks.chunk)
     gqa = k.shape[1] != q.shape[1]
     if gqa and q.device.type != "cpu":
@@ -143,10 +108,8 @@ def causal_chunks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def chunk_mask(end: int, chunk: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Which of the keys at global positions ``0 .. end`` the ``chunk`` queries ending at ``end``
-    attend to: boolean ``[batch or 1, 1, chunk, end]``, lower-right causal (query ``i`` sees keys up
-    to ``end - chunk + i``) and, with ``cu_seqlens`` (``[batch, T + 1]`` document boundaries of the
-    full sequence), within the query's document (:func:`~tokenloom.train.kernels.attention.document_ids`)."""
+    """Boolean ``[batch or 1, 1, chunk, end]``: lower-right causal for the ``chunk`` queries ending at
+    ``end``, and with ``cu_seqlens`` within each query's document."""
     mask = torch.ones(chunk, end, dtype=torch.bool, device=device).tril(end - chunk)[None]  # [1, chunk, end]
     if cu_seqlens is not None:
         docs = document_ids(cu_seqlens.to(device), end)  # [batch, end]
@@ -155,17 +118,13 @@ def chunk_mask(end: int, chunk: int, cu_seqlens: torch.Tensor | None, device: to
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (:func:`chunk_mask`) as attention adds it (0 where attended, -inf elsewhere),
-    in the attention's ``dtype``: built once per forward and given to every layer, so one copy is
-    held for backward instead of one conversion per layer."""
+    """A boolean mask as additive 0 / -inf in ``dtype``: one copy held for backward, not one per layer."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def loss_scale(loss_mask: torch.Tensor | None, local_mask: torch.Tensor | None, cp: int, seq: int) -> torch.Tensor | float:
-    """The factor that turns the model's mean loss over this rank's tokens (``local_mask``'s
-    nonzero ones, the mean's count clamped at 1 as :func:`~tokenloom.train.model.gpt.masked_mean`
-    does) into ``cp * local loss sum / sample token count`` (module docstring): the sum of the
-    micro-batch's mask over all of its ``seq`` tokens is known to every cp rank."""
+    """Factor from the model's local mean loss (count clamped at 1, as ``masked_mean``) to ``cp *
+    local loss sum / sample token count``; every cp rank knows the full mask's sum."""
     if loss_mask is None or local_mask is None:
         return 1.0  # every rank holds seq / cp of the tokens: cp * (seq / cp) / seq
     local = local_mask.float().sum().clamp(min=1.0)

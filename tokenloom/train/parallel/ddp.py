@@ -1,42 +1,24 @@
 """Bucketed DistributedDataParallel, built on PyTorch's reducer design.
 
-One synced iteration: ``forward()`` rebuilds the buckets once (after iteration 0), broadcasts
-buffers from rank 0 and runs the module (with ``find_unused_parameters``, then walks the graph for
-parameters it cannot reach). In backward, the fused linears (:mod:`tokenloom.train.parallel.wgrad`)
-write their weight grads into their bucket views; a post-accumulate-grad hook per parameter makes
-``param.grad`` its bucket view, divided by the world size, and marks it ready; complete buckets
-launch as async all_reduce(SUM), strictly in bucket order. A callback queued on the autograd engine
-waits for every bucket, so ``loss.backward()`` returns with averaged grads.
+In a synced backward a post-accumulate-grad hook per parameter makes ``param.grad`` its bucket
+view (torch's ``gradient_as_bucket_view``), divided by the world size, and marks it ready; full
+buckets launch async all_reduce(SUM) strictly in bucket order; a callback queued on the autograd
+engine waits for them, so ``loss.backward()`` returns averaged grads. Do not ``detach_()`` or
+replace ``param.grad``.
 
-Invariants and trade-offs:
-
-* **Buckets**: :func:`compute_bucket_assignment_by_size` is a Python twin of torch's (tests check
-  equality). Unlike torch we bucket from iteration 0: launches go by bucket index, identical on
-  every rank. ``rebuild_buckets`` (only without ``find_unused_parameters``) recomputes the layout
-  once from the first synced backward's grad-ready order, broadcast from rank 0. ``grad_units``
-  (compiled blocks) never end inside a bucket, at the cost of buckets up to one block over the cap.
-* **Grads are bucket views** (torch's ``gradient_as_bucket_view=True``): no second copy; averaging
-  happens per grad in its hook. Under ``no_sync()`` grads accumulate in their views too, at the
-  price of dividing the accumulated view once per step. Do not ``detach_()`` or replace
-  ``param.grad`` with a tensor you still need.
+* **Buckets**: :func:`compute_bucket_assignment_by_size` is a Python twin of torch's. Bucketing
+  from iteration 0 keeps launch order equal on all ranks; ``rebuild_buckets`` re-buckets once
+  from rank 0's grad-ready order; ``grad_units`` never end inside a bucket.
 * **Weight-gradient fusion** (``wgrad_fusion``, Megatron's ``gradient_accumulation_fusion``): the
-  block matmuls' weight-gradient GEMM writes into the bucket view (:func:`wgrad_into_view`), with
-  no grad-sized allocation; it changes the rebuilt layout, and ``wgrad_fusion=False`` gives torch's.
-* **Completion in backward** (torch's ``queue_callback``): the loop cannot forget to wait; the cost
-  is exactly one backward per synced forward. ``finish_in_backward=False`` (the tp/pp layouts)
-  waits in :meth:`finish_grad_sync` after the schedule instead (Megatron's), keeping a stage's
-  reduction tail off the pipeline's critical path; a forward before it raises.
-* **no_sync()**: a backward inside it never syncs, even after a synced forward (torch decides at
-  forward time), because a pipeline schedule runs the last forward before earlier backwards.
-* **Unused parameters**: ``find_unused_parameters=True`` costs a graph walk and one small
-  all-reduce per iteration; a parameter used on some ranks gets the average with zeros (as torch).
-  With False, a parameter without a grad raises :class:`TokenloomError` naming it.
-* A dead or silent peer surfaces as :class:`TokenloomError` from ``backward()`` (a silent one
-  after the timeout given to :func:`tokenloom.train.dist.init_from_env`).
-* **Dtype**: one flat buffer per dtype, in the parameters' dtype (fp32 under bf16 autocast:
-  Megatron's ``grad_reduce_in_fp32``). Sparse gradients are refused.
-
-``bench/ddp_bench.py`` measures step time against torch DDP, eager and compiled, with ``no_sync``.
+  block matmuls' wgrad GEMM writes the view itself (:func:`wgrad_into_view`).
+* **Completion** in backward (the loop cannot forget to wait), or with ``finish_in_backward=False``
+  in :meth:`finish_grad_sync` after a pipeline schedule (Megatron's). ``no_sync()`` is decided at
+  backward time (torch: forward time), as a schedule runs the last forward before earlier backwards.
+* **Unused parameters**: ``find_unused_parameters`` costs a graph walk and a small all-reduce per
+  iteration; without it a missing grad raises naming the parameter. A dead or silent peer raises
+  :class:`TokenloomError` from backward.
+* **Dtype**: one buffer per dtype, in the parameters' (fp32 under bf16 autocast: Megatron's
+  ``grad_reduce_in_fp32``). Sparse gradients are refused. ``bench/ddp_bench.py`` compares torch's.
 """
 
 from __future__ import annotations
@@ -68,31 +50,12 @@ def compute_bucket_assignment_by_size(
     tensor_indices: Sequence[int] = (),
     units: Sequence[int] = (),
 ) -> tuple[list[list[int]], list[int]]:
-    """Group tensors into buckets by byte size; same result as torch's
-    ``dist._compute_bucket_assignment_by_size`` for the same arguments.
-
-    Tensors are taken in the given order and accumulated per ``(dtype, device)``; each
-    key walks ``bucket_size_limits`` on its own (the last limit repeats). A bucket closes
-    as soon as its bytes reach the current limit (``>=``: the tensor that crosses the
-    limit stays in). ``tensor_indices`` (rebuild path: tensors in grad-ready order) gives
-    the index reported for each tensor; without it the index is the position and the
-    buckets are sorted by their smallest index. Sparse-gradient tensors get a bucket of
-    their own with limit 0. Returns ``(bucket_indices, per_bucket_limits)``.
-
-    Worked example (fp32 sizes 0.38, 0.76, 11.4, 19.1, 0.004 MiB, limits [1 MiB, 25 MiB])
-    -> buckets [[0, 1], [2, 3], [4]], limits [1048576, 26214400, 26214400].
-
-    ``units`` (ours, not torch's; one entry per tensor, in the given order): tensors with
-    the same unit id >= 0 get their grads at one moment, from one autograd node (a module
-    compiled in place: :func:`grad_unit_ids`), so a bucket that crossed its limit stays
-    open until the unit's last tensor of its key is in. A bucket that ended inside a unit
-    would wait for the rest of it anyway, and hold back every bucket after it in launch
-    order; -1 is a tensor on its own. Empty (torch's behaviour): no units.
-
-    Only difference from torch: on the rebuild path with several dtypes, leftover
-    (not full) buckets come out in first-seen order; torch's order there comes from an
-    ``unordered_map`` and is unspecified.
-    """
+    """Buckets by byte size -> ``(bucket_indices, per_bucket_limits)``, as torch's
+    ``dist._compute_bucket_assignment_by_size`` (per ``(dtype, device)``, each key walking the
+    limits; a bucket closes once its bytes reach one; ``tensor_indices`` on the rebuild path).
+    ``units`` (ours): tensors sharing a unit id >= 0 get grads from one autograd node, so a bucket
+    stays open to the unit's last tensor (one ending inside would hold back later buckets). Unlike
+    torch's, rebuilt leftover buckets of several dtypes come in first-seen order."""
     if not bucket_size_limits:
         raise ValueError("bucket_size_limits must not be empty")
     if tensor_indices and len(tensor_indices) != len(tensors):
@@ -146,34 +109,13 @@ class _Bucket:
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper: averages gradients across ``process_group`` during backward.
 
-    Args:
-        module: the model; its parameters must already be on this rank's device.
-        process_group: group to average over (default: the global group).
-        bucket_cap_mb: bucket size cap in MiB. ``None`` means 25 MiB with a small first
-            bucket of 1 MiB; an explicit value also caps the first bucket unless
-            ``first_bucket_cap_mb`` is given (torch's rule).
-        first_bucket_cap_mb: cap of the first bucket in MiB (see above).
-        find_unused_parameters: tolerate parameters that get no grad in an iteration
-            (graph walk per forward + one extra tiny all-reduce per iteration).
-        rebuild_buckets: re-bucket once from the observed grad-ready order (ignored
-            with ``find_unused_parameters``).
-        broadcast_buffers: broadcast rank 0's buffers before every synced forward.
-        params_and_buffers_to_ignore: fully qualified names to leave alone (not
-            synced at init, not reduced); merged with the module attribute
-            ``_ddp_params_and_buffers_to_ignore`` when present (torch's convention).
-        init_sync: verify parameter shapes across ranks and broadcast rank 0's
-            parameters and buffers at construction (rank 0 of ``process_group``).
-        finish_in_backward: wait for the buckets from a callback at the end of the synced
-            backward (torch's way); False: the caller calls :meth:`finish_grad_sync`
-            after it (Megatron's way, for pipeline schedules).
-        grad_units: submodules whose backward is one autograd node (compiled in place, as
-            ``GPT.compile_blocks`` does each block): their parameters' grads all arrive when
-            it ends, so no bucket ends inside one (:func:`grad_unit_ids`).
-        wgrad_fusion: let the model's fused linears (:func:`tokenloom.train.parallel.wgrad.linear`)
-            write their weight gradients straight into the buckets, scaled in the GEMM
-            (Megatron's gradient accumulation fusion); False: every grad comes from autograd
-            and is copied in, as in torch DDP (whose grad-ready order, and so rebuilt
-            layout, ours then equals on the same model).
+    Args as torch's where named alike. ``bucket_cap_mb`` None: 25 MiB with a 1 MiB first bucket
+    (an explicit value caps the first too unless ``first_bucket_cap_mb``). ``rebuild_buckets`` is
+    ignored with ``find_unused_parameters``. ``params_and_buffers_to_ignore`` merges the module's
+    ``_ddp_params_and_buffers_to_ignore``. ``init_sync``: check shapes across ranks and broadcast
+    rank 0's state. ``finish_in_backward``: see the module docstring. ``grad_units``: submodules
+    compiled in place (one backward node each). ``wgrad_fusion``: fused linears write their weight
+    grads into the buckets; False copies every grad in, as torch DDP (same rebuilt layout then).
     """
 
     def __init__(
@@ -277,10 +219,8 @@ class DistributedDataParallel(nn.Module):
             self._sync_enabled = previous
 
     def finish_grad_sync(self) -> None:
-        """With ``finish_in_backward=False``: wait for the buckets the last synced backward
-        launched (grads are averaged when it returns), and check that every parameter got
-        its grad. A no-op when no synced backward ran since the last call, and with
-        ``finish_in_backward=True`` (backward waited already)."""
+        """With ``finish_in_backward=False``: wait for the last synced backward's buckets and check
+        every parameter got a grad; a no-op otherwise or when none ran since."""
         if self._backward_started and not self.finish_in_backward:
             self._backward_started = False
             self._finish_backward()
@@ -317,8 +257,7 @@ class DistributedDataParallel(nn.Module):
                 )
 
     def _verify_params_across_ranks(self) -> None:
-        """Every rank gathers every rank's (name, shape, stride, dtype) list and compares
-        it with rank 0's, so all ranks raise the same error (none is left waiting)."""
+        """Compare every rank's (name, shape, stride, dtype) with rank 0's, so all raise alike."""
         mine = [
             (n, tuple(p.shape), tuple(p.stride()), str(p.dtype))
             for n, p in zip(self.param_names, self._params, strict=True)
@@ -327,7 +266,6 @@ class DistributedDataParallel(nn.Module):
         dist.all_gather_object(gathered, mine, group=self.process_group)
         ref = gathered[0]
         for rank, meta in enumerate(gathered[1:], start=1):
-            # Per-parameter differences first (they name a parameter), then the count.
             for (n0, s0, st0, d0), (n1, s1, st1, d1) in zip(ref, meta, strict=False):
                 if (s0, st0, d0) != (s1, st1, d1):
                     name = n0 if n0 == n1 else f"{n0}' (named '{n1}' on rank {rank})"
@@ -405,9 +343,7 @@ class DistributedDataParallel(nn.Module):
         return sink
 
     def _take_wgrad(self, i: int, grad_out: torch.Tensor, inp: torch.Tensor) -> bool:
-        """Parameter ``i``'s weight-gradient sink (:mod:`tokenloom.train.parallel.wgrad`): the GEMM
-        writes into its bucket view (:func:`wgrad_into_view`), averaged when this backward
-        syncs, and the hook that follows only marks it ready."""
+        """Parameter ``i``'s wgrad sink: the GEMM writes its view (averaged if synced); the hook marks it."""
         synced = self._expect_hooks and self._sync_enabled
         taken = wgrad_into_view(self._params[i], self._views[i], self.world_size if synced else 1, grad_out, inp)
         self._in_view[i] = taken
@@ -433,8 +369,7 @@ class DistributedDataParallel(nn.Module):
         self._mark_ready(i)
 
     def _into_bucket(self, i: int, p: torch.Tensor, *, average: bool) -> None:
-        """Make ``p.grad`` its bucket view, averaged over the world when ``average`` (the
-        synced backward, just before its bucket may launch): :func:`grad_into_view`."""
+        """Make ``p.grad`` its bucket view, averaged when ``average`` (:func:`grad_into_view`)."""
         grad_into_view(p, self._views[i], self.world_size if average else 1)
 
     def _mark_unused_ready(self, i: int) -> None:
@@ -460,8 +395,7 @@ class DistributedDataParallel(nn.Module):
             self._next_bucket += 1
 
     def _finish_backward(self) -> None:
-        """Queued on the autograd engine (runs once, after the whole backward pass), or
-        called by :meth:`finish_grad_sync`."""
+        """Queued on the autograd engine (once, after backward) or called by :meth:`finish_grad_sync`."""
         self._expect_hooks = False
         if self._next_bucket < len(self._buckets):
             missing = [self.param_names[i] for i in range(len(self._params)) if not self._marked[i]]
@@ -492,13 +426,9 @@ class DistributedDataParallel(nn.Module):
 
 
 def grad_unit_ids(params: Sequence[torch.Tensor], units: Iterable[nn.Module]) -> list[int]:
-    """Per parameter of ``params``: the position in ``units`` of the first module holding it,
-    -1 for parameters in none, the ``units`` argument of
-    :func:`compute_bucket_assignment_by_size`. Pass the modules compiled in place: a compiled
-    module's backward is one autograd node, so its parameters' grads all arrive when it ends,
-    while eager layers hand each grad over as its own op finishes. The caller names them
-    (``compile: true`` compiles each transformer block) rather than this reading torch's
-    private marker of a compiled module."""
+    """Per parameter, the index in ``units`` of the first module holding it (-1: none), for
+    :func:`compute_bucket_assignment_by_size`. Pass the modules compiled in place (their grads
+    arrive together); the caller names them rather than this reading torch's private marker."""
     unit_of: dict[int, int] = {}
     for u, module in enumerate(units):
         for p in module.parameters():
@@ -507,13 +437,10 @@ def grad_unit_ids(params: Sequence[torch.Tensor], units: Iterable[nn.Module]) ->
 
 
 def grad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int) -> None:
-    """Make ``param.grad`` ``view`` (its slice of a flat gradient buffer), divided by
-    ``divisor`` on the way, as torch's reducer does without a comm hook: a fresh grad (after
-    ``zero_grad(set_to_none=True)``) is multiplied by ``1/divisor`` while it is copied in, one
-    pass; a grad already accumulated in the view is divided in place while it is still in
-    cache; no grad at all (a custom autograd.Function returned None) zeroes the view. So no
-    pass over a whole bucket precedes its collective. ``divisor`` 1: no scaling. Our DDP and
-    ZeRO-1 (``optim/zero.py``) both fill their buffers through it."""
+    """Make ``param.grad`` ``view`` (its slice of a flat buffer), divided by ``divisor`` on the way
+    as torch's reducer: a fresh grad is scaled while copied in, one already in the view is divided
+    in place, none zeroes the view; no whole-bucket pass precedes the collective. DDP and ZeRO-1
+    fill their buffers through it."""
     grad = param.grad
     if grad is None:
         view.zero_()
@@ -530,14 +457,10 @@ def grad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int) -> Non
 
 def wgrad_into_view(param: torch.Tensor, view: torch.Tensor, divisor: int, grad_out: torch.Tensor,
                     inp: torch.Tensor) -> bool:
-    """:func:`grad_into_view` for a weight gradient not yet computed: the GEMM
-    ``grad_out^T @ inp`` writes into ``view`` itself, the ``1/divisor`` in its ``alpha`` and
-    ``beta``: ``view = g^T x / d`` for a fresh grad (``beta=0``: the stale view is not read),
-    ``view = (view + g^T x) / d`` for one accumulated there; then ``param.grad`` is ``view``.
-    Saves grad_into_view's pass over the grad and autograd's grad-sized allocation; bf16
-    operands (autocast) write the fp32 view directly (:func:`~tokenloom.train.parallel.wgrad.gemm_into`). Returns
-    False, writing nothing, when ``param.grad`` is some other tensor. The sink of
-    :mod:`tokenloom.train.parallel.wgrad`, for our DDP and ZeRO-1 alike."""
+    """:func:`grad_into_view` for a weight gradient not yet computed: ``grad_out^T @ inp`` is
+    written into ``view`` with ``1/divisor`` in ``alpha`` / ``beta`` (``beta=0`` for a fresh grad),
+    saving a pass and a grad-sized allocation. Returns False, writing nothing, when ``param.grad``
+    is another tensor. The wgrad sink of DDP and ZeRO-1."""
     grad, s = param.grad, 1.0 / divisor
     if grad is None:
         gemm_into(view, grad_out.t(), inp, beta=0, alpha=s)
@@ -594,8 +517,7 @@ def _reachable_leaves(out: Any) -> set[int]:
 
 @torch.no_grad()
 def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
-    """Broadcast ``tensors`` from global rank ``src`` in flat chunks of up to 250 MiB,
-    one chunk per run of tensors with the same dtype and device."""
+    """Broadcast ``tensors`` from global rank ``src`` in flat chunks per dtype and device."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)

@@ -1,41 +1,23 @@
-"""Tensor-parallel layers: vocab-parallel embedding, column- and row-parallel linear.
+"""Tensor-parallel layers after Megatron-core's ``tensor_parallel/layers.py`` (training-stack.md c).
 
-Follow Megatron-core's ``tensor_parallel/layers.py`` (training-stack.md section c):
+* :class:`ColumnParallelLinear`: weight ``[out/tp, in]``; the input enters by
+  :func:`copy_to_region` or, with ``sequence_parallel``, is all-gathered inside the GEMM function
+  (input grad reduce-scattered); ``gather_output``, ``skip_bias_add`` as Megatron's.
+* :class:`RowParallelLinear`: weight ``[out, in/tp]``; partial outputs all-reduced (reduce-scattered
+  under sp), the replicated bias added after.
+* :class:`VocabParallelEmbedding`: rank r owns ids ``[r V/tp, (r+1) V/tp)``; foreign ids read
+  zeros, then all-reduce (or reduce-scatter to ``[s, b, h]``).
 
-* :class:`ColumnParallelLinear` (A split by output rows): weight ``[out/tp, in]``, bias
-  ``[out/tp]``. The replicated input enters through :func:`copy_to_region` (input grad
-  all-reduced in backward) or, with ``sequence_parallel``, is all-gathered along the sequence
-  inside the GEMM function, whose backward reduce-scatters the input grad.
-  ``gather_output`` all-gathers the output; ``skip_bias_add`` returns the bias for a later fusion.
-* :class:`RowParallelLinear` (A split by input columns): weight ``[out, in/tp]``; partial
-  outputs are all-reduced, or reduce-scattered along the sequence with ``sequence_parallel``;
-  the replicated bias is added after the reduction.
-* :class:`VocabParallelEmbedding`: weight ``[V/tp, h]``, rank r owns ids
-  ``[r V/tp, (r+1) V/tp)``; foreign ids look up row 0, zeroed, then all-reduce (or transpose
-  to ``[s, b, h]`` and reduce-scatter, Megatron's ``reduce_scatter_embeddings``).
+Both linears hand their weight gradient to the weight's sink (:mod:`.wgrad`, our
+``gradient_accumulation_fusion``) unless ``wgrad_fusion`` is off.
 
-Both linears hand their weight gradient to the weight's sink when it has one
-(:mod:`tokenloom.train.parallel.wgrad`, our ``gradient_accumulation_fusion``: the GEMM writes into the
-DDP / ZeRO-1 buffer rather than ``main_grad``), unless ``wgrad_fusion`` is off.
-
-Invariants:
-
-* Sequence-parallel activations are ``[seq, batch, hidden]`` with seq split over tp.
-  Replicated parameters that see only this rank's tokens (the row-parallel bias and the
-  norms under sequence parallelism) carry ``param.sequence_parallel = True``; their grads
-  must be summed over tp after backward (:func:`sync_sequence_parallel_grads`, Megatron's
-  ``finalize_model_grads``). Sharded parameters carry ``tensor_model_parallel = True`` and
-  ``partition_dim`` as in Megatron.
-* ``split_sizes`` marks a partitioned dim that concatenates blocks (``[q, k, v]``,
-  ``[gate, up]``), each split evenly so every rank gets a slice of each; Megatron's ``stride``
-  covers equal blocks only. Blocks must split on head boundaries (the caller's job).
-* Initialisation equals the one-process layer's: on ``device="meta"`` a layer has shapes only
-  and the GPT fills its shards (:meth:`tokenloom.train.model.gpt.GPT.init_weights`); otherwise
-  every rank draws the full fp32 weight with ``init_method`` and keeps its shard (Megatron's
-  ``_initialize_affine_weight_cpu``), at a full-size temporary per layer. Megatron's GPU path
-  draws each shard under the model-parallel RNG and does not equal the one-process model.
-  ``from_linear`` / ``from_embedding`` shard a full layer; ``full_state_dict`` gathers it back.
-
+Invariants: sp activations are ``[seq, batch, hidden]`` with seq split over tp; replicated
+parameters seeing only this rank's tokens carry ``sequence_parallel = True`` and are summed over tp
+after backward (:func:`sync_sequence_parallel_grads`); shards carry ``tensor_model_parallel`` and
+``partition_dim``. ``split_sizes`` marks concatenated blocks (``[q, k, v]``, ``[gate, up]``), each
+split evenly (Megatron's ``stride`` covers equal blocks only). Initialisation equals the
+one-process layer's: on ``meta`` the GPT fills the shards; otherwise every rank draws the full
+weight and keeps its shard (Megatron's CPU path; its GPU path does not equal one process).
 Not mirrored: the async dgrad all-reduce overlapped with the wgrad GEMM, and expert layers.
 """
 
@@ -71,11 +53,7 @@ InitMethod = Callable[[torch.Tensor], object]
 
 
 def normal_init(std: float = 0.02, generator: torch.Generator | None = None) -> InitMethod:
-    """normal(0, std) with ``generator`` (the global RNG when None), Megatron's default init.
-
-    Pass the generator the one-process model uses (e.g. :class:`~tokenloom.train.model.gpt.GPT`'s
-    seeded private generator, drawn in the same module order) to get identical weights.
-    """
+    """normal(0, std) from ``generator`` (global RNG when None), Megatron's default init."""
 
     def init(weight: torch.Tensor) -> None:
         weight.normal_(0.0, std, generator=generator)
@@ -129,9 +107,7 @@ def _gather_shards(local: torch.Tensor, dim: int, group: Group, split_sizes: Seq
 
 
 def tag(obj: nn.Module | torch.Tensor, **tags: object) -> None:
-    """Set tags on a parameter or module (``partition_dim``, ``sequence_parallel``,
-    ``residual_scaled_init``, ...): plain attributes, as Megatron sets them, which the
-    optimizer, the gradient reductions and the init read back with ``getattr``."""
+    """Set tags as plain attributes (Megatron's way), read back with ``getattr``."""
     for name, value in tags.items():
         setattr(obj, name, value)
 
@@ -154,13 +130,8 @@ def _master_weight(shape, init_method: InitMethod | None, device) -> torch.Tenso
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
-    """``F.linear(all_gather_seq(x), w, b)`` saving only the sequence shard of ``x``.
-
-    Backward all-gathers ``x`` again for the weight gradient and reduce-scatters the input
-    gradient (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` with SP,
-    without the async overlap): activation memory of the input stays divided by tp at
-    the price of a second all-gather.
-    """
+    """``F.linear(all_gather_seq(x), w, b)`` saving only ``x``'s shard; backward all-gathers again
+    (Megatron's with SP, no async overlap): input memory divided by tp for a second all-gather."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sink):
@@ -188,8 +159,7 @@ class ColumnParallelLinear(nn.Module):
     """Linear with the output features split over the tp group. See the module docstring."""
 
     wgrad_fusion: bool = True
-    """Hand the weight gradient to the weight's sink (:mod:`tokenloom.train.parallel.wgrad`): only for a
-    weight used once per backward (the model turns it off on its LM head, which may be tied)."""
+    """Hand the wgrad to the weight's sink: only for a weight used once per backward (not a tied head)."""
 
     def __init__(
         self,
@@ -248,12 +218,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(
         self, x: torch.Tensor, skip_bias_add: bool | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """x: ``[..., in]`` replicated, or ``[s/tp, b, in]`` with sequence_parallel.
-
-        Returns ``[..., out/tp]`` (``[s, b, out/tp]`` with SP; ``[..., out]`` with
-        gather_output), plus the bias when ``skip_bias_add`` (this call's argument, else
-        the layer's setting).
-        """
+        """x: ``[..., in]`` (``[s/tp, b, in]`` under sp) -> ``[..., out/tp]`` (``[..., out]`` with
+        gather_output), plus the bias when ``skip_bias_add`` (argument, else the layer's)."""
         skip = self.skip_bias_add if skip_bias_add is None else skip_bias_add
         bias = None if skip else self.bias
         if self.sequence_parallel and _rank_world(self.group)[1] > 1:
@@ -340,9 +306,8 @@ class RowParallelLinear(nn.Module):
     def forward(
         self, x: torch.Tensor, skip_bias_add: bool | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """x: ``[..., in/tp]`` (input_is_parallel) or ``[..., in]``. Returns ``[..., out]``
-        (``[s/tp, b, out]`` with sequence_parallel), plus the bias when ``skip_bias_add``
-        (this call's argument, else the layer's setting)."""
+        """x: ``[..., in/tp]`` or ``[..., in]`` -> ``[..., out]`` (``[s/tp, b, out]`` under sp), plus the
+        bias when ``skip_bias_add``."""
         x_parallel = x if self.input_is_parallel else scatter_to_region(x, self.group)
         partial = (wgrad_linear if self.wgrad_fusion else F.linear)(x_parallel, self.weight)
         if self.sequence_parallel:
@@ -410,8 +375,7 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: ``[b, s]`` (any shape). Returns ``[*ids.shape, h]``, or ``[s/tp, b, h]`` with
-        sequence_parallel (ids must then be ``[b, s]``)."""
+        """ids (any shape; ``[b, s]`` under sp) -> ``[*ids.shape, h]`` or ``[s/tp, b, h]``."""
         world = _rank_world(self.group)[1]
         if world == 1:
             out = F.embedding(ids, self.weight)
@@ -440,33 +404,21 @@ def is_sequence_parallel(param: nn.Parameter) -> bool:
 
 
 def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
-    """Sum over tp the grads of replicated params tagged ``sequence_parallel`` (one all-reduce).
-
-    Under sequence parallelism these params (LayerNorm weights, row-parallel biases) see
-    only this rank's tokens, so each rank holds a partial gradient. Call after backward,
-    before the data-parallel reduction and the optimizer step.
-    """
+    """Sum over tp the partial grads of ``sequence_parallel`` params (one all-reduce); call after
+    backward, before the DP reduction and the optimizer step."""
     all_reduce_in_place([p.grad for p in module.parameters() if is_sequence_parallel(p) and p.grad is not None],
                         group)
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """The tensor-parallel context a model is built with: its layers and its dropout stream.
-
-    With one rank (``group`` None or of size 1) the factories return ``nn.Linear`` (as
-    :class:`tokenloom.train.parallel.wgrad.Linear`, whose weight gradient may go straight into a
-    gradient buffer) / ``nn.Embedding`` (same parameters, names and numerics as a model
-    that never heard of tensor parallelism); with more, Megatron's column/row/vocab-parallel
-    layers above. Layers are made on ``meta`` (shapes only): the model materialises and
-    initialises its shards itself (:meth:`tokenloom.train.model.gpt.GPT.init_weights`), so no
-    rank ever holds a full weight it does not own.
-    """
+    """The tensor-parallel context a model is built with: its layers and dropout stream. At one
+    rank the factories return ``wgrad.Linear`` / ``nn.Embedding`` (a tp-free model's names and
+    numerics), else the parallel layers above; all on ``meta``, for the model to initialise."""
 
     group: Group = None
     sequence_parallel: bool = False
-    """Megatron's sequence parallelism: activations outside the tp regions are split along
-    the sequence (``[s/tp, b, h]``); only meaningful with more than one rank."""
+    """Megatron's sequence parallelism (``[s/tp, b, h]`` outside tp regions); needs tp > 1."""
 
     @property
     def size(self) -> int:
@@ -500,9 +452,8 @@ class TensorParallel:
         return VocabParallelEmbedding(num_embeddings, embedding_dim, group=self.group, device="meta")
 
     def fork(self, active: bool, device: torch.device) -> AbstractContextManager:
-        """Run a block under the tensor-parallel dropout stream (:mod:`.random`) when
-        ``active`` and there is more than one rank (masks then differ across tp ranks);
-        otherwise under the default generator (masks agree across tp ranks)."""
+        """The tp dropout stream (:mod:`.random`, masks differ across tp ranks) when ``active`` at
+        tp > 1, else the default generator (masks agree)."""
         if not active or self.size == 1:
             return nullcontext()
         return get_rng_tracker(device).fork()

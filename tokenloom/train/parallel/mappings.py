@@ -1,7 +1,5 @@
-"""Autograd-aware communication at the edges of tensor-parallel regions.
-
-The seven functions of Megatron-core's ``tensor_parallel/mappings.py`` that dense
-TP + sequence parallelism need (training-stack.md section c)::
+"""Autograd-aware communication at the edges of tensor-parallel regions: the seven functions of
+Megatron-core's ``tensor_parallel/mappings.py`` for dense TP + sequence parallelism::
 
     function                                     forward                  backward
     copy_to_region                               identity                 all-reduce
@@ -12,24 +10,12 @@ TP + sequence parallelism need (training-stack.md section c)::
     gather_from_sequence_parallel_region         all-gather dim 0         reduce-scatter dim 0 (or split)
     reduce_scatter_to_sequence_parallel_region   reduce-scatter dim 0     all-gather dim 0
 
-Sequence-parallel activations are ``[seq, batch, hidden]``, split on dim 0 (Megatron's
-layout). Every function takes the group explicitly (there is no global state) and
-passes the tensor through unchanged when the group is None or has one rank.
-
-Choices:
-
-* Gathers go through ``all_gather_into_tensor`` into a flat output that is then viewed
-  as ``[world, *shape]``: the only all-gather form gloo accepts besides lists (it rejects
-  uneven sizes and stacked outputs). A last-dim gather re-arranges that output with one
-  ``cat``. Buffers take device and dtype from the input (Megatron allocates on the
-  current CUDA device, so its helpers do not run on CPU).
-* Reductions are out of place (a clone, then the collective). Megatron all-reduces in
-  place, which is safe for a fresh GEMM output but not for an arbitrary input, and in
-  backward autograd may hand the same gradient tensor to several consumers (e.g. both
-  inputs of an ``add``). The clone costs one activation-sized copy per call.
-* No async overlap of the collectives with compute: on CPU/gloo the gain is small;
-  ``bench/parallel_bench.py``'s exposed-communication share bounds what it could win
-  (``ColumnParallelLinear`` says where Megatron overlaps).
+sp activations are ``[seq, batch, hidden]`` split on dim 0. The group is always explicit; None or
+one rank passes the tensor through. Gathers use ``all_gather_into_tensor`` into a flat buffer
+(gloo's only non-list form), allocated like the input (Megatron's CUDA-only allocation does not run
+on CPU). Reductions are out of place (one activation-sized clone): Megatron's in-place all-reduce is
+unsafe for an arbitrary input or a gradient autograd hands to several consumers. No async overlap
+(``bench/parallel_bench.py``'s exposed-communication share bounds the gain).
 """
 
 from __future__ import annotations
@@ -71,8 +57,7 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def all_reduce_in_place(tensors: Sequence[torch.Tensor], group: Group) -> None:
-    """Sum ``tensors`` over the group in place through one flat all-reduce: one collective for
-    many small tensors, at the price of a copy in and out. None or one rank: nothing to do."""
+    """Sum ``tensors`` in place through one flat all-reduce (one collective for a copy in and out)."""
     if not tensors or _world(group) == 1:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -240,13 +225,8 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.
 def gather_from_sequence_parallel_region(
     x: torch.Tensor, group: Group, tensor_parallel_output_grad: bool = True
 ) -> torch.Tensor:
-    """All-gather the sequence (dim 0).
-
-    Backward reduce-scatters when the consumer is tensor-parallel (each rank holds a
-    partial gradient of the full sequence: ``tensor_parallel_output_grad=True``, the
-    default), or just keeps this rank's chunk when the consumer is replicated and every
-    rank already holds the full gradient (``False``).
-    """
+    """All-gather the sequence (dim 0). Backward reduce-scatters partial grads of a tp consumer
+    (``tensor_parallel_output_grad``), else keeps this rank's chunk of the full grad."""
     if _world(group) == 1:
         return x
     return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)

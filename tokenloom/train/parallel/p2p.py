@@ -1,42 +1,16 @@
-"""Point-to-point exchange of activations and gradients between pipeline stages.
+"""Point-to-point exchange between pipeline stages (Megatron-core's ``p2p_communication.py`` with
+``batch_p2p_comm=True``): a call posts its ``P2POp`` s in one ``batch_isend_irecv`` (:func:`post`),
+sends and receives before waiting on either, so neighbours that both send first never deadlock.
 
-Follows Megatron-core's ``p2p_communication.py`` with ``batch_p2p_comm=True``: a call builds
-the ``P2POp`` s it needs (send to previous, receive from previous, send to next, receive from
-next) and posts them in one ``torch.distributed.batch_isend_irecv`` (:func:`post`), then waits
-for the receives (:func:`communicate`, or later through :class:`Incoming` handles). Each rank
-posts its paired send and receive before waiting on either, so two neighbours that both send
-first never deadlock, on gloo or NCCL.
-
-Invariants and trade-offs:
-
-* **Fixed shapes**: every boundary tensor is ``[micro_batch, seq, hidden]`` of one dtype and
-  device, so receive buffers need no shape handshake (Megatron's ``variable_seq_lengths``
-  is not supported).
-* **Peers are global ranks on a ring**, as in Megatron: the interleaved schedule uses the
-  wrap-around to move the last rank's chunk ``c`` to the first rank's chunk ``c + 1``; the
-  stage-aware helpers (``recv_forward`` ...) never do.
-* **Tags per direction** (activations 0, gradients 1): with two pipeline ranks both
-  directions join the same pair of processes, and the tag keeps an activation from matching
-  a gradient receive.
-* **Every rank posts in program order**: gloo matches messages of one peer and tag in
-  posting order.
-* **Sends are not waited for** at the call (Megatron waits unless ``overlap_p2p_comm``): a
-  gloo send completes only once the peer posted its receive, so waiting locks neighbours
-  into step and grows the interleaved bubble. Sent tensors stay alive in
-  :attr:`P2PComm.pending_sends` until :func:`wait_sends`, which the schedules call at the
-  end of every run.
-* **Receives can be waited for later** (Megatron's ``overlap_p2p_comm``): the interleaved
-  schedule posts a chunk's send and the receive for its next step right after the compute
-  that made the sent tensor, and waits only when it needs the tensor, so the gloo round trip
-  (the receiver announces its buffer, then the sender writes) runs under compute. The price:
-  a receive buffer allocated one step earlier, two posts a step instead of one.
-* **Posting off the compute thread on gloo**: :func:`post` hands the batch to one background
-  :class:`Poster` thread, because a gloo post takes the connection's lock, which its transport
-  thread holds while moving a message, so a blocked post would stall the last rank. :func:`communicate`
-  (1F1B, which waits at once) posts inline after the thread drained its queue. The price: a thread
-  per pipeline, a hand-off per post, and a failed post surfaces at the wait. NCCL posts inline.
-* Time inside p2p calls is added to :attr:`P2PComm.wait_s`, from which the schedules measure the
-  pipeline bubble; ``bench/parallel_bench.py``'s bubble table measures what each choice costs.
+* Fixed boundary shapes ``[micro_batch, seq, hidden]``: no handshake (no ``variable_seq_lengths``).
+* Peers are global ranks on a ring (the interleaved schedule uses the wrap-around); one tag per
+  direction keeps them apart at pp = 2; ranks post in program order, as gloo matches by order.
+* Sends are not waited for at the call (a gloo send completes only once the peer receives, which
+  would lock neighbours into step); :func:`wait_sends` ends every run. Receives may be waited for
+  later (:class:`Incoming`, ``overlap_p2p_comm``), so the round trip runs under compute.
+* Gloo posts off the compute thread (:class:`Poster`): a post takes the connection's lock, which
+  the transport thread holds while moving a message; a failed post surfaces at the wait.
+* Time in p2p calls adds to :attr:`P2PComm.wait_s`, the schedules' bubble measure.
 """
 
 from __future__ import annotations
@@ -61,10 +35,7 @@ BACKWARD_TAG = 1
 
 @dataclass
 class P2PComm:
-    """How this rank talks to its pipeline neighbours.
-
-    Build it with :meth:`from_group` unless the neighbours are unusual.
-    """
+    """How this rank talks to its pipeline neighbours (build it with :meth:`from_group`)."""
 
     group: dist.ProcessGroup | None
     """The pipeline-parallel group (None: the default group)."""
@@ -79,18 +50,15 @@ class P2PComm:
     tensor_shape: tuple[int, ...]
     """Shape of every boundary tensor, ``(micro_batch, seq, hidden)``."""
     dtype: torch.dtype = torch.float32
-    """dtype of every boundary tensor (Megatron's ``pipeline_dtype``): the compute dtype, so
-    bf16 runs send half the bytes; sends are cast to it, received gradients are cast back
-    to the dtype of the output they belong to."""
+    """Boundary dtype (Megatron's ``pipeline_dtype``, the compute dtype); grads cast back on receipt."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    """Device of every boundary tensor (receive buffers are allocated there): the run's device."""
+    """Device of every boundary tensor and receive buffer."""
     wait_s: float = 0.0
     """Seconds spent inside p2p calls (posting + waiting); reset it between measurements."""
     pending_sends: list = field(default_factory=list)
     """Send works not yet known to be complete (see :func:`wait_sends`)."""
     poster: Poster | None = None
-    """Thread that posts :func:`post`'s batches (None: post inline); :meth:`from_group` gives
-    one to every non-NCCL pipeline."""
+    """Thread posting :func:`post`'s batches (None: inline; :meth:`from_group` gives non-NCCL one)."""
 
     @classmethod
     def from_group(
@@ -125,10 +93,7 @@ class P2PComm:
 
 
 class Poster:
-    """One daemon thread running submitted calls in submission order (a
-    ``ThreadPoolExecutor(1)`` would do, but its thread is joined at interpreter exit, so a post
-    stuck on a dead peer would hang the exit instead of letting the timeout's error end the run).
-    Started on first use."""
+    """A daemon thread running calls in order (a thread pool's, joined at exit, hangs on a dead peer)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -136,8 +101,7 @@ class Poster:
         self._last: Future | None = None
 
     def submit(self, fn: Callable, *args) -> Future:
-        """Run ``fn(*args)`` on the thread after everything submitted before; its result or
-        exception lands in the returned future."""
+        """Run ``fn(*args)`` after everything before; result or exception in the future."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tokenloom-p2p-poster", daemon=True)
             self._thread.start()
@@ -147,8 +111,7 @@ class Poster:
         return future
 
     def drain(self) -> None:
-        """Block until every submitted call has run (an exception of one is raised later, by
-        the wait on its work)."""
+        """Block until every submitted call ran (exceptions surface at the work's wait)."""
         if self._last is not None:
             self._last.exception()
             self._last = None
@@ -163,8 +126,7 @@ class Poster:
 
 
 class _Posted:
-    """Work ``index`` of a batch that a :class:`Poster` posts: waits for the posting, then for
-    the work."""
+    """Work ``index`` of a :class:`Poster`'s batch: waits for the posting, then the work."""
 
     def __init__(self, batch: Future, index: int) -> None:
         self.batch, self.index = batch, index
@@ -181,17 +143,14 @@ class _Posted:
 
 
 class Incoming:
-    """A posted receive: ``tensor`` fills in the background; :meth:`wait` returns it once
-    it has arrived (the time blocked counts into :attr:`P2PComm.wait_s`). Waiting twice is
-    free: the work is dropped after the first wait (a gloo receive work waited a second
-    time blocks until its timeout)."""
+    """A posted receive; :meth:`wait` returns ``tensor`` once arrived (time into ``wait_s``).
+    Waiting twice is free (a gloo work waited twice would block until its timeout)."""
 
     def __init__(self, tensor: torch.Tensor, work, comm: P2PComm, activation: bool) -> None:
         self.tensor, self.work, self.comm, self.activation = tensor, work, comm, activation
 
     def wait(self) -> torch.Tensor:
-        """The received tensor; an activation comes back with ``requires_grad=True`` so the
-        receiving stage can backpropagate into it."""
+        """The received tensor; an activation with ``requires_grad=True``."""
         if self.work is not None:
             start = time.perf_counter()
             self.work.wait()
@@ -211,14 +170,9 @@ def post(
     recv_next: bool = False,
     background: bool = True,
 ) -> tuple[Incoming | None, Incoming | None]:
-    """Post one batched exchange with the ring neighbours without waiting; returns the
-    receives ``(from_prev, from_next)`` as :class:`Incoming` handles.
-
-    ``send_next`` goes to the next stage (an activation), ``send_prev`` to the previous
-    one (a gradient); the sends join :attr:`P2PComm.pending_sends`. Nothing to do returns
-    ``(None, None)`` without touching the network. ``background`` hands the batch to
-    :attr:`P2PComm.poster` where there is one; otherwise it is posted here, after the poster's
-    queue.
+    """Post one batched exchange without waiting -> receives ``(from_prev, from_next)`` as
+    :class:`Incoming`. Sends (activation next, gradient prev) join ``pending_sends``; nothing to do
+    touches no network. ``background``: via the poster where there is one, else inline after it.
     """
     from_prev = torch.empty(comm.tensor_shape, dtype=comm.dtype, device=comm.device) if recv_prev else None
     from_next = torch.empty(comm.tensor_shape, dtype=comm.dtype, device=comm.device) if recv_next else None
@@ -267,19 +221,14 @@ def communicate(
     recv_prev: bool = False,
     recv_next: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """:func:`post` and wait for the receives; returns ``(from_prev, from_next)``.
-
-    Received activations come back with ``requires_grad=True`` so the receiving stage can
-    backpropagate into them.
-    """
+    """:func:`post` and wait -> ``(from_prev, from_next)``; activations with ``requires_grad``."""
     from_prev, from_next = post(comm, send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
                                 recv_next=recv_next, background=False)
     return (None if from_prev is None else from_prev.wait(), None if from_next is None else from_next.wait())
 
 
 def wait_sends(comm: P2PComm) -> None:
-    """Block until every send posted through ``comm`` has been received (and everything handed
-    to its poster posted)."""
+    """Block until every send through ``comm`` (and its poster's queue) has completed."""
     start = time.perf_counter()
     if comm.poster is not None:
         comm.poster.drain()
@@ -299,8 +248,7 @@ def _wire(t: torch.Tensor, comm: P2PComm) -> torch.Tensor:
     return t.detach().to(comm.dtype).contiguous()
 
 
-# Stage-aware helpers (non-interleaved schedule): the first stage receives no activations,
-# the last sends none; these return None / do nothing there, like Megatron's.
+# stage-aware helpers (1F1B): None / no-op where the first or last stage has no peer, like Megatron's
 
 
 def recv_forward(comm: P2PComm) -> torch.Tensor | None:

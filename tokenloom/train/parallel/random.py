@@ -1,24 +1,12 @@
-"""Named RNG streams for dropout under tensor parallelism, on CPU and CUDA.
+"""Named RNG streams for dropout under tensor parallelism, on CPU and CUDA (Megatron-core's
+``tensor_parallel/random.py``).
 
-Mirrors Megatron-core ``tensor_parallel/random.py`` (training-stack.md section c):
-
-* :func:`model_parallel_manual_seed(seed, tp_rank)` seeds the device's default
-  generator with ``seed`` (equal on all tp ranks of a stage, so dropout on replicated
-  activations agrees between them) and adds the named stream ``"model-parallel-rng"``
-  seeded ``seed + 2718 + tp_rank`` (differs across tp ranks, equal across dp ranks).
-  Callers pass ``seed = base + 100 * pp_rank`` as Megatron's ``initialize.py`` does.
-* ``tracker.fork()`` swaps that stream's state into the default generator, runs the
-  block (dropout on tensors *split* over tp: attention probabilities by head, or
-  everything under sequence parallelism), stores the advanced state and restores the
-  default one. Outside ``fork`` the default stream is used.
-
-Differences from Megatron: the tracker works on CPU (``torch.get_rng_state`` /
-``set_rng_state``) as well as CUDA (``torch.cuda`` equivalents for the current
-device), chosen by ``device``; Megatron's is CUDA-only and skipped on CPU hosts. The
-state swap is a global side effect (``F.dropout`` takes no generator), so a stream
-must not be forked from two threads at once. Activation recompute must replay the
-streams: :func:`checkpoint` wraps ``torch.utils.checkpoint`` (non-reentrant) and
-restores the tracker's states for the recompute, as Megatron's ``CheckpointFunction``.
+:func:`model_parallel_manual_seed` seeds the default generator with ``seed`` (equal across tp, so
+dropout on replicated activations agrees) and the stream ``"model-parallel-rng"`` with ``seed +
+2718 + tp_rank`` (differs across tp); callers pass ``base + 100 * pp_rank`` as Megatron does.
+``tracker.fork()`` swaps that stream into the default generator for dropout on tensors *split* over
+tp; unlike Megatron's it works on CPU too. The swap is global (``F.dropout`` takes no generator): never
+fork a stream from two threads. Recompute replays the streams (:func:`checkpoint`, Megatron's way).
 """
 
 from __future__ import annotations
@@ -69,7 +57,6 @@ class RNGStatesTracker:
             raise TokenloomError(f"RNG seed {seed} is already used by another stream")
         if name in self._states:
             raise TokenloomError(f"RNG stream {name!r} already exists")
-        # A fresh generator's state has the same format as the device's default one.
         self._states[name] = torch.Generator(self.device).manual_seed(seed).get_state()
         self._seeds.add(seed)
 
@@ -110,13 +97,8 @@ def get_rng_tracker(device: torch.device | str | None = None) -> RNGStatesTracke
 def model_parallel_manual_seed(
     seed: int, tp_rank: int, tracker: RNGStatesTracker | None = None
 ) -> RNGStatesTracker:
-    """Seed the default generator with ``seed`` and the model-parallel stream with
-    ``seed + 2718 + tp_rank`` (Megatron's ``model_parallel_cuda_manual_seed``).
-
-    Resets ``tracker`` (the process-wide one for the default device when None) and
-    returns it. On CPU only the CPU generator is seeded; on CUDA only the current
-    device's generator.
-    """
+    """Seed default generator and model-parallel stream (Megatron's ``model_parallel_cuda_manual_seed``)
+    on ``tracker``'s device only; resets and returns the tracker (default: the process-wide one)."""
     tracker = tracker or get_rng_tracker()
     if tracker.device.type == "cuda":
         torch.cuda.manual_seed(seed)
@@ -128,12 +110,8 @@ def model_parallel_manual_seed(
 
 
 def checkpoint(function: Callable, *args, tracker: RNGStatesTracker | None = None, **kwargs):
-    """``torch.utils.checkpoint`` (non-reentrant) that also replays the tracker's streams.
-
-    The default generator is already replayed by torch (``preserve_rng_state``); this
-    additionally snapshots the tracker's named states before the forward and swaps the
-    snapshot in during the recompute, so dropout inside ``fork()`` draws the same masks.
-    """
+    """Non-reentrant ``torch.utils.checkpoint`` that also replays the tracker's named streams
+    (torch replays the default one), so dropout inside ``fork()`` redraws the same masks."""
     tracker = tracker or get_rng_tracker()
     snapshot: dict[str, torch.Tensor] = {}
 

@@ -1,41 +1,17 @@
-"""Pipeline schedules (Megatron-core's ``schedules.py``).
+"""Pipeline schedules (Megatron-core's ``schedules.py``): :func:`forward_backward` runs ``M``
+micro-batches through this rank's chunk(s), gradients accumulating in ``.grad``.
 
-:func:`forward_backward` runs one global batch of ``M = num_microbatches`` micro-batches
-through this rank's stage module(s) and leaves the accumulated gradients in ``.grad``:
+* ``"no_pipelining"`` (pp = 1): gradient accumulation.
+* ``"1f1b"``: ``min(p - r - 1, M)`` warmup forwards on rank ``r``, then 1F1B, then cooldown.
+* ``"interleaved"``: ``v`` chunks per rank (chunk ``c`` is virtual stage ``c * p + r``), groups of
+  ``p`` micro-batches (``M`` a multiple of ``p``): bubble ``(p - 1) / (v M + p - 1)`` instead of
+  ``(p - 1) / (M + p - 1)``, for ``v`` times the p2p messages.
 
-* ``"no_pipelining"`` (pp = 1): forward + backward per micro-batch (gradient accumulation).
-* ``"1f1b"`` (Megatron's ``forward_backward_pipelining_without_interleaving``):
-  ``W = min(p - r - 1, M)`` warmup forwards on rank ``r``, one-forward-one-backward, ``W``
-  cooldown backwards; rank ``r`` keeps at most ``p - r`` micro-batches of activations.
-* ``"interleaved"`` (``forward_backward_pipelining_with_interleaving``): ``v`` chunks per rank,
-  chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``; micro-batches go through the chunks
-  in groups of ``p`` (Megatron's ``microbatch_group_size_per_vp_stage``), so ``M`` must be a
-  multiple of ``p``. Warmup ``(p - r - 1) * 2 + (v - 1) * p`` (all ``v * M`` when ``M == p``).
-  The bubble shrinks from ``(p - 1) / (M + p - 1)`` to ``(p - 1) / (v * M + p - 1)`` at the
-  price of ``v`` times more p2p messages.
-
-Contract: the loss is computed on the last (virtual) stage only, divided by ``M`` before
-backward (Megatron's non per-token mode); that rank gets the unscaled per-micro-batch losses,
-the others an empty list. Stage modules are whatever ``forward_step`` runs (the trainer's
-:func:`tokenloom.train.model.pipeline_split.pipeline_stage` chunks).
-
-Data-parallel reduction is gated here, not done: each chunk's forwards and backwards run
-inside its ``no_sync`` (Megatron's ``no_sync_func``) except the chunk's last micro-batch, so a
-bucketed DDP per chunk (:class:`tokenloom.train.parallel.ddp.DistributedDataParallel`) launches its
-buckets during that last backward. After the schedule call
-:func:`allreduce_tied_embedding_grads`, then the optimizer step; Megatron's
-``finalize_model_grads`` takes the same order (both are sums).
-
-Differs from Megatron on purpose: all ``M`` micro-batches are fetched up front on every rank
-(token ids are small) and the stage running micro-batch ``k`` takes ``batches[k]``, where
-Megatron keeps one iterator per chunk.
-
-Bubble: :class:`PipelineStats` (per rank: compute against time in p2p) and
-:func:`pipeline_bubble_fraction` (pipeline-wide); ``bench/parallel_bench.py`` measures it
-against :func:`theoretical_bubble_fraction`. The tests replay the order of operations
-instead of timing it: with free communication both schedules idle exactly the theoretical
-share, and with a per-message latency the interleaved schedule pays it only on the first
-micro-batch's round trip, 1F1B once per micro-batch.
+Contract: the loss is taken on the last virtual stage only, divided by ``M`` before backward. DP
+reduction is gated, not done: all but each chunk's last micro-batch run in its ``no_sync``; then
+:func:`allreduce_tied_embedding_grads` and the optimizer step (``finalize_model_grads``'s order).
+Unlike Megatron, all ``M`` micro-batches are fetched up front (token ids are small). Bubble:
+:class:`PipelineStats`, :func:`pipeline_bubble_fraction` (``bench/parallel_bench.py``).
 """
 
 from __future__ import annotations
@@ -72,8 +48,7 @@ class PipelineStats:
 
     @property
     def bubble_fraction(self) -> float:
-        """This rank's share of busy-or-waiting time spent waiting, ``wait / (wait +
-        compute)``; see :func:`pipeline_bubble_fraction` for the whole pipeline's."""
+        """This rank's ``wait / (wait + compute)`` (:func:`pipeline_bubble_fraction`: the pipeline's)."""
         busy = self.compute_s + self.wait_s
         return self.wait_s / busy if busy > 0 else 0.0
 
@@ -97,22 +72,10 @@ def theoretical_bubble_fraction(pp_size: int, num_microbatches: int, num_chunks:
 
 def pipeline_bubble_fraction(stats: PipelineStats, pp_group: dist.ProcessGroup | None, *,
                              busiest: bool = False) -> float:
-    """Pipeline-wide bubble of one run (collective over ``pp_group``):
-    ``1 - sum(compute) / (pp_size * max(total))``.
-
-    The step ends when the slowest rank ends (the optimizer step waits for the DP and
-    embedding reductions), so idle time is counted against that, not each rank's own
-    end: the last stage finishes ``(p - 1)`` backwards earlier than the first and its
-    own ``wait / (wait + compute)`` reads low. Equals ``(p - 1) / (v * M + p - 1)``
-    for equal stages and free communication.
-
-    ``busiest``: ``1 - max(compute) / max(total)`` instead, the share of the step that the rank
-    with the most compute spends not computing (the Megatron paper's bubble time over the
-    step, with the busiest stage's compute as the ideal step). Equal to the pipeline-wide
-    one for equal stages; for unequal ones (the last stage also runs the head and loss) the
-    pipeline-wide bubble also counts the idle their difference forces on the lighter ranks,
-    which no schedule removes, and this one does not.
-    """
+    """Pipeline-wide bubble (collective over ``pp_group``): ``1 - sum(compute) / (pp_size *
+    max(total))``, idle counted against the slowest rank's end (the step waits for it).
+    ``busiest``: ``1 - max(compute) / max(total)`` (the Megatron paper's), which leaves out the
+    idle that unequal stages force on the lighter ranks; equal for equal stages."""
     device = stats_device(pp_group)
     compute = torch.tensor([stats.compute_s], dtype=torch.float64, device=device)
     total = torch.tensor([stats.total_s], dtype=torch.float64, device=device)
@@ -122,8 +85,7 @@ def pipeline_bubble_fraction(stats: PipelineStats, pp_group: dist.ProcessGroup |
 
 
 def stats_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a small collective over ``group`` needs its tensor: the current CUDA device on
-    NCCL, the CPU otherwise."""
+    """The device of a small collective's tensor: the current CUDA device on NCCL, else CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -149,16 +111,10 @@ def forward_backward(
 ) -> PipelineResult:
     """Run one global batch through this rank's stage(s); grads accumulate in ``.grad``.
 
-    ``model`` is one stage module, or the list of this rank's model chunks (interleaved;
-    chunk ``c`` = virtual stage ``c * pp_size + pp_rank``).
-    ``forward_step(module, hidden, batch, is_last)`` runs one chunk on one micro-batch
-    (Megatron's ``forward_step_func``): ``hidden`` is the received activation (None on the
-    first stage), and on the last stage it returns the micro-batch's mean loss, elsewhere
-    the activation to send on. ``comm`` is required by the pipelined schedules.
-    ``forward_only`` skips backward (evaluation). ``no_sync`` (Megatron's
-    ``no_sync_func``): a context factory, or one per chunk; a chunk's forward and backward
-    of every micro-batch but the last run inside it, so a bucketed DDP or ZeRO-1 reduces
-    each chunk's grads once per step, during the chunk's own last backward.
+    ``model``: a stage module or this rank's chunks (interleaved). ``forward_step(module, hidden,
+    batch, is_last)`` (Megatron's ``forward_step_func``) returns the mean loss on the last stage,
+    else the activation to send. ``comm``: needed when pipelined. ``no_sync``: a context factory or
+    one per chunk (Megatron's ``no_sync_func``), entered for all but each chunk's last micro-batch.
     """
     chunks = list(model) if isinstance(model, (Sequence, nn.ModuleList)) else [model]
     if schedule not in ("no_pipelining", "1f1b", "interleaved"):
@@ -195,22 +151,16 @@ def forward_backward(
 
 
 def release_output(y: torch.Tensor | None) -> None:
-    """Free a sent stage output's storage, keeping its autograd node (Megatron's
-    ``deallocate_output_tensor``): backward starts from ``y``'s node with the received gradient
-    and never reads ``y``'s values, so between its forward and its backward a kept micro-batch
-    holds one element instead of ``micro x seq x hidden``. The send posted before is unaffected
-    (the wire tensor holds the old storage until it completes), and so is a node that saved its
-    own output (it keeps its own reference). Views are left alone: their storage is their base's.
-    """
+    """Free a sent output's storage, keeping its autograd node (Megatron's
+    ``deallocate_output_tensor``): backward never reads ``y``'s values. A posted send and a node
+    that saved its output keep their own references; views are left alone (their base's storage)."""
     if y is not None and y.requires_grad and y._base is None and y.numel() > 1:
         y.data = torch.empty((1,), device=y.device, dtype=y.dtype)
 
 
 def backward_from(y: torch.Tensor, dy: torch.Tensor) -> None:
-    """``torch.autograd.backward(y, dy)`` for a ``y`` whose storage :func:`release_output` freed:
-    the public call refuses a gradient whose shape is not ``y``'s, so this runs the autograd
-    engine directly, as Megatron's ``custom_backward`` does (a private torch entry point: the
-    trade-off for not keeping every in-flight output alive)."""
+    """``torch.autograd.backward(y, dy)`` for a released ``y`` (the public call checks shapes): the
+    engine's private entry point, as Megatron's ``custom_backward``."""
     torch.autograd.Variable._execution_engine.run_backward(  # noqa: SLF001
         tensors=(y,), grad_tensors=(dy,), keep_graph=False, create_graph=False, inputs=(),
         allow_unreachable=True, accumulate_grad=True)
@@ -264,8 +214,7 @@ class _Runner:
     def backward_step(
         self, x: torch.Tensor | None, y: torch.Tensor, dy: torch.Tensor | None, chunk: int = 0
     ) -> torch.Tensor | None:
-        """Backprop ``dy`` (None: ``y`` is the scaled loss) through ``chunk`` and return the
-        input's grad."""
+        """Backprop ``dy`` (None: ``y`` is the loss) through ``chunk``; the input's grad."""
         start = time.perf_counter()
         if x is not None:
             x.retain_grad()
@@ -324,11 +273,9 @@ class _Runner:
             p2p.send_backward(self.backward_step(x0, y0, dy), comm)
 
     def interleaved(self) -> None:
-        """Megatron's interleaved 1F1B with ``microbatch_group_size_per_vp_stage == p`` and
-        ``overlap_p2p_comm``: a step's forward half (send the output, post the receive of the
-        next forward's input) is posted right after its forward and its backward half right
-        after its backward; a received tensor is waited for only when a forward or backward
-        needs it, so each transfer runs under the next compute instead of between them."""
+        """Megatron's interleaved 1F1B (group size ``p``, ``overlap_p2p_comm``): sends and the next
+        receives are posted right after each compute and waited for only when needed, so transfers
+        run under the next compute."""
         comm = self.pipe()
         v, p = len(self.chunks), comm.pp_size
         total = self.num_microbatches * v
@@ -354,8 +301,7 @@ class _Runner:
         def last_virtual(c: int) -> bool:
             return comm.is_last and c == v - 1
 
-        # per chunk, in arrival order: received inputs and output grads (a posted receive until
-        # its forward / backward waits for it), outputs kept for backward
+        # per chunk, in arrival order: inputs and output grads (posted receives until waited), outputs
         inputs: list[list[torch.Tensor | p2p.Incoming | None]] = [[] for _ in range(v)]
         outputs: list[list[torch.Tensor]] = [[] for _ in range(v)]
         output_grads: list[list[torch.Tensor | p2p.Incoming | None]] = [[] for _ in range(v)]
@@ -390,8 +336,7 @@ class _Runner:
                 inputs[next_c].append(x)
 
         def post_backward(dx: torch.Tensor | None, recv_next: bool, next_c: int) -> None:
-            """Send a backward's input grad back; post the receive of chunk ``next_c``'s next
-            output grad."""
+            """Send a backward's input grad back; post the receive of ``next_c``'s next output grad."""
             _, dy = p2p.post(comm, send_prev=dx, recv_next=recv_next)
             if recv_next:
                 output_grads[next_c].append(dy)
@@ -445,19 +390,16 @@ def _arrived(t: torch.Tensor | p2p.Incoming | None) -> torch.Tensor | None:
 
 
 def is_tied_embedding(param: nn.Parameter) -> bool:
-    """A copy of the tied embedding tagged ``shared_embedding`` (the first stage's table, the
-    last stage's head) under pipeline parallelism."""
+    """A copy of the tied embedding (tag ``shared_embedding``) under pipeline parallelism."""
     return bool(getattr(param, "shared_embedding", False))
 
 
 def allreduce_tied_embedding_grads(
     stages: nn.Module | Sequence[nn.Module], embedding_group: dist.ProcessGroup | None
 ) -> None:
-    """Sum the grads of ``shared_embedding`` parameters over the embedding group (first
-    and last pipeline stage), Megatron's ``_allreduce_word_embedding_grads``; call it
-    after the schedule, before the optimizer step (and before the DP reduction when the
-    optimizer does it, as :class:`~tokenloom.train.optim.zero.ZeroAdamW`). A no-op when
-    ``embedding_group`` is None (pp = 1: the weight is one tensor already)."""
+    """Sum ``shared_embedding`` grads over the first and last stage (Megatron's
+    ``_allreduce_word_embedding_grads``), after the schedule and before the optimizer step (and its
+    DP reduction, as ZeRO-1's). No-op when ``embedding_group`` is None (pp = 1)."""
     if embedding_group is None:
         return
     modules = list(stages) if isinstance(stages, (Sequence, nn.ModuleList)) else [stages]

@@ -1,11 +1,8 @@
 """Rank grid and process groups for tensor (tp), context (cp), data (dp) and pipeline (pp) parallelism.
 
-Mirrors Megatron-core's ``parallel_state`` with its default order ``tp-cp-dp-pp`` (expert
-parallelism ``ep`` carved out of dp: :meth:`ParallelLayout.ep_groups`): tp is the fastest-varying coordinate and pp the slowest, so
-``rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``. Tensor-parallel
-peers are therefore adjacent ranks (one node, fastest links), context-parallel peers
-(which exchange keys and values every layer) next, and pipeline peers are
-``tp * cp * dp`` ranks apart. Worked example, world 8, tp 2, pp 2 (so dp 2, cp 1)::
+Megatron-core's ``parallel_state`` in its default order ``tp-cp-dp-pp`` (``ep`` carved out of dp):
+``rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``, so tp peers are adjacent
+(fastest links) and pp peers farthest. World 8, tp 2, pp 2::
 
     tp groups      [0, 1] [2, 3] [4, 5] [6, 7]
     dp groups      [0, 2] [1, 3] [4, 6] [5, 7]
@@ -13,24 +10,10 @@ peers are therefore adjacent ranks (one node, fastest links), context-parallel p
     model parallel [0, 1, 4, 5] [2, 3, 6, 7]      (tp x pp: one model replica)
     embedding      [0, 4] [1, 5] [2, 6] [3, 7]    (first + last rank of each pp group)
 
-Context-parallel ranks hold the same parameters and different parts of the same samples, so
-gradients are reduced over the ``dp_cp`` groups (dp x cp ranks of one model shard), as
-Megatron's data-parallel group "with context parallel"; the data is sharded over dp alone.
-
-Two layers, so that layouts can be checked without processes:
-
-* :class:`ParallelLayout` is pure arithmetic (rank lists, coordinates, validation);
-* :class:`ParallelState` is one rank's view with real ``torch.distributed`` groups.
-  It is an object, not module globals, so tests (and a future multi-model setup) can
-  hold several. Creating it is collective: ``torch.distributed.new_group`` must be
-  called by every rank for every group in the same order, so every rank walks all
-  groups of every kind and keeps the ones it belongs to (Megatron's rule).
-
-Differences from Megatron: no hierarchical groups, expert groups only inside dp (not over tp x cp), no gloo twins of
-the dp groups (on CPU everything is gloo already; on NCCL a caller that needs CPU
-object gathers must create them), no pipeline split rank (encoder-decoder). The
-virtual pipeline rank is mutable state on the object, as in Megatron, and
-``is_first_stage`` / ``is_last_stage`` take it into account unless ``ignore_virtual``.
+Gradients reduce over ``dp_cp`` (cp ranks share parameters), data shards over dp alone.
+:class:`ParallelLayout` is pure arithmetic; :class:`ParallelState` one rank's real groups, an
+object so tests can hold several, created collectively in one order on every rank (Megatron's
+rule). Unlike Megatron: no hierarchical groups, expert groups inside dp only, no gloo twins.
 """
 
 from __future__ import annotations
@@ -121,15 +104,13 @@ class ParallelLayout:
                 for p in range(self.pp) for t in range(self.tp)]
 
     def ep_groups(self) -> Groups:
-        """Ranks that split the experts of a layer and exchange tokens with them: ``ep`` consecutive dp
-        ranks (the ep rank is ``dp_rank % ep``, Megatron's order with ep inside dp)."""
+        """``ep`` consecutive dp ranks splitting a layer's experts (ep rank ``dp_rank % ep``)."""
         return [[self.rank_of(t, d + e, p, c) for e in range(self.ep)]
                 for p in range(self.pp) for c in range(self.cp) for t in range(self.tp)
                 for d in range(0, self.dp, self.ep)]
 
     def expert_dp_groups(self) -> Groups:
-        """Ranks that hold the same experts (Megatron's data-modulo-expert-parallel group): the dp
-        ranks with the same ep rank; expert gradients are reduced over it."""
+        """dp ranks with the same ep rank (Megatron's data-modulo-expert group): expert grads reduce here."""
         return [[self.rank_of(t, d, p, c) for d in range(e, self.dp, self.ep)]
                 for p in range(self.pp) for c in range(self.cp) for t in range(self.tp) for e in range(self.ep)]
 
@@ -164,11 +145,7 @@ class ParallelLayout:
 
 
 class ParallelState:
-    """This rank's place in a :class:`ParallelLayout`, with its process groups.
-
-    Build it with :meth:`create` after ``torch.distributed.init_process_group``, on all
-    ranks at the same time (group creation is collective).
-    """
+    """This rank's place in a :class:`ParallelLayout` with its groups; :meth:`create` is collective."""
 
     def __init__(
         self, layout: ParallelLayout, rank: int, groups: dict[str, dist.ProcessGroup | None]
@@ -188,10 +165,7 @@ class ParallelState:
     @classmethod
     def create(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep: int = 1,
                **group_kwargs) -> ParallelState:
-        """Create every group of the layout (collective over the default group).
-
-        ``group_kwargs`` go to ``torch.distributed.new_group`` (e.g. ``timeout``, ``backend``).
-        """
+        """Create every group (collective); ``group_kwargs`` go to ``dist.new_group``."""
         if not dist.is_initialized():
             raise TokenloomError("ParallelState.create needs torch.distributed to be initialised first")
         layout = ParallelLayout(dist.get_world_size(), tp, pp, vpp, cp, ep)
@@ -206,8 +180,7 @@ class ParallelState:
 
     @classmethod
     def single_process(cls) -> ParallelState:
-        """World of one rank without ``torch.distributed``: every group is None, which the
-        mappings and layers treat as a one-rank group (no communication)."""
+        """One rank without ``torch.distributed``: every group None (no communication)."""
         return cls(ParallelLayout(1), 0, dict.fromkeys(ParallelLayout(1).all_groups()))
 
     # ---- sizes and groups
@@ -263,8 +236,7 @@ class ParallelState:
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
-        """The group expert gradients are reduced over (None at ep 1, where they go with the dense ones);
-        one rank when ep = dp."""
+        """The group expert gradients reduce over (None at ep 1: with the dense ones)."""
         return self._groups.get("expert_dp")
 
     @property

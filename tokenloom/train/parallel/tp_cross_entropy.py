@@ -1,10 +1,7 @@
-"""Cross entropy over logits whose vocabulary dim is split over the tensor-parallel group.
+"""Cross entropy over logits whose vocabulary is split over the tensor-parallel group.
 
-:func:`vocab_parallel_cross_entropy` mirrors Megatron-core's
-``tensor_parallel/cross_entropy.py``. Rank r holds ``logits[..., V/tp]`` for ids
-``[r V/tp, (r+1) V/tp)``; the leading dims are free (Megatron passes ``[s, b, V/tp]``,
-tokenloom's one-process GPT ``[b, s, V]``: both work, the losses come back with the
-targets' shape). Per token, in fp32 (training-stack.md section c)::
+:func:`vocab_parallel_cross_entropy` mirrors Megatron-core's ``tensor_parallel/cross_entropy.py``
+(rank r holds ids ``[r V/tp, (r+1) V/tp)``; any leading dims). Per token, in fp32::
 
     m = all_reduce_MAX(max_local z);  z -= m
     p = all_reduce_SUM(z_t if t in this shard else 0)          # = z_t - m
@@ -12,21 +9,12 @@ targets' shape). Per token, in fp32 (training-stack.md section c)::
     loss = log S - p                                            # = logsumexp(z) - z_t
     backward: dz = softmax - onehot(t)   (local shard only: no communication)
 
-The two SUM all-reduces are fused into one (a stacked ``[2, tokens]`` tensor), so the
-forward costs two small all-reduces per call instead of Megatron's three.
+The two SUMs are one stacked all-reduce (two per call, not Megatron's three). Label smoothing is
+``F.cross_entropy``'s with the global V (one more reduced statistic), so it equals the one-process
+loss at every tp, where Megatron's uses the local shard's size and mean. ``ignore_index`` tokens get
+loss 0 and no gradient. The saved fp32 local softmax is overwritten in place by backward.
 
-Label smoothing follows ``F.cross_entropy(label_smoothing=eps)``: the target
-distribution is ``(1 - eps) onehot + eps / V`` with the global (padded) V, so
-``loss = (1 - eps)(lse - z_t) + eps (lse - mean_v z_v)``; the mean needs one more
-all-reduce. Megatron's branch uses the *local* shard's size and mean without a tp
-reduction (wrong for tp > 1) and a ``V/(V-1)`` rescaled eps; ours equals the
-one-process loss at every tp. Tokens whose target is ``ignore_index`` get loss 0 and
-no gradient (Megatron has no ignore index; it masks with ``loss_mask`` afterwards).
-The saved tensor is the fp32 softmax of the local shard (``tokens * V/tp * 4`` bytes),
-as in Megatron; backward overwrites it in place.
-
-:func:`vocab_parallel_lm_head_cross_entropy` is the fused path: LM-head GEMM plus loss
-without full logits, a thin wrapper over
+:func:`vocab_parallel_lm_head_cross_entropy`: the fused LM head + loss, over
 :func:`tokenloom.train.kernels.cross_entropy.chunked_cross_entropy` with the tp group.
 """
 
@@ -103,13 +91,8 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Per-token losses (fp32, ``targets.shape``) from vocab-sharded ``logits[..., V/tp]``.
-
-    ``targets`` are global ids in ``[0, V)`` (or ``ignore_index``), replicated over the
-    group. Equals ``F.cross_entropy(full_logits.float(), targets, reduction="none",
-    label_smoothing=..., ignore_index=...)`` on the gathered logits. Reduce (mean over
-    a loss mask, ...) with ordinary torch ops afterwards.
-    """
+    """Per-token fp32 losses from ``logits[..., V/tp]`` and replicated global ``targets``: equals
+    ``F.cross_entropy(full_logits.float(), targets, reduction="none", ...)``."""
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if logits.shape[:-1] != targets.shape:
@@ -130,16 +113,9 @@ def vocab_parallel_lm_head_cross_entropy(
     chunk_size: int | None = None,
     sequence_parallel: bool = False,
 ) -> torch.Tensor:
-    """Fused LM head + vocab-parallel loss: ``chunked_cross_entropy(hidden, weight_shard, ...)``.
-
-    ``weight`` is this rank's ``[V/tp, h]`` shard (e.g. a :class:`VocabParallelEmbedding`'s
-    weight when tied, or a ``ColumnParallelLinear``'s). ``hidden`` is replicated over the
-    group, ``[..., h]`` matching ``targets``; do **not** pass it through
-    ``copy_to_region``: the kernel already all-reduces the hidden gradient over ``group``.
-    With ``sequence_parallel``, ``hidden`` is this rank's ``[s/tp, b, h]`` shard and
-    ``targets`` the full ``[s, b]``; hidden is all-gathered here and its (already summed)
-    gradient split back in backward.
-    """
+    """Fused LM head + vocab-parallel loss with this rank's ``[V/tp, h]`` ``weight``. ``hidden`` is
+    replicated; do **not** ``copy_to_region`` it (the kernel all-reduces its grad). With
+    ``sequence_parallel`` it is the ``[s/tp, b, h]`` shard, gathered here, and ``targets`` full."""
     if sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, group, tensor_parallel_output_grad=False)
     if group is not None and dist.get_world_size(group) == 1:

@@ -1,40 +1,19 @@
-"""Weight-gradient accumulation fusion: a linear layer's weight gradient written by its GEMM
-straight into a gradient buffer (Megatron's ``gradient_accumulation_fusion``).
+"""Weight-gradient accumulation fusion (Megatron's ``gradient_accumulation_fusion``): a linear's
+weight-gradient GEMM writes straight into the wrapper's gradient buffer, saving autograd's fresh
+tensor and the scaled copy into the bucket (``bench/ddp_bench.py``).
 
-Why: without it autograd computes each weight gradient into a fresh tensor, which the data-parallel wrapper
-copies (scaled by ``1 / world``) into its bucket: one more pass over every gradient and a gradient-sized
-allocation per weight. ``bench/ddp_bench.py`` measures it.
+Contract: :func:`linear`'s backward hands ``grad_out`` and the input to the weight's *sink* (set by
+DDP or ZeRO-1), which runs the GEMM into the buffer, scale in ``alpha`` / ``beta`` (``beta=0`` first:
+the stale buffer is not read); autograd gets None, and the post-accumulate-grad hook still runs. A
+declining sink (False) leaves the grad to autograd.
 
-Contract: the backward of :func:`linear` hands ``grad_out`` and the input to the weight's *sink* (installed
-by the wrapper that owns the buffer: our DDP, or ZeRO-1 with ``overlap_grad_reduce``), which runs the GEMM
-into the buffer, scaling in ``alpha``/``beta``: ``view = s * g^T x`` for the first contribution since
-``zero_grad`` (``param.grad`` is None; ``beta=0``, the stale buffer is not read), ``view = s * view + s *
-g^T x`` when accumulating. Autograd then gets ``None`` for the weight; the weight's post-accumulate-grad
-hook still runs, so the wrapper's readiness bookkeeping is unchanged.
-
-Invariants and limits:
-
-* **Only for a weight used once per backward**: the sink scales while it writes, so a second consumer (a
-  tied embedding) would add its grad unscaled. Every layer that uses it (:class:`Linear`, the
-  tensor-parallel linears) has a ``wgrad_fusion`` switch, which the model turns off on its (possibly tied)
-  LM head.
-* **Compiled blocks too**: traced code cannot call the sink (a Python side effect), so the compiled backward
-  calls one opaque custom op, ``tokenloom::linear_backward_to_sink``, which computes the input grad and runs
-  the sink at run time; the forward stays traced, the backward's two library GEMMs are hidden from inductor.
-  A traced graph cannot decide at run time whether to return a weight grad, so for a declining sink (or
-  none) the op itself accumulates into ``weight.grad`` as autograd would. Leaf weights only. A graph takes
-  this path while any sink is installed (a guarded flag: the first install or last removal recompiles). The
-  sequence-parallel linear fuses only when eager.
-* **Under autocast** (bf16) the operands are bf16 and the buffer holds fp32 main grads: :func:`gemm_into`
-  writes the fp32 product into the bucket view with ``addmm(..., out_dtype=torch.float32)`` where the device
-  has that kernel (CUDA: Megatron's fused wgrad kernel without an extension; bench/RESULTS.md's notes), else
-  as the bf16 GEMM and one fused cast-add. The product is never rounded to bf16. The forward saves the input
-  in the autocast dtype; the sequence-parallel linear keeps autograd's path under autocast.
-* The sink may decline (returns False), e.g. when ``param.grad`` was replaced by a tensor that is not its
-  view; the backward then returns the weight's grad as autograd would.
-* **``backward()`` only**, as torch DDP: ``torch.autograd.grad`` through a wrapped model would still write
-  the weight grads into the buffer.
-* Numerics: the same product in one GEMM with the scaling inside it, equal to autograd's up to rounding.
+* **One consumer per backward**: the sink scales as it writes, so a tied weight's second grad would
+  land unscaled; each layer's ``wgrad_fusion`` switch is off on the LM head.
+* **Compiled blocks** cannot call the sink, so their backward calls the opaque custom op
+  ``tokenloom::linear_backward_to_sink`` (declined: it accumulates ``weight.grad`` itself); leaf
+  weights only, while any sink is installed. The sequence-parallel linear fuses only eagerly.
+* **Under autocast** bf16 operands write fp32 main grads (:func:`gemm_into`), never rounded to bf16.
+* **``backward()`` only**, as torch DDP; numerics equal autograd's up to rounding.
 """
 
 from __future__ import annotations
@@ -47,21 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 
 WgradSink = Callable[[torch.Tensor, torch.Tensor], bool]
-"""``sink(grad_out_2d, input_2d) -> taken``: write ``grad_out_2d^T @ input_2d`` (the weight's
-gradient) into the weight's gradient buffer and return True, or return False to leave it
-to autograd."""
+"""``sink(grad_out_2d, input_2d) -> taken``: write ``grad_out_2d^T @ input_2d`` into the buffer, or
+return False to leave it to autograd."""
 
 _SINK_ATTR = "wgrad_sink"
 _sinks_installed = 0
 _any_sink = False
-"""Whether some weight in this process has a sink: what a traced graph reads (and guards on)
-instead of a sink attribute, so compiled blocks take the fused path only where a wrapper
-installed sinks."""
+"""Whether any weight has a sink: what a traced graph reads and guards on."""
 
 
 def set_wgrad_sink(weight: torch.Tensor, sink: WgradSink | None) -> None:
-    """Install (or with None remove) the sink that :func:`linear` hands ``weight``'s
-    gradient to."""
+    """Install (None: remove) ``weight``'s sink."""
     global _sinks_installed, _any_sink
     had = hasattr(weight, _SINK_ATTR)
     if sink is None:
@@ -80,10 +55,8 @@ def wgrad_sink(weight: torch.Tensor) -> WgradSink | None:
 
 
 def fusion_sink(x: torch.Tensor, weight: torch.Tensor) -> WgradSink | None:
-    """The sink a matmul of ``x`` by ``weight`` about to run eagerly should hand its weight
-    gradient to, or None where the fusion does not apply (no sink, no grad needed, compiling,
-    autocast: see the module docstring). For layers with their own autograd Function (the
-    sequence-parallel linear, eager only); others call :func:`linear`."""
+    """The sink for an eager matmul by ``weight``, or None where fusion does not apply; for layers
+    with their own autograd Function (the sequence-parallel linear)."""
     if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):  # see the module docstring
         return None
     return wgrad_sink(weight) if _fusion_applies(x, weight) else None
@@ -93,45 +66,33 @@ def _fusion_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (torch.is_grad_enabled() and weight.requires_grad):
         return False
     if torch.compiler.is_compiling():
-        # x: the op's input grad must be used, or the graph would drop the op and its sink
-        # call; a leaf: a weight computed in the forward has no .grad for the op to fill
+        # x needs grad, or the graph drops the op and its sink call; a non-leaf has no .grad to fill
         return _any_sink and x.requires_grad and weight.is_leaf
     return wgrad_sink(weight) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose backward hands the weight's gradient to the
-    weight's sink when it has one (and the conditions in the module docstring hold)."""
+    """``F.linear`` whose backward hands the weight gradient to the weight's sink."""
     if _fusion_applies(x, weight):
         return _LinearWgradFusion.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def shared_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a weight with a second consumer in the same backward
-    (the LM head tied to the token embedding): its backward returns the weight's gradient as a
-    tensor that owns its storage, ``grad^T x`` in one GEMM, the product ``F.linear``'s backward
-    computes, bit for bit (no sink: the other consumer's gradient is not scaled).
-
-    Why: autograd holds the first gradient of a weight used twice until the second arrives and
-    adds the second into it in place only when the first owns its storage; ``F.linear``'s is a
-    transposed view, so their sum would be a third weight-sized tensor next to both (under
-    autocast the cast back to the weight's dtype already owns its storage). Under autocast the
-    operands are cast as autocast casts them and autograd casts the gradients back. Without
-    grad (or for a weight that needs none) it is ``F.linear``."""
+    """``F.linear`` for a weight with a second consumer (a tied LM head): the weight grad comes as a
+    tensor owning its storage, bit-equal to ``F.linear``'s. Why: autograd adds the second grad in
+    place only into an owning first one; ``F.linear``'s is a transposed view, so the sum would be a
+    third weight-sized tensor."""
     if torch.is_grad_enabled() and weight.requires_grad:
         return _SharedWeightLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, names, state dict and forward numerics) whose forward
-    is :func:`linear`: the one-rank layer the model's ``TensorParallel`` factories return."""
+    """``nn.Linear`` (same state dict and numerics) whose forward is :func:`linear` (tp = 1 layers)."""
 
     wgrad_fusion: bool = True
-    """Hand the weight gradient to the weight's sink: only for a weight used once per
-    backward (the model turns it off on its LM head, which may be tied). Off, the forward is
-    :func:`shared_weight_linear`."""
+    """Use the sink (a weight used once per backward); off: :func:`shared_weight_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wgrad_fusion:
@@ -141,8 +102,7 @@ class Linear(nn.Linear):
 
 @functools.cache
 def out_dtype_gemm(device_type: str) -> bool:
-    """Whether ``device_type`` has the mixed-precision GEMM ``addmm(..., out_dtype=float32)``
-    from bf16 operands (CUDA does, torch's CPU build does not); probed once per device type."""
+    """Whether bf16 ``addmm(..., out_dtype=float32)`` runs on ``device_type`` (probed once)."""
     try:
         out = torch.zeros(1, 1, device=device_type)
         one = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type)
@@ -153,11 +113,8 @@ def out_dtype_gemm(device_type: str) -> bool:
 
 
 def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float, alpha: float) -> None:
-    """``out = beta * out + alpha * a @ b`` in place, ``out`` possibly a strided view of a bucket;
-    ``beta=0`` never reads ``out`` (a stale buffer may hold anything). Operands of ``out``'s dtype:
-    one ``addmm``. Lower-precision operands (autocast's bf16 into fp32 main grads): one
-    ``addmm(..., out_dtype=out.dtype)`` where the device has it (:func:`out_dtype_gemm`), else the
-    GEMM in the operands' dtype and a cast-add into ``out`` (fp32 arithmetic)."""
+    """``out = beta * out + alpha * a @ b`` in place (``beta=0`` never reads ``out``); narrower
+    operands use ``out_dtype`` where :func:`out_dtype_gemm`, else a GEMM and an fp32 cast-add."""
     if a.dtype == out.dtype:
         if beta == 0:
             torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
@@ -212,10 +169,8 @@ class _SharedWeightLinear(_LinearWgradFusion):  # the same forward; a backward w
 
 @torch.library.custom_op("tokenloom::linear_backward_to_sink", mutates_args=())
 def linear_backward_to_sink(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A compiled graph's backward of :func:`linear`: returns ``grad @ weight`` (the input
-    grad) and hands ``grad^T x`` to ``weight``'s sink, or, without one or when it declines,
-    accumulates it into ``weight.grad`` as autograd would (the graph returns no weight grad).
-    Under autocast ``grad`` and ``x`` are in its dtype and the products too."""
+    """Compiled backward of :func:`linear`: returns the input grad and hands ``grad^T x`` to the
+    sink, or accumulates it into ``weight.grad`` without one."""
     grad2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
     sink = wgrad_sink(weight)
     if sink is None or not sink(grad2, x2):
