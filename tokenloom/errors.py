@@ -1,8 +1,5 @@
-"""User-facing errors.
-
-Anything the user can fix (a bad flag, a corrupt or missing file, a bad record)
-raises :class:`TokenloomError`; the CLI prints its message on one line and exits
-non-zero without a traceback. ``assert`` is kept for internal invariants only.
+"""User-facing errors: anything the user can fix raises :class:`TokenloomError`, printed by the
+CLI on one line without a traceback; ``assert`` is for internal invariants only.
 """
 
 
