@@ -49,8 +49,7 @@ class TrainConfig:
     exit_interval: int | None = None
     """Save and stop this process when the iteration is a multiple of this (time-limited jobs)."""
     save_on_signal: bool = True
-    """On SIGTERM/SIGINT to any rank, every rank finishes the next step, saves and exits; a second
-    signal stops at once. False: a signal ends the job at once, without a checkpoint."""
+    """On SIGTERM/SIGINT to any rank, all finish the next step, save and exit (a second: at once). False: no save."""
     eval_interval: int = 100
     """Validation every this many steps (and at the end); 0 disables validation."""
     eval_iters: int = 10
@@ -58,9 +57,8 @@ class TrainConfig:
     log_interval: int = 10
     """Write a metrics record every this many steps."""
     log_loss_per_source: bool = False
-    """Also log each blend source's token-weighted training loss per log interval
-    (``train_loss_per_source``), summed on device with no per-step host sync; costs a per-token
-    loss, and with fused loss kernels a recompute of the LM head's logits in backward."""
+    """Also log each blend source's token-weighted train loss per interval (no per-step host sync); costs
+    a per-token loss, and with fused loss kernels a recompute of the LM head's logits in backward."""
     gc_interval: int = 50
     """Automatic garbage collection is off while training; a young-generation collection runs every
     this many steps (torchtitan's gc_freq, Megatron's --manual-gc). 0 keeps automatic collection."""
@@ -75,8 +73,7 @@ class TrainConfig:
     """Also checkpoint every this many steps into local_save_dir (node-local tier, newest two kept);
     a resume takes the newest step every rank holds complete, locally or durably. None: off."""
     local_save_dir: str | None = None
-    """Directory of the local tier (with local_save_interval); a checkpoint missing any rank's files
-    is never taken. See tokenloom.train.checkpoint.commit."""
+    """Directory of the local tier (with local_save_interval); a checkpoint missing any rank's files is never taken."""
     async_save: bool = True
     """Write checkpoints in a background thread; the loop waits only for the copy to (reused) host
     memory, and a failed write ends the run at the next step. False: the loop waits for the save."""
@@ -87,9 +84,8 @@ class TrainConfig:
     resume: str | None = None
     """"auto" (latest complete checkpoint, or start fresh), a checkpoint directory, or None (fresh)."""
     init_from_hf: str | None = None
-    """A local transformers GPT-2 or Llama folder to start from: its shape and tokenizer replace the
-    configured ones (conflicts refused), optimizer fresh at iteration 0; a checkpoint resume finds
-    wins. See tokenloom.train.checkpoint.hf."""
+    """A local transformers GPT-2 or Llama folder to start from (its shape and tokenizer, conflicts refused;
+    optimizer fresh at iteration 0); a checkpoint that resume finds wins."""
     force_data: bool = False
     """Resume even if the checkpoint was trained on different data (samples may repeat or be skipped).
     Not needed for a blend's new weights or sources: each source continues after what it served."""
@@ -97,8 +93,7 @@ class TrainConfig:
     """Resume with another learning-rate schedule than the checkpoint's, followed from the resume step.
     False: such a resume is refused naming old and new values (Megatron's flag of this name)."""
     force_optimizer: bool = False
-    """Resume a checkpoint trained with another optim.name, dropping its optimizer state (fresh
-    moments). False: such a resume is refused."""
+    """Resume a checkpoint of another optim.name with fresh optimizer state. False: such a resume is refused."""
     tokenizer: str | None = None
     """Tokenizer path (or "byte"), stored in checkpoints so generate can decode."""
     seed: int = 1234
@@ -150,11 +145,9 @@ class TrainConfig:
     vpp: int | None = None
     """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved schedule; None: 1."""
     num_layers_in_first_pipeline_stage: int | None = None
-    """Transformer layers on the first pipeline rank (a multiple of vpp); the others share the rest
-    evenly. None: an even split."""
+    """Transformer layers on the first pipeline rank (a multiple of vpp), the rest shared evenly. None: even."""
     num_layers_in_last_pipeline_stage: int | None = None
-    """Transformer layers on the last pipeline rank (which also runs the LM head and loss). None: an
-    even split."""
+    """Transformer layers on the last pipeline rank (which also runs the LM head and loss). None: even."""
     account_for_embedding_in_pipeline_split: bool = False
     """Count the embedding as one layer when splitting: the first virtual stage holds one layer fewer."""
     account_for_loss_in_pipeline_split: bool = False
@@ -163,8 +156,7 @@ class TrainConfig:
     """Sequence parallelism (tp > 1): norms and dropout run on a 1/tp slice of the sequence, with
     all-gather + reduce-scatter instead of all-reduce around each tensor-parallel layer pair."""
     zero1: bool = False
-    """Shard the AdamW state over data parallel (ZeRO-1); with ep > 1 the experts' state over the dp
-    ranks holding the same experts."""
+    """Shard the AdamW state over data parallel (ZeRO-1; at ep > 1 experts over their expert-dp ranks)."""
     fsdp: bool = False
     """Fully sharded data parallelism (ZeRO-3, torch's fully_shard), gathering each block's parameters
     around its forward and backward. Composes with tp (+ sp) and pp; refuses zero1 and ddp_bucket_cap_mb."""
@@ -409,8 +401,7 @@ SCHEDULE_KEYS = ("train_iters", "optim.lr", "optim.min_lr", "optim.warmup_iters"
 
 
 def check_resumable_optimizer(path: str | os.PathLike, cfg: TrainConfig, saved_config: dict) -> None:
-    """Refuse a resume with another ``optim.name`` than the checkpoint's (adamw if it predates the field),
-    unless ``cfg.force_optimizer``."""
+    """Refuse a resume with another ``optim.name`` than the checkpoint's unless ``cfg.force_optimizer``."""
     old = saved_config.get("optim", {}).get("name", "adamw")
     if old != cfg.optim.name and not cfg.force_optimizer:
         raise TokenloomError(f"{path} was trained with optimizer {old}, this run asks for {cfg.optim.name} "

@@ -37,8 +37,7 @@ class DistInfo:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm host list: ``gpu[07-09,12],cpu1`` -> ``gpu07`` (rank 0's; no
-    ``scontrol``, which is not on every node's PATH)."""
+    """The first host of a Slurm host list, ``gpu[07-09,12],cpu1`` -> ``gpu07`` (no ``scontrol`` needed)."""
     found = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist.strip())
     item = found.group(0) if found else ""  # the pattern matches the empty string: always found
     return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], item)
@@ -66,8 +65,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def cuda_index(local_rank: int) -> int:
-    """This rank's GPU: ``LOCAL_RANK`` modulo the visible count (ranks sharing GPUs, or a launcher
-    that narrowed ``CUDA_VISIBLE_DEVICES`` per task)."""
+    """This rank's GPU: ``LOCAL_RANK`` modulo the visible count (shared GPUs, or one per task)."""
     count = torch.cuda.device_count()
     return local_rank % count if count else local_rank
 
@@ -88,9 +86,8 @@ def resolve_backend(name: str | None) -> str:
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
-    """Initialise the default process group from env vars and return :class:`DistInfo`; gloo
-    becomes :class:`~tokenloom.train.staged_gloo.StagedGloo` with CUDA or forced staging.
-    Idempotent: an existing default group is described, not recreated."""
+    """Initialise the default process group from env vars (gloo staged with CUDA or forced staging) and
+    return :class:`DistInfo`; idempotent: an existing default group is described, not recreated."""
     if dist.is_initialized():
         return _describe(dist.get_backend())
     backend = resolve_backend(backend)

@@ -58,15 +58,10 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_total: float | None) -
 
 
 class StepTimer:
-    """Wall time of training steps: each log interval's mean step time and data wait, and the
-    run's tokens/s and data wait share.
-
-    The first step is timed on its own (``first_step_s``, at the cost of one device sync) and
-    left out of the means: it carries one-off costs (compilation, CUDA context, first faults).
-    An interval holding only it reports its time. :meth:`paused` takes out evaluation and saves.
-    The data wait is host time taking batches; on a GPU the device's queue may hide it, so it
-    bounds the stall from above.
-    """
+    """Wall time of training steps: each log interval's mean step time and data wait, the run's
+    tokens/s and data wait share. The first step is timed on its own (one device sync) and left out
+    of the means: it carries one-off costs (compilation, CUDA context). :meth:`paused` takes out
+    evaluation and saves. The data wait is host time, an upper bound of the stall on a GPU."""
 
     def __init__(self, tokens_per_step: int, device: torch.device) -> None:
         self.tokens_per_step = tokens_per_step
@@ -146,9 +141,8 @@ GIB = float(1 << 30)
 
 
 def memory_fields(device: torch.device) -> dict:
-    """A train record's ``device_mem_peak_gib`` (CUDA's allocated peak since the last call, which
-    resets it; null elsewhere), ``host_rss_gib`` (resident now) and ``host_rss_peak_gib`` (the
-    process's peak so far: the kernel has no per-interval peak)."""
+    """``device_mem_peak_gib`` (CUDA's peak since the last call, reset; null elsewhere), ``host_rss_gib``
+    (now) and ``host_rss_peak_gib`` (the process's peak so far: no per-interval peak exists)."""
     peak = None
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / GIB
@@ -176,10 +170,9 @@ def missing_package(what: str, package: str, extra: str) -> str:
 
 
 class MetricsLogger:
-    """Appends records to a JSONL file (and TensorBoard and W&B when asked for). Rank 0 only.
-
-    A missing logger package is skipped with one line. W&B steps on ``iter`` as a metric (late
-    checkpoint records would be dropped by ``step=``); mappings go out as ``field/key`` scalars."""
+    """Appends records to a JSONL file (and TensorBoard, W&B: skipped with one line if missing). Rank 0
+    only. W&B steps on ``iter`` as a metric (``step=`` drops late checkpoint records); mappings go
+    out as ``field/key`` scalars."""
 
     def __init__(self, path: str | os.PathLike, *, resume_iteration: int | None = None,
                  tensorboard_dir: str | None = None, wandb_project: str | None = None,
@@ -280,9 +273,8 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> P
 
 
 def loss_figure(records: list[dict]):
-    """Losses (per source thinner) above, the learning rate below, against iteration; every point
-    marked, vertical lines where the run resumed, the blend changed or a schedule phase began.
-    The caller closes the figure."""
+    """Losses above, learning rate below, against iteration, with vertical lines where the run resumed,
+    the blend changed or a schedule phase began; the caller closes the figure."""
     import matplotlib.pyplot as plt  # lazy: start-up time, matplotlib loads only when a plot is asked for
 
     fig, (ax, lr_ax) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True, height_ratios=(2, 1))

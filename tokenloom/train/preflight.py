@@ -88,8 +88,7 @@ def check_model_split(cfg: TrainConfig) -> None:
 
 
 def check_sources(cfg: TrainConfig) -> None:
-    """Every prefix has its files, no split evaluation reads is empty, ``--tokenizer`` matches each
-    manifest, and a manifest-less source's ids fit the vocabulary."""
+    """Files present, no evaluated split empty, ``--tokenizer`` matching manifests, ids within the vocabulary."""
     blend = cfg.data.blend
     if blend is None:  # mock data: no files (check calls this for blend data only)
         return

@@ -72,8 +72,7 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_bf16_native() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); else torch emulates it
-    through fp32, slower than plain fp32."""
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16, AMX); else torch emulates it, slower than fp32."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

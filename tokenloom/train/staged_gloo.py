@@ -70,8 +70,7 @@ class StagedWork(dist.Work):
 
 
 class StagedGloo(dist.ProcessGroup):
-    """A gloo process group staging GPU tensors through pinned host memory; its methods take
-    torch's option objects and return a :class:`torch.distributed.Work`."""
+    """A gloo process group staging GPU tensors through pinned host memory (torch's group methods)."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, stage_all: bool = False):
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lists only the (store, rank, size) form

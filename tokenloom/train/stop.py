@@ -55,8 +55,7 @@ class StopOnSignal:
         return int(flag.item()) or None
 
     def close(self, failed: bool = False) -> None:
-        """Restore the signal handlers; finish the all-reduce in flight (every rank started it)
-        unless the run ``failed``, when a peer may never join it."""
+        """Restore the signal handlers; finish the all-reduce in flight unless the run ``failed`` (a peer may be gone)."""
         if not failed:
             self._wait()
         for s, handler in self._previous.items():

@@ -17,11 +17,9 @@ optimizer               fused AdamW, or ZeRO-1               the same two
 checkpoint I/O          every rank writes its pieces (:mod:`~tokenloom.train.checkpoint.format`)
 ======================  ===================================  =======================================
 
-``fsdp`` (:mod:`~tokenloom.train.parallel.fsdp`) replaces DDP or ZeRO-1 in any of these; the
-sequence-parallel and tied-embedding sums and the clipping norm then run on the local shards. At
+``fsdp`` replaces DDP or ZeRO-1 in any of these (sums and clipping norm then on local shards). At
 ``ep`` > 1 the experts' grads stay out of DDP's buckets and are summed over the expert-data-parallel
-group after them (:meth:`Strategy._reduce_expert_grads`; with ZeRO-1, buckets of their own). The
-checkpoint writer hands its files to :attr:`Strategy.saver` (:mod:`~tokenloom.train.checkpoint.async_save`).
+group after them (with ZeRO-1, in buckets of their own).
 
 Invariants:
 
@@ -139,11 +137,8 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
 
 
 class Strategy:
-    """One layout's model chunks, optimizer, step, gradient finalisation and checkpoint I/O.
-
-    Build it on every rank at the same time (it creates process groups and, under DDP,
-    broadcasts the initial parameters).
-    """
+    """One layout's model chunks, optimizer, step, gradient finalisation and checkpoint I/O; build it
+    on every rank at once (it creates process groups and broadcasts the initial parameters)."""
 
     def __init__(self, cfg: TrainConfig, world: World) -> None:
         self.cfg, self.world, self.device = cfg, world, world.device
@@ -199,8 +194,7 @@ class Strategy:
     # ------------------------------------------------------------------ building
 
     def _seed_tp_dropout(self) -> RNGStatesTracker | None:
-        """At tp > 1, Megatron's seeding: the default generator equal over tp (replicated dropout
-        agrees), the tracker's tensor-parallel stream per tp rank. None at tp = 1."""
+        """At tp > 1, Megatron's seeding: default generator equal over tp, tracker stream per tp rank; else None."""
         if self.cfg.tp == 1:
             return None
         tracker = get_rng_tracker(self.device)
@@ -386,8 +380,7 @@ class Strategy:
         return total
 
     def train_step(self, batches: list, per_source: SourceLosses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; (mean micro-batch loss, grad norm before clipping) as device tensors,
-        the loss zero on ranks without one."""
+        """One optimizer step: (mean micro-batch loss or zero, grad norm before clipping), device tensors."""
         self.optimizer.zero_grad()  # set_to_none: DDP and ZeRO-1 copy each first grad into their buffers
         if self.ddps:
             total = self._run(self.ddps, batches, False, no_sync=[ddp.no_sync for ddp in self.ddps],
@@ -401,9 +394,8 @@ class Strategy:
         return total / self.num_micro, norm
 
     def _finish_grads_and_step(self) -> torch.Tensor:
-        """After the schedule: wait for the dp averages, then the sequence-parallel, tied-embedding and
-        expert sums, clipping and the step. The sums are linear, so doing them after the dp average
-        changes only rounding."""
+        """After the schedule: the dp averages, then the sp, tied-embedding and expert sums (linear: after
+        the average only rounding changes), clipping and the step."""
         cfg, st = self.cfg, self.state
         if self.fsdp_group is not None:
             return self._finish_sharded_grads_and_step()
@@ -505,8 +497,7 @@ class Strategy:
         return value
 
     def moe_for_log(self) -> dict:
-        """The MoE metrics of the train steps since the last call, on every rank (empty when dense);
-        collective over the world, so asked once per log interval."""
+        """The MoE metrics since the last call, on every rank (empty when dense); collective over the world."""
         model = self.cfg.model
         if model.num_experts is None:
             return {}
@@ -538,8 +529,7 @@ class Strategy:
             fsdp.reshard(self.chunks)
 
     def save(self, iteration: int, state: dict, local: Path | None = None) -> Path:
-        """Collective: save ``iteration``'s checkpoint (``state``: JSON-able run state) through :attr:`saver`;
-        waits for the previous write first and raises its failure."""
+        """Collective: save ``iteration``'s checkpoint through :attr:`saver`, after the previous write (raising its failure)."""
         self.finish_param_sync()
         if not isinstance(self.optimizer, Muon):
             return reshard.save(self, iteration, state, self.saver, local)
