@@ -1,8 +1,7 @@
 """Bucket keys: what dedup matches documents on, computed per document in the tokenizing workers.
 
-A document's keys are ``(bands, 2)`` unsigned 64-bit words, one 128-bit key per band; two
-documents are duplicates when any band's keys are equal (and so are their clusters, joined by
-:mod:`tokenloom.clean.buckets`).
+A document's keys are ``(bands, 2)`` uint64 words, one 128-bit key per band; documents sharing
+any band's key are duplicates (clusters joined by :mod:`tokenloom.clean.buckets`).
 
 * exact: one band, the 128-bit XXH3 digest of :func:`~tokenloom.clean.normalize.exact_form`.
 * minhash: datatrove's scheme and defaults: XXH64 (seed 0) of each space-joined word

@@ -86,8 +86,7 @@ def split_words(text: str) -> tuple[str, ...]:
 
 
 def split_sentences(text: str) -> list[str]:
-    """``text`` cut at the ends of spaCy's sentences into pieces that join back to it (gaps go
-    with the next piece; no sentences: one piece)."""
+    """``text`` cut at spaCy's sentence ends into pieces that join back to it (gaps go with the next)."""
     ends = [sentence.end_char for sentence in _english()(text).sents]
     starts = [0] + ends[:-1]
     return [text[a:b] for a, b in zip(starts, ends[:-1] + [len(text)], strict=True)] if ends else [text]
