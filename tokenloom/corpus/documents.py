@@ -24,8 +24,7 @@ def _snippet(raw) -> str:
 
 
 def _check_text(value, key: str, valid_utf8: bool = False) -> tuple[list[str] | None, str | None]:
-    """The value's texts (one, or a list's sentences), or why it is bad; ``valid_utf8`` (orjson-built
-    strings) skips the encoding check."""
+    """The value's texts (one, or a list's), or why it is bad; ``valid_utf8`` skips the encoding check."""
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
@@ -59,10 +58,8 @@ MISSING_KEY = "missing key"
 
 def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | None, bool]:
     """The record's object or why it is bad, and whether orjson read it (its strings then valid UTF-8).
-
-    orjson's object is taken only when every key holds text (it is faster, bench/RESULTS.md);
-    anything else (what it refuses or reads differently) is parsed again by the stdlib, as
-    Megatron's ``preprocess_data.py`` does, so acceptance and messages are the stdlib's."""
+    orjson's object is taken only when every key holds text; anything else is parsed again by the
+    stdlib, as Megatron's ``preprocess_data.py`` does, so acceptance and messages are the stdlib's."""
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
@@ -156,8 +153,7 @@ def decode_chunk(chunk: Chunk, keys: tuple[str, ...]) -> Decoded:
 
 
 def iter_documents(inputs: list[str], key: str = "text", txt_unit: str = "file") -> Iterator[str]:
-    """Each document's text in input order (sentences joined with newlines); the first bad record
-    raises :class:`TokenloomError` naming its file and line."""
+    """Each document's text in input order; the first bad record raises, naming its file and line."""
     found = discover(inputs)
     numbering = LineNumbers()
     for chunk in ChunkReader(found, [key], txt_unit=txt_unit).chunks():

@@ -161,8 +161,7 @@ def discover(patterns: list[str]) -> list[Input]:
 
 
 def shard_inputs(inputs: list[Input], num_shards: int, shard_index: int) -> list[int]:
-    """Indices of the inputs of one shard: contiguous, balanced by size (by each input's byte
-    midpoint), so shards 0..n-1 concatenated give the single-run order."""
+    """Indices of one shard's inputs: contiguous, balanced by byte midpoint, so shards concatenate to one run."""
     if not 0 <= shard_index < num_shards:
         raise TokenloomError(f"--shard-index {shard_index} must lie in [0, --num-shards {num_shards})")
     total = sum(max(i.size, 1) for i in inputs)
@@ -184,8 +183,7 @@ class TruncatedInput(Exception):
 
 
 class _ZstdLines(io.RawIOBase):
-    """Decompress a (multi-frame) zstd file and notice truncation, which zstandard's
-    ``stream_reader`` silently treats as end of file."""
+    """Decompress a (multi-frame) zstd file, noticing truncation (``stream_reader`` takes it for EOF)."""
 
     def __init__(self, raw):
         self._raw = raw
@@ -236,8 +234,7 @@ def _open_text_stream(inp: Input, raw):
 
 
 def text_expansion(inp: Input, sample_bytes: int = 4 << 20) -> float:
-    """Decompressed bytes per stored byte over the first ``sample_bytes`` of an input (1.0 if plain),
-    measured on a prefix since decompressors read ahead."""
+    """Decompressed bytes per stored byte over an input's first ``sample_bytes`` (1.0 if plain)."""
     if not inp.compressed:
         return 1.0
     with objstore.reading(inp.path), objstore.open_input(inp.path) as raw:
@@ -524,9 +521,8 @@ _BLOCK = 1 << 20
 
 
 def json_records(chunk: Chunk) -> tuple[list[int], list, int]:
-    """The (line numbers, raw lines) of a jsonl chunk's records, and the lines it holds. A span chunk
-    is read here, in the worker, numbered from 1 and checked against the main process's cut; its
-    lines are ``memoryview`` slices (no copy per line)."""
+    """The (line numbers, raw lines as memoryviews) of a jsonl chunk's records, and its line count; a
+    span chunk is read here, in the worker, numbered from 1 and checked against the main process's cut."""
     if chunk.span is None:
         return chunk.numbers, chunk.lines, 0
     start, end = chunk.span
