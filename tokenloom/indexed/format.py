@@ -152,8 +152,7 @@ def write_index(path: str, dtype: np.dtype, lengths: np.ndarray, document_indice
 
 
 class _Growable:
-    """An append-only int32/int64 column on ``array.array``: cheap per-item ``append``, 4/8 bytes per
-    entry, numpy batches appended as raw bytes."""
+    """An append-only int32/int64 ``array.array`` column: cheap ``append``, numpy batches as raw bytes."""
 
     def __init__(self, dtype, initial: Iterable[int] = ()):
         self._dtype = np.dtype(dtype)
@@ -537,9 +536,8 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Memory-mapped, zero-copy reader of ``PREFIX.bin``/``PREFIX.idx``: ``ds[i]``, ``ds[a:b]``,
-    ``ds.get(i, offset, length)`` return read-only views. Opened on first use and pickled by path,
-    so each DataLoader worker maps the files itself."""
+    """Memory-mapped reader of ``PREFIX.bin``/``PREFIX.idx`` (``ds[i]``, ``ds[a:b]``, ``ds.get(i, offset,
+    length)``: read-only views); opened on first use, pickled by path, so each worker maps its own."""
 
     def __init__(self, path_prefix: str | os.PathLike, multimodal: bool = False):
         self.path_prefix = normalize_prefix(path_prefix)

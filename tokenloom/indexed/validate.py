@@ -47,8 +47,7 @@ def _described(idx_file: str) -> int | None:
 
 
 def verify_dataset(prefix: str | os.PathLike, vocab_size: int | None = None, eod: int | None = None) -> dict:
-    """:func:`tokenloom.indexed.verify` with the manifest's values; the report adds ``not_checked``:
-    the checks that could not run and why (empty when every check ran)."""
+    """:func:`tokenloom.indexed.verify` with the manifest's values; ``not_checked`` lists what could not run."""
     prefix = indexed_format.normalize_prefix(prefix)
     data = manifest.read(prefix)
     if data is not None and indexed_format.exists(prefix):
