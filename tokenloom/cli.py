@@ -56,8 +56,7 @@ class _Group(click.Group):
 
 
 def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so the interpreter's final flush of what is still buffered for a
-    closed pipe prints no second message (Python's advice for SIGPIPE)."""
+    """Point stdout at /dev/null, so the final flush to a closed pipe prints no second message (SIGPIPE)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
@@ -238,8 +237,7 @@ def preprocess(**options):
 
 @contextlib.contextmanager
 def _sigterm_interrupts(what: str | None = None):
-    """SIGTERM interrupts like Ctrl-C inside the block; with ``what`` it ends in one line saying so,
-    without, the block handles it."""
+    """SIGTERM interrupts like Ctrl-C in the block; with ``what``, it ends in one line saying so."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 

@@ -14,8 +14,7 @@ class FormatError(TokenloomError):
 
 
 class Stopped(TokenloomError):
-    """A command stopped on a signal (SIGTERM, SIGINT) after saving what resumes it; the exit
-    status is the shell's ``128 + signal``."""
+    """A command stopped on a signal after saving what resumes it; exit status ``128 + signal``."""
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)

@@ -338,8 +338,7 @@ def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
 
 
 class BlockCache:
-    """A thread-safe LRU of (URL, block number) blocks, at most ``capacity`` bytes; one per process
-    serves every :class:`RangedReader`, bounding a whole blend's memory."""
+    """A thread-safe LRU of (URL, block) blocks, at most ``capacity`` bytes, shared by a process's readers."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -378,14 +377,10 @@ def block_cache() -> BlockCache:
 
 
 class RangedReader:
-    """Random access to an object's bytes by ranged GETs of whole blocks through a bounded LRU cache.
-
-    A read of block ``b`` starts background fetches of the next ``read_ahead``, so forward readers
-    find them in memory. Memory: the shared :func:`block_cache` (or ``cache_bytes`` of its own) plus
-    ``read_ahead`` blocks in flight. A forked worker starts with an empty cache and own connections.
-    Trade-off: large blocks amortise GET latency, so shuffled reads over data far larger than the
-    cache pay a block per miss.
-    """
+    """Random access to an object's bytes by ranged GETs of whole blocks through a bounded LRU cache,
+    reading ``read_ahead`` blocks ahead in the background. Memory: the shared :func:`block_cache` (or
+    ``cache_bytes``) plus blocks in flight; a forked worker starts afresh. Trade-off: large blocks
+    amortise GET latency, so shuffled reads over data far beyond the cache pay a block per miss."""
 
     def __init__(self, url: str, size: int, block: int | None = None, cache_bytes: int | None = None,
                  read_ahead: int | None = None):
