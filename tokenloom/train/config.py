@@ -49,7 +49,8 @@ class TrainConfig:
     exit_interval: int | None = None
     """Save and stop this process when the iteration is a multiple of this (time-limited jobs)."""
     save_on_signal: bool = True
-    """On SIGTERM/SIGINT to any rank, all finish the next step, save and exit (a second: at once). False: no save."""
+    """On SIGTERM/SIGINT to any rank, every rank finishes the next step, saves and exits; a second signal
+    stops at once. False: a signal ends the job at once, without a checkpoint."""
     eval_interval: int = 100
     """Validation every this many steps (and at the end); 0 disables validation."""
     eval_iters: int = 10
@@ -115,8 +116,9 @@ class TrainConfig:
     dist_timeout_s: float = 600.0
     """Collective timeout: a dead or stalled rank makes the others fail after at most this."""
     hang_timeout_s: float | None = None
-    """Seconds without a finished step before a rank's watchdog dumps its stacks and ends it (for
-    torchrun's restarts). None: 10 times the slowest iteration, at least 60. See tokenloom.train.faults."""
+    """Seconds without a finished step before a rank's watchdog dumps its stacks and ends it (for torchrun's
+    restarts); None: 10 times the slowest iteration, at least 60. Active under ``train --nproc-per-node``
+    or when set. See tokenloom.train.faults."""
     metrics_path: str | None = None
     """Metrics JSONL; None means OUTPUT_DIR/metrics.jsonl."""
     tensorboard_dir: str | None = None
