@@ -1,9 +1,9 @@
 """Sample text from a training checkpoint: ``generate(GenerateConfig(...)) -> str``.
 
-Shape and tokenizer come from the checkpoint's ``state.json``; weights load ``weights_only``.
-Decoding has no KV cache (each token re-runs the last ``seq_len`` tokens): O(n^2), but one code
-path with training. A longer prompt is cropped with a warning; padded vocabulary rows are dropped.
-A private generator seeded with ``seed`` makes output deterministic and leaves the global RNG alone.
+Shape and tokenizer come from the checkpoint's ``state.json``; weights load ``weights_only``. No
+KV cache (each token re-runs the last ``seq_len`` tokens): O(n^2), but one code path with training;
+a longer prompt is cropped with a warning. A private generator seeded with ``seed`` makes output
+deterministic and leaves the global RNG alone.
 """
 
 from __future__ import annotations

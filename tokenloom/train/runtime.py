@@ -107,9 +107,8 @@ def tune_host_memory(keep_freed: bool, device: torch.device, *, fully_sharded: b
 
 
 class ManualGC:
-    """``with ManualGC(n) as g: ... g.step(iteration)``: automatic GC off inside, a young-generation
-    collection every ``n`` steps (0: left automatic). Automatic GC over the data pipeline's many
-    small objects is costly (bench/RESULTS.md); fixed steps mean no rank stalls the others at random."""
+    """``with ManualGC(n) as g: ... g.step(iteration)``: automatic GC (costly, bench/RESULTS.md) off inside,
+    a young-generation collection every ``n`` steps (0: automatic), so no rank stalls others at random."""
 
     def __init__(self, interval: int) -> None:
         self.interval = interval

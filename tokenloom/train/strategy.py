@@ -244,9 +244,8 @@ class Strategy:
         return group
 
     def _wrap_ddp(self) -> list[DistributedDataParallel]:
-        """One bucketed DDP per chunk over the dp group, launched in its last micro-batch backward.
-        In tp/pp layouts grads are waited for after the schedule and buffers are not re-broadcast,
-        since a blocking collective mid-pipeline would stall the schedule."""
+        """One bucketed DDP per chunk over the dp group, launched in its last micro-batch backward; in tp/pp
+        layouts waited for after the schedule, buffers not re-broadcast (mid-pipeline collectives stall it)."""
         return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_cp_group,
                            params_and_buffers_to_ignore=[n for n, p in chunk.named_parameters() if is_expert(p)],
                            bucket_cap_mb=self.cfg.ddp_bucket_cap_mb, broadcast_buffers=not self.staged,
@@ -329,8 +328,7 @@ class Strategy:
     # ------------------------------------------------------------------ steps
 
     def _forward_step(self, module: nn.Module, hidden: torch.Tensor | None, batch: Any, last: bool) -> torch.Tensor:
-        """One chunk on one micro-batch: the last stage returns the loss (with a per-source accumulator,
-        adding per-token losses to it by ``source``), the others their activation."""
+        """One chunk on one micro-batch: the loss from the last stage (per-source sums added), else its activation."""
         docs = {}
         if batch is not None and "cu_seqlens" in batch:  # a middle stage without masking reads no batch
             docs = {"documents": batch["cu_seqlens"], "positions": batch["position_ids"]}
