@@ -18,12 +18,8 @@ from pathlib import Path
 
 
 def _import_numpy_with_one_blas_thread() -> None:
-    """Import numpy with OpenBLAS limited to one thread, then put the environment back.
-
-    No command does BLAS work through numpy (torch brings its own BLAS, read from the restored
-    environment), and the threads OpenBLAS starts on import spin for a while on the CPU: at the start
-    of a preprocess run that is the core its input hasher runs on. A user's own setting stays.
-    """
+    """Import numpy with OpenBLAS limited to one thread, then restore the environment: no command
+    uses numpy's BLAS, and its spinning threads would take the input hasher's core."""
     if "numpy" in sys.modules or "OPENBLAS_NUM_THREADS" in os.environ:
         return
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
@@ -60,20 +56,15 @@ class _Group(click.Group):
 
 
 def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so the interpreter's final flush of what is still buffered for a
-    closed pipe prints no second message (Python's advice for SIGPIPE)."""
+    """Point stdout at /dev/null, so the final flush to a closed pipe prints no second message (SIGPIPE)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
 
 
 class _Greedy(click.Option):
-    """A ``multiple`` option that also takes the values following it, like argparse's ``nargs='+'``.
-
-    So ``--json-keys text title`` works as in Megatron's scripts, and so does the
-    click style ``--json-keys text --json-keys title``. Values run up to the next
-    token that looks like an option (numbers such as ``-0.5`` are values).
-    """
+    """A ``multiple`` option that also takes the values following it (argparse's ``nargs='+'``, as in
+    Megatron's scripts), up to the next option-like token (``-0.5`` is a value)."""
 
     def add_to_parser(self, parser, ctx):
         super().add_to_parser(parser, ctx)
@@ -246,9 +237,7 @@ def preprocess(**options):
 
 @contextlib.contextmanager
 def _sigterm_interrupts(what: str | None = None):
-    """SIGTERM (a cluster's time limit, ``kill``) interrupts like Ctrl-C while the block runs. With
-    ``what``, an interrupt ends in one line saying ``what`` was stopped; without, the block
-    handles it (preprocess saves its checkpoint and names it)."""
+    """SIGTERM interrupts like Ctrl-C in the block; with ``what``, it ends in one line saying so."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -399,10 +388,8 @@ TRAIN_CONFLICTS = (("data", "mock_data"), ("tokenizer", "vocab_file"), ("tokeniz
 
 
 class _TrainCommand(click.Command):
-    """A command whose argument mistakes are all reported at once, before parsing: every unknown
-    flag with the nearest valid one, every refused Megatron flag with what to use instead, every
-    pair of conflicting flags (:data:`TRAIN_CONFLICTS`), and, when there are any, the misspelled
-    keys of ``--config`` and ``--set`` too. One mistake reads as click's own message would."""
+    """A command reporting all argument mistakes at once, before parsing: unknown flags with the
+    nearest one, refused Megatron flags, conflicting pairs, misspelled config keys."""
 
     def parse_args(self, ctx, args):
         if not any(a in ctx.help_option_names for a in args):
@@ -445,8 +432,7 @@ class _TrainCommand(click.Command):
 
 
 def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
-    """The misspelled-key message of ``--config`` and ``--set`` (empty when they read cleanly or
-    fail otherwise: that failure is reported once the flags are right)."""
+    """The misspelled-key message of ``--config`` and ``--set`` (empty otherwise: other failures come later)."""
     from tokenloom.train.config import load_config  # lazy: start-up time (torch); on the error path only
 
     try:

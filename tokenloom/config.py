@@ -47,21 +47,17 @@ def _body_docs(body: list) -> dict[str, str]:
 
 @functools.cache
 def source_field_docs(class_path: str) -> dict[str, str]:
-    """:func:`field_docs` of ``"package.module:Class"`` read from the module's file, not imported.
-
-    The CLI builds every command's options when it starts; importing the training configs
-    for their help text would import torch (seconds, ~150 MB) for ``preprocess`` too. The
-    trade-off: only the class's own body is read, not its bases, so this serves classes
-    that inherit no fields (a test holds it equal to :func:`field_docs` for each one used).
-    """
+    """:func:`field_docs` of ``"package.module:Class"`` read from its source, not imported (the CLI's
+    help would otherwise import torch for every command). Reads only the class's own body, so it
+    serves classes inheriting no fields (a test holds it equal to :func:`field_docs`)."""
     module, name = class_path.split(":")
     spec = importlib.util.find_spec(module)  # imports the parent packages only
     if spec is None or not spec.origin:
         raise LookupError(f"no source for {module}")
     with open(spec.origin, encoding="utf-8") as f:
         source = f.read()
-    # The class's own lines are parsed (up to the next top-level line; the whole module if a string
-    # in the class has a line at column 0): parsing whole modules was a visible part of every CLI start
+    # only the class's lines are parsed (up to the next top-level line; the whole module if a string
+    # in it reaches column 0): parsing whole modules slows every CLI start
     found = re.search(rf"^class {re.escape(name)}\b.*?(?=^\S|\Z)", source, re.MULTILINE | re.DOTALL)
     try:
         tree = ast.parse(found.group(0) if found else "", spec.origin)

@@ -1,16 +1,10 @@
 """The embedded default job behind ``tokenloom demo``: the whole product on any machine, no download.
 
-Two corpora every Python install has:
-
-* ``code``: the source of the standard library's modules, one module per document;
-* ``docs``: English prose from the same install: the reference-manual topics that
-  ``help()`` shows (``pydoc_data``) and every module's docstrings.
-
-The demo trains a small byte-level BPE tokenizer on both, preprocesses each into
-Megatron ``.bin/.idx`` files (inspected and verified), builds a 60/40 blend with its
-plan printed, trains a tiny GPT on it with 2 DDP ranks under torchrun, and ends with
-the falling validation loss, a generated sample and ``loss.png``. Sizes are chosen so
-the training part takes a couple of minutes on 2 CPU cores.
+Two corpora every Python install has: ``code`` (the standard library's sources, a module per
+document) and ``docs`` (``help()``'s reference topics and every module's docstrings). It trains a
+byte-level BPE tokenizer, preprocesses both (inspected, verified), builds a 60/40 blend, trains a
+tiny GPT on 2 DDP ranks under torchrun, and ends with the validation loss, a sample and
+``loss.png``, sized for a couple of minutes on 2 CPU cores.
 """
 
 from __future__ import annotations

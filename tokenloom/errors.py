@@ -1,8 +1,5 @@
-"""User-facing errors.
-
-Anything the user can fix (a bad flag, a corrupt or missing file, a bad record)
-raises :class:`TokenloomError`; the CLI prints its message on one line and exits
-non-zero without a traceback. ``assert`` is kept for internal invariants only.
+"""User-facing errors: anything the user can fix raises :class:`TokenloomError`, printed by the
+CLI on one line without a traceback; ``assert`` is for internal invariants only.
 """
 
 
@@ -17,8 +14,7 @@ class FormatError(TokenloomError):
 
 
 class Stopped(TokenloomError):
-    """A command stopped on a signal (SIGTERM, SIGINT) after saving what resumes it; the exit
-    status is the shell's ``128 + signal``."""
+    """A command stopped on a signal after saving what resumes it; exit status ``128 + signal``."""
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)

@@ -1,16 +1,10 @@
 """Durable file publication and hashing, shared by every stage.
 
-Every final file tokenloom writes goes through :func:`atomic_writer`: data goes to a
-unique temporary name beside the target, is flushed and fsynced, then renamed over
-the target, and the directory is fsynced. Readers see the old file or the whole
-new one, and a killed writer leaves only a ``*.tmp-*`` file, never a half-written
-file under the final name. Temporary names carry the writer's pid, so the next run
-of the same output removes those of dead processes (:func:`remove_dead_temps`)
-without touching a live writer's.
-
-Operating-system failures while writing (disk full, too many open files, I/O and
-permission errors) become one line naming the path and what to do
-(:func:`os_error_message`); the stage that catches them decides what it keeps.
+Every final file goes through :func:`atomic_writer`: a temporary name beside the target,
+fsynced, renamed over it, directory fsynced. Readers see the old file or the whole new one; a
+killed writer leaves only a ``*.tmp-*`` file, whose pid lets the next run remove those of dead
+processes (:func:`remove_dead_temps`). OS failures while writing become one line naming the path
+and what to do (:func:`os_error_message`).
 """
 
 from __future__ import annotations
@@ -42,12 +36,7 @@ def pid_alive(pid: int) -> bool:
 
 def remove_dead_temps(final: str | os.PathLike) -> list[str]:
     """Remove ``final``'s temporary files and folders whose writer process is dead; return them.
-
-    Only pids of this machine can be checked: a temporary name of a live process (this
-    one included) is kept, so a concurrent writer on this host is never disturbed. Names
-    carry no host, so an output that processes on several hosts write at once (a shared
-    cache) must not be cleaned this way; preprocess and merge outputs have one writer.
-    """
+    Names carry pids but no host: only for outputs with one writer host (preprocess, merge)."""
     removed = []
     for path in glob.glob(glob.escape(os.fspath(final)) + ".tmp-*"):
         pid = path.rsplit(".tmp-", 1)[1].split("-", 1)[0]
@@ -131,11 +120,8 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb", encoding: str | Non
 
 
 def hash_file(h, path: str | os.PathLike, block: int = 1 << 22):
-    """Feed the file at ``path`` to ``h`` (a ``hashlib`` or ``blake3`` hasher) and return ``h``.
-
-    Read ``block`` bytes at a time into one buffer, sized to the file when it is smaller (hashing
-    many small files allocates no full block each). Read, not memory-mapped: a mapping makes
-    every page read resident in the hashing process (an RSS as large as the input)."""
+    """Feed the file at ``path`` to ``h`` (a ``hashlib`` or ``blake3`` hasher) and return ``h``; read
+    into one buffer, not mapped (a mapping makes the whole input resident)."""
     with open(path, "rb", buffering=0) as f:
         buffer = memoryview(bytearray(max(1, min(block, os.fstat(f.fileno()).st_size))))
         while n := f.readinto(buffer):

@@ -1,9 +1,8 @@
 """The compiled helpers (``tokenloom._native``, built from ``csrc/`` at install time).
 
-Native code is an accelerator, never a requirement: every function has a numpy
-reference with the same signature, and :func:`pick` returns the reference (with
-one warning per process) when the extension is missing. Nothing is compiled at
-run time.
+Native code is an accelerator, never a requirement: every function has a numpy reference with
+the same signature, which :func:`pick` returns (one warning per process) without the extension.
+Nothing is compiled at run time.
 """
 
 from __future__ import annotations
@@ -44,11 +43,8 @@ def pick(name: str, reference: F) -> F: ...
 @overload
 def pick(name: str, reference: None) -> Callable[..., Any] | None: ...
 def pick(name: str, reference: Callable | None) -> Callable | None:
-    """The native function ``name`` if the extension has it, else ``reference``, typed as
-    ``reference`` (the native one takes the same arguments and returns the same).
-
-    ``reference=None`` marks an optional accelerator whose caller has its own fallback.
-    """
+    """The native function ``name`` if the extension has it, else ``reference`` (same signature);
+    ``reference=None`` marks an optional accelerator whose caller has its own fallback."""
     global _warned
     if _ext is not None and hasattr(_ext, name):
         return getattr(_ext, name)

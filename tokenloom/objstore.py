@@ -1,27 +1,14 @@
 """Object storage (``s3://bucket/key`` and other fsspec URLs) for preprocess inputs and outputs.
 
-Local paths never come here: every helper that takes a path falls back to the
-plain file system, so the local fast path is the same code as before. URLs go
-through fsspec (``s3://`` needs the ``s3`` extra, s3fs). The endpoint and the
-credentials come from the standard variables, read by botocore itself:
-``AWS_ENDPOINT_URL`` (an S3-compatible server such as MinIO), ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY`` (and ``AWS_DEFAULT_REGION``, profiles, ...).
+Local paths fall back to the plain file system (the local path is unchanged code); URLs go
+through fsspec (``s3://`` needs the ``s3`` extra). Endpoint and credentials are botocore's
+standard variables (``AWS_ENDPOINT_URL`` for MinIO and the like, ``AWS_ACCESS_KEY_ID``, ...).
 
-Policy and its costs:
-
-* Reading streams: an object is read front to back through ranged GETs of
-  ``READ_BLOCK`` bytes with read-ahead, so memory stays at about two blocks per open
-  object and nothing is spooled to disk; a resume that seeks (plain files) costs one
-  new ranged GET. The input digest (sha256 in the manifest) reads every object a
-  second time over the network.
-* Writing is not streamed: an object-store output is completed in a local staging
-  directory (its resume state too), then uploaded one object at a time
-  (:func:`upload`; multipart above ``2 x UPLOAD_PART``, memory bounded by
-  ``UPLOAD_CONCURRENCY x UPLOAD_PART``). A PUT, and a multipart upload (completed
-  or aborted as one), is atomic per object: a failed upload leaves no object under
-  its key. The staging directory must hold the whole output.
-* Failures (unreachable endpoint, missing bucket or object, denied access, missing
-  credentials) become a :class:`StoreError`: one line naming the URL and what to check.
+* Reading streams ranged GETs with read-ahead (about two blocks per open object, nothing
+  spooled); the input digest reads every object a second time.
+* Writing is not streamed: an output is completed in a local staging directory (which must hold
+  it all), then uploaded object by object (:func:`upload`), each PUT or multipart upload atomic.
+* Failures become a :class:`StoreError`: one line naming the URL and what to check.
 """
 
 from __future__ import annotations
@@ -149,12 +136,8 @@ def reading(path: str | os.PathLike) -> Iterator[None]:
 
 
 def check_output(url: str) -> None:
-    """Fail early, before any work, when the bucket of an ``s3://`` output is missing or unreachable.
-
-    Write permission cannot be checked without writing, and credentials may be allowed to
-    write but not to look at the bucket: a denied look is let through, and a denied upload
-    fails at the end (nothing is then under the final keys, and the rerun uploads).
-    """
+    """Fail before any work when an ``s3://`` output's bucket is missing or unreachable; a denied
+    look is let through (write-only credentials), a denied upload then fails at the end."""
     if not url.startswith("s3://"):
         return
     with store_errors(url, "checking the output bucket"):
@@ -182,16 +165,10 @@ def remove(url: str) -> None:
             fs.rm_file(inner)
 
 
-# --------------------------------------------------------------------------- reading datasets in place
-#
-# ``build``, ``train``, ``merge``, ``inspect`` and ``verify`` read ``.bin/.idx`` pairs where they are.
-# Small objects (an ``.idx``, a manifest) are fetched whole, once per node, into a local cache keyed
-# by their content; a ``.bin`` is never copied whole: :class:`RangedReader` serves byte ranges of it
-# from a bounded cache of large blocks.
+# ---- reading datasets in place: small objects fetched once per node; a .bin read by ranges
 
 CACHE_ENV = "TOKENLOOM_CACHE"
-"""Root of the node-local cache of fetched objects (default ``$XDG_CACHE_HOME/tokenloom``, else
-``~/.cache/tokenloom``); objects go under ``objects/``. Ranks of a node share it."""
+"""Root of the node-local object cache, shared by a node's ranks (default ``$XDG_CACHE_HOME/tokenloom``)."""
 
 BLOCK_ENV, CACHE_SIZE_ENV, READ_AHEAD_ENV = "TOKENLOOM_READ_BLOCK_MIB", "TOKENLOOM_READ_CACHE_MIB", \
     "TOKENLOOM_READ_AHEAD"
@@ -202,9 +179,7 @@ DEFAULT_CACHE_MIB = 256
 DEFAULT_READ_AHEAD = 2
 """Blocks fetched in the background past the one read (``TOKENLOOM_READ_AHEAD``; 0 turns it off)."""
 RETRIES = 6
-"""Attempts after the first for a ranged GET or a fetch that fails transiently (backoff doubles from
-``RETRY_BACKOFF`` seconds): a dropped connection, a 5xx, a timeout. A missing object or denied access
-is final at once."""
+"""Retries of a transient failure (backoff doubling from ``RETRY_BACKOFF`` seconds); missing or denied is final."""
 RETRY_BACKOFF = 0.05
 
 
@@ -212,12 +187,8 @@ _INHERITED: list = []
 
 
 def _keep_inherited_filesystems() -> None:
-    """In a forked child (a DataLoader worker), keep the parent's cached s3fs file systems alive, unused.
-
-    fsspec drops them from its instance cache in the child, and s3fs's finalizer would then close
-    the parent's connections from the child's event loop, which prints "Task exception was never
-    retrieved" on stderr for every worker. The child makes its own (see :class:`RangedReader`).
-    """
+    """In a forked child, keep the parent's cached s3fs file systems alive, unused: otherwise their
+    finalizer closes the parent's connections from the child's loop, with noise on stderr."""
     s3fs = sys.modules.get("s3fs.core")
     if s3fs is not None:
         _INHERITED.extend(getattr(s3fs.S3FileSystem, "_cache", {}).values())
@@ -247,8 +218,7 @@ def cache_root() -> str:
 
 
 def stat(url: str) -> tuple[int, str]:
-    """``(size, version)`` of the object at ``url`` (version: ETag, else mtime), asked afresh and retried
-    on transient failures; :class:`StoreError` naming ``url`` when it is missing, denied or unreachable."""
+    """``(size, version)`` of the object at ``url`` (ETag, else mtime), asked afresh, with retries."""
     fs, inner = filesystem(url)
     info = _retrying(url, "lookup", lambda: fs.info(inner, refresh=True))
     if info.get("type") == "directory":
@@ -262,10 +232,8 @@ LIST_AT = 8
 
 
 def stat_many(urls: list[str]) -> dict[str, tuple[int, str] | None]:
-    """:func:`stat` of many objects, None for a missing one. Where :data:`LIST_AT` or more share a folder,
-    one listing of it (a request per thousand objects) answers for all of them instead of one HEAD each:
-    a blend of thousands of remote sources starts with a few requests. The trade-off: a folder holding
-    far more objects than those asked for is listed whole."""
+    """:func:`stat` of many objects, None for a missing one; :data:`LIST_AT` or more in one folder are
+    answered by listing it (few requests, at the price of listing a large folder whole)."""
     folders: dict[str, list[str]] = collections.defaultdict(list)
     for url in dict.fromkeys(urls):
         folders[url.rsplit("/", 1)[0]].append(url)
@@ -329,16 +297,9 @@ def _plain_md5(version: str) -> str | None:
 
 
 def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
-    """A local path holding the object at ``url``, fetched once per node into :func:`cache_root`.
-
-    The entry is keyed by the object's size and ETag (content, not name: the same bytes under
-    another URL share it) and keeps the object's base name. A fetch downloads into a temporary
-    file beside the entry, checks the size (and the MD5 a single-part ETag is), fsyncs and renames
-    it into place, under an exclusive ``flock`` so that the ranks of a node fetch once and the
-    others wait and reuse it; a killed fetcher leaves only a temporary file (the next fetch removes
-    it). The download streams to disk: memory stays bounded whatever the object's size. ``missing_ok``: None
-    for a missing object instead of an error (manifests are optional).
-    """
+    """A local path holding the object at ``url``, fetched once per node into :func:`cache_root`, keyed
+    by size and ETag (content, not name). Streamed to a temporary file, size- and MD5-checked, fsynced
+    and renamed under an exclusive ``flock`` (a node's ranks fetch once). ``missing_ok``: None if missing."""
     try:
         size, version = stat(url)
     except StoreError as exc:
@@ -377,12 +338,7 @@ def local_copy(url: str, *, missing_ok: bool = False) -> str | None:
 
 
 class BlockCache:
-    """An LRU of blocks of objects, keyed by (URL, block number), holding at most ``capacity`` bytes.
-
-    One per process serves every :class:`RangedReader` (:func:`block_cache`), so a blend of
-    thousands of remote sources holds at most ``TOKENLOOM_READ_CACHE_MIB`` of blocks in all;
-    thread-safe (read-ahead threads store into it).
-    """
+    """A thread-safe LRU of (URL, block) blocks, at most ``capacity`` bytes, shared by a process's readers."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -421,21 +377,10 @@ def block_cache() -> BlockCache:
 
 
 class RangedReader:
-    """Random access to an object's bytes by ranged GETs of whole blocks through a bounded LRU cache.
-
-    ``read(offset, nbytes)`` serves bytes from cached blocks, fetching missing ones; a read of
-    block ``b`` also starts background fetches of the next ``read_ahead`` blocks, so a reader
-    moving forward (a merge, a hash, a verify, a loader walking its shard) finds them in memory.
-    Memory: the process's shared :func:`block_cache` (``TOKENLOOM_READ_CACHE_MIB`` for all open
-    objects together), or a cache of its own of ``cache_bytes``; plus at most ``read_ahead`` blocks in
-    flight per reader. Transient failures are retried with backoff (:data:`RETRIES`). A DataLoader
-    worker forked from a process that used the reader starts over with an empty cache and its own
-    threads and connections (neither survive a fork).
-
-    Trade-off: blocks are large (a GET's latency is paid per block, not per sample), so a shuffled
-    sample order over data much larger than the cache pays a block's transfer per miss; the
-    defaults suit data up to about the cache size per process and sequential passes of any size.
-    """
+    """Random access to an object's bytes by ranged GETs of whole blocks through a bounded LRU cache,
+    reading ``read_ahead`` blocks ahead in the background. Memory: the shared :func:`block_cache` (or
+    ``cache_bytes``) plus blocks in flight; a forked worker starts afresh. Trade-off: large blocks
+    amortise GET latency, so shuffled reads over data far beyond the cache pay a block per miss."""
 
     def __init__(self, url: str, size: int, block: int | None = None, cache_bytes: int | None = None,
                  read_ahead: int | None = None):

@@ -1,30 +1,17 @@
 """A run's cleaning side files, and the dedup decision made from them on disk.
 
-A :class:`CleanLog` is written by the process that writes the tokens, in input order, as the
-workers' results arrive; its folder (``PREFIX.partial/clean/`` while running, ``PREFIX.clean/``
-beside a shard's output) holds:
+A :class:`CleanLog` is written in input order by the process writing the tokens; its folder
+(``PREFIX.partial/clean/`` while running, ``PREFIX.clean/`` beside a shard) holds little-endian
+``uint64`` files: ``docs.u64`` (``(input, record)`` per kept document, in output order),
+``filtered.u64`` (``(input, record, reason)`` per filter removal), ``run-NNNNN.u64`` (runs of
+``(key0, key1, doc)`` per band key, each sorted by key then document, cut every ``RUN_RECORDS``
+and at each checkpoint), and ``meta.json`` once complete. :meth:`CleanLog.checkpoint` returns the
+counts a resume truncates back to.
 
-* ``docs.u64``: per document kept by the filters, in output order, ``(input, record)``: the
-  input's index in the run and the record's number (its line, or row) as errors name it;
-* ``filtered.u64``: per record a filter removed, ``(input, record, reason)`` (an index into
-  ``meta.json``'s ``reasons``);
-* ``run-NNNNN.u64``: sorted run files of ``(key0, key1, doc)`` records, one per band key of every
-  document that has keys (:mod:`tokenloom.clean.keys`), cut every ``RUN_RECORDS`` records and at
-  every checkpoint, each sorted by key then document;
-* ``meta.json``, written when the log is complete: counts, reasons, settings.
-
-All three are little-endian ``uint64`` words. :meth:`CleanLog.checkpoint` flushes the buffered
-keys into a run and returns the counts a resume truncates back to.
-
-:func:`decide` makes the decision over one or more logs in order (a shard's log follows the
-previous shard's): the runs of all of them are merged from disk a block per run at a time (a
-round takes, from every run, the records below the smallest last key of the runs still holding
-more, so a key's group never straddles two rounds: see ``_merged``), documents of equal keys are
-joined by union-find whose root is always the smaller document, and each document's root is its
-cluster's first document in input order: it is kept, every other member is removed as a
-duplicate of it. Memory: one block per run (``MERGE_RECORDS`` records in all) and the cluster
-array, 8 bytes per document (as the writer's index holds 12 bytes per sequence); the union-find
-loop is Python, run once per distinct duplicate pair (few, except on corpora made of copies).
+:func:`decide` merges all logs' runs from disk a block per run at a time (no key group straddles
+two rounds), joins equal keys by union-find rooted at the smaller document, and keeps each
+cluster's first document in input order. Memory: ``MERGE_RECORDS`` records and 8 bytes per
+document; the Python union-find runs once per distinct duplicate pair.
 """
 
 from __future__ import annotations
@@ -84,8 +71,7 @@ class CleanLog:
 
     def add(self, input_index: int, numbers: np.ndarray, removed: np.ndarray, keys: np.ndarray,
             has_keys: np.ndarray) -> None:
-        """One chunk's results: kept records' ``numbers``, ``removed`` ``(number, reason)`` rows, and the
-        kept records' ``keys`` ``(n, bands, 2)`` where ``has_keys``."""
+        """One chunk's :class:`~tokenloom.clean.stage.CleanResult` fields."""
         n = len(numbers)
         with naming(self.dir / "docs.u64"):
             pairs = np.empty((n, 2), "<u8")
@@ -206,12 +192,9 @@ class _RunReader:
 
 
 def _merged(runs: list[tuple[Path, int]]) -> Iterator[np.ndarray]:
-    """Blocks of all runs' records in (key, doc) order, no key split across two blocks.
-
-    A round takes, from every run, the records whose key is below the smallest last buffered key of
-    the runs not yet read to their end (their next blocks hold nothing smaller); when that is
-    nothing, the runs whose last key is that smallest one read one more block each. So a group of
-    equal keys larger than a block is held whole once: memory grows with the largest group."""
+    """Blocks of all runs' records in (key, doc) order, no key split across two blocks: a round takes
+    every record below the smallest last buffered key of unfinished runs (else those runs read one
+    more block), so memory grows with the largest equal-key group."""
     block = max(MIN_BLOCK, MERGE_RECORDS // max(len(runs), 1))
     readers = [_RunReader(path, offset, block) for path, offset in runs]
     try:

@@ -1,28 +1,15 @@
 """Document quality filters: Gopher quality, Gopher repetition, C4 and FineWeb's rules.
 
-Each filter decides, for one document's text, keep or remove, and decides exactly as the
-filter of the same name in datatrove (``GopherQualityFilter``, ``GopherRepetitionFilter``,
-``C4QualityFilter``, ``FineWebQualityFilter``) does on the same text with the same thresholds:
-the rules, their order, their ``>``/``<``/``<=`` and their float ratios are datatrove's, and
-words and sentences come from the same spaCy English rules (see :mod:`tokenloom.clean.words`).
-The tests compare every decision with datatrove's on the shared corpora and crafted texts. English only.
+Each filter decides keep or remove exactly as datatrove's filter of the same name on the same
+text and thresholds (rules, order, comparisons, float ratios; words and sentences from the same
+spaCy English rules); the tests compare every decision. English only. Thresholds are one
+dataclass per filter, datatrove's defaults, field docs as ``--help``; 0 (Gopher) or -1 (C4's
+counts) switches a rule off.
 
-Thresholds are one dataclass per filter whose defaults are datatrove's and whose field
-docstrings are the ``--help`` text; :func:`build_filters` takes ``"NAME.FIELD"`` overrides as
-strings. As in datatrove, a threshold of 0 (Gopher filters) or -1 (C4's counts) switches its
-rule off.
-
-C4 removes lines as well as documents (it keeps only lines that end a sentence, have enough
-words, and mention no javascript or cookie policy), and the product applies that removal by
-default, as C4 and datatrove do: :meth:`Filter.clean` returns the text to keep (C4's kept
-lines, joined with newlines) or None to remove the document; ``c4.remove_lines=false`` keeps
-the text as it came and only decides. Removed lines are not listed anywhere; removed documents
-are (by the caller). Every filter has ``clean``; for the others it returns the text unchanged
-or None. ``keep(text)`` is ``clean(text) is not None``.
-
-Cases datatrove does not define are decided here: where a Gopher quality rule divides by a
-text's word or line count and the text has none (only reachable with ``min_doc_words``
-switched off), datatrove raises ``ZeroDivisionError`` and the document is removed here.
+C4 also removes lines, by default as C4 and datatrove do: :meth:`Filter.clean` returns the text
+to keep or None (others return the text unchanged); ``c4.remove_lines=false`` only decides.
+Removed lines are not listed; removed documents are, by the caller. Where datatrove would raise
+``ZeroDivisionError`` (a Gopher ratio over no words or lines), the document is removed.
 """
 
 from __future__ import annotations
@@ -62,8 +49,7 @@ class Filter(Protocol):
 
 
 class DocumentRule:
-    """A filter that keeps or removes whole documents (every filter here but C4's line rules):
-    :meth:`reason` decides, ``keep`` and ``clean`` follow from it, the text unchanged."""
+    """A whole-document filter: :meth:`reason` decides, ``keep`` and ``clean`` follow (text unchanged)."""
 
     def reason(self, text: str) -> str | None:
         raise NotImplementedError
@@ -126,7 +112,6 @@ class GopherQuality(DocumentRule):
                 return "gopher_below_avg_threshold"
             if c.max_avg_word_length and mean > c.max_avg_word_length:
                 return "gopher_above_avg_threshold"
-        # where datatrove would divide by zero (no words, no lines) the document is removed
         if c.max_symbol_word_ratio and (not n_words or text.count("#") / n_words > c.max_symbol_word_ratio):
             return "gopher_too_many_hashes"
         if c.max_symbol_word_ratio and (text.count("...") + text.count("…")) / n_words > c.max_symbol_word_ratio:
@@ -163,12 +148,10 @@ class GopherRepetitionConfig:
     dup_para_char_frac: float = 0.2
     """Remove a document whose repeated paragraphs hold more than this fraction of its characters (0: off)."""
     top_n_grams: tuple[tuple[int, float], ...] = ((2, 0.2), (3, 0.18), (4, 0.16))
-    """N:FRACTION pairs (comma-separated): remove a document whose most frequent word n-gram, times its
-    count, is longer than FRACTION of the text."""
+    """N:FRACTION pairs: remove a document whose top word n-gram, times its count, exceeds FRACTION of the text."""
     dup_n_grams: tuple[tuple[int, float], ...] = ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11),
                                                   (10, 0.10))
-    """N:FRACTION pairs (comma-separated): remove a document whose repeated word n-grams (each repeat
-    counted once, not overlapping) hold more than FRACTION of its characters."""
+    """N:FRACTION pairs: remove a document whose repeated word n-grams (not overlapping) exceed FRACTION of it."""
 
 
 def _repeats(items: Sequence[str]) -> tuple[int, int]:
@@ -197,8 +180,7 @@ def _top_n_gram_chars(grams: list[str]) -> int:
 
 
 def _repeated_n_gram_chars(words: Sequence[str], n: int) -> int:
-    """Characters of the n-grams (words joined without a separator) that repeat an earlier one,
-    scanning left to right and jumping past each repeat, so no word is counted twice."""
+    """Characters of the n-grams (joined without separator) repeating an earlier one, jumping past each repeat."""
     grams = _n_grams(words, n, "")
     seen: set[str] = set()
     chars = i = 0
@@ -259,15 +241,12 @@ class GopherRepetition(DocumentRule):
 
 @dataclasses.dataclass(frozen=True)
 class C4Config:
-    """C4's rules (Raffel et al. 2020, section 2.2) as datatrove's ``C4QualityFilter`` has them,
-    without the bad-words list; the line rules remove lines, the others the document."""
+    """C4's rules (Raffel et al. 2020) as datatrove's, without the bad-words list."""
 
     remove_lines: bool = True
-    """Write the document with only its kept lines (as C4 and datatrove); false keeps its text unchanged
-    and only decides."""
+    """Write only the kept lines (as C4 and datatrove); false keeps the text unchanged and only decides."""
     split_paragraph: bool = True
-    """Judge the text line by line (C4); false judges it sentence by sentence instead (and each kept
-    sentence counts as one)."""
+    """Judge the text line by line (C4); false: sentence by sentence (each kept one counting as one)."""
     remove_citations: bool = True
     """Delete Wikipedia citation marks ('[1]', '[edit]', '[citation needed]') from each line."""
     filter_no_terminal_punct: bool = True
@@ -285,8 +264,7 @@ class C4Config:
     filter_curly_bracket: bool = True
     """Remove a document with a kept line holding '{'."""
     filter_policy: bool = True
-    """Remove lines holding 'terms of use', 'privacy policy', 'cookie policy', 'uses cookies', 'use of
-    cookies' or 'use cookies' (any case)."""
+    """Remove lines holding 'terms of use', 'privacy policy' or a cookie notice (any case)."""
 
 
 _CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
@@ -361,15 +339,13 @@ class FineWebConfig:
     line_punct_exclude_zero: bool = False
     """Keep a document none of whose lines end in one of stop_chars (line_punct_thr then judges only the rest)."""
     stop_chars: str = TERMINAL_PUNCTUATION
-    """The characters that end a line for line_punct_thr, as one string (default: the Unicode sentence
-    terminals, datatrove's TERMINAL_PUNCTUATION)."""
+    """The characters that end a line for line_punct_thr, as one string (default: datatrove's sentence terminals)."""
     short_line_thr: float = 0.67
     """Remove a document where more than this fraction of lines have at most short_line_length characters."""
     short_line_length: int = 30
     """The length, in characters, up to which a line is short."""
     char_duplicates_ratio: float = 0.01
-    """Remove a document whose lines that repeat an earlier line hold more than this fraction of its
-    characters (newlines not counted)."""
+    """Remove a document whose repeated lines hold more than this fraction of its characters (no newlines)."""
     new_line_ratio: float = 0.3
     """Remove a document with more than this many newlines per word."""
 
@@ -423,13 +399,9 @@ def config_class(name: str) -> type:
 
 
 def build_filters(names: Sequence[str], overrides: Mapping[str, object] = {}) -> list[Filter]:
-    """The filters ``names`` in that order, with ``overrides`` (``{"NAME.FIELD": value}``) applied.
-
-    A value is of its field's type or a string converted to it: ``"30"``, ``"0.2"``,
-    ``"true"``/``"false"``, ``"the,of,and"`` (a tuple of words), ``"2:0.2,3:0.18"`` (n-gram
-    thresholds). An override of a filter not in ``names`` is an error, as is an unknown filter,
-    field, or a value its field cannot take: :class:`FilterConfigError` (a ``ValueError``) names it.
-    """
+    """The filters ``names`` in order with ``{"NAME.FIELD": value}`` overrides, a value of its field's
+    type or a string (``"0.2"``, ``"true"``, ``"the,of,and"``, ``"2:0.2,3:0.18"``). An unknown or
+    unchosen filter, unknown field or bad value raises :class:`FilterConfigError` naming it."""
     for name in names:
         config_class(name)
         if list(names).count(name) > 1:

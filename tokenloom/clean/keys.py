@@ -1,30 +1,19 @@
 """Bucket keys: what dedup matches documents on, computed per document in the tokenizing workers.
 
-A document's keys are ``(bands, 2)`` unsigned 64-bit words, one 128-bit key per band; two
-documents are duplicates when any band's keys are equal (and so are their clusters, joined by
-:mod:`tokenloom.clean.buckets`).
+A document's keys are ``(bands, 2)`` uint64 words, one 128-bit key per band; documents sharing
+any band's key are duplicates (clusters joined by :mod:`tokenloom.clean.buckets`).
 
 * exact: one band, the 128-bit XXH3 digest of :func:`~tokenloom.clean.normalize.exact_form`.
-* minhash: datatrove's scheme with its defaults (``MinHashParams``): the word ``ngrams``-grams of
-  :func:`~tokenloom.clean.normalize.shingle_words`, each joined by single spaces and hashed with
-  64-bit xxHash (XXH64, seed 0); ``bands x rows`` permutations ``(a * h + b) mod (2^61 - 1)``
-  (products wrapping at 64 bits, as numpy's ``uint64`` does) whose ``a, b`` are drawn by
-  ``numpy.random.RandomState(seed)``: ``a`` in [1, p) then ``b`` in [0, p), one row of
-  ``bands x rows`` each; the minimum of each over the shingles is the signature, cut into
-  ``bands`` runs of ``rows``. Equal shingle hashes and parameters give datatrove's signatures
-  bit for bit, hence its decisions (see normalize for where the words differ).
-  A band's key is a 128-bit digest of its ``rows`` values and its band number (two lanes of a
-  SplitMix64 fold), where datatrove compares the values themselves: two different bands match by
-  accident with probability about 2^-128, and the run files hold 24 bytes per band and document
-  instead of ``8 * rows + 4``. A document with fewer than ``ngrams`` words has no shingle and no
-  key (never a near-duplicate, as in datatrove); with exact dedup every document has a key.
+* minhash: datatrove's scheme and defaults: XXH64 (seed 0) of each space-joined word
+  ``ngrams``-gram of :func:`~tokenloom.clean.normalize.shingle_words`; ``bands x rows``
+  permutations ``(a * h + b) mod (2^61 - 1)`` (wrapping at 64 bits) with ``a, b`` drawn by
+  ``RandomState(seed)``; the minima are the signature, bit for bit datatrove's. A band's key is
+  a 128-bit SplitMix64 digest of its values and number (datatrove compares the values: a false
+  match has probability about 2^-128, for 24 bytes per band). Fewer than ``ngrams`` words: no key.
 
-The native ``minhash_signatures`` (``csrc/``) simplifies ASCII documents itself and hashes the
-shingles and takes the minima in one pass per document (AVX-512 or AVX2 where the CPU has them);
-other documents are simplified in Python (Unicode categories and NFD need its tables) and hashed
-by the same code. A numpy + ``xxhash`` reference of the same arguments is its fallback and test
-oracle: in Python the simplification, and in numpy the ``uint64`` remainders, cost several times
-the tokenizing (bench/RESULTS.md, dedup rows).
+The native ``minhash_signatures`` simplifies ASCII documents itself and hashes and takes minima
+in one pass; other documents are simplified in Python. The numpy + ``xxhash`` reference is its
+fallback and test oracle, far slower than tokenizing (bench/RESULTS.md, dedup rows).
 """
 
 from __future__ import annotations
@@ -104,11 +93,8 @@ def _packed(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 def signatures_reference(data: np.ndarray, offsets: np.ndarray, ngrams: int, a: np.ndarray,
                          b: np.ndarray, ascii_text: bool = False) -> np.ndarray:
-    """numpy and the ``xxhash`` package: what the native ``minhash_signatures`` computes (its
-    fallback and its test oracle). ``data``: per document the bytes ``offsets[i]..offsets[i+1]``,
-    its words joined by single spaces, or with ``ascii_text`` its raw ASCII text (simplified here,
-    as :func:`~tokenloom.clean.normalize.shingle_words` does); a document with fewer than
-    ``ngrams`` words keeps all ones."""
+    """What the native ``minhash_signatures`` computes: per document (``data[offsets[i]:offsets[i+1]]``,
+    space-joined words, or raw ASCII text with ``ascii_text``) its signature; all ones without a shingle."""
     n = len(offsets) - 1
     out = np.full((n, a.size), np.iinfo(np.uint64).max, np.uint64)
     raw = data.tobytes()
@@ -139,10 +125,7 @@ def signatures_reference(data: np.ndarray, offsets: np.ndarray, ngrams: int, a: 
 
 
 def minhash_keys(texts: list[str], p: MinHashParams, family=None) -> tuple[np.ndarray, np.ndarray]:
-    """``(keys (n, bands, 2), has_keys (n,))`` of each text's MinHash bands (see the module).
-
-    ASCII texts (``str.isascii`` is free) are simplified by the native code; the others by
-    :func:`~tokenloom.clean.normalize.shingle_words` (Unicode categories, NFD), then hashed alike."""
+    """``(keys (n, bands, 2), has_keys (n,))`` of each text's MinHash bands (see the module)."""
     a, b = family if family is not None else permutations(p)
     compute = native.pick("minhash_signatures", signatures_reference)
     sig = np.empty((len(texts), a.size), np.uint64)

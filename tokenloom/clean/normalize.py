@@ -1,21 +1,13 @@
 """The text a comparison sees: exact dedup's normal form and MinHash's simplified words.
 
-* :func:`exact_form`: Unicode NFC, then every run of whitespace (``str.split``'s: spaces, tabs,
-  newlines, the Unicode spaces) made one space, leading and trailing whitespace dropped. Two
-  documents are exact duplicates when these forms are equal: a copy re-wrapped, re-indented or
-  stored decomposed (``e`` + combining accent) is a copy; a change of case or punctuation is not.
-* :func:`shingle_words`: the words MinHash shingles are made of, following datatrove's
-  ``simplify_text`` defaults (its MinHash's normalisation, which the agreement with it relies on):
-  lowercase; every run of digits in any script, with one decimal part, becomes ``0``;
-  punctuation becomes a space; whitespace is collapsed; the text is NFD-decomposed and its
-  combining marks (category Mn) dropped. Words are then split on whitespace, where datatrove's
-  English word tokenizer (spaCy) also splits a few contractions (``cannot``): the shingles differ
-  only for documents holding those.
+* :func:`exact_form`: NFC, whitespace runs as one space, ends stripped: a re-wrapped or
+  decomposed copy is a copy, a change of case or punctuation is not.
+* :func:`shingle_words`: datatrove's ``simplify_text`` defaults (which agreement relies on):
+  lowercase, digit runs as ``0``, punctuation as space, NFD without combining marks, split on
+  whitespace (spaCy also splits a few contractions, ``cannot``: only those shingles differ).
 
-Punctuation here is every character of the Unicode categories P* and S* plus the C0/C1 control
-characters other than whitespace: a rule, not datatrove's hand list. It holds every character of
-that list that the steps before do not take (whitespace, digits), and more: the quotes the list
-lacks (``‘``), dingbats, math and currency symbols, so a few rare shingles differ from datatrove's.
+Punctuation is Unicode P* and S* plus non-whitespace control characters: a rule, a superset of
+datatrove's hand list, so a few rare shingles (dingbats, symbols) differ from datatrove's.
 """
 
 from __future__ import annotations

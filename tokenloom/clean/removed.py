@@ -2,11 +2,9 @@
 
     {"input": PATH, "record": N, "reason": "exact" | "minhash" | FILTER, "kept": {"input": PATH, "record": M}}
 
-``record`` is the record's number as errors name it (its line in a jsonl or txt input, counting
-blank lines; its row in parquet and datasets inputs), 1-based within that input. ``kept``, for a
-duplicate only, is the document kept in its place: the first of its cluster in input order. A
-run without removals writes an empty file, so its absence never means "nothing removed".
-The file is written under a temporary name and renamed (:func:`write`).
+``record`` is 1-based as errors name it (a line counting blanks, or a row). ``kept``, for a
+duplicate only, is the first of its cluster in input order. A run without removals writes an
+empty file, so absence never means "nothing removed"; written atomically.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What a tokenizing worker runs on a chunk's documents before tokenizing them.
 
-:class:`CleanSpec` is small and picklable (it travels with every chunk); the worker builds its
-:class:`Cleaner` (the filters, the seeded hash family) from it once per process. For each
-document, in order: the filters run on its text (the first that refuses it names the reason, and
-the document is neither tokenized nor keyed); a document they keep gets its bucket keys
-(:mod:`tokenloom.clean.keys`). Filters and dedup read one text per record: the first of
-``--json-keys``, a list of sentences joined by newlines; the record is removed from every key's
-output together.
-
-Trade-off: the quality filters run before dedup, so a duplicate's kept twin is always a document
-that passed them, and a filtered document costs no tokenizing; the order of two filters only
-changes which name a document refused by both carries.
+:class:`CleanSpec` is small and picklable (it travels with every chunk); each process builds its
+:class:`Cleaner` once. Per document the filters run first (the first refusal names the reason; no
+tokenizing or keys), then a kept document gets its bucket keys. Both read the first
+``--json-keys`` text (sentences joined by newlines); a removal drops the record from every key.
+Filters before dedup, so a duplicate's kept twin always passed them.
 """
 
 from __future__ import annotations
@@ -59,8 +53,7 @@ class Cleaner:
 
 @dataclass
 class CleanResult:
-    """A chunk's cleaning: kept records' numbers, removed ``(number, reason index)`` rows, the kept
-    documents' keys ``(n, bands, 2)`` and which have keys (all zeros without dedup)."""
+    """A chunk's kept record numbers, removed ``(number, reason index)`` rows, kept keys and which have keys."""
 
     numbers: np.ndarray
     removed: np.ndarray

@@ -1,32 +1,16 @@
 """English word and sentence splits, and the character sets, that the quality filters share.
 
-The filters must decide as datatrove's do on the same text, and datatrove splits English text
-into words with spaCy's rule-based English tokenizer (``spacy.blank("en")``: the prefix, suffix,
-infix and exception rules of the ``en`` language, no trained model) followed by its
-``sentencizer`` for sentences. Those rules ship inside the spaCy wheel, so nothing is
-downloaded at run time; spaCy is a well-kept library, and writing our own copy of its English
-rules (hundreds of exceptions, Unicode-class affix patterns) could only drift from it. So this
-module calls spaCy the way datatrove does: tokens are spaCy's token texts, stripped, with
-whitespace-only tokens dropped; a text's sentences are the spans the sentencizer marks.
-Two known differences, both where datatrove's result is not a function of the text alone:
-its sentence split raises on a text longer than the spaCy length limit its previous word split
-left behind (here no text is too long); and inside ``memory_zone`` spaCy fails on the token
-``IS_ALPHA`` every time after the first, which datatrove catches by splitting the text again
-with ``IS_ALPHA`` deleted. Here every text gets spaCy's words of the text as given (what
-datatrove gives the first such text).
+datatrove splits words with spaCy's rule-based English tokenizer (``spacy.blank("en")``, rules in
+the wheel, no model) and sentences with its ``sentencizer``; this module calls spaCy the same way
+(token texts stripped, whitespace-only dropped), since a copy of its rules could only drift.
+Differences only where datatrove's result depends on more than the text: no text is too long
+here, and a text holding ``IS_ALPHA`` gets spaCy's words as given (datatrove's first-time result).
 
-spaCy is imported on first use, not with the package: a command that filters nothing does not
-pay for its import. spaCy keeps every new word it meets (its vocabulary, and a cache of how it
-split each whitespace-free chunk), which grows without bound on a long run; datatrove makes it
-forget them after each text (``memory_zone``). Here the pipeline keeps them and is rebuilt once
-its vocabulary passes ``VOCAB_LIMIT`` words: what spaCy remembers never changes how it splits
-(the tests compare against datatrove's forgetting split). The last few word splits are cached
-by text, so filters chained on one document split it once.
-
-``PUNCTUATION`` and ``TERMINAL_PUNCTUATION`` are datatrove's character sets (its English
-punctuation string and its sentence terminals: Unicode's ``Sentence_Terminal`` characters of
-some Unicode version, plus three Khmer signs), written here as code point ranges; a test holds
-them equal to datatrove's.
+spaCy is imported on first use. Its vocabulary grows with every new word; datatrove forgets per
+text (``memory_zone``), here the pipeline is rebuilt past ``VOCAB_LIMIT`` (memory never changes a
+split). The last few splits are cached so chained filters split a document once.
+``PUNCTUATION`` and ``TERMINAL_PUNCTUATION`` are datatrove's sets as code point ranges (a test
+holds them equal).
 """
 
 from __future__ import annotations
@@ -70,13 +54,11 @@ def _chars(ranges: tuple[tuple[int, int], ...]) -> str:
 TERMINAL_PUNCTUATION: str = _chars(_TERMINAL_RANGES)
 """Characters that end a sentence (FineWeb's line-ending test), in code point order."""
 PUNCTUATION: frozenset[str] = frozenset(_chars(_PUNCTUATION_RANGES) + TERMINAL_PUNCTUATION)
-"""Characters a word made only of is a symbol, not a word (Gopher quality): ASCII and common
-Unicode punctuation, the control characters other than tab and newline, and the sentence terminals."""
+"""Characters a word made only of is a symbol, not a word (Gopher quality)."""
 
 _CACHED_SPLITS = 8
 VOCAB_LIMIT = 1 << 18
-"""Distinct words the spaCy pipeline may remember before it is rebuilt: bounds its memory (a few
-hundred bytes a word) at the cost of relearning the common words after each rebuild."""
+"""Distinct words the spaCy pipeline may remember before it is rebuilt (bounds its memory)."""
 
 
 class _Pipeline:
@@ -98,21 +80,13 @@ def _english() -> Any:
 
 @functools.lru_cache(maxsize=_CACHED_SPLITS)
 def split_words(text: str) -> tuple[str, ...]:
-    """The words of English ``text``: spaCy's English tokens, stripped, whitespace-only ones dropped.
-
-    Punctuation marks are words too (``"Hi!"`` is ``("Hi", "!")``); a token keeps no whitespace.
-    """
+    """spaCy's English tokens of ``text``, stripped, whitespace-only ones dropped (``"Hi!"``: ``("Hi", "!")``)."""
     stripped = (token.text.strip() for token in _english().tokenizer(text))
     return tuple(word for word in stripped if word)
 
 
 def split_sentences(text: str) -> list[str]:
-    """``text`` cut at the ends of spaCy's sentencizer sentences: pieces that join back to ``text``.
-
-    Each piece runs from the end of the previous sentence to the end of its own (so the gaps
-    between sentences stay with the next one, and the last piece runs to the end of the text);
-    a text without sentences is one piece.
-    """
+    """``text`` cut at spaCy's sentence ends into pieces that join back to it (gaps go with the next)."""
     ends = [sentence.end_char for sentence in _english()(text).sents]
     starts = [0] + ends[:-1]
     return [text[a:b] for a, b in zip(starts, ends[:-1] + [len(text)], strict=True)] if ends else [text]

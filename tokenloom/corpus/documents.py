@@ -1,11 +1,8 @@
 """Records -> validated texts (``decode_chunk``), and plain iteration over the documents of inputs.
 
 ``decode_chunk`` is the one validation of records (JSON, UTF-8, keys, string or list of
-strings) that preprocess workers run before tokenizing. ``iter_documents`` is for stages
-that need text, not tokens: ``tokenizer train`` reads its corpus through it, so it accepts
-exactly the inputs ``preprocess`` accepts (same formats, same validation, same
-``file:line`` errors). It sits below the stages (in :mod:`tokenloom.corpus`), so
-``tokenloom.tokenizers`` and ``tokenloom.preprocess`` both import it.
+strings); ``iter_documents`` gives ``tokenizer train`` exactly the inputs ``preprocess``
+accepts, with the same ``file:line`` errors.
 """
 
 from __future__ import annotations
@@ -27,10 +24,7 @@ def _snippet(raw) -> str:
 
 
 def _check_text(value, key: str, valid_utf8: bool = False) -> tuple[list[str] | None, str | None]:
-    """The value's texts (one, or the sentences of a list), or the reason it is bad.
-
-    ``valid_utf8``: the strings are known to encode (orjson builds none with an unpaired
-    surrogate), so the check that encodes every non-ASCII text is skipped."""
+    """The value's texts (one, or a list's), or why it is bad; ``valid_utf8`` skips the encoding check."""
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
@@ -59,21 +53,13 @@ def _all_text(value) -> bool:
 
 
 MISSING_KEY = "missing key"
-"""How a record without a ``--json-keys`` key is reported (every record likely lacks it: no
-point quarantining them)."""
+"""How a record without a ``--json-keys`` key is reported (likely every record: not quarantined)."""
 
 
 def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | None, bool]:
-    """The record's object, or why it is bad, and whether orjson read it (then its strings are
-    valid UTF-8: orjson refuses unpaired surrogates).
-
-    ``orjson`` parses (several times the stdlib's speed on text-heavy records; see
-    bench/RESULTS.md, notes); its object is taken only when every key holds a string or a list of strings.
-    Everything else -- what orjson refuses (NaN, lone surrogate escapes, invalid UTF-8, bad
-    JSON) and what it reads differently (integers past 64 bits become floats) -- is parsed again
-    by the stdlib, as Megatron's ``preprocess_data.py`` does, so a record is accepted, and a bad
-    one described, exactly as before.
-    """
+    """The record's object or why it is bad, and whether orjson read it (its strings then valid UTF-8).
+    orjson's object is taken only when every key holds text; anything else is parsed again by the
+    stdlib, as Megatron's ``preprocess_data.py`` does, so acceptance and messages are the stdlib's."""
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
@@ -99,13 +85,10 @@ def _parse_line(line: bytes, keys: tuple[str, ...]) -> tuple[dict | None, str | 
 
 @dataclass
 class Decoded:
-    """A chunk's valid records, flat per key: ``texts[key]`` holds every piece of every record in
-    order, ``pieces[key]`` how many pieces each record has (1 for a string, n for a list of n
-    sentences); ``numbers`` the records' line numbers, ``bad`` ``[(number, reason, snippet)]``;
-    ``lines`` the lines a ``relative`` chunk held (its numbers count from 1: see
-    :class:`~tokenloom.corpus.readers.LineNumbers`). Flat lists, not a dict per record: the
-    tokenizer takes one list of strings per key, and a dict and a tuple per record cost
-    more than the work done per record."""
+    """A chunk's valid records, flat per key (the tokenizer takes one list per key; per-record
+    objects would cost more than the work): ``texts[key]`` every piece, ``pieces[key]`` each
+    record's count; ``numbers``, ``bad`` ``[(number, reason, snippet)]``, and ``lines`` a relative
+    chunk held (:class:`~tokenloom.corpus.readers.LineNumbers`)."""
 
     numbers: list[int]
     texts: dict[str, list[str]]
@@ -128,11 +111,8 @@ class Decoded:
 
 
 def decode_chunk(chunk: Chunk, keys: tuple[str, ...]) -> Decoded:
-    """Validate a chunk's records (reader errors go to ``bad`` too); both lists in input order.
-
-    The common record, an object whose one key holds a string, takes a fast path: one orjson
-    parse and two type tests; anything else goes through :func:`_parse_line` and
-    :func:`_check_text`, which accept and describe records exactly as before."""
+    """Validate a chunk's records (reader errors go to ``bad`` too), in input order; one key holding
+    a string takes a fast path, anything else :func:`_parse_line` and :func:`_check_text`."""
     out = Decoded([], {k: [] for k in keys}, {k: [] for k in keys}, [(n, reason, "") for n, reason in chunk.errors])
     numbers, lines, out.lines = json_records(chunk) if chunk.kind == "json" else (chunk.numbers, None, 0)
     single = keys[0] if len(keys) == 1 else None
@@ -173,10 +153,7 @@ def decode_chunk(chunk: Chunk, keys: tuple[str, ...]) -> Decoded:
 
 
 def iter_documents(inputs: list[str], key: str = "text", txt_unit: str = "file") -> Iterator[str]:
-    """Each document's text in input order (a list-of-sentences value is joined with newlines).
-
-    The first bad record raises :class:`TokenloomError` naming its file and line.
-    """
+    """Each document's text in input order; the first bad record raises, naming its file and line."""
     found = discover(inputs)
     numbering = LineNumbers()
     for chunk in ChunkReader(found, [key], txt_unit=txt_unit).chunks():

@@ -1,32 +1,18 @@
 """Input discovery and streaming readers (preprocess and tokenizer training read through them).
 
-Every input is read as a stream of *records* cut into :class:`Chunk` objects of
-about ``chunk_bytes`` of text. The main process only reads and cuts; parsing
-(JSON, UTF-8) and tokenizing happen in the workers, so the reader stays cheap:
+Every input is read as *records* cut into :class:`Chunk` objects of about ``chunk_bytes`` of
+text. The main process only reads and cuts; parsing and tokenizing happen in the workers:
 
-* ``jsonl`` (plain, ``.gz``, ``.zst``): chunks carry raw line bytes; the worker
-  decodes and parses them, so a bad line is reported by the worker with its
-  file and line number. Blank lines are skipped and are not records. A local
-  plain file is cut into byte ranges instead, which the workers read and number
-  themselves: the main process reads a small window per range to cut it after a
-  newline, so its work does not grow with the input or the number of workers
-  (the design for 64: reading and parsing are spread over them, the main process
-  writes and, in a thread, hashes the inputs). A file changed while it is read is
-  refused (:func:`json_records` per range, the pipeline's check of size and mtime
-  at the end).
-* ``parquet`` and HF ``datasets`` directories (``save_to_disk``): read a record
-  batch at a time through pyarrow, only the requested columns; chunks carry the
-  column values.
-* ``txt``: one document per file (``--txt-unit file``), per paragraph (blocks
-  separated by a blank line, whitespace-only blocks dropped) or per line.
+* ``jsonl`` (plain, ``.gz``, ``.zst``): chunks carry raw lines (blank lines are not records);
+  a local plain file is cut into byte ranges the workers read and number themselves, so the
+  main process's work grows with neither the input nor the worker count. A file changed while
+  read is refused.
+* ``parquet`` and HF ``datasets`` directories: pyarrow record batches of the requested columns.
+* ``txt``: one document per file, per paragraph (blank-line separated) or per line.
 
-Inputs may be object-store URLs (``s3://bucket/key``, globs too): they are
-streamed (see :mod:`tokenloom.objstore`); HF datasets directories must be local.
-
-Resume needs a position to restart from: ``(input index, records consumed)``
-plus a byte offset for plain files, which are re-opened with a seek; compressed
-and columnar inputs skip the consumed records instead (re-reading, not
-re-tokenizing).
+Object-store URLs (globs too) are streamed; HF datasets directories must be local. A resume
+position is ``(input index, records consumed)`` plus a byte offset for plain files (a seek);
+compressed and columnar inputs skip the consumed records (re-reading, not re-tokenizing).
 """
 
 from __future__ import annotations
@@ -95,10 +81,8 @@ class Chunk:
     raw_bytes: int = 0  # input bytes consumed by this chunk (compressed bytes for .gz/.zst)
     end: Position = field(default_factory=Position)
     errors: list[tuple[int, str]] = field(default_factory=list)  # reader-level problems (truncated file)
-    # A local plain jsonl chunk carries no lines: the worker reads bytes ``span`` of ``path`` itself
-    # (see ``ChunkReader._span_chunks`` and ``json_records``). Nobody counted its lines before, so
-    # its records (and errors) are numbered from 1 (``relative``) and ``end.records`` is unknown:
-    # :class:`LineNumbers` makes them the input's line numbers as results come back in order.
+    # A local plain jsonl chunk carries no lines, only ``span`` of ``path``; its records are numbered
+    # from 1 (``relative``) until :class:`LineNumbers` places them, in order.
     path: str = ""
     span: tuple[int, int] | None = None
     relative: bool = False
@@ -177,11 +161,7 @@ def discover(patterns: list[str]) -> list[Input]:
 
 
 def shard_inputs(inputs: list[Input], num_shards: int, shard_index: int) -> list[int]:
-    """Indices of the inputs of one shard: contiguous, balanced by size.
-
-    Input ``i`` goes to the shard that holds the midpoint of its byte range, so
-    concatenating shards 0..n-1 in order gives back the single-run order.
-    """
+    """Indices of one shard's inputs: contiguous, balanced by byte midpoint, so shards concatenate to one run."""
     if not 0 <= shard_index < num_shards:
         raise TokenloomError(f"--shard-index {shard_index} must lie in [0, --num-shards {num_shards})")
     total = sum(max(i.size, 1) for i in inputs)
@@ -203,8 +183,7 @@ class TruncatedInput(Exception):
 
 
 class _ZstdLines(io.RawIOBase):
-    """Decompress a (multi-frame) zstd file and notice truncation, which zstandard's
-    ``stream_reader`` silently treats as end of file."""
+    """Decompress a (multi-frame) zstd file, noticing truncation (``stream_reader`` takes it for EOF)."""
 
     def __init__(self, raw):
         self._raw = raw
@@ -255,11 +234,7 @@ def _open_text_stream(inp: Input, raw):
 
 
 def text_expansion(inp: Input, sample_bytes: int = 4 << 20) -> float:
-    """Decompressed bytes per stored byte over the first ``sample_bytes`` of an input (1.0 if plain).
-
-    Measured on a prefix because decompressors read ahead: the stored bytes consumed by
-    the first chunk overstate what its text cost by up to a whole read (1 MiB for zstd).
-    """
+    """Decompressed bytes per stored byte over an input's first ``sample_bytes`` (1.0 if plain)."""
     if not inp.compressed:
         return 1.0
     with objstore.reading(inp.path), objstore.open_input(inp.path) as raw:
@@ -317,14 +292,9 @@ class ChunkReader:
 
     # -- jsonl: raw line bytes, cut at record boundaries
     def _span_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
-        """A local plain jsonl file as byte ranges of ~``chunk_bytes``, each cut just past the first
-        newline at or after its nominal end, found by reading a small window there: the main
-        process reads none of the records and counts no lines (the workers read their ranges
-        back from the page cache and number their lines, :func:`json_records`; the main process
-        places those numbers, :class:`LineNumbers`). Counting newlines in the main process
-        (``bytes.count``) was a visible part of its CPU with 2 workers, and at 64 workers a
-        serial pass over every byte. A read error keeps the lines before it,
-        as :meth:`_json_chunks` does."""
+        """A local plain jsonl file as byte ranges of ~``chunk_bytes``, each cut past the first newline
+        at its nominal end (a small window read): the main process counts no lines, which would be a
+        serial pass over every byte. A read error keeps the lines before it."""
         inp = self.inputs[k]
         start, size = pos.offset or 0, inp.size  # bytes written since discovery are not read (refused at the end)
         with open(inp.path, "rb", buffering=0) as f:
@@ -345,17 +315,10 @@ class ChunkReader:
                 start = end
 
     def _json_chunks(self, k: int, pos: Position) -> Iterator[Chunk]:
-        """The records of a jsonl input, read a block at a time and cut into lines by ``bytes.split``.
-
-        The main process is one of the pipeline's processes on every core, so what it spends per
-        line is taken from the tokenizers: a loop over lines from the file object, as the txt
-        units use, cost an order of magnitude more per line than this one (see bench/RESULTS.md,
-        notes). The records,
-        numbers and end positions are those of the line-by-line reading, and so is a
-        corrupt or truncated compressed input: each block is one read of the decompressor
-        (``read1``), so every line it decoded before failing is kept, and the record number of the
-        error is the line after the last one kept.
-        """
+        """The records of a jsonl input, a block at a time split by ``bytes.split`` (far cheaper per line
+        in the main process than iterating the file, bench/RESULTS.md), with the line-by-line
+        reading's numbers and positions; each block is one ``read1``, so a corrupt compressed input
+        keeps every line decoded before the error, which names the next line."""
         inp = self.inputs[k]
         with _opened_at(inp, pos) as (raw, stream, number, offset):
             read = getattr(stream, "read1", stream.read)
@@ -534,9 +497,8 @@ class ChunkReader:
 
 @contextlib.contextmanager
 def _opened_at(inp: Input, pos: Position) -> Iterator[tuple[BinaryIO, BinaryIO, int, int | None]]:
-    """``(raw file, text stream, lines consumed, byte offset)`` of an input opened at ``pos``: a
-    plain file seeks straight to it; a compressed one restarts (offset None), its caller skipping
-    the ``pos.records`` lines already done."""
+    """``(raw file, text stream, lines consumed, byte offset)`` of an input opened at ``pos``: plain
+    files seek; compressed ones restart (offset None) and the caller skips ``pos.records`` lines."""
     with objstore.open_input(inp.path) as raw:
         number, offset = 0, None if inp.compressed else 0
         if not inp.compressed and pos.offset:
@@ -559,11 +521,8 @@ _BLOCK = 1 << 20
 
 
 def json_records(chunk: Chunk) -> tuple[list[int], list, int]:
-    """The (line numbers, raw lines) of a jsonl chunk's records (blank lines are not records), and
-    the lines it holds. A span chunk's are read from its file here, in the worker, and numbered
-    from 1 (``chunk.relative``); its length and its newline at the end are checked against the
-    cut the main process made. Its lines are ``memoryview`` slices of the bytes read (orjson
-    parses those as they are): ``bytes.split`` copied every line."""
+    """The (line numbers, raw lines as memoryviews) of a jsonl chunk's records, and its line count; a
+    span chunk is read here, in the worker, numbered from 1 and checked against the main process's cut."""
     if chunk.span is None:
         return chunk.numbers, chunk.lines, 0
     start, end = chunk.span
@@ -606,11 +565,8 @@ def _line_end(fd: int, target: int, size: int, window: int = 1 << 16) -> int:
 
 
 class LineNumbers:
-    """The input's line numbers for chunks numbered from 1 by their worker (``Chunk.relative``).
-
-    Feed it every chunk's line count in input order (as results are consumed): :meth:`place`
-    returns what to add to the chunk's record numbers and sets ``chunk.end.records``, the
-    resume position. ``start`` is where reading started (a resume point)."""
+    """The input's line numbers for chunks their worker numbered from 1: fed every chunk in input
+    order, :meth:`place` returns the offset to add and sets ``chunk.end.records``; ``start``: the resume point."""
 
     def __init__(self, start: Position | None = None):
         start = start or Position()

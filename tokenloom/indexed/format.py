@@ -19,24 +19,14 @@ A *document* is the range of sequences ``document_index[d] : document_index[d+1]
 an empty document repeats a value. The writer picks uint16 for vocabularies below
 65,500 ids and int32 otherwise, exactly as Megatron's ``DType.optimal_dtype``.
 
-Trade-offs chosen, against Megatron's ``IndexedDatasetBuilder``:
-
-* Index arrays are growable numpy arrays (12 bytes per sequence, 8 per document),
-  not Python lists (~70 bytes per entry), so memory stays bounded by the index.
-* Token ids are range-checked before the cast; Megatron wraps 70000 to 4464 in uint16.
-* ``.bin`` and ``.idx`` are written under temporary names, fsynced, and renamed into
-  place by :meth:`IndexedDatasetWriter.finalize` (``.bin`` first, ``.idx`` last, since
-  the ``.idx`` is what marks a dataset as present). A killed writer leaves only
-  ``*.tmp-*`` files behind, never a half-written file under a final name. Callers
-  with a stronger commit point (preprocess: the manifest) call :meth:`~IndexedDatasetWriter.stage`
-  and move the files themselves.
-* Merging (:meth:`IndexedDatasetWriter.add_index`) copies ``.bin`` data in-kernel and
-  preserves holes, so sparse test files stay sparse.
-* The reader memory-maps both files and returns zero-copy views; it validates the
-  header and sizes on open and raises :class:`FormatError` naming the file.
-* A prefix may be an object-store URL (``s3://bucket/dir/name``): the ``.idx`` is mapped from a
-  node-local copy (:func:`tokenloom.objstore.local_copy`), the ``.bin`` read in place through a block
-  cache (:class:`tokenloom.objstore.RangedReader`); reads then return copies, not views.
+Against Megatron's ``IndexedDatasetBuilder``: index columns are compact arrays, not Python
+lists; token ids are range-checked before the cast (Megatron wraps 70000 to 4464 in uint16);
+both files are written under temporary names, fsynced and renamed ``.bin`` first, ``.idx``
+last (the ``.idx`` marks a dataset present), so a killed writer leaves only ``*.tmp-*`` files
+(callers with a stronger commit point use :meth:`~IndexedDatasetWriter.stage`); merging copies
+in-kernel, keeping holes. The reader maps both files, returns zero-copy views and validates on
+open (:class:`FormatError` naming the file). An object-store prefix maps a node-local ``.idx``
+copy and reads the ``.bin`` through a block cache (copies, not views).
 """
 
 from __future__ import annotations
@@ -73,7 +63,7 @@ DTYPE_CODES: dict[int, type[np.number]] = {
 }
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 
-#: The largest sequence length the int32 length field holds (a constant: np.iinfo per call costs time).
+#: The largest sequence length the int32 length field holds.
 _INT32_MAX = 2**31 - 1
 
 #: Megatron's writer rule: uint16 strictly below this many ids, else int32.
@@ -123,8 +113,7 @@ def file_size(path: str) -> int:
 
 
 def local_file(path: str) -> str:
-    """``path`` itself, or for an object-store URL the node's cached copy of the object (small
-    files only: an ``.idx`` or a manifest, never a ``.bin``)."""
+    """``path``, or for an object-store URL the node's cached copy (small files only, never a ``.bin``)."""
     return objstore.local_copy(path) if objstore.is_url(path) else path  # type: ignore[return-value]
 
 
@@ -163,9 +152,7 @@ def write_index(path: str, dtype: np.dtype, lengths: np.ndarray, document_indice
 
 
 class _Growable:
-    """An append-only int32/int64 column on ``array.array``: a per-document ``append`` is a
-    C-level list-like push (several times cheaper than storing a numpy scalar), at 4/8 bytes per entry
-    instead of a Python list's 8+28; batches arrive as numpy and are appended as raw bytes."""
+    """An append-only int32/int64 ``array.array`` column: cheap ``append``, numpy batches as raw bytes."""
 
     def __init__(self, dtype, initial: Iterable[int] = ()):
         self._dtype = np.dtype(dtype)
@@ -232,16 +219,12 @@ def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int
     return os.pwrite(dst_fd, chunk, dst_off)
 
 
-# Write buffer of the ``.bin``: documents are ~1 KB each, so Python's default 8 KB buffer makes
-# a write call per few documents; 1 MB makes one per ~thousand (a higher write rate, measured by
-# bench/indexed_bench.py; see bench/RESULTS.md) at 1 MB of memory per open writer.
+# .bin write buffer: far fewer write calls than Python's 8 KB default (bench/indexed_bench.py)
 _BIN_BUFFER = 1 << 20
 
-# Every _WRITEBACK bytes written, the kernel is asked to start writing the ``.bin``'s dirty pages
-# to disk (Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it starts the I/O and waits for
-# none), so the fsync that stages the file waits for the last _WRITEBACK bytes instead of the
-# whole file (a wait at the end of every preprocess run that grows with the output). The pages
-# stay cached. A write error still surfaces at that fsync. Elsewhere it is a no-op.
+# Every _WRITEBACK bytes, Linux starts writing back the .bin's dirty pages (sync_file_range, no
+# wait), so the staging fsync waits for the last _WRITEBACK bytes, not the whole file; errors still
+# surface at that fsync. A no-op elsewhere.
 _WRITEBACK = 64 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
 
@@ -260,8 +243,7 @@ def _sync_file_range():
 
 
 def start_writeback(fd: int) -> None:
-    """Start writing ``fd``'s dirty pages to disk without waiting (best effort: errors are left
-    to the fsync that follows)."""
+    """Start writing ``fd``'s dirty pages without waiting (errors are left to the next fsync)."""
     function = _sync_file_range()
     if function is not None:
         function(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
@@ -282,9 +264,8 @@ class IndexedDatasetWriter:
     def __init__(self, prefix: str | os.PathLike, dtype=None, vocab_size: int | None = None,
                  bin_tmp: str | os.PathLike | None = None, resume: dict | None = None,
                  idx_tmp: str | os.PathLike | None = None):
-        """``bin_tmp`` and ``idx_tmp`` place the in-progress ``.bin`` and the staged ``.idx``
-        (default: unique temp names beside the output); ``resume`` continues from a
-        :meth:`checkpoint` whose data is in ``bin_tmp``."""
+        """``bin_tmp``/``idx_tmp``: the in-progress files (default: temp names beside the output);
+        ``resume`` continues from a :meth:`checkpoint` whose data is in ``bin_tmp``."""
         self.prefix = normalize_prefix(prefix)
         if dtype is None:
             dtype = optimal_dtype(vocab_size)
@@ -381,11 +362,7 @@ class IndexedDatasetWriter:
         self._lengths.append(arr.size)
 
     def add_document(self, tokens, lengths: Sequence[int] | np.ndarray | None = None) -> None:
-        """Append one document: ``tokens`` concatenated over its sequences of ``lengths``.
-
-        ``lengths`` defaults to one sequence holding all tokens; an empty ``tokens``
-        with no lengths is an empty document (no sequence).
-        """
+        """Append one document of sequences ``lengths`` (default: one; no tokens: an empty document)."""
         if (lengths is None and type(tokens) is np.ndarray and tokens.dtype == self.dtype  # hot path:
                 and self.vocab_size is None and self._native_le and tokens.ndim == 1  # in range by
                 and tokens.flags.c_contiguous and tokens.size <= _INT32_MAX):  # construction, no copy
@@ -411,11 +388,8 @@ class IndexedDatasetWriter:
         self._add(arr, lens, np.asarray([len(lens)], dtype=np.int64))
 
     def add_documents(self, tokens, sequence_lengths, sequences_per_document, max_id: int | None = None) -> None:
-        """Batched :meth:`add_document`: ``sequences_per_document[d]`` sequences make document ``d``.
-
-        ``max_id``: the largest of ``tokens`` when the caller has it already (a preprocess worker
-        finds it while checking the vocabulary); the range check uses it instead of reading every
-        token again in the writing process (a pass over the tokens on the serial path)."""
+        """Batched :meth:`add_document`: ``sequences_per_document[d]`` sequences make document ``d``;
+        ``max_id``, when the caller knows it, spares the serial range check a pass over the tokens."""
         self._add(self._checked(tokens, max_id), np.asarray(sequence_lengths, dtype=np.int64).reshape(-1),
                   np.asarray(sequences_per_document, dtype=np.int64).reshape(-1))
 
@@ -456,9 +430,8 @@ class IndexedDatasetWriter:
         other.close()
 
     def add_kept(self, prefix: str | os.PathLike, keep: np.ndarray, block_tokens: int = 1 << 22) -> None:
-        """Append the documents of another dataset for which ``keep`` (one bool per document) is true,
-        in order (same dtype required), reading about ``block_tokens`` tokens at a time (a block is
-        whole documents, at least one), so memory does not grow with the dataset."""
+        """Append the documents of another dataset (same dtype) where ``keep``, about ``block_tokens``
+        tokens (whole documents) at a time, so memory does not grow with the dataset."""
         other = IndexedDataset(prefix)
         if other.dtype != self.dtype:
             raise TokenloomError(f"cannot copy {other.path_prefix} (dtype {other.dtype}) into "
@@ -533,11 +506,8 @@ class IndexedDatasetWriter:
         self._finalized = True
 
     def close(self) -> None:
-        """Close the in-progress file without publishing or deleting it (a later ``resume`` may use it).
-
-        Buffered bytes that cannot be written (the disk is full) are dropped, not raised:
-        a resume cuts the file back to its checkpoint anyway.
-        """
+        """Close the in-progress file without publishing or deleting it (for a later ``resume``);
+        unwritable buffered bytes (full disk) are dropped: a resume cuts back to its checkpoint."""
         if not self._bin.closed:
             with contextlib.suppress(OSError):
                 self._bin.close()  # the file is closed even when its last flush fails
@@ -566,13 +536,8 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """Memory-mapped, zero-copy reader of ``PREFIX.bin``/``PREFIX.idx``.
-
-    Files are opened on first use, and a pickled dataset carries only its path, so
-    each DataLoader worker maps the files itself. ``ds[i]`` is sequence ``i``;
-    ``ds[a:b]`` a list of contiguous sequences; ``ds.get(i, offset, length)`` part
-    of one. Returned arrays are read-only views into the mapping.
-    """
+    """Memory-mapped reader of ``PREFIX.bin``/``PREFIX.idx`` (``ds[i]``, ``ds[a:b]``, ``ds.get(i, offset,
+    length)``: read-only views); opened on first use, pickled by path, so each worker maps its own."""
 
     def __init__(self, path_prefix: str | os.PathLike, multimodal: bool = False):
         self.path_prefix = normalize_prefix(path_prefix)
@@ -743,8 +708,8 @@ def _header(path: str, idx_file: str) -> tuple[np.dtype, int, int]:
 
 
 def described_bin_size(idx_file: str) -> int:
-    """The ``.bin`` size an ``.idx`` describes (its last pointer plus its last length), from the
-    header and two entries: the check that a ``.bin`` belongs to an ``.idx`` without reading either."""
+    """The ``.bin`` size an ``.idx`` describes (last pointer plus last length), read from the header
+    and two entries: checks a pair belongs together without reading either."""
     dtype, n, _ = read_header(idx_file)
     if n == 0:
         return 0
@@ -757,8 +722,7 @@ def described_bin_size(idx_file: str) -> int:
 
 
 def size_mismatch(bin_file: str, idx_file: str, bin_size: int, expected: int, itemsize: int) -> str:
-    """The message for a ``.bin`` whose size is not the one its ``.idx`` describes: both sizes, and the
-    fix (a damaged or mismatched pair is made again; no option of a later stage repairs it)."""
+    """The message for a ``.bin`` whose size is not its ``.idx``'s: both sizes and the fix (make it again)."""
     how = "shorter" if bin_size < expected else "longer"
     whole = "" if bin_size % itemsize == 0 else f", not a whole number of {itemsize}-byte tokens"
     return (f"{bin_file} is {bin_size} bytes{whole}, {how} than the {expected} bytes ({expected // itemsize} "

@@ -62,8 +62,7 @@ def write(prefix: str | os.PathLike, manifest: dict, path: str | os.PathLike | N
 
 
 def read(prefix: str | os.PathLike) -> dict | None:
-    """The manifest beside ``prefix``, or None when there is none (e.g. Megatron-made files); for an
-    object-store prefix, read from the node's cached copy (:func:`tokenloom.objstore.local_copy`)."""
+    """The manifest beside ``prefix`` (a URL's from the node's cache), or None (e.g. Megatron-made files)."""
     path: str | Path = manifest_path(prefix)
     if objstore.is_url(prefix):
         path = manifest_url(os.fspath(prefix))
@@ -113,11 +112,8 @@ def tokenizer_name(fingerprint: dict) -> str:
 
 
 def ids_key(fingerprint: dict) -> str:
-    """A digest of what decides the ids, from a :meth:`Tokenizer.fingerprint` (live or read
-    back from any manifest): kind, the contents of the files read (their sha256s, sorted;
-    names dropped), vocab size, eod/bos/pad and the id options. Equal keys mean equal ids
-    for the same text. A fingerprint without ``files`` (written by hand) falls back to its
-    ``digest``."""
+    """A digest of what decides the ids in a tokenizer fingerprint (kind, file contents without names,
+    vocab size, special ids, options): equal keys, equal ids. Without ``files``: its ``digest``."""
     if "files" not in fingerprint:
         return str(fingerprint.get("digest"))
     core = {k: fingerprint.get(k) for k in ("kind", "vocab_size", "eod", "bos", "pad", "options")}

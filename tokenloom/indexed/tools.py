@@ -1,9 +1,8 @@
 """Whole-dataset operations on indexed files: verify, inspect, merge.
 
-All three stream over the index and the token file in bounded chunks (about
-16 M entries at a time), so they run in constant memory on datasets far larger
-than RAM; inputs may be object-store URLs (read in place, see :mod:`tokenloom.indexed.format`). Problems are raised as :class:`FormatError` with the file and the first
-offending sequence/document, so a CLI can print one line and exit non-zero.
+All three stream the index and tokens in bounded chunks (constant memory on datasets far larger
+than RAM; object-store URLs read in place) and raise :class:`FormatError` naming the file and the
+first offending sequence or document.
 """
 
 from __future__ import annotations
@@ -126,15 +125,9 @@ def _check_counts(ds: IndexedDataset, expected: dict, source: str) -> None:
 
 def verify(prefix: str | os.PathLike, vocab_size: int | None = None, eod: int | None = None,
            bos: int | None = None, expected: dict | None = None, sources: dict | None = None) -> dict:
-    """Check a dataset completely; return its counts and the checks run, or raise :class:`FormatError`.
-
-    Always: header, sizes, pointers equal to the running sum of lengths, document
-    index from 0 to N and non-decreasing. With ``expected`` (dtype and counts, e.g. a
-    manifest's): equal counts, checked before the tokens are read. With ``vocab_size``:
-    every id in range. With ``eod``/``bos``: every non-empty document ends/starts with it.
-    ``sources`` maps a check (``vocab``, ``eod``, ``bos``, ``counts``) to where its value
-    came from, quoted in the error (``"from the manifest"``).
-    """
+    """Check a dataset completely (header, sizes, pointers, document index; with ``expected`` dtype and
+    counts first, ``vocab_size`` id range, ``eod``/``bos`` document ends/starts; ``sources``: where
+    each value came from, for the error); return its counts and checks, or raise :class:`FormatError`."""
     sources = sources or {}
 
     def said(check: str) -> str:

@@ -1,14 +1,9 @@
 """``verify`` with everything a dataset's manifest knows, no flags needed.
 
-:func:`tokenloom.indexed.verify` checks a ``.bin``/``.idx`` pair against values it is given
-and knows no manifest (:mod:`tokenloom.indexed.manifest`, the sidecar of the pair). This module
-joins them: the manifest's vocabulary size, its EOD (when the run appended one), its
-BOS (when it prepended one), its dtype and counts become checks. A value passed by the user wins
-over the manifest's. Without a manifest (Megatron-made files) only the structure is checked,
-plus what the user passed, and the report lists the checks that could not run.
-
-The manifest records digests of the inputs, not of the tokens: the tokens are checked through
-the counts and the vocabulary, EOD and BOS checks, which read every token.
+The manifest's vocabulary size, EOD and BOS (when the run added them), dtype and counts become
+checks of :func:`tokenloom.indexed.verify`; a user's value wins. Without a manifest only the
+structure and the user's values are checked, and the report lists what could not run. Tokens
+are checked through counts and the vocabulary/EOD/BOS checks (the manifest digests only inputs).
 """
 
 from __future__ import annotations
@@ -23,10 +18,9 @@ from tokenloom.indexed.tools import verify as verify_pair
 
 
 def check_pair(prefix: str, saved: dict | None) -> None:
-    """Raise :class:`FormatError` when the ``.idx`` header's counts are not those of ``saved`` (the
-    manifest published with the ``.bin``), naming the file that does not belong: the ``.idx`` is
-    *foreign* when the ``.bin`` still has the manifest's size, the manifest when the pair agrees with
-    itself. Reads the header and two sizes only: cheap enough for every open of a source."""
+    """Raise :class:`FormatError` when the ``.idx`` header's counts are not the manifest ``saved``'s,
+    naming the file that does not belong (the ``.idx`` if the ``.bin`` has the manifest's size).
+    Reads a header and two sizes: cheap enough for every open of a source."""
     counts = (saved or {}).get("counts", {})
     if "sequences" not in counts or "documents" not in counts:
         return
@@ -53,8 +47,7 @@ def _described(idx_file: str) -> int | None:
 
 
 def verify_dataset(prefix: str | os.PathLike, vocab_size: int | None = None, eod: int | None = None) -> dict:
-    """:func:`tokenloom.indexed.verify` with the manifest's values; the report adds ``not_checked``:
-    the checks that could not run and why (empty when every check ran)."""
+    """:func:`tokenloom.indexed.verify` with the manifest's values; ``not_checked`` lists what could not run."""
     prefix = indexed_format.normalize_prefix(prefix)
     data = manifest.read(prefix)
     if data is not None and indexed_format.exists(prefix):

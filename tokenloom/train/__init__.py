@@ -1,15 +1,10 @@
-"""train stage, in rooms (each a folder whose ``__init__`` says what it may import), lowest first:
+"""train stage, in rooms, lowest first; a room imports only rooms before it (tests/test_structure.py):
 
-* :mod:`tokenloom.train.kernels`: the fused and compiled ops and their selector.
-* :mod:`tokenloom.train.parallel`: tensor, pipeline, context and data parallelism (DDP, FSDP).
-* :mod:`tokenloom.train.model`: ``GPTConfig`` and ``GPT`` (GPT-2 and Llama flavours), MoE.
-* :mod:`tokenloom.train.optim`: AdamW, the learning-rate schedule, ZeRO-1.
-* the run's set-up, modules of this folder: ``config``, ``data``, ``dist``, ``runtime``,
-  ``host_alloc``.
-* :mod:`tokenloom.train.checkpoint`: the commit protocol, tensor format, async save, reshard, HF.
-* the run, the rest of this folder: ``loop``, ``strategy``, ``launch``, ``preflight``, ``summary``,
-  ``metrics``, ``stop``, ``source_loss``, ``generate``.
+* ``kernels`` (fused and compiled ops), ``parallel`` (tp, pp, cp, DDP, FSDP), ``model`` (GPT,
+  MoE), ``optim`` (AdamW, Muon, schedule, ZeRO-1);
+* the run's set-up here: ``config``, ``data``, ``dist``, ``runtime``, ``host_alloc``;
+* ``checkpoint`` (commit protocol, format, async save, reshard, HF);
+* the run, the rest of this folder (``loop``, ``strategy``, ``launch``, ...).
 
-A room imports only rooms before it (tests/test_structure.py). Nothing is imported here, so
-``import tokenloom.train`` stays cheap (no torch import).
+Nothing is imported here, so ``import tokenloom.train`` stays cheap (no torch).
 """

@@ -1,11 +1,9 @@
 """The train configuration: :class:`TrainConfig` and its JSON/YAML files.
 
-One dataclass tree (``model``, ``data``, ``optim`` sections) describes a run in every
-layout; field docstrings are the ``--help`` texts (:mod:`tokenloom.config`). Files are
-JSON or YAML; ``key.sub=value`` overrides are parsed as YAML values. Unknown keys are
-errors, all of them in one message, each with the nearest field (or its section's known keys),
-so a typo never silently trains a default. :func:`field_rows` lists every field with its
-value, default and doc (``cli.py config show``).
+One dataclass tree (``model``, ``data``, ``optim``) describes a run in every layout; field
+docstrings are the ``--help`` texts. ``key.sub=value`` overrides are parsed as YAML. Unknown
+keys are errors, all in one message with the nearest field each, so a typo never silently
+trains a default.
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ class TrainConfig:
     exit_interval: int | None = None
     """Save and stop this process when the iteration is a multiple of this (time-limited jobs)."""
     save_on_signal: bool = True
-    """On SIGTERM or SIGINT (a cluster's time limit or preemption, kill, Ctrl-C) to any rank, every rank
-    finishes the next step, saves a checkpoint and exits; a second signal stops at once. False: a
-    signal ends the job at once, without a checkpoint."""
+    """On SIGTERM/SIGINT to any rank, every rank finishes the next step, saves and exits; a second signal
+    stops at once. False: a signal ends the job at once, without a checkpoint."""
     eval_interval: int = 100
     """Validation every this many steps (and at the end); 0 disables validation."""
     eval_iters: int = 10
@@ -61,36 +58,26 @@ class TrainConfig:
     log_interval: int = 10
     """Write a metrics record every this many steps."""
     log_loss_per_source: bool = False
-    """Also log the training loss of each source of the blend (token-weighted over the log
-    interval, ``train_loss_per_source`` in metrics.jsonl): summed on the device, read once per
-    log interval, no host sync per step. Costs a per-token loss and its sums per micro-batch;
-    with fused loss kernels the LM head's backward recomputes its logits (4/3 of its compute)."""
+    """Also log each blend source's token-weighted train loss per interval (no per-step host sync); costs
+    a per-token loss, and with fused loss kernels a recompute of the LM head's logits in backward."""
     gc_interval: int = 50
-    """Python's automatic garbage collection is off while training and a young-generation
-    collection runs every this many steps (torchtitan's gc_freq, Megatron's --manual-gc);
-    0 keeps automatic collection."""
+    """Automatic garbage collection is off while training; a young-generation collection runs every
+    this many steps (torchtitan's gc_freq, Megatron's --manual-gc). 0 keeps automatic collection."""
     keep_freed_memory: bool = True
-    """On CPU with glibc: malloc keeps freed activation memory for the next step instead of
-    unmapping it and faulting it in again (faster CPU steps, a slightly higher peak RSS: the
-    process keeps its peak heap). See tokenloom.train.host_alloc. Off: malloc's defaults. With fsdp
-    on CPU, large freed blocks are returned to the OS instead (its per-block gathers fragment a heap
-    that keeps them), whatever this says."""
+    """CPU with glibc: malloc keeps freed activation memory for the next step (faster steps, the peak
+    heap stays mapped; see tokenloom.train.host_alloc). Off: malloc's defaults. Ignored with fsdp."""
     save_interval: int | None = 500
     """Checkpoint every this many steps; a checkpoint is always written at the end."""
     keep_last_checkpoints: int = 0
     """Delete older checkpoints beyond this many (0 keeps all)."""
     local_save_interval: int | None = None
-    """Also checkpoint every this many steps into local_save_dir (the fast tier: node-local disk,
-    written as the durable saves are, in the background, keeping the newest two); a resume (and every
-    restart) takes the newest step that every rank holds complete, locally or durably. None: off."""
+    """Also checkpoint every this many steps into local_save_dir (node-local tier, newest two kept);
+    a resume takes the newest step every rank holds complete, locally or durably. None: off."""
     local_save_dir: str | None = None
-    """Where the local tier's checkpoints go (with local_save_interval; each rank checks the files it
-    wrote there, so a checkpoint missing a rank's files is never taken). See tokenloom.train.checkpoint.commit."""
+    """Directory of the local tier (with local_save_interval); a checkpoint missing any rank's files is never taken."""
     async_save: bool = True
-    """Write checkpoints in a background thread: the step loop waits only while the state is copied
-    to host memory (pinned on CUDA; that copy is kept for the run and reused), and the next save,
-    the end of the run or a save-and-exit waits for the write. A failed write ends the run at the
-    next step. False: the loop waits for the whole save."""
+    """Write checkpoints in a background thread; the loop waits only for the copy to (reused) host
+    memory, and a failed write ends the run at the next step. False: the loop waits for the save."""
     output_dir: str = "train-out"
     """Run directory: config.json, metrics.jsonl, loss.png, checkpoints/."""
     checkpoint_dir: str | None = None
@@ -98,21 +85,16 @@ class TrainConfig:
     resume: str | None = None
     """"auto" (latest complete checkpoint, or start fresh), a checkpoint directory, or None (fresh)."""
     init_from_hf: str | None = None
-    """A local transformers GPT-2 or Llama folder (config.json, model.safetensors or its index, tokenizer.json)
-    to start from: its model shape and tokenizer replace the configured ones (a conflicting non-default value
-    is refused), the optimizer starts fresh at iteration 0. A checkpoint that resume finds wins: the run
-    continues from it and the folder is not loaded again. See tokenloom.train.checkpoint.hf."""
+    """A local transformers GPT-2 or Llama folder to start from (its shape and tokenizer, conflicts refused;
+    optimizer fresh at iteration 0); a checkpoint that resume finds wins."""
     force_data: bool = False
-    """Resume even if the checkpoint was trained on different data, taking the new data's order as it is
-    (samples may repeat or be skipped). Not needed to change a blend's weights or sources, or train_iters (that
-    needs override_opt_param_scheduler): each source then continues exactly after the samples it served."""
+    """Resume even if the checkpoint was trained on different data (samples may repeat or be skipped).
+    Not needed for a blend's new weights or sources: each source continues after what it served."""
     override_opt_param_scheduler: bool = False
-    """Resume with a learning-rate schedule (train_iters, optim.lr, min_lr, warmup, decay) other than the
-    checkpoint's: the rate follows the new schedule from the resume step on. False: such a resume is refused
-    naming the old and new values (Megatron's --override-opt_param-scheduler)."""
+    """Resume with another learning-rate schedule than the checkpoint's, followed from the resume step.
+    False: such a resume is refused naming old and new values (Megatron's flag of this name)."""
     force_optimizer: bool = False
-    """Resume a checkpoint trained with another optim.name (adamw <-> muon): its optimizer state is dropped
-    and every parameter starts with fresh moments. False: such a resume is refused in one line."""
+    """Resume a checkpoint of another optim.name with fresh optimizer state. False: such a resume is refused."""
     tokenizer: str | None = None
     """Tokenizer path (or "byte"), stored in checkpoints so generate can decode."""
     seed: int = 1234
@@ -120,40 +102,30 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """"auto": bf16 autocast on GPUs that support it, fp32 otherwise (always on CPU)."""
     compile: bool | Literal["auto"] = "auto"
-    """torch.compile each transformer block of every model chunk, in every layout (first steps are
-    slow while it compiles). auto: on CUDA, where it is fastest, off on CPU; true/false force it.
-    Per block, so data-parallel gradient buckets still overlap with backward and pipeline stages
-    send as before. Tensor-parallel collectives are captured in the
-    block's graph; with dropout at tp > 1 the tensor-parallel RNG stream's switch splits each block
-    into several graphs (torch.compile does not capture generator state)."""
+    """torch.compile each transformer block (per block, so gradient buckets and pipeline sends still
+    overlap; first steps are slow). auto: on for CUDA, off on CPU; true/false force it."""
     fp8: Literal["tensorwise", "rowwise"] | None = None
-    """Train the transformer blocks' linears in float8 with torchao (pip install 'tokenloom[fp8]'),
-    scaling per tensor (tensorwise, the fastest) or per row (rowwise). Needs a CUDA GPU with compute
-    capability >= 8.9, bf16, the reference ops and tp = 1; refused otherwise. None: bf16 matmuls."""
+    """Train the blocks' linears in float8 with torchao ('tokenloom[fp8]'), scaled per tensor or row.
+    Needs CUDA compute capability >= 8.9, bf16, the reference ops and tp = 1. None: bf16 matmuls."""
     ddp_bucket_cap_mb: float | None = None
     """Gradient bucket size in MiB of DDP (None: 25 with a 1 MiB first bucket) and of ZeRO-1 (None:
     25), in every layout."""
     distributed_backend: Literal["nccl", "gloo"] | None = None
-    """Collective library of a multi-rank run (Megatron's --distributed-backend). None: nccl when CUDA
-    is available, gloo otherwise. gloo with CUDA keeps each rank's tensors on its GPU and lets several
-    ranks share one (rank LOCAL_RANK uses GPU LOCAL_RANK modulo the visible count): a layout debugged
-    on a workstation; the collectives gloo cannot run on GPU tensors go through pinned host memory
-    (tokenloom.train.staged_gloo), slower than nccl. nccl without CUDA is refused."""
+    """Collective library of a multi-rank run. None: nccl with CUDA, gloo otherwise. gloo with CUDA
+    lets ranks share GPUs (debugging a layout; slower, see tokenloom.train.staged_gloo)."""
     dist_timeout_s: float = 600.0
     """Collective timeout: a dead or stalled rank makes the others fail after at most this."""
     hang_timeout_s: float | None = None
-    """Seconds without a finished step after which a rank's watchdog dumps its Python stacks into its
-    log and ends it, so that torchrun's restarts (train --max-restarts) take over; None: 10 times the
-    slowest iteration so far (step, evaluation, checkpoint copy), at least 60 seconds, armed after the first
-    step. Active under ``train --nproc-per-node`` or when set. See tokenloom.train.faults."""
+    """Seconds without a finished step before a rank's watchdog dumps its stacks and ends it (for torchrun's
+    restarts); None: 10 times the slowest iteration, at least 60. Active under ``train --nproc-per-node``
+    or when set. See tokenloom.train.faults."""
     metrics_path: str | None = None
     """Metrics JSONL; None means OUTPUT_DIR/metrics.jsonl."""
     tensorboard_dir: str | None = None
-    """Also write TensorBoard scalars here (pip install 'tokenloom[tensorboard]'; without it, one line
-    says so and the run goes on)."""
+    """Also write TensorBoard scalars here ('tokenloom[tensorboard]'; if missing, one line and on)."""
     wandb_project: str | None = None
-    """Also log the metrics to this Weights & Biases project (pip install 'tokenloom[wandb]'; without it, one
-    line says so and the run goes on). Rank 0 logs; W&B's own settings (WANDB_MODE, the API key) apply."""
+    """Also log metrics to this W&B project from rank 0 ('tokenloom[wandb]'; if missing, one line and
+    on); W&B's own settings (WANDB_MODE, the API key) apply."""
     wandb_exp_name: str | None = None
     """The W&B run's name; None lets W&B choose one."""
     plot: bool = True
@@ -165,53 +137,37 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel size (Megatron's rank order tp-cp-dp-pp)."""
     cp: int = 1
-    """Context-parallel size: each of cp ranks holds 1/cp of every sequence (two chunks of
-    2 x cp, Megatron's load balancing) and attention all-gathers the keys and values
-    (tokenloom.train.parallel.context); seq_len must be divisible by 2 x cp (x tp with sp)."""
+    """Context-parallel size: each rank holds 1/cp of every sequence (load-balanced chunks) and
+    attention all-gathers keys and values; seq_len must divide by 2 x cp (x tp with sp)."""
     ep: int = 1
-    """Expert-parallel size (Megatron's expert_model_parallel_size): ep data-parallel ranks split each
-    mixture-of-experts layer's experts (num_experts / ep each) and exchange tokens with them by
-    all-to-all; expert gradients are reduced over the dp ranks holding the same experts. Divides dp.
-    Composes with tp (sequence parallelism required, as for any MoE at tp > 1: the experts are
-    replicated over tp and each tp rank dispatches its own slice of the tokens), pp (each stage's
-    experts split over the ep ranks of that stage) and zero1 (the experts' AdamW state sharded over
-    the ranks holding the same experts, the dense state over dp); cp and fsdp stay at their defaults."""
+    """Expert-parallel size: ep data-parallel ranks split each MoE layer's experts and exchange tokens
+    by all-to-all; divides dp. Composes with tp (sp required), pp and zero1; not with cp or fsdp."""
     pp: int = 1
     """Pipeline-parallel size (1F1B schedule; interleaved with vpp)."""
     vpp: int | None = None
     """Virtual pipeline stages (model chunks) per pipeline rank for the interleaved schedule; None: 1."""
     num_layers_in_first_pipeline_stage: int | None = None
-    """Transformer layers on the first pipeline rank (a multiple of vpp); the ranks without a set
-    number share the rest evenly. None: an even split (Megatron's field of the same name)."""
+    """Transformer layers on the first pipeline rank (a multiple of vpp), the rest shared evenly. None: even."""
     num_layers_in_last_pipeline_stage: int | None = None
-    """Transformer layers on the last pipeline rank, which also runs the LM head and the loss:
-    fewer layers there balance a large vocabulary's head. None: an even split."""
+    """Transformer layers on the last pipeline rank (which also runs the LM head and loss). None: even."""
     account_for_embedding_in_pipeline_split: bool = False
     """Count the embedding as one layer when splitting: the first virtual stage holds one layer fewer."""
     account_for_loss_in_pipeline_split: bool = False
     """Count the LM head and loss as one layer when splitting: the last virtual stage holds one layer fewer."""
     sp: bool = False
-    """Sequence parallelism (Megatron's): with tp > 1, norms and dropout run on a 1/tp slice of
-    the sequence (activation memory / tp there), at the price of all-gather + reduce-scatter
-    instead of all-reduce around each tensor-parallel layer pair."""
+    """Sequence parallelism (tp > 1): norms and dropout run on a 1/tp slice of the sequence, with
+    all-gather + reduce-scatter instead of all-reduce around each tensor-parallel layer pair."""
     zero1: bool = False
-    """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW); with
-    ep > 1 the experts' state over the dp ranks holding the same experts (Megatron's expert buffers)."""
+    """Shard the AdamW state over data parallel (ZeRO-1; at ep > 1 experts over their expert-dp ranks)."""
     fsdp: bool = False
-    """Fully sharded data parallelism (ZeRO-3, torch's fully_shard): parameters, gradients and AdamW
-    state sharded over data parallel, each block's parameters all-gathered just before its forward and
-    backward (the next block's prefetched) and its gradients reduce-scattered as its backward ends.
-    Composes with tp (+ sp) and pp; refuses zero1 (it shards more) and ddp_bucket_cap_mb (it
-    communicates per block). Checkpoints load into any layout, with or without fsdp."""
+    """Fully sharded data parallelism (ZeRO-3, torch's fully_shard), gathering each block's parameters
+    around its forward and backward. Composes with tp (+ sp) and pp; refuses zero1 and ddp_bucket_cap_mb."""
     overlap_grad_reduce: bool | None = None
-    """ZeRO-1: reduce-scatter each gradient bucket (ddp_bucket_cap_mb) during the last micro-batch's
-    backward of its model chunk, as soon as its grads are ready (Megatron's overlap_grad_reduce);
-    false: all buckets after backward. None: on (DDP always overlaps)."""
+    """ZeRO-1: reduce-scatter each gradient bucket during the last micro-batch's backward as soon as
+    it is ready; false: all buckets after backward. None: on (DDP always overlaps)."""
     overlap_param_gather: bool | None = None
-    """ZeRO-1: the step launches each bucket's parameter all-gather and returns; the next forward
-    waits for a bucket just before the first layer that needs it (Megatron's
-    overlap_param_gather), and saving, loading and the end of training wait for all of them.
-    false: the step waits. None: on."""
+    """ZeRO-1: the step launches each bucket's parameter all-gather and the next forward waits for it
+    just before first use (saves and the end wait for all). false: the step waits. None: on."""
 
     def __post_init__(self) -> None:
         positive = ("micro_batch_size", "global_batch_size", "train_iters", "log_interval", "eval_iters")
@@ -291,8 +247,7 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def config_from_dict(cls: type, data: dict, where: str = "", source: str = "the config") -> Any:
-    """Build dataclass ``cls`` from nested dicts (as read from JSON/YAML); unknown keys are errors,
-    all of them (nested sections too) in one message naming ``source`` and each key's nearest field."""
+    """Build dataclass ``cls`` from nested dicts; all unknown keys in one error naming ``source``."""
     unknown = unknown_keys(cls, data, where)
     if unknown:
         raise TokenloomError(f"unknown config key{'s' if len(unknown) > 1 else ''} in {source}: {'; '.join(unknown)}")
@@ -300,9 +255,8 @@ def config_from_dict(cls: type, data: dict, where: str = "", source: str = "the 
 
 
 def unknown_keys(cls: type, data: Any, where: str = "") -> list[str]:
-    """Every key of ``data`` (nested sections too, in the order given) that dataclass ``cls`` has no
-    field for, as ``"optim.lr_min (did you mean optim.min_lr?)"`` or, with no near name, with the
-    section's known keys. Values of the wrong shape are left to :func:`config_from_dict`."""
+    """Every key of ``data`` (nested too) ``cls`` has no field for, with its nearest name or the
+    section's known keys; values of the wrong shape are left to :func:`config_from_dict`."""
     if not isinstance(data, dict):
         return []
     hints = typing.get_type_hints(cls)
@@ -372,8 +326,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
 
 
 SMALL_MODEL = ("model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.seq_len=256")
-"""The model ``train`` builds when no shape is given (:func:`small_model_overrides`): GPTConfig's own
-defaults are GPT-2 124M at sequence 1024, minutes per step on a CPU before a first line of output."""
+"""The model ``train`` builds when no shape is given: GPTConfig's defaults (GPT-2 124M) are far too slow on a CPU."""
 
 SHAPE_KEYS = ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.n_kv_heads",
               "model.ffn_hidden_size", "init_from_hf")
@@ -381,9 +334,8 @@ SHAPE_KEYS = ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len
 
 
 def small_model_overrides(path: str | os.PathLike | None, overrides: typing.Sequence[str]) -> list[str]:
-    """:data:`SMALL_MODEL` as overrides when the config file at ``path`` and ``overrides`` give no
-    :data:`SHAPE_KEYS` key, else nothing. For the ``train`` command, which says so in a warning;
-    the library's :class:`TrainConfig` keeps GPTConfig's defaults."""
+    """:data:`SMALL_MODEL` when neither the file nor ``overrides`` gives a :data:`SHAPE_KEYS` key, else
+    nothing (for the ``train`` command; :class:`TrainConfig` keeps GPTConfig's defaults)."""
     raw = read_raw(path, overrides)
 
     def given(key: str) -> bool:
@@ -428,10 +380,8 @@ MODEL_FIELDS_FREE_ON_RESUME = frozenset({"recompute_layers", "dropout", "seed", 
 
 
 def check_resumable_model(path: str | os.PathLike, cfg: TrainConfig, saved_model: dict) -> None:
-    """Refuse, with the old and new values, a checkpoint at ``path`` whose model (``saved_model``,
-    from its ``state.json``) differs from ``cfg.model`` in a field that matters."""
-    # A field a checkpoint predates (saved without it) had its default value then; a feature field
-    # (norm, mlp, positions) its arch's value, which the model built then.
+    """Refuse, with old and new values, a checkpoint whose ``saved_model`` differs from ``cfg.model``
+    in a field that matters; a field it predates had its default (a feature field its arch's) then."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg.model) if f.default is not dataclasses.MISSING}
     defaults.update(ARCH_FEATURES.get(saved_model.get("arch", "gpt2"), {}))
     defaults["norm_bias"] = saved_model.get("bias", defaults.get("bias"))  # before norm_bias: LayerNorm followed bias
@@ -448,14 +398,12 @@ def check_resumable_model(path: str | os.PathLike, cfg: TrainConfig, saved_model
 
 SCHEDULE_KEYS = ("train_iters", "optim.lr", "optim.min_lr", "optim.warmup_iters", "optim.lr_decay_iters",
                  "optim.decay_style", "optim.wsd_decay_iters", "optim.wsd_decay_style")
-"""Settings that shape the learning rate of each step: a resume keeps them unless
-``override_opt_param_scheduler`` (Megatron refuses a scheduler mismatch the same way). A key the
-config has no field for is skipped."""
+"""Settings that shape each step's learning rate: a resume keeps them unless
+``override_opt_param_scheduler``. A key the config has no field for is skipped."""
 
 
 def check_resumable_optimizer(path: str | os.PathLike, cfg: TrainConfig, saved_config: dict) -> None:
-    """Refuse, in one line, a resume of the checkpoint at ``path`` with another ``optim.name`` than its
-    saved config's (one from before the field trained AdamW), unless ``cfg.force_optimizer``."""
+    """Refuse a resume with another ``optim.name`` than the checkpoint's unless ``cfg.force_optimizer``."""
     old = saved_config.get("optim", {}).get("name", "adamw")
     if old != cfg.optim.name and not cfg.force_optimizer:
         raise TokenloomError(f"{path} was trained with optimizer {old}, this run asks for {cfg.optim.name} "
@@ -464,9 +412,8 @@ def check_resumable_optimizer(path: str | os.PathLike, cfg: TrainConfig, saved_c
 
 
 def check_resumable_schedule(path: str | os.PathLike, cfg: TrainConfig, saved_config: dict) -> None:
-    """Refuse, in one line naming the old and new values, a resume of the checkpoint at ``path``
-    (its saved config ``saved_config``) with another learning-rate schedule (:data:`SCHEDULE_KEYS`),
-    unless ``cfg.override_opt_param_scheduler``. A key the checkpoint predates had its default then."""
+    """Refuse, naming old and new values, a resume with another :data:`SCHEDULE_KEYS` schedule unless
+    ``cfg.override_opt_param_scheduler``; a key the checkpoint predates had its default then."""
     if cfg.override_opt_param_scheduler:
         return
     new, defaults = config_to_dict(cfg), config_to_dict(type(cfg)())
@@ -507,9 +454,8 @@ REQUIRED = "(required)"
 
 
 def field_rows(cfg: Any, cls: type | None = None, where: str = "") -> list[FieldRow]:
-    """Every field of config dataclass ``cfg`` in declaration order, sections depth first, each
-    section's fields right after its own row; the fields of an unset section (``data.blend`` of a
-    mock run) are listed too, with the value None (``cls`` names the section class then)."""
+    """Every field of ``cfg`` in declaration order, sections depth first after their own row; an unset
+    section's fields too, valued None (``cls`` names the section class then)."""
     cls = cls or type(cfg)
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     rows = []
@@ -534,8 +480,7 @@ SECTION = "(section)"
 
 
 def format_rows(rows: typing.Sequence[FieldRow]) -> str:
-    """``key = value  (default: D)`` per field, its doc indented on the next line; a value that
-    differs from its default (in a section that is set) is marked ``*``."""
+    """``key = value  (default: D)`` per field, doc indented below; a non-default value is marked ``*``."""
     def show(v: Any) -> str:
         return v if v in (SECTION, REQUIRED) else json.dumps(v)
 

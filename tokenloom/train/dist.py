@@ -1,19 +1,10 @@
 """Process-group setup from the launcher's environment (torchrun, Slurm's srun, our tests).
 
-Reads the standard variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
-and ``MASTER_PORT``; where torchrun did not set them and the process is one task of a
-Slurm step (``srun -n N python cli.py train ...``, no torchrun), :func:`launch_env` derives
-them from ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``),
-``SLURM_LOCALID``, the first host of the step's node list and a port from the job and
-step ids (as Lightning and torchtitan's Slurm scripts do). Variables already set win, so
-torchrun started by srun (one task per node) keeps torchrun's ranks. The backend
-(:func:`resolve_backend`) is the run's ``distributed_backend``, by default NCCL when CUDA is
-available and gloo otherwise; gloo with CUDA is :mod:`tokenloom.train.staged_gloo`'s group, the
-ranks on their GPUs (several may share one: :func:`cuda_index`). The
-``timeout_s`` is the collective timeout: a rank that dies or stalls makes the others
-raise after at most this long instead of hanging (gloo usually notices a closed peer
-socket much sooner). Keep it short in tests; in production NCCL runs it should cover
-the slowest legitimate gap between collectives (checkpoint saves, evals).
+Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; in a Slurm
+step without torchrun :func:`launch_env` derives them from Slurm's variables (as Lightning and
+torchtitan do), set variables winning. The backend is :func:`resolve_backend`'s; gloo with CUDA
+is :mod:`tokenloom.train.staged_gloo`'s group. ``timeout_s`` bounds how long a dead or stalled
+rank leaves the others hanging: short in tests, longer than any legitimate gap (saves, evals).
 """
 
 from __future__ import annotations
@@ -41,26 +32,19 @@ class DistInfo:
     world_size: int
     local_rank: int
     backend: str
-    """``torch.distributed``'s name of the default group's backend (``nccl``, ``gloo`` or
-    :data:`~tokenloom.train.staged_gloo.BACKEND`)."""
+    """The default group's backend name (``nccl``, ``gloo`` or the staged one)."""
     device: torch.device
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm host list: ``gpu[07-09,12],cpu1`` -> ``gpu07``.
-
-    Slurm's own expansion (``scontrol show hostnames``) is not on every compute node's
-    PATH and runs a process per rank; rank 0 runs on the first host, which is all we need.
-    """
+    """The first host of a Slurm host list, ``gpu[07-09,12],cpu1`` -> ``gpu07`` (no ``scontrol`` needed)."""
     found = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist.strip())
     item = found.group(0) if found else ""  # the pattern matches the empty string: always found
     return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], item)
 
 
 def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` of this
-    process: torchrun's (or anyone's) where set, else derived from an srun step's Slurm
-    variables, else a single process (``WORLD_SIZE`` 1)."""
+    """This process's launch variables: as set, else from an srun step's Slurm variables, else one process."""
     env = os.environ if environ is None else environ
     out = {k: env[k] for k in (*_REQUIRED, "LOCAL_RANK") if k in env}
     tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
@@ -81,10 +65,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def cuda_index(local_rank: int) -> int:
-    """This rank's GPU among the visible ones: ``LOCAL_RANK`` modulo the visible count. Fewer
-    GPUs than local ranks means ranks share them (gloo: several ranks on one GPU), or that the
-    launcher already narrowed ``CUDA_VISIBLE_DEVICES`` per task (``srun --gpus-per-task 1``
-    leaves each task one device, ``cuda:0``, whatever its local rank)."""
+    """This rank's GPU: ``LOCAL_RANK`` modulo the visible count (shared GPUs, or one per task)."""
     count = torch.cuda.device_count()
     return local_rank % count if count else local_rank
 
@@ -94,8 +75,7 @@ BACKENDS = ("nccl", "gloo")
 
 
 def resolve_backend(name: str | None) -> str:
-    """The backend a run of ``distributed_backend`` ``name`` uses: ``nccl`` or ``gloo`` (None:
-    nccl with CUDA, else gloo); one line for a name that is not one, and for nccl without CUDA."""
+    """``nccl`` or ``gloo`` for ``distributed_backend`` ``name`` (None: nccl with CUDA); refuses nccl without CUDA."""
     if name is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if name not in BACKENDS:
@@ -106,14 +86,8 @@ def resolve_backend(name: str | None) -> str:
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
-    """Initialise the default process group from env vars and return :class:`DistInfo`.
-
-    ``backend`` is :func:`resolve_backend`'s. With CUDA the current device is set to
-    :func:`cuda_index` first, and gloo is :class:`~tokenloom.train.staged_gloo.StagedGloo`
-    (also without CUDA when ``TOKENLOOM_GLOO_STAGE_ALL=1`` forces its staging: the tests' way to
-    run that path on a CPU). Idempotent: if a default group already exists it is described,
-    not recreated.
-    """
+    """Initialise the default process group from env vars (gloo staged with CUDA or forced staging) and
+    return :class:`DistInfo`; idempotent: an existing default group is described, not recreated."""
     if dist.is_initialized():
         return _describe(dist.get_backend())
     backend = resolve_backend(backend)

@@ -1,15 +1,9 @@
 """Sample text from a training checkpoint: ``generate(GenerateConfig(...)) -> str``.
 
-The model shape and the tokenizer come from the checkpoint's ``state.json`` (the train
-config it was saved with); weights are read with ``weights_only=True``. Sampling is
-plain autoregressive decoding without a KV cache: each new token re-runs the model on
-the last ``seq_len`` tokens. That is O(n^2) in the generated length but keeps one code
-path with training (fine for a demo and for checking a run; a serving stack would add
-the cache); a prompt longer than the context is cropped to its last ``seq_len`` tokens, with
-a warning on stderr. Temperature 0 means greedy; ``top_k`` keeps the k most likely ids; logits of
-the padded vocabulary rows are dropped. A private ``torch.Generator`` seeded with
-``seed`` makes the output deterministic (on a given device and torch version), and the
-global RNG is untouched.
+Shape and tokenizer come from the checkpoint's ``state.json``; weights load ``weights_only``. No
+KV cache (each token re-runs the last ``seq_len`` tokens): O(n^2), but one code path with training;
+a longer prompt is cropped with a warning. A private generator seeded with ``seed`` makes output
+deterministic and leaves the global RNG alone.
 """
 
 from __future__ import annotations
@@ -55,9 +49,7 @@ class GenerateConfig:
 
 
 def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
-    """The model of the checkpoint directory ``path`` in eval mode, and its ``state.json``. A
-    checkpoint of any layout, its pieces gathered back into the one-process model
-    (:func:`tokenloom.train.checkpoint.format.model_tensors`)."""
+    """The one-process model (eval mode) of a checkpoint of any layout, and its ``state.json``."""
     path = Path(path)
     state = checkpoint.read_state(path)
     # built on ``device``: the model chooses its kernels for the device it is built on

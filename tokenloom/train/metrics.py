@@ -1,35 +1,18 @@
 """Training metrics: a JSONL file (the record of truth), optional TensorBoard and W&B, a loss-curve PNG, MFU.
 
-Every line of ``metrics.jsonl`` is one JSON object with an ``iter`` key (completed
-optimizer steps) and ``time`` (unix seconds when it was written): train records carry
-``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``step_time_s``,
-``consumed_samples``, ``mfu`` (null when the device's peak is unknown), ``data_wait_s`` and
-``data_wait_share`` (the interval's wait for data, :class:`StepTimer`) and the memory
-fields of :func:`memory_fields` (``device_mem_peak_gib``: the interval's peak of allocated
-device memory, null on CPU; ``host_rss_gib`` and ``host_rss_peak_gib``: the process's
-resident memory now and its peak so far), and with ``log_loss_per_source``
-``train_loss_per_source`` (``{source name: loss}``, token-weighted over the interval); evaluation
-records carry ``val_loss`` and, for a blend of two or more sources, ``val_loss_per_source``
-(each source's loss on its own validation samples, null for a source without any,
-:mod:`tokenloom.train.source_loss`). A resumed
-run writes a record with ``resumed_from`` (the checkpoint) and ``blend_changed`` (whether
-the blend's weights or sources changed there) at the iteration it resumed at, and a data
-schedule a record with ``schedule_phase`` (its index) at the iteration each phase begins. The record whose
-interval holds the process's first step also carries ``first_step_s`` (see
-:class:`StepTimer`). Each checkpoint gets a record once its write completed: ``iter`` (the
-checkpoint's iteration), ``checkpoint`` (its directory), ``save_stall_s`` (the time the step
-loop was blocked) and ``save_write_s`` (writing and committing the files, in the background
-unless ``async_save`` is off); it is appended when the loop learns of it (at a later step
-boundary, the next save or the run's end), so it may follow train records of later
-iterations, and a killed run may lack the last one. On resume the file is cut back to the
-checkpoint's iteration (by each record's ``iter``), so it never holds two records of one kind
-for one step and the loss curve of a resumed run looks like that of an uninterrupted one.
+Each line of ``metrics.jsonl`` is a JSON object with ``iter`` (completed steps) and ``time``
+(unix seconds). Train records: ``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
+``step_time_s``, ``consumed_samples``, ``mfu`` (null when the peak is unknown), ``data_wait_s``,
+``data_wait_share``, :func:`memory_fields`, ``first_step_s`` in the first step's interval, and
+``train_loss_per_source`` with ``log_loss_per_source``. Evaluation records: ``val_loss`` and, for
+a blend of two or more sources, ``val_loss_per_source``. A resume writes ``resumed_from`` and
+``blend_changed``, a data schedule ``schedule_phase`` where each phase begins. A checkpoint record
+(``checkpoint``, ``save_stall_s``, ``save_write_s``) is appended once its write completed, so it
+may follow later train records and a killed run may lack the last one. On resume the file is cut
+back to the checkpoint's iteration, so a resumed run's curve reads as an uninterrupted one's.
 
-MFU uses :func:`tokenloom.train.model.flops.flops_per_token` against the device's dense
-bf16 peak from :data:`PEAK_BF16_FLOPS` (matched on the CUDA device name), times the
-number of devices; CPUs have no entry (MFU is null) unless ``peak_flops`` is given. An
-fp32 GPU run is still measured against the bf16 peak (the convention of nanoGPT and
-Megatron: MFU says how far the hardware's best number is).
+MFU is against the device's dense bf16 peak (:data:`PEAK_BF16_FLOPS`) times the device count,
+fp32 runs too (nanoGPT's and Megatron's convention); CPUs have none unless ``peak_flops`` is given.
 """
 
 from __future__ import annotations
@@ -70,30 +53,15 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_total: float | None) -> float | None:
-    """Model FLOPs utilisation, ``flops_per_token * tokens_per_s / peak_total``; None when the
-    peak of all devices together (``peak_total``) is unknown. The one MFU the loop logs and
-    the benches print."""
+    """Model FLOPs utilisation against all devices' ``peak_total``; None when unknown (the loop's and benches')."""
     return flops_per_token * tokens_per_s / peak_total if peak_total else None
 
 
 class StepTimer:
-    """Wall time of training steps: each log interval's mean step time and data wait, and the
-    run's tokens/s and data wait share.
-
-    The first step a process takes is timed on its own (``first_step_s``) and left out of
-    the interval means and of :attr:`tokens_per_s`: it carries one-off costs a run pays
-    once (torch.compile building its kernels, CUDA context and cuBLAS workspaces, the
-    allocator's first faults), which folded into the first interval made a compiled run
-    read slower per step than it is and skewed short runs' throughput. The cost of that
-    choice is one device synchronisation after the first step. Evaluation and checkpoint
-    time is taken out with :meth:`paused`. An interval holding only the first step (log
-    interval 1) reports the first step's time, so every train record has a step time.
-
-    The data wait is what the loop passes to :meth:`step`: the host time the step spent taking
-    its batches from the loader (host clocks only, no device sync). On a GPU the host runs
-    ahead of the device, so a wait the device's queue covers costs the step nothing: the
-    figure bounds the stall from above. Its share is of the same wall time as the step times.
-    """
+    """Wall time of training steps: each log interval's mean step time and data wait, the run's
+    tokens/s and data wait share. The first step is timed on its own (one device sync) and left out
+    of the means: it carries one-off costs (compilation, CUDA context). :meth:`paused` takes out
+    evaluation and saves. The data wait is host time, an upper bound of the stall on a GPU."""
 
     def __init__(self, tokens_per_step: int, device: torch.device) -> None:
         self.tokens_per_step = tokens_per_step
@@ -126,10 +94,7 @@ class StepTimer:
             self._wait += data_wait_s
 
     def interval(self) -> dict:
-        """The timing fields of a train record for the steps since the previous call:
-        ``tokens_per_s``, ``step_time_s`` (the mean), ``data_wait_s`` (summed over the interval's
-        steps) and ``data_wait_share`` (of their wall time), and ``first_step_s`` when the first
-        step fell in this interval. Restarts the interval."""
+        """The timing fields of a train record for the steps since the previous call; restarts the interval."""
         now = self._now()
         first, self._first_unreported = (self.first_step_s if self._first_unreported else None), False
         if self._steps == 0:
@@ -164,8 +129,7 @@ class StepTimer:
 
     @property
     def data_wait_share(self) -> float | None:
-        """The share of the wall time of every step but the first that :meth:`interval` has closed
-        spent waiting for data; None before."""
+        """Data wait's share of the wall time of the steps :attr:`tokens_per_s` counts; None before."""
         return self._total_wait / self._total_s if self._total_s > 0 else None
 
     def summary(self) -> dict:
@@ -177,11 +141,8 @@ GIB = float(1 << 30)
 
 
 def memory_fields(device: torch.device) -> dict:
-    """The memory fields of a train record: ``device_mem_peak_gib`` (the peak of memory allocated
-    by tensors on a CUDA ``device`` since the previous call, whose peak counter it resets; null
-    elsewhere), ``host_rss_gib`` (this process's resident memory now) and ``host_rss_peak_gib``
-    (its peak since it started: the kernel keeps no per-interval peak one can read without
-    resetting it for everything else in the process)."""
+    """``device_mem_peak_gib`` (CUDA's peak since the last call, reset; null elsewhere), ``host_rss_gib``
+    (now) and ``host_rss_peak_gib`` (the process's peak so far: no per-interval peak exists)."""
     peak = None
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / GIB
@@ -209,13 +170,9 @@ def missing_package(what: str, package: str, extra: str) -> str:
 
 
 class MetricsLogger:
-    """Appends records to a JSONL file (and to TensorBoard and W&B when asked for). Rank 0 only.
-
-    A logger whose package is missing is skipped with one line on stderr (:func:`missing_package`);
-    the JSONL file is the record of truth either way. W&B gets every numeric field against
-    ``iter`` as its step metric (checkpoint records arrive after later train records, which a
-    plain ``step=`` would drop); a field holding a mapping (losses per source) goes to both as
-    ``field/key`` scalars."""
+    """Appends records to a JSONL file (and TensorBoard, W&B: skipped with one line if missing). Rank 0
+    only. W&B steps on ``iter`` as a metric (``step=`` drops late checkpoint records); mappings go
+    out as ``field/key`` scalars."""
 
     def __init__(self, path: str | os.PathLike, *, resume_iteration: int | None = None,
                  tensorboard_dir: str | None = None, wandb_project: str | None = None,
@@ -279,8 +236,7 @@ class MetricsLogger:
 
 
 def _records(text: str) -> list[dict]:
-    """The records of a metrics file; a torn last line (a run killed or out of disk space while
-    appending it) is left out."""
+    """The records of a metrics file; a torn last line (a killed run, a full disk) is left out."""
     lines = [line for line in text.splitlines() if line.strip()]
     records = []
     for i, line in enumerate(lines):
@@ -317,14 +273,8 @@ def plot_loss(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> P
 
 
 def loss_figure(records: list[dict]):
-    """Two panels against iteration: train and validation loss above, the learning rate below.
-    Every logged point gets a marker, so a short run (one train record) still shows its loss.
-    Losses per source (``val_loss_per_source``, ``train_loss_per_source``) are drawn thinner,
-    one colour per source, dashed for validation and dotted for training.
-    Both panels carry a dotted vertical line where the run resumed and a dashed one where the
-    blend changed (records with ``resumed_from``), and a dash-dotted one where a data schedule
-    phase began (records with ``schedule_phase``), so a jump in the loss has its cause in view.
-    The caller closes the figure (``matplotlib.pyplot.close``)."""
+    """Losses above, learning rate below, against iteration, with vertical lines where the run resumed,
+    the blend changed or a schedule phase began; the caller closes the figure."""
     import matplotlib.pyplot as plt  # lazy: start-up time, matplotlib loads only when a plot is asked for
 
     fig, (ax, lr_ax) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True, height_ratios=(2, 1))

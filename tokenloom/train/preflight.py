@@ -1,17 +1,11 @@
 """Checks a train config can pass before any rank starts, each failing with one line that
 names the flag or file and what to type instead.
 
-The launching process runs :func:`check` (``cli.py train``, with or without
-``--nproc-per-node``), so a typo costs a second, not a torchrun start-up and one
-traceback per rank. Everything here reads only the config and small files (``.idx``
-headers, manifests, a checkpoint's ``state.json``; an object-store source's ``.idx`` and manifest are fetched
-into the node's cache here, once, before the ranks that read them start), except that a source without a manifest
-has its largest token id read once per file version (cached with the cache directory's
-source records, :mod:`tokenloom.blending.sources`) to compare with the model's vocabulary,
-so ids from another tokenizer fail here instead of in every rank's embedding; what needs the built indices (enough
-samples for ``train_iters``) is still found by the ranks. The ranks repeat the
-layout and batch checks (:mod:`tokenloom.train.strategy`), so a job started by
-``srun`` without this launcher fails the same way, once per rank.
+The launching process runs :func:`check`, so a typo costs a second, not a torchrun start-up and
+a traceback per rank. It reads only the config and small files (``.idx`` headers, manifests,
+``state.json``; remote ones fetched into the node's cache once), except a manifest-less source's
+largest token id (read once per file version, cached) so another tokenizer's ids fail here. What
+needs built indices is left to the ranks, which repeat the layout checks (for ``srun`` jobs).
 """
 
 from __future__ import annotations
@@ -72,8 +66,7 @@ def check_layout(cfg: TrainConfig, world_size: int) -> None:
 
 
 def check_model_split(cfg: TrainConfig) -> None:
-    """The model's heads, MLP and vocabulary split evenly over tp, its layers over pp and vpp
-    (:attr:`TrainConfig.pipeline_split`)."""
+    """The model's heads, MLP and vocabulary split evenly over tp, its layers over pp and vpp."""
     m, tp = cfg.model, cfg.tp
     problems = []
     if m.n_heads % tp or m.kv_heads % tp:
@@ -95,9 +88,7 @@ def check_model_split(cfg: TrainConfig) -> None:
 
 
 def check_sources(cfg: TrainConfig) -> None:
-    """Every prefix has its ``.bin``/``.idx``; no split that evaluation reads is empty; the
-    ``--tokenizer`` gives the ids every source's manifest was made with, and the ids of a source
-    without a manifest fit the model's vocabulary."""
+    """Files present, no evaluated split empty, ``--tokenizer`` matching manifests, ids within the vocabulary."""
     blend = cfg.data.blend
     if blend is None:  # mock data: no files (check calls this for blend data only)
         return
@@ -152,11 +143,9 @@ def check_max_ids(cfg: TrainConfig, prefixes: list[str]) -> None:
 
 
 def check_resume(cfg: TrainConfig) -> None:
-    """A checkpoint to resume has the same model, the same learning-rate schedule unless
-    ``override_opt_param_scheduler``, and the same data unless ``force_data``
-    (loader-only settings, ``num_workers`` and the cache directory, and the sources' display
-    ``names`` may change, and the blend's weights and sources and the data schedule when the
-    checkpoint keeps a data history: see ``blending/segments.py``)."""
+    """A checkpoint to resume has the same model, schedule (unless ``override_opt_param_scheduler``)
+    and data (unless ``force_data``; loader settings and names may change, and with a data history
+    the blend and schedule too: ``blending/segments.py``)."""
     if cfg.resume is None:  # nothing to resume (check calls this with one only)
         return
     path = checkpoint.resolve(cfg.resume, cfg.ckpt_dir)

@@ -1,14 +1,7 @@
-"""What a training process sets up around the model: its place in the job, seeds,
-autocast, host memory and garbage collection. Every layout uses the same pieces.
-
-* :func:`join_world`: join the launcher's process group (torchrun or Slurm variables,
-  :mod:`tokenloom.train.dist`) or run alone; the run's device is decided here once and
-  every tensor the trainer makes names it.
-* :func:`collective`: a peer that died or stalled surfaces as one-line
-  :class:`~tokenloom.errors.TokenloomError` at the next collective (after at most the
-  process group's timeout), not a backend traceback.
-* :class:`ManualGC`: automatic GC off, a young-generation collection every N steps on
-  every rank at the same step (torchtitan's ``gc_freq``, Megatron's ``--manual-gc``).
+"""What a training process sets up around the model, the same in every layout: its place in the
+job (:func:`join_world` decides the run's device once; every tensor the trainer makes names it),
+seeds, autocast, host memory and garbage collection. :func:`collective` turns a dead or stalled
+peer into a one-line :class:`~tokenloom.errors.TokenloomError`, not a backend traceback.
 """
 
 from __future__ import annotations
@@ -41,9 +34,7 @@ class World:
 
 
 def join_world(dist_timeout_s: float, backend: str | None = None) -> World:
-    """Join the launch described by the environment (torchrun / Slurm) over ``backend``
-    (:func:`~tokenloom.train.dist.resolve_backend`'s), or run alone on ``cuda:0`` when CUDA is
-    available, else the CPU."""
+    """Join the launch the environment describes over ``backend``, or run alone on ``cuda:0`` or the CPU."""
     resolve_backend(backend)  # its one-line refusals hold for one rank too
     if int(launch_env()["WORLD_SIZE"]) > 1 or dist.is_initialized():
         owns = not dist.is_initialized()
@@ -73,8 +64,7 @@ def seed_everything(seed: int) -> None:
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 when ``precision`` is ``bf16``, or ``auto`` on a GPU that supports it; fp32
-    otherwise (always on CPU under ``auto``)."""
+    """bf16 for ``bf16``, or ``auto`` on a GPU that supports it; fp32 otherwise."""
     bf16 = precision == "bf16" or (
         precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     )
@@ -82,15 +72,12 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_bf16_native() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX tiles), as oneDNN
-    does; without either, torch emulates bf16 matmuls through fp32 conversions, several times slower
-    than plain fp32. Read from torch's own CPU-capability probes (``torch.cpu``)."""
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16, AMX); else torch emulates it, slower than fp32."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def bf16_over_fp32_speed(size: int = 256, reps: int = 3) -> float:
-    """bf16 matmul throughput over fp32's on this CPU (a ``size`` cube, best of ``reps``): a few
-    milliseconds, measured only when the summary has to explain an emulated bf16 run."""
+    """bf16 matmul throughput over fp32's on this CPU (best of ``reps``), for explaining an emulated bf16 run."""
     def best(dtype: torch.dtype) -> float:
         a = torch.randn(size, size, dtype=dtype)
         times = []
@@ -110,9 +97,7 @@ def autocast_for(precision: str, device: torch.device) -> Callable[[], AbstractC
 
 
 def tune_host_memory(keep_freed: bool, device: torch.device, *, fully_sharded: bool = False) -> None:
-    """When the run computes on the CPU (on a GPU, host allocations are few and small):
-    :func:`~tokenloom.train.host_alloc.release_large_blocks` for a ``fully_sharded`` run,
-    else :func:`~tokenloom.train.host_alloc.keep_freed_memory` when asked."""
+    """On CPU only: release large blocks for a ``fully_sharded`` run, else keep freed memory when asked."""
     if device.type != "cpu":
         return
     if fully_sharded:
@@ -122,14 +107,8 @@ def tune_host_memory(keep_freed: bool, device: torch.device, *, fully_sharded: b
 
 
 class ManualGC:
-    """``with ManualGC(n) as g: ... g.step(iteration)``: Python's automatic garbage collection
-    off inside, a young-generation collection every ``n`` steps (n = 0: left automatic).
-
-    Automatic GC walks every tracked object whenever allocations pile up, and the data
-    pipeline allocates many small objects per step: a measurable part of a CPU training
-    step (see bench/RESULTS.md, notes). Collecting at fixed steps costs less and happens on every rank at the same step,
-    so no rank stalls the others at random (torchtitan's gc_freq, Megatron's --manual-gc).
-    """
+    """``with ManualGC(n) as g: ... g.step(iteration)``: automatic GC (costly, bench/RESULTS.md) off inside,
+    a young-generation collection every ``n`` steps (0: automatic), so no rank stalls others at random."""
 
     def __init__(self, interval: int) -> None:
         self.interval = interval

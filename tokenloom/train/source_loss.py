@@ -1,18 +1,10 @@
 """Losses per source of a blend: token-weighted sums kept on the device, read at log time.
 
-Every sample of a blend carries ``source``, the position of its source in the blend
-(:func:`tokenloom.blending.loader.source_of`). The last pipeline stage adds each
-micro-batch's masked per-token losses and kept-token counts into one ``[2, sources]``
-float64 tensor on the device with ``index_add_``: nothing is read on the host per step. The
-loop reduces that tensor over data-parallel ranks and reads it once per evaluation or log
-interval (:meth:`~tokenloom.train.strategy.Strategy.sums_for_log`), so the cost is one small
-collective there, and per micro-batch a few ops on ``[micro_batch]`` tensors.
-
-A source's loss is the sum of its tokens' losses over every rank and micro-batch divided by
-their count: the loss of that source's samples alone, whatever the mix they came in. The
-blended loss stays what it was (the mean of micro-batch means), so the sources' losses
-weighted by their token shares give it only when every micro-batch keeps as many tokens.
-A source with no kept token in the samples read has no loss (null).
+The last pipeline stage adds each micro-batch's masked token losses and counts by sample
+``source`` into one ``[2, sources]`` float64 device tensor; the loop reduces it over dp and reads
+it once per log or evaluation. A source's loss is its tokens' summed loss over their count (its
+samples alone, whatever the mix); the blended loss stays the mean of micro-batch means, so the two
+agree only when micro-batches keep equal token counts. A source with no kept token has null.
 """
 
 from __future__ import annotations
@@ -28,8 +20,7 @@ class SourceLosses:
         """Row 0: summed losses of kept tokens; row 1: kept tokens (exact in float64 below 2^53)."""
 
     def add(self, losses: torch.Tensor, loss_mask: torch.Tensor | None, source: torch.Tensor) -> None:
-        """Add one micro-batch: per-token ``losses`` [batch, seq], its ``loss_mask`` (None: every
-        token kept) and each sample's ``source`` [batch]; a negative source is not counted."""
+        """Add per-token ``losses`` [batch, seq] under ``loss_mask`` (None: all) by ``source`` [batch] (negative: skipped)."""
         losses = losses.detach().double()
         mask = torch.ones_like(losses) if loss_mask is None else loss_mask.to(losses.dtype)
         counted = (source >= 0).to(losses.dtype)

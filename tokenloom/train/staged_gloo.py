@@ -2,24 +2,14 @@
 ``--distributed-backend gloo`` builds when the ranks compute on CUDA (several ranks may then share
 one GPU: a layout debugged on a workstation).
 
-torch's ``ProcessGroupGloo`` runs a few collectives on CUDA tensors itself (all-reduce and
-broadcast: :data:`NATIVE_ON_CUDA`) and refuses or cannot run the others the trainer uses
-(reduce-scatter, the ``*_single`` all-gather, all-to-all, gather, point-to-point send/recv).
-The wrapper forwards every call to a plain gloo group; a call of any other kind whose tensors
-are on a GPU is staged: its inputs are copied into pinned host buffers, gloo runs on those, and
-the results are copied back into the caller's tensors when the call's work is waited on (the
-device-to-host copies are synchronous, at the call; an asynchronous call still overlaps gloo's
-transfer with the caller's work, and point-to-point sends and receives pair up as gloo's do).
-A staged call costs two copies through host memory and gloo's TCP transport: NCCL is the fast
-path, this one is for layouts on fewer GPUs than ranks. ``stage_all`` stages every call whatever
-the device (CPU tensors standing in for GPU ones): tests use it to run the staging path on a
-machine without CUDA, and ``TOKENLOOM_GLOO_STAGE_ALL=1`` turns it on for a whole run
-(:func:`register`).
-
-Why a Python process group and not torch's: torch has no gloo mode that stages through the
-host; ``torch.distributed`` calls a Python ``ProcessGroup`` subclass's methods directly (the
-route torch's own multi-threaded test group takes), so every ``dist.*`` call site of the trainer
-is covered without changing it.
+torch's ``ProcessGroupGloo`` runs only a few collectives on CUDA tensors (:data:`NATIVE_ON_CUDA`).
+Every call is forwarded to a plain gloo group; any other call with GPU tensors is staged: inputs
+copied into pinned host buffers at the call, gloo runs on those, results copied back when the work
+is waited on (an asynchronous call still overlaps gloo's transfer with the caller's work). Two host
+copies plus TCP: NCCL is the fast path, this is for layouts on fewer GPUs than ranks.
+``stage_all`` (``TOKENLOOM_GLOO_STAGE_ALL=1``) stages CPU tensors too, so tests run the path
+without CUDA. A Python ``ProcessGroup`` subclass because torch has no staging gloo mode, and
+``torch.distributed`` calls such a subclass directly: no trainer call site changes.
 """
 
 from __future__ import annotations
@@ -46,8 +36,7 @@ STAGE_ALL_ENV = "TOKENLOOM_GLOO_STAGE_ALL"
 
 
 STAGED: Counter[str] = Counter()
-"""Staged calls of this process by kind (``allgather``, ``send``, ...): what a run sent through
-host memory (the tests read it)."""
+"""Staged calls of this process by kind (the tests read it)."""
 
 
 def _flat(obj) -> list[torch.Tensor]:
@@ -57,9 +46,8 @@ def _flat(obj) -> list[torch.Tensor]:
 
 
 class StagedWork(dist.Work):
-    """A staged call's work: :meth:`wait` waits for gloo's, then copies the host results into
-    the caller's tensors (on the waiting thread, so on its current CUDA stream). It holds the
-    host buffers until then."""
+    """A staged call's work: :meth:`wait` waits for gloo's, then copies the host results back
+    (on the waiting thread's current CUDA stream); it holds the host buffers until then."""
 
     def __init__(self, work: dist.Work, copies: list[tuple[torch.Tensor, torch.Tensor]]):
         super().__init__()
@@ -82,11 +70,7 @@ class StagedWork(dist.Work):
 
 
 class StagedGloo(dist.ProcessGroup):
-    """A gloo process group that stages GPU tensors through pinned host memory (module docstring).
-
-    The methods are those ``torch.distributed`` calls on a group; each takes torch's option
-    objects unchanged and returns a :class:`torch.distributed.Work`.
-    """
+    """A gloo process group staging GPU tensors through pinned host memory (torch's group methods)."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, stage_all: bool = False):
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lists only the (store, rank, size) form
@@ -94,8 +78,7 @@ class StagedGloo(dist.ProcessGroup):
         self.stage_all = stage_all
         self._name, self._desc = "", ""
 
-    # torch keeps a group's name on its C++ backends, which a Python group has none of: kept here
-    # (FSDP and torch's group registry read it)
+    # a Python group has no C++ backend to keep its name: kept here for FSDP and torch's registry
     def _set_group_name(self, name: str) -> None:
         self._name = name
 
@@ -128,9 +111,7 @@ class StagedGloo(dist.ProcessGroup):
         return buf
 
     def _run(self, kind: str, ins, outs, call: Callable[..., dist.Work]) -> dist.Work:
-        """``call(*ins, *outs)`` on gloo, staged where :meth:`_staged` says: ``ins``/``outs`` are
-        the positional tensor arguments (tensors or nested lists of them) in gloo's order; an
-        in-place call (all-reduce, broadcast) passes its tensors as ``ins`` and no ``outs``."""
+        """``call(*ins, *outs)`` on gloo, staged where :meth:`_staged` says (an in-place call passes no ``outs``)."""
         flat_in, flat_out = _flat(ins), _flat(outs)
         if not self._staged(kind, flat_in, flat_out):
             return call(*ins, *outs)
@@ -149,7 +130,6 @@ class StagedGloo(dist.ProcessGroup):
         back = flat_out if outs else (flat_in if kind in INPLACE else [])
         return StagedWork(call(*h_in, *h_out), [(t, moved[id(t)]) for t in back])
 
-    # in-place collectives: the tensors are both input and output
     def allreduce(self, tensors, opts=None):
         return self._run("allreduce", [tensors], [], lambda ts: self._gloo.allreduce(ts, opts or dist.AllreduceOptions()))
 
@@ -194,11 +174,8 @@ class StagedGloo(dist.ProcessGroup):
 
 
 def blocks_compile_with(tp: int, cp: int, ep: int) -> bool:
-    """Whether torch.compile can capture the collectives inside the blocks of a (tp, cp, ep) layout
-    over the default group: not over :class:`StagedGloo` when any is > 1, as inductor turns those
-    calls into functional collectives that dispatch to the group's C++ backend, which a Python
-    group has none of (the blocks then run eager; dp, ZeRO, FSDP and pp keep their collectives
-    outside the compiled blocks)."""
+    """Whether torch.compile can capture the blocks' collectives of a (tp, cp, ep) layout: not over
+    :class:`StagedGloo` (inductor's functional collectives need a C++ backend); blocks then run eager."""
     return not (dist.is_initialized() and dist.get_backend() == BACKEND and max(tp, cp, ep) > 1)
 
 

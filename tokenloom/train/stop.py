@@ -1,14 +1,9 @@
 """Stopping a run the way clusters stop it: on SIGTERM or SIGINT every rank finishes the same
 step, saves a checkpoint and exits; a second signal stops the process at once (the kernel's default action).
 
-A signal may reach one rank (``kill`` of one pid), all of them (the launcher forwards it), or
-reach them a step apart, so no rank may act on its own flag: each step every rank adds its
-flag to an all-reduce (max), and all ranks act on the result of the same all-reduce. That
-all-reduce runs on the CPU over a gloo group of its own and asynchronously: it is started
-after step k and waited for after step k+1, by when it has long finished. The price of
-keeping it off the step (no device sync, no wait): the run stops at the end of the step
-after the one during which the signal arrived, one step later than a blocking check would.
-A single process reads its own flag after each step.
+A signal may reach one rank, all, or them a step apart, so ranks act only on a max all-reduce of
+their flags, on a gloo CPU group, started after step k and waited for after k+1: no device sync or
+wait, at the price of stopping one step later. A single process reads its own flag.
 """
 
 from __future__ import annotations
@@ -43,8 +38,7 @@ class StopOnSignal:
               "stop at once)", file=sys.stderr, flush=True)
 
     def agreed(self) -> int | None:
-        """The signal to stop on, the same on every rank at the same step (None: go on). Every
-        rank calls it once after every step."""
+        """The signal to stop on, the same on every rank at the same step (None: go on); call after every step."""
         if self._group is None:
             return self.signum
         result = self._wait()
@@ -61,8 +55,7 @@ class StopOnSignal:
         return int(flag.item()) or None
 
     def close(self, failed: bool = False) -> None:
-        """Restore the signal handlers; finish the all-reduce in flight (every rank started it)
-        unless the run ``failed``, when a peer may never join it."""
+        """Restore the signal handlers; finish the all-reduce in flight unless the run ``failed`` (a peer may be gone)."""
         if not failed:
             self._wait()
         for s, handler in self._previous.items():

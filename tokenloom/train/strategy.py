@@ -17,26 +17,20 @@ optimizer               fused AdamW, or ZeRO-1               the same two
 checkpoint I/O          every rank writes its pieces (:mod:`~tokenloom.train.checkpoint.format`)
 ======================  ===================================  =======================================
 
-``fsdp`` (:mod:`~tokenloom.train.parallel.fsdp`) replaces DDP or ZeRO-1 in any of these; the
-sequence-parallel and tied-embedding sums and the clipping norm then run on the local shards. At
+``fsdp`` replaces DDP or ZeRO-1 in any of these (sums and clipping norm then on local shards). At
 ``ep`` > 1 the experts' grads stay out of DDP's buckets and are summed over the expert-data-parallel
-group after them (:meth:`Strategy._reduce_expert_grads`; with ZeRO-1, buckets of their own). The
-checkpoint writer hands its files to :attr:`Strategy.saver` (:mod:`~tokenloom.train.checkpoint.async_save`).
+group after them (with ZeRO-1, in buckets of their own).
 
 Invariants:
 
-* ``compile`` (true, or "auto": on for CUDA, :func:`~tokenloom.train.kernels.choose_compile`, resolved
-  once into :attr:`Strategy.compile`) compiles every chunk's blocks (:meth:`GPT.compile_blocks`) in
-  every layout; a block's backward is one autograd node, so buckets are cut at block boundaries only
-  (``grad_units``) and still launch during backward.
-* Gradients are fp32 in every layout: parameters stay fp32 and bf16 is autocast
-  (:func:`~tokenloom.train.runtime.autocast_for`), so buckets reduce in fp32 (Megatron's
-  ``grad_reduce_in_fp32``), at twice bf16's traffic.
-* Every tensor it makes names the run's device and every collective gets device tensors
-  (NCCL needs that); a test runs every layout with the default device set to ``meta``.
-* No host sync per step: :meth:`Strategy.train_step` returns the mean micro-batch loss as a
-  device tensor, reduced over dp and sent from the last stage only when the loop logs
-  (:meth:`Strategy.loss_for_log`; per-source sums: :meth:`Strategy.sums_for_log`).
+* ``compile`` compiles every chunk's blocks in every layout; a block's backward is one autograd
+  node, so buckets are cut at block boundaries only (``grad_units``) and still launch in backward.
+* Gradients are fp32 in every layout (fp32 parameters, bf16 autocast), so buckets reduce in fp32
+  (Megatron's ``grad_reduce_in_fp32``) at twice bf16's traffic.
+* Every tensor it makes names the run's device and every collective gets device tensors (NCCL
+  needs that); a test runs every layout with the default device set to ``meta``.
+* No host sync per step: losses stay device tensors, reduced over dp and sent from the last stage
+  only when the loop logs (:meth:`Strategy.loss_for_log`, :meth:`Strategy.sums_for_log`).
 """
 
 from __future__ import annotations
@@ -108,16 +102,15 @@ def parallel_state(cfg: TrainConfig, world: World) -> ParallelState:
 
 
 def counts_in_grad_norm(param: nn.Parameter, tp_rank: int) -> bool:
-    """Megatron's rule: count a parameter once per model replica. Shards count on every
-    tp rank, replicated tensors on tp rank 0 only, the tied duplicate never."""
+    """Megatron's rule, once per model replica: shards on every tp rank, replicated tensors on tp
+    rank 0, the tied duplicate never."""
     if getattr(param, "shared", False):
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
 def is_expert(param: nn.Parameter) -> bool:
-    """Whether ``param`` is one rank's share of an expert-parallel layer's experts (tag
-    ``expert_parallel``, :meth:`~tokenloom.train.model.blocks.MoE.expert_parallel`)."""
+    """Whether ``param`` is one rank's share of an expert-parallel layer's experts."""
     return bool(getattr(param, "expert_parallel", False))
 
 
@@ -144,11 +137,8 @@ def refuse_unsupported(cfg: TrainConfig) -> None:
 
 
 class Strategy:
-    """One layout's model chunks, optimizer, step, gradient finalisation and checkpoint I/O.
-
-    Build it on every rank at the same time (it creates process groups and, under DDP,
-    broadcasts the initial parameters).
-    """
+    """One layout's model chunks, optimizer, step, gradient finalisation and checkpoint I/O; build it
+    on every rank at once (it creates process groups and broadcasts the initial parameters)."""
 
     def __init__(self, cfg: TrainConfig, world: World) -> None:
         self.cfg, self.world, self.device = cfg, world, world.device
@@ -178,14 +168,12 @@ class Strategy:
         self.fsdp_group = self._shard_fully() if cfg.fsdp else None
         self.zero_adamw = cfg.zero1 and cfg.optim.name == "adamw"
         """ZeRO-1 by :class:`ZeroAdamW` (Muon's zero1 shards by whole tensors in :class:`Muon`, over DDP)."""
-        """The group ``fsdp`` shards over (the dp group; None: not sharded, or one process without
-        ``torch.distributed``, where nothing is sharded and the run is the plain one)."""
         self.params = list({id(p): p for c in self.chunks for p in c.parameters() if p.requires_grad}.values())
         self.optimizer = self._build_optimizer()
         self.saver = CheckpointSaver(cfg.ckpt_dir, rank=world.rank, world_size=world.size,
                                      keep_last=cfg.keep_last_checkpoints, asynchronous=cfg.async_save,
                                      pin_memory=self.device.type == "cuda", timeout_s=cfg.dist_timeout_s)
-        """Checkpoint writes (:mod:`tokenloom.train.checkpoint.async_save`): the loop polls it, waits for it at the end."""
+        """Checkpoint writes: the loop polls it and waits for it at the end."""
         self.comm = None
         self.train_time = PipelineStats()  # this rank's schedule time over the train steps since bubble_for_log
         if cfg.pp > 1:
@@ -206,18 +194,14 @@ class Strategy:
     # ------------------------------------------------------------------ building
 
     def _seed_tp_dropout(self) -> RNGStatesTracker | None:
-        """At tp > 1, Megatron's seeding: the default generator gets ``seed + 100 * pp_rank``
-        (equal over tp, so dropout on replicated activations agrees) and the tracker's
-        tensor-parallel stream ``seed + 2718 + 100 * pp_rank + tp_rank`` (per-rank masks
-        inside tensor-parallel regions). None at tp = 1 (the default generator only)."""
+        """At tp > 1, Megatron's seeding: default generator equal over tp, tracker stream per tp rank; else None."""
         if self.cfg.tp == 1:
             return None
         tracker = get_rng_tracker(self.device)
         return model_parallel_manual_seed(self.cfg.seed + 100 * self.state.pp_rank, self.state.tp_rank, tracker)
 
     def _build_chunks(self) -> list[GPT]:
-        """This rank's model chunk(s), built on ``meta`` and materialised shard by shard on
-        the device with the one-process initial values (:meth:`GPT.init_weights`)."""
+        """This rank's model chunk(s), built on ``meta`` and materialised with the one-process initial values."""
         cfg, st = self.cfg, self.state
         tp = TensorParallel(st.tp_group if cfg.tp > 1 else None, cfg.sp)
         split = cfg.pipeline_split
@@ -234,8 +218,7 @@ class Strategy:
         return chunks
 
     def _convert_to_fp8(self) -> None:
-        """``fp8``: the chunks' block linears become torchao's float8 linears (:mod:`tokenloom.train.model.fp8`),
-        before anything compiles them or holds their modules; refused in one line where it cannot run."""
+        """``fp8``: the block linears become float8 linears before anything compiles or holds them."""
         recipe = self.cfg.fp8
         assert recipe is not None  # called only for an fp8 run
         ops = self.chunks[0].ops
@@ -246,10 +229,8 @@ class Strategy:
         fp8.convert(self.chunks, recipe)
 
     def _shard_fully(self) -> dist.ProcessGroup | None:
-        """``fsdp``: compile the blocks (``compile``), then shard every chunk's blocks and the chunk
-        over the dp group, dp x cp with context parallelism (its ranks hold the same parameters;
-        :func:`~tokenloom.train.parallel.fsdp.shard_fully`). One process with
-        ``torch.distributed`` shards over its one rank; without it nothing is sharded (None)."""
+        """``fsdp``: compile the blocks, then shard every chunk over the dp (x cp) group; returns the
+        group, None (nothing sharded) for one process without ``torch.distributed``."""
         group = self.state.dp_cp_group
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
@@ -263,15 +244,8 @@ class Strategy:
         return group
 
     def _wrap_ddp(self) -> list[DistributedDataParallel]:
-        """One bucketed DDP per model chunk over this rank's dp group (its ranks hold the same
-        shard of the same chunk). Each chunk's buckets launch from its gradient hooks in its
-        own last micro-batch backward (the schedules' per-chunk ``no_sync``). At tp = pp = 1
-        a synced backward returns with the dp-averaged grads (torch's way). In tp/pp layouts
-        they are waited for after the schedule (:meth:`_finish_grads_and_step`), so a stage
-        sends its last input grad on without waiting for its reduction, and buffers (the
-        RoPE tables, computed alike on every rank from the config) are not re-broadcast
-        before each synced forward, which runs mid-pipeline, where a blocking collective
-        would stall the schedule."""
+        """One bucketed DDP per chunk over the dp group, launched in its last micro-batch backward; in tp/pp
+        layouts waited for after the schedule, buffers not re-broadcast (mid-pipeline collectives stall it)."""
         return [collective("DDP setup", DistributedDataParallel, chunk, process_group=self.state.dp_cp_group,
                            params_and_buffers_to_ignore=[n for n, p in chunk.named_parameters() if is_expert(p)],
                            bucket_cap_mb=self.cfg.ddp_bucket_cap_mb, broadcast_buffers=not self.staged,
@@ -279,8 +253,7 @@ class Strategy:
                 for chunk in self.chunks]
 
     def _compiled_units(self, chunk: GPT) -> list[nn.Module]:
-        """The modules of ``chunk`` compiled in place (``compile: true``: its blocks), whose
-        grads arrive together: no DDP or ZeRO-1 bucket ends inside one."""
+        """The modules of ``chunk`` compiled in place, whose grads arrive together (no bucket ends inside one)."""
         return list(chunk.blocks.values()) if self.compile else []
 
     def _build_optimizer(self):
@@ -295,13 +268,9 @@ class Strategy:
         if not cfg.zero1:
             return build_optimizer(self.chunks, o)
         groups = param_groups(self.chunks, o.weight_decay)
-        # one group per parameter keeps ZeRO's flat buffer in self.params order (the layout its
-        # checkpoints are saved in) while each parameter keeps its group's decay
+        # one group per parameter keeps ZeRO's flat buffer (its checkpoint layout) in self.params order
         decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
-        # every layout: buckets (DDP's size), reduce-scattered during the last micro-batch's backward
-        # of each chunk and all-gathered during the next forward unless the overlaps are off; the
-        # sequence-parallel and tied-embedding sums run on the reduced shard after (pp > 1: the
-        # tied copies in a bucket of their own, cut alike on the first and last stage)
+        # pp > 1: the tied embedding copies in a bucket of their own, cut alike on first and last stage
         cap = DEFAULT_BUCKET_CAP_MB if cfg.ddp_bucket_cap_mb is None else cfg.ddp_bucket_cap_mb
         return ZeroAdamW([{"params": [p], "weight_decay": decay[id(p)]} for p in self.params], st.dp_cp_group,
                          lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, max_grad_norm=o.grad_clip,
@@ -324,8 +293,7 @@ class Strategy:
 
     @property
     def has_data(self) -> bool:
-        """Whether this rank reads batches: first and last pipeline stages, and every stage under
-        document-isolated attention (each block needs the boundaries); other middle stages get None."""
+        """Whether this rank reads batches: first and last stages, every stage under document masking."""
         st = self.state
         return (st.is_first_stage(ignore_virtual=True) or st.is_last_stage(ignore_virtual=True)
                 or bool(self.cfg.data.inter_document_masking))
@@ -336,11 +304,8 @@ class Strategy:
 
     def global_batches(self, dataset, *, eod: int | None, consumed: int, total: int,
                        workers: int = 0, sources: bool = False) -> Iterator[list]:
-        """This rank's micro-batches of each global batch, on the device (None where unread);
-        ``sources``: each carries ``source``, its samples' positions in the blend.
-
-        Batches are assembled on the host (``torch.device("cpu")`` named explicitly, so the
-        loader's own tensors never follow a process-wide default device) and then copied."""
+        """This rank's micro-batches of each global batch on the device (None where unread); ``sources``:
+        each carries ``source``. Assembled under an explicit CPU device, ignoring a default device."""
         if not self.has_data:
             while True:
                 yield [None] * self.num_micro
@@ -363,11 +328,7 @@ class Strategy:
     # ------------------------------------------------------------------ steps
 
     def _forward_step(self, module: nn.Module, hidden: torch.Tensor | None, batch: Any, last: bool) -> torch.Tensor:
-        """One chunk on one micro-batch: the first stage reads the tokens (``hidden`` is None
-        there), the last returns the loss, the others their activation. With a per-source
-        accumulator set (:meth:`_run`), the last stage takes per-token losses, adds them to it
-        by the batch's ``source`` and returns their masked mean."""
-        # document-isolated attention: every chunk needs the boundaries, the first the positions
+        """One chunk on one micro-batch: the loss from the last stage (per-source sums added), else its activation."""
         docs = {}
         if batch is not None and "cu_seqlens" in batch:  # a middle stage without masking reads no batch
             docs = {"documents": batch["cu_seqlens"], "positions": batch["position_ids"]}
@@ -394,16 +355,14 @@ class Strategy:
         return masked_mean(out.reshape(-1), batch["loss_mask"]) * scale
 
     def _local_tokens(self, batch: dict) -> dict:
-        """A micro-batch cut to this context-parallel rank's tokens (the per-token tensors;
-        ``cu_seqlens`` and the per-sample ``source`` stay whole)."""
+        """A micro-batch's per-token tensors cut to this context-parallel rank's tokens."""
         cp, rank = self.cfg.cp, self.state.cp_rank
         return {k: take_local(v, cp, rank) if k in ("tokens", "labels", "loss_mask", "position_ids") and v is not None
                 else v for k, v in batch.items()}
 
     def _run(self, modules: Sequence[nn.Module], batches: list, forward_only: bool,
              no_sync: NoSync | list[NoSync] | None = None, per_source: SourceLosses | None = None) -> torch.Tensor:
-        """Run one global batch; the sum of its micro-batch losses (zero off the last stage).
-        ``per_source``: the last stage also adds its tokens' losses there (batches with ``source``)."""
+        """Run one global batch; the sum of its micro-batch losses (zero off the last stage)."""
         model = modules if self.num_chunks > 1 else modules[0]
         self._per_source = per_source
         try:
@@ -419,9 +378,7 @@ class Strategy:
         return total
 
     def train_step(self, batches: list, per_source: SourceLosses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over this rank's micro-batches; (mean micro-batch loss, grad
-        norm before clipping), device tensors; the loss is zero on ranks without one.
-        ``per_source``: the last stage adds each source's token losses there (no host sync)."""
+        """One optimizer step: (mean micro-batch loss or zero, grad norm before clipping), device tensors."""
         self.optimizer.zero_grad()  # set_to_none: DDP and ZeRO-1 copy each first grad into their buffers
         if self.ddps:
             total = self._run(self.ddps, batches, False, no_sync=[ddp.no_sync for ddp in self.ddps],
@@ -435,10 +392,8 @@ class Strategy:
         return total / self.num_micro, norm
 
     def _finish_grads_and_step(self) -> torch.Tensor:
-        """After the schedule: the dp averages (DDP's or ZeRO-1's buckets, launched during it,
-        waited for here), the sequence-parallel and tied-embedding sums (ZeRO-1: on its reduced
-        shard), the expert-parallel experts' reduction (:meth:`_reduce_expert_grads`), then clipping and the optimizer step (ZeRO-1 clips in its step). The sums are
-        linear, so running them after the dp average changes only rounding."""
+        """After the schedule: the dp averages, then the sp, tied-embedding and expert sums (linear: after
+        the average only rounding changes), clipping and the step."""
         cfg, st = self.cfg, self.state
         if self.fsdp_group is not None:
             return self._finish_sharded_grads_and_step()
@@ -461,21 +416,17 @@ class Strategy:
         counted = [p.grad for p in self.params if p.grad is not None and self._counts_in_norm(p) and not is_expert(p)]
         groups = [st.model_parallel_group] if self.staged else []
         norm = global_grad_norm(counted, groups, device=self.device)
-        if cfg.ep > 1:  # each ep rank holds other experts: their squares summed over the ep group, then
-            # over the stages (replicated over tp: every tp rank holds the same sums); on every rank,
-            # with or without experts on its stage, as the collectives need
+        if cfg.ep > 1:  # expert squares summed over ep, then the stages, on every rank (collectives)
             groups = [st.ep_group] + ([st.pp_group] if cfg.pp > 1 else [])
             expert_norm = global_grad_norm(experts, groups, device=self.device)
             norm = (norm.double().square() + expert_norm.double().square()).sqrt().float()
         return self._clipped_step(grads, norm)
 
     def _clipped_step(self, grads: list[torch.Tensor], norm: torch.Tensor) -> torch.Tensor:
-        """Clip ``grads`` (what the optimizer steps: whole tensors or local shards) to the global
-        ``norm``, wait for a save's copy, step; returns ``norm``."""
+        """Clip ``grads`` to the global ``norm``, wait for a save's copy, step; returns ``norm``."""
         coefficient = clip_coefficient(norm, self.cfg.optim.grad_clip)
         if self.optimizer.defaults.get("fused"):
-            # torch's fused AdamW divides each grad by ``grad_scale`` inside its kernel (and stores
-            # the result back): clipping costs no pass of its own over every gradient
+            # fused AdamW divides by grad_scale in its kernel: clipping costs no pass of its own
             self.optimizer.grad_scale = coefficient.reciprocal()
         else:
             torch._foreach_mul_(grads, coefficient)
@@ -484,11 +435,8 @@ class Strategy:
         return norm
 
     def _reduce_expert_grads(self) -> list[torch.Tensor]:
-        """At ep > 1, the expert parameters' grads (kept out of DDP's buckets) made the one-process
-        gradient, and returned (empty at ep 1). After the all-to-all's backward an ep rank holds,
-        for its experts, the sum of its ep peers' contributions; the one-process gradient is
-        ``1 / dp`` times the sum over every dp rank's, so sum over the expert-data-parallel group
-        (the dp ranks holding the same experts) and divide by dp."""
+        """The expert grads (outside DDP's buckets) made the one-process gradient and returned: each
+        holds its ep peers' sum after the all-to-all, so sum over the expert-dp group, divide by dp."""
         grads = [p.grad for p in self.params if is_expert(p) and p.grad is not None]
         if grads:
             all_reduce_in_place(grads, self.state.expert_dp_group)
@@ -496,10 +444,8 @@ class Strategy:
         return grads
 
     def _finish_sharded_grads_and_step(self) -> torch.Tensor:
-        """``fsdp``: the grads are dp-averaged shards already (reduce-scattered in backward); the
-        sequence-parallel and tied-embedding sums run on the local shards (cut alike on the tp
-        ranks and on the first and last stage), the norm sums the shards' squares over dp and
-        the model-parallel group, then the clipped step (fused AdamW: clipping in its kernel)."""
+        """``fsdp``: the grads are dp-averaged shards already; the sp and tied-embedding sums run on
+        the local shards (cut alike), the norm over dp and the model-parallel group, then the step."""
         cfg, st = self.cfg, self.state
         if cfg.sp:
             all_reduce_in_place([fsdp.local(p.grad) for p in self.params
@@ -519,8 +465,7 @@ class Strategy:
 
     @torch.no_grad()
     def eval_loss_sum(self, batches: list, per_source: SourceLosses | None = None) -> torch.Tensor:
-        """Sum of the micro-batch losses of one global batch, forward only (eval mode);
-        ``per_source``: the last stage adds each source's token losses there."""
+        """Sum of the micro-batch losses of one global batch, forward only (eval mode)."""
         modules = self.chunks
         for m in modules:
             m.eval()
@@ -531,15 +476,11 @@ class Strategy:
                 m.train()
 
     def loss_for_log(self, value: torch.Tensor, what: str) -> float:
-        """The data-parallel mean of a last-stage loss, on every rank (collective); with
-        context parallelism the mean over the dp x cp ranks, whose losses are scaled so
-        (:mod:`tokenloom.train.parallel.context`)."""
+        """The dp (x cp) mean of a last-stage loss, on every rank (collective)."""
         return float(self._to_every_rank(value, what, mean=True))
 
     def sums_for_log(self, value: torch.Tensor, what: str) -> torch.Tensor:
-        """The data-parallel sum of a last-stage tensor (e.g. :class:`SourceLosses` sums), on
-        every rank's host (collective; same shape on every rank); over dp x cp ranks with
-        context parallelism (each sums its own tokens)."""
+        """The dp (x cp) sum of a last-stage tensor, on every rank's host (collective, same shape everywhere)."""
         return self._to_every_rank(value, what, mean=False).cpu()
 
     def _to_every_rank(self, value: torch.Tensor, what: str, mean: bool) -> torch.Tensor:
@@ -554,10 +495,7 @@ class Strategy:
         return value
 
     def moe_for_log(self) -> dict:
-        """The mixture-of-experts metrics of the train steps since the last call
-        (:func:`~tokenloom.train.model.moe.log_fields`: tokens per expert, balance, losses), on every rank;
-        empty for a dense model. Collective over the world (one all-reduce of a small table) when the
-        model has experts, so the loop asks once per log interval."""
+        """The MoE metrics since the last call, on every rank (empty when dense); collective over the world."""
         model = self.cfg.model
         if model.num_experts is None:
             return {}
@@ -571,12 +509,8 @@ class Strategy:
         return moe.log_fields(table, layers)
 
     def bubble_for_log(self) -> float | None:
-        """The pipeline-wide bubble of the train steps since the last call, on every rank
-        (collective over the pipeline group; None at pp = 1): ``1 - sum(compute) / (pp x
-        max(total))`` of the schedules' summed times
-        (:func:`~tokenloom.train.parallel.schedules.pipeline_bubble_fraction`), against
-        ``(p - 1) / (v M + p - 1)`` for equal stages. Two tiny all-reduces per call, so the loop
-        asks once per log interval, not per step."""
+        """The pipeline-wide bubble of the train steps since the last call, on every rank (None at
+        pp = 1); collective over the pipeline group, so asked once per log interval."""
         stats, self.train_time = self.train_time, PipelineStats()
         if self.cfg.pp == 1:
             return None
@@ -585,19 +519,15 @@ class Strategy:
     # ------------------------------------------------------------------ checkpoints
 
     def finish_param_sync(self) -> None:
-        """Wait for ZeRO-1's parameter all-gathers still running from the last step
-        (``overlap_param_gather``; a forward waits for them by itself), or free FSDP's gathered
-        parameters (each module holds its shards again): before the parameters are read or
-        written outside a training or eval forward. A no-op for other layouts."""
+        """Wait for ZeRO-1's pending parameter all-gathers, or reshard FSDP's gathered parameters:
+        before parameters are read or written outside a forward. A no-op for other layouts."""
         if self.zero_adamw:
             self.optimizer.finish_param_sync()
         if self.fsdp_group is not None:  # the chunks' own parameters stay gathered after a forward
             fsdp.reshard(self.chunks)
 
     def save(self, iteration: int, state: dict, local: Path | None = None) -> Path:
-        """Collective: save the checkpoint of ``iteration`` (``state``: JSON-able run state) through
-        :attr:`saver`: in the background unless ``async_save`` is off (then complete on return).
-        Waits for the previous save's write first and raises its failure."""
+        """Collective: save ``iteration``'s checkpoint through :attr:`saver`, after the previous write (raising its failure)."""
         self.finish_param_sync()
         if not isinstance(self.optimizer, Muon):
             return reshard.save(self, iteration, state, self.saver, local)
@@ -608,8 +538,7 @@ class Strategy:
             self.optimizer.drop_unowned_state()
 
     def load(self, path: Path, saved: dict) -> None:
-        """Load the checkpoint at ``path`` (its ``state.json`` is ``saved``) into this rank: any
-        layout's, in any format, an earlier tokenloom's included (:mod:`tokenloom.train.checkpoint.reshard`)."""
+        """Load the checkpoint at ``path`` (``saved``: its state.json), of any layout or format, into this rank."""
         self.finish_param_sync()  # a gather still in flight would overwrite the loaded parameters
         reshard.load(self, path, saved)
         if isinstance(self.optimizer, Muon):  # zero1: every parameter's state was loaded; keep the owned
@@ -618,15 +547,13 @@ class Strategy:
     # ------------------------------------------------------------------ model facts
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (AdamW moments and steps; ZeRO-1: its
-        shard of them, :meth:`ZeroAdamW.state_bytes`); zero before the first step."""
+        """Bytes of optimizer state on this rank (ZeRO-1: its shard); zero before the first step."""
         if self.zero_adamw:
             return self.optimizer.state_bytes()
         return sum(fsdp.local(t).numel() * t.element_size() for state in self.optimizer.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor))
 
     def model_size(self) -> tuple[int, int]:
-        """(parameters, training FLOPs per token) of the whole model, counted on a ``meta``
-        copy (no memory)."""
+        """(parameters, training FLOPs per token) of the whole model, counted on a ``meta`` copy."""
         model = GPT(self.cfg.model, device="meta")
         return model.num_params(), flops_per_token(model)

@@ -1,11 +1,9 @@
 """The start-up summary rank 0 prints before the first step, and the warnings for defaults
 a user is likely to regret.
 
-It says what the run will do in the terms a Megatron user checks first: the model's
-shape and size, the layout over the world, the data plan (the one ``build`` prints),
-the batch arithmetic, the learning-rate schedule, what evaluation costs and where the
-outputs go. Printing costs nothing measurable; the facts come from the config and the
-built datasets, not from a second pass over the data.
+It says what a Megatron user checks first: model shape and size, layout, data plan, batch
+arithmetic, schedule, evaluation cost and outputs, from the config and the built datasets (no
+second pass over the data).
 """
 
 from __future__ import annotations
@@ -137,9 +135,7 @@ STYLES = {"gpt2": "GPT-2", "llama": "Llama"}
 
 
 def features(m: GPTConfig) -> str:
-    """The model's features in words, led by the style they make (``GPT-2-style``, ``Llama-style``
-    when they are a preset's, whatever ``arch`` says; else ``custom``): norm, MLP kind and width,
-    positions (and RoPE base), biases, tied or untied embeddings."""
+    """The model's features in words, led by the preset style they match (whatever ``arch`` says) or ``custom``."""
     style = next((f"{STYLES[name]}-style" for name, preset in ARCH_FEATURES.items()
                   if all(getattr(m, k) == v for k, v in preset.items())), f"custom ({m.arch} preset changed)")
     norm = "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"
@@ -156,8 +152,7 @@ def features(m: GPTConfig) -> str:
 
 
 def choices(cfg: TrainConfig, device_type: str) -> str:
-    """What the run chose for speed on ``device_type`` and why: the kernel set the model is
-    built with and whether its blocks are compiled (the same resolution the strategy makes)."""
+    """The kernel set and block compilation the run chooses on ``device_type``, and why (as the strategy resolves them)."""
     compile_on, why_compile = choose_compile(cfg.compile, device_type, staged_gloo.blocks_compile_with(cfg.tp, cfg.cp,
                                                                                                       cfg.ep))
     mode = cfg.model.kernels
@@ -198,8 +193,7 @@ DATA_WAIT_WARN = 0.05
 
 
 def data_wait_warning(share: float | None, num_workers: int) -> str | None:
-    """The end-of-run warning when the steps waited for data more than :data:`DATA_WAIT_WARN` of
-    the time (``share``, :attr:`~tokenloom.train.metrics.StepTimer.data_wait_share`), else None."""
+    """The end-of-run warning when the data wait ``share`` exceeds :data:`DATA_WAIT_WARN`, else None."""
     if share is None or share <= DATA_WAIT_WARN:
         return None
     return (f"the steps waited for data {share:.1%} of the training time (data_wait_share in metrics.jsonl); "
