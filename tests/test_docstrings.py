@@ -109,3 +109,54 @@ def test_a_planted_long_module_docstring_fails(tmp_path):
     assert long_module_docstrings([planted]) == [f"{planted}: 42 lines"]
     planted.write_text('"""' + "line\n" * 39 + '"""\nx = 1\n')
     assert long_module_docstrings([planted]) == []
+
+
+MAX_PROSE_SHARE = 0.20
+"""The largest share of ``tokenloom/``'s non-blank lines that may be prose."""
+
+
+def prose_lines(source: str) -> tuple[int, int]:
+    """(non-blank lines, prose lines) of a module's source. Prose: every line of a docstring (of
+    the module, a class or a function, and the attribute docstrings that follow an assignment)
+    and every line that holds only a comment. Trailing comments after code count as code."""
+    lines = source.splitlines()
+    nonblank = {i for i, line in enumerate(lines, 1) if line.strip()}
+    prose: set[int] = set()
+
+    def is_string(node: ast.stmt) -> bool:
+        return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list) or not body:
+            continue
+        docs = [body[0]] if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) else []
+        docs += [cur for prev, cur in zip(body, body[1:], strict=False) if isinstance(prev, (ast.Assign, ast.AnnAssign))]
+        for doc in filter(is_string, docs):
+            prose.update(range(doc.lineno, (doc.end_lineno or doc.lineno) + 1))
+    prose.update(i for i in nonblank if lines[i - 1].lstrip().startswith("#"))
+    return len(nonblank), len(prose & nonblank)
+
+
+def prose_share(paths: list[Path]) -> float:
+    counts = [prose_lines(path.read_text(encoding="utf-8")) for path in paths]
+    return sum(p for _, p in counts) / max(1, sum(n for n, _ in counts))
+
+
+def test_prose_is_at_most_a_fifth_of_the_package():
+    paths = sorted(PACKAGE.rglob("*.py"))
+    share = prose_share(paths)
+    worst = sorted(((p / n, path) for path in paths for n, p in [prose_lines(path.read_text(encoding="utf-8"))]
+                    if n >= 100), reverse=True)[:5]
+    assert share <= MAX_PROSE_SHARE, (f"prose is {share:.1%} of tokenloom/'s non-blank lines (at most "
+                                      f"{MAX_PROSE_SHARE:.0%}); the most prose-heavy modules: "
+                                      + ", ".join(f"{path.relative_to(PACKAGE)} {r:.0%}" for r, path in worst))
+
+
+def test_the_prose_count_sees_docstrings_and_comments(tmp_path):
+    source = ('"""Module\ndoc."""\n\nimport os  # trailing: code\n\n# a comment\nX = 1\n"""X\'s doc."""\n\n\n'
+              'def f():\n    """One."""\n    return os.sep\n')
+    assert prose_lines(source) == (9, 5)
+    planted = tmp_path / "planted.py"
+    planted.write_text(source)
+    assert prose_share([planted]) == 5 / 9 > MAX_PROSE_SHARE
