@@ -21,10 +21,16 @@ import os
 import time
 from pathlib import Path
 
-import pytest
-import tl_testing
-import torch
-from tl_testing import TIMEOUT_SCALE, shared_data_dir
+# One thread per process, for the pytest workers and every process a test starts (cli.py runs,
+# torchrun's ranks, which torchrun already gives one): CI runs two xdist workers on two cores, and
+# torch's default of a thread per core then oversubscribes them, where the tiny models' small ops
+# wait on each other's threads (a one-process cli.py run took twice as long). Set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import tl_testing  # noqa: E402
+import torch  # noqa: E402
+from tl_testing import TIMEOUT_SCALE, shared_data_dir  # noqa: E402
 
 # Triton reads TRITON_INTERPRET when its @jit functions are decorated, including its own
 # standard library (tl.sum, ...) at import; any test module may import Triton first (torch
