@@ -592,7 +592,7 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
               help="Start torchrun with N processes on this node; without it, run in-process (e.g. under "
               "torchrun/Slurm).")
-@click.option("--nnodes", default="1", show_default=True, help=_help(_NODES, "nnodes"))
+@click.option("--nnodes", default="1", show_default=True, metavar="N|MIN:MAX", help=_help(_NODES, "nnodes"))
 @click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
               help=_help(_NODES, "node_rank"))
 @click.option("--master-addr", "--master_addr", "master_addr", help=_help(_NODES, "master_addr"))

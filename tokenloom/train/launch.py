@@ -27,7 +27,9 @@ finish the same step, save and stop (:mod:`tokenloom.train.stop`); rank 0's line
 checkpoint and the resume command reaches the terminal through the relay, and this process
 exits with ``128 + signal``. torchrun runs in a session of its own (a terminal's Ctrl-C
 reaches this process only) and dies with it (``PR_SET_PDEATHSIG``), as do the ranks with
-torchrun; a second signal kills the job at once.
+torchrun; a second signal kills the job at once. In an elastic launch (``--nnodes MIN:MAX``) both
+deaths are SIGKILL: a node whose launcher or torchrun is gone leaves the job without a stop the
+other nodes would agree to, and they go on at the world left (:func:`check_elastic`, docs/faults.md).
 
 Which rank failed first is decided from what this process sees while it polls the
 ranks every :data:`POLL_S`: the time a rank's log shows an error, or its process vanished without
@@ -258,6 +260,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     node's ranks up to that many times and they resume from the newest complete checkpoint; this
     process writes a restart record per restart (:mod:`tokenloom.train.faults`) and ends the job
     with one line instead when a restart would repeat the failure (:func:`faults.deterministic`).
+    With ``nodes.elastic`` (``--nnodes MIN:MAX``) a lost node is such a failure for the others, whose
+    restart forms the next world from the nodes left (:func:`check_elastic` first).
     """
     from tokenloom.train import preflight  # lazy: start-up time (in-process runs only)
 
