@@ -253,7 +253,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # two launchers of 2 ranks, one lost, the rest restarted (~145 s here with the reference), 10x
+@pytest.mark.timeout(1500)  # two launchers of 2 ranks, one lost, the rest restarted (75-145 s here with the reference), 10x
 def test_a_lost_node_leaves_the_rest_training_the_uninterrupted_runs_samples_at_a_smaller_world(reference, tmp_path):
     """Two "nodes" (launchers of 2 ranks, ``--nnodes 1:2``, one c10d rendezvous on 127.0.0.1, hosted by the
     node that stays); the other's launcher is killed after the first checkpoint. The node left goes on at
