@@ -578,23 +578,24 @@ def _config_key_problems(config: str | None, sets: list[str]) -> list[str]:
 @click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", type=int,
               help="Start torchrun with N processes on this node; without it, run in-process (e.g. under "
               "torchrun/Slurm).")
-@click.option("--nnodes", type=int, default=1, show_default=True, help=_help(_NODES, "nnodes"))
+@click.option("--nnodes", default="1", show_default=True, metavar="N|MIN:MAX", help=_help(_NODES, "nnodes"))
 @click.option("--node-rank", "--node_rank", "node_rank", type=int, default=0, show_default=True,
               help=_help(_NODES, "node_rank"))
 @click.option("--master-addr", "--master_addr", "master_addr", help=_help(_NODES, "master_addr"))
 @click.option("--master-port", "--master_port", "master_port", type=int, help=_help(_NODES, "master_port"))
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", help=_help(_NODES, "rdzv_endpoint"))
 @click.option("--rdzv-id", "--rdzv_id", "rdzv_id", help=_help(_NODES, "rdzv_id"))
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", help=_help(_NODES, "rdzv_conf"))
 @click.option("--max-restarts", "--max_restarts", "max_restarts", type=int, default=0, show_default=True,
               help="With --nproc-per-node: torchrun restarts the ranks this many times after a failure (a kill, an "
               "error, a collective timeout, a hang); they resume from the newest complete checkpoint, each restart "
-              "is recorded in metrics.jsonl and the summary, and a failure a restart would repeat stops the job "
-              "(docs/faults.md).")
+              "is recorded in metrics.jsonl and the summary, and a failure a restart would repeat stops the job; "
+              "with --nnodes MIN:MAX a lost node costs one restart of the nodes left (docs/faults.md).")
 @click.option("--verbose", is_flag=True, help="With --nproc-per-node: stream every rank's and torchrun's output "
               "unchanged instead of rank 0's on the terminal and the rest in OUTPUT_DIR/logs/.")
 @_megatron_refused
 def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
-          max_restarts, verbose, vocab_file, merge_file, tokenizer_type, layers_per_virtual_stage,
+          rdzv_conf, max_restarts, verbose, vocab_file, merge_file, tokenizer_type, layers_per_virtual_stage,
           max_position_embeddings, **flags):
     """Train a GPT (DDP over every rank of the launch) on a blend or mock data; rank 0 prints
     the run's summary (JSON: iteration, losses, checkpoint, tokens/s, first step, saves) last.
@@ -608,6 +609,7 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
         flag_overrides,
         launch,
         megatron_swiglu_width,
+        parse_nnodes,
         stdout_outlives_its_reader,
     )
 
@@ -637,12 +639,16 @@ def train(config, overrides, nproc_per_node, nnodes, node_rank, master_addr, mas
                                    f"{cfg.model.n_layers} layers must be a multiple (> 1) of --pp {cfg.pp} x "
                                    f"{layers_per_virtual_stage}")
         cfg = dataclasses.replace(cfg, vpp=cfg.model.n_layers // stages)
-    nodes = Nodes(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                  rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    min_nodes, max_nodes = parse_nnodes(nnodes)
+    nodes = Nodes(nnodes=max_nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                  rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, rdzv_conf=rdzv_conf, min_nodes=min_nodes)
+    if nodes.elastic and verbose:
+        raise click.UsageError(f"--verbose with --nnodes {nnodes}: an elastic job's ranks run through the launcher's "
+                               "log directory (OUTPUT_DIR/logs/); leave out --verbose")
     if nproc_per_node is None and max_restarts:
         raise click.UsageError("--max-restarts needs --nproc-per-node (torchrun restarts the ranks it started)")
     if nproc_per_node is None and nodes != Nodes():
-        raise click.UsageError("--nnodes/--node-rank/--master-addr/--master-port/--rdzv-endpoint/--rdzv-id need "
+        raise click.UsageError("--nnodes/--node-rank/--master-addr/--master-port/--rdzv-endpoint/--rdzv-id/--rdzv-conf need "
                                "--nproc-per-node (this command then starts torchrun on this node)")
     echo = functools.partial(click.echo, err=True)
     try:

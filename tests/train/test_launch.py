@@ -16,6 +16,7 @@ from tokenloom.train.launch import (
     RankWatch,
     launch,
     megatron_swiglu_width,
+    parse_nnodes,
     torchrun_command,
     without_error_lines,
 )
@@ -59,6 +60,62 @@ def test_torchrun_command_line():
                          "tokenloom"]
     with pytest.raises(TokenloomError, match="--node-rank 2 must be in 0..1"):
         Nodes(nnodes=2, node_rank=2)
+    elastic = Nodes(nnodes=4, min_nodes=2, rdzv_endpoint="h:29400", rdzv_id="j", rdzv_conf="last_call_timeout=5")
+    assert torchrun_command("cfg.json", 8, elastic)[3:13] == [
+        "--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--rdzv-id", "j", "--rdzv-conf",
+        "last_call_timeout=5"]
+    assert elastic.elastic and not Nodes(nnodes=2, min_nodes=2, rdzv_endpoint="h:1").elastic
+    assert launch_module.torchrun_env(1, elastic)[launch_module.ELASTIC_ENV] == "2:4"
+    assert launch_module.ELASTIC_ENV not in launch_module.torchrun_env(1, Nodes(nnodes=2, rdzv_endpoint="h:1"))
+    assert parse_nnodes("3") == (None, 3) and parse_nnodes("1:4") == (1, 4)
+    with pytest.raises(TokenloomError, match="--nnodes 1-4: give a number of nodes N or MIN:MAX"):
+        parse_nnodes("1-4")
+    with pytest.raises(TokenloomError, match="--nnodes 3:2: MIN must be in 1..MAX"):
+        Nodes(nnodes=2, min_nodes=3, rdzv_endpoint="h:1")
+    with pytest.raises(TokenloomError, match="--nnodes 1:2 needs --rdzv-endpoint"):
+        Nodes(nnodes=2, min_nodes=1, master_addr="10.0.0.1")
+
+
+def test_an_elastic_launch_is_refused_where_a_world_it_may_reach_cannot_train(tmp_path):
+    path = write_config(tmp_path / "c.json", tmp_path / "run", micro_batch_size=1)
+    nodes = Nodes(nnodes=3, min_nodes=1, rdzv_endpoint="127.0.0.1:1")
+    with pytest.raises(TokenloomError, match=r"--nnodes 1:3: with 3 node\(s\) \(6 ranks\): --global-batch-size 4 is "
+                       "not a multiple of --micro-batch-size 1 x 6"):
+        launch(path, nproc_per_node=2, nodes=nodes, max_restarts=1)
+    with pytest.raises(TokenloomError, match="--nnodes 1:3 goes on after a lost node by a restart"):
+        launch(path, nproc_per_node=1, nodes=nodes)
+    resumed = write_config(tmp_path / "r.json", tmp_path / "run", micro_batch_size=1, resume=str(tmp_path))
+    with pytest.raises(TokenloomError, match=f"--resume {tmp_path} with --nnodes 1:3: an elastic job's ranks resume"):
+        launch(resumed, nproc_per_node=1, nodes=nodes, max_restarts=1)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_restart_records_the_world_sizes_and_a_membership_change_starts_a_new_group(tmp_path):
+    """An elastic node's watch: attempt 0 (world 4) fails, attempt 1 runs at world 2 (the record says
+    4 -> 2); a new group of the same attempt (torchrun's membership change, no restart counted)
+    replaces the ranks without a record."""
+    gone = 2**22 + 12345
+
+    def start(rank: int, attempt: int, pid: int, world: int, log: str = "") -> None:
+        (tmp_path / f"rank{rank}.attempt").write_text(f"{attempt} {pid} {world} h:{world}")  # a round per world
+        rank_files(tmp_path, rank, log, pid)
+
+    start(0, 0, gone, 4, "error: rank 0: all_reduce failed (x); another rank has probably died or stalled\n")
+    start(1, 0, gone + 1, 4, "error: rank 1: all_reduce failed (x); another rank has probably died or stalled\n")
+    watch = RankWatch(tmp_path, max_restarts=1)
+    watch.poll()
+    assert watch.world == 4 and watch.failure() is not None
+    start(0, 1, gone + 2, 2)
+    watch.poll()
+    (record,) = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+    assert (record["restart"], record["world_size"], record["new_world_size"]) == (1, 4, 2)
+    assert watch.attempt == 1 and watch.world == 2 and set(watch.ranks) == {0}
+    start(1, 1, gone + 3, 2)
+    watch.poll()
+    start(0, 1, gone + 4, 4)  # the world grew back: the agent started a new group, same restart count
+    watch.poll()
+    assert watch.world == 4 and watch.ranks[0].pid == gone + 4 and set(watch.ranks) == {0}
+    assert len((tmp_path / "restarts.jsonl").read_text().splitlines()) == 1
 
 
 def test_bad_configs_fail_before_torchrun_starts(tmp_path):

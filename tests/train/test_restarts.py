@@ -2,16 +2,19 @@
 losses and parameters of an uninterrupted run, each restart recorded; a kill during a durable save
 resumes from the local tier; a deterministic error stops.
 
-Three launches: dp4 where one rank is killed (``kill -9``) after the first checkpoint and, after the
+Four launches: dp4 where one rank is killed (``kill -9``) after the first checkpoint and, after the
 restart, another is stopped (``SIGSTOP``) until its peers' watchdogs fire; dp2 with a local save per
 step whose durable save of step 6 is killed; dp2 over data with a bad sample, which must stop after
-its second occurrence. The reference is the same run in one process (4 micro-batches per step)."""
+its second occurrence; an elastic job (``--nnodes 1:2``) of two launchers of two ranks each, one of
+which is killed after the first checkpoint. The reference is the same run in one process (4
+micro-batches per step; the dp4 test shows a dp4 run's losses equal it within 1e-5)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -241,3 +244,62 @@ def test_a_kill_during_a_durable_save_resumes_from_the_newest_local_checkpoint(r
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
     assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("iter_")) == [
         "iter_0000022", "iter_0000023"]  # the newest two kept (the last step's save is durable)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # two launchers of 2 ranks, one lost, the rest restarted (75-145 s here with the reference), 10x
+def test_a_lost_node_leaves_the_rest_training_the_uninterrupted_runs_samples_at_a_smaller_world(reference, tmp_path):
+    """Two "nodes" (launchers of 2 ranks, ``--nnodes 1:2``, one c10d rendezvous on 127.0.0.1, hosted by the
+    node that stays); the other's launcher is killed after the first checkpoint. The node left goes on at
+    world 2, dp 2 x 2 micro-batches for the same global batch of 4: the same samples in the same order
+    (consumed samples per step, the data state of the last checkpoint) and the losses within 1e-4."""
+    out = tmp_path / "run"
+    # a round waits 10 s for more nodes once one is in; a node silent for 6 s is taken for lost
+    conf = "last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=3"
+    common = [*TINY, *MOCK, "--nproc-per-node", 2, "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+              "--rdzv-id", "elastic-test", "--max-restarts", 1, "--output-dir", out]
+    stays = cli(*common, "--rdzv-conf", f"{conf},is_host=1")
+    leaves = cli(*common, "--rdzv-conf", f"{conf},is_host=0")
+    try:
+        wait_for("first checkpoint", stays, lambda: (out / "checkpoints" / "iter_0000002" / "COMPLETE").exists())
+        assert leaves.poll() is None, leaves.communicate()
+        assert len(list((out / "logs").glob("*/rank*.pid"))) == 4  # one world of both nodes
+        leaves.kill()  # its torchrun and ranks die with it (an elastic launch: SIGKILL, no stop to agree on)
+        leaves.wait()
+        stdout, stderr = stays.communicate(timeout=limit_s(600))
+    finally:
+        for proc in (stays, leaves):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert stays.returncode == 0, stderr
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["iteration"] == ITERS and not summary["exited"]
+    (shrink,) = summary["restarts"]
+    assert (shrink["restart"], shrink["world_size"], shrink["new_world_size"]) == (1, 4, 2), shrink
+    assert "batch     global 4 = micro 1 x dp 2 x accumulation 2" in stdout, stdout
+    metrics = records(out)
+    (resumed,) = [r for r in metrics if "resumed_from" in r]
+    assert (resumed["world_size"], resumed["saved_world_size"], resumed["dp"], resumed["micro_batches"]) == (2, 4, 2, 2)
+    assert resumed["iter"] >= 2 and "world size 4 -> 2" in stderr
+    # the same samples in the same order: the position after each step and the data state at the end
+    mine = [(r["iter"], r["consumed_samples"]) for r in metrics if "train_loss" in r]
+    theirs = [(r["iter"], r["consumed_samples"]) for r in records(reference) if "train_loss" in r]
+    assert mine == theirs and len(mine) == ITERS
+    states = [checkpoint.read_state(checkpoint.find_latest(o / "checkpoints")) for o in (out, reference)]
+    assert [(st["consumed_samples"], st["data_fingerprint"]) for st in states][0] == \
+        [(st["consumed_samples"], st["data_fingerprint"]) for st in states][1]
+    assert states[0]["world_size"] == 2
+    expected = [r["train_loss"] for r in records(reference) if "train_loss" in r]
+    got = [r["train_loss"] for r in metrics if "train_loss" in r]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+    params, reference_params = final_params(out), final_params(reference)
+    for name in params:
+        torch.testing.assert_close(params[name], reference_params[name], rtol=0, atol=1e-4, msg=name)
+    assert not any(process_alive(int(p.read_text())) for p in (out / "logs").glob("*/rank*.pid"))

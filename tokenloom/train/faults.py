@@ -190,12 +190,20 @@ class Watchdog:
 
 
 def restart_record(*, restart: int, rank: int | None, why: str, failed_at: float, failed_iteration: int,
-                   resumes_from: int, node: int = 0) -> dict:
+                   resumes_from: int, node: int = 0, world_size: int | None = None,
+                   new_world_size: int | None = None) -> dict:
     """One restart: when (``failed_at``, unix seconds), which rank, why, the iteration the job had
-    reached, the checkpoint iteration it resumes from and the steps lost between them."""
-    return {"restart": restart, "node": node, "failed_at": round(failed_at, 3), "rank": rank, "why": why,
-            "failed_iteration": failed_iteration, "resumes_from": resumes_from,
-            "steps_lost": max(0, failed_iteration - resumes_from)}
+    reached, the checkpoint iteration it resumes from and the steps lost between them; with the world
+    sizes before and after the restart where known (they differ when an elastic job lost or gained
+    a node: ``world_size`` then ``new_world_size``)."""
+    record = {"restart": restart, "node": node, "failed_at": round(failed_at, 3), "rank": rank, "why": why,
+              "failed_iteration": failed_iteration, "resumes_from": resumes_from,
+              "steps_lost": max(0, failed_iteration - resumes_from)}
+    if world_size is not None:
+        record["world_size"] = world_size
+    if new_world_size is not None:
+        record["new_world_size"] = new_world_size
+    return record
 
 
 def append_record(directory: Path, record: dict) -> None:

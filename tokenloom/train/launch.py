@@ -27,7 +27,9 @@ finish the same step, save and stop (:mod:`tokenloom.train.stop`); rank 0's line
 checkpoint and the resume command reaches the terminal through the relay, and this process
 exits with ``128 + signal``. torchrun runs in a session of its own (a terminal's Ctrl-C
 reaches this process only) and dies with it (``PR_SET_PDEATHSIG``), as do the ranks with
-torchrun; a second signal kills the job at once.
+torchrun; a second signal kills the job at once. In an elastic launch (``--nnodes MIN:MAX``) both
+deaths are SIGKILL: a node whose launcher or torchrun is gone leaves the job without a stop the
+other nodes would agree to, and they go on at the world left (:func:`check_elastic`, docs/faults.md).
 
 Which rank failed first is decided from what this process sees while it polls the
 ranks every :data:`POLL_S`: the time a rank's log shows an error, or its process vanished without
@@ -73,7 +75,9 @@ class Nodes:
     """How the nodes of a torchrun job meet (torchrun's flags of the same names)."""
 
     nnodes: int = 1
-    """Nodes in the job (each runs this command with its own node rank)."""
+    """Nodes in the job (each runs this command with its own node rank); MIN:MAX (c10d rendezvous): an elastic
+    job that starts with up to MAX nodes and goes on, after a node is lost, with the nodes left while they
+    are at least MIN, at a smaller data-parallel size and the same global batch (docs/faults.md)."""
     node_rank: int = 0
     """This node's rank, 0 .. nnodes-1 (static rendezvous with master_addr/master_port)."""
     master_addr: str | None = None
@@ -84,6 +88,12 @@ class Nodes:
     """HOST:PORT of a c10d rendezvous (instead of master_addr/master_port; node ranks assigned by torchrun)."""
     rdzv_id: str | None = None
     """Job id shared by the nodes of a c10d rendezvous (default: tokenloom)."""
+    rdzv_conf: str | None = None
+    """torchrun's KEY=VALUE,... settings of the c10d rendezvous (e.g. last_call_timeout=30,keep_alive_interval=5,
+    keep_alive_max_attempt=3: how long a round waits for more nodes once MIN are in, and when a silent node is
+    taken for lost; is_host=1 on the node that hosts the rendezvous at --rdzv-endpoint)."""
+    min_nodes: int | None = None
+    """The MIN of ``--nnodes MIN:MAX`` (None: a fixed ``nnodes``)."""
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -93,15 +103,42 @@ class Nodes:
                                  f"{self.nnodes})")
         if self.rdzv_endpoint and (self.master_addr or self.master_port):
             raise TokenloomError("give either --rdzv-endpoint or --master-addr/--master-port, not both")
+        if self.min_nodes is not None:
+            if not 1 <= self.min_nodes <= self.nnodes:
+                raise TokenloomError(f"--nnodes {self.min_nodes}:{self.nnodes}: MIN must be in 1..MAX")
+            if self.elastic and not self.rdzv_endpoint:
+                raise TokenloomError(f"--nnodes {self.min_nodes}:{self.nnodes} needs --rdzv-endpoint HOST:PORT (a "
+                                     "c10d rendezvous; --master-addr/--master-port make a fixed world)")
+        if self.rdzv_conf and not self.rdzv_endpoint:
+            raise TokenloomError("--rdzv-conf needs --rdzv-endpoint (it configures the c10d rendezvous)")
+
+    @property
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX`` with MIN < MAX: the world may shrink and grow between attempts."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    @property
+    def nnodes_flag(self) -> str:
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
     def torchrun_flags(self) -> list[str]:
         if self.rdzv_endpoint:
-            return ["--nnodes", str(self.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
-                    "--rdzv-id", self.rdzv_id or "tokenloom"]
+            return ["--nnodes", self.nnodes_flag, "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
+                    "--rdzv-id", self.rdzv_id or "tokenloom", *(["--rdzv-conf", self.rdzv_conf] if self.rdzv_conf
+                                                                 else [])]
         if self.nnodes == 1 and not self.master_addr and not self.master_port:
             return ["--standalone"]
         return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--master-addr",
                 self.master_addr or "127.0.0.1", "--master-port", str(self.master_port or 29500)]
+
+
+def parse_nnodes(text: str) -> tuple[int | None, int]:
+    """``--nnodes N`` -> (None, N); ``--nnodes MIN:MAX`` -> (MIN, MAX), torchrun's spelling."""
+    lo, sep, hi = str(text).partition(":")
+    try:
+        return (int(lo), int(hi)) if sep else (None, int(lo))
+    except ValueError:
+        raise TokenloomError(f"--nnodes {text}: give a number of nodes N or MIN:MAX (e.g. 2 or 1:4)") from None
 
 
 def torchrun_command(config_path: str | os.PathLike, nproc_per_node: int, nodes: Nodes = Nodes(),
@@ -114,16 +151,54 @@ def torchrun_command(config_path: str | os.PathLike, nproc_per_node: int, nodes:
             str(nproc_per_node), "-m", *entry]
 
 
-def torchrun_env(max_restarts: int) -> dict[str, str]:
+ELASTIC_ENV = "TOKENLOOM_ELASTIC"
+"""Set (to ``MIN:MAX``) in the ranks of an elastic launch (``--nnodes MIN:MAX``); see :func:`main`."""
+
+
+def torchrun_env(max_restarts: int, nodes: Nodes = Nodes()) -> dict[str, str]:
     """torchrun's environment: this one, and with restarts ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
     By default the ranks of every attempt share the rendezvous's TCP store and the process groups of
     a restarted attempt use the same keys as the attempt before, so a rank can read a dead peer's
     address and fail to connect; with the variable each rendezvous round gets a store of its own
-    (hosted by rank 0), the price one more port per round."""
+    (hosted by rank 0), the price one more port per round. An elastic launch also gets
+    :data:`ELASTIC_ENV`."""
     env = dict(os.environ)
     if max_restarts:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.pop(ELASTIC_ENV, None)
+    if nodes.elastic:
+        env[ELASTIC_ENV] = nodes.nnodes_flag
     return env
+
+
+def check_elastic(cfg: TrainConfig, nproc_per_node: int, nodes: Nodes, max_restarts: int) -> None:
+    """An elastic launch (``--nnodes MIN:MAX``) can go on at every world size it may reach: the layout and
+    the global batch fit each of ``nproc_per_node x n`` ranks, n in MIN..MAX (only data parallelism shrinks:
+    tp, pp, cp and ep are kept, and the micro-batches per step grow so the global batch stays); a lost
+    node is survived by a restart, so ``max_restarts`` is at least 1; the ranks resume from the run's
+    newest checkpoint on every start (a node joining mid-run included), so ``resume`` is None or auto."""
+    from tokenloom.train import preflight  # lazy: start-up time
+    from tokenloom.train.parallel.state import ParallelLayout  # lazy: start-up time (torch.distributed)
+
+    flag = f"--nnodes {nodes.nnodes_flag}"
+    if max_restarts < 1:
+        raise TokenloomError(f"{flag} goes on after a lost node by a restart of the ranks left; give --max-restarts "
+                             "N (N >= 1; each lost node costs one, as in torchrun)")
+    if cfg.resume not in (None, "auto"):
+        raise TokenloomError(f"--resume {cfg.resume} with {flag}: an elastic job's ranks resume from {cfg.ckpt_dir}'s "
+                             "newest checkpoint on every start (a node joining mid-run included); copy the checkpoint "
+                             "there and use --resume auto, or give a fixed --nnodes")
+    for n in range(typing.cast(int, nodes.min_nodes), nodes.nnodes + 1):
+        world = nproc_per_node * n
+        try:
+            ParallelLayout(world, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, cp=cfg.cp, ep=cfg.ep)
+            preflight.check_layout(cfg, world)
+            dp = world // (cfg.tp * cfg.pp * cfg.cp)
+            if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+                raise TokenloomError(f"--global-batch-size {cfg.global_batch_size} is not a multiple of "
+                                     f"--micro-batch-size {cfg.micro_batch_size} x {dp} data-parallel rank(s)")
+        except TokenloomError as exc:
+            raise TokenloomError(f"{flag}: with {n} node(s) ({world} ranks): {exc}") from None
 
 
 class _ReaderOptional:
@@ -185,6 +260,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     node's ranks up to that many times and they resume from the newest complete checkpoint; this
     process writes a restart record per restart (:mod:`tokenloom.train.faults`) and ends the job
     with one line instead when a restart would repeat the failure (:func:`faults.deterministic`).
+    With ``nodes.elastic`` (``--nnodes MIN:MAX``) a lost node is such a failure for the others, whose
+    restart forms the next world from the nodes left (:func:`check_elastic` first).
     """
     from tokenloom.train import preflight  # lazy: start-up time (in-process runs only)
 
@@ -204,6 +281,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
         raise TokenloomError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     if max_restarts < 0:
         raise TokenloomError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if nodes.elastic:
+        check_elastic(cfg, nproc_per_node, nodes, max_restarts)
     preflight.check(cfg, nproc_per_node * nodes.nnodes)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -213,8 +292,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     os.replace(tmp, config_path)
     if verbose:  # a signal goes to torchrun, which sends the ranks SIGTERM
         proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, max_restarts=max_restarts),
-                                start_new_session=True, env=torchrun_env(max_restarts),
-                                preexec_fn=die_with_parent)
+                                start_new_session=True, env=torchrun_env(max_restarts, nodes),
+                                preexec_fn=torchrun_death(nodes))
         forward = Forwarder(proc, None)
         try:
             with forward.installed():
@@ -235,8 +314,8 @@ def launch(cfg: TrainConfig | str | os.PathLike, nproc_per_node: int | None = No
     with open(log_dir / "torchrun.log", "wb") as torchrun_log:  # its stdout is rank 0's: kept
         # a session of its own: a terminal's Ctrl-C reaches this process only, which forwards it
         proc = subprocess.Popen(torchrun_command(config_path, nproc_per_node, nodes, log_dir, max_restarts),
-                                stderr=torchrun_log, start_new_session=True, preexec_fn=die_with_parent,
-                                env=torchrun_env(max_restarts))
+                                stderr=torchrun_log, start_new_session=True, preexec_fn=torchrun_death(nodes),
+                                env=torchrun_env(max_restarts, nodes))
         watch = RankWatch(log_dir, ckpt_dirs=[cfg.ckpt_dir, *([cfg.local_save_dir] if cfg.local_save_dir else [])],
                           max_restarts=max_restarts, node=nodes.node_rank)
         forward = Forwarder(proc, log_dir)
@@ -346,6 +425,13 @@ def _kill(pid: int, signum: int) -> None:
         os.kill(pid, signum)
 
 
+def torchrun_death(nodes: Nodes) -> typing.Callable[[], None]:
+    """torchrun's ``preexec_fn``: it dies with this process, by SIGTERM (its agent stops the ranks, which save
+    and stop) or, in an elastic launch, by SIGKILL: this node leaves the job and its ranks die with their
+    agent (:func:`main`), so the other nodes go on without them instead of stopping with them."""
+    return lambda: die_with_parent(signal.SIGKILL if nodes.elastic else signal.SIGTERM)
+
+
 def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """Have the kernel send ``signum`` to this process when its parent dies (Linux
     ``PR_SET_PDEATHSIG``; elsewhere nothing), so no process of a job outlives the one that
@@ -427,6 +513,9 @@ class RankWatch:
         self.stop_reason: str | None = None
         self.hang: tuple[float, str, list[int]] | None = None  # (first seen, line, ranks without stacks)
         self.hang_named = False
+        self.world = 0  # the current attempt's world size (0: not known yet)
+        self.group = ""  # the current group's rendezvous round (its store's address), and all of this attempt's
+        self.groups: set[str] = {""}
         self._relayed = 0
 
     def poll(self) -> None:
@@ -436,16 +525,22 @@ class RankWatch:
             try:
                 pid = int(pid_file.read_text())
                 attempt_text = read_text(self.dir / f"rank{rank}.attempt").split()
-                attempt, attempt_pid = (int(v) for v in attempt_text) if attempt_text else (0, pid)
+                if attempt_text and len(attempt_text) != 4:
+                    raise ValueError(attempt_text)
+                attempt, attempt_pid, world = (int(v) for v in attempt_text[:3]) if attempt_text else (0, pid, 0)
+                group = attempt_text[3] if attempt_text else ""
             except ValueError:  # being written
                 continue
             if attempt_pid != pid:  # the next attempt's files are being written
                 continue
             if attempt > self.attempt:  # torchrun restarted this node's ranks
-                self._close_attempt()
-                self.attempt, self.ranks, self.closed, self.hang, self.hang_named = attempt, {}, False, None, False
-            if attempt < self.attempt:
+                self._close_attempt(world)
+                self._new_group(attempt, world, group)
+            elif attempt == self.attempt and group not in self.groups:  # torchrun's membership change: the
+                self._new_group(attempt, world, group)  # ranks of a new round, no restart counted
+            if attempt < self.attempt or group != self.group:  # an earlier attempt's or round's
                 continue
+            self.world = self.world or world
             if rank not in self.ranks:
                 self.ranks[rank] = RankState(pid)
             state = self.ranks[rank]
@@ -485,8 +580,16 @@ class RankWatch:
         for rank in silent:  # a stopped process never exits by itself: torchrun would wait for it
             _kill(self.ranks[rank].pid, signal.SIGKILL)
 
-    def _close_attempt(self) -> None:
-        """Record the current attempt's first failure (once), if it had one and a restart is left."""
+    def _new_group(self, attempt: int, world: int, group: str) -> None:
+        if attempt > self.attempt:
+            self.groups = set()
+        self.attempt, self.ranks, self.closed, self.hang, self.hang_named = attempt, {}, False, None, False
+        self.world, self.group = world, group
+        self.groups.add(group)
+
+    def _close_attempt(self, new_world: int = 0) -> None:
+        """Record the current attempt's first failure (once), if it had one and a restart is left;
+        ``new_world``: the world size of the next attempt (0: not known)."""
         if self.closed or not any(s.failed_at is not None for s in self.ranks.values()):
             return
         self.closed = True
@@ -506,7 +609,8 @@ class RankWatch:
         record = faults.restart_record(restart=self.attempt + 1, rank=rank, why=why,
                                        failed_at=min(walls) if walls else time.time(),
                                        failed_iteration=max((m.last for m in marks), default=0),
-                                       resumes_from=max((it for it, _ in done), default=0), node=self.node)
+                                       resumes_from=max((it for it, _ in done), default=0), node=self.node,
+                                       world_size=self.world or None, new_world_size=new_world or None)
         reason = faults.deterministic(self.records, record, min((m.start for m in marks), default=None))
         if reason is not None:
             self.stop_reason = f"{why} (after iteration {record['failed_iteration']}); not restarting: {reason}"
@@ -608,9 +712,14 @@ def process_alive(pid: int) -> bool:
 def main(argv: typing.Sequence[str] | None = None) -> int:
     """One rank under torchrun: ``python -m tokenloom.train.launch --config F --log-dir LOGS``.
 
-    Writes ``LOGS/rank{RANK}.pid``, sends stderr (and stdout, except on rank 0) to
-    ``LOGS/rank{RANK}.log``, runs :func:`tokenloom.train.loop.main` and writes
-    ``LOGS/rank{RANK}.done`` when it returns (a rank that fails with an error exits inside it).
+    Writes ``LOGS/rank{RANK}.attempt`` (``ATTEMPT PID WORLD_SIZE ROUND``: the rendezvous round's store) and ``LOGS/rank{RANK}.pid``, sends
+    stderr (and stdout, except on rank 0) to ``LOGS/rank{RANK}.log``, runs :func:`tokenloom.train.loop.main`
+    and writes ``LOGS/rank{RANK}.done`` when it returns (a rank that fails with an error exits inside it).
+
+    In an elastic launch (:data:`ELASTIC_ENV`) the rank resumes from the newest complete checkpoint on
+    every start, and dies by SIGKILL with its torchrun agent: a node whose launcher or agent is gone
+    leaves the job without a signal its peers would agree to stop on, while SIGTERM or SIGINT to the
+    ranks or the launcher still stops the whole job, saved.
     """
     parser = argparse.ArgumentParser(prog="python -m tokenloom.train.launch")
     parser.add_argument("--config", required=True)
@@ -633,11 +742,17 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     if attempt > 0:
         print(f"{ATTEMPT_MARK}{attempt} of rank {rank} (pid {os.getpid()}): resuming from the newest complete "
               "checkpoint", file=sys.stderr, flush=True)
-    die_with_parent()  # torchrun gone (even by SIGKILL): this rank saves and stops as on SIGTERM
+    elastic = bool(os.environ.get(ELASTIC_ENV))
+    # torchrun gone (even by SIGKILL): this rank saves and stops as on SIGTERM; in an elastic job the
+    # node is leaving and the rank dies at once, leaving no stop for the other nodes to agree on
+    die_with_parent(signal.SIGKILL if elastic else signal.SIGTERM)
     for s in (signal.SIGTERM, signal.SIGINT):  # the steps install their own (tokenloom.train.stop)
         signal.signal(s, _stop_outside_steps)
     tmp = log_dir / f".rank{rank}.attempt.tmp"  # before the pid: the watch pairs them
-    tmp.write_text(f"{attempt} {os.getpid()}")
+    # the rendezvous round's store (a new one per round, TORCH_DISABLE_SHARE_RDZV_TCP_STORE) tells this
+    # attempt's groups apart: torchrun's membership change starts one without counting a restart
+    group = f"{os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')}"
+    tmp.write_text(f"{attempt} {os.getpid()} {os.environ.get('WORLD_SIZE', '1')} {group}")
     os.replace(tmp, log_dir / f"rank{rank}.attempt")
     tmp = log_dir / f".rank{rank}.pid.tmp"
     tmp.write_text(str(os.getpid()))
@@ -647,8 +762,10 @@ def main(argv: typing.Sequence[str] | None = None) -> int:
     if rank == 0:  # on the launching terminal or pipe
         stdout_outlives_its_reader()
     try:
-        # a restart resumes from the newest complete checkpoint, whatever the first attempt was told
-        code = loop.main(["--config", args.config, *(["--set", 'resume="auto"'] if attempt > 0 else [])])
+        # a restart resumes from the newest complete checkpoint, whatever the first attempt was told; so
+        # does every start of an elastic job's ranks (a node that joins a running job among them)
+        auto = attempt > 0 or elastic
+        code = loop.main(["--config", args.config, *(["--set", 'resume="auto"'] if auto else [])])
     except Exception as exc:  # noqa: BLE001 (a bug or a library's error: one line, its traceback in the log)
         report_unexpected(exc, rank, log_dir / f"rank{rank}.log")
     sys.stdout.flush()

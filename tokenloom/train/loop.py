@@ -130,6 +130,7 @@ class Trainer:
         self.data = TrainData(cfg.data, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size, sizes=sizes,
                               tokenizer_eod=tok_eod, global_batch_size=gbs)
         self.iteration = 0
+        self.saved_world_size: int | None = None  # the resumed checkpoint's
         self.resumed_from = self._resume()
         if cfg.init_from_hf is not None:
             self._init_from_hf(cfg.init_from_hf)
@@ -154,13 +155,20 @@ class Trainer:
                              parameters=parameters, train_samples=len(self.data.train), data_plan=self.data.plan,
                              resumed_at=self.iteration)
             print(startup_summary(cfg, facts), flush=True)
-        if self.resumed_from is not None:  # a mark in loss.png
+        if self.resumed_from is not None:  # a mark in loss.png; the layout it goes on with
+            s = self.strategy
             self._record({"iter": self.iteration, "resumed_from": str(self.resumed_from),
-                          "blend_changed": self.data.blend_changed})
+                          "blend_changed": self.data.blend_changed, "world_size": world.size,
+                          "saved_world_size": self.saved_world_size, "dp": s.dp_size, "micro_batches": s.num_micro})
+            if self.saved_world_size not in (None, world.size):
+                self._say(f"world size {self.saved_world_size} -> {world.size} since {self.resumed_from}: dp "
+                          f"{s.dp_size} x {s.num_micro} micro-batch(es) of {cfg.micro_batch_size} keep the global "
+                          f"batch {gbs} (tp {cfg.tp}, pp {cfg.pp}, cp {cfg.cp}, ep {cfg.ep} kept)")
         self._restarts: list[dict] = []  # this restart's records, logged after its first step (restart_s)
         if world.rank == 0 and (restart := faults.restart_count()) > 0:
+            # not again after an elastic membership change (same restart count, resumed past the failure)
             self._restarts = [r for r in faults.wait_for_records(faults.log_dir(), restart)
-                              if r.get("restart") == restart]
+                              if r.get("restart") == restart and self.iteration <= r.get("failed_iteration", 0)]
 
     @property
     def metrics_path(self) -> Path:
@@ -210,6 +218,7 @@ class Trainer:
         if path is None:
             return None
         saved = checkpoint.read_state(path)
+        self.saved_world_size = saved.get("world_size")
         check_resumable_model(path, self.cfg, saved["config"]["model"])
         check_resumable_schedule(path, self.cfg, saved["config"])
         notes = self.data.load_state_dict(saved, force=self.cfg.force_data, where=str(path))
