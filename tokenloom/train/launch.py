@@ -9,9 +9,7 @@ whole world (``N x nodes.nnodes``) in this process, writes the resolved config t
     python -m torch.distributed.run --standalone --nproc-per-node N \\
         -m tokenloom.train.launch --config OUTPUT_DIR/launch_config.json --log-dir LOGS
 
-(``--nnodes/--node-rank/--master-addr/--master-port`` or ``--rdzv-endpoint`` instead of
-``--standalone`` for several nodes). ``torchrun`` sets ``OMP_NUM_THREADS=1`` per rank
-unless it is set already.
+(``--nnodes/--node-rank/--master-addr/--master-port`` or ``--rdzv-endpoint`` for several nodes).
 
 Output: each rank (:func:`main`) sends its stdout and stderr to ``LOGS/rank{N}.log`` and
 torchrun's own output goes to ``LOGS/torchrun.log``; rank 0's stdout (the start-up
@@ -31,13 +29,11 @@ torchrun; a second signal kills the job at once. In an elastic launch (``--nnode
 deaths are SIGKILL: a node whose launcher or torchrun is gone leaves the job without a stop the
 other nodes would agree to, and they go on at the world left (:func:`check_elastic`, docs/faults.md).
 
-Which rank failed first is decided from what this process sees while it polls the
-ranks every :data:`POLL_S`: the time a rank's log shows an error, or its process vanished without
-finishing (a kill, the OOM killer). A death without a message outranks an error seen in
-the same poll, since peers report a dead rank within milliseconds; an error that only
-reports a failed collective (:data:`PEER_SYMPTOM`) is outranked by any other failure, since
-it is the symptom of one (a peer's disk-full error reaches the terminal within the same poll
-as rank 0's broken barrier); ranks that torchrun itself stopped after the failure (its
+Which rank failed first is decided from what this process sees while it polls the ranks every
+:data:`POLL_S`: when a rank's log shows an error, or its process vanished without finishing (a kill,
+the OOM killer). A death without a message outranks an error seen in the same poll (peers report a
+dead rank within milliseconds); an error that only reports a failed collective (:data:`PEER_SYMPTOM`)
+is outranked by any other failure, being its symptom; ranks torchrun stopped after the failure (its
 ``closing signal`` lines) are not failures.
 """
 
