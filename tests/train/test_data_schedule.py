@@ -3,8 +3,9 @@
 An 8-step run on three .bin/.idx sources: phase 1 (a, b at 0.5/0.5) until iteration 4, then
 phase 2 (a 0.2, b 0.5, c 0.3). It must draw and train exactly as phase 1's blend stopped at
 4 and resumed with phase 2's blend (the blend-change-on-resume machinery, planned ahead), and
-a resume in the middle of phase 2 must continue it exactly. The samples each run draws are
-recorded in-process (which source, which position of that source's own order).
+a resume in the middle of phase 2 must continue it exactly; resumed in phase 1 on two gloo ranks
+(torchrun), it must train as the one process did. The samples each in-process run draws are
+recorded (which source, which position of that source's own order).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from tokenloom.errors import TokenloomError
 from tokenloom.train.checkpoint import commit as checkpoint
 from tokenloom.train.config import TrainConfig, load_config
 from tokenloom.train.data import BlendDataConfig, DataConfig, SchedulePhase
+from tokenloom.train.launch import launch
 from tokenloom.train.metrics import loss_figure, read_metrics
 
 # the module fixture: four in-process launches (2-8 tiny CPU steps each, a few small .bin/.idx
-# blends), 10 s on this machine at load 10 and 32 s at load 17: 600 s keeps it under 0.1 loaded
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# blends) and one of 2 gloo ranks under torchrun (6 steps), 27 s on this machine at load 6 and 41 s at
+# load 12: 900 s keeps it under 0.1 loaded
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = 60  # per source
 ITERS = 8
 
@@ -41,8 +45,10 @@ def config(out: Path, blend: list[tuple[float, str]], cache: Path, schedule=None
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run A: the schedule, 8 steps at once (a checkpoint at 6, mid phase 2); run B: phase 1's
-    blend to 4, resumed with phase 2's; run C: A's checkpoint at 6 resumed with the schedule."""
+    """Run A: the schedule, 8 steps at once (checkpoints every 2: at 6, mid phase 2); run B: phase
+    1's blend to 4, resumed with phase 2's; run C: A's checkpoint at 6 resumed with the schedule;
+    run D: A's checkpoint at 2 resumed with the schedule on 2 gloo ranks (torchrun), through the
+    phase change at 4."""
     tmp = tmp_path_factory.mktemp("schedule")
     src, cache = sources(tmp, DOCUMENTS), tmp / "cache"
     first = [(0.5, src["a"]), (0.5, src["b"])]
@@ -53,16 +59,22 @@ def runs(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     try:
         out = {"src": src}
-        out["A"] = drawn_by(config(tmp / "A", every, cache, schedule, save_interval=6), mp)
+        out["A"] = drawn_by(config(tmp / "A", every, cache, schedule, save_interval=2), mp)
         out["B"] = (drawn_by(config(tmp / "B", first, cache, exit_interval=4), mp)
                     + drawn_by(config(tmp / "B", second, cache), mp))
-        shutil.copytree(tmp / "A", tmp / "C")
-        shutil.rmtree(tmp / "C" / "checkpoints" / "iter_0000008")  # C writes its own
+        for run, kept in (("C", 6), ("D", 2)):  # each writes its own later checkpoints
+            shutil.copytree(tmp / "A", tmp / run)
+            for later in range(kept + 2, ITERS + 1, 2):
+                shutil.rmtree(tmp / run / "checkpoints" / f"iter_{later:07d}")
         out["C"] = drawn_by(config(tmp / "C", every, cache, schedule,
                                    resume=str(tmp / "C" / "checkpoints" / "iter_0000006")), mp)
+        mp.setenv("PYTHONPATH", str(REPO))
+        mp.setenv("OMP_NUM_THREADS", "1")
+        launch(config(tmp / "D", every, cache, schedule, resume=str(tmp / "D" / "checkpoints" / "iter_0000002")),
+               nproc_per_node=2)
     finally:
         mp.undo()
-    out["dirs"] = {k: tmp / k for k in "ABC"}
+    out["dirs"] = {k: tmp / k for k in "ABCD"}
     return out
 
 
@@ -114,6 +126,17 @@ def test_the_plan_prints_each_phase(runs, tmp_path):
     with pytest.raises(TokenloomError, match=r"data.schedule\[1\].start_iter 6 is not before train_iters 6"):
         cfg.schedule[1].start_iter = 6
         TrainData(cfg, seq_len=32, vocab_size=96, sizes=(24, 4, 0), global_batch_size=4)
+
+
+def test_a_schedule_on_two_ranks_trains_as_on_one(runs):
+    """Resumed at iteration 2 on two data-parallel ranks, the schedule switches blend at 4 as the
+    one-process run did: the same losses, the same segments and consumption in the final state."""
+    la, ld = train_losses(runs["dirs"]["A"]), train_losses(runs["dirs"]["D"])
+    assert [i for i, _ in ld] == list(range(1, ITERS + 1))
+    assert max(abs(x - y) for (_, x), (_, y) in zip(la, ld, strict=True)) < 1e-5
+    a, d = (checkpoint.read_state(checkpoint.find_latest(runs["dirs"][k] / "checkpoints")) for k in "AD")
+    assert d["world_size"] == 2 and d["iteration"] == ITERS
+    assert d["data_history"] == a["data_history"] and d["data_consumed"] == a["data_consumed"]
 
 
 @pytest.mark.parametrize(("phases", "match"), [

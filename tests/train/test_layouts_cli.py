@@ -4,9 +4,10 @@ The numbers of every layout are proven in-process by ``parallel/test_compose.py`
 norms, validation loss, checkpoint parameters and pipeline bubbles against the one-process run);
 what is left for the command is that each flag spelling (Megatron's and ours) reaches that same
 config and launch size, checked here without launching, and that a launch through torchrun
-reaches the loop: the document-masking runs below launch ranks for real (pp 4 and tp 2 with
-sequence parallelism) and must equal the one-process run with masking, as the GPU checks do
-on NCCL."""
+reaches the loop. The best-fit packing runs below launch ranks for real (dp 2, tp 2 with sequence
+parallelism, pp 4 and cp 2, documents masked: samples of several documents and padding, documents
+across cp's chunks) and must equal the one-process best-fit run, itself stopped mid-epoch and
+finished by ``--resume auto``; the GPU checks do the layouts on NCCL."""
 
 from __future__ import annotations
 
@@ -15,17 +16,20 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
-from compose_helpers import read_bubbles, read_losses, tiny_cfg  # noqa: E402
+from compose_helpers import checkpoint_params, read_bubbles, read_losses, read_norms, tiny_cfg  # noqa: E402
 from tl_testing import cli_env, run_cli  # noqa: E402
 
 from tokenloom import cli  # noqa: E402
 from tokenloom.train import launch as launch_module  # noqa: E402
+from tokenloom.train.checkpoint import commit as checkpoint  # noqa: E402
 from tokenloom.train.config import config_to_dict  # noqa: E402
+from tokenloom.train.data import TrainData  # noqa: E402
 
 TOL = 1e-5
 # a test's setup may run the module's one-process CLI runs (two) before its own: each up to a minute here
@@ -89,37 +93,88 @@ def train(tmp_path: Path, name: str, ranks: int | None, flags: list[str], env: d
     return out
 
 
-DOCS = ["--set", "data.inter_document_masking=true"]
-# the document-masking runs: 10 steps (warmup, clipping, the cosine decay and an evaluation inside),
-# since pp 4 on 4 ranks is the module's costliest launch; every step's loss is compared
-DOCS_ITERS = 10
+# best-fit packing of documents of 1-11 tokens into samples of 17, documents masked (best-fit's default,
+# but the tiny config's file, written from a concat config, says false); ITERS steps
+ITERS = 10
+PACKED = ["--set", "data.packing=best-fit", "--set", "data.inter_document_masking=true", "--set",
+          "data.mock.max_length=12", "--set", f"train_iters={ITERS}"]
+STOP = 7  # the one-process run stops here (mid-epoch) and resumes with --resume auto
+PARAM_TOL = 1e-4  # AdamW divides each update by its second moment's root: an element whose gradient is near
+# zero moves by up to lr per step on a summation-order difference (the losses and grad norms stay within TOL)
+
+
+def run_record(out: Path) -> dict:
+    """A run's logged losses and grad norms, and its final checkpoint's full parameters."""
+    metrics = out / "metrics.jsonl"
+    return {"losses": read_losses(metrics), "norms": read_norms(metrics),
+            "params": checkpoint_params(checkpoint.find_latest(out / "checkpoints"))}
+
+
+def test_best_fit_flags_pack_the_runs_data(tmp_path, monkeypatch):
+    """PACKED reaches the config (best-fit, documents masked) and packs the runs' train samples:
+    several documents in most, padding in some, documents across the boundaries of cp2's chunks
+    (every seq / 4 tokens) in most; the runs reach a second epoch and the resume at STOP lies
+    inside one."""
+    config, out = write_config(tmp_path, "packed")
+    launched = []
+    monkeypatch.setattr(launch_module, "launch", lambda cfg, nproc, **kw: launched.append((cfg, nproc)))
+    monkeypatch.setattr(launch_module, "stdout_outlives_its_reader", lambda: None)
+    done = CliRunner().invoke(cli.main, ["train", "--config", str(config), "--nproc-per-node", "2", "--cp", "2",
+                                         *PACKED])
+    assert done.exit_code == 0, done.output
+    [(cfg, _)] = launched
+    assert (cfg.data.packing, cfg.data.inter_document_masking, cfg.data.mock.max_length, cfg.train_iters) == \
+        ("best-fit", True, 12, ITERS)
+    gbs, seq = cfg.global_batch_size, cfg.model.seq_len
+    samples = cfg.train_iters * gbs
+    train_set = TrainData(cfg.data, seq_len=seq, vocab_size=cfg.model.vocab_size, sizes=(samples, 0, 0),
+                          global_batch_size=gbs).train
+    read = [train_set.documents_of(k) for k in range(samples)]
+    padded = [int(tokens[-1] == -1) for tokens, _ in read]  # the pad id (GPTDatasetConfig.pad_id)
+    documents = [lengths[: len(lengths) - pad] for (_, lengths), pad in zip(read, padded, strict=True)]
+    assert sum(len(d) >= 2 for d in documents) > samples // 2 and any(padded)
+    chunk = seq // 4
+    crossing = [d for d in documents
+                if any(s // chunk != (e - 1) // chunk for s, e in zip(np.cumsum(d) - d, np.cumsum(d), strict=True)
+                       if e <= seq)]
+    assert len(crossing) > samples // 2
+    # no document is cut (1-11 tokens), so each epoch is one part per document: epochs start where
+    # sample_index is a multiple of them
+    starts = np.flatnonzero(np.asarray(train_set.indices.sample_index) % len(train_set.documents) == 0).tolist()
+    assert starts[1] < STOP * gbs < starts[2] and samples < starts[2], starts  # inside the second epoch
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The one-process runs' losses, without and with document masking (each once)."""
-    tmp = tmp_path_factory.mktemp("ref")
-    iters = ["--train-iters", str(DOCS_ITERS)]
-    return (read_losses(train(tmp, "ref", None, iters) / "metrics.jsonl"),
-            read_losses(train(tmp, "ref_docs", None, [*iters, *DOCS]) / "metrics.jsonl"))
+def packed_reference(tmp_path_factory):
+    """The one-process best-fit run: STOP steps (exit_interval), then ``--resume auto`` to the end."""
+    tmp = tmp_path_factory.mktemp("packed_ref")
+    first = train(tmp, "ref", None, [*PACKED, "--set", f"exit_interval={STOP}"])
+    assert len(read_losses(first / "metrics.jsonl")) == STOP
+    out = train(tmp, "ref", None, [*PACKED, "--resume", "auto"])
+    resumed = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "resumed_from" in r]
+    assert len(resumed) == 1 and resumed[0]["resumed_from"].endswith(f"iter_{STOP:07d}"), resumed
+    return run_record(out)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,ranks,flags", [("pp4", 4, ["--pp", "4"]),  # middle stages need boundaries too
+@pytest.mark.parametrize("name,ranks,flags", [("dp2", 2, []),
                                              ("tp2_sp", 2, ["--tp", "2", "--set", "sp=true"]),
+                                             ("pp4", 4, ["--pp", "4"]),  # middle stages, which read no batch
                                              ("cp2", 2, ["--cp", "2"])])  # documents split over cp ranks
-def test_document_masking_through_the_cli_equals_one_process(tmp_path, one_process, name, ranks, flags):
-    """data.inter_document_masking in a pipeline and a sequence-parallel layout, launched through
-    torchrun, equals the one-process run with it, and differs from the run without it (the masks
-    are used)."""
-    plain, one = one_process
-    out = train(tmp_path, name, ranks, [*flags, *DOCS, "--train-iters", str(DOCS_ITERS)])
-    losses = read_losses(out / "metrics.jsonl")
-    assert len(losses) == len(one) == DOCS_ITERS
-    assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < TOL
-    assert max(abs(a - b) for a, b in zip(one, plain, strict=True)) > 1e-3
+def test_best_fit_packing_through_the_cli_equals_one_process(tmp_path, packed_reference, name, ranks, flags):
+    """Best-fit packed data in each layout, launched through torchrun, equals the one-process run
+    that stopped at STOP and resumed: every loss and grad norm within TOL, the final parameters within
+    PARAM_TOL. (The one-process
+    run carries the resume: an inexact one fails every layout from STOP on.)"""
+    out = train(tmp_path, name, ranks, [*flags, *PACKED])
+    got, ref = run_record(out), packed_reference
+    assert len(got["losses"]) == len(ref["losses"]) == ITERS
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)) < TOL
+    assert max(abs(a - b) for a, b in zip(got["norms"], ref["norms"], strict=True)) < TOL
+    assert sorted(got["params"]) == sorted(ref["params"])
+    assert max((got["params"][n] - t).abs().max().item() for n, t in ref["params"].items()) < PARAM_TOL
     bubbles = read_bubbles(out / "metrics.jsonl")
-    assert all(0 < b < 1 for b in bubbles) if name == "pp4" else bubbles == [None] * DOCS_ITERS, bubbles
+    assert all(0 < b < 1 for b in bubbles) if name == "pp4" else bubbles == [None] * ITERS, bubbles
 
 
 @pytest.mark.slow

@@ -330,6 +330,44 @@ def packing_cost(indices: GPTIndices, lengths: np.ndarray, config: GPTDatasetCon
                        concat_cuts(lengths, config.seq_length))
 
 
+def packed_pieces(lengths: np.ndarray, config: GPTDatasetConfig) -> np.ndarray:
+    """The sizes (int64) of the pieces best-fit packs documents of these ``lengths`` into: a
+    document of up to a sample whole, a longer one as pieces of a sample starting every
+    ``seq_length`` tokens (:func:`build_packed_indices`), the last one the rest. Empty documents
+    give none."""
+    capacity, step = config.seq_length + int(config.add_extra_token), config.seq_length
+    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = lengths[lengths > 0]
+    long = lengths > capacity
+    count = np.where(long, (lengths - (capacity - step) + step - 1) // step, 1)
+    last = lengths - (count - 1) * step
+    return np.concatenate([np.full(int(np.sum(count - 1)), capacity, dtype=np.int64), last])
+
+
+def fewest_packed_samples(lengths: np.ndarray, config: GPTDatasetConfig) -> int:
+    """A lower bound on the samples of any packing of the :func:`packed_pieces` of documents of
+    these ``lengths`` (one epoch): Martello and Toth's L2 bound for bin packing. For each K up to
+    half a sample, the pieces over ``capacity - K`` and those over half a sample each need a
+    sample of their own (no two of the latter share one), and the pieces of K to half a sample
+    need at least the room they lack beside the latter; K = 0 is the total tokens over the sample
+    size. Where best-fit's sample count equals it, no packing of these pieces pads less. Sorting
+    the pieces is the cost (O(P log P)), plus a binary search per distinct small size."""
+    capacity = config.seq_length + int(config.add_extra_token)
+    pieces = np.sort(packed_pieces(lengths, config))
+    if not len(pieces):
+        return 0
+    sums = np.concatenate([[0], np.cumsum(pieces)])
+    half = int(np.searchsorted(pieces, capacity // 2, side="right"))  # pieces[:half] are <= capacity / 2
+    small = np.unique(pieces[:half])
+    ks = np.concatenate([[0], small])
+    lo = np.searchsorted(pieces, ks, side="left")  # J3 = pieces[lo:half]: from K to half a sample
+    hi = np.searchsorted(pieces, capacity - ks, side="right")  # J2 = pieces[half:hi], J1 = pieces[hi:]
+    big = len(pieces) - half  # |J1| + |J2|
+    room = (hi - half) * capacity - (sums[hi] - sums[half])  # what J2's samples leave
+    rest = np.maximum(0, -(-(sums[half] - sums[lo] - room) // capacity))
+    return int(np.max(big + rest))
+
+
 def concat_cuts(lengths: np.ndarray, seq_length: int) -> int:
     """Documents of these lengths, laid end to end, that no window of ``seq_length + 1`` tokens
     starting at a multiple of ``seq_length`` holds whole (Megatron's samples)."""
