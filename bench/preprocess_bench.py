@@ -48,8 +48,15 @@ per process. Outputs are checked byte-identical across rows.
                  quarters of it are duplicates, which the run files, the bucket pass and the removed list
                  all carry). ``--dedup-only`` runs these rows alone.
 
+* stdlib         issue 56's acceptance 5: plain ``preprocess`` (no dedup, no filters) against gigatoken's own
+                 single-pass ``encode_files`` (GPT-2, and NeoX-20B's tokenizer.json) on the standard library's
+                 sources and pydoc topics, whole copies to ``--stdlib-mb`` MB (528: 16 copies), ``--workers``
+                 processes against as many gigatoken threads, fresh processes, alternating, best round each
+                 (target <= 1.2); peak memory there against a quarter of the copies (flat: the bound holds).
+                 ``--stdlib-only`` runs these rows alone; ``--stdlib-mb 0`` skips them.
+
 Usage: python bench/preprocess_bench.py [--documents N] [--doc-bytes B] [--distinct-mb MB] [--distinct-only]
-                                         [--dedup-only]
+                                         [--dedup-only] [--stdlib-mb MB] [--stdlib-only]
 """
 
 from __future__ import annotations
@@ -59,8 +66,10 @@ import io
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import warnings
@@ -79,7 +88,7 @@ GPT2 = SHARED / "tokenizers" / "gpt2"
 NEOX = SHARED / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"
 GIGATOKEN = """
 import sys, gigatoken
-kind, path, corpus = sys.argv[1:]
+kind, path, corpus = sys.argv[1:]  # threads: RAYON_NUM_THREADS (set by the caller), else every core
 tok = (gigatoken.Tokenizer.from_tiktoken(path, pretokenizer="gpt2", special_tokens={}) if kind == "tiktoken"
        else gigatoken.Tokenizer.from_json(open(path, "rb").read()))
 tok.encode_files(gigatoken.JsonlFileSource([corpus], field="text"), parallel=True)
@@ -153,6 +162,87 @@ def distinct_rows(args, tmp: Path) -> None:
                 f"{large.stat().st_size / 1e6:.0f} MB jsonl, GPT-2 rank file, {workers} workers on "
                 f"{os.cpu_count()} cores, default --encoder-memory-mb, one run each, memory sampled "
                 "(outputs byte-identical across backends)", rows)
+
+
+def stdlib_copy() -> bytes:
+    """Issue 56's corpus, one copy: every module of this Python's standard library (its ``.py`` sources, one
+    module per document; ``site-packages`` left out) and pydoc's reference topics, as jsonl. Code: many
+    distinct words (identifiers, strings, numbers) where the novels repeat a small vocabulary."""
+    import pydoc_data.topics
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    lines = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            try:
+                text = (Path(dirpath) / name).read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            lines.append(json.dumps({"text": text}, ensure_ascii=False))
+    lines += [json.dumps({"text": text}, ensure_ascii=False) for _, text in sorted(pydoc_data.topics.topics.items())]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def write_copies(path: Path, one: bytes, megabytes: float) -> int:
+    """``one`` written whole as many times as comes nearest ``megabytes`` (at least once); the copies."""
+    copies = max(1, round(megabytes * 1e6 / len(one)))
+    with open(path, "wb") as f:
+        for _ in range(copies):
+            f.write(one)
+    return copies
+
+
+def stdlib_rows(args, tmp: Path) -> None:
+    """Issue 56's acceptance 5: plain ``preprocess`` (no dedup, no filters) against gigatoken's own single-pass
+    ``encode_files`` on the same jsonl, GPT-2 and NeoX-20B, both in fresh processes on the same number of
+    cores (``--workers`` processes; ``RAYON_NUM_THREADS`` threads), alternating, best round each; and
+    preprocess's peak memory there against a quarter of the copies (the encoder's memory bound holds)."""
+    w, one = args.workers, stdlib_copy()
+    corpus, quarter, head = tmp / "stdlib.jsonl", tmp / "stdlib-quarter.jsonl", tmp / "stdlib-head.jsonl"
+    copies = write_copies(corpus, one, args.stdlib_mb)
+    fewer = write_copies(quarter, one, args.stdlib_mb / 4)
+    head.write_bytes(b"".join(one.splitlines(keepends=True)[:50]))
+    runs = iter(range(1_000_000))
+
+    def cmd(src: Path, prefix: Path, tokenizer: Path) -> list[str]:
+        return [sys.executable, str(REPO / "cli.py"), "preprocess", "--input", str(src), "--output-prefix",
+                str(prefix), "--tokenizer", str(tokenizer), "--append-eod", "--workers", str(w), "--no-progress"]
+
+    def ours(tokenizer: Path) -> None:
+        prefix = tmp / f"std{next(runs)}"
+        subprocess.run(cmd(corpus, prefix, tokenizer), check=True, stdout=subprocess.DEVNULL)
+        remove_outputs(prefix)
+
+    def giga(tokenizer: Path) -> None:
+        kind, path = ("tiktoken", GPT2 / "gpt2.tiktoken") if tokenizer == GPT2 else ("json", tokenizer)
+        subprocess.run([sys.executable, "-c", GIGATOKEN, kind, str(path), str(corpus)], check=True,
+                       env={**os.environ, "RAYON_NUM_THREADS": str(w)})
+
+    for tokenizer in (GPT2, NEOX):  # the self-check's verdict cached, as on every run after a user's first
+        subprocess.run(cmd(head, tmp / "std-warm", tokenizer), check=True, stdout=subprocess.DEVNULL)
+        remove_outputs(tmp / "std-warm")
+    t_ours, t_giga, t_ours_neox, t_giga_neox = best_interleaved([
+        timed(ours, GPT2), timed(giga, GPT2), timed(ours, NEOX), timed(giga, NEOX)], repeat=args.repeat)
+    _, rss = run_measured(cmd(corpus, tmp / "std-mem", GPT2))
+    _, rss_quarter = run_measured(cmd(quarter, tmp / "std-mem-quarter", GPT2))
+    mb = corpus.stat().st_size / 1e6
+    rows = [
+        ("plain preprocess vs gigatoken encode_files, GPT-2 (target <= 1.2)", f"{t_ours:.2f} s", f"{t_giga:.2f} s",
+         f"{t_ours / t_giga:.2f}x"),
+        ("plain preprocess vs gigatoken encode_files, NeoX-20B tokenizer.json", f"{t_ours_neox:.2f} s",
+         f"{t_giga_neox:.2f} s", f"{t_ours_neox / t_giga_neox:.2f}x"),
+        (f"peak memory (PSS), GPT-2, {copies} copies vs {fewer} (flat = 1.0)", f"{rss / 2**20:.0f} MB",
+         f"{rss_quarter / 2**20:.0f} MB", f"{rss / rss_quarter:.2f}x"),
+    ]
+    print_table(f"plain preprocess vs gigatoken encode_files (issue 56): {mb:.0f} MB jsonl (the standard library's "
+                f"sources and pydoc topics, {copies} copies), {w} workers / {w} gigatoken threads on {os.cpu_count()} "
+                f"cores, fresh processes, best of {args.repeat} alternating rounds (time: lower is better); "
+                "memory sampled in one run each", rows)
+    for path in (corpus, quarter, head):
+        path.unlink()
+    for prefix in ("std-mem", "std-mem-quarter"):
+        remove_outputs(tmp / prefix)
 
 
 # --------------------------------------------------------------------------- peak RSS of a process tree
@@ -277,11 +367,22 @@ def main() -> None:
                     help="the distinct-words memory rows on a corpus of this size and 4x it (0: not)")
     ap.add_argument("--distinct-only", action="store_true", help="run the distinct-words rows alone")
     ap.add_argument("--dedup-only", action="store_true", help="run the --dedup rows alone")
+    ap.add_argument("--stdlib-mb", type=float, default=528,
+                    help="plain preprocess vs gigatoken encode_files on the standard library corpus of about this "
+                         "size, in whole copies (0: not)")
+    ap.add_argument("--stdlib-only", action="store_true", help="run the standard-library rows alone")
     args = ap.parse_args()
     if not (GPT2 / "gpt2-vocab.json").exists():
         raise SystemExit(f"needs the shared GPT-2 files under {GPT2} (set TOKENLOOM_SHARED_DATA)")
     if args.distinct_only:
         distinct_rows(args, Path(tempfile.mkdtemp(prefix="tl-pp-bench-")))
+        return
+    if args.stdlib_only:
+        tmp = Path(tempfile.mkdtemp(prefix="tl-pp-bench-"))
+        try:
+            stdlib_rows(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return
     sys.path.insert(0, str(REPO))
     from tokenloom.tokenizers import load_tokenizer
@@ -376,6 +477,8 @@ def main() -> None:
         large_rows(args, docs, tmp, w, rss1, ours, giga_ceiling, tokenloom_cmd)
     if args.distinct_mb:
         distinct_rows(args, tmp)
+    if args.stdlib_mb:
+        stdlib_rows(args, tmp)
 
 
 def dedup_rows(args, tmp: Path, corpus: Path, corpus4: Path, mb: float, w: int, tokenloom_cmd) -> None:

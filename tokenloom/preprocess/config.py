@@ -50,7 +50,7 @@ class PreprocessConfig:
     # 4 MiB: gigatoken builds an awkward array per call, a visible part of a small chunk's encode;
     # 8 MiB is slower (the last chunks leave a worker idle longer); see bench/RESULTS.md, notes
     chunk_bytes: int = 4 << 20
-    """Text bytes per work unit sent to a worker (larger: less per-unit overhead, more memory in flight, two units per worker)."""
+    """Text bytes per work unit sent to a worker (larger: less per-unit overhead, more memory in flight, four units per worker)."""
     checkpoint_interval: float = 60.0
     """Seconds between resume checkpoints."""
     encoder_memory_mb: int = 128

@@ -10,7 +10,7 @@ Policy and its costs:
 * Ordered and deterministic: chunks are numbered and written in order, and a record's tokens
   depend only on that record, so the bytes are the same for any ``--workers`` and equal Megatron's
   ``preprocess_data.py`` output.
-* Bounded memory: at most ``2 x workers`` chunks in flight (backpressure on the reader); index
+* Bounded memory: at most ``IN_FLIGHT x workers`` chunks in flight (backpressure on the reader); index
   arrays grow by 12 bytes per sequence.
 * Scaling: for a local jsonl the main process reads no input: it cuts byte ranges (one 64 KB read
   per chunk to find a line end) and only receives and appends each chunk's tokens. Compressed
@@ -495,6 +495,14 @@ class _Run:
                 f"({state['counts']['records']} records done, {megabytes(kept)} kept there)")
 
 
+IN_FLIGHT = 4
+"""Chunks in flight per worker (submitted, their results not yet written). A chunk goes to the worker with
+the fewest unfinished ones and results are written in order, so the others run ahead of a slow worker (a
+chunk of words new to its cache, a core taken by another process) by at most this bound in all before
+they wait; at two, the workers waited on each other (and on the main process) a visible share of a
+loaded run. Costs up to this many encoded chunks per worker held in the main process (a few MB each)."""
+
+
 def start_pool(run: _Run) -> OrderedPool | None:
     """Worker processes, started before any thread exists in this process.
 
@@ -517,7 +525,7 @@ def start_pool(run: _Run) -> OrderedPool | None:
 
 
 def _results(run: _Run, chunks, pool: OrderedPool | None):
-    """Yield (chunk, EncodedChunk) in input order; at most 2 x workers chunks in flight.
+    """Yield (chunk, EncodedChunk) in input order; at most ``IN_FLIGHT x workers`` chunks in flight.
 
     Closing the generator early leaves its in-flight tasks with the pool: whoever owns the pool
     closes the generator first, then the pool (which kills workers with tasks outstanding). The
@@ -532,7 +540,7 @@ def _results(run: _Run, chunks, pool: OrderedPool | None):
     for chunk in chunks:
         pool.submit(encode_in_worker, chunk, run.opts)
         inflight.append(chunk)
-        if len(inflight) >= 2 * run.workers:
+        if len(inflight) >= IN_FLIGHT * run.workers:
             yield inflight.popleft(), pool.result()
     while inflight:
         yield inflight.popleft(), pool.result()

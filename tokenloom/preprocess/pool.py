@@ -9,9 +9,11 @@ load in about one kill in ten). Here each worker owns a pipe whose sending end n
 process holds, so a worker's death is end-of-file on its pipe (and its sentinel) whatever
 it was doing, and :meth:`OrderedPool.result` raises :class:`WorkerDied`.
 
-The trade-off: task ``k`` goes to worker ``k mod n`` (round robin) instead of to whichever
-worker is free. Preprocess consumes results in input order anyway and its chunks are of
-similar size, so a free worker could only run ahead by the in-flight bound. Each worker's
+The trade-off: a task is sent to the worker with the fewest tasks not yet finished (the
+others in turn on a tie) when it is submitted, not taken by whichever worker is free when
+it starts, so a worker that turns slow after that (a core taken by another process) still
+holds the tasks it was given. Preprocess consumes results in input order anyway, so a free
+worker can only run ahead by the caller's in-flight bound. Each worker's
 tasks are sent, and its results read as soon as they are written, by threads of its own, so
 neither side ever waits on the other's pipe: results wait in memory
 (at most the caller's in-flight bound of them) until :meth:`OrderedPool.result` takes them.
@@ -128,6 +130,7 @@ class OrderedPool:
         self._procs: list = []
         self._submitted = 0
         self._outstanding: collections.deque = collections.deque()  # the worker of each task not yet taken
+        self._given: list[int] = [0] * n  # tasks not yet taken, per worker
         self._outboxes: list[queue.SimpleQueue] = []  # each worker's tasks, sent by a thread of its own
         self._senders: list[threading.Thread] = []  # started after the last fork
         self._inboxes: list[queue.SimpleQueue] = []
@@ -159,10 +162,15 @@ class OrderedPool:
             self._receivers.append(receiver)
 
     def submit(self, fn, *args) -> None:
-        """Queue ``fn(*args)`` on the next worker (round robin); never blocks."""
-        worker = self._submitted % len(self._conns)
+        """Queue ``fn(*args)`` on the worker with the fewest unfinished tasks (the next in turn on a tie:
+        round robin while they keep pace); never blocks."""
+        n = len(self._conns)
+        # unfinished: given and not taken, less those whose reply (or death) has arrived
+        worker = min(((self._submitted + k) % n for k in range(n)),
+                     key=lambda w: self._given[w] - self._inboxes[w].qsize())
         self._outboxes[worker].put((fn, args))
         self._outstanding.append(worker)
+        self._given[worker] += 1
         self._submitted += 1
 
     def pending(self) -> int:
@@ -177,6 +185,7 @@ class OrderedPool:
         if not self._procs:
             raise ValueError("result() of a closed OrderedPool")
         worker = self._outstanding.popleft()
+        self._given[worker] -= 1
         reply = self._inboxes[worker].get()
         if reply is _DIED:
             self._inboxes[worker].put(_DIED)  # and for every later task of this worker
@@ -214,6 +223,7 @@ class OrderedPool:
                 end.close()
         self._procs, self._conns, self._receivers = [], [], []
         self._outstanding.clear()
+        self._given = [0] * len(self._given)
 
 
 def fork_or_spawn():

@@ -192,6 +192,13 @@ class GigatokenEngine:
         return (self._astral_chars.search(text, found.start()) is not None
                 or (self._bmp_chars is not None and self._bmp_chars.search(text, found.end()) is not None))
 
+    def warm_up(self) -> None:
+        """Encode one text on this thread (never gigatoken's pool, so forking stays safe), in the process
+        that loads the tokenizer: the first batch imports what awkward builds its result with (numpy.ma,
+        its kernels) and fills its caches, which each forked preprocess worker otherwise did on its first
+        chunk, all of them at once on the same cores."""
+        self.model.encode_batch(["a"], parallel=False)
+
     def bound_memory(self, limit_bytes: int | None) -> None:
         """Rebuild the model whenever the process has grown by more than ``limit_bytes`` since it was
         built (None or 0: never; without a ``rebuild`` there is nothing to bound with)."""
@@ -420,6 +427,7 @@ def select_backend(tok, requested: str) -> None:
             raise  # KeyboardInterrupt, SystemExit
         reason = f"gigatoken cannot load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     if reason is None:
+        engine.warm_up()
         escaped = f"; texts with one of {len(unstable)} characters its Unicode tables treat differently use {tok.engine}"
         tok.set_backend(engine, f"self-check passed: {probed} probe texts give the same ids as {tok.engine}"
                         + (escaped if unstable else ""))
