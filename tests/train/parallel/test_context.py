@@ -19,6 +19,7 @@ from compose_helpers import (
     launches_timeout,
     reference,
 )
+from torch.nn.attention.bias import causal_lower_right
 
 from tokenloom.errors import TokenloomError
 from tokenloom.train.kernels.attention import document_mask
@@ -203,7 +204,7 @@ def test_causal_chunks_attention_equals_the_gathered_dense_mask(cp, documents):
         forms: list = ["dense", chunks]
         if not documents:
             forms.append(CausalChunks(cp, chunks.chunk, chunks.ends,
-                                      tuple(torch.nn.attention.bias.causal_lower_right(chunks.chunk, e)
+                                      tuple(causal_lower_right(chunks.chunk, e)
                                             for e in chunks.ends)))
         dense = additive_mask(dense_relation(seq, cp, rank, cu), torch.float32)
         results = []
