@@ -152,3 +152,20 @@ def test_best_fit_resume_mid_epoch_continues_exactly(tmp_path, blend_sources):
         concat.load_state_dict(saved(built))
     with pytest.raises(TokenloomError, match="data.packing 'concat' -> 'best-fit'"):
         built.load_state_dict(saved(concat))
+
+
+def test_a_saved_concat_config_masks_documents_once_switched_to_best_fit(tmp_path):
+    """inter_document_masking's default (None) follows packing where it is used, so a config saved
+    from a concat run keeps None, and ``--set data.packing=best-fit`` on it masks documents; an
+    explicit value is kept either way."""
+    from tokenloom.train.config import config_to_dict, load_config
+
+    cfg = TrainConfig(model=GPTConfig(vocab_size=64, seq_len=16, n_layers=1, n_heads=2, d_model=16),
+                      data=DataConfig(mock=MockDataConfig()), optim=OptimConfig(), output_dir=str(tmp_path))
+    assert not cfg.data.masks_documents
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(config_to_dict(cfg)))
+    assert json.loads(saved.read_text())["data"]["inter_document_masking"] is None
+    assert load_config(saved, ["data.packing=best-fit"]).data.masks_documents
+    assert not load_config(saved, ["data.packing=best-fit", "data.inter_document_masking=false"]).data.masks_documents
+    assert load_config(saved, ["data.inter_document_masking=true"]).data.masks_documents

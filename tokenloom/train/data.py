@@ -156,11 +156,16 @@ class DataConfig:
     Costs a [seq x seq] mask per sample on CPU (block masks via flex_attention on CUDA).
     None (default): on with best-fit packing, off with concat."""
 
+    @property
+    def masks_documents(self) -> bool:
+        """Whether the run masks attention at documents: :attr:`inter_document_masking`, or when
+        that is None, whether packing is best-fit. Resolved here, not stored, so a saved config
+        keeps None and follows a later change of ``packing``."""
+        return self.packing == "best-fit" if self.inter_document_masking is None else self.inter_document_masking
+
     def __post_init__(self) -> None:
         if self.packing not in PACKINGS:
             raise TokenloomError(f"data.packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
-        if self.inter_document_masking is None:
-            self.inter_document_masking = self.packing == "best-fit"
         if (self.mock is None) == (self.blend is None):
             raise TokenloomError("the data section needs exactly one of data.mock or data.blend")
         if self.num_workers < 0:

@@ -296,7 +296,7 @@ class Strategy:
         """Whether this rank reads batches: first and last stages, every stage under document masking."""
         st = self.state
         return (st.is_first_stage(ignore_virtual=True) or st.is_last_stage(ignore_virtual=True)
-                or bool(self.cfg.data.inter_document_masking))
+                or self.cfg.data.masks_documents)
 
     @property
     def computes_loss(self) -> bool:
@@ -314,7 +314,7 @@ class Strategy:
             dataset, eod=eod, eod_mask_loss=cfg.data.eod_mask_loss, consumed_samples=consumed,
             micro_batch_size=cfg.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_workers=workers, pin_memory=self.device.type == "cuda", total_samples=total,
-            inter_document_masking=bool(cfg.data.inter_document_masking), vocab_size=cfg.model.vocab_size,
+            inter_document_masking=cfg.data.masks_documents, vocab_size=cfg.model.vocab_size,
             source_ids=sources, packed=cfg.data.packing == "best-fit",
         )
         host = torch.device("cpu")
