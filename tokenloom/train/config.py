@@ -198,8 +198,8 @@ class TrainConfig:
     """Shard the AdamW state over data parallel (ZeRO-1, the same weight-decay groups as AdamW); with
     ep > 1 the experts' state over the dp ranks holding the same experts (Megatron's expert buffers)."""
     fsdp: bool = False
-    """Fully sharded data parallelism (ZeRO-3, torch's fully_shard): parameters, gradients and AdamW
-    state sharded over data parallel, each block's parameters all-gathered just before its forward and
+    """Fully sharded data parallelism (ZeRO-3, torch's fully_shard): parameters, gradients and optimizer
+    state (AdamW's moments, Muon's momentum) sharded over data parallel, each block's parameters all-gathered just before its forward and
     backward (the next block's prefetched) and its gradients reduce-scattered as its backward ends.
     Composes with tp (+ sp) and pp; refuses zero1 (it shards more) and ddp_bucket_cap_mb (it
     communicates per block). Checkpoints load into any layout, with or without fsdp."""
@@ -261,10 +261,6 @@ class TrainConfig:
             raise TokenloomError(f"compile must be true, false or auto, got {self.compile!r}")
         if self.sp and self.tp < 2:
             raise TokenloomError("sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
-        if self.optim.name == "muon" and self.fsdp:
-            raise TokenloomError("optim.name muon (--optimizer muon) runs with data (and zero1), tensor (+ sequence), "
-                                 "pipeline, context and expert parallelism in this version; fsdp is not supported "
-                                 "with it yet")
         if self.optim.name == "muon" and self.zero1 and (self.overlap_grad_reduce is not None
                                                          or self.overlap_param_gather is not None):
             raise TokenloomError("overlap_grad_reduce and overlap_param_gather are ZeRO-1 AdamW's; Muon's zero1 "
