@@ -160,8 +160,9 @@ class TrainConfig:
     zero1: bool = False
     """Shard the AdamW state over data parallel (ZeRO-1; at ep > 1 experts over their expert-dp ranks)."""
     fsdp: bool = False
-    """Fully sharded data parallelism (ZeRO-3, torch's fully_shard), gathering each block's parameters
-    around its forward and backward. Composes with tp (+ sp) and pp; refuses zero1 and ddp_bucket_cap_mb."""
+    """Fully sharded data parallelism (ZeRO-3, torch's fully_shard): parameters, gradients and optimizer
+    state (AdamW's moments, Muon's momentum) sharded over dp, each block's parameters gathered around its
+    forward and backward. Composes with tp (+ sp) and pp; refuses zero1 and ddp_bucket_cap_mb."""
     overlap_grad_reduce: bool | None = None
     """ZeRO-1: reduce-scatter each gradient bucket during the last micro-batch's backward as soon as
     it is ready; false: all buckets after backward. None: on (DDP always overlaps)."""
@@ -217,10 +218,6 @@ class TrainConfig:
             raise TokenloomError(f"compile must be true, false or auto, got {self.compile!r}")
         if self.sp and self.tp < 2:
             raise TokenloomError("sp (sequence parallelism) splits tensor-parallel regions and needs tp >= 2")
-        if self.optim.name == "muon" and self.fsdp:
-            raise TokenloomError("optim.name muon (--optimizer muon) runs with data (and zero1), tensor (+ sequence), "
-                                 "pipeline, context and expert parallelism in this version; fsdp is not supported "
-                                 "with it yet")
         if self.optim.name == "muon" and self.zero1 and (self.overlap_grad_reduce is not None
                                                          or self.overlap_param_gather is not None):
             raise TokenloomError("overlap_grad_reduce and overlap_param_gather are ZeRO-1 AdamW's; Muon's zero1 "

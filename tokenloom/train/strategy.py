@@ -258,13 +258,16 @@ class Strategy:
 
     def _build_optimizer(self):
         cfg, st, o = self.cfg, self.state, self.cfg.optim
-        if o.name == "muon":  # the config refuses fsdp with it (not built yet)
+        if o.name == "muon":
             # zero1: DDP's all-reduced grads, each rank stepping and keeping the state of the whole
-            # tensors it owns, broadcasting their new values (megatron-core's layer-wise optimizer)
+            # tensors it owns, broadcasting their new values (megatron-core's layer-wise optimizer);
+            # fsdp: the owner of a matrix gathers its sharded update over dp (its fsdp group) and
+            # sends each rank its rows of the step
             matrices, groups = split_params(self.chunks, o.weight_decay)
             return Muon(matrices, groups, o, dp_group=st.dp_cp_group if st.dp_cp_size > 1 else None,
                         expert_dp_group=st.expert_dp_group if cfg.ep > 1 else None,
-                        tp_group=st.tp_group if cfg.tp > 1 else None, shard_state=cfg.zero1)
+                        tp_group=st.tp_group if cfg.tp > 1 else None, shard_state=cfg.zero1,
+                        sharded=self.fsdp_group is not None)
         if not cfg.zero1:
             return build_optimizer(self.chunks, o)
         groups = param_groups(self.chunks, o.weight_decay)

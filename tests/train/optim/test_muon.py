@@ -111,7 +111,5 @@ def test_resume_with_another_optimizer_is_refused_unless_forced(tmp_path):
         check_resumable_optimizer(tmp_path, cfg, saved)
     check_resumable_optimizer(tmp_path, TrainConfig(optim=OptimConfig(name="muon"), force_optimizer=True), saved)
     check_resumable_optimizer(tmp_path, TrainConfig(), {"optim": {}})  # before the field: AdamW
-    with pytest.raises(TokenloomError, match="fsdp is not supported"):
-        TrainConfig(optim=OptimConfig(name="muon"), fsdp=True)
     with pytest.raises(TokenloomError, match="overlap_param_gather"):
         TrainConfig(optim=OptimConfig(name="muon"), zero1=True, overlap_param_gather=False)

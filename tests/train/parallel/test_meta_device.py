@@ -48,8 +48,10 @@ LAYOUTS = {  # name -> (world size, TrainConfig overrides); layouts are (dp, tp,
     "ep2_tp2_sp_zero1": (4, dict(moe=True, ep=2, tp=2, sp=True, zero1=True, ddp_bucket_cap_mb=0.02)),
     "ep2_pp2_zero1": (4, dict(moe=True, ep=2, pp=2, zero1=True, ddp_bucket_cap_mb=0.02)),
     # Muon (issue 51): updates broadcast by their owner over dp, tp shards gathered, experts shared over
-    # the expert-data-parallel group, against the one-process Muon runs
+    # the expert-data-parallel group, fsdp's sharded updates gathered to their owner and scattered back,
+    # against the one-process Muon runs
     "muon_dp2": (2, dict(optim=MUON)),
+    "muon_dp2_fsdp": (2, dict(fsdp=True, optim=MUON)),
     "muon_ep2": (2, dict(moe=True, ep=2, optim=MUON)),
     "muon_dp2_tp2_sp": (4, dict(tp=2, sp=True, optim=MUON)),
     "muon_tp2_pp2": (4, dict(tp=2, pp=2, optim=MUON)),

@@ -29,11 +29,23 @@ Layouts: Newton–Schulz needs each whole matrix.
   over tp (fused blocks put back in one-process order, :func:`~tokenloom.train.parallel.layers.unshard`),
   orthogonalised whole on every tp rank, and each keeps its shard: exactly the one-process update.
   ``blockwise`` orthogonalises each rank's shard alone (no communication; not the one-process update).
+* fsdp (``sharded``): each parameter is a ``DTensor`` sharded on dim 0 over dp
+  (:mod:`~tokenloom.train.parallel.fsdp`) and so are its gradient and its momentum (the
+  ``momentum_buffer`` lives sharded like FSDP's AdamW moments, so checkpoints hold it in the one
+  layout-free format and any layout resumes it). Every rank runs the momentum and Nesterov step on
+  its own rows; one all-to-all over dp brings each matrix's rows to its owner (:func:`assign`, as
+  at dp), which orthogonalises the whole matrix (tp-gathered as above at tp > 1); a second
+  all-to-all sends each rank its rows of the update, and every rank decays and steps its own shard.
+  Two collectives per step whatever dp is; the owner holds its matrices whole only while it steps.
 * pp, cp: each stage steps its own parameters; nothing changes.
 
 Newton–Schulz is written here, batched: the matrices of one shape go through torch's op sequence
 as one ``bmm``/``baddbmm`` stack (the same results as ``torch.optim.Muon``'s per-matrix ``addmm`` on
 CPU in the unit test), fewer and larger kernels than torch's loop over matrices (bench/RESULTS.md).
+The rest of a step is a few calls whatever the number of matrices: the momentum and Nesterov lerps,
+the decay and the subtraction of each batch's results from the parameters' pieces are ``_foreach``
+calls over all of them, and each batch is scaled in place (its matrices share one shape and scale).
+At the bench's small sizes Newton-Schulz's matmuls, not per-call overhead, are most of the step.
 """
 
 from __future__ import annotations
@@ -47,8 +59,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tokenloom.errors import TokenloomError
 from tokenloom.train.model.blocks import Attention
 from tokenloom.train.optim.adamw import OptimConfig, param_groups, use_fused
+from tokenloom.train.parallel.fsdp import local
 from tokenloom.train.parallel.layers import shard, unshard
 from tokenloom.train.parallel.mappings import all_gather_first_dim
 
@@ -108,7 +122,8 @@ def split_params(modules: nn.Module | Iterable[nn.Module], weight_decay: float
 def newton_schulz(x: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16,
                   coefficients: Sequence[float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
     """The orthogonalisation of a matrix, or of each of a ``[n, rows, cols]`` stack at once
-    (``torch.optim.Muon``'s op sequence, batched: ``bmm``/``baddbmm`` for ``mm``/``addmm``), in ``dtype``."""
+    (``torch.optim.Muon``'s op sequence, batched: ``bmm``/``baddbmm`` for ``mm``/``addmm``), in ``dtype``.
+    The iterations write into four buffers allocated once per call (the same kernels, the same values)."""
     if x.dim() == 2:
         return newton_schulz(x.unsqueeze(0), steps, dtype, coefficients, eps).squeeze(0)
     a, b, c = coefficients
@@ -117,10 +132,13 @@ def newton_schulz(x: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat
     if tall:
         y = y.transpose(1, 2)
     y = y / y.flatten(1).norm(dim=1).clamp(min=eps)[:, None, None]
-    for _ in range(steps):
-        gram = torch.bmm(y, y.transpose(1, 2))
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        y = torch.baddbmm(y, poly, y, beta=a)
+    n, rows, cols = y.shape
+    gram, poly = y.new_empty(n, rows, rows), y.new_empty(n, rows, rows)
+    out = [y.new_empty(n, rows, cols), y.new_empty(n, rows, cols)] if steps else []
+    for i in range(steps):
+        torch.bmm(y, y.transpose(1, 2), out=gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        y = torch.baddbmm(y, poly, y, beta=a, out=out[i % 2])
     return y.transpose(1, 2) if tall else y
 
 
@@ -148,12 +166,16 @@ class Muon(torch.optim.Optimizer):
 
     ``dp_group`` / ``expert_dp_group``: where updates of dense / expert-parallel matrices are
     shared (None: one rank does all); ``tp_group``: where tp-split matrices are gathered
-    (duplicated mode)."""
+    (duplicated mode); ``shard_state``: zero1 by whole tensors; ``sharded``: the parameters are
+    fsdp's ``DTensor`` shards over ``dp_group`` (the module docstring's layouts)."""
 
     def __init__(self, matrices: list[MatrixParam], adam_groups: list[dict], cfg: OptimConfig, *,
                  dp_group: dist.ProcessGroup | None = None, expert_dp_group: dist.ProcessGroup | None = None,
-                 tp_group: dist.ProcessGroup | None = None, shard_state: bool = False) -> None:
-        self.cfg, self.matrices, self.shard_state = cfg, matrices, shard_state
+                 tp_group: dist.ProcessGroup | None = None, shard_state: bool = False, sharded: bool = False) -> None:
+        if sharded and shard_state:
+            raise TokenloomError("Muon: fsdp (sharded) shards every state already; zero1 (shard_state) cannot be "
+                                 "combined with it")
+        self.cfg, self.matrices, self.shard_state, self.sharded = cfg, matrices, shard_state, sharded
         muon_decay = cfg.weight_decay if cfg.muon_weight_decay is None else cfg.muon_weight_decay
         ratio = 1.0 if cfg.muon_lr is None else cfg.muon_lr / cfg.lr
         groups = [{"params": [m.param for m in matrices], "weight_decay": muon_decay, "muon": True,
@@ -205,27 +227,33 @@ class Muon(torch.optim.Optimizer):
                 inner["lr"] = outer["lr"]
             self.adamw.step()
         muon = [g for g in self.param_groups if g["muon"]]
-        if not muon:
-            return None
-        group = muon[0]
-        lr, decay, mu = group["lr"] * group["lr_ratio"], group["weight_decay"], self.cfg.muon_momentum
+        group = muon[0] if muon else None
+        lr = group["lr"] * group["lr_ratio"] if group is not None else 0.0
+        decay = group["weight_decay"] if group is not None else 0.0
+        mu = self.cfg.muon_momentum
+        # the momentum and Nesterov steps of every matrix this rank steps, as two foreach calls (on
+        # the local rows under fsdp, where gradient and momentum are sharded like the parameter)
+        held = [m.param for m in self.matrices
+                if m.param.grad is not None and not (self.shard_state and id(m.param) not in self.owned)]
         update: dict[int, torch.Tensor] = {}
-        for m in self.matrices:
-            p = m.param
-            if p.grad is None or (self.shard_state and id(p) not in self.owned):
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mu)
-            update[id(p)] = p.grad.lerp(buf, mu) if self.cfg.muon_nesterov else buf
+        if held:
+            grads, bufs = [local(p.grad) for p in held], []
+            for p in held:
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = torch.zeros_like(p.grad)
+                bufs.append(local(buf))
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+            news = torch._foreach_lerp(grads, bufs, mu) if self.cfg.muon_nesterov else bufs
+            update = {id(p): u for p, u in zip(held, news, strict=True)}
         for share_group, size, rank, items in self.shares:
+            if self.sharded:
+                self._step_sharded(share_group, size, rank, items, update, lr, decay)
+                continue
             work = [(plan, update[id(p)]) for p, plan, owner in items
                     if owner == rank and plan is not None and id(p) in update]
-            for (plan, _), delta in zip(work, self._deltas(work, lr), strict=True):
-                plan.param.mul_(1 - lr * decay)
-                plan.param.sub_(delta)
+            self._apply(work, [plan.param for plan, _ in work], lr, decay)
             for owner in range(size) if size > 1 else ():  # the owners' new values to the other ranks
                 held = [p for p, _, o in items if o == owner and p.grad is not None]
                 if not held:
@@ -234,9 +262,72 @@ class Muon(torch.optim.Optimizer):
                         torch.empty(sum(p.numel() for p in held), dtype=held[0].dtype, device=held[0].device))
                 dist.broadcast(flat, src=dist.get_global_rank(share_group, owner), group=share_group)
                 if owner != rank:
-                    for p, piece in zip(held, flat.split([p.numel() for p in held]), strict=True):
-                        p.copy_(piece.view_as(p))
+                    torch._foreach_copy_(held, [piece.view_as(p) for p, piece in
+                                                zip(held, flat.split([p.numel() for p in held]), strict=True)])
         return None
+
+    def _apply(self, work: list[tuple[MatrixParam, torch.Tensor]], targets: list[torch.Tensor], lr: float,
+               decay: float) -> None:
+        """Decay and step ``targets`` (each work's parameter, or its local tensor) by ``work``'s
+        orthogonalised updates: the matrices that need no tp cut straight from Newton-Schulz's
+        batches into the parameter's pieces (one foreach call), the tp-gathered ones cut back first."""
+        if not work:
+            return
+        torch._foreach_mul_(targets, 1 - lr * decay)
+        into: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
+        for (plan, _), target, (gathered, pieces) in zip(work, targets, self._orthogonalised(work, lr), strict=True):
+            if gathered:  # tp-gathered: the whole delta, then this rank's shard of it
+                target.sub_(self._delta(plan, pieces))
+                continue
+            into.extend(target.unbind(0) if plan.experts else target.split([x.size(0) for x in pieces], 0))
+            steps.extend(pieces)
+        if into:
+            torch._foreach_sub_(into, steps)
+
+    def _step_sharded(self, group: dist.ProcessGroup | None, size: int, rank: int,
+                      items: list[tuple[nn.Parameter, MatrixParam | None, int]],
+                      update: dict[int, torch.Tensor], lr: float, decay: float) -> None:
+        """fsdp: each matrix's local rows of ``update`` to its owner (one all-to-all over ``group``),
+        orthogonalised whole there, each rank's rows of the step back (a second one), every rank
+        stepping its own shard."""
+        held = [(p, plan, o) for p, plan, o in items if plan is not None and id(p) in update]
+        if not held:
+            return
+        if size == 1:
+            work = [(plan, update[id(p)]) for p, plan, _ in held]
+            self._apply(work, [local(p) for p, _, _ in held], lr, decay)
+            return
+        mine = [(p, plan) for p, plan, o in held if o == rank]
+        ref = update[id(held[0][0])]
+
+        def rows_of(p: torch.Tensor) -> list[tuple[int, int]]:  # (first row, rows) on each rank: fully_shard's cut
+            per = -(-p.shape[0] // size)
+            return [(min(r * per, p.shape[0]), max(0, min(per, p.shape[0] - r * per))) for r in range(size)]
+
+        cuts = {id(p): rows_of(p) for p, _ in mine}
+        row = {id(p): math.prod(p.shape[1:]) for p, _ in mine}
+        sent = [sum(update[id(p)].numel() for p, _, o in held if o == r) for r in range(size)]
+        got = [sum(cuts[id(p)][r][1] * row[id(p)] for p, _ in mine) for r in range(size)]
+        flat = [update[id(p)].reshape(-1) for r in range(size) for p, _, o in held if o == r]
+        send = torch.cat(flat) if flat else ref.new_empty(0)
+        recv = ref.new_empty(sum(got))
+        dist.all_to_all_single(recv, send, got, sent, group=group)
+        parts = [piece.split([cuts[id(p)][r][1] * row[id(p)] for p, _ in mine])
+                 for r, piece in enumerate(recv.split(got))]
+        work = [(plan, torch.cat([parts[r][i].view(cuts[id(p)][r][1], *p.shape[1:]) for r in range(size)]))
+                for i, (p, plan) in enumerate(mine)]
+        deltas = [self._delta(plan, pieces) if gathered else (torch.stack(pieces) if plan.experts else torch.cat(pieces))
+                  for (plan, _), (gathered, pieces) in zip(work, self._orthogonalised(work, lr), strict=True)]
+        back = [d[first:first + n].reshape(-1) for r in range(size)
+                for d, (p, _) in zip(deltas, mine, strict=True) for first, n in [cuts[id(p)][r]]]
+        send = torch.cat(back) if back else ref.new_empty(0)
+        recv = ref.new_empty(sum(sent))
+        dist.all_to_all_single(recv, send, sent, got, group=group)
+        shards = [local(p) for r in range(size) for p, _, o in held if o == r]
+        torch._foreach_mul_(shards, 1 - lr * decay)
+        torch._foreach_sub_(shards, [piece.view_as(t) for t, piece in
+                                     zip(shards, recv.split([t.numel() for t in shards]), strict=True)])
 
     @torch.no_grad()
     def replicate_state(self) -> None:
@@ -275,41 +366,45 @@ class Muon(torch.optim.Optimizer):
                 if id(p) not in self.owned:
                     del self.state[p]
 
-    def _deltas(self, work: list[tuple[MatrixParam, torch.Tensor]], lr: float) -> list[torch.Tensor]:
-        """``lr x scale x NS(update)`` of each ``(plan, local update)``, cut to this rank's tp shard. The
-        matrices of one shape (q, k, v, the experts, like layers) are orthogonalised as one batch."""
+    def _orthogonalised(self, work: list[tuple[MatrixParam, torch.Tensor]], lr: float
+                        ) -> list[tuple[bool, list[torch.Tensor]]]:
+        """For each ``(plan, local update)`` of ``work``: (whether it was tp-gathered, so that its
+        pieces make the whole matrix rather than this rank's; its pieces ``lr x scale x NS(update)``:
+        q, k, v apart, each expert apart, in the parameter's order). The matrices of one shape and
+        scale (q, k, v, the experts, like layers) are orthogonalised as one batch and scaled in place."""
         mode, steps = self.cfg.muon_scale, self.cfg.muon_ns_steps
-        prepared: list[tuple[MatrixParam, Any, int, list[torch.Tensor], list[float]]] = []
-        # (plan, tp group, tp size, the whole matrices, their step sizes)
-        jobs: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        for plan, local in work:
+        gathered: list[bool] = []
+        pieces_of: list[list[torch.Tensor]] = []
+        jobs: dict[tuple[Any, ...], list[tuple[int, int]]] = {}  # (shape, scale) -> (work, piece)
+        for plan, full in work:
             tp = self.tp_group if plan.tp_dim is not None else None
             tp_size = dist.get_world_size(tp) if tp is not None else 1
-            full = local
             if tp_size > 1:
-                shards = all_gather_first_dim(local.unsqueeze(0).contiguous(), tp).unbind(0)
+                shards = all_gather_first_dim(full.unsqueeze(0).contiguous(), tp).unbind(0)
                 full = unshard(shards, int(plan.tp_dim or 0), plan.split_sizes)
             if plan.experts:  # [in, out] each: the scale of the out x in matrix
-                pieces = list(full.unbind(0))
-                scales = [lr * lr_scale(x.size(1), x.size(0), mode) for x in pieces]
+                pieces = full.unbind(0)
+                scales = [lr_scale(full.size(2), full.size(1), mode)] * len(pieces)
             else:
                 rows = plan.parts or [full.size(0)]
                 if sum(rows) != full.size(0):  # blockwise at tp > 1: this shard's rows of each part
                     rows = [r * full.size(0) // sum(rows) for r in rows]
-                pieces = list(full.split(rows, dim=0))
-                scales = [lr * lr_scale(x.size(0), x.size(1), mode) for x in pieces]
-            for j, x in enumerate(pieces):
-                jobs.setdefault(tuple(x.shape), []).append((len(prepared), j))
-            prepared.append((plan, tp, tp_size, pieces, scales))
-        done: list[list[torch.Tensor]] = [list(p[3]) for p in prepared]
-        for idx in jobs.values():
-            batch = newton_schulz(torch.stack([prepared[i][3][j] for i, j in idx]), steps, self.ns_dtype)
+                pieces = full.split(rows, dim=0)
+                scales = [lr_scale(x.size(0), x.size(1), mode) for x in pieces]
+            for j, (x, scale) in enumerate(zip(pieces, scales, strict=True)):
+                jobs.setdefault((tuple(x.shape), scale), []).append((len(pieces_of), j))
+            gathered.append(tp_size > 1)
+            pieces_of.append(list(pieces))
+        for (_, scale), idx in jobs.items():
+            batch = newton_schulz(torch.stack([pieces_of[i][j] for i, j in idx]), steps, self.ns_dtype).float()
+            batch.mul_(lr * scale)
             for (i, j), y in zip(idx, batch.unbind(0), strict=True):
-                done[i][j] = y.float() * prepared[i][4][j]
-        out = []
-        for (plan, tp, tp_size, _, _), pieces in zip(prepared, done, strict=True):
-            delta = (torch.stack(pieces) if plan.experts else torch.cat(pieces, dim=0)).to(plan.param.dtype)
-            if tp_size > 1:
-                delta = shard(delta, int(plan.tp_dim or 0), dist.get_rank(tp), tp_size, plan.split_sizes)
-            out.append(delta)
-        return out
+                pieces_of[i][j] = y
+        return list(zip(gathered, pieces_of, strict=True))
+
+    def _delta(self, plan: MatrixParam, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """A tp-gathered matrix's step from its orthogonalised pieces, cut to this rank's tp shard."""
+        delta = (torch.stack(pieces) if plan.experts else torch.cat(pieces, dim=0)).to(plan.param.dtype)
+        tp = self.tp_group
+        assert tp is not None  # only tp-gathered matrices come here
+        return shard(delta, int(plan.tp_dim or 0), dist.get_rank(tp), dist.get_world_size(tp), plan.split_sizes)
