@@ -3,49 +3,39 @@
 :func:`split_params` decides: every 2-D weight of a transformer block (attention and MLP
 projections, the router) and every expert matrix takes Muon; embeddings, an untied LM head,
 biases and norms take AdamW (Keller Jordan's and Megatron's split). :class:`Muon` is one
-``torch.optim.Optimizer`` over both, so the loop, the schedule (:func:`~.schedule.set_lr` sets
-every group's ``lr``; Muon's groups scale it by ``muon_lr / lr``) and the checkpoints
-(``state[p]``: ``momentum_buffer`` for Muon, AdamW's moments for the rest) see one optimizer.
+``torch.optim.Optimizer`` over both, so the loop, the schedule (Muon's groups scale ``lr`` by
+``muon_lr / lr``) and the checkpoints (``momentum_buffer`` for Muon, AdamW's moments) see one optimizer.
 
-The update is ``torch.optim.Muon``'s (its math is the test oracle; it is not used here because it
-is single-device and 2-D only): ``B = mu B + (1 - mu) g`` (lerp), Nesterov ``g + mu (B - g)``
-(lerp), five quintic Newton–Schulz steps in bf16 (``muon_ns_dtype``), decoupled decay, a step of
-``lr x scale`` with scale ``0.2 sqrt(max(A, B))`` (``match_rms_adamw``) or ``sqrt(max(1, A/B))``
-(``original``) for an ``A x B`` (out x in) matrix. Each of Q, K, V of a fused ``qkv`` is its own
-matrix, and so is each expert's (stored in x out, so its scale uses the transpose's shape; NS is
-transpose-equivariant, so the update is the same as orthogonalising the ``out x in`` matrix).
+The update is ``torch.optim.Muon``'s (the test oracle; single-device and 2-D only, so not used):
+``B = mu B + (1 - mu) g``, Nesterov ``g + mu (B - g)``, five quintic Newton–Schulz steps in
+``muon_ns_dtype``, decoupled decay, a step of ``lr x scale`` with scale ``0.2 sqrt(max(A, B))``
+(``match_rms_adamw``) or ``sqrt(max(1, A/B))`` (``original``) for an ``A x B`` (out x in) matrix.
+Each of Q, K, V of a fused ``qkv`` is its own matrix, and so is each expert's (stored in x out: its
+scale uses the transpose's shape; NS is transpose-equivariant, so the update is the same).
 
-Layouts: Newton–Schulz needs each whole matrix.
+Layouts (Newton–Schulz needs each whole matrix):
 
-* dp: tensors are assigned to the dp ranks whole, balanced by size (:func:`assign`, largest first
-  onto the least-loaded rank); each rank orthogonalises its own, then each owner broadcasts their
-  new values over dp (megatron-core's layer-wise scheme). Momentum stays replicated (as AdamW's
-  moments do without ZeRO-1). Experts at ep > 1 are shared over the expert-data-parallel group.
-* zero1 (``shard_state``): over DDP's all-reduced grads, the AdamW tensors are assigned too and
-  only each tensor's owner keeps (and steps) its state: ZeRO-1 by whole tensors, not
-  :mod:`.zero`'s flat buckets. A save first copies every state to every rank
+* dp: tensors are assigned to dp ranks whole, balanced by size (:func:`assign`, largest first onto
+  the least-loaded rank); each rank orthogonalises its own and broadcasts the new values over dp
+  (megatron-core's layer-wise scheme). Momentum stays replicated. Experts at ep > 1: over the
+  expert-data-parallel group.
+* zero1 (``shard_state``): the AdamW tensors are assigned too and only each owner keeps (and steps)
+  its state: ZeRO-1 by whole tensors. A save first copies every state to every rank
   (:meth:`Muon.replicate_state`), so the files are those of an unsharded run.
-* tp (``muon_tp_mode`` duplicated, the default): the momentum-updated shards are all-gathered
-  over tp (fused blocks put back in one-process order, :func:`~tokenloom.train.parallel.layers.unshard`),
-  orthogonalised whole on every tp rank, and each keeps its shard: exactly the one-process update.
-  ``blockwise`` orthogonalises each rank's shard alone (no communication; not the one-process update).
-* fsdp (``sharded``): each parameter is a ``DTensor`` sharded on dim 0 over dp
-  (:mod:`~tokenloom.train.parallel.fsdp`) and so are its gradient and its momentum (the
-  ``momentum_buffer`` lives sharded like FSDP's AdamW moments, so checkpoints hold it in the one
-  layout-free format and any layout resumes it). Every rank runs the momentum and Nesterov step on
-  its own rows; one all-to-all over dp brings each matrix's rows to its owner (:func:`assign`, as
-  at dp), which orthogonalises the whole matrix (tp-gathered as above at tp > 1); a second
-  all-to-all sends each rank its rows of the update, and every rank decays and steps its own shard.
-  Two collectives per step whatever dp is; the owner holds its matrices whole only while it steps.
-* pp, cp: each stage steps its own parameters; nothing changes.
+* tp (``muon_tp_mode`` duplicated, the default): the shards are all-gathered over tp (fused blocks in
+  one-process order), orthogonalised whole on every tp rank, each keeping its shard: the one-process
+  update. ``blockwise`` orthogonalises each shard alone (not the one-process update).
+* fsdp (``sharded``): parameter, gradient and momentum are ``DTensor`` rows over dp (momentum sharded
+  like FSDP's AdamW moments, so checkpoints stay layout-free). Each rank runs the momentum step on its
+  rows; one all-to-all brings each matrix's rows to its owner (:func:`assign`), which orthogonalises
+  it whole (tp-gathered at tp > 1); a second sends each rank its rows of the update. Two collectives
+  per step whatever dp is.
+* pp, cp: each stage steps its own parameters.
 
-Newton–Schulz is written here, batched: the matrices of one shape go through torch's op sequence
-as one ``bmm``/``baddbmm`` stack (the same results as ``torch.optim.Muon``'s per-matrix ``addmm`` on
-CPU in the unit test), fewer and larger kernels than torch's loop over matrices (bench/RESULTS.md).
-The rest of a step is a few calls whatever the number of matrices: the momentum and Nesterov lerps,
-the decay and the subtraction of each batch's results from the parameters' pieces are ``_foreach``
-calls over all of them, and each batch is scaled in place (its matrices share one shape and scale).
-At the bench's small sizes Newton-Schulz's matmuls, not per-call overhead, are most of the step.
+Newton–Schulz is written here, batched: the matrices of one shape go through torch's op sequence as
+one ``bmm``/``baddbmm`` stack (the same results as ``torch.optim.Muon``'s per-matrix ``addmm`` on CPU
+in the unit test), fewer and larger kernels than torch's loop (bench/RESULTS.md). The momentum, decay
+and update are ``_foreach`` calls over all matrices; at the bench's sizes the matmuls dominate.
 """
 
 from __future__ import annotations
