@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 # One thread per process, for the pytest workers and every process a test starts (cli.py runs,
-# torchrun's ranks, which torchrun already gives one): CI runs four xdist workers on two cores, and
+# torchrun's ranks, which torchrun already gives one): CI runs three xdist workers on two cores, and
 # torch's default of a thread per core then oversubscribes them, where the tiny models' small ops
 # wait on each other's threads (a one-process cli.py run took twice as long). Set before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
