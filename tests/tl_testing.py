@@ -74,6 +74,19 @@ def apply_environ(environ: dict[str, str]) -> None:
     os.environ.update(environ)
 
 
+@contextmanager
+def reaped(*procs: subprocess.Popen) -> Iterator[None]:
+    """Kill and reap every one of ``procs`` still running when the block ends (its wait timed out,
+    an assertion failed): no test leaves a process behind."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def shared_data_dir() -> Path:
     """``$TOKENLOOM_SHARED_DATA`` or ``../shared/data`` beside the repository."""
     return Path(os.environ.get("TOKENLOOM_SHARED_DATA", REPO.parent / "shared" / "data"))

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tl_testing import REPO, cli_env, limit_s, one_line_error, run_cli
+from tl_testing import REPO, cli_env, limit_s, one_line_error, reaped, run_cli
 
 
 def test_train_prints_its_summary(tmp_path):
@@ -198,7 +198,7 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
     proc = subprocess.Popen([sys.executable, str(REPO / "cli.py"), "train", *MOCK, "--train-iters", "5000",
                              "--log-interval", "1", "--nproc-per-node", "2", "--output-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
+    with reaped(proc):
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -206,10 +206,6 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
         (pid_file,) = (out / "logs").glob("*/rank1.pid")
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=limit_s(120))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode != 0
     assert "Traceback" not in stdout + stderr, stderr
     last = stderr.strip().splitlines()[-1]

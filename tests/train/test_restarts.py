@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tl_testing import REPO, cli_env, fault_env, limit_s
+from tl_testing import REPO, cli_env, fault_env, limit_s, reaped
 
 from tokenloom.indexed import IndexedDatasetWriter, manifest
 from tokenloom.train import faults
@@ -88,7 +88,7 @@ def survived(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """dp4, two restarts left: rank 2 killed after the first checkpoint, then rank 1 stopped."""
     out = tmp_path_factory.mktemp("survived")
     proc = cli(*TINY, *MOCK, "--nproc-per-node", 4, "--max-restarts", 2, "--hang-timeout", 10, "--output-dir", out)
-    try:
+    with reaped(proc):
         logs = wait_for("logs", proc, lambda: next((out / "logs").glob("*/rank0.pid"), None)).parent
         wait_for("first checkpoint", proc, lambda: (out / "checkpoints" / "iter_0000002" / "COMPLETE").exists()
                  and (step_of(logs, 2) or (0, 0))[1] >= 3)
@@ -99,10 +99,6 @@ def survived(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
                  and s[1] > s[0])
         os.kill(int((logs / "rank1.attempt").read_text().split()[1]), signal.SIGSTOP)
         stdout, stderr = proc.communicate(timeout=limit_s(600))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     return logs, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
@@ -176,12 +172,8 @@ def test_a_deterministic_error_stops_after_its_second_occurrence(tmp_path):
     out = tmp_path / "run"
     proc = cli(*TINY, "--data-path", prefix, "--split", "100,0,0", "--nproc-per-node", 2, "--max-restarts", 3,
                "--output-dir", out)
-    try:
+    with reaped(proc):
         stdout, stderr = proc.communicate(timeout=limit_s(600))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, stderr
@@ -266,18 +258,13 @@ def test_a_lost_node_leaves_the_rest_training_the_uninterrupted_runs_samples_at_
               "--rdzv-id", "elastic-test", "--max-restarts", 1, "--output-dir", out]
     stays = cli(*common, "--rdzv-conf", f"{conf},is_host=1")
     leaves = cli(*common, "--rdzv-conf", f"{conf},is_host=0")
-    try:
+    with reaped(stays, leaves):
         wait_for("first checkpoint", stays, lambda: (out / "checkpoints" / "iter_0000002" / "COMPLETE").exists())
         assert leaves.poll() is None, leaves.communicate()
         assert len(list((out / "logs").glob("*/rank*.pid"))) == 4  # one world of both nodes
         leaves.kill()  # its torchrun and ranks die with it (an elastic launch: SIGKILL, no stop to agree on)
         leaves.wait()
         stdout, stderr = stays.communicate(timeout=limit_s(600))
-    finally:
-        for proc in (stays, leaves):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     assert stays.returncode == 0, stderr
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["iteration"] == ITERS and not summary["exited"]

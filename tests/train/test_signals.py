@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tl_testing import REPO, cli_env, limit_s
+from tl_testing import REPO, cli_env, limit_s, reaped
 
 from tokenloom.train.launch import process_alive
 
@@ -38,12 +38,8 @@ def losses(out: Path) -> list[float]:
 
 
 def finished(proc: subprocess.Popen) -> tuple[str, str]:
-    try:
+    with reaped(proc):
         return proc.communicate(timeout=limit_s(240))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def job_pids(launcher: int, out: Path) -> list[int]:

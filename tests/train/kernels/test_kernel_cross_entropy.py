@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tl_testing import limit_s
+from tl_testing import limit_s, reaped
 from torch.autograd import gradcheck
 
 from tokenloom.train.kernels.compiled import compile_available, compiled
@@ -240,13 +240,9 @@ def test_vocab_parallel_two_ranks_gloo(tmp_path):
         for rank in range(2)
     ]
     outputs = []
-    try:
+    with reaped(*procs):
         for proc in procs:
             outputs.append(proc.communicate(timeout=limit_s(120))[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
     for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, out
         errors = json.loads(out.strip().splitlines()[-1])
