@@ -22,7 +22,7 @@ import torch
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
-from compose_helpers import checkpoint_params, read_bubbles, read_losses, read_norms, tiny_cfg  # noqa: E402
+from compose_helpers import PARAM_TOL, checkpoint_params, read_bubbles, read_losses, read_norms, tiny_cfg  # noqa: E402
 from tl_testing import cli_env, run_cli  # noqa: E402
 
 from tokenloom import cli  # noqa: E402
@@ -99,8 +99,6 @@ ITERS = 10
 PACKED = ["--set", "data.packing=best-fit", "--set", "data.inter_document_masking=true", "--set",
           "data.mock.max_length=12", "--set", f"train_iters={ITERS}"]
 STOP = 7  # the one-process run stops here (mid-epoch) and resumes with --resume auto
-PARAM_TOL = 1e-4  # AdamW divides each update by its second moment's root: an element whose gradient is near
-# zero moves by up to lr per step on a summation-order difference (the losses and grad norms stay within TOL)
 
 
 def run_record(out: Path) -> dict:

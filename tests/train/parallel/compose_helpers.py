@@ -408,17 +408,29 @@ def assert_matches_one_process(results: list[dict], ref: dict[str, Any], steps: 
     assert max(ref["norms"]) > 0.5  # clipping (grad_clip 0.5) was active
 
 
-def assert_losses_norms_params_match(results: list[dict], ref: dict[str, Any], steps: int, tol: float) -> None:
+PARAM_TOL = 1e-4
+"""Final parameters' tolerance where a run's losses and grad norms are held to 1e-5: AdamW divides each
+update by its second moment's root, so an element whose gradient is near zero moves by up to lr per step
+on a summation-order difference (one element of 4,096 at 1.07e-5 after 20 steps of cp 2 with documents
+masked on an Intel Xeon, where an AMD EPYC stayed under 1e-5)."""
+
+
+def assert_losses_norms_params_match(results: list[dict], ref: dict[str, Any], steps: int, tol: float,
+                                     param_tol: float | None = None) -> None:
     """A layout's run equals the one-process ``ref`` within ``tol`` (absolute): every step's loss, the
-    grad norms of the first rank that logged them, and the merged final parameters (the checks of
-    :func:`assert_matches_one_process` without validation and the clipping premise)."""
+    grad norms of the first rank that logged them, and the merged final parameters within ``param_tol``
+    (default ``tol``; the checks of :func:`assert_matches_one_process` without validation and the
+    clipping premise)."""
     losses = logged_losses(results)
     assert len(losses) == steps
     assert max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)) < tol, (losses, ref["losses"])
     norms = next(r["norms"] for r in results if r["norms"])
     assert max(abs(a - b) for a, b in zip(norms, ref["norms"], strict=True)) < tol
     params = merged_params(results)
-    assert max((params[k] - v).abs().max().item() for k, v in ref["params"].items()) < tol
+    worst = max(ref["params"], key=lambda k: (params[k] - ref["params"][k]).abs().max().item())
+    delta = params[worst] - ref["params"][worst]
+    assert delta.abs().max().item() < (param_tol or tol), (worst, delta.abs().max().item(), int((delta.abs() >= tol).sum()),
+                                            delta.numel())
 
 
 def logged_losses(results: list[dict]) -> list[float]:

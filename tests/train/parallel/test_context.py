@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from compose_helpers import (
+    PARAM_TOL,
     activation_bytes,
     assert_losses_norms_params_match,
     launch,
@@ -172,7 +173,7 @@ def refs(runs):
 def test_layout_matches_one_process(runs, refs, name):
     _, results = runs
     ref = refs[bool(LAYOUTS[name][1].get("masked"))]
-    assert_losses_norms_params_match(results[name], ref, STEPS, TOL)
+    assert_losses_norms_params_match(results[name], ref, STEPS, TOL, PARAM_TOL)
 
 
 @pytest.mark.slow
