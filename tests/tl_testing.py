@@ -6,12 +6,16 @@ Test folders have no ``__init__.py`` and several have a ``conftest.py``, so
 
 from __future__ import annotations
 
+import atexit
+import io
 import json
 import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,20 +55,21 @@ def timed(what: str, seconds: float) -> Iterator[float]:
         DEADLINES.append((what, time.monotonic() - start, limit))
 
 
-RANK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "tokenloom.train.loop"]
-"""What the test ranks' fork server imports once (``torch._dynamo``: torch's optimizers load it
-at their first step)."""
+FORK_PRELOAD = ["tokenloom.cli", "torch", "torch.distributed", "torch._dynamo", "torch.optim", "tokenloom.train.loop"]
+"""What the fork server of test ranks and ``cli.py`` commands imports once (``tokenloom.cli`` first, as
+``cli.py`` does: it imports numpy with one BLAS thread; ``torch._dynamo``: torch's optimizers load it when
+they are built)."""
 
 
 def rank_context():
     """The ``multiprocessing`` context test ranks start in: ranks fork from one ``forkserver`` per
-    test process that has imported :data:`RANK_PRELOAD` once, where a spawned rank re-imports
+    test process that has imported :data:`FORK_PRELOAD` once, where a spawned rank re-imports
     torch and the run (seconds of CPU that every launch of the multi-rank suites paid again). A
     forked rank is as fresh as a spawned one (the server is a new interpreter that ran only those
     imports); its environment is the server's from its start, so a launcher passes its own
     (:func:`apply_environ`)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts: this process's first launch
+    ctx.set_forkserver_preload(FORK_PRELOAD)  # read when the server starts: this process's first launch
     return ctx
 
 
@@ -94,11 +99,66 @@ def shared_data_dir() -> Path:
 
 def run_cli(*args, cwd: Path | None = None, timeout: float = 300, env: dict | None = None
             ) -> subprocess.CompletedProcess:
-    """Run ``python cli.py ARGS`` in a subprocess, exactly as a user would; this checkout comes
-    first on ``PYTHONPATH``, so processes it starts (torchrun's ranks) import it too."""
-    with timed(f"cli.py {args[0] if args else ''}", timeout) as limit:
-        return subprocess.run([sys.executable, str(REPO / "cli.py"), *map(str, args)], capture_output=True,
-                              text=True, cwd=cwd, timeout=limit, env=env or cli_env())
+    """Run ``python cli.py ARGS`` as a user would and return what it printed and its exit status; this
+    checkout comes first on ``PYTHONPATH``, so processes it starts (torchrun's ranks) import it too.
+    With this process's environment (``env`` None) the command runs in a process forked from the warm
+    server of :func:`rank_context` (:func:`cli_in_fork`): a fresh interpreter that has only imported
+    :data:`FORK_PRELOAD`, where a new ``python`` would spend a second of CPU importing torch first. With
+    ``env`` (a fault planted by ``sitecustomize``, object-storage credentials) it is a new ``python``."""
+    argv = [str(a) for a in args]
+    with timed(f"cli.py {argv[0] if argv else ''}", timeout) as limit:
+        if env is not None:
+            return subprocess.run([sys.executable, str(REPO / "cli.py"), *argv], capture_output=True, text=True,
+                                  cwd=cwd, timeout=limit, env=env)
+        return cli_in_fork(argv, cwd, limit)
+
+
+def cli_in_fork(argv: list[str], cwd: Path | None, limit: float) -> subprocess.CompletedProcess:
+    """``cli.py ARGV`` in a process of :func:`rank_context`'s server with :func:`cli_env`, ``cwd`` and
+    stdout and stderr in files; killed after ``limit`` seconds (:class:`subprocess.TimeoutExpired`, as
+    ``subprocess.run``)."""
+    cmd = [sys.executable, str(REPO / "cli.py"), *argv]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = rank_context().Process(target=_cli_main, args=(argv, str(cwd or os.getcwd()), cli_env(), str(out),
+                                                              str(err)))
+        proc.start()
+        proc.join(limit)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(cmd, limit, output=out.read_text(), stderr=err.read_text())
+        return subprocess.CompletedProcess(cmd, proc.exitcode, out.read_text(), err.read_text())
+
+
+def _cli_main(argv: list[str], cwd: str, environ: dict[str, str], out: str, err: str) -> None:
+    """In the forked process: become ``python cli.py ARGV`` (environment, directory, argv, stdout and
+    stderr on files as on pipes: block-buffered and line-buffered), run it and exit with its status
+    after the exit handlers a new interpreter would run."""
+    apply_environ(environ)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False))
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True)
+    sys.argv = [str(REPO / "cli.py"), *argv]
+    code = 0
+    try:
+        from tokenloom.cli import main
+        main()
+    except SystemExit as exc:
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def one_line_error(done: subprocess.CompletedProcess, *fragments: str) -> str:
