@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tl_testing import REPO, cli_env, limit_s, reaped
+from tl_testing import REPO, cli_env, limit_s, reaped, run_cli
 
 from tokenloom.train.launch import process_alive
 
@@ -89,7 +89,6 @@ def test_sigterm_to_the_launcher_or_one_rank_saves_the_step_and_resume_continues
         assert seen <= int(it) < ITERS and Path(ckpt).name == f"iter_{int(it):07d}" and (Path(ckpt) / "COMPLETE").exists()
         assert len(losses(out)) == int(it)
 
-        resumed = subprocess.run([sys.executable, str(REPO / "cli.py"), *command.split()[2:]], capture_output=True,
-                                 text=True, timeout=limit_s(240), env=dict(cli_env(), OMP_NUM_THREADS="1"))
+        resumed = run_cli(*command.split()[2:], timeout=240)
         assert resumed.returncode == 0, resumed.stderr
         assert losses(out) == expected, target
