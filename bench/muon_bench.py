@@ -1,7 +1,7 @@
 """Muon against AdamW: steps (and wall time) to the same validation loss, and the optimizer step's share.
 
     .venv/bin/python bench/muon_bench.py [--steps 300] [--d-model 64] [--n-layers 2] [--seq-len 64]
-        [--micro 16] [--lrs 1e-3,3e-3,1e-2] [--text-mb 1.5] [--device cpu]
+        [--micro 64] [--lrs 3e-3,1e-2,3e-2,1e-1] [--text-mb 1.5] [--device cpu] [--ns-dtype bf16|fp32]
 
 Quality (issue 51, acceptance 4): the same Llama-style model, data and schedule (warmup, cosine to
 lr/10) train ``--steps`` steps through the one loop (``loop.start_run``) on the shared English novels
@@ -14,7 +14,11 @@ final losses. Wall time to the target is the steps times the run's mean step tim
 
 Speed: the optimizer step's share of a training step (forward, backward, clip, step) of the Muon
 model at dp 1, eager, steps in turn, median of ``--speed-iters`` (target <= 10% on CPU), with AdamW's
-share beside it. GPU rows (a GPT-2 124M shape; the optimizer step at 1B) are ``--device cuda``'s.
+share beside it. Newton-Schulz costs per matrix, not per token, so the share falls as the batch grows:
+the default micro-batch of 64 (4,096 tokens a step, far below a real run's) is where the target is read;
+``--micro 16`` (1,024 tokens) shows it where the forward and backward are too small to hide it. Newton-
+Schulz runs in the config's dtype (``optim.muon_ns_dtype``, bf16 as torch.optim.Muon's) unless
+``--ns-dtype``. GPU rows (a GPT-2 124M shape; the optimizer step at 1B) are ``--device cuda``'s.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def train(args, prefix: Path, out: Path, name: str, lr: float) -> dict:
                       data=DataConfig(blend=BlendDataConfig(prefixes=[(1.0, str(prefix))], split="949,50,1",
                                                             cache_dir=str(out / "cache"))),
                       optim=OptimConfig(name=name, lr=lr, min_lr=lr / 10, warmup_iters=args.steps // 20,
-                                        muon_ns_dtype="fp32" if args.device == "cpu" else "bf16"),
+                                        **ns_dtype(args)),
                       micro_batch_size=args.micro, global_batch_size=args.micro, train_iters=args.steps,
                       eval_interval=args.eval_every, eval_iters=8, log_interval=args.eval_every, save_interval=None,
                       output_dir=str(out / f"{name}_{lr:g}"), progress=False, plot=False, seed=1)
@@ -98,6 +102,11 @@ def train(args, prefix: Path, out: Path, name: str, lr: float) -> dict:
     return {"val": vals, "final": summary["val_loss"], "step_s": tokens / summary["tokens_per_s"], "wall": wall}
 
 
+def ns_dtype(args) -> dict:
+    """Newton-Schulz's dtype: the config's default (bf16, as ``torch.optim.Muon``'s) unless ``--ns-dtype``."""
+    return {"muon_ns_dtype": args.ns_dtype} if args.ns_dtype else {}
+
+
 def steps_to(vals: list[tuple[int, float]], target: float) -> int | None:
     return next((it for it, v in vals if it > 0 and v <= target), None)
 
@@ -107,7 +116,7 @@ def step_share(args, name: str) -> tuple[float, float]:
     torch.manual_seed(0)
     device = torch.device(args.device)
     model = GPT(model_config(args), device=device)
-    cfg = OptimConfig(name=name, muon_ns_dtype="fp32" if args.device == "cpu" else "bf16")
+    cfg = OptimConfig(name=name, **ns_dtype(args))
     opt = Muon(*split_params(model, cfg.weight_decay), cfg) if name == "muon" else build_optimizer(model, cfg)
     tokens = torch.randint(0, 256, (args.speed_micro or args.micro, args.seq_len + 1), device=device)
     steps, wholes = [], []
@@ -137,20 +146,22 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro", type=int, default=16)
-    p.add_argument("--lrs", default="1e-3,3e-3,1e-2")
+    p.add_argument("--micro", type=int, default=64)
+    p.add_argument("--lrs", default="3e-3,1e-2,3e-2,1e-1")
     p.add_argument("--text-mb", type=float, default=1.5)
     p.add_argument("--speed-iters", type=int, default=10)
     p.add_argument("--device", default="cpu")
     p.add_argument("--speed-micro", type=int, default=None, help="micro-batch of the speed rows (default: --micro)")
     p.add_argument("--speed-only", action="store_true")
+    p.add_argument("--ns-dtype", choices=("bf16", "fp32"), default=None,
+                   help="Muon's Newton-Schulz dtype (default: the config's, optim.muon_ns_dtype)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of every run (default: torch's)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     lrs = [float(x) for x in args.lrs.split(",")]
     shape = (f"{args.n_layers} layers x {args.d_model}, seq {args.seq_len}, micro {args.micro}, byte tokens, "
-             f"{torch.get_num_threads()} torch threads")
+             f"{torch.get_num_threads()} torch threads, Newton-Schulz in {args.ns_dtype or OptimConfig().muon_ns_dtype}")
     if not args.speed_only:
         quality(args, lrs, shape)
     micro = args.speed_micro or args.micro
