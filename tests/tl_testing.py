@@ -101,26 +101,37 @@ def run_cli(*args, cwd: Path | None = None, timeout: float = 300, env: dict | No
             ) -> subprocess.CompletedProcess:
     """Run ``python cli.py ARGS`` as a user would and return what it printed and its exit status; this
     checkout comes first on ``PYTHONPATH``, so processes it starts (torchrun's ranks) import it too.
-    With this process's environment (``env`` None) the command runs in a process forked from the warm
-    server of :func:`rank_context` (:func:`cli_in_fork`): a fresh interpreter that has only imported
-    :data:`FORK_PRELOAD`, where a new ``python`` would spend a second of CPU importing torch first. With
-    ``env`` (a fault planted by ``sitecustomize``, object-storage credentials) it is a new ``python``."""
+    The command runs in a process forked from the warm server of :func:`rank_context`
+    (:func:`cli_in_fork`): a fresh interpreter that has only imported :data:`FORK_PRELOAD`, where a new
+    ``python`` would spend a second of CPU importing torch first; ``env`` (default :func:`cli_env`) is
+    applied there. An ``env`` that changes what acts at interpreter start (:func:`starts_alike`: a fault
+    planted by ``sitecustomize`` on ``PYTHONPATH``, thread counts) runs a new ``python``."""
     argv = [str(a) for a in args]
     with timed(f"cli.py {argv[0] if argv else ''}", timeout) as limit:
-        if env is not None:
+        if env is not None and not starts_alike(env):
             return subprocess.run([sys.executable, str(REPO / "cli.py"), *argv], capture_output=True, text=True,
                                   cwd=cwd, timeout=limit, env=env)
-        return cli_in_fork(argv, cwd, limit)
+        return cli_in_fork(argv, cwd, limit, env)
 
 
-def cli_in_fork(argv: list[str], cwd: Path | None, limit: float) -> subprocess.CompletedProcess:
-    """``cli.py ARGV`` in a process of :func:`rank_context`'s server with :func:`cli_env`, ``cwd`` and
+def starts_alike(env: dict[str, str]) -> bool:
+    """``env`` agrees with :func:`cli_env` on every variable read when an interpreter or torch starts
+    (``PYTHON*``, ``LD_*``, ``*_NUM_THREADS``, ``TORCH*``), so a process forked from the warm server
+    behaves as a new one started with it."""
+    def start_keys(e: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in e.items() if k.startswith(("PYTHON", "LD_", "TORCH")) or k.endswith("_NUM_THREADS")}
+    return start_keys(env) == start_keys(cli_env())
+
+
+def cli_in_fork(argv: list[str], cwd: Path | None, limit: float, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess:
+    """``cli.py ARGV`` in a process of :func:`rank_context`'s server with ``env`` (default :func:`cli_env`), ``cwd`` and
     stdout and stderr in files; killed after ``limit`` seconds (:class:`subprocess.TimeoutExpired`, as
     ``subprocess.run``)."""
     cmd = [sys.executable, str(REPO / "cli.py"), *argv]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = rank_context().Process(target=_cli_main, args=(argv, str(cwd or os.getcwd()), cli_env(), str(out),
+        proc = rank_context().Process(target=_cli_main, args=(argv, str(cwd or os.getcwd()), env or cli_env(), str(out),
                                                               str(err)))
         proc.start()
         proc.join(limit)
