@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -52,11 +53,19 @@ def init(path: Path, tmp_path: Path, *flags: str):
     return run_cli(*TRAIN, "--output-dir", tmp_path / "run", "--init-from-hf", path, *flags)
 
 
-def test_the_folder_trains(folder, tmp_path):
-    done = init(folder, tmp_path)
+@pytest.fixture(scope="module")
+def trained(folder, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The one-step run from ``folder`` (its output directory ``run``) and what ``cli.py`` printed;
+    its checkpoint (with the folder's tokenizer) is also what the full-disk export writes out."""
+    tmp = tmp_path_factory.mktemp("trained")
+    return tmp / "run", init(folder, tmp)
+
+
+def test_the_folder_trains(folder, trained):
+    run, done = trained
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"init_from_hf {folder}: loaded" in done.stderr
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    saved = json.loads((run / "config.json").read_text())
     assert saved["model"]["arch"] == "llama" and saved["tokenizer"] == str(folder)
 
 
@@ -116,10 +125,8 @@ def test_export_refuses_a_used_output_and_a_shape_gpt2_lacks(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
-    run = tmp_path / "run"
-    done = run_cli(*TRAIN, "--output-dir", run, "--tokenizer", TOKENIZER, "--set", "model.n_layers=1",
-                   "--set", "model.d_model=16", "--set", "model.n_heads=2")
+def test_export_on_a_full_disk_leaves_nothing_and_says_so(trained, tmp_path):
+    run, done = trained
     assert done.returncode == 0, done.stderr[-2000:]
     out = tmp_path / "out"
     env = fault_env("write", errno.ENOSPC, str(tmp_path / ".out.tmp-*" / "generation_config.json"))

@@ -1,14 +1,18 @@
 """``cli.py export`` and ``train --init-from-hf`` against ``transformers`` (the oracle, CPU, fp32).
 
-Two 2-rank gloo runs through ``cli.py train`` serve both archs: llama (GQA, untied, a RoPE base
-of its own) at tp 2, whose fused, column-split ``qkv`` and vocabulary-split head are the export's
-hardest reassembly, and gpt2 (tied, biases) at pp 2, whose last stage holds its own copy of the
-tied head. Both use the GPT-2 tokenizer with the vocabulary padded (dropped on export).
+Per arch the module fixture trains a one-process run through ``cli.py train`` and exports it (the
+seed folder), then starts a 2-rank gloo run from that folder (``--init-from-hf``, one step at a
+learning rate of 1e-30: its checkpoint holds what each rank loaded) and exports that checkpoint:
+llama (GQA, untied, a RoPE base of its own) at tp 2 with sp, whose fused, column-split ``qkv`` and
+vocabulary-split head are the export's hardest reassembly, and gpt2 (tied, biases) at pp 2, whose
+last stage holds its own copy of the tied head. Both use the GPT-2 tokenizer with the vocabulary
+padded (dropped on export).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -42,11 +46,18 @@ RUN = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "
        "--set", "data.mock.max_length=40", "--set", "eval_interval=0", "--set", "progress=false",
        "--set", "plot=false", "--set", "log_interval=1"]
 SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
-ARCHS = {
-    "llama_tp2": ["--tp", "2", "--set", "model.arch=llama", "--num-query-groups", "2",
-                  "--set", "model.tie_embeddings=false", "--set", "model.rope_theta=5000"],
-    "gpt2_pp2": ["--pp", "2"],
+ARCHS = {  # the one-process seed run's flags
+    "llama_tp2": ["--set", "model.arch=llama", "--num-query-groups", "2", "--set", "model.tie_embeddings=false",
+                  "--set", "model.rope_theta=5000"],
+    "gpt2_pp2": [],
 }
+LAYOUTS = {  # the 2-rank run's flags from the seed folder, and the layout its checkpoint records
+    "llama_tp2": (["--tp", "2", "--sp"], dict(tp=2, dp=1, zero1=False)),
+    "gpt2_pp2": (["--pp", "2"], dict(pp=2, dp=1)),  # the last stage's copy of the tied head
+}
+LOADED = ["--train-iters", "1", "--lr", "1e-30", "--min-lr", "0", "--weight-decay", "0"]
+"""A learning rate of 1e-30 and no weight decay leave fp32 parameters bit-identical through the one
+step the run must take, so its checkpoint holds what each rank loaded."""
 
 
 def train(out: Path, *flags) -> dict:
@@ -55,25 +66,47 @@ def train(out: Path, *flags) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
 
 
+def export(root: Path, folder: Path) -> None:
+    done = run_cli("export", "--checkpoint", root, "--output", folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", hf.WEIGHTS,
+                                                       "tokenizer.json", "tokenizer_config.json"]
+    assert (folder / hf.WEIGHTS).stat().st_mode == (folder / "config.json").stat().st_mode
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    seed: Path
+    """The folder the one-process run exported (trained: 4 steps at 1e-2)."""
+    run: Path
+    """The 2-rank run's output directory (started from ``seed``)."""
+    folder: Path
+    """The folder its checkpoint exported."""
+
+    @property
+    def root(self) -> Path:
+        return self.run / "checkpoints"
+
+
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """name -> (checkpoint root, exported folder) of each 2-rank run."""
+def exported(tmp_path_factory) -> dict[str, Exported]:
+    """name -> the seed folder, the 2-rank run from it and the folder that run exported."""
     tmp = tmp_path_factory.mktemp("hf")
     out = {}
     for name, flags in ARCHS.items():
-        train(tmp / name, "--nproc-per-node", "2", "--tokenizer", GPT2_TOKENIZER, *SHAPE, *flags)
-        root, folder = tmp / name / "checkpoints", tmp / f"{name}_hf"
-        done = run_cli("export", "--checkpoint", root, "--output", folder)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.strip() == str(folder)
-        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", hf.WEIGHTS,
-                                                           "tokenizer.json", "tokenizer_config.json"]
-        assert (folder / hf.WEIGHTS).stat().st_mode == (folder / "config.json").stat().st_mode
-        out[name] = root, folder
+        train(tmp / f"{name}_seed", "--tokenizer", GPT2_TOKENIZER, *SHAPE, *flags)
+        seed = tmp / f"{name}_seed_hf"
+        export(tmp / f"{name}_seed" / "checkpoints", seed)
+        train(tmp / name, "--nproc-per-node", "2", *LAYOUTS[name][0], "--init-from-hf", seed, *LOADED)
+        out[name] = Exported(seed, tmp / name, tmp / f"{name}_hf")
+        export(out[name].root, out[name].folder)
     return out
 
 
+@functools.cache
 def hf_model(folder: Path):
+    """``folder``'s model in ``transformers``, loaded once per module (the tests only read it)."""
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -92,7 +125,9 @@ def hf_loss(model, batches: list[dict]) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_exported_folder_gives_our_logits_and_token_ids_in_transformers(exported, name):
-    root, folder = exported[name]
+    """The 2-rank checkpoint, reassembled by export, gives our logits in ``transformers``; the GPT-2
+    tokenizer (the seed run's: export converts its tiktoken file) gives our ids there."""
+    root, folder = exported[name].root, exported[name].folder
     ours, state = load_model(checkpoint.resolve(str(root), root), "cpu")
     cfg = ours.cfg
     theirs = hf_model(folder)
@@ -110,9 +145,11 @@ def test_exported_folder_gives_our_logits_and_token_ids_in_transformers(exported
     assert mine.abs().max() > 1.0  # trained away from a near-uniform start
     assert (mine - hf_logits).abs().max() < TOL
 
+    assert state["config"]["tokenizer"] == str(exported[name].seed)  # the folder's, as --init-from-hf takes it
+    folder = exported[name].seed  # exported from the run with --tokenizer GPT2_TOKENIZER
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     text = TEXT.read_text()
-    expected = open_tokenizer(state["config"]["tokenizer"]).encode(text).tolist()
+    expected = open_tokenizer(str(GPT2_TOKENIZER)).encode(text).tolist()
     assert tok(text, add_special_tokens=False)["input_ids"] == expected
     assert tok(text)["input_ids"] == expected  # no template tokens added either
     generation = json.loads((folder / "generation_config.json").read_text())
@@ -131,7 +168,7 @@ def init_cfg(folder: Path, out: Path, *overrides: str):
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_init_from_hf_reproduces_the_exported_parameters_and_the_transformers_loss(exported, tmp_path, name):
     """No padding (make_vocab_size_divisible_by=1): our softmax then covers exactly HF's vocabulary."""
-    _, folder = exported[name]
+    folder = exported[name].folder
     r = start_run(init_cfg(folder, tmp_path / "run", "model.make_vocab_size_divisible_by=1"))
     model = r.strategy.chunks[0]
     assert model.cfg.padded_vocab_size == model.cfg.vocab_size == 50257
@@ -147,7 +184,7 @@ def test_init_from_hf_reproduces_the_exported_parameters_and_the_transformers_lo
 
 @pytest.mark.slow
 def test_padded_rows_are_those_of_a_fresh_model(exported, tmp_path):
-    _, folder = exported["llama_tp2"]
+    folder = exported["llama_tp2"].folder
     cfg = hf.resolve_config(init_cfg(folder, tmp_path / "run"))
     assert cfg.model.padded_vocab_size > cfg.model.vocab_size and not cfg.model.tie_embeddings
     loaded, fresh = hf.from_hf(cfg.model, folder), GPT(cfg.model).state_dict()
@@ -159,23 +196,21 @@ def test_padded_rows_are_those_of_a_fresh_model(exported, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,flags,layout", [
-    ("llama_tp2", ["--tp", "2", "--sp"], dict(tp=2, dp=1, zero1=False)),
-    ("llama_tp2", ["--zero1"], dict(tp=1, dp=2, zero1=True)),
-    ("gpt2_pp2", ["--pp", "2"], dict(pp=2, dp=1)),  # the last stage's copy of the tied head
-])
-def test_init_from_hf_in_a_parallel_layout_loads_the_one_process_parameters(exported, tmp_path, name, flags,
-                                                                            layout):
-    """A learning rate of 1e-30 and no weight decay leave fp32 parameters bit-identical through
-    the one step the run must take, so its checkpoint holds what each rank loaded."""
-    _, folder = exported[name]
-    out = tmp_path / "run"
-    train(out, "--nproc-per-node", "2", *flags, "--init-from-hf", folder, "--train-iters", "1",
-          "--lr", "1e-30", "--min-lr", "0", "--weight-decay", "0")
+@pytest.mark.parametrize("case", ["llama_tp2", "llama_zero1", "gpt2_pp2"])
+def test_init_from_hf_in_a_parallel_layout_loads_the_one_process_parameters(exported, tmp_path, case):
+    """Each rank of a 2-rank run from a folder loads its part of what one process loads
+    (:data:`LOADED`: the checkpoint of its one step holds it): tp 2 with sp and pp 2 (the last
+    stage's copy of the tied head) are the module fixture's runs from the seed folders; dp 2 with
+    zero1 starts here from the llama folder that tp 2 run exported."""
+    if case == "llama_zero1":
+        folder, out, layout = exported["llama_tp2"].folder, tmp_path / "run", dict(tp=1, dp=2, zero1=True)
+        train(out, "--nproc-per-node", "2", "--zero1", "--init-from-hf", folder, *LOADED)
+    else:
+        folder, out, layout = exported[case].seed, exported[case].run, LAYOUTS[case][1]
     path = checkpoint.find_latest(out / "checkpoints")
     state = checkpoint.read_state(path)
     assert {k: state["layout"][k] for k in layout} == layout
-    assert state["config"]["model"]["arch"] == name[:-4]  # the folder's shape
+    assert state["config"]["model"]["arch"] == case.split("_")[0]  # the folder's shape
     loaded = model_tensors(path, state)
     expected = hf.from_hf(hf.resolve_config(init_cfg(folder, out)).model, folder)
     assert loaded.keys() == expected.keys()
@@ -186,7 +221,7 @@ def test_init_from_hf_in_a_parallel_layout_loads_the_one_process_parameters(expo
 def test_resume_wins_over_init_from_hf(exported, tmp_path):
     """Megatron's --pretrained-checkpoint + --finetune: the folder starts the run once; a rerun
     with --resume auto continues the run's own checkpoint and does not load the folder again."""
-    _, folder = exported["gpt2_pp2"]
+    folder = exported["gpt2_pp2"].folder
     out = tmp_path / "run"
     first = run_cli("train", "--mock-data", *RUN, "--output-dir", out, "--init-from-hf", folder,
                     "--train-iters", "2", "--resume", "auto")
