@@ -172,7 +172,9 @@ def shared_data() -> Path:
 @pytest.fixture(autouse=True)
 def _own_user_cache(tmp_path_factory, monkeypatch):
     """Each test its own per-user cache (the tokenizer self-check verdicts): a verdict cached by
-    one test (or by the developer's own runs) never decides another test's backend."""
+    one test (or by the developer's own runs) never decides another test's backend. (Except on
+    purpose: tests/tokenizers' ``load_shared`` and its tests whose subject is not the check read
+    one session cache, each verdict computed there by this run.)"""
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path_factory.mktemp("user-cache")))
 
 

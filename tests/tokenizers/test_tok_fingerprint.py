@@ -51,7 +51,9 @@ def test_fingerprint_stable_and_json(path, options):
 
 
 @pytest.mark.parametrize("path, options", SPECS)
-def test_spec_pickle_roundtrip(path, options):
+def test_spec_pickle_roundtrip(path, options, shared_verdicts):
+    """A spec and a whole tokenizer pickle and rebuild to the same fingerprint and ids (the
+    rebuilds read the session's self-check verdicts: the check is not the subject)."""
     tok = load_shared(path, **options)
     again = load_tokenizer(pickle.loads(pickle.dumps(tok.spec)))
     assert again.fingerprint() == tok.fingerprint()
@@ -60,17 +62,19 @@ def test_spec_pickle_roundtrip(path, options):
     assert whole.fingerprint() == tok.fingerprint() and whole is not tok
 
 
-def test_runtime_options_do_not_change_digest():
+def test_runtime_options_do_not_change_digest(shared_verdicts):
     tok = load_tokenizer(kind="byte")
     assert tok.spec.with_options().options == {}
     if TOK.is_dir():
-        a = load_tokenizer(TOK / "llama2")
+        a = load_shared("llama2")
         b = load_tokenizer(a.spec.with_options(num_threads=1))
         assert a.fingerprint() == b.fingerprint()
 
 
 @needs_shared
-def test_fingerprint_in_fresh_process():
+def test_fingerprint_in_fresh_process(shared_verdicts):
+    """Each spec, loaded again in a spawned process, has the same fingerprint and ids (the worker
+    reads the session's self-check verdicts, as a preprocess worker reads its parent's)."""
     toks = [load_shared(p) for p in ("gpt2", "gpt-neox-20b", "llama2", "llama3")]
     toks += [load_tokenizer(kind="byte"), load_tokenizer(kind="null", vocab_size=7)]
     specs = [t.spec.with_options(num_threads=1) for t in toks[:4]] + [t.spec for t in toks[4:]]
@@ -96,13 +100,14 @@ def test_fingerprints_differ():
 def test_ids_key_ignores_file_names(tmp_path):
     """GPT-2's files (Megatron's names in the shared data) under HF's names give the same
     ids: same ids_key, while the digest (which keys caches) still tells the setups apart;
-    other contents change the key."""
+    other contents change the key. (The copies load on the reference backend, no self-check: the
+    backend is no part of the digest or ids_key, test_tok_gigatoken.py.)"""
     megatron = load_shared("gpt2")
     hf = tmp_path / "hf"
     hf.mkdir()
     shutil.copy(TOK / "gpt2" / "gpt2-vocab.json", hf / "vocab.json")
     shutil.copy(TOK / "gpt2" / "gpt2-merges.txt", hf / "merges.txt")
-    renamed = load_tokenizer(hf)
+    renamed = load_tokenizer(hf, backend="reference")
     assert renamed.encode(SAMPLE).tolist() == megatron.encode(SAMPLE).tolist()
     assert renamed.fingerprint()["digest"] != megatron.fingerprint()["digest"]
     assert ids_key(renamed.fingerprint()) == ids_key(megatron.fingerprint())
@@ -110,4 +115,4 @@ def test_ids_key_ignores_file_names(tmp_path):
     assert ids_key(json.loads(json.dumps(renamed.fingerprint()))) == ids_key(megatron.fingerprint())
     merges = (hf / "merges.txt").read_text(encoding="utf-8").splitlines()
     (hf / "merges.txt").write_text("\n".join(merges[:-1]) + "\n", encoding="utf-8")  # one merge fewer
-    assert ids_key(load_tokenizer(hf).fingerprint()) != ids_key(megatron.fingerprint())
+    assert ids_key(load_tokenizer(hf, backend="reference").fingerprint()) != ids_key(megatron.fingerprint())

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tl_testing import limit_s
-from tok_helpers import TOK, load_shared, needs_shared
+from tok_helpers import TOK, load_shared, needs_shared, seed_verdicts
 
 from tokenloom.errors import TokenloomError
 from tokenloom.indexed.manifest import ids_key
@@ -39,8 +39,8 @@ def test_auto_picks_gigatoken_after_its_self_check(path):
 def test_gigatoken_ids_identical_to_reference(corpora, path, corpus):
     texts = corpora[corpus]
     ref_ids, ref_lengths = load_shared(path, num_threads=1, backend="reference").encode_batch(texts)
-    for threads in (1, 2):  # one thread in workers, gigatoken's pool otherwise
-        ids, lengths = load_shared(path, num_threads=threads, backend="gigatoken").encode_batch(texts)
+    for threads in ({"num_threads": 1}, {}):  # one thread in workers, gigatoken's pool otherwise (its size the process's)
+        ids, lengths = load_shared(path, **threads, backend="gigatoken").encode_batch(texts)
         np.testing.assert_array_equal(lengths, ref_lengths)
         np.testing.assert_array_equal(ids, ref_ids)
 
@@ -133,7 +133,7 @@ def test_missing_gigatoken_falls_back(monkeypatch):
     assert tok.backend == "reference" and tok.backend_reason.startswith("gigatoken is not installed")
 
 
-def test_backend_travels_with_the_spec():
+def test_backend_travels_with_the_spec(shared_verdicts):
     """A forced backend is part of the spec, so a pickled tokenizer (a preprocess worker) rebuilds it;
     use_backend sets the default for tokenizers loaded inside the block only."""
     with use_backend("reference"):
@@ -182,13 +182,24 @@ def test_characters_of_newer_unicode_are_escaped(monkeypatch, tmp_path, path):
 def test_the_self_check_verdict_is_cached_per_tokenizer_and_versions(monkeypatch, tmp_path):
     """The second load of a tokenizer reads the first one's verdict (no probe is encoded) and ends
     with the same backend, escapes and reason; another library version, a damaged entry or an
-    unwritable cache runs the check again."""
+    unwritable cache runs the check again. (The Unicode probes, ~90k texts on both engines and
+    most of a check's cost, run for real in the first check; the checks again call them too,
+    counted, and get that first outcome: the cache, not the probes, is the subject here, and
+    test_tok_fingerprint.py compares the verdicts of two independent checks of each tokenizer.)"""
     from tokenloom.tokenizers import gigatoken_engine
 
+    calls, unstable = [], []
+    real, real_unstable = gigatoken_engine.self_check, gigatoken_engine.unstable_chars
+
+    def unstable_once(*args):
+        unstable.append(unstable[0] if unstable else real_unstable(*args))
+        return unstable[-1]
+
+    monkeypatch.setattr(gigatoken_engine, "unstable_chars", unstable_once)
     texts = ["plain", "\u089b\u0cbc \u1ac5\u0650 a\u1ae0\u0e48", "\U00032a23/V \U00033021[j", ""]
     first = load_tokenizer(TOK / "qwen2", num_threads=1)
     entries = list(Path(os.environ["TOKENLOOM_CACHE_DIR"]).glob("tokenizer-checks/*.json"))
-    assert first.backend == "gigatoken" and len(entries) == 1
+    assert first.backend == "gigatoken" and len(entries) == 1 and len(unstable) == 1 and unstable[0]
 
     def no_check(*args, **kwargs):
         raise AssertionError("the self-check ran although its verdict is cached")
@@ -201,31 +212,34 @@ def test_the_self_check_verdict_is_cached_per_tokenizer_and_versions(monkeypatch
     for got, want in zip(again.encode_batch(texts), first.encode_batch(texts), strict=True):
         np.testing.assert_array_equal(got, want)  # the cached escapes route the same texts
 
-    calls = []
-    real = gigatoken_engine.self_check
     monkeypatch.setattr(gigatoken_engine, "self_check", lambda *a: calls.append(1) or real(*a))
     versions = gigatoken_engine._library_versions()
     monkeypatch.setattr(gigatoken_engine, "_library_versions", lambda: {**versions, "gigatoken": "0.0.0"})
-    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend == "gigatoken" and calls == [1]
+    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend == "gigatoken"
+    assert calls == [1] and len(unstable) == 2
     monkeypatch.setattr(gigatoken_engine, "_library_versions", lambda: versions)
     entries[0].write_text('{"unstable": "", "probes": 3')  # torn
-    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend_reason == first.backend_reason and calls == [1, 1]
+    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend_reason == first.backend_reason
+    assert calls == [1, 1] and len(unstable) == 3
     assert json.loads(entries[0].read_text())["probes"] > 3  # rewritten whole
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("")
     monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(blocked))
-    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend == "gigatoken" and calls == [1, 1, 1]
+    assert load_tokenizer(TOK / "qwen2", num_threads=1).backend == "gigatoken"
+    assert calls == [1, 1, 1] and len(unstable) == 4
 
 
 def test_gpt2_rank_file_is_cached_checked_and_rewritten(monkeypatch, tmp_path, corpora):
     """GPT-2's gigatoken model loads from a rank file kept in the user cache: equal to tiktoken's
     r50k_base file, used again by the next load, rewritten when damaged, and replaced by a
     temporary file (removed after loading) when the cache cannot be written; the ids stay the
-    reference's in every case."""
+    reference's in every case. (The cache starts with the session's self-check verdicts only.)"""
     import tempfile
 
     docs = corpora["tinyshakespeare"][:300]
     want = load_shared("gpt2", num_threads=1, backend="reference").encode_batch(docs)
+    load_shared("gpt2")  # its verdict, in the session's cache
+    seed_verdicts(tmp_path / "cache")
 
     def check(tok):
         assert tok.backend == "gigatoken"
@@ -306,10 +320,11 @@ def bounded_run() -> None:
 
 @needs_shared
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads this process's resident memory")
-def test_a_bounded_encoder_is_rebuilt_keeps_its_ids_and_stays_within_the_bound():
+def test_a_bounded_encoder_is_rebuilt_keeps_its_ids_and_stays_within_the_bound(shared_verdicts):
     """In a process of its own: the bound counts the process's growth, and a long-lived test
     process can grow the cache into pages freed by earlier tests (and kept, as the trainer's
-    ``keep_freed_memory`` asks), which is no growth to bound."""
+    ``keep_freed_memory`` asks), which is no growth to bound. (The session's self-check verdicts:
+    the check is not this test's subject.)"""
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), str(here.parents[1])]))
     done = subprocess.run([sys.executable, "-c", "import test_tok_gigatoken as t; t.bounded_run()"],
@@ -320,7 +335,7 @@ def test_a_bounded_encoder_is_rebuilt_keeps_its_ids_and_stays_within_the_bound()
     assert result["peak"] < (8 << 20) + (48 << 20), f"grew {result['peak'] >> 20} MB under an 8 MB bound"
 
 
-def test_without_resident_memory_the_bound_counts_text_bytes(monkeypatch):
+def test_without_resident_memory_the_bound_counts_text_bytes(monkeypatch, shared_verdicts):
     from tokenloom.tokenizers import gigatoken_engine
 
     monkeypatch.setattr(gigatoken_engine, "resident_bytes", lambda: None)

@@ -132,7 +132,7 @@ def test_qwen2_example():
 def test_gpt2_megatron_special_text_is_plain_text():
     """Megatron's GPT2BPETokenizer (and tiktoken encode_ordinary) never map text to <|endoftext|>."""
     for options in ({}, {"fast": False}, REF):
-        tok = load_tokenizer(TOK / "gpt2", **options)
+        tok = load_shared("gpt2", **options)
         ids = list(tok.encode("a<|endoftext|>b"))
         assert 50256 not in ids and len(ids) > 3
 
