@@ -332,3 +332,31 @@ def test_megatron_tokenizer_type_errors():
     check_megatron_type(None, "NullTokenizer")
     with pytest.raises(TokenloomError, match="reads no files"):
         check_megatron_type("x", "NullTokenizer")
+
+
+def test_a_folder_without_special_added_tokens_takes_its_tokenizer_config_specials(tmp_path):
+    """A tokenizer.json whose ``<|endoftext|>`` is an ordinary vocabulary entry (GPT-2's, as
+    ``cli.py export`` writes it) takes eod from tokenizer_config.json's ``eos_token`` (a string or an
+    added-token object), as ``transformers`` does; an added-token candidate still comes first, a
+    named token outside the vocabulary is no special, and an unreadable file is one line naming it."""
+    import tokenizers
+
+    path = _small_bpe(tmp_path, [])
+    data = json.loads(path.read_text())
+    data["model"]["vocab"]["<|endoftext|>"] = eos = len(data["model"]["vocab"])
+    path.write_text(json.dumps(data))
+    assert tokenizers.Tokenizer.from_file(str(path)).token_to_id("<|endoftext|>") == eos
+    config = tmp_path / "tokenizer_config.json"
+    assert load_tokenizer(tmp_path, backend="reference").eod is None  # no tokenizer_config.json
+    config.write_text(json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<nowhere>"}))
+    tok = load_tokenizer(tmp_path, backend="reference")
+    assert (tok.eod, tok.pad) == (eos, None)
+    config.write_text(json.dumps({"eos_token": {"content": "<|endoftext|>", "special": True}}))
+    assert load_tokenizer(tmp_path, backend="reference").eod == eos
+    (tmp_path / "added").mkdir()
+    added = _small_bpe(tmp_path / "added", ["</s>"])
+    (added.parent / "tokenizer_config.json").write_text(config.read_text())
+    assert load_tokenizer(added.parent, backend="reference").eod == _hf_view(added)["vocab_size"] - 1  # </s>
+    config.write_text("{not json")
+    with pytest.raises(TokenloomError, match="tokenizer_config.json: not a readable tokenizer_config.json"):
+        load_tokenizer(tmp_path, backend="reference")

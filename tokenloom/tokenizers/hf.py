@@ -3,7 +3,8 @@
 ``hf``: a ``tokenizer.json`` as released. Encoded with ``add_special_tokens=False``
 (no template BOS/EOS); note that HF still matches *added tokens* written in the
 text (e.g. a literal ``<|endoftext|>`` becomes one id), which is what the model's
-own tokenizer does.
+own tokenizer does. eod/bos/pad: the options, else the usual names among the added tokens,
+else what ``tokenizer_config.json`` beside it names (GPT-2's ``<|endoftext|>`` is an ordinary entry).
 
 ``gpt2-bpe``: ``vocab.json`` + ``merges.txt`` (or Megatron's ``gpt2-vocab.json`` /
 ``gpt2-merges.txt``) as a ByteLevel BPE with the GPT-2 split regex, which gives the
@@ -74,6 +75,26 @@ VOCAB_NAMES = ("vocab.json", "gpt2-vocab.json")
 MERGES_NAMES = ("merges.txt", "gpt2-merges.txt")
 
 
+def configured_specials(folder: Path) -> dict[str, str]:
+    """``{"eod"|"bos"|"pad": token}`` as ``folder``'s tokenizer_config.json names them (``eos_token``,
+    ``bos_token``, ``pad_token``: a string or an added-token object), where ``transformers`` reads a
+    folder's specials; empty without the file."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TokenloomError(f"{path}: not a readable tokenizer_config.json: {e}") from None
+    out = {}
+    for attr, key in (("eod", "eos_token"), ("bos", "bos_token"), ("pad", "pad_token")):
+        value = data.get(key) if isinstance(data, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[attr] = value
+    return out
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -105,11 +126,14 @@ class _HFBase(Tokenizer):
         return opts
 
     def _set_specials(
-        self, opts: dict, path, defaults: dict[str, int] | None = None, ids: dict[str, int] | None = None
+        self, opts: dict, path, defaults: dict[str, int] | None = None, ids: dict[str, int] | None = None,
+        folder: Path | None = None,
     ) -> None:
         """eod/bos/pad from options (token or id), else the first candidate found among ``defaults``
-        (default: the added tokens -- ordinary vocab entries such as Qwen2's "<s>" are not specials).
-        ``ids``: the full token -> id map (default: the model's vocabulary with added tokens)."""
+        (default: the added tokens -- ordinary vocab entries such as Qwen2's "<s>" are not specials),
+        else the token ``folder``'s tokenizer_config.json names (:func:`configured_specials`: a
+        GPT-2 tokenizer.json lists ``<|endoftext|>`` in its vocabulary only, as tokenloom's export
+        writes it). ``ids``: the full token -> id map (default: the model's vocabulary with added tokens)."""
         if ids is None:
             ids = self.tk.get_vocab(with_added_tokens=True)
         self.vocab_size = max(ids.values()) + 1
@@ -119,6 +143,9 @@ class _HFBase(Tokenizer):
             token = opts.pop(attr, None)
             if token is None:
                 found = [defaults[c] for c in candidates if c in defaults]
+                if not found and folder is not None:
+                    named = configured_specials(folder).get(attr)
+                    found = [ids[named]] if named in ids else []
                 setattr(self, attr, found[0] if found else None)
             elif isinstance(token, int):
                 if not 0 <= token < self.vocab_size:
@@ -174,10 +201,10 @@ class HFTokenizer(_HFBase):
             raise TokenloomError(f"{path}: not a valid Hugging Face tokenizer.json: {e}") from None
         added = _bpe_added_tokens(data)
         if added is None:
-            self._set_specials(opts, path)
+            self._set_specials(opts, path, folder=path.parent)
         else:
             self._added = [content for content, _ in sorted(added.items(), key=lambda item: item[1])]
-            self._set_specials(opts, path, defaults=added, ids={**data["model"]["vocab"], **added})
+            self._set_specials(opts, path, defaults=added, ids={**data["model"]["vocab"], **added}, folder=path.parent)
 
     @property
     def tk(self) -> tokenizers.Tokenizer:

@@ -154,6 +154,10 @@ def test_exported_folder_gives_our_logits_and_token_ids_in_transformers(exported
     assert tok(text)["input_ids"] == expected  # no template tokens added either
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation["eos_token_id"] == tok.eos_token_id == 50256
+    # the seed folder's tokenizer.json lists <|endoftext|> in its vocabulary only: the 2-rank run takes
+    # eod from its tokenizer_config.json, so the re-export names the EOS too
+    again = json.loads((exported[name].folder / "generation_config.json").read_text())
+    assert again["eos_token_id"] == 50256
 
 
 def init_cfg(folder: Path, out: Path, *overrides: str):
