@@ -338,7 +338,8 @@ def test_a_folder_without_special_added_tokens_takes_its_tokenizer_config_specia
     """A tokenizer.json whose ``<|endoftext|>`` is an ordinary vocabulary entry (GPT-2's, as
     ``cli.py export`` writes it) takes eod from tokenizer_config.json's ``eos_token`` (a string or an
     added-token object), as ``transformers`` does; an added-token candidate still comes first, a
-    named token outside the vocabulary is no special, and an unreadable file is one line naming it."""
+    named token outside the vocabulary is no special, bos and pad keep their rule (added tokens only),
+    and an unreadable file is one line naming it."""
     import tokenizers
 
     path = _small_bpe(tmp_path, [])
@@ -348,9 +349,11 @@ def test_a_folder_without_special_added_tokens_takes_its_tokenizer_config_specia
     assert tokenizers.Tokenizer.from_file(str(path)).token_to_id("<|endoftext|>") == eos
     config = tmp_path / "tokenizer_config.json"
     assert load_tokenizer(tmp_path, backend="reference").eod is None  # no tokenizer_config.json
-    config.write_text(json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<nowhere>"}))
+    config.write_text(json.dumps({"eos_token": "<|endoftext|>", "pad_token": "ab", "bos_token": "<nowhere>"}))
     tok = load_tokenizer(tmp_path, backend="reference")
-    assert (tok.eod, tok.pad) == (eos, None)
+    assert (tok.eod, tok.bos, tok.pad) == (eos, None, None)
+    config.write_text(json.dumps({"eos_token": "<nowhere>"}))
+    assert load_tokenizer(tmp_path, backend="reference").eod is None
     config.write_text(json.dumps({"eos_token": {"content": "<|endoftext|>", "special": True}}))
     assert load_tokenizer(tmp_path, backend="reference").eod == eos
     (tmp_path / "added").mkdir()

@@ -3,8 +3,8 @@
 ``hf``: a ``tokenizer.json`` as released. Encoded with ``add_special_tokens=False``
 (no template BOS/EOS); note that HF still matches *added tokens* written in the
 text (e.g. a literal ``<|endoftext|>`` becomes one id), which is what the model's
-own tokenizer does. eod/bos/pad: the options, else the usual names among the added tokens,
-else what ``tokenizer_config.json`` beside it names (GPT-2's ``<|endoftext|>`` is an ordinary entry).
+own tokenizer does. eod/bos/pad: the options, else the usual names among the added tokens;
+eod else the ``eos_token`` of ``tokenizer_config.json`` beside it (GPT-2's is an ordinary entry).
 
 ``gpt2-bpe``: ``vocab.json`` + ``merges.txt`` (or Megatron's ``gpt2-vocab.json`` /
 ``gpt2-merges.txt``) as a ByteLevel BPE with the GPT-2 split regex, which gives the
@@ -131,9 +131,9 @@ class _HFBase(Tokenizer):
     ) -> None:
         """eod/bos/pad from options (token or id), else the first candidate found among ``defaults``
         (default: the added tokens -- ordinary vocab entries such as Qwen2's "<s>" are not specials),
-        else the token ``folder``'s tokenizer_config.json names (:func:`configured_specials`: a
-        GPT-2 tokenizer.json lists ``<|endoftext|>`` in its vocabulary only, as tokenloom's export
-        writes it). ``ids``: the full token -> id map (default: the model's vocabulary with added tokens)."""
+        else, for eod only, the token ``folder``'s tokenizer_config.json names (:func:`configured_specials`:
+        a GPT-2 tokenizer.json lists ``<|endoftext|>`` in its vocabulary only, as tokenloom's export
+        writes it; bos and pad keep their old rule, so no released folder's fingerprint moves). ``ids``: the full token -> id map (default: the model's vocabulary with added tokens)."""
         if ids is None:
             ids = self.tk.get_vocab(with_added_tokens=True)
         self.vocab_size = max(ids.values()) + 1
@@ -143,7 +143,7 @@ class _HFBase(Tokenizer):
             token = opts.pop(attr, None)
             if token is None:
                 found = [defaults[c] for c in candidates if c in defaults]
-                if not found and folder is not None:
+                if not found and folder is not None and attr == "eod":
                     named = configured_specials(folder).get(attr)
                     found = [ids[named]] if named in ids else []
                 setattr(self, attr, found[0] if found else None)

@@ -429,8 +429,8 @@ def assert_losses_norms_params_match(results: list[dict], ref: dict[str, Any], s
     params = merged_params(results)
     worst = max(ref["params"], key=lambda k: (params[k] - ref["params"][k]).abs().max().item())
     delta = params[worst] - ref["params"][worst]
-    assert delta.abs().max().item() < (param_tol or tol), (worst, delta.abs().max().item(), int((delta.abs() >= tol).sum()),
-                                            delta.numel())
+    over = int((delta.abs() >= tol).sum())
+    assert delta.abs().max().item() < (param_tol or tol), (worst, delta.abs().max().item(), over, delta.numel())
 
 
 def logged_losses(results: list[dict]) -> list[float]:
