@@ -14,8 +14,9 @@ Rows:
   novels cut into paragraphs; GPT-2 tokens) at seq 1024 and 2048, whole (split 1,0,0) and the
   train split of the default split 969,30,1, from the dumped samples: documents of up to seq + 1
   tokens whole in exactly one sample, the padding share (target <= 1%), the samples over
-  ceil(tokens / seq) (target <= 1.01x) and over the fewest samples any packing of the same
-  pieces can use (Martello and Toth's L2 bound: where they are equal, no packing pads less);
+  ceil(tokens / seq) (target <= 1.01x) and over the fewest samples any packing of the pieces
+  uncut can use (Martello and Toth's L2 bound; the refill goes under it by cutting the last
+  pieces of long documents again);
 * training on real text: the same small GPT trained once on concat samples and once on
   best-fit samples of the byte-tokenized tinyshakespeare (train split, one pass, same seed,
   steps and batch), then both scored on whole held-out documents (the valid split packed
@@ -131,8 +132,9 @@ def novels_paragraphs(tmp: Path) -> str:
 def corpus_rows() -> list[tuple[str, str, str, str]]:
     """Acceptance on the shared corpora at seq 1024 and 2048, from the dumped samples: documents
     of up to seq + 1 tokens whole in exactly one sample, padding share, samples over the
-    ceil(tokens / seq) that concat gives; each against the fewest samples (and so the least
-    padding) any packing of the same pieces can reach (``fewest_packed_samples``, the L2 bound).
+    ceil(tokens / seq) that concat gives; and against the fewest samples (and so the least
+    padding) any packing of the pieces uncut can reach (``fewest_packed_samples``, the L2 bound),
+    which the refill goes under where it cuts last pieces again.
     The whole corpus (split 1,0,0), then the train split of the default split 969,30,1."""
     from collections import Counter  # lazy: only these rows
 
@@ -174,7 +176,7 @@ def corpus_rows() -> list[tuple[str, str, str, str]]:
                               f"{padding / 0.01:.2f}x"),
                              (f"{at}: samples vs ceil(tokens / seq) (target <= 1.01x)", f"{len(records)}",
                               f"{bound}", f"{len(records) / bound:.3f}x"),
-                             (f"{at}: samples vs the fewest any packing can use (its padding share)",
+                             (f"{at}: samples vs the fewest of any packing of the pieces uncut (its padding share)",
                               f"{len(records)}", f"{fewest} ({100 * least:.2f}%)", f"{len(records) / fewest:.3f}x")]
     return rows
 
@@ -214,8 +216,8 @@ def train_child(packing: str, prefix: str, tmp: str, seq: int, steps: int) -> No
     from tokenloom.train import loop  # lazy: as above
     from tokenloom.train.config import TrainConfig  # lazy: as above
     from tokenloom.train.data import BlendDataConfig, DataConfig  # lazy: as above
-    from tokenloom.train.model import GPTConfig  # lazy: as above
-    from tokenloom.train.optim import OptimConfig  # lazy: as above
+    from tokenloom.train.model.config import GPTConfig  # lazy: as above
+    from tokenloom.train.optim.adamw import OptimConfig  # lazy: as above
     from tokenloom.train.runtime import World  # lazy: as above
 
     torch.set_num_threads(1)

@@ -462,10 +462,12 @@ in single precision like Megatron unless exact_ceil is true.)doc";
 // order: a stable counting sort), each into the open sample with the least room that holds it,
 // else into a new one. The open samples are kept by room in stacks (latest first), and a
 // segment tree over room values finds the least room >= a length in O(log capacity).
+// Then the refill (below) may empty a few samples that hold only last pieces into the others.
 // Output: parts int32 [P, 3] (document, offset, length) grouped by sample, in doc_idx order
-// within a sample, and sample_index int64 [S + 1], where sample s's parts are rows
-// sample_index[s] .. sample_index[s + 1]. The best-fit samples come first (in the order they
-// were opened), then the full pieces in doc_idx order. Runs without the GIL.
+// within a sample (then the refill's parts, in pouring order), and sample_index int64 [S + 1],
+// where sample s's parts are rows sample_index[s] .. sample_index[s + 1]. The best-fit samples
+// come first (in the order they were opened), then the full pieces in doc_idx order. Runs
+// without the GIL.
 
 struct RoomTree {  // which room values 1..capacity-1 have an open sample
     int64_t size = 1;
@@ -515,6 +517,94 @@ inline void split_document(int64_t length, int64_t capacity, int64_t step, int64
     }
 }
 
+// The refill. The last piece of a cut document is a fragment already (its start lies in the
+// piece before), so it may be cut again at no cost to a whole document. Where best fit leaves
+// `capacity` or more tokens of room in all, up to room / capacity of the samples that hold only
+// last pieces (emptiest first, ties in opening order) are emptied into the rooms of the others
+// (largest room first, ties in opening order; a room of `overlap` tokens or less holds nothing):
+// each piece is poured room after room, its parts sharing `overlap` tokens as pieces do. The
+// count emptied is the largest that fits (binary search). Whole documents never move.
+struct Poured {
+    int32_t bin, position, offset, length;
+};
+
+struct Refill {
+    const std::vector<int32_t> &room;  // per best-fit sample
+    const std::vector<int32_t> &bin_of, &tail;
+    const int32_t *sz, *docs;
+    int64_t overlap;
+    std::vector<int32_t> candidates, rank_of, piece_start, pieces, rooms;
+
+    // Samples to empty, in order (at most kmax), their pieces (positions) grouped by rank, and
+    // the rooms that may take them, largest first.
+    void prepare(const std::vector<uint8_t> &whole, int64_t capacity) {
+        const int64_t bins = static_cast<int64_t>(room.size());
+        int64_t total = 0;
+        for (int64_t b = 0; b < bins; ++b) {
+            total += room[static_cast<size_t>(b)];
+            if (!whole[static_cast<size_t>(b)] && room[static_cast<size_t>(b)] > 0) candidates.push_back(static_cast<int32_t>(b));
+        }
+        auto roomier = [this](int32_t a, int32_t b) { return room[static_cast<size_t>(a)] > room[static_cast<size_t>(b)]; };
+        std::stable_sort(candidates.begin(), candidates.end(), roomier);
+        candidates.resize(static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(candidates.size()), total / capacity)));
+        const int64_t kmax = static_cast<int64_t>(candidates.size());
+        if (kmax == 0) return;
+        rank_of.assign(static_cast<size_t>(bins), std::numeric_limits<int32_t>::max());
+        for (int64_t r = 0; r < kmax; ++r) rank_of[static_cast<size_t>(candidates[static_cast<size_t>(r)])] = static_cast<int32_t>(r);
+        piece_start.assign(static_cast<size_t>(kmax) + 1, 0);
+        const int64_t n = static_cast<int64_t>(bin_of.size());
+        for (int64_t p = 0; p < n; ++p) {
+            const int32_t b = bin_of[static_cast<size_t>(p)];
+            if (b >= 0 && rank_of[static_cast<size_t>(b)] < kmax) ++piece_start[static_cast<size_t>(rank_of[static_cast<size_t>(b)]) + 1];
+        }
+        for (int64_t r = 0; r < kmax; ++r) piece_start[static_cast<size_t>(r) + 1] += piece_start[static_cast<size_t>(r)];
+        pieces.resize(static_cast<size_t>(piece_start[static_cast<size_t>(kmax)]));
+        std::vector<int32_t> cursor(piece_start.begin(), piece_start.end() - 1);
+        for (int64_t p = 0; p < n; ++p) {
+            const int32_t b = bin_of[static_cast<size_t>(p)];
+            if (b >= 0 && rank_of[static_cast<size_t>(b)] < kmax) pieces[static_cast<size_t>(cursor[static_cast<size_t>(rank_of[static_cast<size_t>(b)])]++)] = static_cast<int32_t>(p);
+        }
+        for (int64_t b = 0; b < bins; ++b) {
+            if (room[static_cast<size_t>(b)] > overlap) rooms.push_back(static_cast<int32_t>(b));
+        }
+        std::stable_sort(rooms.begin(), rooms.end(), roomier);
+    }
+
+    // Whether the first k candidates' pieces fit the other samples' rooms; the parts into out.
+    bool pour(int64_t k, std::vector<Poured> *out) const {
+        size_t g = 0;
+        int64_t left = 0;
+        auto next_room = [&]() {
+            for (; g < rooms.size(); ++g) {
+                if (rank_of[static_cast<size_t>(rooms[g])] >= k) {
+                    left = room[static_cast<size_t>(rooms[g])];
+                    return true;
+                }
+            }
+            return false;
+        };
+        if (!next_room()) return k == 0;
+        for (int32_t i = 0; i < piece_start[static_cast<size_t>(k)]; ++i) {
+            const int32_t p = pieces[static_cast<size_t>(i)];
+            int64_t rest = tail[static_cast<size_t>(p)], at = sz[docs[p]] - rest;
+            while (true) {
+                if (left <= overlap) {
+                    ++g;
+                    if (!next_room()) return false;
+                }
+                const int64_t take = std::min(rest, left);
+                if (out) out->push_back({rooms[g], p, static_cast<int32_t>(at), static_cast<int32_t>(take)});
+                left -= take;
+                if (take == rest) break;
+                at += take - overlap;
+                rest -= take - overlap;
+                left = 0;
+            }
+        }
+        return true;
+    }
+};
+
 py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t capacity, int32_t step) {
     auto sizes = checked_array<int32_t>(sizes_obj, "sizes", false);
     auto doc_idx = checked_array<int32_t>(doc_idx_obj, "doc_idx", false);
@@ -530,7 +620,9 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
     // written; the sort's arrays are freed before it is allocated.
     std::vector<int32_t> bin_of;  // sample of each position's best-fit piece (-1: none)
     std::vector<int64_t> bin_count;
-    int64_t bins = 0, num_full = 0, items = 0;
+    std::vector<Poured> poured;  // the refill's parts
+    std::vector<int32_t> renumber;  // best-fit sample -> output sample (-1: emptied by the refill)
+    int64_t bins = 0, num_full = 0, items = 0, kept = 0;
     {
         py::gil_scoped_release release;
         std::vector<int32_t> tail(static_cast<size_t>(n));
@@ -572,6 +664,8 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
                 }
             }
             bin_of.assign(static_cast<size_t>(n), -1);
+            std::vector<int32_t> bin_room;  // room left in each best-fit sample
+            std::vector<uint8_t> whole;     // whether it holds a whole document
             RoomTree tree(capacity);
             std::vector<std::vector<int32_t>> open(static_cast<size_t>(capacity));  // room -> samples
             for (int64_t k = 0; k < items; ++k) {
@@ -582,6 +676,8 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
                 if (room < 0) {
                     bin = bins++;
                     bin_count.push_back(0);
+                    bin_room.push_back(0);
+                    whole.push_back(0);
                     left = capacity - t;
                 } else {
                     auto &stack = open[static_cast<size_t>(room)];
@@ -597,11 +693,41 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
                 }
                 bin_of[static_cast<size_t>(p)] = static_cast<int32_t>(bin);
                 ++bin_count[static_cast<size_t>(bin)];
+                bin_room[static_cast<size_t>(bin)] = static_cast<int32_t>(left);
+                whole[static_cast<size_t>(bin)] |= sz[docs[p]] <= capacity;
             }
+            Refill refill{bin_room, bin_of, tail, sz, docs, capacity - step, {}, {}, {}, {}, {}};
+            refill.prepare(whole, capacity);
+            int64_t lo = 0, hi = static_cast<int64_t>(refill.candidates.size());
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (refill.pour(mid, nullptr)) lo = mid;
+                else hi = mid - 1;
+            }
+            renumber.assign(static_cast<size_t>(bins), 0);
+            if (lo > 0) {
+                refill.pour(lo, &poured);
+                for (int64_t r = 0; r < lo; ++r) renumber[static_cast<size_t>(refill.candidates[static_cast<size_t>(r)])] = -1;
+                for (int64_t i = 0; i < refill.piece_start[static_cast<size_t>(lo)]; ++i) {
+                    bin_of[static_cast<size_t>(refill.pieces[static_cast<size_t>(i)])] = -1;
+                }
+                for (const Poured &part : poured) ++bin_count[static_cast<size_t>(part.bin)];
+                items += static_cast<int64_t>(poured.size()) - refill.piece_start[static_cast<size_t>(lo)];
+            }
+            for (int64_t b = 0; b < bins; ++b) {
+                if (renumber[static_cast<size_t>(b)] < 0) continue;
+                bin_count[static_cast<size_t>(kept)] = bin_count[static_cast<size_t>(b)];
+                renumber[static_cast<size_t>(b)] = static_cast<int32_t>(kept++);
+            }
+            bin_count.resize(static_cast<size_t>(kept));
+            for (auto &b : bin_of) {
+                if (b >= 0) b = renumber[static_cast<size_t>(b)];
+            }
+            for (auto &part : poured) part.bin = renumber[static_cast<size_t>(part.bin)];
         }
     }
     if (!error.empty()) throw py::value_error(error);
-    const int64_t num_samples = bins + num_full;
+    const int64_t num_samples = kept + num_full;
     py::array_t<int32_t> parts({items + num_full, static_cast<int64_t>(3)});
     py::array_t<int64_t> sample_index(num_samples + 1);
     int32_t *out = parts.mutable_data();
@@ -609,11 +735,11 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
     {
         py::gil_scoped_release release;
         si[0] = 0;
-        for (int64_t b = 0; b < bins; ++b) si[b + 1] = si[b] + bin_count[static_cast<size_t>(b)];
-        for (int64_t f = 0; f < num_full; ++f) si[bins + f + 1] = si[bins + f] + 1;
+        for (int64_t b = 0; b < kept; ++b) si[b + 1] = si[b] + bin_count[static_cast<size_t>(b)];
+        for (int64_t f = 0; f < num_full; ++f) si[kept + f + 1] = si[kept + f] + 1;
         // bin_count becomes each best-fit sample's write cursor
-        for (int64_t b = 0; b < bins; ++b) bin_count[static_cast<size_t>(b)] = si[b];
-        int32_t *full_row = out + 3 * si[bins];
+        for (int64_t b = 0; b < kept; ++b) bin_count[static_cast<size_t>(b)] = si[b];
+        int32_t *full_row = out + 3 * si[kept];
         for (int64_t p = 0; p < n; ++p) {
             const int64_t length = sz[docs[p]];
             int64_t full, last;
@@ -631,6 +757,12 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
                 full_row[2] = capacity;
             }
         }
+        for (const Poured &part : poured) {
+            int32_t *row = out + 3 * bin_count[static_cast<size_t>(part.bin)]++;
+            row[0] = docs[part.position];
+            row[1] = part.offset;
+            row[2] = part.length;
+        }
     }
     return py::make_tuple(parts, sample_index);
 }
@@ -638,7 +770,8 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
 const char *kPackDoc = R"doc(Pack one epoch of documents into samples of `capacity` tokens by best-fit decreasing.
 
 doc_idx (int32) lists the epoch's documents in order (ties keep it); sizes (int32) their lengths.
-A document longer than capacity is cut into pieces starting every `step` tokens. Returns
+A document longer than capacity is cut into pieces starting every `step` tokens; where the
+samples' room adds up to whole samples, samples of last pieces only are poured into it. Returns
 (parts int32 [P, 3] of (document, offset, length), sample_index int64 [S + 1]).)doc";
 
 // ---------------------------------------------------------------- MinHash signatures (tokenloom.clean.keys)

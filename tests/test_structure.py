@@ -420,3 +420,63 @@ def test_planted_lazy_import_without_reason_fails(tmp_path):
     })
     assert unexplained_lazy_imports(root) == [
         "tokenloom.train.loop:5: import json", "tokenloom.train.loop:7: from tokenloom.train import (  # lazy:"]
+
+
+# --- what bench/ and scripts/ import from the package ---------------------------------------
+
+
+def module_file(root: Path, module: str) -> Path | None:
+    """The source of ``module`` under ``root`` (a module or a package's ``__init__``), or None."""
+    base = root.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def top_level_names(path: Path) -> set[str]:
+    """The names a module binds at its top level: definitions, assignments and imports."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def unresolved_imports(root: Path, files: list[Path]) -> list[str]:
+    """Every ``from tokenloom... import name`` (lazy ones included) in ``files`` whose module or
+    name the package under ``root`` does not have, as ``file:line: module.name``."""
+    errors = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "tokenloom":
+                path = module_file(root, node.module)
+                for a in node.names:
+                    if path is None or (a.name not in top_level_names(path)
+                                        and module_file(root, f"{node.module}.{a.name}") is None):
+                        errors.append(f"{f.name}:{node.lineno}: {node.module}.{a.name}")
+            elif isinstance(node, ast.Import):
+                errors += [f"{f.name}:{node.lineno}: {a.name}" for a in node.names
+                           if a.name.split(".")[0] == "tokenloom" and module_file(root, a.name) is None]
+    return errors
+
+
+def test_bench_and_scripts_import_what_the_package_has():
+    """The benches and scripts run outside the suite, and their imports sit inside functions:
+    a move of a module (the rooms of ``train/``) must not leave one behind."""
+    files = sorted((REPO / "bench").glob("*.py")) + sorted((REPO / "scripts").glob("*.py")) + [REPO / "cli.py"]
+    assert unresolved_imports(REPO, files) == []
+
+
+def test_planted_stale_bench_import_fails(tmp_path):
+    root = plant(tmp_path, {"tokenloom/train/model/config.py": "class GPTConfig: ...\n"})
+    bench = tmp_path / "bench.py"
+    bench.write_text("def f():\n    from tokenloom.train.model import GPTConfig\n"
+                     "    from tokenloom.train.model.config import GPTConfig as C\n    import tokenloom.gone\n")
+    assert unresolved_imports(root, [bench]) == ["bench.py:2: tokenloom.train.model.GPTConfig",
+                                                 "bench.py:4: tokenloom.gone"]

@@ -20,6 +20,7 @@ from tokenloom.blending.blend import build_mock_datasets
 from tokenloom.blending.build import BuildConfig, build
 from tokenloom.blending.dump import sample_layouts
 from tokenloom.blending.gpt import (
+    PACKER,
     GPTDatasetConfig,
     build_gpt_indices,
     concat_cuts,
@@ -50,11 +51,33 @@ def test_worked_example_by_hand():
     assert starts.tolist() == [0, 1, 3, 4, 5, 6]
 
 
+def test_the_refill_by_hand():
+    # capacity 9 (seq 8): three documents of 13 tokens are each a full piece [0, 9) and a last
+    # piece [8, 13) of 5 (over half a sample: one per sample, room 4 each). 12 tokens of room
+    # make a sample, so the emptiest sample of last pieces only (the first opened: all tie) is
+    # poured into the others' rooms: doc 0's [8, 13) as [8, 12) and [11, 13) (one token shared).
+    sizes = np.array([13, 13, 13], dtype=np.int32)
+    parts, starts = pack_best_fit(sizes, np.arange(3, dtype=np.int32), 9, 8)
+    assert parts.tolist() == [[1, 8, 5], [0, 8, 4], [2, 8, 5], [0, 11, 2], [0, 0, 9], [1, 0, 9], [2, 0, 9]]
+    assert starts.tolist() == [0, 2, 4, 5, 6, 7]
+    # doc 3 (2 tokens, whole) takes the room of the sample opened last (rooms 4, 4, 2): sample
+    # 0 is still emptied, into sample 1's room and then sample 2's
+    sizes = np.array([13, 13, 13, 2], dtype=np.int32)
+    parts, starts = pack_best_fit(sizes, np.arange(4, dtype=np.int32), 9, 8)
+    assert parts.tolist() == [[1, 8, 5], [0, 8, 4], [2, 8, 5], [3, 0, 2], [0, 11, 2], [0, 0, 9], [1, 0, 9], [2, 0, 9]]
+    # doc 3 of 3 tokens leaves rooms 4, 4, 1 (9 in all): the sample holding it is never emptied,
+    # and a room of one token (the token a cut shares) holds nothing, so 5 tokens do not fit
+    sizes = np.array([13, 13, 13, 3], dtype=np.int32)
+    parts, starts = pack_best_fit(sizes, np.arange(4, dtype=np.int32), 9, 8)
+    assert parts.tolist() == [[0, 8, 5], [1, 8, 5], [2, 8, 5], [3, 0, 3], [0, 0, 9], [1, 0, 9], [2, 0, 9]]
+
+
 @pytest.mark.skipif(not native.loaded(), reason="the native extension is not built")
 def test_native_equals_reference_on_random_inputs():
     from tokenloom import _native
 
     rng = np.random.default_rng(0)
+    refilled = 0
     for _ in range(300):
         cap = int(rng.integers(2, 40))
         step = cap - int(rng.integers(0, 2)) if cap > 2 else cap
@@ -62,6 +85,9 @@ def test_native_equals_reference_on_random_inputs():
         doc = rng.permutation(len(sizes))[: int(rng.integers(0, len(sizes) + 1))].astype(np.int32)
         a, b = _native.pack_best_fit(sizes, doc, cap, step), reference.pack_best_fit(sizes, doc, cap, step)
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+        check_epoch(a[0], a[1], sizes, doc, cap, step)
+        refilled += len(a[0]) > len(packed_pieces(sizes[doc], GPTDatasetConfig(seq_length=cap - 1)))
+    assert refilled > 30  # the refill ran in many of them
     for fn in (_native.pack_best_fit, reference.pack_best_fit):
         with pytest.raises(ValueError, match=r"doc_idx\[1\] = 9 is out of range"):
             fn(np.ones(3, np.int32), np.array([0, 9], np.int32), 5, 4)
@@ -71,8 +97,14 @@ def test_native_equals_reference_on_random_inputs():
 
 def check_epoch(parts: np.ndarray, starts: np.ndarray, sizes: np.ndarray, docs, capacity: int, step: int) -> None:
     """Every document of ``docs`` is covered exactly: whole in one sample when it fits, else by
-    pieces every ``step`` tokens; no sample holds more than ``capacity`` tokens."""
+    full pieces every ``step`` tokens and a last piece, which the refill may cut again (its
+    parts sharing ``capacity - step`` tokens, each holding more); no sample holds more than
+    ``capacity`` tokens nor two parts of one document."""
+    overlap = capacity - step
     assert np.all(np.add.reduceat(parts[:, 2], starts[:-1]) <= capacity) if len(parts) else True
+    for s in range(len(starts) - 1):
+        held = parts[starts[s]:starts[s + 1], 0]
+        assert len(set(held.tolist())) == len(held)
     pieces: dict[int, list[tuple[int, int]]] = {}
     for d, o, n in parts.tolist():
         pieces.setdefault(d, []).append((o, n))
@@ -84,9 +116,13 @@ def check_epoch(parts: np.ndarray, starts: np.ndarray, sizes: np.ndarray, docs, 
         elif length <= capacity:
             assert got == [(0, length)]
         else:
-            assert [o for o, _ in got] == list(range(0, step * len(got), step))
-            assert all(n == capacity for _, n in got[:-1]) and got[-1][0] + got[-1][1] == length
-            assert 1 < got[-1][1] <= capacity
+            full = (length - overlap - 1) // step  # pieces of capacity before the last piece
+            assert got[:full] == [(f * step, capacity) for f in range(full)]
+            end = full * step + overlap
+            for o, n in got[full:]:
+                assert o == end - overlap and overlap < n <= capacity
+                end = o + n
+            assert end == length
     assert not pieces
 
 
@@ -118,6 +154,7 @@ def test_packed_indices_cover_every_document_once_per_epoch():
 
 def test_concat_cache_keys_do_not_name_packing():
     assert "packing" not in key_fields(GPTDatasetConfig(seq_length=8))
+    assert key_fields(GPTDatasetConfig(seq_length=8, **BEST_FIT))["packer"] == PACKER
     assert key_fields(GPTDatasetConfig(seq_length=8, **BEST_FIT))["packing"] == "best-fit"
 
 
@@ -211,23 +248,28 @@ def test_dump_of_a_megatron_build_matches_its_samples(tmp_path):
 CORPORA = ["tinyshakespeare_gpt2_eod", "wikitext-2_gpt2_eod"]
 
 
+@pytest.mark.parametrize("split", ["1,0,0", "969,30,1"])
 @pytest.mark.parametrize("seq", [1024, 2048])
 @pytest.mark.parametrize("corpus", CORPORA)
-def test_acceptance_bounds_on_the_shared_corpora(shared_data, tmp_path, corpus, seq):
+def test_acceptance_bounds_on_the_shared_corpora(shared_data, tmp_path, corpus, seq, split):
     """Every document no longer than a sample whole in exactly one sample of the epoch, read
     from ``build --dump-samples``; padding <= 1% of the token slots; samples <= 1.01 x
-    ceil(tokens / seq_length). (The English novels pass too: bench/packing_bench.py.)"""
+    ceil(tokens / seq_length). On the whole corpus and on the train split of the default split.
+    (The English novels pass too: bench/packing_bench.py.)"""
     prefix = str(shared_data / "megatron-reference" / corpus)
     out = tmp_path / "dump.jsonl"
-    result = CliRunner().invoke(main, ["build", "--data", prefix, "--seq-length", str(seq), "--split", "1,0,0",
+    result = CliRunner().invoke(main, ["build", "--data", prefix, "--seq-length", str(seq), "--split", split,
                                        "--exhaustive", "--packing", "best-fit", "--dump-samples", str(out)])
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    lengths = IndexedDataset(prefix).sequence_lengths
+    documents = np.asarray(build(BuildConfig(data=[(1.0, prefix)], split=split, seq_length=seq, exhaustive=True,
+                                             **BEST_FIT)).train.documents)
+    lengths = IndexedDataset(prefix).sequence_lengths[documents]
     whole = Counter((d, o, n) for r in records for _, d, o, n in r["parts"])
     parts = Counter(d for r in records for _, d, _, _ in r["parts"])
-    fits = np.flatnonzero((lengths > 0) & (lengths <= seq + 1))
-    assert all(whole[(int(d), 0, int(lengths[d]))] == 1 == parts[int(d)] for d in fits)
+    assert set(parts) <= set(documents.tolist())
+    fit = (lengths > 0) & (lengths <= seq + 1)
+    assert all(whole[(int(d), 0, int(n))] == 1 == parts[int(d)] for d, n in zip(documents[fit], lengths[fit], strict=True))
     tokens = int(lengths.sum(dtype=np.int64))
     padding = sum(r["padding"] for r in records)
     assert padding <= 0.01 * len(records) * (seq + 1)
@@ -263,10 +305,14 @@ def test_the_fewest_samples_bound_is_a_bound_and_the_pieces_are_the_packers():
         lengths = rng.integers(0, 3 * capacity, size=int(rng.integers(1, 5))).astype(np.int32)
         pieces = packed_pieces(lengths, cfg)
         parts, starts = pack_best_fit(lengths, np.arange(len(lengths), dtype=np.int32), capacity, cfg.seq_length)
-        assert sorted(pieces.tolist()) == sorted(parts[:, 2].tolist())
+        # the packer's parts are these pieces, the last ones of cut documents perhaps cut again
+        check_epoch(parts, starts, lengths, range(len(lengths)), capacity, cfg.seq_length)
+        if len(parts) == len(pieces):
+            assert sorted(pieces.tolist()) == sorted(parts[:, 2].tolist())
         if len(pieces) <= 8:
-            assert fewest_packed_samples(lengths, cfg) <= fewest_by_search(pieces.tolist(), capacity) \
-                <= len(starts) - 1
+            assert fewest_packed_samples(lengths, cfg) <= fewest_by_search(pieces.tolist(), capacity)
+            if len(parts) == len(pieces):  # nothing refilled: best fit, no better than the best
+                assert fewest_by_search(pieces.tolist(), capacity) <= len(starts) - 1
     # by hand: capacity 10; pieces 6, 6, 6 (each over half: three samples) and 3, 3 (fit beside them)
     assert fewest_packed_samples(np.array([6, 6, 6, 3, 3], np.int32), GPTDatasetConfig(seq_length=9)) == 3
     # 6, 6, 6 and 5: K = 5 needs a fourth sample (5 fits beside no 6); the token count says 3
@@ -275,17 +321,18 @@ def test_the_fewest_samples_bound_is_a_bound_and_the_pieces_are_the_packers():
     assert packed_pieces(np.array([25, 0], np.int32), GPTDatasetConfig(seq_length=9)).tolist() == [10, 10, 7]
 
 
-def test_where_best_fit_pads_over_one_percent_no_packing_pads_less(shared_data):
-    """WikiText-2's train split at the default split (969,30,1: whole articles), seq 2048: best-fit
-    pads over 1% of the token slots, and its samples are the fewest any packing of the same pieces
-    can use (the L2 bound), so no packing with documents cut every seq_length tokens reaches 1%
-    there. The whole corpus stays under 1% (test_acceptance_bounds_on_the_shared_corpora)."""
+def test_the_refill_goes_under_the_fewest_samples_of_uncut_pieces(shared_data):
+    """WikiText-2's train split at the default split (969,30,1: whole articles), seq 2048: no
+    packing of the pieces uncut has fewer than 264 samples (the L2 bound: 59 last pieces over
+    half a sample and too little beside them), 1.11% padding; the refill cuts some of those last
+    pieces again and reaches ceil(tokens / seq_length) = 262, the fewest samples there are."""
     prefix = str(shared_data / "megatron-reference" / "wikitext-2_gpt2_eod")
     cfg = BuildConfig(data=[(1.0, prefix)], split="969,30,1", seq_length=2048, exhaustive=True, **BEST_FIT)
     result = build(cfg)
     [row] = [r for r in result.plan if r.split == "train"]
     lengths = result.train.source.sequence_lengths[np.asarray(result.train.documents)]
-    fewest = fewest_packed_samples(lengths, GPTDatasetConfig(seq_length=2048, **BEST_FIT))
-    assert row.packed_samples == len(result.train) == fewest
-    assert row.padding_share > 0.01
-    assert row.padding == fewest * 2049 - int(packed_pieces(lengths, GPTDatasetConfig(seq_length=2048)).sum())
+    uncut = fewest_packed_samples(lengths, GPTDatasetConfig(seq_length=2048, **BEST_FIT))
+    assert uncut == 264 and uncut * 2049 - int(packed_pieces(lengths, GPTDatasetConfig(seq_length=2048)).sum()) \
+        > 0.01 * uncut * 2049
+    assert row.packed_samples == len(result.train) == math.ceil(int(lengths.sum()) / 2048) == 262
+    assert row.padding_share <= 0.01 and row.cut == int(np.sum(lengths > 2049))

@@ -9,7 +9,7 @@ the tail of the last epoch (< seq_length tokens); samples are visited through a
 shuffled index. If the final epoch would contribute under 80% of an epoch's
 samples it is shuffled apart, so it is consumed only after all earlier epochs.
 ``packing="best-fit"`` is the other policy (:func:`build_packed_indices`): whole documents
-packed into samples with padding, so no document shorter than a sample is cut; its arrays
+packed into samples with padding, so no document of up to a sample is cut; its arrays
 are tokenloom's own, not Megatron's.
 
 Worked example (also a unit test): five sequences of lengths 3, 5, 2, 4, 6 (20
@@ -101,12 +101,20 @@ class GPTDatasetConfig:
             raise TokenloomError(f"mode must be 'megatron' or 'exact', got {self.mode!r}")
 
 
+PACKER = 2
+"""Best-fit's algorithm, in its cache keys: bumped whenever its samples change for the same
+inputs (2: the refill), so indices cached by an older packer are built again."""
+
+
 def key_fields(config: GPTDatasetConfig) -> dict:
     """``config`` as cache keys take it: every field, but ``packing`` only when it is not
-    "concat" (so the keys of concatenated indices did not change when packing came)."""
+    "concat" (so the keys of concatenated indices did not change when packing came), and then
+    with :data:`PACKER`."""
     fields = asdict(config)
     if fields["packing"] == "concat":
         del fields["packing"]
+    else:
+        fields["packer"] = PACKER
     return fields
 
 
@@ -255,7 +263,11 @@ def build_packed_indices(
     (each piece shares its first token with the last of the piece before, so every label of
     the document is trained once). Per epoch: the split's documents are shuffled with the
     seed, their pieces packed by best-fit decreasing (``helpers.pack_best_fit``; equal
-    lengths keep the shuffled order, so each epoch packs differently) and the epoch's samples
+    lengths keep the shuffled order, so each epoch packs differently), then refilled: where the
+    room left adds up to whole samples, the emptiest samples that hold only last pieces of cut
+    documents (fragments already) are poured into the others' room, those pieces cut again, so
+    an epoch is as few samples as its tokens need wherever enough such pieces exist (what the
+    cut pieces alone cannot reach: :func:`fewest_packed_samples`); the epoch's samples are
     shuffled; epochs follow each other whole. As many epochs are built as ``num_samples``
     needs (one when None). The trade-off against concat: padding (the room best fit leaves)
     instead of documents cut at sample boundaries. The packer is our own C++ (a segment tree
@@ -331,10 +343,10 @@ def packing_cost(indices: GPTIndices, lengths: np.ndarray, config: GPTDatasetCon
 
 
 def packed_pieces(lengths: np.ndarray, config: GPTDatasetConfig) -> np.ndarray:
-    """The sizes (int64) of the pieces best-fit packs documents of these ``lengths`` into: a
-    document of up to a sample whole, a longer one as pieces of a sample starting every
-    ``seq_length`` tokens (:func:`build_packed_indices`), the last one the rest. Empty documents
-    give none."""
+    """The sizes (int64) of the pieces best fit packs documents of these ``lengths`` into
+    before the refill: a document of up to a sample whole, a longer one as pieces of a sample
+    starting every ``seq_length`` tokens (:func:`build_packed_indices`), the last one the rest.
+    Empty documents give none."""
     capacity, step = config.seq_length + int(config.add_extra_token), config.seq_length
     lengths = np.asarray(lengths, dtype=np.int64)
     lengths = lengths[lengths > 0]
@@ -350,7 +362,8 @@ def fewest_packed_samples(lengths: np.ndarray, config: GPTDatasetConfig) -> int:
     half a sample, the pieces over ``capacity - K`` and those over half a sample each need a
     sample of their own (no two of the latter share one), and the pieces of K to half a sample
     need at least the room they lack beside the latter; K = 0 is the total tokens over the sample
-    size. Where best-fit's sample count equals it, no packing of these pieces pads less. Sorting
+    size. No packing of these pieces, uncut, has fewer samples; the refill goes under it only by
+    cutting last pieces again (:func:`build_packed_indices`). Sorting
     the pieces is the cost (O(P log P)), plus a binary search per distinct small size."""
     capacity = config.seq_length + int(config.add_extra_token)
     pieces = np.sort(packed_pieces(lengths, config))

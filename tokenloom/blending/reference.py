@@ -307,9 +307,53 @@ def pack_best_fit(sizes: np.ndarray, doc_idx: np.ndarray, capacity: int, step: i
                 bisect.insort(rooms, left)
             stack.append(b)
         members[b].append(p)
-    rows = [(int(doc_idx[p]), int(lengths[p] - tail[p]), int(tail[p])) for m in members for p in sorted(m)]
+    rooms_left = [capacity - int(tail[m].sum()) for m in map(np.array, members)]
+    emptied, poured = _refill(members, rooms_left, lengths, tail, capacity, overlap)
+    rows, counts = [], []
+    for b, m in enumerate(members):
+        if b in emptied:
+            continue
+        own = [(int(doc_idx[p]), int(lengths[p] - tail[p]), int(tail[p])) for p in sorted(m)]
+        rows += own + [(int(doc_idx[p]), at, n) for bin_, p, at, n in poured if bin_ == b]
+        counts.append(len(own) + sum(bin_ == b for bin_, *_ in poured))
     rows += [(int(doc_idx[p]), f * step, capacity) for p in range(len(doc_idx)) for f in range(int(full[p]))]
-    counts = [len(m) for m in members] + [1] * int(full.sum())
+    counts += [1] * int(full.sum())
     sample_index = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=sample_index[1:])
     return np.array(rows, dtype=np.int32).reshape(-1, 3), sample_index
+
+
+def _refill(members: list[list[int]], room: list[int], lengths: np.ndarray, tail: np.ndarray, capacity: int,
+            overlap: int) -> tuple[set[int], list[tuple[int, int, int, int]]]:
+    """``pack_best_fit``'s refill (the C++ ``Refill``): which samples of last pieces only are
+    emptied, and the parts (sample, position, offset, length) poured into the others' rooms."""
+    whole = [any(lengths[p] <= capacity for p in m) for m in members]
+    candidates = sorted((b for b in range(len(members)) if not whole[b] and room[b] > 0), key=lambda b: -room[b])
+    candidates = candidates[: sum(room) // capacity]
+    rooms = sorted((b for b in range(len(members)) if room[b] > overlap), key=lambda b: -room[b])
+
+    def pour(k: int) -> list[tuple[int, int, int, int]] | None:
+        gone = set(candidates[:k])
+        free = [b for b in rooms if b not in gone]
+        out, g, left = [], 0, room[free[0]] if free else 0
+        for p in (p for b in candidates[:k] for p in sorted(members[b])):
+            rest, at = int(tail[p]), int(lengths[p] - tail[p])
+            while True:
+                if left <= overlap:
+                    g += 1
+                    if g >= len(free):
+                        return None
+                    left = room[free[g]]
+                take = min(rest, left)
+                out.append((free[g], p, at, take))
+                left -= take
+                if take == rest:
+                    break
+                at, rest, left = at + take - overlap, rest - take + overlap, 0
+        return out
+
+    lo, hi = 0, len(candidates)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if pour(mid) is not None else (lo, mid - 1)
+    return set(candidates[:lo]), pour(lo) or []

@@ -149,7 +149,8 @@ class DataConfig:
     """How documents become samples (``build --packing``). concat: Megatron's windows over the
     documents end to end (no padding; documents cut at sample boundaries). best-fit: every
     document no longer than a sample lies whole in one sample, longer ones cut into
-    sample-sized pieces, the room left padding the loss skips; labels never cross a document."""
+    sample-sized pieces (their last pieces cut again where that fills whole samples' worth of
+    room), the room left padding the loss skips; labels never cross a document."""
     inter_document_masking: bool | None = None
     """Attention never crosses a document boundary within a sample, and position ids restart
     at each document (megatron-core's inter_document_masking): each batch carries cu_seqlens.
