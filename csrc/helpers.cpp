@@ -621,7 +621,6 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
     std::vector<int32_t> bin_of;  // sample of each position's best-fit piece (-1: none)
     std::vector<int64_t> bin_count;
     std::vector<Poured> poured;  // the refill's parts
-    std::vector<int32_t> renumber;  // best-fit sample -> output sample (-1: emptied by the refill)
     int64_t bins = 0, num_full = 0, items = 0, kept = 0;
     {
         py::gil_scoped_release release;
@@ -704,7 +703,8 @@ py::tuple pack_best_fit(py::handle sizes_obj, py::handle doc_idx_obj, int32_t ca
                 if (refill.pour(mid, nullptr)) lo = mid;
                 else hi = mid - 1;
             }
-            renumber.assign(static_cast<size_t>(bins), 0);
+            // best-fit sample -> output sample (-1: emptied by the refill)
+            std::vector<int32_t> renumber(static_cast<size_t>(bins), 0);
             if (lo > 0) {
                 refill.pour(lo, &poured);
                 for (int64_t r = 0; r < lo; ++r) renumber[static_cast<size_t>(refill.candidates[static_cast<size_t>(r)])] = -1;

@@ -48,7 +48,7 @@ from datatrove.utils.word_tokenizers import load_word_tokenizer  # noqa: E402
 
 # The corpus fixture runs both sides over ~5 M characters (CPU-bound, single process): well under
 # a tenth of 600 s here, with room for a loaded machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ALL = os.environ.get("TOKENLOOM_FILTERS_ALL", "") == "1"
 NOVEL_STRIDE = 1 if ALL else 120

@@ -83,7 +83,7 @@ def test_two_srun_tasks_form_one_job_equal_to_torchrun_dp2(tmp_path):
                               text=True) for t in range(2)]
     start = time.monotonic()
     try:
-        outs = [p.communicate(timeout=limit_s(240)) for p in procs]
+        outs = [p.communicate(timeout=limit_s(360)) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -97,7 +97,8 @@ def test_two_srun_tasks_form_one_job_equal_to_torchrun_dp2(tmp_path):
     env_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(REPO) + (os.pathsep + env_path if env_path else "")
     try:
-        done = run_cli("train", "--config", config, "--output-dir", tmp_path / "torchrun", "--nproc-per-node", 2)
+        done = run_cli("train", "--config", config, "--output-dir", tmp_path / "torchrun", "--nproc-per-node", 2,
+                       timeout=450)
     finally:
         os.environ.pop("PYTHONPATH") if env_path is None else os.environ.__setitem__("PYTHONPATH", env_path)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -28,7 +28,7 @@ ITER3, ITER6 = checkpoint.checkpoint_name(3), checkpoint.checkpoint_name(6)
 
 
 def _train(out: Path, *extra, env=None):
-    return run_cli("train", *RUN, "--output-dir", out, *extra, env=env, timeout=240)
+    return run_cli("train", *RUN, "--output-dir", out, *extra, env=env, timeout=360)
 
 
 def _losses(out: Path) -> dict[int, float]:

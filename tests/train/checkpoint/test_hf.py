@@ -37,6 +37,8 @@ from tokenloom.train.model.gpt import GPT
 
 transformers = pytest.importorskip("transformers", reason="the [interop] extra (transformers) is the oracle")
 TikTokenConverter = pytest.importorskip("transformers.convert_slow_tokenizer").TikTokenConverter
+# the module fixture's launches and exports: 130 s of setup in a slow (AVX2-only) box's whole suite
+pytestmark = pytest.mark.timeout(900)
 
 GPT2_TOKENIZER = shared_data_dir() / "tokenizers" / "gpt2"
 TEXT = shared_data_dir() / "tinyshakespeare" / "input.txt"
@@ -61,7 +63,7 @@ step the run must take, so its checkpoint holds what each rank loaded."""
 
 
 def train(out: Path, *flags) -> dict:
-    done = run_cli("train", "--mock-data", *RUN, "--output-dir", out, *flags, timeout=280)
+    done = run_cli("train", "--mock-data", *RUN, "--output-dir", out, *flags, timeout=420)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
 

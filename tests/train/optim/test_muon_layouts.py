@@ -45,7 +45,7 @@ def _worlds(tmp) -> dict[int, list[tuple[str, dict]]]:
             4: [("dp4", {}), ("dp4_zero1", dict(zero1=True)), ("tp2_pp2", dict(tp=2, pp=2))]}
 
 
-MUON_SCENARIO_S = 90.0
+MUON_SCENARIO_S = 135.0
 """Hang budget per scenario (20 Muon steps with fp32 Newton-Schulz; 4 ranks oversubscribe 2 cores, so a
 4-rank scenario counts twice): a scenario takes a few seconds on the developers' machine."""
 LAUNCHED = sum(len(v) * w // 2 for w, v in _worlds(Path()).items())

@@ -22,7 +22,7 @@ LAYOUTS = {  # name -> TrainConfig overrides on 2 ranks; (dp, tp, pp)
     # compiled blocks (compile's default on CUDA): fp32 experts fall back to the loop under compile
     "dp1_tp2_pp1_sp_compile": dict(tp=2, sp=True, compile=True),
 }
-MOE_SCENARIO_S = 120.0  # 20 steps of the MoE model on 2 ranks: about a dozen seconds here
+MOE_SCENARIO_S = 180.0  # 20 steps of the MoE model on 2 ranks: about a dozen seconds here, 3x that on a slow box
 pytestmark = [pytest.mark.slow, launches_timeout(len(LAYOUTS), per_scenario_s=MOE_SCENARIO_S)]
 
 
