@@ -86,7 +86,8 @@ class BuildConfig:
     end to end and every sample is a full window, so no token is wasted but documents are
     cut at sample boundaries. best-fit: each document (a longer one cut into sample-sized
     pieces) lies whole in one sample, packed by best-fit decreasing, and the last pieces of cut
-    documents may be cut again to fill the room left; the rest of it is padding the loss skips. Pick best-fit for document-level attention masking, short documents and
+    documents may be cut again to fill the room left; the rest of it is padding the loss
+    skips. Pick best-fit for document-level attention masking, short documents and
     evaluation on whole documents; concat for Megatron-identical arrays and caches."""
 
 
