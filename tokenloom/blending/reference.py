@@ -309,13 +309,16 @@ def pack_best_fit(sizes: np.ndarray, doc_idx: np.ndarray, capacity: int, step: i
         members[b].append(p)
     rooms_left = [capacity - int(tail[m].sum()) for m in map(np.array, members)]
     emptied, poured = _refill(members, rooms_left, lengths, tail, capacity, overlap)
+    into: dict[int, list[tuple[int, int, int]]] = {}  # sample -> the parts poured into it, in order
+    for b, p, at, n in poured:
+        into.setdefault(b, []).append((int(doc_idx[p]), at, n))
     rows, counts = [], []
     for b, m in enumerate(members):
         if b in emptied:
             continue
-        own = [(int(doc_idx[p]), int(lengths[p] - tail[p]), int(tail[p])) for p in sorted(m)]
-        rows += own + [(int(doc_idx[p]), at, n) for bin_, p, at, n in poured if bin_ == b]
-        counts.append(len(own) + sum(bin_ == b for bin_, *_ in poured))
+        held = [(int(doc_idx[p]), int(lengths[p] - tail[p]), int(tail[p])) for p in sorted(m)] + into.get(b, [])
+        rows += held
+        counts.append(len(held))
     rows += [(int(doc_idx[p]), f * step, capacity) for p in range(len(doc_idx)) for f in range(int(full[p]))]
     counts += [1] * int(full.sum())
     sample_index = np.zeros(len(counts) + 1, dtype=np.int64)
