@@ -26,6 +26,11 @@ from pathlib import Path
 # torch's default of a thread per core then oversubscribes them, where the tiny models' small ops
 # wait on each other's threads (a one-process cli.py run took twice as long). Set before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor compiles in the process that compiles: its default on two cores is a pool of two compile
+# workers, fresh interpreters that import torch (about 10 s of CPU on a slow 2-core machine) in every
+# process whose blocks compile (every rank of a compile: true launch), for kernels that take a
+# second of g++ each. Same generated code either way.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import tl_testing  # noqa: E402
