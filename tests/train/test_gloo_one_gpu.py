@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
-from compose_helpers import read_losses, tiny_cfg  # noqa: E402
+from compose_helpers import STEPS, read_losses, tiny_cfg  # noqa: E402
 from tl_testing import run_cli  # noqa: E402
 
 from tokenloom.train.config import config_to_dict  # noqa: E402
@@ -30,7 +30,7 @@ BF16_TOL = 0.05
 """bf16 (autocast, fp32 parameters and gradient reductions): a layout splits the matmuls (tp, cp,
 experts over ranks) or the micro-batches' sums differently from the one-rank run, and each split
 rounds its bf16 products on its own: a relative 2**-8 per rounding, about 0.016 of a loss near 4;
-over 20 steps of the tiny model those stay within a few such steps (the project's bf16 bound,
+over the tiny model's steps those stay within a few such steps (the project's bf16 bound,
 test_layouts_cli.BF16_TOL), while a wrong reduction (a missing or doubled gradient, a wrong rank's
 shard) moves the losses by more within the first steps."""
 
@@ -90,5 +90,5 @@ def test_layout_on_one_gpu_over_gloo_equals_one_rank(tmp_path, reference, name):
     ref = reference(shared)
     losses = _train(tmp_path, name, ranks, [*GLOO, *flags, *shared])
     tol = FP32_TOL if shared == FP32 else BF16_TOL
-    assert len(losses) == len(ref) == 20 and all(map(math.isfinite, losses)), losses
+    assert len(losses) == len(ref) == STEPS and all(map(math.isfinite, losses)), losses
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < tol, (losses, ref)

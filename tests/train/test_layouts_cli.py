@@ -22,7 +22,15 @@ import torch
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
-from compose_helpers import PARAM_TOL, checkpoint_params, read_bubbles, read_losses, read_norms, tiny_cfg  # noqa: E402
+from compose_helpers import (  # noqa: E402
+    PARAM_TOL,
+    STEPS,
+    checkpoint_params,
+    read_bubbles,
+    read_losses,
+    read_norms,
+    tiny_cfg,
+)
 from tl_testing import cli_env, run_cli  # noqa: E402
 
 from tokenloom import cli  # noqa: E402
@@ -184,7 +192,7 @@ def test_expert_parallel_with_zero1_through_the_cli_equals_one_process(tmp_path)
     one = read_losses(train(tmp_path, "moe_ref", None, [], moe=True) / "metrics.jsonl")
     flags = ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
     losses = read_losses(train(tmp_path, "ep2_zero1", 2, flags, moe=True) / "metrics.jsonl")
-    assert len(losses) == len(one) == 20
+    assert len(losses) == len(one) == STEPS
     assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < TOL
 
 
@@ -200,7 +208,7 @@ def test_muon_with_zero1_through_the_cli_equals_one_process(tmp_path):
     out = train(tmp_path, "muon_zero1", 2, ["--use-distributed-optimizer", *fp32])
     one, losses = read_losses(ref / "metrics.jsonl"), read_losses(out / "metrics.jsonl")
     assert all(json.loads((d / "config.json").read_text())["optim"]["name"] == "muon" for d in (ref, out))
-    assert len(losses) == len(one) == 20
+    assert len(losses) == len(one) == STEPS
     assert max(abs(a - b) for a, b in zip(losses, one, strict=True)) < TOL
 
 
@@ -217,7 +225,7 @@ GPU_LAYOUTS = {
     "pp2_vpp2_compile": (2, ["--pp", "2", "--vpp", "2", "--set", "compile=true"]),
 }
 GPU_TOL = 1e-4  # NCCL's reduction order differs from one process's sums
-BF16_TOL = 0.05  # bf16 against fp32 over 20 steps of the tiny model
+BF16_TOL = 0.05  # bf16 against fp32 over the tiny model's steps
 
 
 @pytest.mark.gpu
@@ -229,7 +237,7 @@ def test_layout_on_nccl_equals_one_gpu(tmp_path, name):
     fp32 = ["--set", "precision=fp32"]
     ref = read_losses(train(tmp_path, "one_gpu", None, fp32) / "metrics.jsonl")
     losses = read_losses(train(tmp_path, name, ranks, [*flags, *fp32]) / "metrics.jsonl")
-    assert len(losses) == len(ref) == 20
+    assert len(losses) == len(ref) == STEPS
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < GPU_TOL
 
 
@@ -281,7 +289,7 @@ def test_one_gpu_run_equals_the_cpu_run(tmp_path, cpu_losses, name):
     ranks, flags, cpu_flags = ONE_GPU_RUNS[name]
     gpu = train(tmp_path, name, ranks, [*flags, "--set", "precision=fp32"], device="cuda")
     cpu_losses, gpu_losses = cpu_losses(cpu_flags), read_losses(gpu / "metrics.jsonl")
-    assert len(gpu_losses) == len(cpu_losses) == 20
+    assert len(gpu_losses) == len(cpu_losses) == STEPS
     assert max(abs(a - b) for a, b in zip(gpu_losses, cpu_losses, strict=True)) < GPU_TOL
 
 
@@ -296,5 +304,5 @@ def test_one_gpu_run_with_no_performance_flag_follows_the_cpu_run(tmp_path, cpu_
         pytest.skip("needs a CUDA device")
     gpu = train(tmp_path, name, 1 if name == "fsdp" else None, flags, device="cuda")
     cpu_losses, gpu_losses = cpu_losses(flags if name == "moe" else []), read_losses(gpu / "metrics.jsonl")
-    assert len(gpu_losses) == len(cpu_losses) == 20 and all(map(math.isfinite, gpu_losses)), gpu_losses
+    assert len(gpu_losses) == len(cpu_losses) == STEPS and all(map(math.isfinite, gpu_losses)), gpu_losses
     assert max(abs(a - b) for a, b in zip(gpu_losses, cpu_losses, strict=True)) < BF16_TOL, (gpu_losses, cpu_losses)

@@ -1,5 +1,5 @@
 """Muon (``optim.name: muon``) in the parallel layouts against its one-process run (issue 51,
-acceptance 2 and 3): 20-step losses and final parameters of dp 2, dp 2 + zero1, dp 2 + fsdp, tp 2 +
+acceptance 2 and 3): 10-step losses and final parameters of dp 2, dp 2 + zero1, dp 2 + fsdp, tp 2 +
 sp, pp 2, ep 2 (an MoE model) at 2 ranks, and dp 4, dp 4 + zero1 and tp 2 x pp 2 at 4 ranks, through
 the one loop in launched gloo ranks; a dp 2 + zero1 checkpoint at step 10 resumed at tp 2 + sp and
 under fsdp (2 ranks) and at dp 1 (in this process), and the dp 2 + fsdp one at dp 1, log the
@@ -46,7 +46,7 @@ def _worlds(tmp) -> dict[int, list[tuple[str, dict]]]:
 
 
 MUON_SCENARIO_S = 135.0
-"""Hang budget per scenario (20 Muon steps with fp32 Newton-Schulz; 4 ranks oversubscribe 2 cores, so a
+"""Hang budget per scenario (the Muon steps, with fp32 Newton-Schulz; 4 ranks oversubscribe 2 cores, so a
 4-rank scenario counts twice): a scenario takes a few seconds on the developers' machine."""
 LAUNCHED = sum(len(v) * w // 2 for w, v in _worlds(Path()).items())
 pytestmark = [pytest.mark.slow, launches_timeout(LAUNCHED, references=4, per_scenario_s=MUON_SCENARIO_S)]

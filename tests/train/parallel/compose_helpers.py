@@ -31,14 +31,23 @@ from tokenloom.train.model.gpt import GPT
 from tokenloom.train.optim.adamw import OptimConfig
 from tokenloom.train.runtime import World, seed_everything
 
-STEPS = 20
+STEPS = 10
+"""Steps of every tiny run: warmup (3), clipping, cosine decay, evaluations at 0, STEPS // 2 and STEPS, and
+a checkpoint at STEPS // 2 for the resumes. On 2 cores a gloo collective costs about a millisecond of
+CPU per rank, and a tp layout makes four per layer and micro-batch, so the steps are most of a launch:
+20 cost the suite minutes and proved no more."""
+
+COMPILE_WAIT_S = 300.0
+"""The collective timeout of a ``compile: true`` run: a pipeline rank waits on its peer's first compile
+of a chunk's blocks (in the compiling process, as the tests' environment sets; over a minute from a
+cold cache on a loaded 2-core machine). Other runs wait 60 s; the launch's deadline bounds a hang."""
 
 
 def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zero1: bool = False,
              weight_decay: float = 0.1, dropout: float = 0.0, recompute: bool = False, moe: bool = False,
              dispatcher: str = "alltoall", optim: dict | None = None, **kw: Any) -> TrainConfig:
     """4 layers, d_model 32, seq 16, vocab 64; no biases (see pp_helpers' note on the key
-    bias); global batch 8 of micro-batches of 2; clipping (0.5) active in early steps. ``moe``:
+    bias); :data:`STEPS` steps of global batch 8 in micro-batches of 2; clipping (0.5) active in early steps. ``moe``:
     blocks 0 and 2 mixture-of-experts (4 experts 64 wide, top-2, balance and z losses on, tokens
     reaching the experts by ``dispatcher`` at ep > 1). ``optim``: OptimConfig fields over these
     (e.g. ``name="muon"``)."""
@@ -52,8 +61,9 @@ def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zer
     optim_cfg = OptimConfig(**{**dict(lr=3e-3 if moe else 1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay,
                                       grad_clip=0.5), **(optim or {})})
     base = dict(model=model, data=data, optim=optim_cfg, micro_batch_size=2, global_batch_size=8,
-                train_iters=STEPS, eval_interval=10, eval_iters=2, log_interval=1, save_interval=None, plot=False,
-                progress=False, dist_timeout_s=60.0, output_dir=str(out), tp=tp, pp=pp, vpp=vpp, zero1=zero1)
+                train_iters=STEPS, eval_interval=STEPS // 2, eval_iters=2, log_interval=1, save_interval=None, plot=False,
+                progress=False, dist_timeout_s=COMPILE_WAIT_S if kw.get("compile") else 60.0, output_dir=str(out),
+                tp=tp, pp=pp, vpp=vpp, zero1=zero1)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -449,7 +459,7 @@ compile's first graphs the slowest) takes a few seconds on the developers' machi
 oversubscribing 2 cores, and up to 20 s in the whole suite on a machine without AVX-512 (about
 3x slower), where the budget still leaves three times the need: a launch that passes its
 deadline hung rather than ran slow. A module
-whose scenarios are heavier (MoE: 20 steps of routed experts) passes its own ``per_scenario_s``."""
+whose scenarios are heavier (MoE: steps of routed experts) passes its own ``per_scenario_s``."""
 REFERENCE_BUDGET_S = 60.0
 """A one-process reference run's share of a module's timeout (a few seconds here)."""
 MIN_TIMEOUT_S = 600.0

@@ -1,5 +1,5 @@
 """Expert parallelism (issue 43, acceptance 2 and 3) through the one loop against its one-process
-MoE run: 20-step losses, grad norms, the logged balance and z losses and tokens per expert, the final
+MoE run: 10-step losses, grad norms, the logged balance and z losses and tokens per expert, the final
 checkpoint's parameters (every expert under its one-process name) of ep 2 at dp 2, ep 2 at dp 4 (two
 expert-data-parallel ranks per expert), ep 2 x tp 2 with sequence parallelism, ep 2 x pp 2, ep 2 at dp 2
 and ep 2 x tp 2 + sp with the allgather token dispatcher (every other layout: all-to-all), and ep 2

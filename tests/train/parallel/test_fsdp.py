@@ -1,5 +1,5 @@
 """Fully sharded data parallelism (``fsdp``) through the one loop against its one-process run
-(issue 42's acceptance 1): 20-step losses, grad norms, validation loss and final parameters of
+(issue 42's acceptance 1): 10-step losses, grad norms, validation loss and final parameters of
 dp 2, dp 4, dp 2 x tp 2 (sequence parallelism, recomputed blocks) and dp 2 x pp 2 with fsdp; the dp 2 run's
 checkpoint at HALF resumed at dp 1 without fsdp and at dp 4 with it, equal to the run that went
 on; and each rank's optimizer state and checkpoint pieces being its dp shard.
