@@ -18,6 +18,7 @@ are taken against the unscaled timeouts.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -31,6 +32,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # process whose blocks compile (every rank of a compile: true launch), for kernels that take a
 # second of g++ each. Same generated code either way.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The processes tests start get Ctrl-C as from a terminal: a shell without job control starts a
+# background job (``cmd &``, ``nohup``) with SIGINT ignored, every process below it inherits that, and
+# the tests that interrupt a run with SIGINT (test_faults' Ctrl-C, test_stop) would see it survive.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 import tl_testing  # noqa: E402
