@@ -249,6 +249,7 @@ def test_two_torchrun_agents_with_nnodes_2_form_one_job(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # one 2-rank run: 178 s in a loaded slow box's suite
 def test_a_megatron_argument_list_trains(tmp_path, shared_data):
     """Issue 20's acceptance: pretrain_gpt.py's flags for data, shape, batch and layout, torchrun's
     --nproc_per_node, on GPT-2 tokenized tinyshakespeare and WikiText-2."""
@@ -259,7 +260,7 @@ def test_a_megatron_argument_list_trains(tmp_path, shared_data):
                    "--num-attention-heads", "4", "--micro-batch-size", "2", "--global-batch-size", "8",
                    "--train-iters", "10", "--lr", "3e-4", "--tensor-model-parallel-size", "2",
                    "--nproc_per_node", "2", "--data-cache-path", tmp_path / "cache", "--output-dir", out,
-                   timeout=500)
+                   timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["iteration"] == 10
     cfg = json.loads((out / "config.json").read_text())

@@ -33,12 +33,12 @@ from tokenloom.train.runtime import World, seed_everything
 
 STEPS = 10
 """Steps of every tiny run: warmup (3), clipping, cosine decay, evaluations at 0, STEPS // 2 and STEPS, and
-a checkpoint at STEPS // 2 for the resumes. On 2 cores a gloo collective costs about a millisecond of
-CPU per rank, and a tp layout makes four per layer and micro-batch, so the steps are most of a launch:
-20 cost the suite minutes and proved no more."""
+a checkpoint at STEPS // 2 for the resumes: each thing a layout test compares happens inside them. On 2
+cores a gloo collective costs about a millisecond of CPU per rank and a tp layout makes four per layer
+and micro-batch, so the steps are most of a tp launch's cost (20 steps were twice that)."""
 
 COMPILE_WAIT_S = 300.0
-"""The collective timeout of a ``compile: true`` run: a pipeline rank waits on its peer's first compile
+"""The collective timeout test_compose gives its ``compile: true`` runs: a pipeline rank waits on its peer's first compile
 of a chunk's blocks (in the compiling process, as the tests' environment sets; over a minute from a
 cold cache on a loaded 2-core machine). Other runs wait 60 s; the launch's deadline bounds a hang."""
 
@@ -62,7 +62,7 @@ def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zer
                                       grad_clip=0.5), **(optim or {})})
     base = dict(model=model, data=data, optim=optim_cfg, micro_batch_size=2, global_batch_size=8,
                 train_iters=STEPS, eval_interval=STEPS // 2, eval_iters=2, log_interval=1, save_interval=None, plot=False,
-                progress=False, dist_timeout_s=COMPILE_WAIT_S if kw.get("compile") else 60.0, output_dir=str(out),
+                progress=False, dist_timeout_s=60.0, output_dir=str(out),
                 tp=tp, pp=pp, vpp=vpp, zero1=zero1)
     base.update(kw)
     return TrainConfig(**base)

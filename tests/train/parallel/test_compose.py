@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from compose_helpers import (
+    COMPILE_WAIT_S,
     STEPS,
     assert_matches_one_process,
     deltas,
@@ -74,10 +75,10 @@ LAYOUTS = {
     # compile: true in staged layouts: every chunk's blocks compiled (tensor-parallel collectives and
     # sequence-parallel gathers inside the graphs; released stage outputs of compiled blocks; ZeRO-1's
     # overlapped gather into compiled blocks), against the eager one-process run
-    "dp1_tp2_pp1_sp_compile": (2, dict(tp=2, sp=True, compile=True)),
-    "dp1_tp1_pp2_vpp2_compile": (2, dict(pp=2, vpp=2, compile=True)),
-    "dp2_tp1_pp2_zero1_compile": (4, dict(pp=2, zero1=True, compile=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
-    "dp2_tp2_pp1_compile": (4, dict(tp=2, compile=True, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
+    "dp1_tp2_pp1_sp_compile": (2, dict(tp=2, sp=True, compile=True, dist_timeout_s=COMPILE_WAIT_S)),
+    "dp1_tp1_pp2_vpp2_compile": (2, dict(pp=2, vpp=2, compile=True, dist_timeout_s=COMPILE_WAIT_S)),
+    "dp2_tp1_pp2_zero1_compile": (4, dict(pp=2, zero1=True, compile=True, dist_timeout_s=COMPILE_WAIT_S, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
+    "dp2_tp2_pp1_compile": (4, dict(tp=2, compile=True, dist_timeout_s=COMPILE_WAIT_S, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
 }
 ZERO_SAVED = "dp2_tp1_pp1_zero1"
 # resumed from ZERO_SAVED's checkpoint (dp 2, ZeRO-1) or the one-process reference's, both at HALF
