@@ -45,7 +45,7 @@ PY
 # The project and its extras (about 170 packages, 3 GB unpacked) with uv where it can be had (one wheel
 # from the same indexes): it downloads, unpacks and byte-compiles in parallel, where pip does each in
 # turn (5 minutes on a slow 2-core machine). The same resolution (torch, installed above, satisfies the
-# project's requirement and stays); pip's configured indexes and find-links are passed on; any failure
+# project's requirement and stays); pip's indexes, find-links and constraints are passed on; any failure
 # of uv falls back to pip. USE_UV=0 skips uv.
 spec=".${EXTRAS:+[$EXTRAS]}"
 if [ "${USE_UV:-1}" != 0 ] && pip install uv 2>/dev/null && uv_install "$spec"; then

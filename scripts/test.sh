@@ -9,8 +9,8 @@ EXTRAS=dev,interop,kernels,ray,s3,fp8,tensorboard bash scripts/setup.sh
 # otherwise compile the imported modules from source again in every process a test starts (torchrun's
 # ranks, cli.py runs), a few tenths of a second of CPU each.
 .venv/bin/python -m compileall -q tokenloom tests bench scripts cli.py >/dev/null
-# mypy (single-threaded, about 100 s from a cold cache on a slow machine) checks beside the tests, in
-# the time the tests' workers wait; its report follows theirs and either failing fails the run.
+# mypy (single-threaded, about 100 s from a cold cache on a slow machine) checks beside the tests
+# instead of before the first of them; its report follows theirs and either failing fails the run.
 mypy_log=$(mktemp)
 .venv/bin/python -m mypy >"$mypy_log" 2>&1 &
 mypy_pid=$!

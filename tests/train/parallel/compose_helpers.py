@@ -38,9 +38,10 @@ cores a gloo collective costs about a millisecond of CPU per rank and a tp layou
 and micro-batch, so the steps are most of a tp launch's cost (20 steps were twice that)."""
 
 COMPILE_WAIT_S = 300.0
-"""The collective timeout test_compose gives its ``compile: true`` runs: a pipeline rank waits on its peer's first compile
-of a chunk's blocks (in the compiling process, as the tests' environment sets; over a minute from a
-cold cache on a loaded 2-core machine). Other runs wait 60 s; the launch's deadline bounds a hang."""
+"""The collective timeout test_compose gives its ``compile: true`` runs: a pipeline rank waits on its
+peer's first compile of a chunk's blocks (in the compiling process, as the tests' environment sets;
+over a minute from a cold cache on a loaded 2-core machine). Other runs wait 60 s; the launch's
+deadline bounds a hang."""
 
 
 def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zero1: bool = False,
@@ -61,9 +62,9 @@ def tiny_cfg(out: Path, *, tp: int = 1, pp: int = 1, vpp: int | None = None, zer
     optim_cfg = OptimConfig(**{**dict(lr=3e-3 if moe else 1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=weight_decay,
                                       grad_clip=0.5), **(optim or {})})
     base = dict(model=model, data=data, optim=optim_cfg, micro_batch_size=2, global_batch_size=8,
-                train_iters=STEPS, eval_interval=STEPS // 2, eval_iters=2, log_interval=1, save_interval=None, plot=False,
-                progress=False, dist_timeout_s=60.0, output_dir=str(out),
-                tp=tp, pp=pp, vpp=vpp, zero1=zero1)
+                train_iters=STEPS, eval_interval=STEPS // 2, eval_iters=2, log_interval=1, save_interval=None,
+                plot=False, progress=False, dist_timeout_s=60.0, output_dir=str(out), tp=tp, pp=pp, vpp=vpp,
+                zero1=zero1)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -210,6 +211,13 @@ def train_on_meta(rank: int, **kw: Any) -> dict[str, Any]:
     if result["params"]:
         result["params"] = checkpoint_params(Path(result["summary"]["checkpoint"]))
     return result
+
+
+
+def on_meta(scenario: str, kw: dict[str, Any]) -> str:
+    """``train_on_meta`` for a ``train`` scenario that does not resume, else ``scenario``: resuming
+    reads checkpoints with host tensors made without a device, so a resume trains on the host."""
+    return "train_on_meta" if scenario == "train" and "resume" not in kw else scenario
 
 
 class _DropoutMasks(TorchDispatchMode):

@@ -29,6 +29,7 @@ from compose_helpers import (
     launches_timeout,
     logged_losses,
     merged_params,
+    on_meta,
     reference,
 )
 
@@ -77,8 +78,10 @@ LAYOUTS = {
     # overlapped gather into compiled blocks), against the eager one-process run
     "dp1_tp2_pp1_sp_compile": (2, dict(tp=2, sp=True, compile=True, dist_timeout_s=COMPILE_WAIT_S)),
     "dp1_tp1_pp2_vpp2_compile": (2, dict(pp=2, vpp=2, compile=True, dist_timeout_s=COMPILE_WAIT_S)),
-    "dp2_tp1_pp2_zero1_compile": (4, dict(pp=2, zero1=True, compile=True, dist_timeout_s=COMPILE_WAIT_S, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
-    "dp2_tp2_pp1_compile": (4, dict(tp=2, compile=True, dist_timeout_s=COMPILE_WAIT_S, ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
+    "dp2_tp1_pp2_zero1_compile": (4, dict(pp=2, zero1=True, compile=True, dist_timeout_s=COMPILE_WAIT_S,
+                                          ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
+    "dp2_tp2_pp1_compile": (4, dict(tp=2, compile=True, dist_timeout_s=COMPILE_WAIT_S,
+                                    ddp_bucket_cap_mb=ZERO_BUCKET_MB)),
 }
 ZERO_SAVED = "dp2_tp1_pp1_zero1"
 # resumed from ZERO_SAVED's checkpoint (dp 2, ZeRO-1) or the one-process reference's, both at HALF
@@ -205,11 +208,8 @@ def _launched(plan: list[tuple[str, str, dict]], world: int, tmp) -> dict[str, l
     """One launch of ``plan`` at ``world`` ranks, its deadline sized by the scenarios it runs;
     result name -> per-rank results."""
     (tmp / f"w{world}_{plan[0][0]}").mkdir()
-    # every run that does not resume trains with the process default device set to meta
-    # (compose_helpers.train_on_meta: the meta default-device suite's check, made here for these layouts);
-    # resuming reads checkpoints with host tensors made without a device, as in test_expert_parallel
-    results = launch([("train_on_meta" if sc == "train" and "resume" not in kw else sc, kw) for _, sc, kw in plan],
-                     world, tmp / f"w{world}_{plan[0][0]}")
+    # every run that does not resume trains with the meta default device (the meta suite's check)
+    results = launch([(on_meta(sc, kw), kw) for _, sc, kw in plan], world, tmp / f"w{world}_{plan[0][0]}")
     return {name: [r[i] for r in results] for i, (name, _, _) in enumerate(plan)}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from compose_helpers import STEPS, launch, launches_timeout, logged_losses, merged_params, reference
+from compose_helpers import STEPS, launch, launches_timeout, logged_losses, merged_params, on_meta, reference
 
 from tokenloom.train.checkpoint import format as ckpt_format
 
@@ -56,8 +56,7 @@ def runs(tmp_path_factory):
     out = {"reference": reference(tmp / "reference", moe=True)}
     for world, layouts in _worlds(tmp).items():
         (tmp / f"w{world}").mkdir()
-        # resuming reads checkpoints with host tensors made without a device: not on meta
-        scenarios = [("train" if "resume" in kw else "train_on_meta",
+        scenarios = [(on_meta("train", kw),
                       dict(out=str(tmp / name), moe=True, checkpoint_dir=str(tmp / name / "checkpoints"), **kw))
                      for name, kw in layouts]
         results = launch(scenarios, world, tmp / f"w{world}", per_scenario_s=MOE_SCENARIO_S)
