@@ -55,10 +55,11 @@ def timed(what: str, seconds: float) -> Iterator[float]:
         DEADLINES.append((what, time.monotonic() - start, limit))
 
 
-FORK_PRELOAD = ["tokenloom.cli", "torch", "torch.distributed", "torch._dynamo", "torch.optim", "tokenloom.train.loop"]
+FORK_PRELOAD = ["tokenloom.cli", "torch", "torch.distributed", "torch._dynamo", "torch.optim", "tokenloom.train.loop",
+                "frozen_heap"]
 """What the fork server of test ranks and ``cli.py`` commands imports once (``tokenloom.cli`` first, as
 ``cli.py`` does: it imports numpy with one BLAS thread; ``torch._dynamo``: torch's optimizers load it when
-they are built)."""
+they are built; ``frozen_heap`` last: what the others made, frozen out of the forked processes' collections)."""
 
 
 def rank_context():
