@@ -9,6 +9,7 @@ the run once) with the launching process's environment.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import time
@@ -73,7 +74,14 @@ def _worker(rank: int, world_size: int, init_file: str, module: str, scenarios: 
         dist.init_process_group(staged_gloo.BACKEND if staged else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
         registry = importlib.import_module(module).SCENARIOS
-        out["results"] = [registry[name](rank, **kw) for name, kw in scenarios]
+        out["results"] = []
+        for name, kw in scenarios:
+            out["results"].append(registry[name](rank, **kw))
+            # what the scenario left alive (dynamo's and inductor's caches, process groups, results) out
+            # of the next ones' collections: each run starts with a full one (ManualGC), which would
+            # otherwise visit the survivors of every scenario before it
+            gc.collect()
+            gc.freeze()
     except Exception:
         out = {"crash": traceback.format_exc()}
     torch.save(out, Path(out_dir) / f"result_{tag}_rank{rank}.pt")
