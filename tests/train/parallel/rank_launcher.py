@@ -76,12 +76,13 @@ def _worker(rank: int, world_size: int, init_file: str, module: str, scenarios: 
         registry = importlib.import_module(module).SCENARIOS
         out["results"] = []
         for name, kw in scenarios:
+            if out["results"]:
+                # what the scenarios before left alive (dynamo's and inductor's caches, process groups,
+                # results) out of this one's collections: each run starts with a full one (ManualGC),
+                # which would otherwise visit the survivors of every scenario before it
+                gc.collect()
+                gc.freeze()
             out["results"].append(registry[name](rank, **kw))
-            # what the scenario left alive (dynamo's and inductor's caches, process groups, results) out
-            # of the next ones' collections: each run starts with a full one (ManualGC), which would
-            # otherwise visit the survivors of every scenario before it
-            gc.collect()
-            gc.freeze()
     except Exception:
         out = {"crash": traceback.format_exc()}
     torch.save(out, Path(out_dir) / f"result_{tag}_rank{rank}.pt")
